@@ -1,0 +1,21 @@
+"""curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block matrix)."""
+
+from curvlab.exact_ops import exact_second_order
+from curvlab.hvp import HessianOperator, gradient_and_hvps, hessian_operator, hvp, hvps, quadratic_form, quadratic_forms
+from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batches",
+    "HessianOperator",
+    "exact_second_order",
+    "gradient_and_hvps",
+    "hessian_operator",
+    "hvp",
+    "hvps",
+    "make_loss_fn",
+    "quadratic_form",
+    "quadratic_forms",
+    "token_cross_entropy",
+]

@@ -1,0 +1,3 @@
+from curvlab.cli import main
+
+main()

@@ -1,0 +1,3 @@
+from curvlab.models.gpt import CONFIGS, GPT, GPTConfig
+
+__all__ = ["CONFIGS", "GPT", "GPTConfig"]

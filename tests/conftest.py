@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from curvlab import make_loss_fn
+from tests.reference import MLP, TinyTransformer, perturb_norms
+
+
+@pytest.fixture(scope="session")
+def mlp_problem():
+    torch.manual_seed(0)
+    model = MLP().double()
+    x = torch.randn(9, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (9,))
+    loss_fn = make_loss_fn(model, torch.nn.functional.cross_entropy)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return loss_fn, params, (x, y)
+
+
+@pytest.fixture(scope="session")
+def transformer_problem():
+    torch.manual_seed(0)
+    model = TinyTransformer().double()
+    perturb_norms(model)
+    model.train()  # dropout layers are on: curvature code must switch them off itself
+    idx = torch.randint(0, 11, (3, 6))
+    tgt = torch.randint(0, 11, (3, 6))
+    loss_fn = make_loss_fn(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return loss_fn, params, (idx, tgt)
+
+
+def random_direction(params, seed=1, dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g, dtype=dtype or v.dtype) for k, v in params.items()}

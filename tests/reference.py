@@ -1,0 +1,122 @@
+"""Independent references for the tests: dense Hessians from double-backward rows, in float64.
+
+Deliberately *not* ``torch.func.hessian`` (wrong through an affine nn.LayerNorm on torch 2.13) and
+not curvlab's exact_second_order mode: the native LayerNorm kernel's double backward is exact, and
+attention is pinned to the math backend directly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from curvlab import params as P
+
+
+def deterministic(loss_fn):
+    """The same loss on an eval-mode copy of the model (dropout off), independently of curvlab."""
+    model = getattr(loss_fn, "model", None)
+    if model is None or not model.training:
+        return loss_fn
+    return type(loss_fn)(copy.deepcopy(model).eval(), loss_fn.criterion)
+
+
+_CACHE: dict = {}
+
+
+def dense_hessian(loss_fn, params, batch) -> torch.Tensor:
+    """The full Hessian of ``loss_fn`` at ``params`` (flattened in key order), row by row.
+
+    Cached per (loss_fn, parameter values, batch) identity: the fixtures build fresh objects per test.
+    """
+    key = (id(loss_fn), id(batch), *(id(t) for t in params.values()))
+    if key not in _CACHE:
+        _CACHE.clear()
+        _CACHE[key] = _dense_hessian(loss_fn, params, batch)
+    return _CACHE[key]
+
+
+def _dense_hessian(loss_fn, params, batch) -> torch.Tensor:
+    loss_fn = deterministic(loss_fn)
+    flat = P.flatten(params).detach().double().clone().requires_grad_()
+    with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
+        loss = loss_fn(P.unflatten(flat, {k: v.double() for k, v in params.items()}), batch)
+        (g,) = torch.autograd.grad(loss, flat, create_graph=True)
+        eye = torch.eye(flat.numel(), dtype=torch.float64)
+        rows = [torch.autograd.grad(g, flat, e, retain_graph=True)[0] for e in eye]
+    return torch.stack(rows)
+
+
+def dense_gradient(loss_fn, params, batch) -> torch.Tensor:
+    loss_fn = deterministic(loss_fn)
+    flat = P.flatten(params).detach().double().clone().requires_grad_()
+    with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
+        loss = loss_fn(P.unflatten(flat, {k: v.double() for k, v in params.items()}), batch)
+        (g,) = torch.autograd.grad(loss, flat)
+    return g
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=5, d_hidden=7, d_out=3):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn_qkv = nn.Linear(d, 3 * d)
+        self.attn_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp_fc = nn.Linear(d, 2 * d)
+        self.mlp_proj = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.attn_qkv(self.ln_1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        drop = 0.5 if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        x = x + self.attn_proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.drop(self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)))))
+
+
+class TinyTransformer(nn.Module):
+    """A 2-layer causal transformer with LayerNorm, GELU, softmax attention (and dropout layers,
+    which curvature computations must switch off)."""
+
+    def __init__(self, vocab=11, d=8, heads=2, layers=2, seq=6):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.h = nn.ModuleList(TinyBlock(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1])
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def perturb_norms(model: nn.Module, seed: int = 0) -> None:
+    """Give LayerNorm weights and biases non-trivial values (the affine case is where bugs hide)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.add_(0.3 * torch.randn(m.weight.shape, generator=g))
+                m.bias.add_(0.3 * torch.randn(m.bias.shape, generator=g))

@@ -1,0 +1,203 @@
+import numpy as np
+import pytest
+import torch
+from scipy.sparse.linalg import eigsh
+from torch.func import hessian
+
+from curvlab import (
+    Batches,
+    exact_second_order,
+    gradient_and_hvps,
+    hessian_operator,
+    hvp,
+    hvps,
+    make_loss_fn,
+    quadratic_form,
+    quadratic_forms,
+)
+from curvlab import params as P
+from tests.conftest import random_direction
+from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
+
+PROBLEMS = ["mlp_problem", "transformer_problem"]
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+@pytest.mark.parametrize("method", ["fwd_rev", "rev_rev"])
+def test_hvp_equals_dense_hessian(problem, method, request):
+    loss_fn, params, batch = request.getfixturevalue(problem)
+    H = dense_hessian(loss_fn, params, batch)
+    v = random_direction(params)
+    hv = P.flatten(hvp(loss_fn, params, batch, v, method=method))
+    assert hv.dtype == torch.float64
+    assert rel_err(hv, H @ P.flatten(v)) <= 1e-8
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_hvp_is_symmetric(problem, request):
+    loss_fn, params, batch = request.getfixturevalue(problem)
+    u, v = random_direction(params, 1), random_direction(params, 2)
+    uhv = P.dot(u, hvp(loss_fn, params, batch, v))
+    vhu = P.dot(v, hvp(loss_fn, params, batch, u))
+    assert abs(uhv - vhu) <= 1e-10 * abs(uhv)
+
+
+def test_hvp_matches_central_differences_of_gradient(transformer_problem):
+    loss_fn, params, batch = transformer_problem
+    v = random_direction(params)
+    eps = 1e-5
+    plus = dense_gradient(loss_fn, P.add(params, v, eps), batch)
+    minus = dense_gradient(loss_fn, P.add(params, v, -eps), batch)
+    fd = (plus - minus) / (2 * eps)
+    assert rel_err(P.flatten(hvp(loss_fn, params, batch, v)), fd) <= 1e-7
+
+
+@pytest.mark.parametrize("method", ["fwd_rev", "rev_rev"])
+def test_batched_equals_one_by_one(transformer_problem, method):
+    loss_fn, params, batch = transformer_problem
+    dirs = [random_direction(params, s) for s in range(5)]
+    stacked = {k: torch.stack([d[k] for d in dirs]) for k in params}
+    for chunk in (None, 2):
+        out = hvps(loss_fn, params, batch, stacked, chunk_size=chunk, method=method)
+        for i, d in enumerate(dirs):
+            single = hvp(loss_fn, params, batch, d, method=method)
+            assert rel_err(P.flatten({k: out[k][i] for k in params}), P.flatten(single)) <= 1e-12
+
+
+def test_gradient_and_loss_come_with_the_hvps(transformer_problem):
+    loss_fn, params, batch = transformer_problem
+    stacked = {k: t.unsqueeze(0) for k, t in random_direction(params).items()}
+    loss, g, _ = gradient_and_hvps(loss_fn, params, batch, stacked)
+    assert rel_err(P.flatten(g), dense_gradient(loss_fn, params, batch)) <= 1e-12
+    assert loss == pytest.approx(float(deterministic(loss_fn)(params, batch)), rel=1e-12)
+
+
+def test_uneven_batches_are_weighted_by_loss_terms(transformer_problem):
+    loss_fn, params, (idx, tgt) = transformer_problem
+    tgt = tgt.clone()
+    tgt[0, :4] = -1  # ignored tokens: the batches hold 2, 6 and 6 loss terms
+    whole = (idx, tgt)
+    parts = [(idx[:1], tgt[:1]), (idx[1:2], tgt[1:2]), (idx[2:], tgt[2:])]
+    v = random_direction(params)
+    ref = dense_hessian(loss_fn, params, whole) @ P.flatten(v)
+    acc = P.flatten(hvp(loss_fn, params, parts, v))
+    assert rel_err(acc, ref) <= 1e-10
+    equal_weights = P.flatten(hvp(loss_fn, params, Batches(parts, weights=[1, 1, 1]), v))
+    assert rel_err(equal_weights, ref) > 1e-3  # the naive average is measurably wrong here
+    gz, zhz = quadratic_form(loss_fn, params, parts, v)
+    assert zhz == pytest.approx(float(P.flatten(v) @ ref), rel=1e-10)
+    assert gz == pytest.approx(float(P.flatten(v) @ dense_gradient(loss_fn, params, whole)), rel=1e-10)
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_forward_over_reverse_equals_double_backward(problem, request):
+    loss_fn, params, batch = request.getfixturevalue(problem)
+    v = random_direction(params)
+    a = P.flatten(hvp(loss_fn, params, batch, v, method="fwd_rev"))
+    b = P.flatten(hvp(loss_fn, params, batch, v, method="rev_rev"))
+    assert rel_err(a, b) <= 1e-12
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_quadratic_form_equals_hvp_inner_product(problem, request):
+    loss_fn, params, batch = request.getfixturevalue(problem)
+    z = random_direction(params)
+    gz, zhz = quadratic_form(loss_fn, params, batch, z)
+    H = dense_hessian(loss_fn, params, batch)
+    flat = P.flatten(z)
+    assert zhz == pytest.approx(float(flat @ H @ flat), rel=1e-10)
+    assert zhz == pytest.approx(P.dot(z, hvp(loss_fn, params, batch, z)), rel=1e-10)
+    assert gz == pytest.approx(float(flat @ dense_gradient(loss_fn, params, batch)), rel=1e-10)
+
+
+def test_batched_quadratic_forms_in_chunks(transformer_problem):
+    loss_fn, params, batch = transformer_problem
+    dirs = [random_direction(params, s) for s in range(3)]
+    stacked = {k: torch.stack([d[k] for d in dirs]) for k in params}
+    loss, gz, zhz = quadratic_forms(loss_fn, params, batch, stacked, chunk_size=2)
+    assert loss == pytest.approx(float(deterministic(loss_fn)(params, batch)), rel=1e-12)
+    for i, d in enumerate(dirs):
+        assert (float(gz[i]), float(zhz[i])) == pytest.approx(quadratic_form(loss_fn, params, batch, d), rel=1e-12)
+
+
+def test_exact_mode_makes_torch_func_hessian_right_through_layernorm(transformer_problem):
+    """torch.func.hessian (jacrev of jacrev) through an affine LayerNorm is wrong on torch 2.13;
+    inside exact_second_order the composite LayerNorm makes it exact."""
+    loss_fn, params, batch = transformer_problem
+    names = ["h.0.ln_1.weight", "h.0.ln_1.bias", "h.0.attn_qkv.weight"]
+    sub = {k: params[k] for k in names}
+
+    def f(s):
+        return loss_fn({**params, **s}, batch)
+
+    with exact_second_order():
+        H = hessian(f)(sub)
+    dense = torch.cat([torch.cat([H[a][b].reshape(sub[a].numel(), -1) for b in names], 1) for a in names])
+    full = dense_hessian(loss_fn, params, batch)
+    index = {}
+    start = 0
+    for k, t in params.items():
+        index[k] = torch.arange(start, start + t.numel())
+        start += t.numel()
+    rows = torch.cat([index[k] for k in names])
+    assert rel_err(dense, full[rows][:, rows]) <= 1e-10
+
+
+def test_float32_model_in_float64_and_bf16_upcast():
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = torch.randn(9, 5), torch.randint(0, 3, (9,))
+    loss_fn = make_loss_fn(model, torch.nn.functional.cross_entropy)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    v = random_direction(params)
+    H = dense_hessian(loss_fn, params, (x.double(), y))
+    hv64 = hvp(loss_fn, params, (x, y), v, dtype=torch.float64)
+    assert hv64["fc1.weight"].dtype == torch.float64
+    assert rel_err(P.flatten(hv64), H @ P.flatten(v).double()) <= 1e-8
+    hv32 = hvp(loss_fn, params, (x, y), v)
+    assert hv32["fc1.weight"].dtype == torch.float32
+    assert rel_err(P.flatten(hv32).double(), H @ P.flatten(v).double()) <= 1e-5
+    bf16 = {k: t.bfloat16() for k, t in params.items()}
+    hvb = hvp(loss_fn, bf16, (x, y), v)
+    assert hvb["fc1.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_linear_operator_top_eigenvalue(problem, request):
+    loss_fn, params, batch = request.getfixturevalue(problem)
+    H = dense_hessian(loss_fn, params, batch)
+    top = float(torch.linalg.eigvalsh(H)[-1])
+    op = hessian_operator(loss_fn, params, batch)
+    assert op.shape == H.shape and op.dtype == np.float64
+    val = eigsh(op, k=1, which="LA", tol=1e-12, return_eigenvectors=False)[0]
+    assert val == pytest.approx(top, rel=1e-8)
+    assert op.num_hvps > 0
+    block = ["fc1.weight"] if "fc1.weight" in params else ["h.1.mlp_fc.weight"]
+    sub = hessian_operator(loss_fn, params, batch, subset=block)
+    x = np.random.default_rng(0).standard_normal(sub.shape[1])
+    start = sum(t.numel() for k, t in params.items() if list(params).index(k) < list(params).index(block[0]))
+    sl = slice(start, start + sub.shape[1])
+    np.testing.assert_allclose(sub @ x, H[sl, sl].numpy() @ x, rtol=1e-9, atol=1e-12)
+
+
+def test_bad_input_is_named(mlp_problem):
+    loss_fn, params, batch = mlp_problem
+    v = random_direction(params)
+    with pytest.raises(ValueError, match=r"missing 'fc2\.bias'"):
+        hvp(loss_fn, params, batch, {k: t for k, t in v.items() if k != "fc2.bias"})
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        hvp(loss_fn, params, batch, {**v, "fc1.bias": torch.zeros(3, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="non-finite"):
+        hvp(loss_fn, params, batch, {**v, "fc1.bias": torch.full((7,), float("nan"), dtype=torch.float64)})
+    with pytest.raises(ValueError, match="unknown HVP method"):
+        hvp(loss_fn, params, batch, v, method="magic")
+    with pytest.raises(ValueError, match="scalar"):
+        hvp(lambda p, b: loss_fn(p, b) * torch.ones(2, dtype=torch.float64), params, batch, v)
+    with pytest.raises(ValueError, match="not finite"):
+        hvp(lambda p, b: loss_fn(p, b) / 0.0, params, batch, v)
+    with pytest.raises(ValueError, match="no batches"):
+        hvp(loss_fn, params, [], v)
