@@ -3,18 +3,23 @@
 from curvlab.exact_ops import exact_second_order
 from curvlab.hvp import HessianOperator, gradient_and_hvps, hessian_operator, hvp, hvps, quadratic_form, quadratic_forms
 from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
+from curvlab.optim import build_optimizer, next_update
+from curvlab.polar import msign
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Batches",
     "HessianOperator",
+    "build_optimizer",
     "exact_second_order",
     "gradient_and_hvps",
     "hessian_operator",
     "hvp",
     "hvps",
     "make_loss_fn",
+    "msign",
+    "next_update",
     "quadratic_form",
     "quadratic_forms",
     "token_cross_entropy",

@@ -1,0 +1,237 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from curvlab import build_optimizer, make_loss_fn, msign, next_update
+from curvlab.models.gpt import GPT, get_config
+from curvlab.optim import CombinedOptimizer, Muon, muon_scale
+
+
+def tiny_gpt(seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = get_config("tiny", vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, **overrides)
+    return GPT(cfg)
+
+
+def batch_for(model, seed=0, batch=4):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, model.config.vocab_size, (batch, model.config.block_size + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def train_step(model, opt, loss_fn, batch):
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(dict(model.named_parameters()), batch)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def snapshot(opt):
+    """The optimizer's full state as plain nested data, tensors cloned."""
+    return copy.deepcopy(opt.state_dict())
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_default_muon_steps_equal_torch_muon():
+    torch.manual_seed(0)
+    w = [torch.randn(24, 40), torch.randn(40, 24)]
+    ours = [p.clone().requires_grad_() for p in w]
+    theirs = [p.clone().requires_grad_() for p in w]
+    a = Muon(ours, lr=0.02, weight_decay=0.1)
+    b = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1)
+    for step in range(4):
+        g = [torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + i)) for i, p in enumerate(w)]
+        for p, q, gi in zip(ours, theirs, g):
+            p.grad, q.grad = gi.clone(), gi.clone()
+        a.step()
+        b.step()
+        for p, q in zip(ours, theirs):
+            assert torch.equal(p, q)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert_same(sa["state"], sb["state"])
+
+
+def test_momentum_buffer_is_never_normalized_in_place():
+    """torch.optim.Muon normalizes the buffer in place for bf16 params without Nesterov; ours must not."""
+    p = torch.randn(16, 32).bfloat16().requires_grad_()
+    opt = Muon([p], lr=0.01, nesterov=False, momentum=0.9)
+    g = torch.randn(16, 32).bfloat16()
+    p.grad = g.clone()
+    opt.step()
+    expected = torch.zeros_like(g).lerp_(g, 1 - 0.9)
+    assert torch.equal(opt.state[p]["momentum_buffer"], expected)
+
+
+@pytest.mark.parametrize("scale", ["original", "moonlight", "spectral"])
+@pytest.mark.parametrize("polar", ["svd", "polar_express"])
+def test_muon_options_follow_their_formula(scale, polar):
+    torch.manual_seed(1)
+    W = torch.randn(12, 30)
+    p = W.clone().requires_grad_()
+    g = torch.randn(12, 30)
+    opt = Muon([p], lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, scale=scale, polar=polar)
+    p.grad = g.clone()
+    opt.step()
+    buf = 0.1 * g
+    update = g.lerp(buf, 0.9)
+    ratio = {"original": max(1, 12 / 30) ** 0.5, "moonlight": 0.2 * 30**0.5, "spectral": (12 / 30) ** 0.5}[scale]
+    expected = W * (1 - 0.05 * 0.1) - 0.05 * ratio * msign(update, method=polar)
+    assert torch.allclose(p.detach(), expected, atol=1e-6)
+    assert muon_scale(torch.Size([12, 30]), scale) == pytest.approx(ratio)
+
+
+def test_build_optimizer_splits_parameters():
+    model = tiny_gpt()
+    opt = build_optimizer("muon", model)
+    assert isinstance(opt, CombinedOptimizer)
+    muon_ids = {id(p) for g in opt.optimizers["muon"].param_groups for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names = sorted(names[i] for i in muon_ids)
+    assert all(n.startswith("transformer.h.") and n.endswith("weight") for n in muon_names)
+    assert len(muon_names) == 2 * 6  # q, k, v, o, fc, proj per layer
+    assert all(p.dim() == 2 for g in opt.optimizers["muon"].param_groups for p in g["params"])
+    adam = opt.optimizers["adamw"].param_groups[0]
+    assert adam["lr"] == 0.0036 and adam["betas"] == (0.9, 0.95)
+    assert len(opt.param_groups) == 2
+    tied = tiny_gpt(tie_embeddings=True)
+    tied_opt = build_optimizer("muon", tied)
+    muon_params = [p for g in tied_opt.optimizers["muon"].param_groups for p in g["params"]]
+    assert all(p is not tied.transformer.wte.weight for p in muon_params)
+
+
+def test_bad_optimizer_requests():
+    model = tiny_gpt()
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
+        build_optimizer("adam", model)
+    with pytest.raises(ValueError, match=r"unknown option.*beta1"):
+        build_optimizer("adamw", model, beta1=0.9)
+    with pytest.raises(ValueError, match="unknown Muon scale"):
+        build_optimizer("muon", model, scale="huge")
+    with pytest.raises(ValueError, match="no hidden 2-D"):
+        build_optimizer("muon", nn.Sequential(nn.LayerNorm(4)))
+    with pytest.raises(ValueError, match="not 2-D"):
+        build_optimizer("muon", model, muon_rule=lambda n, p: True)
+
+
+def test_scheduler_drives_the_combined_optimizer():
+    model = tiny_gpt()
+    opt = build_optimizer("muon", model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    assert opt.optimizers["muon"].param_groups[0]["lr"] == pytest.approx(0.01)
+    assert opt.optimizers["adamw"].param_groups[0]["lr"] == pytest.approx(0.0018)
+    assert sched.get_last_lr() == pytest.approx([0.01, 0.0018])
+
+
+class SignSGD(torch.optim.Optimizer):
+    """A user's own optimizer, with a step counter in its state."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["k"] = state.get("k", 0) + 1
+                p.add_(torch.sign(p.grad), alpha=-group["lr"] / state["k"])
+
+
+def make_optimizer(name, model):
+    return SignSGD(model.parameters()) if name == "user" else build_optimizer(name, model)
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw", "sgd", "lion", "user"])
+def test_next_update_is_the_real_step_and_changes_nothing(name):
+    model = tiny_gpt()
+    loss_fn = make_loss_fn(model)
+    opt = make_optimizer(name, model)
+    for s in range(2):  # build up momentum and counters first
+        train_step(model, opt, loss_fn, batch_for(model, seed=s))
+    batch = batch_for(model, seed=7)
+    params_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads_before = {n: p.grad for n, p in model.named_parameters()}
+    state_before = snapshot(opt)
+    G, Z = next_update(model, opt, loss_fn, batch)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params_before[n])
+        assert p.grad is grads_before[n]
+    assert_same(opt.state_dict(), state_before)
+    assert all(z.dtype == torch.float32 for z in Z.values())
+    train_step(model, opt, loss_fn, batch)
+    for n, p in model.named_parameters():
+        real = (params_before[n].double() - p.detach().double()).float()
+        assert torch.equal(Z[n], real), n
+        assert torch.equal(G[n], p.grad)
+
+
+def test_next_update_lr_scale_and_float64():
+    model = tiny_gpt()
+    loss_fn = make_loss_fn(model)
+    opt = build_optimizer("muon", model, weight_decay=0.1)
+    train_step(model, opt, loss_fn, batch_for(model))
+    batch = batch_for(model, seed=3)
+    _, Z = next_update(model, opt, loss_fn, batch, dtype=torch.float64)
+    _, Zh = next_update(model, opt, loss_fn, batch, lr_scale=0.5, dtype=torch.float64)
+    assert Z["transformer.h.0.attn.c_q.weight"].dtype == torch.float64
+    # Z is a difference of float32 parameters W and W - Z, each rounded to within an ulp of its size
+    ulp = torch.finfo(torch.float32).eps
+    for n, p in model.named_parameters():
+        bound = 2 * ulp * (p.detach().double().abs() + Z[n].abs())
+        assert ((Zh[n] - 0.5 * Z[n]).abs() <= bound).all(), n
+
+
+def test_next_update_bad_inputs():
+    model = tiny_gpt()
+    opt = build_optimizer("adamw", model)
+    loss_fn = make_loss_fn(model)
+
+    def nan_loss(params, batch):
+        return loss_fn(params, batch) * float("nan")
+
+    with pytest.raises(ValueError, match="not finite"):
+        next_update(model, opt, nan_loss, batch_for(model))
+
+    class Uncopyable:
+        def __deepcopy__(self, memo):
+            raise TypeError("no copies")
+
+    opt.state[model.lm_head.weight]["handle"] = Uncopyable()
+    with pytest.raises(ValueError, match="can't be copied"):
+        next_update(model, opt, loss_fn, batch_for(model))
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw"])
+def test_hybrid_trains_and_state_dict_round_trip_continues_identically(name):
+    model = tiny_gpt()
+    loss_fn = make_loss_fn(model)
+    opt = build_optimizer(name, model)
+    batch = batch_for(model, batch=8)
+    losses = [train_step(model, opt, loss_fn, batch) for _ in range(15)]
+    assert losses[-1] < 0.9 * losses[0]
+    clone = copy.deepcopy(model)
+    opt2 = build_optimizer(name, clone)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for s in range(3):
+        b = batch_for(model, seed=100 + s)
+        train_step(model, opt, loss_fn, b)
+        train_step(clone, opt2, make_loss_fn(clone), b)
+    for (n, p), (_, q) in zip(model.named_parameters(), clone.named_parameters()):
+        assert torch.equal(p, q), n
