@@ -1,7 +1,18 @@
 """curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block matrix)."""
 
+from curvlab.blocks import group_parameters, hidden_matrices
+from curvlab.curvature import BlockMatrix, TaylorScope, TaylorSplit, block_matrix, taylor_split
 from curvlab.exact_ops import exact_second_order
-from curvlab.hvp import HessianOperator, gradient_and_hvps, hessian_operator, hvp, hvps, quadratic_form, quadratic_forms
+from curvlab.hvp import (
+    HessianOperator,
+    evaluate_loss,
+    gradient_and_hvps,
+    hessian_operator,
+    hvp,
+    hvps,
+    quadratic_form,
+    quadratic_forms,
+)
 from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
 from curvlab.optim import build_optimizer, next_update
 from curvlab.polar import msign
@@ -10,11 +21,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batches",
+    "BlockMatrix",
     "HessianOperator",
+    "TaylorScope",
+    "TaylorSplit",
+    "block_matrix",
     "build_optimizer",
+    "evaluate_loss",
     "exact_second_order",
     "gradient_and_hvps",
+    "group_parameters",
     "hessian_operator",
+    "hidden_matrices",
     "hvp",
     "hvps",
     "make_loss_fn",
@@ -22,5 +40,6 @@ __all__ = [
     "next_update",
     "quadratic_form",
     "quadratic_forms",
+    "taylor_split",
     "token_cross_entropy",
 ]

@@ -139,6 +139,20 @@ def _rev_rev(f, params, vs, chunk_size):
     return loss.detach(), {n: t.detach() for n, t in zip(names, g)}, hv
 
 
+def evaluate_loss(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Any, dtype: torch.dtype | None = None) -> float:
+    """:math:`L(W)` accumulated over batches with loss-term weights, evaluated exactly as the
+    curvature functions evaluate it (inside :func:`~curvlab.exact_ops.exact_second_order`, same dtype),
+    so that differences of losses and Taylor predictions are comparable."""
+    p = P.cast(params, working_dtype(params, dtype))
+    total = 0.0
+    with torch.no_grad(), exact_second_order():
+        for b, w in weighted_batches(batch):
+            loss = _scalar_loss(loss_fn, b)(p)
+            _check_finite_loss(loss)
+            total += w * float(loss)
+    return total
+
+
 def gradient_and_hvps(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],

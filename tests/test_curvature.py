@@ -1,0 +1,192 @@
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from curvlab import block_matrix, group_parameters, hidden_matrices, taylor_split
+from curvlab import params as P
+from tests.conftest import random_direction
+from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
+
+
+def quadratic_problem(seed=0):
+    """L(w) = ½ wᵀAw - bᵀw over two tensors ("hidden" 3x2 matrix, "head" 4-vector): closed forms known."""
+    g = torch.Generator().manual_seed(seed)
+    n = 10
+    Q = torch.randn(n, n, generator=g, dtype=torch.float64)
+    A = Q @ Q.T / n + 0.1 * torch.eye(n, dtype=torch.float64)
+    b = torch.randn(n, generator=g, dtype=torch.float64)
+    params = {
+        "layer.0.w": torch.randn(3, 2, generator=g, dtype=torch.float64),
+        "head.bias": torch.randn(4, generator=g, dtype=torch.float64),
+    }
+
+    def loss_fn(p, batch):
+        w = torch.cat([p["layer.0.w"].reshape(-1), p["head.bias"]])
+        return 0.5 * w @ A @ w - b @ w
+
+    return loss_fn, params, A, b
+
+
+def test_taylor_split_on_a_quadratic_equals_closed_forms():
+    loss_fn, params, A, b = quadratic_problem()
+    z = random_direction(params, 3)
+    w, zf = P.flatten(params), P.flatten(z)
+    G = A @ w - b
+    s = taylor_split(loss_fn, params, None, z)
+    assert s.first_order == pytest.approx(float(G @ zf), rel=1e-12)
+    assert s.curvature_penalty == pytest.approx(float(0.5 * zf @ A @ zf), rel=1e-12)
+    assert s.nds == pytest.approx(float(zf @ A @ zf / (zf @ zf)), rel=1e-12)
+    assert s.realized == pytest.approx(s.predicted, rel=1e-10)  # a quadratic's Taylor series is exact
+    assert s.update_norm == pytest.approx(float(zf.norm()), rel=1e-12)
+    assert s.grad_norm == pytest.approx(float(G.norm()), rel=1e-12)
+    assert s.cosine == pytest.approx(float(G @ zf / (G.norm() * zf.norm())), rel=1e-12)
+    # the subset defaults to the hidden 2-D matrices: here "layer.0.w", the first 6 coordinates
+    assert s.subset_names == ("layer.0.w",)
+    zs = torch.cat([zf[:6], torch.zeros(4, dtype=torch.float64)])
+    assert s.subset.nds == pytest.approx(float(zs @ A @ zs / (zs @ zs)), rel=1e-12)
+    assert s.subset.first_order == pytest.approx(float(G @ zs), rel=1e-12)
+    assert s.subset.realized == pytest.approx(float(G @ zs - 0.5 * zs @ A @ zs), rel=1e-10)
+
+
+def test_block_matrix_on_a_quadratic_equals_closed_forms():
+    loss_fn, params, A, _ = quadratic_problem()
+    z = random_direction(params, 4)
+    zf = P.flatten(z)
+    for method in ("hvp", "alpha"):
+        bm = block_matrix(loss_fn, params, None, z, blocks="tensor", method=method)
+        z1 = torch.cat([zf[:6], torch.zeros(4, dtype=torch.float64)])
+        z2 = zf - z1
+        expected = np.array([[z1 @ A @ z1, z1 @ A @ z2], [z2 @ A @ z1, z2 @ A @ z2]]) / float(zf @ zf)
+        np.testing.assert_allclose(bm.matrix, expected, rtol=1e-12)
+        assert bm.nds == pytest.approx(float(zf @ A @ zf / (zf @ zf)), rel=1e-12)
+
+
+@pytest.mark.parametrize("method", ["hvp", "alpha"])
+@pytest.mark.parametrize("grouping", ["layer", "kind"])
+def test_block_matrix_equals_dense_hessian_blocks(transformer_problem, method, grouping):
+    loss_fn, params, batch = transformer_problem
+    z = random_direction(params, 5)
+    H = dense_hessian(loss_fn, params, batch)
+    bm = block_matrix(loss_fn, params, batch, z, blocks=grouping, method=method, chunk_size=3)
+    zf = P.flatten(z)
+    members = group_parameters(params, grouping)
+    masks = [
+        P.flatten({n: torch.full_like(t, float(n in set(b))) for n, t in params.items()}) for b in members.values()
+    ]
+    expected = np.array([[float((zf * ml) @ H @ (zf * mm)) for mm in masks] for ml in masks]) / float(zf @ zf)
+    np.testing.assert_allclose(bm.matrix, expected, rtol=1e-9, atol=1e-12 * np.abs(expected).max())
+    assert np.allclose(bm.matrix, bm.matrix.T)
+    assert bm.within + bm.cross == pytest.approx(bm.nds, rel=1e-12)
+    assert bm.nds == pytest.approx(float(zf @ H @ zf / (zf @ zf)), rel=1e-9)
+    assert bm.rho_within == pytest.approx(bm.within / bm.nds)
+    assert bm.asymmetry < 1e-10
+    g = dense_gradient(loss_fn, params, batch)
+    np.testing.assert_allclose(bm.first_order, [float(g @ (zf * m)) for m in masks], rtol=1e-9, atol=1e-14)
+    np.testing.assert_allclose(bm.norm, [float((zf * m).norm()) for m in masks], rtol=1e-12)
+
+
+def test_per_tensor_blocks_sum_to_per_layer_blocks(transformer_problem):
+    loss_fn, params, batch = transformer_problem
+    z = random_direction(params, 6)
+    per_tensor = block_matrix(loss_fn, params, batch, z, blocks="tensor")
+    per_layer = block_matrix(loss_fn, params, batch, z, blocks="layer")
+    layer_of = {n: b for b, names in group_parameters(params, "layer").items() for n in names}
+    idx = [per_layer.names.index(layer_of[n]) for n in per_tensor.names]
+    S = np.zeros((len(per_layer.names), len(per_tensor.names)))
+    S[idx, np.arange(len(idx))] = 1.0
+    np.testing.assert_allclose(S @ per_tensor.matrix @ S.T, per_layer.matrix, rtol=1e-9, atol=1e-14)
+
+
+def test_block_matrix_sums_to_the_taylor_nds(transformer_problem):
+    loss_fn, params, batch = transformer_problem
+    z = random_direction(params, 7)
+    s = taylor_split(loss_fn, params, batch, z)
+    bm = block_matrix(loss_fn, params, batch, z)
+    assert bm.nds == pytest.approx(s.nds, rel=1e-10)
+    assert float(bm.first_order.sum()) == pytest.approx(s.first_order, rel=1e-10)
+
+
+def test_taylor_remainder_shrinks_like_the_cube_of_the_step(transformer_problem):
+    loss_fn, params, batch = transformer_problem
+    z = P.scale(random_direction(params, 8), 0.01)
+    remainders = []
+    for c in (1.0, 0.5, 0.25):
+        s = taylor_split(loss_fn, params, batch, P.scale(z, c), subset=[])
+        remainders.append(abs(s.realized - s.predicted))
+    for big, small in itertools.pairwise(remainders):
+        assert 6.5 < big / small < 9.5
+    small_step = taylor_split(loss_fn, params, batch, P.scale(z, 0.1), subset=[])
+    assert small_step.realized == pytest.approx(small_step.predicted, rel=1e-3)
+    L0 = float(deterministic(loss_fn)(params, batch))
+    assert small_step.loss == pytest.approx(L0, rel=1e-12)
+
+
+def test_taylor_split_in_float32_agrees_with_float64():
+    torch.manual_seed(0)
+    model = MLP()
+    from curvlab import make_loss_fn
+
+    loss_fn = make_loss_fn(model, torch.nn.functional.cross_entropy)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    batch = (torch.randn(32, 5), torch.randint(0, 3, (32,)))
+    z = P.scale(random_direction(params, 9), 0.01)
+    s32 = taylor_split(loss_fn, params, batch, z)
+    s64 = taylor_split(loss_fn, params, batch, z, dtype=torch.float64)
+    assert s32.nds == pytest.approx(s64.nds, rel=1e-4)
+    assert s32.first_order == pytest.approx(s64.first_order, rel=1e-4)
+
+
+def test_bad_directions_and_blocks(transformer_problem):
+    loss_fn, params, batch = transformer_problem
+    z = random_direction(params)
+    with pytest.raises(ValueError, match="zero"):
+        taylor_split(loss_fn, params, batch, P.zeros_like(params))
+    with pytest.raises(ValueError, match="zero"):
+        block_matrix(loss_fn, params, batch, P.zeros_like(params))
+    nan = {**z, "lm_head.weight": torch.full_like(z["lm_head.weight"], float("nan"))}
+    with pytest.raises(ValueError, match="non-finite"):
+        taylor_split(loss_fn, params, batch, nan)
+    with pytest.raises(ValueError, match=r"missing 'lm_head\.weight'"):
+        block_matrix(loss_fn, params, batch, {k: v for k, v in z.items() if k != "lm_head.weight"})
+    with pytest.raises(ValueError, match="leave parameters out"):
+        block_matrix(loss_fn, params, batch, z, blocks={"attn": ["h.*.attn_*"]})
+    with pytest.raises(ValueError, match="claimed by two blocks"):
+        block_matrix(loss_fn, params, batch, z, blocks={"all": ["*"], "head": ["lm_head.*"]})
+    with pytest.raises(ValueError, match="unknown block grouping"):
+        block_matrix(loss_fn, params, batch, z, blocks="row")
+    with pytest.raises(ValueError, match="unknown block-matrix method"):
+        block_matrix(loss_fn, params, batch, z, method="dense")
+
+
+def test_groupings_read_names():
+    names = [
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        "transformer.h.0.ln_1.weight",
+        "transformer.h.0.attn.c_q.weight",
+        "transformer.h.0.attn.c_proj.weight",
+        "transformer.h.0.mlp.c_fc.weight",
+        "transformer.h.0.mlp.c_proj.weight",
+        "transformer.h.10.attn.c_k.weight",
+        "transformer.ln_f.weight",
+        "lm_head.weight",
+    ]
+    layer = group_parameters(names, "layer")
+    assert list(layer) == ["embedding", "layer0", "layer10", "final_norm", "head"]
+    kind = {n: b for b, ns in group_parameters(names, "kind").items() for n in ns}
+    assert kind["transformer.h.0.attn.c_proj.weight"] == "attn_o"
+    assert kind["transformer.h.0.mlp.c_proj.weight"] == "mlp_out"
+    assert kind["transformer.h.10.attn.c_k.weight"] == "attn_k"
+    assert kind["transformer.h.0.ln_1.weight"] == "norm"
+    assert kind["lm_head.weight"] == "head"
+    assert group_parameters(["fc1.weight", "fc1.bias", "fc2.weight"], "layer") == {
+        "fc1": ["fc1.weight", "fc1.bias"],
+        "fc2": ["fc2.weight"],
+    }
+    shapes = {n: torch.zeros(2, 2) if n.endswith("weight") and "ln" not in n else torch.zeros(2) for n in names}
+    assert "transformer.wte.weight" not in hidden_matrices(shapes)
+    assert "transformer.h.0.attn.c_q.weight" in hidden_matrices(shapes)
+    with pytest.raises(ValueError, match="matches no parameter"):
+        group_parameters(names, {"x": ["nothing*"], "rest": ["*"]})
