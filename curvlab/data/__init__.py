@@ -1,0 +1,1 @@
+"""Data: the Zipf-PCFG synthetic language and token shards on disk."""

@@ -1,0 +1,132 @@
+"""Writing a Zipf-PCFG data directory: train and validation shards, the grammar, and statistics.
+
+Layout of ``out/``: ``train_000000.bin ...`` and ``val_000000.bin`` (headered shards), ``grammar.json``
+and ``stats.json`` (the generation config, the vocabulary size, and per-split token statistics).
+Everything is written into a temporary sibling directory that is renamed into place at the end, so
+an interrupted generation leaves nothing behind; asking again for the same config is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from curvlab.atomic import atomic_write_text, make_public
+from curvlab.data.pcfg import Grammar, count_stats, make_grammar
+from curvlab.data.shards import write_shard
+
+STATS_VERSION = 1
+
+
+def parse_count(text: str | int) -> int:
+    """``"20M"`` -> 20_000_000; also ``k``, ``G``, plain integers and floats like ``"1.5M"``."""
+    if isinstance(text, int):
+        return text
+    t = str(text).strip().replace("_", "")
+    scale = {"k": 10**3, "K": 10**3, "m": 10**6, "M": 10**6, "g": 10**9, "G": 10**9}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale > 1 else t)
+    except ValueError:
+        raise ValueError(f"not a count: {text!r} (use e.g. 20M, 500k or 1000)") from None
+    if value <= 0:
+        raise ValueError(f"count must be positive, got {text!r}")
+    return round(value * scale)
+
+
+def generate_pcfg_dataset(
+    out: str | Path,
+    s: float = 1.0,
+    tokens: int | str = "20M",
+    val_tokens: int | str = "1M",
+    val_s: float = 0.0,
+    seed: int = 0,
+    shard_tokens: int | str = "100M",
+    grammar_options: dict | None = None,
+    progress: bool = True,
+) -> dict:
+    """Generate a Zipf-PCFG data directory (see the module docstring) and return its stats.
+
+    Args:
+        s: Zipf exponent of the training tokens (>= 0).
+        val_s: exponent of the validation tokens (the paper fixes validation at s = 0).
+        seed: grammar seed; train and validation streams get their own seeds derived from it.
+        grammar_options: keyword arguments of :func:`~curvlab.data.pcfg.make_grammar`.
+
+    Raises:
+        ValueError: s or val_s < 0, bad counts, or ``out`` holding a different dataset.
+    """
+    if s < 0 or val_s < 0:
+        raise ValueError(f"the Zipf exponent must be >= 0, got s={s}, val_s={val_s}")
+    out = Path(out)
+    config = {
+        "s": float(s),
+        "tokens": parse_count(tokens),
+        "val_tokens": parse_count(val_tokens),
+        "val_s": float(val_s),
+        "seed": int(seed),
+        "shard_tokens": parse_count(shard_tokens),
+        "grammar_options": dict(grammar_options or {}),
+    }
+    existing = out / "stats.json"
+    if existing.is_file():
+        stats = json.loads(existing.read_text())
+        if stats.get("config") == config:
+            return stats
+        raise ValueError(f"{out} already holds a dataset made with another config; choose another --out")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty; choose another --out")
+    grammar = make_grammar(seed=seed, **config["grammar_options"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        split_stats = {}
+        for split, n, exponent, stream_seed in [
+            ("train", config["tokens"], s, seed * 1000 + 1),
+            ("val", config["val_tokens"], val_s, seed * 1000 + 2),
+        ]:
+            counts = np.zeros(grammar.vocab_size, dtype=np.int64)
+            pending, shard = np.empty(0, dtype=np.int64), 0
+            desc = f"pcfg {split} (s={exponent:g})"
+            bar = tqdm(total=n, desc=desc, unit="tok", unit_scale=True, disable=not progress)
+            for chunk in grammar.stream(n, exponent, stream_seed):
+                counts += np.bincount(chunk, minlength=grammar.vocab_size)
+                pending = np.concatenate([pending, chunk])
+                bar.update(chunk.size)
+                while pending.size >= config["shard_tokens"]:
+                    write_shard(tmp / f"{split}_{shard:06d}.bin", pending[: config["shard_tokens"]])
+                    pending, shard = pending[config["shard_tokens"] :], shard + 1
+            bar.close()
+            if pending.size:
+                write_shard(tmp / f"{split}_{shard:06d}.bin", pending)
+            split_stats[split] = {"s": exponent, **count_stats(counts, grammar)}
+        stats = {"version": STATS_VERSION, "config": config, "vocab_size": grammar.vocab_size, **split_stats}
+        grammar.save(tmp / "grammar.json")
+        atomic_write_text(tmp / "stats.json", json.dumps(stats, indent=1))
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        make_public(tmp)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return stats
+
+
+def read_stats(data_dir: str | Path) -> dict:
+    """The ``stats.json`` of a Zipf-PCFG data directory."""
+    path = Path(data_dir) / "stats.json"
+    if not path.is_file():
+        raise ValueError(f"{data_dir}: no stats.json (not a directory written by `curvlab pcfg generate`)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: corrupt JSON ({e})") from e
+
+
+def load_grammar(data_dir: str | Path) -> Grammar:
+    return Grammar.load(Path(data_dir) / "grammar.json")

@@ -1,0 +1,169 @@
+"""Token shards on disk and the batch loaders that read them.
+
+Two formats, both read through ``numpy.memmap`` so that a shard is never loaded whole:
+
+* headered shards of llm.c / modded-nanogpt: a header of 256 int32 (magic 20240520, version 1,
+  token count, zeros), then the tokens as uint16. curvlab writes these (``train_000000.bin``, ...).
+* nanoGPT's raw ``train.bin`` / ``val.bin``: uint16 tokens and nothing else.
+
+A data directory holds ``train*.bin`` and ``val*.bin`` files of either kind (files named exactly
+``train.bin``/``val.bin`` are read as raw nanoGPT files, every other ``.bin`` must carry the header),
+so FineWeb shards prepared by modded-nanogpt or nanoGPT can be used as they are.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from curvlab.atomic import atomic_write_with
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+RAW_NAMES = {"train.bin", "val.bin"}
+
+
+def write_shard(path: str | Path, tokens: np.ndarray) -> None:
+    """Write ``tokens`` (< 65536) as a headered uint16 shard, atomically."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: tokens must lie in [0, 65536) to fit uint16")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = MAGIC, VERSION, tokens.size
+
+    def write(f):
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+
+    atomic_write_with(path, write)
+
+
+def read_shard(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
+    """The tokens of one shard (headered, or raw for ``train.bin``/``val.bin``) as a read-only memmap.
+
+    Raises:
+        ValueError: missing file, wrong magic or version, a count that disagrees with the file size,
+            or (when ``vocab_size`` is given) tokens beyond the vocabulary.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such shard")
+    size = path.stat().st_size
+    if path.name in RAW_NAMES:
+        if size % 2:
+            raise ValueError(f"{path}: odd file size {size}, not a uint16 token file")
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    else:
+        if size < HEADER_BYTES:
+            raise ValueError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte shard header")
+        header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+        if header[0] != MAGIC:
+            raise ValueError(f"{path}: wrong magic number {header[0]} (expected {MAGIC}); not a token shard")
+        if header[1] != VERSION:
+            raise ValueError(f"{path}: unsupported shard version {header[1]} (expected {VERSION})")
+        count = int(header[2])
+        if size != HEADER_BYTES + 2 * count:
+            raise ValueError(f"{path}: header says {count} tokens but the file holds {(size - HEADER_BYTES) / 2:g}")
+        tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+    if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:
+        raise ValueError(f"{path}: token {int(tokens.max())} is beyond the vocabulary of {vocab_size}")
+    return tokens
+
+
+def find_shards(data_dir: str | Path, split: str) -> list[Path]:
+    """The ``split`` ("train" or "val") shard files of a data directory, sorted."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise ValueError(f"{data_dir}: no such data directory")
+    files = sorted(p for p in data_dir.glob(f"*{split}*.bin") if p.is_file())
+    if not files:
+        raise ValueError(f"{data_dir}: no {split} shards (*{split}*.bin)")
+    return files
+
+
+def data_vocab_size(data_dir: str | Path) -> int | None:
+    """The vocabulary recorded in a curvlab data directory's ``stats.json`` (None if absent)."""
+    stats = Path(data_dir) / "stats.json"
+    if stats.is_file():
+        return int(json.loads(stats.read_text())["vocab_size"])
+    return None
+
+
+@dataclass
+class TokenData:
+    """The train and validation token streams of a data directory, as lists of memmapped shards."""
+
+    train: list[np.ndarray]
+    val: list[np.ndarray]
+
+    @classmethod
+    def open(cls, data_dir: str | Path, vocab_size: int | None = None) -> TokenData:
+        return cls(
+            [read_shard(p, vocab_size) for p in find_shards(data_dir, "train")],
+            [read_shard(p, vocab_size) for p in find_shards(data_dir, "val")],
+        )
+
+
+class TrainBatches:
+    """Random ``(inputs, targets)`` windows of length ``seq_len`` from the train shards.
+
+    Each batch draws, from a seeded ``numpy`` generator, a shard per row (weighted by its number of
+    windows) and an offset inside it. ``state_dict()`` / ``load_state_dict()`` save and restore the
+    generator, so a resumed run reads exactly the batches it would have read. ``rank``/``world``
+    select a disjoint slice of each global batch (rows ``rank::world``): every rank draws the same
+    global batch, so the data don't depend on the number of processes.
+    """
+
+    def __init__(
+        self, shards: list[np.ndarray], batch_size: int, seq_len: int, seed: int = 0, rank: int = 0, world: int = 1
+    ):
+        self.shards = [s for s in shards if s.size > seq_len + 1]
+        if not self.shards:
+            raise ValueError(f"no train shard holds more than seq_len + 1 = {seq_len + 1} tokens")
+        if batch_size % world:
+            raise ValueError(f"batch size {batch_size} is not divisible by {world} processes")
+        self.batch_size, self.seq_len, self.rank, self.world = batch_size, seq_len, rank, world
+        windows = np.array([s.size - seq_len - 1 for s in self.shards], dtype=np.float64)
+        self._weights = windows / windows.sum()
+        self._rng = np.random.default_rng(seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        shard_ids = self._rng.choice(len(self.shards), size=self.batch_size, p=self._weights)
+        offsets = [int(self._rng.integers(0, self.shards[i].size - self.seq_len - 1)) for i in shard_ids]
+        rows = [
+            np.asarray(self.shards[i][o : o + self.seq_len + 1], dtype=np.int64) for i, o in zip(shard_ids, offsets)
+        ]
+        mine = np.stack(rows)[self.rank :: self.world]
+        x = torch.from_numpy(mine[:, :-1].copy())
+        y = torch.from_numpy(mine[:, 1:].copy())
+        return x, y
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self._rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._rng.bit_generator.state = state["rng"]
+
+
+def validation_batches(
+    shards: list[np.ndarray], batch_size: int, seq_len: int, n_windows: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed, deterministic set of ``n_windows`` non-overlapping windows from the start of the val
+    stream, cut into batches of at most ``batch_size`` rows."""
+    rows = []
+    for s in shards:
+        for o in range(0, s.size - seq_len - 1, seq_len):
+            if len(rows) == n_windows:
+                break
+            rows.append(np.asarray(s[o : o + seq_len + 1], dtype=np.int64))
+    if not rows:
+        raise ValueError(f"the validation shards hold no window of {seq_len + 1} tokens")
+    data = torch.from_numpy(np.stack(rows))
+    return [(data[i : i + batch_size, :-1], data[i : i + batch_size, 1:]) for i in range(0, len(rows), batch_size)]
