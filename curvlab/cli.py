@@ -104,6 +104,92 @@ def _print_pcfg_stats(stats: dict) -> None:
     print_table(rows, ("split", "s", "tokens", "sentences", "entropy (bits)", "fitted Zipf exponent"))
 
 
+def _key_values(pairs: list[str] | None, what: str) -> dict:
+    """``["lr=0.01", "betas=[0.9,0.95]"]`` -> ``{"lr": 0.01, "betas": [0.9, 0.95]}`` (values parsed as JSON)."""
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{what} expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+@app.command()
+@one_line_errors
+def train(
+    data: Path = typer.Option(None, help="Data directory with train*/val* shards."),
+    out: Path = typer.Option(None, help="Run directory (checkpoints, metrics.jsonl); an existing one is resumed."),
+    model: str = typer.Option(None, help="Model config: tiny, pcfg-9m, gpt2-124m. [default: tiny]"),
+    optimizer: str = typer.Option(None, help="muon, adamw, sgd or lion. [default: muon]"),
+    lr: float = typer.Option(None, help="Peak learning rate (Muon's for muon; its AdamW side: --opt adam_lr=...)."),
+    opt: list[str] = typer.Option(None, help="Optimizer option KEY=VALUE, repeatable (e.g. momentum=0.9)."),
+    model_opt: list[str] = typer.Option(None, help="Model config override KEY=VALUE, repeatable (e.g. n_layer=2)."),
+    steps: int = typer.Option(None, help="Optimizer steps. [default: 600]"),
+    batch_size: int = typer.Option(None, help="Sequences per step. [default: 16]"),
+    seq_len: int = typer.Option(None, help="Tokens per sequence. [default: the model's block size]"),
+    warmup_steps: int = typer.Option(None, help="Linear warmup steps. [default: 20]"),
+    schedule: str = typer.Option(None, help="cosine, wsd or constant. [default: cosine]"),
+    cooldown_frac: float = typer.Option(None, help="Decaying share of steps for wsd. [default: 0.2]"),
+    min_lr_frac: float = typer.Option(None, help="Schedule floor as a fraction of the peak. [default: 0.1]"),
+    grad_clip: float = typer.Option(None, help="Gradient-norm clip; 0 disables. [default: 1.0]"),
+    seed: int = typer.Option(None, help="Seed of initialization and data order. [default: 0]"),
+    eval_every: int = typer.Option(None, help="Validation every N steps. [default: 50]"),
+    ckpt_every: int = typer.Option(None, help="Checkpoint every N steps. [default: 50]"),
+    val_windows: int = typer.Option(None, help="Fixed validation windows. [default: 64]"),
+    device: str = typer.Option(None, help="auto, cpu, cuda, cuda:1, ... [default: auto]"),
+    compile: bool = typer.Option(None, "--compile/--no-compile", help="torch.compile the model. [default: off]"),
+    config: Path = typer.Option(None, help="A JSON file of these fields; options given here override it."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+) -> None:
+    """Train a GPT with one optimizer, keeping checkpoints ready for curvature analysis."""
+    from curvlab.train import TrainConfig
+    from curvlab.train import train as run_training
+
+    fields = json.loads(config.read_text()) if config else {}
+    given = {
+        "data": str(data) if data else None,
+        "out": str(out) if out else None,
+        "model": model,
+        "optimizer": optimizer,
+        "steps": steps,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "warmup_steps": warmup_steps,
+        "schedule": schedule,
+        "cooldown_frac": cooldown_frac,
+        "min_lr_frac": min_lr_frac,
+        "grad_clip": None if grad_clip == 0 else grad_clip,
+        "seed": seed,
+        "eval_every": eval_every,
+        "ckpt_every": ckpt_every,
+        "val_windows": val_windows,
+        "device": device,
+        "compile": compile,
+    }
+    fields.update({k: v for k, v in given.items() if v is not None})
+    if grad_clip == 0:  # 0 means "no clipping", which None can't say on a command line
+        fields["grad_clip"] = None
+    options = {**fields.get("optimizer_options", {}), **_key_values(opt, "--opt")}
+    if lr is not None:
+        options["lr"] = lr
+    fields["optimizer_options"] = options
+    fields["model_overrides"] = {**fields.get("model_overrides", {}), **_key_values(model_opt, "--model-opt")}
+    for required in ("data", "out"):
+        if not fields.get(required):
+            raise ValueError(f"--{required} is required (or give it in --config)")
+    cfg = TrainConfig.from_dict(fields)
+    result = run_training(cfg, progress=not quiet)
+    resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
+    typer.echo(
+        f"trained {cfg.optimizer} to step {result.step}{resumed}: val loss {result.val_loss:.4f}, "
+        f"{result.tokens_per_second:.0f} tokens/s; checkpoints in {result.out}"
+    )
+
+
 def main() -> None:
     app()
 

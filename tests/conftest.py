@@ -32,3 +32,16 @@ def transformer_problem():
 def random_direction(params, seed=1, dtype=None):
     g = torch.Generator().manual_seed(seed)
     return {k: torch.randn(v.shape, generator=g, dtype=dtype or v.dtype) for k, v in params.items()}
+
+
+@pytest.fixture(scope="session")
+def pcfg_data(tmp_path_factory):
+    """A small Zipf-PCFG data directory (s = 1 train, s = 0 validation), generated once."""
+    from curvlab.data.dataset import generate_pcfg_dataset
+
+    out = tmp_path_factory.mktemp("data") / "s1"
+    generate_pcfg_dataset(out, s=1.0, tokens="200k", val_tokens="20k", progress=False)
+    return out
+
+
+SMALL_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}

@@ -21,3 +21,40 @@ def test_bad_input_gives_one_line_and_nonzero_exit(tmp_path):
     r = runner.invoke(app, ["pcfg", "generate", "--out", str(tmp_path / "neg"), "--s", "-1", "--tokens", "1k"])
     assert r.exit_code == 2 and "Zipf exponent must be >= 0" in r.output
     assert not (tmp_path / "neg").exists()
+
+
+def test_train_command_trains_and_resumes(pcfg_data, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--data", str(pcfg_data), "--out", str(out), "--optimizer", "adamw", "--steps", "6", "--quiet"]
+    args += [
+        "--model-opt",
+        "n_layer=1",
+        "--model-opt",
+        "n_embd=16",
+        "--model-opt",
+        "n_head=2",
+        "--model-opt",
+        "block_size=16",
+    ]
+    args += [
+        "--batch-size",
+        "4",
+        "--ckpt-every",
+        "3",
+        "--warmup-steps",
+        "1",
+        "--val-windows",
+        "8",
+        "--opt",
+        "betas=[0.9,0.99]",
+    ]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "trained adamw to step 6" in r.output
+    assert (out / "ckpt_000006.pt").is_file()
+    cfg = __import__("json").loads((out / "config.json").read_text())
+    assert cfg["optimizer_options"] == {"betas": [0.9, 0.99]} and cfg["model_overrides"]["n_layer"] == 1
+    r = runner.invoke(app, [*args[:-2], "--steps", "9"])
+    assert r.exit_code == 2 and "steps: 6 -> 9" in r.output
+    r = runner.invoke(app, ["train", "--out", str(out)])
+    assert r.exit_code == 2 and "--data is required" in r.output

@@ -1,0 +1,297 @@
+"""The training loop: a GPT on token shards with one of curvlab's optimizers, checkpointing every
+state the curvature analysis needs to reproduce the next step exactly.
+
+Read it top to bottom: config, setup (data, model, optimizer, schedule, loaders), resume, then the
+loop, which evaluates the validation loss on fixed windows and writes a checkpoint (atomically) every
+``ckpt_every`` steps, plus one at step 0. Metrics go to ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from curvlab.atomic import atomic_write_text
+from curvlab.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
+from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, validation_batches
+from curvlab.loss import count_loss_terms, token_cross_entropy
+from curvlab.models.gpt import GPT, get_config
+from curvlab.optim import build_optimizer
+
+SCHEDULES = ("cosine", "wsd", "constant")
+# Fields that may change between a run and its resumption: they don't change the math of a step.
+RESUMABLE_CHANGES = {"out", "device", "compile", "eval_every", "ckpt_every"}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run (``curvlab train`` exposes every field as an option)."""
+
+    data: str
+    out: str
+    model: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "muon"
+    optimizer_options: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 16
+    seq_len: int | None = None  # default: the model's block size
+    steps: int = 600
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    cooldown_frac: float = 0.2  # the final share of steps that decays, for "wsd"
+    min_lr_frac: float = 0.1  # the schedule's floor, as a fraction of the peak lr
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    ckpt_every: int = 50
+    val_windows: int = 64
+    device: str = "auto"
+    compile: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self)))  # plain JSON types (tuples become lists)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training config field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        for name in ("batch_size", "steps", "eval_every", "ckpt_every", "val_windows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must lie in [0, steps), got {self.warmup_steps}")
+
+
+def lr_multiplier(step: int, cfg: TrainConfig) -> float:
+    """The schedule: linear warmup, then cosine to ``min_lr_frac``, warmup-stable-decay, or constant."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    decay_start = cfg.steps * (1 - cfg.cooldown_frac)
+    if step < decay_start:
+        return 1.0
+    progress = (step - decay_start) / max(1.0, cfg.steps - decay_start)
+    return 1.0 - (1.0 - cfg.min_lr_frac) * min(progress, 1.0)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+@dataclass
+class Run:
+    """A training run's live objects, built from a config (and, on resume, a checkpoint)."""
+
+    cfg: TrainConfig
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    loader: TrainBatches
+    val_batches: list
+    device: torch.device
+    step: int = 0
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1) -> Run:
+    """Data, model, optimizer, schedule and loaders for ``cfg``, at step 0."""
+    cfg.validate()
+    device = pick_device(cfg.device)
+    data = TokenData.open(cfg.data)
+    model_cfg = get_config(cfg.model, **cfg.model_overrides)
+    vocab = data_vocab_size(cfg.data) or 1 + max(int(s.max()) for s in data.train + data.val if s.size)
+    if vocab > model_cfg.vocab_size:
+        raise ValueError(
+            f"{cfg.data}: the data's vocabulary ({vocab}) is larger than the model's ({model_cfg.vocab_size}); "
+            "set model_overrides vocab_size"
+        )
+    seq_len = cfg.seq_len or model_cfg.block_size
+    if seq_len > model_cfg.block_size:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's block_size {model_cfg.block_size}")
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_cfg).to(device)
+    optimizer = build_optimizer(cfg.optimizer, model, **cfg.optimizer_options)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+    loader = TrainBatches(data.train, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world=world)
+    val = validation_batches(data.val, cfg.batch_size, seq_len, cfg.val_windows)
+    return Run(cfg, model, optimizer, scheduler, loader, val, device)
+
+
+def restore(run: Run, ckpt: dict[str, Any]) -> None:
+    """Put a checkpoint's model, optimizer, scheduler, loader and RNG states into ``run``."""
+    run.model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.scheduler.load_state_dict(ckpt["scheduler"])
+    run.loader.load_state_dict(ckpt["data"])
+    torch.set_rng_state(ckpt["rng"])
+    run.step = int(ckpt["step"])
+
+
+def config_difference(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Fields whose values differ (ignoring those a resume may change)."""
+    keys = sorted((set(saved) | set(new)) - RESUMABLE_CHANGES)
+    return [f"{k}: {saved.get(k)!r} -> {new.get(k)!r}" for k in keys if saved.get(k) != new.get(k)]
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean validation loss over every token of the fixed validation windows."""
+    was_training = run.model.training
+    run.model.eval()
+    total, count = 0.0, 0
+    for x, y in run.val_batches:
+        x, y = x.to(run.device), y.to(run.device)
+        with run.autocast():
+            loss = token_cross_entropy(run.model(x), y)
+        n = count_loss_terms((x, y))
+        total += float(loss) * n
+        count += n
+    run.model.train(was_training)
+    return total / count
+
+
+def checkpoint_payload(run: Run, val_loss: float, train_loss: float) -> dict[str, Any]:
+    return {
+        "step": run.step,
+        "config": run.cfg.to_dict(),
+        "model_config": run.model.config.to_dict(),
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "data": run.loader.state_dict(),
+        "rng": torch.get_rng_state(),
+        "val_loss": val_loss,
+        "train_loss": train_loss,
+    }
+
+
+class TrainingDiverged(ValueError):
+    """The training loss became non-finite; the last good checkpoint stays."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    out: str
+    step: int
+    val_loss: float
+    tokens_per_second: float
+    resumed_from: int
+
+
+def _save(run: Run, out: Path, val_loss: float, train_loss: float, is_main: bool) -> None:
+    if is_main:
+        name = checkpoint_name(run.step)
+        save_checkpoint(out / name, checkpoint_payload(run, val_loss, train_loss))
+        add_to_index(out, run.step, val_loss, name)
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the metric lines of steps <= last_step (a resumed run rewrites the rest)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            break  # a line cut by a crash: nothing after it is trusted
+    atomic_write_text(path, "".join(k + "\n" for k in kept))
+
+
+def train(cfg: TrainConfig, progress: bool = True, rank: int = 0, world: int = 1) -> TrainResult:
+    """Train (or resume) the run ``cfg`` describes; see the module docstring.
+
+    Raises:
+        ValueError: bad data or config, a resume with a different config, a corrupt checkpoint.
+        TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
+    """
+    out = Path(cfg.out)
+    is_main = rank == 0
+    run = build_run(cfg, rank, world)
+    index = read_index(out)
+    resumed_from = 0
+    if index:
+        saved = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+        diff = config_difference(saved, cfg.to_dict())
+        if diff:
+            raise ValueError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
+        restore(run, load_checkpoint(out / index[-1]["path"], map_location=run.device))
+        resumed_from = run.step
+    elif is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    metrics_path = out / "metrics.jsonl"
+    if is_main:
+        _truncate_metrics(metrics_path, run.step)
+    if not index:
+        val_loss = evaluate(run)
+        _save(run, out, val_loss, float("nan"), is_main)
+    forward = torch.compile(run.model) if cfg.compile else run.model
+    run.model.train()
+    tokens_per_step = cfg.batch_size * run.loader.seq_len
+    val_loss, elapsed, steps_done = float("nan"), 0.0, 0
+    bar = tqdm(range(run.step, cfg.steps), desc=f"train {cfg.optimizer}", disable=not (progress and is_main))
+    with open(metrics_path, "a") if is_main else contextlib.nullcontext() as log:
+        for _ in bar:
+            start = time.perf_counter()
+            x, y = (t.to(run.device) for t in run.loader.next())
+            with run.autocast():
+                loss = token_cross_entropy(forward(x), y)
+            if not torch.isfinite(loss):
+                last = read_index(out)[-1]["path"] if read_index(out) else "none"
+                raise TrainingDiverged(f"non-finite training loss at step {run.step + 1}; last good checkpoint: {last}")
+            loss.backward()
+            if cfg.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+            lr = run.optimizer.param_groups[0]["lr"]
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.step += 1
+            elapsed += time.perf_counter() - start
+            steps_done += 1
+            train_loss = float(loss.detach())
+            checkpoint_now = run.step % cfg.ckpt_every == 0 or run.step == cfg.steps
+            evaluate_now = checkpoint_now or run.step % cfg.eval_every == 0
+            val_loss = evaluate(run) if evaluate_now else float("nan")
+            record = {"step": run.step, "train_loss": train_loss, "lr": lr, "tokens": run.step * tokens_per_step}
+            if evaluate_now:
+                record["val_loss"] = val_loss
+            if log is not None:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            if checkpoint_now:
+                _save(run, out, val_loss, train_loss, is_main)
+            tps = tokens_per_step * steps_done / max(elapsed, 1e-9)
+            bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:.0f}")
+    last_val = read_index(out)[-1]["val_loss"] if is_main and read_index(out) else val_loss
+    tps = tokens_per_step * steps_done / elapsed if elapsed else float("nan")
+    return TrainResult(str(out), run.step, last_val, tps, resumed_from)

@@ -1,0 +1,152 @@
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from curvlab.checkpoint import load_checkpoint, read_index
+from curvlab.data.shards import TrainBatches
+from curvlab.loss import make_loss_fn
+from curvlab.models.gpt import CONFIGS, GPT
+from curvlab.optim import next_update
+from curvlab.train import TrainConfig, TrainingDiverged, build_run, restore, train
+from tests.conftest import SMALL_MODEL
+
+
+def config(data, out, **kw):
+    base = dict(model_overrides=SMALL_MODEL, batch_size=8, steps=12, warmup_steps=2, eval_every=4, ckpt_every=4)
+    base.update(kw)
+    return TrainConfig(data=str(data), out=str(out), val_windows=16, **base)
+
+
+def final_state(out):
+    ckpt = load_checkpoint(out / read_index(out)[-1]["path"])
+    return ckpt["model"], ckpt["optimizer"]
+
+
+def assert_states_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_states_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        for x, y in zip(a, b):
+            assert_states_equal(x, y)
+    else:
+        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+
+
+def test_parameter_counts_of_named_configs():
+    counts = {name: GPT(cfg).num_parameters() for name, cfg in CONFIGS.items() if name != "gpt2-124m"}
+    assert counts == {"tiny": 1_019_600, "pcfg-9m": 8_593_056}
+    cfg = CONFIGS["gpt2-124m"]  # counted without building it: 12 blocks of 12 d² + 4 d (norms), tied embeddings
+    d = cfg.n_embd
+    expected = cfg.vocab_size * d + cfg.block_size * d + cfg.n_layer * (12 * d * d + 2 * d) + d
+    with torch.device("meta"):
+        assert GPT(cfg).num_parameters() == expected == 124_373_760
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_loss_falls_on_pcfg_data(pcfg_data, tmp_path, optimizer):
+    cfg = config(pcfg_data, tmp_path / optimizer, optimizer=optimizer, steps=40, ckpt_every=40, eval_every=40)
+    result = train(cfg, progress=False)
+    losses = [
+        json.loads(line)["train_loss"] for line in (tmp_path / optimizer / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    assert result.step == 40 and math.isfinite(result.val_loss)
+    assert [e["step"] for e in read_index(tmp_path / optimizer)] == [0, 40]
+
+
+def test_resume_equals_uninterrupted_run(pcfg_data, tmp_path, monkeypatch):
+    cfg = config(pcfg_data, tmp_path / "whole")
+    train(cfg, progress=False)
+    interrupted = replace(cfg, out=str(tmp_path / "cut"))
+    original_next = TrainBatches.next
+    calls = {"n": 0}
+
+    def crash_after_six(self):
+        calls["n"] += 1
+        if calls["n"] > 6:
+            raise KeyboardInterrupt
+        return original_next(self)
+
+    monkeypatch.setattr(TrainBatches, "next", crash_after_six)
+    with pytest.raises(KeyboardInterrupt):
+        train(interrupted, progress=False)
+    monkeypatch.setattr(TrainBatches, "next", original_next)
+    assert [e["step"] for e in read_index(tmp_path / "cut")] == [0, 4]
+    result = train(interrupted, progress=False)
+    assert result.resumed_from == 4 and result.step == 12
+    assert_states_equal(final_state(tmp_path / "cut"), final_state(tmp_path / "whole"))
+    whole = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+    cut = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["train_loss"] for x in cut] == [json.loads(x)["train_loss"] for x in whole]
+
+
+def test_checkpoint_reproduces_the_next_step(pcfg_data, tmp_path):
+    cfg = config(pcfg_data, tmp_path / "r", optimizer="muon", steps=6, ckpt_every=1, eval_every=1)
+    train(cfg, progress=False)
+    for step in (0, 3):
+        run = build_run(cfg)
+        restore(run, load_checkpoint(tmp_path / "r" / f"ckpt_{step:06d}.pt"))
+        batch = run.loader.next()
+        _, Z = next_update(run.model, run.optimizer, make_loss_fn(run.model), batch, max_grad_norm=cfg.grad_clip)
+        after = load_checkpoint(tmp_path / "r" / f"ckpt_{step + 1:06d}.pt")["model"]
+        for name, p in run.model.named_parameters():
+            assert torch.equal(Z[name], (p.detach().double() - after[name].double()).float()), (step, name)
+
+
+def test_crash_during_checkpoint_write_keeps_the_last_good_one(pcfg_data, tmp_path, monkeypatch):
+    cfg = config(pcfg_data, tmp_path / "k", steps=8)
+    out = tmp_path / "k"
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def dying_save(obj, f, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the step-4 checkpoint: write half, then die
+            f.write(b"PK\x03\x04 half a zip file")
+            raise OSError("disk died")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk died"):
+        train(cfg, progress=False)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no temporary files left
+    assert [e["step"] for e in read_index(out)] == [0]
+    assert load_checkpoint(out / "ckpt_000000.pt")["step"] == 0
+    monkeypatch.setattr(torch, "save", real_save)
+    assert train(cfg, progress=False).step == 8
+
+
+def test_bad_inputs(pcfg_data, tmp_path):
+    with pytest.raises(ValueError, match="no such data directory"):
+        train(config(tmp_path / "nodata", tmp_path / "o1"), progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no train shards"):
+        train(config(tmp_path / "empty", tmp_path / "o2"), progress=False)
+    with pytest.raises(ValueError, match=r"vocabulary \(4413\) is larger than the model's \(100\)"):
+        train(config(pcfg_data, tmp_path / "o3", model_overrides={**SMALL_MODEL, "vocab_size": 100}), progress=False)
+    cfg = config(pcfg_data, tmp_path / "o4", steps=4)
+    train(cfg, progress=False)
+    with pytest.raises(ValueError, match=r"another config.*batch_size: 8 -> 4"):
+        train(replace(cfg, batch_size=4), progress=False)
+    (tmp_path / "o4" / "ckpt_000004.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="ckpt_000004.pt: corrupt"):
+        train(replace(cfg, steps=4), progress=False)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        train(config(pcfg_data, tmp_path / "o5", schedule="step"), progress=False)
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(pcfg_data, tmp_path):
+    cfg = config(pcfg_data, tmp_path / "nan", optimizer="sgd", optimizer_options={"lr": 1e6}, grad_clip=None, steps=30)
+    with pytest.raises(TrainingDiverged, match="non-finite training loss at step"):
+        train(cfg, progress=False)
+    last = read_index(tmp_path / "nan")[-1]
+    ckpt = load_checkpoint(tmp_path / "nan" / last["path"])
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
