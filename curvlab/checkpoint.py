@@ -57,6 +57,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as e:
         raise ValueError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__})") from e
+    return check_checkpoint(ckpt, path)
+
+
+def check_checkpoint(ckpt: Any, path: str | Path) -> dict[str, Any]:
+    """``ckpt`` if it is a curvlab checkpoint of a supported version, else a ``ValueError`` naming ``path``."""
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{path}: not a curvlab checkpoint (a nanoGPT ckpt.pt is read by `curvlab nds` directly)")
     if ckpt.get("version") != CHECKPOINT_VERSION:

@@ -190,6 +190,109 @@ def train(
     )
 
 
+def _settings(blocks: str, batch: str, val_batches: int, dtype: str, block_method: str):
+    from curvlab.analysis import AnalysisSettings
+
+    settings = AnalysisSettings(
+        blocks=blocks, batch=batch, val_batches=val_batches, dtype=dtype, block_method=block_method
+    )
+    settings.validate()
+    return settings
+
+
+BLOCKS_HELP = "Block grouping: layer, tensor or kind."
+BATCH_HELP = "Evaluate G, H and the decrease on the next step's batch (train) or on validation windows (val)."
+
+
+@app.command()
+@one_line_errors
+def nds(
+    checkpoint: Path = typer.Argument(..., help="A curvlab checkpoint, or a nanoGPT ckpt.pt (with --data)."),
+    blocks: str = typer.Option("layer", help=BLOCKS_HELP),
+    batch: str = typer.Option("train", help=BATCH_HELP),
+    val_batches: int = typer.Option(4, help="Validation batches accumulated with --batch val."),
+    data: Path = typer.Option(None, help="Data directory (default: the one the checkpoint was trained on)."),
+    out: Path = typer.Option(None, help="Write the report JSON here."),
+    dtype: str = typer.Option("float32", help="float32 or float64."),
+    block_method: str = typer.Option("hvp", help="hvp (one HVP per block) or alpha (Hessian in alpha)."),
+    device: str = typer.Option("cpu", help="Device for the analysis."),
+) -> None:
+    """NDS, Taylor split and block interaction matrix of a checkpoint's next update."""
+    from curvlab.analysis import analyze_checkpoint
+
+    report = analyze_checkpoint(checkpoint, _settings(blocks, batch, val_batches, dtype, block_method), data, device)
+    d = report.to_dict()
+    typer.echo(f"{checkpoint}: step {d['step']}, optimizer {d['optimizer']}, val loss {d['val_loss']:.4f}")
+    keys = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "grad_norm", "cosine")
+    hidden = d["hidden"] or {}
+    print_table([(k, d[k], hidden.get(k, "")) for k in keys], ("quantity", "all parameters", "hidden matrices"))
+    b = d["blocks"]
+    split = f"within {b['within']:.6g}, cross {b['cross']:.6g}, rho_within {b['rho_within']:.3f}"
+    typer.echo(f"\nblocks ({b['grouping']}): {split}")
+    rows = [
+        (name, b["norm"][i], b["first_order"][i], b["matrix"][i][i], b["nds"][i] if b["nds"][i] is not None else "-")
+        for i, name in enumerate(b["names"])
+    ]
+    print_table(rows, ("block", "||Z_l||", "<G_l,Z_l>", "M[l,l]", "own NDS"))
+    t = d["timing"]
+    typer.echo(f"\n{t['seconds']:.2f} s, {t['hvp_seconds'] / t['seconds']:.0%} in Hessian-vector products")
+    if out:
+        report.save(out)
+        typer.echo(f"wrote {out}")
+
+
+@app.command()
+@one_line_errors
+def compare(
+    run_a: Path = typer.Argument(..., help="First run directory."),
+    run_b: Path = typer.Argument(..., help="Second run directory."),
+    levels: int = typer.Option(8, help="Matched validation-loss levels inside the range both runs reach."),
+    tolerance: float = typer.Option(0.01, help="Largest relative validation-loss mismatch of a pair."),
+    out: Path = typer.Option(Path("compare"), help="Output directory (compare.csv, compare.json, reports/)."),
+    blocks: str = typer.Option("layer", help=BLOCKS_HELP),
+    batch: str = typer.Option("train", help=BATCH_HELP),
+    val_batches: int = typer.Option(4, help="Validation batches with --batch val."),
+    dtype: str = typer.Option("float32", help="float32 or float64."),
+    device: str = typer.Option("cpu", help="Device for the analysis."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+) -> None:
+    """Compare two runs at matched validation loss: NDS, first-order gain, curvature penalty, update norm."""
+    from curvlab.studies import RATIO_KEYS, compare_runs
+
+    settings = _settings(blocks, batch, val_batches, dtype, "hvp")
+    result = compare_runs(run_a, run_b, out, levels, tolerance, settings, device, progress=not quiet)
+    for message in result.refused:
+        typer.echo(f"refused {message}", err=True)
+    rows = [(r["target"], r["step_a"], r["step_b"], *(r[f"ratio_{k}"] for k in RATIO_KEYS)) for r in result.rows]
+    typer.echo(f"ratios {result.ratio_label} at matched validation loss:")
+    print_table(rows, ("val loss", "step A", "step B", *RATIO_KEYS))
+    typer.echo("mean: " + ", ".join(f"{k} {v:.3f}" for k, v in result.mean_ratios.items()))
+    typer.echo(f"wrote {out / 'compare.csv'} and {out / 'compare.json'}")
+
+
+@app.command()
+@one_line_errors
+def track(
+    run: Path = typer.Argument(..., help="A run directory."),
+    every: int = typer.Option(1, help="Analyse every N-th checkpoint."),
+    out: Path = typer.Option(None, help="Output directory (default: RUN/track)."),
+    blocks: str = typer.Option("layer", help=BLOCKS_HELP),
+    batch: str = typer.Option("train", help=BATCH_HELP),
+    val_batches: int = typer.Option(4, help="Validation batches with --batch val."),
+    dtype: str = typer.Option("float32", help="float32 or float64."),
+    device: str = typer.Option("cpu", help="Device for the analysis."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+) -> None:
+    """Curvature along a run's trajectory: NDS, within- and cross-layer NDS, rho_within."""
+    from curvlab.studies import track_run
+
+    out = out or run / "track"
+    rows = track_run(run, out, every, _settings(blocks, batch, val_batches, dtype, "hvp"), device, progress=not quiet)
+    keys = ("step", "val_loss", "nds", "within", "cross", "rho_within", "update_norm")
+    print_table([tuple(r[k] for k in keys) for r in rows], keys)
+    typer.echo(f"wrote {out / 'track.csv'} and {out / 'track.json'}")
+
+
 def main() -> None:
     app()
 

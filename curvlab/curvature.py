@@ -188,11 +188,11 @@ class BlockMatrix:
             "matrix": self.matrix.tolist(),
             "within": self.within,
             "cross": self.cross,
-            "nds": self.nds,
+            "total_nds": self.nds,
             "rho_within": self.rho_within,
             "first_order": self.first_order.tolist(),
             "norm": self.norm.tolist(),
-            "nds_per_block": [None if np.isnan(x) else float(x) for x in self.block_nds],
+            "nds": [None if np.isnan(x) else float(x) for x in self.block_nds],  # each block's own NDS
             "asymmetry": self.asymmetry,
             "members": self.members,
         }

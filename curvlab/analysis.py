@@ -1,0 +1,244 @@
+"""From a checkpoint to a curvature report: the next update Z, its Taylor split and block matrix.
+
+For one checkpoint: rebuild model, optimizer and data position; take the batch the run would train
+on next; compute the gradient and the next update Z with :func:`~curvlab.optim.next_update` (the
+real step: schedule, momentum, clipping and weight decay included); then, on the evaluation batch D
+(the same next batch by default, or fixed validation windows), the Taylor split over all parameters
+and over the hidden matrices, and the block interaction matrix. Nothing is written to the checkpoint.
+
+Report JSON (``REPORT_SCHEMA_VERSION`` = 1)::
+
+    schema_version, checkpoint, step, val_loss, optimizer, settings{blocks, batch, val_batches, dtype,
+    block_method}, loss, nds, first_order, curvature_penalty, predicted, realized, update_norm,
+    grad_norm, cosine, hidden{the same eight, over the hidden 2-D matrices, or null},
+    blocks{grouping, names, matrix, within, cross, total_nds, rho_within, first_order[], norm[],
+    nds[] (each block's own NDS), asymmetry, members}, timing{seconds, hvp_seconds}
+
+Identities that always hold: sum(blocks.matrix) = blocks.total_nds = nds, within + cross = nds,
+predicted = first_order - curvature_penalty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from curvlab.atomic import atomic_write_text
+from curvlab.checkpoint import check_checkpoint
+from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split
+from curvlab.loss import ModuleLoss, make_loss_fn
+from curvlab.models.nanogpt import is_nanogpt_checkpoint, load_nanogpt
+from curvlab.optim import next_update
+
+REPORT_SCHEMA_VERSION = 1
+BATCHES = ("train", "val")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+SCALAR_KEYS = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "grad_norm", "cosine")
+
+
+@dataclass(frozen=True)
+class AnalysisSettings:
+    """How a checkpoint is analysed; two reports with equal settings are interchangeable."""
+
+    blocks: str = "layer"
+    batch: str = "train"
+    val_batches: int = 4
+    dtype: str = "float32"
+    block_method: str = "hvp"
+
+    def validate(self) -> None:
+        if self.batch not in BATCHES:
+            raise ValueError(f"unknown --batch {self.batch!r}; choose train (the next step's batch) or val")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose float32 or float64")
+        if self.val_batches < 1:
+            raise ValueError("val_batches must be >= 1")
+
+    def key(self) -> str:
+        """A short stable hash, for caching reports."""
+        text = json.dumps({**asdict(self), "schema": REPORT_SCHEMA_VERSION}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+@dataclass
+class Target:
+    """What the analysis needs from a checkpoint, whoever wrote it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    next_batch: tuple[torch.Tensor, torch.Tensor]
+    val_batches: list
+    grad_clip: float | None
+    step: int
+    val_loss: float
+    optimizer_name: str
+
+
+def open_checkpoint(path: str | Path, data: str | Path | None = None, device: str = "cpu") -> Target:
+    """Rebuild the model, optimizer and next batch of a curvlab or nanoGPT checkpoint.
+
+    Args:
+        data: the data directory; default the one recorded in a curvlab checkpoint (required for
+            nanoGPT checkpoints, which don't record where their data lie).
+    """
+    from curvlab.data.shards import TokenData, TrainBatches, validation_batches
+    from curvlab.train import TrainConfig, build_run, restore
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such checkpoint")
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt zip, truncated pickle, ...: all mean "unreadable"
+        raise ValueError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__})") from e
+    if is_nanogpt_checkpoint(raw):
+        if data is None:
+            raise ValueError(f"{path}: a nanoGPT checkpoint doesn't record its data; pass --data DIR")
+        model, optimizer = load_nanogpt(raw)
+        if optimizer is None:
+            raise ValueError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
+        conf = raw.get("config", {})
+        seq = model.config.block_size
+        tokens = TokenData.open(data, model.config.vocab_size)
+        # nanoGPT doesn't save its data sampler: the next batch is drawn from the data with a fixed seed.
+        loader = TrainBatches(tokens.train, int(conf.get("batch_size", 12)), seq, seed=int(raw.get("iter_num", 0)))
+        val = validation_batches(tokens.val, int(conf.get("batch_size", 12)), seq, 64)
+        return Target(
+            model.to(device),
+            optimizer,
+            loader.next(),
+            val,
+            conf.get("grad_clip", 1.0) or None,
+            int(raw.get("iter_num", 0)),
+            float(raw.get("best_val_loss", float("nan"))),
+            "adamw",
+        )
+    ckpt = check_checkpoint(raw, path)
+    if not ckpt.get("optimizer"):  # (an empty "state" is fine: a step-0 optimizer has none yet)
+        raise ValueError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
+    fields = dict(ckpt["config"])
+    if data is not None:
+        fields["data"] = str(data)
+    fields["device"] = device
+    cfg = TrainConfig.from_dict(fields)
+    if not Path(cfg.data).is_dir():
+        raise ValueError(f"{path}: its data directory {cfg.data} is gone; pass --data DIR")
+    run = build_run(cfg)
+    restore(run, ckpt)
+    return Target(
+        run.model,
+        run.optimizer,
+        tuple(t.to(run.device) for t in run.loader.next()),
+        [tuple(t.to(run.device) for t in b) for b in run.val_batches],
+        cfg.grad_clip,
+        run.step,
+        float(ckpt.get("val_loss", float("nan"))),
+        cfg.optimizer,
+    )
+
+
+@dataclass(frozen=True)
+class CurvatureReport:
+    """The curvature of one checkpoint's next step (see the module docstring for the JSON)."""
+
+    checkpoint: str
+    step: int
+    val_loss: float
+    optimizer: str
+    settings: AnalysisSettings
+    split: TaylorSplit
+    blocks: BlockMatrix
+    seconds: float
+    hvp_seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        split = self.split.to_dict()
+        hidden = split.pop("subset")
+        names = split.pop("subset_names")
+        return {
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "checkpoint": self.checkpoint,
+            "step": self.step,
+            "val_loss": self.val_loss,
+            "optimizer": self.optimizer,
+            "settings": asdict(self.settings),
+            **split,
+            "hidden": None if hidden is None else {**hidden, "names": names},
+            "blocks": {"grouping": self.settings.blocks, **self.blocks.to_dict()},
+            "timing": {"seconds": self.seconds, "hvp_seconds": self.hvp_seconds},
+        }
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+
+
+def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") -> CurvatureReport:
+    """The curvature report of ``target``'s next step."""
+    settings.validate()
+    start = time.perf_counter()
+    model = target.model
+    loss_fn: ModuleLoss = make_loss_fn(model)
+    _, Z = next_update(model, target.optimizer, loss_fn, target.next_batch, max_grad_norm=target.grad_clip)
+    D = target.next_batch if settings.batch == "train" else list(target.val_batches[: settings.val_batches])
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    dtype = DTYPES[settings.dtype]
+    hvp_start = time.perf_counter()
+    split = taylor_split(loss_fn, params, D, Z, dtype=dtype)
+    blocks = block_matrix(loss_fn, params, D, Z, blocks=settings.blocks, method=settings.block_method, dtype=dtype)
+    hvp_seconds = time.perf_counter() - hvp_start
+    return CurvatureReport(
+        checkpoint=checkpoint,
+        step=target.step,
+        val_loss=target.val_loss,
+        optimizer=target.optimizer_name,
+        settings=settings,
+        split=split,
+        blocks=blocks,
+        seconds=time.perf_counter() - start,
+        hvp_seconds=hvp_seconds,
+    )
+
+
+def analyze_checkpoint(
+    path: str | Path, settings: AnalysisSettings | None = None, data: str | Path | None = None, device: str = "cpu"
+) -> CurvatureReport:
+    """Open a checkpoint and analyse its next step (see :func:`analyze`)."""
+    settings = settings or AnalysisSettings()
+    settings.validate()
+    return analyze(open_checkpoint(path, data, device), settings, str(path))
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """A saved report's JSON, checked for its schema version."""
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable report ({e})") from e
+    if report.get("schema_version") != REPORT_SCHEMA_VERSION:
+        raise ValueError(f"{path}: report schema {report.get('schema_version')} is not {REPORT_SCHEMA_VERSION}")
+    return report
+
+
+def cached_report(
+    cache_dir: str | Path, checkpoint: str | Path, settings: AnalysisSettings, data=None, device="cpu"
+) -> dict[str, Any]:
+    """The report of ``checkpoint`` under ``settings``: read from ``cache_dir`` when it was made
+    before (same checkpoint file, same settings), else computed and saved there."""
+    checkpoint = Path(checkpoint).resolve()
+    stat = checkpoint.stat() if checkpoint.is_file() else None
+    ident = f"{checkpoint}:{stat.st_size if stat else 0}:{stat.st_mtime_ns if stat else 0}"
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:8]
+    name = f"{checkpoint.parent.name}-{checkpoint.stem}-{settings.key()}-{digest}.json"
+    path = Path(cache_dir) / name
+    if path.is_file():
+        return load_report(path)
+    report = analyze_checkpoint(checkpoint, settings, data, device)
+    report.save(path)
+    return report.to_dict()

@@ -1,0 +1,130 @@
+"""Reading nanoGPT checkpoints (``ckpt.pt``) into curvlab's GPT, optimizer state included.
+
+nanoGPT's checkpoint holds ``model_args`` (n_layer, n_head, n_embd, block_size, bias, vocab_size,
+dropout), ``model`` (its state dict, possibly with torch.compile's ``_orig_mod.`` prefix), ``optimizer``
+(an AdamW state dict), ``iter_num`` and ``config``. Two things differ from curvlab's GPT:
+
+* attention fuses q, k, v into ``attn.c_attn`` (rows q, then k, then v); curvlab splits it into
+  ``c_q``, ``c_k``, ``c_v``, and splits Adam's moments the same way (they are elementwise);
+* the optimizer state is indexed by position in nanoGPT's two groups: every parameter of dim >= 2 in
+  ``named_parameters`` order (weight-decayed), then every other one. The head is tied to ``wte``.
+
+nanoGPT saves a checkpoint before the step of ``iter_num`` and after setting that step's learning
+rate, so the saved group learning rates are those of the next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from curvlab.models.gpt import GPT, GPTConfig
+
+ATTN_SPLIT = ("c_q", "c_k", "c_v")
+
+
+def is_nanogpt_checkpoint(ckpt: Any) -> bool:
+    return isinstance(ckpt, dict) and "model_args" in ckpt and "model" in ckpt
+
+
+def nanogpt_config(model_args: dict[str, Any]) -> GPTConfig:
+    try:
+        return GPTConfig(
+            vocab_size=int(model_args["vocab_size"]),
+            block_size=int(model_args["block_size"]),
+            n_layer=int(model_args["n_layer"]),
+            n_head=int(model_args["n_head"]),
+            n_embd=int(model_args["n_embd"]),
+            dropout=float(model_args.get("dropout", 0.0)),
+            bias=bool(model_args.get("bias", True)),
+            tie_embeddings=True,
+        )
+    except KeyError as e:
+        raise ValueError(f"nanoGPT model_args lack {e}") from None
+
+
+def nanogpt_parameter_names(cfg: GPTConfig) -> list[str]:
+    """nanoGPT's ``named_parameters()`` order (the tied ``lm_head.weight`` is not listed again)."""
+
+    def linear(prefix: str) -> list[str]:
+        return [f"{prefix}.weight"] + ([f"{prefix}.bias"] if cfg.bias else [])
+
+    names = ["transformer.wte.weight", "transformer.wpe.weight"]
+    for i in range(cfg.n_layer):
+        h = f"transformer.h.{i}"
+        names += linear(f"{h}.ln_1") + linear(f"{h}.attn.c_attn") + linear(f"{h}.attn.c_proj")
+        names += linear(f"{h}.ln_2") + linear(f"{h}.mlp.c_fc") + linear(f"{h}.mlp.c_proj")
+    return names + linear("transformer.ln_f")
+
+
+def curvlab_names(name: str) -> list[str]:
+    """The curvlab parameter(s) one nanoGPT parameter becomes: c_attn splits into c_q, c_k, c_v."""
+    if ".attn.c_attn." in name:
+        return [name.replace("c_attn", part) for part in ATTN_SPLIT]
+    return [name]
+
+
+def _split(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A nanoGPT tensor (weight, bias or an elementwise optimizer moment) keyed by curvlab name(s)."""
+    ours = curvlab_names(name)
+    return dict(zip(ours, value.chunk(3, dim=0))) if len(ours) == 3 else {name: value}
+
+
+def convert_model_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """nanoGPT model state dict -> curvlab GPT state dict."""
+    out = {}
+    for key, value in state.items():
+        key = key.removeprefix("_orig_mod.")
+        if key.endswith(".attn.bias") and value.dim() == 4:  # the causal-mask buffer of the slow path
+            continue
+        out.update(_split(key, value))
+    return out
+
+
+def load_nanogpt(ckpt: dict[str, Any]) -> tuple[GPT, torch.optim.AdamW | None]:
+    """curvlab's GPT and AdamW carrying a nanoGPT checkpoint's weights and optimizer state.
+
+    The optimizer is ``None`` when the checkpoint holds no optimizer state.
+    """
+    cfg = nanogpt_config(ckpt["model_args"])
+    model = GPT(cfg)
+    missing, unexpected = model.load_state_dict(convert_model_state(ckpt["model"]), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
+    if missing or unexpected:
+        raise ValueError(f"nanoGPT state doesn't fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    saved = ckpt.get("optimizer")
+    if not saved:
+        return model, None
+    table = dict(model.named_parameters())
+    names = nanogpt_parameter_names(cfg)
+    their_groups = [
+        [n for n in names if table[curvlab_names(n)[0]].dim() >= 2],  # nanoGPT's weight-decayed group
+        [n for n in names if table[curvlab_names(n)[0]].dim() < 2],
+    ]
+    if [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in their_groups]:
+        raise ValueError("nanoGPT optimizer state doesn't have the expected two groups (decay, no decay)")
+    our_groups = [[m for n in group for m in curvlab_names(n)] for group in their_groups]
+    index = {m: i for i, m in enumerate(our_groups[0] + our_groups[1])}
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+    optimizer = torch.optim.AdamW([{"params": [table[m] for m in ours], **h} for ours, h in zip(our_groups, hyper)])
+    state: dict[int, dict[str, Any]] = {}
+    for group, names_in_group in zip(saved["param_groups"], their_groups):
+        for their_id, name in zip(group["params"], names_in_group):
+            entry = saved["state"].get(their_id)
+            if entry is None:
+                continue
+            pieces = {k: _split(name, v) for k, v in entry.items() if torch.is_tensor(v) and v.dim()}
+            for ours in curvlab_names(name):
+                # clone what isn't split (Adam's scalar step): torch increments it in place, per parameter
+                state[index[ours]] = {
+                    k: pieces[k][ours] if k in pieces else (v.clone() if torch.is_tensor(v) else v)
+                    for k, v in entry.items()
+                }
+    optimizer.load_state_dict(
+        {
+            "state": state,
+            "param_groups": [{**h, "params": [index[m] for m in ours]} for ours, h in zip(our_groups, hyper)],
+        }
+    )
+    return model, optimizer

@@ -1,0 +1,288 @@
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from typer.testing import CliRunner
+
+from curvlab.analysis import AnalysisSettings, analyze_checkpoint, load_report
+from curvlab.checkpoint import load_checkpoint, save_checkpoint
+from curvlab.cli import app
+from curvlab.match import match_runs
+from curvlab.models.nanogpt import load_nanogpt
+from curvlab.studies import compare_runs, track_run
+from curvlab.train import TrainConfig, build_run, restore, train
+from tests.conftest import SMALL_MODEL
+
+runner = CliRunner()
+
+
+def small_run(data, out, optimizer, steps=12, ckpt_every=2, lr=None):
+    options = {"lr": lr} if lr else {}
+    cfg = TrainConfig(
+        data=str(data), out=str(out), model_overrides=SMALL_MODEL, optimizer=optimizer, optimizer_options=options,
+        batch_size=8, steps=steps, warmup_steps=1, eval_every=ckpt_every, ckpt_every=ckpt_every, val_windows=16,
+    )  # fmt: skip
+    train(cfg, progress=False)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def runs(pcfg_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    small_run(pcfg_data, root / "muon", "muon", steps=16)
+    small_run(pcfg_data, root / "adamw", "adamw", steps=16, lr=0.01)
+    return root
+
+
+def test_report_identities_and_schema(runs):
+    report = analyze_checkpoint(runs / "muon" / "ckpt_000008.pt", AnalysisSettings(blocks="layer")).to_dict()
+    b = report["blocks"]
+    assert report["schema_version"] == 1 and report["step"] == 8 and report["optimizer"] == "muon"
+    assert sum(map(sum, b["matrix"])) == pytest.approx(report["nds"], rel=1e-5)
+    assert b["within"] + b["cross"] == pytest.approx(report["nds"], rel=1e-5)
+    assert report["predicted"] == pytest.approx(report["first_order"] - report["curvature_penalty"], rel=1e-12)
+    assert b["names"] == ["embedding", "layer0", "layer1", "final_norm", "head"]
+    assert report["hidden"]["names"] and all(".h." in n for n in report["hidden"]["names"])
+    for key in (
+        "val_loss",
+        "nds",
+        "first_order",
+        "curvature_penalty",
+        "predicted",
+        "realized",
+        "update_norm",
+        "grad_norm",
+        "cosine",
+    ):
+        assert math.isfinite(report[key])
+        if key != "val_loss":
+            assert math.isfinite(report["hidden"][key])
+    for key in ("names", "matrix", "within", "cross", "rho_within", "first_order", "norm", "nds"):
+        assert key in b
+
+
+def test_nds_matches_finite_differences_along_the_step_really_taken(pcfg_data, tmp_path):
+    """Z comes independently from two consecutive checkpoints; NDS by central differences in float64."""
+    cfg = small_run(pcfg_data, tmp_path / "r", "muon", steps=4, ckpt_every=1)
+    report = analyze_checkpoint(tmp_path / "r" / "ckpt_000002.pt", AnalysisSettings(dtype="float64")).to_dict()
+    before = load_checkpoint(tmp_path / "r" / "ckpt_000002.pt")
+    after = load_checkpoint(tmp_path / "r" / "ckpt_000003.pt")["model"]
+    run = build_run(cfg)
+    restore(run, before)
+    x, y = run.loader.next()  # the batch the run trained on next
+    model = copy.deepcopy(run.model).double().eval()
+    names = [n for n, _ in model.named_parameters()]
+    W = {n: p.detach().clone() for n, p in model.named_parameters()}
+    Z = {n: before["model"][n].double() - after[n].double() for n in names}
+    znorm2 = sum(float((z * z).sum()) for z in Z.values())
+    assert report["update_norm"] == pytest.approx(znorm2**0.5, rel=1e-6)  # the analysed Z is the real step
+
+    def loss_at(c):
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+            for n, p in model.named_parameters():
+                p.copy_(W[n] + c * Z[n])
+            logits = model(x)
+            return float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)))
+
+    eps = 1e-2
+    fd = (loss_at(eps) - 2 * loss_at(0.0) + loss_at(-eps)) / (eps**2 * znorm2)
+    assert report["nds"] == pytest.approx(fd, rel=1e-4)
+    realized = loss_at(0.0) - loss_at(-1.0)
+    assert report["realized"] == pytest.approx(realized, rel=1e-6)
+
+
+def test_analysis_never_changes_the_checkpoint(runs):
+    path = runs / "adamw" / "ckpt_000004.pt"
+    before = path.read_bytes()
+    analyze_checkpoint(path)
+    assert path.read_bytes() == before
+
+
+def test_matched_pairs_are_within_tolerance(runs):
+    m = match_runs(runs / "muon", runs / "adamw", levels=6, tolerance=0.03)
+    assert m.pairs
+    for p in m.pairs:
+        assert p.mismatch <= 0.03
+        assert m.low <= p.target <= m.high
+
+
+def test_compare_and_track_write_results_and_reuse_reports(runs, tmp_path, monkeypatch):
+    out = tmp_path / "cmp"
+    result = compare_runs(runs / "muon", runs / "adamw", out, levels=3, tolerance=0.05, progress=False)
+    assert result.ratio_label == "adamw/muon"
+    data = json.loads((out / "compare.json").read_text())
+    assert len(data["pairs"]) == len(result.rows) >= 1
+    row = result.rows[0]
+    assert row["ratio_nds"] == pytest.approx(row["nds_b"] / row["nds_a"])  # run B is the AdamW one
+    assert (out / "compare.csv").read_text().startswith("target,mismatch,")
+    import curvlab.analysis as analysis
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a cached report was recomputed")
+
+    monkeypatch.setattr(analysis, "analyze_checkpoint", forbidden)
+    compare_runs(runs / "muon", runs / "adamw", out, levels=3, tolerance=0.05, progress=False)
+    monkeypatch.undo()
+    rows = track_run(runs / "muon", tmp_path / "track", every=4, progress=False)
+    assert [r["step"] for r in rows] == [2, 10]
+    assert all(r["within"] + r["cross"] == pytest.approx(r["nds"], rel=1e-5) for r in rows)
+    for p in (tmp_path / "track" / "reports").iterdir():
+        load_report(p)
+
+
+class NanoBlock(nn.Module):
+    """nanoGPT's block, written here as the reference: fused c_attn, LayerNorm with bias, GELU MLP."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = nn.Module()
+        self.attn.c_attn = nn.Linear(d, 3 * d)
+        self.attn.c_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = nn.Linear(d, 4 * d)
+        self.mlp.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.attn.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.attn.c_proj(y)
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab=64, block=16, layers=2, heads=2, d=16):
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, d),
+                "wpe": nn.Embedding(block, d),
+                "h": nn.ModuleList(NanoBlock(d, heads) for _ in range(layers)),
+                "ln_f": nn.LayerNorm(d),
+            }
+        )
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def configure_optimizers(self, lr):  # nanoGPT's grouping: dim >= 2 decays
+        params = {n: p for n, p in self.named_parameters()}
+        decay = [p for p in params.values() if p.dim() >= 2]
+        no_decay = [p for p in params.values() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def nanogpt_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    ref = NanoGPT()
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.normal_(1.0, 0.2)
+                m.bias.normal_(0.0, 0.2)
+    opt = ref.configure_optimizers(lr=1e-2)
+    for _ in range(3):
+        idx = torch.randint(0, 64, (4, 17))
+        loss = F.cross_entropy(ref(idx[:, :-1]).reshape(-1, 64), idx[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model_args = {
+        "n_layer": 2,
+        "n_head": 2,
+        "n_embd": 16,
+        "block_size": 16,
+        "bias": True,
+        "vocab_size": 64,
+        "dropout": 0.0,
+    }
+    ckpt = {"model": ref.state_dict(), "optimizer": opt.state_dict(), "model_args": model_args, "iter_num": 3,
+            "best_val_loss": 4.0, "config": {"batch_size": 4, "grad_clip": 1.0}}  # fmt: skip
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    return ref, opt, ckpt
+
+
+def test_nanogpt_import_gives_same_logits_and_same_next_step(tmp_path):
+    ref, ref_opt, _ = nanogpt_checkpoint(tmp_path)
+    model, opt = load_nanogpt(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    idx = torch.randint(0, 64, (3, 16))
+    with sdpa_kernel(SDPBackend.MATH):
+        assert torch.allclose(model(idx), ref(idx), atol=1e-6, rtol=1e-5)
+    x = torch.randint(0, 64, (4, 17))
+    for m, o in ((ref, ref_opt), (model, opt)):
+        o.zero_grad()
+        F.cross_entropy(m(x[:, :-1]).reshape(-1, 64), x[:, 1:].reshape(-1)).backward()
+        o.step()
+    ours = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        if ".attn.c_attn." in name:
+            parts = [ours[name.replace("c_attn", s)] for s in ("c_q", "c_k", "c_v")]
+            if name.endswith("bias"):
+                # softmax is invariant to the key bias: its gradient is 0 up to rounding noise, which
+                # Adam's m/sqrt(v) blows up to steps of size lr; compare the query and value biases only
+                parts[1], p = parts[1][:0], torch.cat([p.chunk(3)[0], p.chunk(3)[2]])
+            mine = torch.cat(parts)
+        else:
+            mine = ours[name]
+        assert torch.allclose(mine, p, atol=1e-6), name
+
+
+def test_nds_command_on_a_nanogpt_checkpoint(tmp_path):
+    nanogpt_checkpoint(tmp_path)
+    import numpy as np
+
+    from curvlab.data.shards import write_shard
+
+    data = tmp_path / "data"
+    rng = np.random.default_rng(0)
+    write_shard(data / "train_000000.bin", rng.integers(0, 64, 5000))
+    write_shard(data / "val_000000.bin", rng.integers(0, 64, 2000))
+    r = runner.invoke(app, ["nds", str(tmp_path / "ckpt.pt"), "--data", str(data), "--out", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    report = load_report(tmp_path / "r.json")
+    assert report["optimizer"] == "adamw" and report["step"] == 3 and math.isfinite(report["nds"])
+    r = runner.invoke(app, ["nds", str(tmp_path / "ckpt.pt")])
+    assert r.exit_code == 2 and "pass --data" in r.output
+
+
+def test_bad_inputs(runs, tmp_path):
+    r = runner.invoke(app, ["nds", str(tmp_path / "missing.pt")])
+    assert r.exit_code == 2 and "no such checkpoint" in r.output
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    r = runner.invoke(app, ["nds", str(tmp_path / "bad.pt"), "--out", str(tmp_path / "out.json")])
+    assert r.exit_code == 2 and "corrupt" in r.output and not (tmp_path / "out.json").exists()
+    ckpt = load_checkpoint(runs / "muon" / "ckpt_000004.pt")
+    save_checkpoint(
+        tmp_path / "noopt.pt", {k: v for k, v in ckpt.items() if k not in ("optimizer", "format", "version")}
+    )
+    r = runner.invoke(app, ["nds", str(tmp_path / "noopt.pt")])
+    assert r.exit_code == 2 and "no optimizer state" in r.output
+    moved = dict(ckpt)
+    moved["config"] = {**ckpt["config"], "data": str(tmp_path / "gone")}
+    save_checkpoint(tmp_path / "moved.pt", {k: v for k, v in moved.items() if k not in ("format", "version")})
+    r = runner.invoke(app, ["nds", str(tmp_path / "moved.pt")])
+    assert r.exit_code == 2 and "is gone" in r.output
+    r = runner.invoke(app, ["nds", str(runs / "muon" / "ckpt_000004.pt"), "--blocks", "rows"])
+    assert r.exit_code == 2 and "unknown block grouping" in r.output
+    r = runner.invoke(app, ["nds", str(runs / "muon" / "ckpt_000004.pt"), "--batch", "test"])
+    assert r.exit_code == 2 and "--batch" in r.output
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "index.json").write_text(json.dumps([{"step": 5, "val_loss": 0.5, "path": "x.pt"}]))
+    with pytest.raises(ValueError, match="never overlap"):
+        match_runs(runs / "muon", fake)
