@@ -4,7 +4,8 @@ Muon orthogonalizes its momentum with a few steps of an odd matrix polynomial,
 :math:`X \leftarrow a X + (b A + c A^2) X` with :math:`A = X X^\top`, which maps each singular value
 :math:`\sigma` through :math:`p(\sigma) = a\sigma + b\sigma^3 + c\sigma^5` and leaves U, V alone.
 
-* ``"svd"``: the exact polar factor (computed in float64).
+* ``"svd"``: the exact polar factor (computed in float64); on a rank-deficient matrix, the partial
+  isometry :math:`U_r V_r^\top` of its nonzero singular values.
 * ``"newton_schulz"``: Keller Jordan's quintic (3.4445, -4.7750, 2.0315), 5 steps, after dividing by
   the Frobenius norm; singular values land in roughly [0.7, 1.1], not at 1 (SCIENCE.md section 9).
 * ``"polar_express"``: Amsel et al. (2025): a different minimax-optimal quintic at every step, for a
@@ -134,8 +135,12 @@ def msign(
         raise ValueError(f"msign of an empty matrix (shape {tuple(X.shape)})")
     out_dtype = X.dtype if X.dtype in (torch.float32, torch.float64) else torch.float32
     if method == "svd":
-        U, _, Vh = torch.linalg.svd(X.double(), full_matrices=False)
-        return (U @ Vh).to(out_dtype)
+        U, S, Vh = torch.linalg.svd(X.double(), full_matrices=False)
+        # Zero singular values map to 0 (as any odd polynomial maps them): their singular vectors are
+        # arbitrary. "Zero" is below numpy's matrix_rank tolerance in the input's precision.
+        eps = torch.finfo(X.dtype if X.is_floating_point() else torch.float64).eps
+        keep = S.amax(dim=-1, keepdim=True) * max(X.shape[-2:]) * eps < S
+        return ((U * keep.unsqueeze(-2)) @ Vh).to(out_dtype)
     steps = 5 if steps is None else steps
     if method == "newton_schulz":
         schedule = [coefficients or NEWTON_SCHULZ_COEFFICIENTS] * steps

@@ -58,3 +58,31 @@ def test_train_command_trains_and_resumes(pcfg_data, tmp_path):
     assert r.exit_code == 2 and "steps: 6 -> 9" in r.output
     r = runner.invoke(app, ["train", "--out", str(out)])
     assert r.exit_code == 2 and "--data is required" in r.output
+
+
+def test_quadratic_command_writes_results_and_figures(tmp_path):
+    r = runner.invoke(
+        app,
+        [
+            "quadratic",
+            "--out",
+            str(tmp_path),
+            "--d",
+            "32",
+            "--q",
+            "20",
+            "--m",
+            "2",
+            "--steps",
+            "6",
+            "--sweep-steps",
+            "5",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    result = __import__("json").loads((tmp_path / "quadratic.json").read_text())
+    assert result["example"]["closed_forms"]["muon_nds"] == 0.1 * 100 + 0.9 * 1
+    for stem in ("quadratic_trajectories", "quadratic_phase"):
+        assert (tmp_path / f"{stem}.png").stat().st_size > 1000 and (tmp_path / f"{stem}.pdf").is_file()
+    r = runner.invoke(app, ["quadratic", "--out", str(tmp_path), "--q", "10", "--m", "6", "--d", "16"])
+    assert r.exit_code == 2 and "α = m/q < 1/2" in r.output
