@@ -8,7 +8,7 @@ and over the hidden matrices, and the block interaction matrix. Nothing is writt
 
 Report JSON (``REPORT_SCHEMA_VERSION`` = 1)::
 
-    schema_version, checkpoint, step, val_loss, optimizer, settings{blocks, batch, val_batches, dtype,
+    schema_version, checkpoint, step, val_loss, optimizer, settings{blocks, batch, batches, dtype,
     block_method}, loss, nds, first_order, curvature_penalty, predicted, realized, update_norm,
     grad_norm, cosine, hidden{the same eight, over the hidden 2-D matrices, or null},
     blocks{grouping, names, matrix, within, cross, total_nds, rho_within, first_order[], norm[],
@@ -31,7 +31,8 @@ import torch
 
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import check_checkpoint
-from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split
+from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split, taylor_split_and_block_matrix
+from curvlab.distributed import is_main
 from curvlab.loss import ModuleLoss, make_loss_fn
 from curvlab.models.nanogpt import is_nanogpt_checkpoint, load_nanogpt
 from curvlab.optim import next_update
@@ -48,17 +49,20 @@ class AnalysisSettings:
 
     blocks: str = "layer"
     batch: str = "train"
-    val_batches: int = 4
+    batches: int = 1  # train: the step's batch and the N - 1 after it; val: the first N validation batches
     dtype: str = "float32"
     block_method: str = "hvp"
+    spectrum_top: int = 0  # > 0: also λ_max, the top-k eigenvalues, Z's overlap with them and the trace
 
     def validate(self) -> None:
         if self.batch not in BATCHES:
             raise ValueError(f"unknown --batch {self.batch!r}; choose train (the next step's batch) or val")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose float32 or float64")
-        if self.val_batches < 1:
-            raise ValueError("val_batches must be >= 1")
+        if self.batches < 1:
+            raise ValueError(f"batches must be >= 1, got {self.batches}")
+        if self.spectrum_top < 0:
+            raise ValueError(f"spectrum_top must be >= 0, got {self.spectrum_top}")
 
     def key(self) -> str:
         """A short stable hash, for caching reports."""
@@ -72,7 +76,7 @@ class Target:
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    next_batch: tuple[torch.Tensor, torch.Tensor]
+    train_batches: list  # the batch of the next step first, then the ones after it
     val_batches: list
     grad_clip: float | None
     step: int
@@ -80,10 +84,13 @@ class Target:
     optimizer_name: str
 
 
-def open_checkpoint(path: str | Path, data: str | Path | None = None, device: str = "cpu") -> Target:
-    """Rebuild the model, optimizer and next batch of a curvlab or nanoGPT checkpoint.
+def open_checkpoint(
+    path: str | Path, data: str | Path | None = None, device: str = "cpu", train_batches: int = 1
+) -> Target:
+    """Rebuild the model, optimizer and next batches of a curvlab or nanoGPT checkpoint.
 
     Args:
+        train_batches: how many training batches to draw, from the one the next step trains on.
         data: the data directory; default the one recorded in a curvlab checkpoint (required for
             nanoGPT checkpoints, which don't record where their data lie).
     """
@@ -112,7 +119,7 @@ def open_checkpoint(path: str | Path, data: str | Path | None = None, device: st
         return Target(
             model.to(device),
             optimizer,
-            loader.next(),
+            [loader.next() for _ in range(train_batches)],
             val,
             conf.get("grad_clip", 1.0) or None,
             int(raw.get("iter_num", 0)),
@@ -134,7 +141,7 @@ def open_checkpoint(path: str | Path, data: str | Path | None = None, device: st
     return Target(
         run.model,
         run.optimizer,
-        tuple(t.to(run.device) for t in run.loader.next()),
+        [tuple(t.to(run.device) for t in run.loader.next()) for _ in range(train_batches)],
         [tuple(t.to(run.device) for t in b) for b in run.val_batches],
         cfg.grad_clip,
         run.step,
@@ -156,6 +163,7 @@ class CurvatureReport:
     blocks: BlockMatrix
     seconds: float
     hvp_seconds: float
+    spectrum: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         split = self.split.to_dict()
@@ -171,6 +179,7 @@ class CurvatureReport:
             **split,
             "hidden": None if hidden is None else {**hidden, "names": names},
             "blocks": {"grouping": self.settings.blocks, **self.blocks.to_dict()},
+            "spectrum": self.spectrum,
             "timing": {"seconds": self.seconds, "hvp_seconds": self.hvp_seconds},
         }
 
@@ -184,13 +193,21 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
     start = time.perf_counter()
     model = target.model
     loss_fn: ModuleLoss = make_loss_fn(model)
-    _, Z = next_update(model, target.optimizer, loss_fn, target.next_batch, max_grad_norm=target.grad_clip)
-    D = target.next_batch if settings.batch == "train" else list(target.val_batches[: settings.val_batches])
+    step_batch = target.train_batches[0]
+    _, Z = next_update(model, target.optimizer, loss_fn, step_batch, max_grad_norm=target.grad_clip)
+    pool = target.train_batches if settings.batch == "train" else target.val_batches
+    D = step_batch if settings.batch == "train" and settings.batches == 1 else list(pool[: settings.batches])
     params = {n: p.detach() for n, p in model.named_parameters()}
     dtype = DTYPES[settings.dtype]
     hvp_start = time.perf_counter()
-    split = taylor_split(loss_fn, params, D, Z, dtype=dtype)
-    blocks = block_matrix(loss_fn, params, D, Z, blocks=settings.blocks, method=settings.block_method, dtype=dtype)
+    if settings.block_method == "hvp":  # one vectorized call serves both
+        split, blocks = taylor_split_and_block_matrix(loss_fn, params, D, Z, settings.blocks, dtype=dtype)
+    else:
+        split = taylor_split(loss_fn, params, D, Z, dtype=dtype)
+        blocks = block_matrix(loss_fn, params, D, Z, blocks=settings.blocks, method=settings.block_method, dtype=dtype)
+    spectrum = None
+    if settings.spectrum_top:
+        spectrum = update_spectrum(loss_fn, params, D, Z, split.nds, settings.spectrum_top, dtype)
     hvp_seconds = time.perf_counter() - hvp_start
     return CurvatureReport(
         checkpoint=checkpoint,
@@ -202,7 +219,39 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
         blocks=blocks,
         seconds=time.perf_counter() - start,
         hvp_seconds=hvp_seconds,
+        spectrum=spectrum,
     )
+
+
+def update_spectrum(
+    loss_fn, params, batch, Z, nds: float, k: int, dtype: torch.dtype, trace_samples: int = 32
+) -> dict[str, Any]:
+    r"""λ_max and the top-k eigenpairs of H (Lanczos), the share of :math:`\|Z\|^2` in their span, and
+    the trace (Hutchinson) per parameter: is NDS low because the landscape is flat, or because Z
+    steers around the sharp directions? Checks NDS <= λ_max (a Rayleigh quotient can't exceed it)."""
+    from curvlab import params as P
+    from curvlab.spectral import hessian_operator_flat, hutchinson, lanczos, overlap_with
+
+    op = hessian_operator_flat(loss_fn, params, batch, dtype=dtype)
+    top = lanczos(op, k=k, max_iter=max(60, 4 * k), tol=1e-4)
+    lam = float(top.eigenvalues[0])
+    slack = 1e-4 * abs(lam) + float(top.residuals.max())
+    if top.converged and nds > lam + slack:
+        raise RuntimeError(f"NDS {nds:.6g} exceeds λ_max {lam:.6g}: the HVPs or the update are inconsistent")
+    trace = hutchinson(hessian_operator_flat(loss_fn, params, batch, dtype=dtype), samples=trace_samples)
+    z = P.flatten({n: Z[n] for n in params}).to(top.eigenvectors.dtype)
+    return {
+        "lambda_max": lam,
+        "top": top.eigenvalues.tolist(),
+        "residuals": top.residuals.tolist(),
+        "converged": top.converged,
+        "num_hvps": top.num_matvecs + trace.num_matvecs,
+        "overlap_top_k": overlap_with(top.eigenvectors, z),
+        "nds_over_lambda_max": nds / lam if lam else float("nan"),
+        "trace": trace.trace,
+        "trace_std_error": trace.std_error,
+        "trace_per_parameter": trace.trace / op.dim,
+    }
 
 
 def analyze_checkpoint(
@@ -211,7 +260,7 @@ def analyze_checkpoint(
     """Open a checkpoint and analyse its next step (see :func:`analyze`)."""
     settings = settings or AnalysisSettings()
     settings.validate()
-    return analyze(open_checkpoint(path, data, device), settings, str(path))
+    return analyze(open_checkpoint(path, data, device, settings.batches), settings, str(path))
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
@@ -226,19 +275,93 @@ def load_report(path: str | Path) -> dict[str, Any]:
     return report
 
 
-def cached_report(
-    cache_dir: str | Path, checkpoint: str | Path, settings: AnalysisSettings, data=None, device="cpu"
-) -> dict[str, Any]:
-    """The report of ``checkpoint`` under ``settings``: read from ``cache_dir`` when it was made
-    before (same checkpoint file, same settings), else computed and saved there."""
+def report_cache_path(cache_dir: str | Path, checkpoint: str | Path, settings: AnalysisSettings) -> Path:
+    """Where the report of ``checkpoint`` under ``settings`` is cached: the name hashes the settings
+    and the checkpoint file's identity (path, size, modification time)."""
     checkpoint = Path(checkpoint).resolve()
     stat = checkpoint.stat() if checkpoint.is_file() else None
     ident = f"{checkpoint}:{stat.st_size if stat else 0}:{stat.st_mtime_ns if stat else 0}"
     digest = hashlib.sha256(ident.encode()).hexdigest()[:8]
-    name = f"{checkpoint.parent.name}-{checkpoint.stem}-{settings.key()}-{digest}.json"
-    path = Path(cache_dir) / name
+    return Path(cache_dir) / f"{checkpoint.parent.name}-{checkpoint.stem}-{settings.key()}-{digest}.json"
+
+
+def cached_report(
+    cache_dir: str | Path, checkpoint: str | Path, settings: AnalysisSettings, data=None, device="cpu"
+) -> dict[str, Any]:
+    """The report of ``checkpoint`` under ``settings``: read from ``cache_dir`` when it was made
+    before, else computed and saved there (see :func:`report_cache_path`)."""
+    path = report_cache_path(cache_dir, checkpoint, settings)
     if path.is_file():
         return load_report(path)
-    report = analyze_checkpoint(checkpoint, settings, data, device)
-    report.save(path)
+    report = analyze_checkpoint(Path(checkpoint).resolve(), settings, data, device)
+    if is_main():  # under torch.distributed every rank computed it; one writes it
+        report.save(path)
     return report.to_dict()
+
+
+def checkpoint_spectrum(
+    path: str | Path,
+    top: int = 5,
+    bottom: int = 0,
+    trace: bool = False,
+    density: bool = False,
+    blocks: str | None = None,
+    preconditioned: bool = False,
+    settings: AnalysisSettings | None = None,
+    data: str | Path | None = None,
+    device: str = "cpu",
+    max_iter: int = 100,
+) -> dict[str, Any]:
+    """The Hessian spectrum at a checkpoint (on the batches ``settings`` choose): top/bottom
+    eigenvalues, trace (Hutchinson and Hutch++), spectral density, per-block λ_max, and Adam's
+    preconditioned sharpness beside its edge-of-stability value 38/η; plus NDS of the next update."""
+    from curvlab.blocks import group_parameters
+    from curvlab.spectral import (
+        adam_preconditioner,
+        hessian_operator_flat,
+        hutch_plus_plus,
+        hutchinson,
+        lanczos,
+        preconditioned_operator,
+        spectral_density,
+    )
+
+    settings = settings or AnalysisSettings()
+    settings.validate()
+    target = open_checkpoint(path, data, device, settings.batches)
+    model, loss_fn = target.model, make_loss_fn(target.model)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    D = (
+        target.train_batches[0]
+        if settings.batch == "train" and settings.batches == 1
+        else list((target.train_batches if settings.batch == "train" else target.val_batches)[: settings.batches])
+    )
+    dtype = DTYPES[settings.dtype]
+
+    def operator(subset=None):
+        return hessian_operator_flat(loss_fn, params, D, subset=subset, dtype=dtype)
+
+    out: dict[str, Any] = {"checkpoint": str(path), "step": target.step, "optimizer": target.optimizer_name}
+    if top:
+        out["top"] = lanczos(operator(), k=top, max_iter=max_iter).to_dict()
+    if bottom:
+        out["bottom"] = lanczos(operator(), k=bottom, which="smallest", max_iter=max_iter).to_dict()
+    if trace:
+        out["trace"] = {
+            "hutchinson": hutchinson(operator()).to_dict(),
+            "hutch++": hutch_plus_plus(operator()).to_dict(),
+        }
+    if density:
+        out["density"] = spectral_density(operator()).to_dict()
+    if blocks:
+        members = group_parameters(params, blocks)
+        out["blocks"] = {
+            name: lanczos(operator(names), k=1, max_iter=max_iter).to_dict() for name, names in members.items()
+        }
+    if preconditioned:
+        names = list(params)
+        P = adam_preconditioner(target.optimizer, model, names)
+        result = lanczos(preconditioned_operator(operator(), P), k=1, max_iter=max_iter)
+        lr = target.optimizer.param_groups[0]["lr"]
+        out["preconditioned"] = {**result.to_dict(), "lr": lr, "edge_of_stability": 38.0 / lr}
+    return out

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import typer
 
 import curvlab
+from curvlab.distributed import distributed_context
 
 app = typer.Typer(
     help="curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block curvature).",
@@ -32,8 +34,11 @@ def one_line_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-            typer.echo(f"error: {e}", err=True)
+        except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as e:
+            # torchrun's environment, not the process group: that is torn down before we get here
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            where = f"rank {os.environ.get('RANK', '0')}/{world}: " if world > 1 else ""
+            typer.echo(f"error: {where}{e}".splitlines()[0], err=True)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -183,26 +188,28 @@ def train(
         if not fields.get(required):
             raise ValueError(f"--{required} is required (or give it in --config)")
     cfg = TrainConfig.from_dict(fields)
-    result = run_training(cfg, progress=not quiet)
-    resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
-    typer.echo(
-        f"trained {cfg.optimizer} to step {result.step}{resumed}: val loss {result.val_loss:.4f}, "
-        f"{result.tokens_per_second:.0f} tokens/s; checkpoints in {result.out}"
-    )
+    with distributed_context() as (rank, world):
+        result = run_training(cfg, progress=not quiet, rank=rank, world=world)
+    if rank == 0:
+        resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
+        ranks = f" on {world} ranks" if world > 1 else ""
+        typer.echo(
+            f"trained {cfg.optimizer} to step {result.step}{resumed}{ranks}: val loss {result.val_loss:.4f}, "
+            f"{result.tokens_per_second:.0f} tokens/s per rank; checkpoints in {result.out}"
+        )
 
 
-def _settings(blocks: str, batch: str, val_batches: int, dtype: str, block_method: str):
+def _settings(blocks: str, batch: str, batches: int, dtype: str, block_method: str):
     from curvlab.analysis import AnalysisSettings
 
-    settings = AnalysisSettings(
-        blocks=blocks, batch=batch, val_batches=val_batches, dtype=dtype, block_method=block_method
-    )
+    settings = AnalysisSettings(blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method)
     settings.validate()
     return settings
 
 
 BLOCKS_HELP = "Block grouping: layer, tensor or kind."
 BATCH_HELP = "Evaluate G, H and the decrease on the next step's batch (train) or on validation windows (val)."
+BATCHES_HELP = "Batches accumulated: train: the step's batch and the N-1 after it; val: the first N."
 
 
 @app.command()
@@ -211,7 +218,7 @@ def nds(
     checkpoint: Path = typer.Argument(..., help="A curvlab checkpoint, or a nanoGPT ckpt.pt (with --data)."),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
-    val_batches: int = typer.Option(4, help="Validation batches accumulated with --batch val."),
+    batches: int = typer.Option(1, help=BATCHES_HELP),
     data: Path = typer.Option(None, help="Data directory (default: the one the checkpoint was trained on)."),
     out: Path = typer.Option(None, help="Write the report JSON here."),
     dtype: str = typer.Option("float32", help="float32 or float64."),
@@ -221,7 +228,10 @@ def nds(
     """NDS, Taylor split and block interaction matrix of a checkpoint's next update."""
     from curvlab.analysis import analyze_checkpoint
 
-    report = analyze_checkpoint(checkpoint, _settings(blocks, batch, val_batches, dtype, block_method), data, device)
+    with distributed_context() as (rank, _):
+        report = analyze_checkpoint(checkpoint, _settings(blocks, batch, batches, dtype, block_method), data, device)
+    if rank != 0:
+        return
     d = report.to_dict()
     typer.echo(f"{checkpoint}: step {d['step']}, optimizer {d['optimizer']}, val loss {d['val_loss']:.4f}")
     keys = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "grad_norm", "cosine")
@@ -252,7 +262,7 @@ def compare(
     out: Path = typer.Option(Path("compare"), help="Output directory (compare.csv, compare.json, reports/)."),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
-    val_batches: int = typer.Option(4, help="Validation batches with --batch val."),
+    batches: int = typer.Option(1, help=BATCHES_HELP),
     dtype: str = typer.Option("float32", help="float32 or float64."),
     device: str = typer.Option("cpu", help="Device for the analysis."),
     quiet: bool = typer.Option(False, help="No progress bar."),
@@ -260,8 +270,11 @@ def compare(
     """Compare two runs at matched validation loss: NDS, first-order gain, curvature penalty, update norm."""
     from curvlab.studies import RATIO_KEYS, compare_runs
 
-    settings = _settings(blocks, batch, val_batches, dtype, "hvp")
-    result = compare_runs(run_a, run_b, out, levels, tolerance, settings, device, progress=not quiet)
+    settings = _settings(blocks, batch, batches, dtype, "hvp")
+    with distributed_context() as (rank, _):
+        result = compare_runs(run_a, run_b, out, levels, tolerance, settings, device, progress=not quiet and rank == 0)
+    if rank != 0:
+        return
     for message in result.refused:
         typer.echo(f"refused {message}", err=True)
     rows = [(r["target"], r["step_a"], r["step_b"], *(r[f"ratio_{k}"] for k in RATIO_KEYS)) for r in result.rows]
@@ -279,19 +292,84 @@ def track(
     out: Path = typer.Option(None, help="Output directory (default: RUN/track)."),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
-    val_batches: int = typer.Option(4, help="Validation batches with --batch val."),
+    batches: int = typer.Option(1, help=BATCHES_HELP),
     dtype: str = typer.Option("float32", help="float32 or float64."),
+    spectrum: int = typer.Option(0, help="Also λ_max and the top-K eigenvalues at each checkpoint (K > 0)."),
     device: str = typer.Option("cpu", help="Device for the analysis."),
     quiet: bool = typer.Option(False, help="No progress bar."),
 ) -> None:
-    """Curvature along a run's trajectory: NDS, within- and cross-layer NDS, rho_within."""
+    """Curvature along a run's trajectory: NDS, within- and cross-layer NDS, rho_within (and λ_max)."""
+    from curvlab.analysis import AnalysisSettings
     from curvlab.studies import track_run
 
     out = out or run / "track"
-    rows = track_run(run, out, every, _settings(blocks, batch, val_batches, dtype, "hvp"), device, progress=not quiet)
+    settings = AnalysisSettings(blocks, batch, batches, dtype, "hvp", spectrum_top=spectrum)
+    with distributed_context() as (rank, _):
+        rows = track_run(run, out, every, settings, device, progress=not quiet and rank == 0)
+    if rank != 0:
+        return
     keys = ("step", "val_loss", "nds", "within", "cross", "rho_within", "update_norm")
+    keys += ("lambda_max", "overlap_top_k") if spectrum else ()
     print_table([tuple(r[k] for k in keys) for r in rows], keys)
-    typer.echo(f"wrote {out / 'track.csv'} and {out / 'track.json'}")
+    written = [out / "track.csv", out / "track.json"]
+    if spectrum:
+        from curvlab.plots import lambda_max_along_run
+
+        written += lambda_max_along_run({rows[0]["optimizer"]: rows}, out / "lambda_max_vs_nds")
+    typer.echo("wrote " + ", ".join(map(str, written)))
+
+
+@app.command()
+@one_line_errors
+def spectrum(
+    checkpoint: Path = typer.Argument(..., help="A curvlab checkpoint, or a nanoGPT ckpt.pt (with --data)."),
+    top: int = typer.Option(5, help="Largest eigenvalues (Lanczos)."),
+    bottom: int = typer.Option(0, help="Smallest eigenvalues."),
+    trace: bool = typer.Option(False, help="Trace by Hutchinson and Hutch++."),
+    density: bool = typer.Option(False, help="Spectral density by stochastic Lanczos quadrature (and its figure)."),
+    blocks: str = typer.Option(None, help="Also λ_max of each block of this grouping (layer, tensor, kind)."),
+    preconditioned: bool = typer.Option(False, help="Adam's preconditioned sharpness (AdamW checkpoints)."),
+    batch: str = typer.Option("train", help=BATCH_HELP),
+    batches: int = typer.Option(1, help=BATCHES_HELP),
+    data: Path = typer.Option(None, help="Data directory (default: the checkpoint's)."),
+    max_iter: int = typer.Option(100, help="Lanczos iterations at most (HVPs)."),
+    out: Path = typer.Option(None, help="Output directory for spectrum.json (and the density figure)."),
+    dtype: str = typer.Option("float32", help="float32 or float64."),
+    device: str = typer.Option("cpu", help="Device."),
+) -> None:
+    """The Hessian spectrum at a checkpoint: extreme eigenvalues, trace, density, block and preconditioned sharpness."""
+    from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
+
+    settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype)
+    result = checkpoint_spectrum(
+        checkpoint, top, bottom, trace, density, blocks, preconditioned, settings, data, device, max_iter
+    )
+    rows = []
+    for key in ("top", "bottom"):
+        if key in result:
+            r = result[key]
+            rows += [
+                (key, f"{v:.6g}", f"{res:.2g}", r["converged"]) for v, res in zip(r["eigenvalues"], r["residuals"])
+            ]
+    for name, r in result.get("blocks", {}).items():
+        rows.append((f"λ_max {name}", f"{r['eigenvalues'][0]:.6g}", f"{r['residuals'][0]:.2g}", r["converged"]))
+    if "preconditioned" in result:
+        r = result["preconditioned"]
+        rows.append(("P^-1/2 H P^-1/2", f"{r['eigenvalues'][0]:.6g}", f"{r['residuals'][0]:.2g}", r["converged"]))
+        rows.append(("38 / lr", f"{r['edge_of_stability']:.6g}", "", ""))
+    print_table(rows, ("what", "eigenvalue", "residual", "converged"))
+    for name, t in result.get("trace", {}).items():
+        typer.echo(f"trace ({name}): {t['trace']:.6g} ± {t['std_error']:.2g} ({t['num_matvecs']} HVPs)")
+    if out:
+        from curvlab.atomic import atomic_write_text
+
+        atomic_write_text(out / "spectrum.json", json.dumps(result, indent=1))
+        written = [out / "spectrum.json"]
+        if density:
+            from curvlab.plots import spectral_density_plot
+
+            written += spectral_density_plot(result["density"], out / "spectral_density", f"step {result['step']}")
+        typer.echo("wrote " + ", ".join(map(str, written)))
 
 
 @app.command()
@@ -331,6 +409,29 @@ def quadratic(
         f"GD two-step {closed['gd_two_step_contraction']:.6f}; theorem condition holds: {closed['theorem_condition']}"
     )
     typer.echo("wrote " + ", ".join(str(p) for p in [out / "quadratic.json", *paths]))
+
+
+@app.command()
+@one_line_errors
+def reproduce(
+    preset: str = typer.Option("quick", help="micro (seconds), quick (CPU, < 10 min) or paper (GPU)."),
+    out: Path = typer.Option(None, help="Output directory [default: results/<preset>]; a re-run continues it."),
+    fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),
+    quiet: bool = typer.Option(False, help="No progress bars."),
+) -> None:
+    """The whole reproduction: data, training, matched-loss analysis, quadratic model, figures, report.md."""
+    from curvlab.reproduce import PRESETS, Reproduction
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    out = out or Path("results") / preset
+    summary = Reproduction(PRESETS[preset], out, fineweb, progress=not quiet).run()
+    r = summary["mean_ratios"]
+    typer.echo(
+        f"AdamW/Muon at matched loss: NDS {r['nds']:.2f}, first-order {r['first_order']:.2f}, "
+        f"curvature penalty {r['curvature_penalty']:.2f}, update norm {r['update_norm']:.2f}"
+    )
+    typer.echo(f"finished in {summary['seconds']:.0f} s; report: {out / 'report.md'}")
 
 
 def main() -> None:

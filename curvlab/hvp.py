@@ -31,6 +31,7 @@ from torch.func import grad_and_value, jvp, vmap
 from torch.utils._pytree import tree_map
 
 from curvlab import params as P
+from curvlab.distributed import all_reduce_sum, my_share, rank_and_world
 from curvlab.exact_ops import exact_second_order
 from curvlab.loss import LossFn, weighted_batches
 
@@ -60,6 +61,20 @@ def _scalar_loss(loss_fn: LossFn, batch: Any):
 def _check_finite_loss(loss: Tensor) -> None:
     if not torch.isfinite(loss).all():
         raise ValueError(f"the loss is not finite ({float(loss)}) at these parameters and batch")
+
+
+def shared_batches(batch: Any) -> tuple[list[tuple[Any, float]], bool]:
+    """This process's ``(batch, weight)`` pairs and whether results must be summed across ranks.
+
+    Weights are normalized over *all* batches (every rank knows them all), so under torch.distributed
+    each rank takes its share and the token-weighted sums are all-reduced: exactly the one-process
+    result. With fewer batches than ranks, every rank computes everything and nothing is reduced.
+    """
+    pairs = weighted_batches(batch)
+    world = rank_and_world()[1]
+    if world > 1 and len(pairs) >= world:
+        return my_share(pairs), True
+    return pairs, False
 
 
 def _check_method(method: str) -> None:
@@ -145,12 +160,13 @@ def evaluate_loss(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Any, dty
     so that differences of losses and Taylor predictions are comparable."""
     p = P.cast(params, working_dtype(params, dtype))
     total = 0.0
+    pairs, reduce = shared_batches(batch)
     with torch.no_grad(), exact_second_order():
-        for b, w in weighted_batches(batch):
+        for b, w in pairs:
             loss = _scalar_loss(loss_fn, b)(p)
             _check_finite_loss(loss)
             total += w * float(loss)
-    return total
+    return all_reduce_sum(total) if reduce else total
 
 
 def gradient_and_hvps(
@@ -177,15 +193,18 @@ def gradient_and_hvps(
     dt = working_dtype(params, dtype)
     p = P.cast(params, dt)
     vs = P.cast(vs, dt)
-    loss_total, g_total, hv_total = 0.0, None, None
+    loss_total, g_total, hv_total = 0.0, P.zeros_like(p), P.zeros_like(vs)
+    pairs, reduce = shared_batches(batch)
     with exact_second_order():
-        for b, w in weighted_batches(batch):
+        for b, w in pairs:
             f = _scalar_loss(loss_fn, b)
             loss, g, hv = _fwd_rev(f, p, vs, chunk_size) if method == "fwd_rev" else _rev_rev(f, p, vs, chunk_size)
             _check_finite_loss(loss)
             loss_total += w * float(loss)
-            g_total = P.scale(g, w) if g_total is None else P.add(g_total, g, w)
-            hv_total = P.scale(hv, w) if hv_total is None else P.add(hv_total, hv, w)
+            g_total = P.add(g_total, g, w)
+            hv_total = P.add(hv_total, hv, w)
+    if reduce:
+        loss_total, g_total, hv_total = all_reduce_sum(loss_total), all_reduce_sum(g_total), all_reduce_sum(hv_total)
     return loss_total, g_total, hv_total
 
 
@@ -247,9 +266,11 @@ def quadratic_forms(
     dt = working_dtype(params, dtype)
     p = P.cast(params, dt)
     zs = P.cast(zs, dt)
-    loss_total, gz_total, zhz_total = 0.0, 0.0, 0.0
+    k = next(iter(zs.values())).shape[0]
+    loss_total, gz_total, zhz_total = 0.0, torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
+    pairs, reduce = shared_batches(batch)
     with exact_second_order():
-        for b, w in weighted_batches(batch):
+        for b, w in pairs:
             f = _scalar_loss(loss_fn, b)
 
             def one(z, f=f):
@@ -265,6 +286,12 @@ def quadratic_forms(
             loss_total += w * float(loss)
             gz_total = gz_total + w * gz.double()
             zhz_total = zhz_total + w * zhz.double()
+    if reduce:
+        loss_total, gz_total, zhz_total = (
+            all_reduce_sum(loss_total),
+            all_reduce_sum(gz_total),
+            all_reduce_sum(zhz_total),
+        )
     return loss_total, gz_total, zhz_total
 
 

@@ -21,14 +21,24 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from curvlab.blocks import is_hidden_matrix
+from curvlab.distributed import rank_and_world
 from curvlab.polar import METHODS as POLAR_METHODS
 from curvlab.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
 
 SCALES = ("original", "moonlight", "spectral")
 OPTIMIZERS = ("muon", "adamw", "sgd", "lion")
+
+
+def _evaluate(closure) -> Tensor | None:
+    """The loss a ``step(closure)`` returns: the closure evaluated with gradients on, if given."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def muon_scale(shape: torch.Size, scale: str) -> float:
@@ -58,7 +68,12 @@ class Muon(torch.optim.Muon):
         W \leftarrow (1 - \eta\lambda) W - \eta\, s(W)\, \operatorname{msign}(\tilde B)
 
     With the defaults (``polar="newton_schulz"``, ``scale="original"``) every step equals
-    ``torch.optim.Muon``'s bit for bit, and the state dict has the same layout. Unlike torch's, the
+    ``torch.optim.Muon``'s bit for bit, and the state dict has the same layout.
+
+    Under torch.distributed (gradients already averaged by DDP) the polar factors are shared out: the
+    matrices, sorted by size, go round-robin to the ranks, each rank orthogonalizes its own and
+    broadcasts them, as Keller Jordan's and modded-nanogpt's distributed Muon do; momentum buffers,
+    cheap and elementwise, are updated on every rank. Unlike torch's, the
     momentum buffer is never normalized in place (torch 2.13 does that for bf16 parameters without
     Nesterov). ``weight_decay`` defaults to 0 (torch's to 0.1), as in the reference runs.
     """
@@ -75,9 +90,11 @@ class Muon(torch.optim.Muon):
         ns_steps: int = 5,
         scale: str = "original",
         polar: str = "newton_schulz",
-        polar_dtype: torch.dtype = torch.bfloat16,
+        polar_dtype: torch.dtype | str = torch.bfloat16,
     ):
         muon_scale(torch.Size([1, 1]), scale)  # validates the name
+        if isinstance(polar_dtype, str):  # a name from a JSON config, e.g. "float32"
+            polar_dtype = getattr(torch, polar_dtype.removeprefix("torch."))
         if polar not in POLAR_METHODS:
             raise ValueError(f"unknown polar method {polar!r}; choose one of {', '.join(POLAR_METHODS)}")
         adjust = {"original": "original", "moonlight": "match_rms_adamw", "spectral": None}[scale]
@@ -90,22 +107,25 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
+        work = []  # (group, param, momentum-averaged update) for every param with a gradient
         for group in self.param_groups:
-            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            mu = group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
                 buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1 - mu)
-                update = grad.lerp(buf, mu) if group["nesterov"] else buf
+                buf.lerp_(p.grad, 1 - mu)
+                work.append((group, p, p.grad.lerp(buf, mu) if group["nesterov"] else buf))
+        rank, world = rank_and_world()
+        order = sorted(range(len(work)), key=lambda i: -work[i][1].numel())
+        owner = {i: k % world for k, i in enumerate(order)}  # round-robin by size
+        orthos = []
+        for i, (group, p, update) in enumerate(work):
+            if owner[i] == rank:
                 ortho = msign(
                     update,
                     method=group["polar"],
@@ -113,9 +133,20 @@ class Muon(torch.optim.Muon):
                     dtype=group["polar_dtype"],
                     coefficients=tuple(group["ns_coefficients"]),
                     eps=group["eps"],
-                )
-                p.mul_(1 - lr * wd)
-                p.add_(ortho.to(p.dtype), alpha=-(lr * muon_scale(p.shape, group["scale"])))
+                ).to(p.dtype)
+                ortho = (
+                    ortho.contiguous()
+                )  # (a tall matrix's factor is a transposed view; collectives need memory order)
+            else:
+                ortho = torch.empty_like(p)
+            orthos.append(ortho)
+        if world > 1:
+            for i, ortho in enumerate(orthos):
+                dist.broadcast(ortho, src=owner[i])
+        for (group, p, _), ortho in zip(work, orthos):
+            lr = group["lr"]
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(ortho, alpha=-(lr * muon_scale(p.shape, group["scale"])))
         return loss
 
 
@@ -134,10 +165,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -190,10 +218,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for o in self.optimizers.values():
             o.step()
         return loss

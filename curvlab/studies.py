@@ -16,12 +16,21 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from curvlab.analysis import AnalysisSettings, cached_report
+from curvlab.analysis import AnalysisSettings, cached_report, load_report, report_cache_path
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
+from curvlab.distributed import is_main
 from curvlab.match import match_runs
 
 RATIO_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm")
+TAYLOR_TOLERANCE = 0.5
+
+
+def taylor_holds(report: dict[str, Any], tolerance: float = TAYLOR_TOLERANCE) -> bool:
+    """Whether the second-order prediction of the step's decrease is within ``tolerance`` of the
+    realized one: outside that, the step has left the region a quadratic model describes (a loss spike,
+    say) and its NDS says little about the optimizer; aggregates leave such steps out."""
+    return abs(report["predicted"] - report["realized"]) <= tolerance * abs(report["realized"])
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -51,21 +60,35 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
         "within": b["within"],
         "cross": b["cross"],
         "rho_within": b["rho_within"],
+        "taylor_ok": taylor_holds(report),
     }
 
 
 @dataclass(frozen=True)
 class Comparison:
     """Matched-loss comparison of two runs. ``ratio_label`` says which is over which (Adam/Muon when
-    the runs are AdamW and Muon, else B/A)."""
+    the runs are AdamW and Muon, else B/A). The ratios aggregate the levels where the second-order
+    expansion holds for both runs (:func:`taylor_holds`); every level stays in ``rows``."""
 
     rows: list[dict[str, Any]]
-    mean_ratios: dict[str, float]
+    mean_ratios: dict[str, float]  # mean over levels of the per-level ratios
+    median_ratios: dict[str, float]
+    ratio_of_means: dict[str, float]  # sum over levels of one over the other's: robust to near-zero levels
     ratio_label: str
     refused: list[str]
 
+    optimizers: tuple[str, str] = ("", "")
+
     def to_dict(self) -> dict[str, Any]:
-        return {"ratio": self.ratio_label, "mean_ratios": self.mean_ratios, "pairs": self.rows, "refused": self.refused}
+        return {
+            "ratio": self.ratio_label,
+            "optimizers": list(self.optimizers),
+            "mean_ratios": self.mean_ratios,
+            "median_ratios": self.median_ratios,
+            "ratio_of_means": self.ratio_of_means,
+            "pairs": self.rows,
+            "refused": self.refused,
+        }
 
 
 def compare_runs(
@@ -92,18 +115,26 @@ def compare_runs(
         rb = cached_report(out / "reports", pair.path_b, settings, device=device)
         if names is None:
             names = (ra["optimizer"], rb["optimizer"])
-        # Adam over Muon when that is the pair, else B over A
-        num, den = (ra, rb) if names == ("adamw", "muon") else (rb, ra)
+        num, den = (ra, rb) if names == ("adamw", "muon") else (rb, ra)  # Adam over Muon, else B over A
         row = {"target": pair.target, "mismatch": pair.mismatch}
+        for tag, path in (("a", pair.path_a), ("b", pair.path_b)):
+            row[f"report_{tag}"] = str(report_cache_path(out / "reports", path, settings))
         for tag, r in (("a", ra), ("b", rb)):
             row.update({f"{k}_{tag}": v for k, v in _summary(r).items()})
         row.update({f"ratio_{k}": num[k] / den[k] if den[k] else float("nan") for k in RATIO_KEYS})
         rows.append(row)
     label = "adamw/muon" if names in (("muon", "adamw"), ("adamw", "muon")) else f"B/A ({names[1]}/{names[0]})"
-    mean = {k: float(np.nanmean([r[f"ratio_{k}"] for r in rows])) for k in RATIO_KEYS}
-    result = Comparison(rows, mean, label, matching.refused)
-    atomic_write_text(out / "compare.json", json.dumps(result.to_dict(), indent=1))
-    _write_csv(out / "compare.csv", rows)
+    kept = [r for r in rows if r["taylor_ok_a"] and r["taylor_ok_b"]]
+    if not kept:
+        raise ValueError("at no matched level does the second-order expansion hold for both runs")
+    mean = {k: float(np.nanmean([r[f"ratio_{k}"] for r in kept])) for k in RATIO_KEYS}
+    median = {k: float(np.nanmedian([r[f"ratio_{k}"] for r in kept])) for k in RATIO_KEYS}
+    num, den = ("a", "b") if names == ("adamw", "muon") else ("b", "a")
+    of_means = {k: sum(r[f"{k}_{num}"] for r in kept) / sum(r[f"{k}_{den}"] for r in kept) for k in RATIO_KEYS}
+    result = Comparison(rows, mean, median, of_means, label, matching.refused, names)
+    if is_main():
+        atomic_write_text(out / "compare.json", json.dumps(result.to_dict(), indent=1))
+        _write_csv(out / "compare.csv", rows)
     return result
 
 
@@ -128,9 +159,31 @@ def track_run(
     rows = []
     for e in tqdm(entries, desc=f"track {run.name}", disable=not progress):
         report = cached_report(out / "reports", run / e["path"], settings, device=device)
-        rows.append({**_summary(report), "optimizer": report["optimizer"]})
-    atomic_write_text(
-        out / "track.json", json.dumps({"run": str(run), "settings": vars(settings), "rows": rows}, indent=1)
-    )
-    _write_csv(out / "track.csv", rows)
+        row = {**_summary(report), "optimizer": report["optimizer"]}
+        if report.get("spectrum"):
+            row["lambda_max"] = report["spectrum"]["lambda_max"]
+            row["overlap_top_k"] = report["spectrum"]["overlap_top_k"]
+        rows.append(row)
+    if is_main():
+        track = {"run": str(run), "settings": vars(settings), "rows": rows}
+        atomic_write_text(out / "track.json", json.dumps(track, indent=1))
+        _write_csv(out / "track.csv", rows)
     return rows
+
+
+def pair_reports(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The two reports of one matched pair of a ``compare.json``, keyed by optimizer."""
+    reports = [load_report(row[f"report_{tag}"]) for tag in ("a", "b")]
+    return {r["optimizer"]: r for r in reports}
+
+
+def within_layer_gap(compare: dict[str, Any]) -> tuple[list[str], list[float]]:
+    """Per block, the within-layer entry M[l,l] of AdamW minus Muon's, averaged over the matched pairs."""
+    gaps, names = [], []
+    for row in compare["pairs"]:
+        reports = pair_reports(row)
+        if set(reports) != {"muon", "adamw"}:
+            raise ValueError("within_layer_gap needs a comparison of a Muon run with an AdamW run")
+        names = reports["muon"]["blocks"]["names"]
+        gaps.append(np.diag(reports["adamw"]["blocks"]["matrix"]) - np.diag(reports["muon"]["blocks"]["matrix"]))
+    return names, np.mean(gaps, axis=0).tolist()

@@ -12,16 +12,18 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
 from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, validation_batches
+from curvlab.distributed import all_reduce_sum, barrier, device_for_rank, my_share, rank_and_world
 from curvlab.loss import count_loss_terms, token_cross_entropy
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim import build_optimizer
@@ -162,19 +164,20 @@ def config_difference(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 @torch.no_grad()
 def evaluate(run: Run) -> float:
-    """Mean validation loss over every token of the fixed validation windows."""
+    """Mean validation loss over every token of the fixed validation windows (under torch.distributed,
+    each rank evaluates its share and the sums are all-reduced)."""
     was_training = run.model.training
     run.model.eval()
-    total, count = 0.0, 0
-    for x, y in run.val_batches:
+    sums = torch.zeros(2, dtype=torch.float64)
+    for x, y in my_share(run.val_batches):
         x, y = x.to(run.device), y.to(run.device)
         with run.autocast():
             loss = token_cross_entropy(run.model(x), y)
         n = count_loss_terms((x, y))
-        total += float(loss) * n
-        count += n
+        sums += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+    all_reduce_sum(sums)
     run.model.train(was_training)
-    return total / count
+    return float(sums[0] / sums[1])
 
 
 def checkpoint_payload(run: Run, val_loss: float, train_loss: float) -> dict[str, Any]:
@@ -226,17 +229,26 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     atomic_write_text(path, "".join(k + "\n" for k in kept))
 
 
-def train(cfg: TrainConfig, progress: bool = True, rank: int = 0, world: int = 1) -> TrainResult:
+def train(cfg: TrainConfig, progress: bool = True, rank: int | None = None, world: int | None = None) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; see the module docstring.
+
+    Under torch.distributed (``torchrun``), the model is wrapped in DistributedDataParallel, each rank
+    trains on rows ``rank::world`` of the same global batch (so results don't depend on the number of
+    ranks), and rank 0 alone writes metrics and checkpoints.
 
     Raises:
         ValueError: bad data or config, a resume with a different config, a corrupt checkpoint.
         TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
     """
+    if rank is None or world is None:
+        rank, world = rank_and_world()
     out = Path(cfg.out)
     is_main = rank == 0
+    if world > 1:
+        cfg = replace(cfg, device=device_for_rank(cfg.device))
     run = build_run(cfg, rank, world)
     index = read_index(out)
+    barrier()  # every rank has decided whether to resume before rank 0 writes anything
     resumed_from = 0
     if index:
         saved = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
@@ -254,7 +266,8 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int = 0, world: int = 1
     if not index:
         val_loss = evaluate(run)
         _save(run, out, val_loss, float("nan"), is_main)
-    forward = torch.compile(run.model) if cfg.compile else run.model
+    forward = DistributedDataParallel(run.model) if world > 1 else run.model  # averages the gradients
+    forward = torch.compile(forward) if cfg.compile else forward
     run.model.train()
     tokens_per_step = cfg.batch_size * run.loader.seq_len
     val_loss, elapsed, steps_done = float("nan"), 0.0, 0
@@ -265,7 +278,9 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int = 0, world: int = 1
             x, y = (t.to(run.device) for t in run.loader.next())
             with run.autocast():
                 loss = token_cross_entropy(forward(x), y)
-            if not torch.isfinite(loss):
+            # every rank's share of the global batch has as many tokens: the mean of the means is the loss
+            global_loss = all_reduce_sum(loss.detach().double()) / world if world > 1 else loss.detach()
+            if not torch.isfinite(global_loss):
                 last = read_index(out)[-1]["path"] if read_index(out) else "none"
                 raise TrainingDiverged(f"non-finite training loss at step {run.step + 1}; last good checkpoint: {last}")
             loss.backward()
@@ -278,7 +293,7 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int = 0, world: int = 1
             run.step += 1
             elapsed += time.perf_counter() - start
             steps_done += 1
-            train_loss = float(loss.detach())
+            train_loss = float(global_loss)
             checkpoint_now = run.step % cfg.ckpt_every == 0 or run.step == cfg.steps
             evaluate_now = checkpoint_now or run.step % cfg.eval_every == 0
             val_loss = evaluate(run) if evaluate_now else float("nan")
@@ -292,6 +307,7 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int = 0, world: int = 1
                 _save(run, out, val_loss, train_loss, is_main)
             tps = tokens_per_step * steps_done / max(elapsed, 1e-9)
             bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:.0f}")
-    last_val = read_index(out)[-1]["val_loss"] if is_main and read_index(out) else val_loss
+    barrier()
+    last_val = read_index(out)[-1]["val_loss"] if read_index(out) else val_loss
     tps = tokens_per_step * steps_done / elapsed if elapsed else float("nan")
     return TrainResult(str(out), run.step, last_val, tps, resumed_from)

@@ -286,3 +286,34 @@ def test_bad_inputs(runs, tmp_path):
     (fake / "index.json").write_text(json.dumps([{"step": 5, "val_loss": 0.5, "path": "x.pt"}]))
     with pytest.raises(ValueError, match="never overlap"):
         match_runs(runs / "muon", fake)
+
+
+def test_report_spectrum_connects_nds_to_lambda_max(runs):
+    report = analyze_checkpoint(runs / "adamw" / "ckpt_000012.pt", AnalysisSettings(spectrum_top=2)).to_dict()
+    s = report["spectrum"]
+    assert report["nds"] <= s["lambda_max"] * (1 + 1e-4) + max(s["residuals"])
+    assert 0.0 <= s["overlap_top_k"] <= 1.0 + 1e-9
+    assert s["top"][0] >= s["top"][1]
+    assert math.isfinite(s["trace"]) and s["trace_std_error"] > 0
+    assert s["nds_over_lambda_max"] == pytest.approx(report["nds"] / s["lambda_max"])
+
+
+def test_spectrum_command(runs, tmp_path):
+    ckpt = str(runs / "adamw" / "ckpt_000008.pt")
+    r = runner.invoke(app, ["spectrum", ckpt, "--top", "2", "--bottom", "1", "--trace", "--density", "--blocks", "layer",
+                            "--preconditioned", "--max-iter", "15", "--out", str(tmp_path)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    result = json.loads((tmp_path / "spectrum.json").read_text())
+    assert len(result["top"]["eigenvalues"]) == 2 and len(result["bottom"]["eigenvalues"]) == 1
+    assert result["top"]["eigenvalues"][0] >= max(b["eigenvalues"][0] for b in result["blocks"].values()) * (1 - 1e-3)
+    assert result["preconditioned"]["edge_of_stability"] == pytest.approx(38.0 / result["preconditioned"]["lr"])
+    assert (tmp_path / "spectral_density.png").is_file()
+    r = runner.invoke(app, ["spectrum", str(runs / "muon" / "ckpt_000008.pt"), "--preconditioned", "--top", "0"])
+    assert r.exit_code == 2 and "no Adam state" in r.output
+    r = runner.invoke(
+        app, ["track", str(runs / "muon"), "--every", "4", "--spectrum", "1", "--out", str(tmp_path / "t")]
+    )
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "t" / "lambda_max_vs_nds.png").is_file()
+    rows = json.loads((tmp_path / "t" / "track.json").read_text())["rows"]
+    assert all(row["nds"] <= row["lambda_max"] * 1.001 for row in rows)

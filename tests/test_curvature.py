@@ -190,3 +190,28 @@ def test_groupings_read_names():
     assert "transformer.h.0.attn.c_q.weight" in hidden_matrices(shapes)
     with pytest.raises(ValueError, match="matches no parameter"):
         group_parameters(names, {"x": ["nothing*"], "rest": ["*"]})
+
+
+def test_combined_call_equals_the_separate_ones(transformer_problem):
+    from curvlab.curvature import taylor_split_and_block_matrix
+
+    loss_fn, params, batch = transformer_problem
+    z = random_direction(params, 11)
+    split, bm = taylor_split_and_block_matrix(loss_fn, params, batch, z, blocks="kind", chunk_size=4)
+    alone = taylor_split(loss_fn, params, batch, z)
+    for key in (
+        "first_order",
+        "curvature_penalty",
+        "predicted",
+        "realized",
+        "nds",
+        "update_norm",
+        "grad_norm",
+        "cosine",
+    ):
+        assert getattr(split, key) == pytest.approx(getattr(alone, key), rel=1e-10)
+        assert getattr(split.subset, key) == pytest.approx(getattr(alone.subset, key), rel=1e-10)
+    np.testing.assert_allclose(
+        bm.matrix, block_matrix(loss_fn, params, batch, z, blocks="kind").matrix, rtol=1e-10, atol=1e-14
+    )
+    assert bm.nds == pytest.approx(split.nds, rel=1e-10)

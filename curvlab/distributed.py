@@ -1,0 +1,101 @@
+"""torch.distributed helpers: the process group under torchrun, sharing work out, reducing results.
+
+Under ``torchrun --nproc_per_node N``, :func:`distributed_context` initializes the process group
+(NCCL on GPUs, gloo on CPUs) with a bounded timeout, so that a rank that dies makes the others fail
+within that time instead of hanging, and names the rank in every error it reports. Outside torchrun
+everything here is a no-op, and code that calls it runs as a single process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+DEFAULT_TIMEOUT_S = 120
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
+def is_main() -> bool:
+    return rank_and_world()[0] == 0
+
+
+@contextlib.contextmanager
+def distributed_context(timeout_s: float | None = None) -> Iterator[tuple[int, int]]:
+    """``(rank, world)``; under torchrun (``WORLD_SIZE > 1``) the process group is set up and torn down here.
+
+    On CUDA machines each rank takes ``cuda:LOCAL_RANK``. The timeout (``CURVLAB_DIST_TIMEOUT`` seconds,
+    default 120) bounds how long a rank waits for one that failed.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or dist.is_initialized():
+        yield rank_and_world()
+        return
+    timeout = timeout_s or float(os.environ.get("CURVLAB_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+        dist.barrier()  # on success, leave together: gloo aborts a rank whose peer tore down first
+    finally:
+        dist.destroy_process_group()
+
+
+def my_share(items: Sequence[T]) -> list[T]:
+    """This rank's share of ``items`` (every world-th, from its rank)."""
+    rank, world = rank_and_world()
+    return list(items[rank::world])
+
+
+def _all_reduce(t: torch.Tensor) -> None:
+    """In-place sum across ranks; NCCL only reduces CUDA tensors, so a CPU tensor takes a round trip."""
+    if dist.get_backend() == "nccl" and t.device.type != "cuda":
+        on_gpu = t.to(f"cuda:{torch.cuda.current_device()}")
+        dist.all_reduce(on_gpu)
+        t.copy_(on_gpu)
+    else:
+        dist.all_reduce(t)
+
+
+def all_reduce_sum(values: dict[str, torch.Tensor] | torch.Tensor | float) -> Any:
+    """Sum across ranks (in place for tensors); a float comes back as a float. No-op in one process."""
+    if not is_distributed():
+        return values
+    if isinstance(values, dict):
+        for t in values.values():
+            _all_reduce(t)
+        return values
+    if isinstance(values, torch.Tensor):
+        _all_reduce(values)
+        return values
+    t = torch.tensor(float(values), dtype=torch.float64)
+    _all_reduce(t)
+    return float(t)
+
+
+def device_for_rank(requested: str = "auto") -> str:
+    """The device this rank should use: its own GPU under torchrun with CUDA, else ``requested``."""
+    if is_distributed() and torch.cuda.is_available() and requested in ("auto", "cuda"):
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return requested
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in one process)."""
+    if is_distributed():
+        dist.barrier()

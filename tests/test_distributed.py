@@ -1,0 +1,173 @@
+"""Two gloo processes on the CPU, spawned by the test: distributed training, Muon and curvature equal
+the single-process results, and a failing rank ends the group instead of hanging it."""
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from curvlab import make_loss_fn, taylor_split
+from curvlab.checkpoint import load_checkpoint, read_index
+from curvlab.optim import Muon
+from curvlab.train import TrainConfig, train
+from tests.conftest import SMALL_MODEL, random_direction
+from tests.reference import TinyTransformer
+
+WORLD = 2
+
+
+def _spawn(fn, tmp_path, *args):
+    mp.spawn(fn, args=(str(tmp_path), *args), nprocs=WORLD, join=True)
+
+
+def _init(rank, tmp, timeout=30):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
+        timeout=__import__("datetime").timedelta(seconds=timeout),
+    )  # fmt: skip
+
+
+def _leave():
+    dist.barrier()  # gloo aborts a rank whose peer tore the group down first
+    dist.destroy_process_group()
+
+
+def _matrices_and_grads():
+    g = torch.Generator().manual_seed(0)
+    shapes = [(48, 16), (16, 64), (32, 32), (8, 40), (40, 40)]
+    params = [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    return params, grads
+
+
+def _muon_steps(params, grads):
+    opt = Muon(params, lr=0.02, weight_decay=0.01)
+    for step in grads:
+        for p, gr in zip(params, step):
+            p.grad = gr.clone()
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def _muon_worker(rank, tmp):
+    _init(rank, tmp)
+    params, grads = _matrices_and_grads()
+    out = _muon_steps(params, grads)
+    if rank == 0:
+        torch.save(out, f"{tmp}/muon.pt")
+    _leave()
+
+
+def test_distributed_muon_step_equals_single_process(tmp_path):
+    _spawn(_muon_worker, tmp_path)
+    shared = torch.load(tmp_path / "muon.pt")
+    params, grads = _matrices_and_grads()
+    single = _muon_steps(params, grads)
+    for a, b in zip(shared, single):
+        assert torch.equal(a, b)  # each matrix orthogonalized by one rank, bit for bit the same
+
+
+def _curvature_problem():
+    torch.manual_seed(0)
+    model = TinyTransformer().double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, 11, (2, 6), generator=g), torch.randint(0, 11, (2, 6), generator=g)) for _ in range(4)]
+    batches[1][1][0, :3] = -1  # uneven loss terms
+    return make_loss_fn(model), params, batches, random_direction(params, 3)
+
+
+def _curvature_worker(rank, tmp):
+    _init(rank, tmp)
+    loss_fn, params, batches, z = _curvature_problem()
+    split = taylor_split(loss_fn, params, batches, z)
+    if rank == 0:
+        torch.save(split.to_dict(), f"{tmp}/split.pt")
+    _leave()
+
+
+def test_distributed_curvature_equals_single_process(tmp_path):
+    _spawn(_curvature_worker, tmp_path)
+    shared = torch.load(tmp_path / "split.pt")
+    loss_fn, params, batches, z = _curvature_problem()
+    single = taylor_split(loss_fn, params, batches, z).to_dict()
+    for key in ("loss", "first_order", "curvature_penalty", "realized", "nds", "grad_norm", "cosine"):
+        assert shared[key] == pytest.approx(single[key], rel=1e-12, abs=1e-15), key
+        assert shared["subset"][key if key != "loss" else "nds"] == pytest.approx(
+            single["subset"][key if key != "loss" else "nds"], rel=1e-12
+        )
+
+
+def _config(data, out, optimizer):
+    options = {"polar_dtype": "float32"} if optimizer == "muon" else {}
+    return TrainConfig(
+        data=str(data), out=str(out), model_overrides=SMALL_MODEL, optimizer=optimizer, optimizer_options=options,
+        batch_size=8, steps=6, warmup_steps=1, eval_every=3, ckpt_every=3, val_windows=8, device="cpu",
+    )  # fmt: skip
+
+
+def _train_worker(rank, tmp, data, optimizer):
+    _init(rank, tmp)
+    train(_config(data, f"{tmp}/{optimizer}-2", optimizer), progress=False)
+    _leave()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_training_on_two_ranks_equals_one(pcfg_data, tmp_path, optimizer):
+    _spawn(_train_worker, tmp_path, str(pcfg_data), optimizer)
+    one = train(_config(pcfg_data, tmp_path / f"{optimizer}-1", optimizer), progress=False)
+    two_dir = tmp_path / f"{optimizer}-2"
+    assert [e["step"] for e in read_index(two_dir)] == [0, 3, 6]
+    a = load_checkpoint(two_dir / "ckpt_000006.pt")  # written by rank 0, loads in one process
+    b = load_checkpoint(tmp_path / f"{optimizer}-1" / "ckpt_000006.pt")
+    for name, tensor in b["model"].items():
+        diff = (a["model"][name] - tensor).abs()
+        loose = diff > 1e-6 + 1e-4 * tensor.abs()
+        # DDP sums gradients in another order; where a gradient is ~0, Adam's m/sqrt(v) turns that rounding
+        # into steps of up to ~lr, so a few entries may move apart, but never far
+        assert loose.float().mean() <= 1e-2, name
+        assert diff.max() <= 1e-4, name
+    assert a["val_loss"] == pytest.approx(one.val_loss, rel=1e-5)
+    assert not any(p.name.startswith(".") for p in two_dir.iterdir())
+
+
+def _failing_worker(rank, tmp):
+    _init(rank, tmp, timeout=20)
+    if rank == 1:
+        raise ValueError("rank 1 was given bad input on purpose")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank that is gone
+    dist.destroy_process_group()
+
+
+def test_a_failing_rank_ends_the_group_with_its_cause(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match="bad input on purpose"):
+        _spawn(_failing_worker, tmp_path)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun comes with torch; this guards odd installs")
+def test_torchrun_cli_trains_and_resumes(pcfg_data, tmp_path):
+    out = tmp_path / "run"
+    cmd = [
+        "torchrun", "--standalone", "--nproc_per_node", "2", "-m", "curvlab", "train", "--data", str(pcfg_data),
+        "--out", str(out), "--optimizer", "adamw", "--steps", "4", "--ckpt-every", "2", "--batch-size", "8",
+        "--warmup-steps", "1", "--val-windows", "8", "--device", "cpu", "--quiet",
+        *[x for kv in SMALL_MODEL.items() for x in ("--model-opt", f"{kv[0]}={kv[1]}")],
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "trained adamw to step 4 on 2 ranks" in r.stdout
+    assert [e["step"] for e in read_index(out)] == [0, 2, 4]
+    again = subprocess.run([*cmd[:cmd.index("--steps") + 1], "5", *cmd[cmd.index("--steps") + 2 :]],
+                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert again.returncode != 0 and "steps: 4 -> 5" in again.stderr
+    bad = subprocess.run([*cmd[:cmd.index("--data") + 1], str(tmp_path / "nowhere"), *cmd[cmd.index("--data") + 2 :]],
+                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert bad.returncode != 0 and "error: rank" in bad.stderr and "no such data directory" in bad.stderr
