@@ -16,6 +16,7 @@ from curvlab.hvp import (
 from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
 from curvlab.optim import build_optimizer, next_update
 from curvlab.polar import msign
+from curvlab.spectral import Operator, hessian_operator_flat, hutch_plus_plus, hutchinson, lanczos, spectral_density
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "Batches",
     "BlockMatrix",
     "HessianOperator",
+    "Operator",
     "TaylorScope",
     "TaylorSplit",
     "block_matrix",
@@ -32,14 +34,19 @@ __all__ = [
     "gradient_and_hvps",
     "group_parameters",
     "hessian_operator",
+    "hessian_operator_flat",
     "hidden_matrices",
+    "hutch_plus_plus",
+    "hutchinson",
     "hvp",
     "hvps",
+    "lanczos",
     "make_loss_fn",
     "msign",
     "next_update",
     "quadratic_form",
     "quadratic_forms",
+    "spectral_density",
     "taylor_split",
     "token_cross_entropy",
 ]
