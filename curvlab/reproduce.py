@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,11 @@ class Preset:
     track_every: int = 2
     quadratic: dict[str, Any] = field(default_factory=dict)
     fineweb: bool = False  # the paper preset also trains gpt2-124m on FineWeb shards
+    fineweb_model: str = "gpt2-124m"
+    fineweb_model_overrides: dict[str, Any] = field(default_factory=dict)
+    fineweb_steps: int = 5100  # SCIENCE.md section 4: the modded-nanogpt comparison
+    fineweb_batch_size: int = 512  # x 1024 tokens = 524k tokens per step
+    fineweb_lr: dict[str, float] = field(default_factory=lambda: {"muon": 0.02, "adamw": 0.0018})
     device: str = "auto"
 
 
@@ -267,6 +272,30 @@ class Reproduction:
         atomic_write_text(analysis / "zipf.json", json.dumps(zipf, indent=1))
         return {"compare": compare.to_dict(), "tracks": tracks, "zipf": zipf}
 
+    def fineweb_comparison(self) -> dict[str, Any] | None:
+        """Muon vs AdamW at the paper's learning rates on the user's FineWeb shards, compared at
+        matched validation loss (the paper's figures 1 and 2 on its own data)."""
+        if self.fineweb is None:
+            return None
+        p = self.preset
+        runs = {}
+        for optimizer in OPTIMIZERS:
+            run = self.out / "runs" / "fineweb" / optimizer
+            cfg = self._train_config(self.fineweb, run, optimizer, p.fineweb_lr[optimizer])
+            cfg = replace(
+                cfg, model=p.fineweb_model, model_overrides=dict(p.fineweb_model_overrides), steps=p.fineweb_steps,
+                batch_size=p.fineweb_batch_size, optimizer_options={"lr": p.fineweb_lr[optimizer]},
+            )  # fmt: skip
+            train(cfg, progress=self.progress)
+            runs[optimizer] = run
+        settings = AnalysisSettings(blocks="layer", batch="train", batches=p.analysis_batches)
+        compare = compare_runs(
+            runs["muon"], runs["adamw"], self.out / "analysis" / "compare-fineweb", p.compare_levels, p.tolerance,
+            settings, progress=self.progress,
+        )  # fmt: skip
+        self._say(f"FineWeb: compared at {len(compare.rows)} matched levels")
+        return compare.to_dict()
+
     def quadratic(self) -> dict[str, Any]:
         from curvlab.quadratic import quadratic_study
 
@@ -309,9 +338,18 @@ class Reproduction:
         tuning = self.tune(data[self.preset.s_values[0]])
         runs = self.train_all(data, tuning["chosen"])
         results = self.analyse(runs)
+        fineweb = self.fineweb_comparison()
         quadratic = self.quadratic()
         figures = self.figures(results, quadratic)
         summary = summarize(results, tuning, runs, quadratic)
+        if fineweb is not None:
+            from curvlab import plots
+
+            fig = self.out / "figures"
+            paths = plots.taylor_split_vs_loss(fineweb, fig / "fineweb_taylor_split")
+            paths += plots.nds_and_norm_vs_loss(fineweb, fig / "fineweb_nds_update_norm")
+            figures["fineweb"] = [str(p.relative_to(self.out)) for p in paths]
+            summary["fineweb"] = {k: fineweb[k] for k in ("ratio_of_means", "median_ratios", "mean_ratios")}
         summary["figures"] = figures
         seconds = time.perf_counter() - start
         timing_path = self.out / "timing.json"
@@ -367,6 +405,20 @@ def summarize(results: dict[str, Any], tuning: dict[str, Any], runs, quadratic: 
         "final_val_loss": final_val,
         "quadratic": {k: closed[k] for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")},
     }
+
+
+def _fineweb_lines(summary: dict[str, Any]) -> list[str]:
+    if "fineweb" not in summary:
+        return []
+    rom = summary["fineweb"]["ratio_of_means"]
+    return [
+        "## FineWeb (the paper's own setting)",
+        "",
+        f"AdamW/Muon at matched validation loss (ratio of means): NDS {rom['nds']:.2f} (paper 1.76), "
+        f"first-order gain {rom['first_order']:.2f}, curvature penalty {rom['curvature_penalty']:.2f}, "
+        f"update norm {rom['update_norm']:.2f}.",
+        "",
+    ]
 
 
 def _arrow(a: float, b: float, fmt: str = ".2f") -> str:
@@ -438,6 +490,7 @@ def render_report(summary: dict[str, Any]) -> str:
         "|---|---:|---:|",
         *(f"| {a} | {b} | {c} |" for a, b, c in rows),
         "",
+        *_fineweb_lines(summary),
         "## Learning rates",
         "",
         f"Tuned at s = {summary['tuning']['tuned_on_s']:g}; the best final validation loss wins.",

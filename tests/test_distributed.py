@@ -1,10 +1,13 @@
 """Two gloo processes on the CPU, spawned by the test: distributed training, Muon and curvature equal
 the single-process results, and a failing rank ends the group instead of hanging it."""
 
+import datetime
 import os
 import shutil
+import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,14 +24,24 @@ from tests.reference import TinyTransformer
 WORLD = 2
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _spawn(fn, tmp_path, *args):
+    # the rendezvous address travels in tmp: a TCP store on loopback (a FileStore's cleanup at exit
+    # sometimes aborted a rank here)
+    (tmp_path / "port").write_text(str(_free_port()))
     mp.spawn(fn, args=(str(tmp_path), *args), nprocs=WORLD, join=True)
 
 
 def _init(rank, tmp, timeout=30):
+    port = Path(tmp, "port").read_text()
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
-        timeout=__import__("datetime").timedelta(seconds=timeout),
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=timeout),
     )  # fmt: skip
 
 

@@ -6,7 +6,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from curvlab.reproduce import PRESETS, Reproduction
+from curvlab.reproduce import PRESETS, Reproduction, _fineweb_lines
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -90,3 +90,30 @@ def test_notebooks_run_against_a_results_set(micro, path, tmp_path, monkeypatch)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     assert any(p.suffix == ".png" for p in (tmp_path / "figures").iterdir())
     assert os.environ["CURVLAB_RESULTS"] == str(out)
+
+
+def test_fineweb_stage_plumbing_with_a_small_model(tmp_path):
+    """The paper preset's FineWeb comparison, with a small model on fake GPT-2-token shards."""
+    import dataclasses
+
+    import numpy as np
+
+    from curvlab.data.shards import write_shard
+
+    shards = tmp_path / "fineweb"
+    rng = np.random.default_rng(0)
+    write_shard(shards / "fineweb_train_000001.bin", rng.integers(0, 300, 40_000))
+    write_shard(shards / "fineweb_val_000000.bin", rng.integers(0, 300, 5_000))
+    preset = dataclasses.replace(
+        PRESETS["micro"], fineweb=True, fineweb_model="tiny", fineweb_steps=12, fineweb_batch_size=8,
+        fineweb_model_overrides={"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "vocab_size": 320},
+        tolerance=0.2,
+    )  # fmt: skip
+    reproduction = Reproduction(preset, tmp_path / "out", fineweb=shards, progress=False)
+    compare = reproduction.fineweb_comparison()  # the stage alone: the rest is the micro run above
+    assert compare["optimizers"] == ["muon", "adamw"] and compare["pairs"]
+    assert set(compare["ratio_of_means"]) == {"nds", "first_order", "curvature_penalty", "update_norm"}
+    config = json.loads((tmp_path / "out" / "runs" / "fineweb" / "muon" / "config.json").read_text())
+    assert config["optimizer_options"] == {"lr": 0.02} and config["data"] == str(shards)
+    lines = "\n".join(_fineweb_lines({"fineweb": compare}))
+    assert "## FineWeb" in lines and f"NDS {compare['ratio_of_means']['nds']:.2f}" in lines
