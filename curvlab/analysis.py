@@ -187,6 +187,15 @@ class CurvatureReport:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
 
 
+def evaluation_batches(target: Target, settings: AnalysisSettings):
+    """The batch D that G, H and the realized decrease are taken on: the next step's own batch (one),
+    the next ``batches`` training batches, or the first ``batches`` validation batches (a list)."""
+    if settings.batch == "train" and settings.batches == 1:
+        return target.train_batches[0]
+    pool = target.train_batches if settings.batch == "train" else target.val_batches
+    return list(pool[: settings.batches])
+
+
 def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") -> CurvatureReport:
     """The curvature report of ``target``'s next step."""
     settings.validate()
@@ -195,8 +204,7 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
     loss_fn: ModuleLoss = make_loss_fn(model)
     step_batch = target.train_batches[0]
     _, Z = next_update(model, target.optimizer, loss_fn, step_batch, max_grad_norm=target.grad_clip)
-    pool = target.train_batches if settings.batch == "train" else target.val_batches
-    D = step_batch if settings.batch == "train" and settings.batches == 1 else list(pool[: settings.batches])
+    D = evaluation_batches(target, settings)
     params = {n: p.detach() for n, p in model.named_parameters()}
     dtype = DTYPES[settings.dtype]
     hvp_start = time.perf_counter()
@@ -331,11 +339,7 @@ def checkpoint_spectrum(
     target = open_checkpoint(path, data, device, settings.batches)
     model, loss_fn = target.model, make_loss_fn(target.model)
     params = {n: p.detach() for n, p in model.named_parameters()}
-    D = (
-        target.train_batches[0]
-        if settings.batch == "train" and settings.batches == 1
-        else list((target.train_batches if settings.batch == "train" else target.val_batches)[: settings.batches])
-    )
+    D = evaluation_batches(target, settings)
     dtype = DTYPES[settings.dtype]
 
     def operator(subset=None):

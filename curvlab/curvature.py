@@ -92,6 +92,23 @@ def _check_direction(params: Mapping[str, Tensor], z: Mapping[str, Tensor], what
     return norm
 
 
+def _subset_direction(
+    params: Mapping[str, Tensor], z: P.Params, subset: Sequence[str] | None
+) -> tuple[list[str], P.Params | None]:
+    """The subset's names (default: the hidden matrices) and Z_S (Z there, 0 elsewhere), or ``None``
+    for Z_S when the subset is empty or is every parameter (the full scope already covers it)."""
+    names = hidden_matrices(params) if subset is None else list(subset)
+    unknown = [n for n in names if n not in params]
+    if unknown:
+        raise ValueError(f"subset names unknown parameters: {unknown[:3]}")
+    if not names or set(names) == set(params):
+        return names, None
+    z_sub = P.restrict(z, names)
+    if P.norm(z_sub) == 0.0:
+        raise ValueError("the update direction is zero on the subset: its NDS is undefined")
+    return names, z_sub
+
+
 def _scope(loss: float, g: P.Params, z: P.Params, hz: P.Params, stepped_loss: float, keys) -> TaylorScope:
     keys = list(keys)
     gz = P.dot(g, z, keys)
@@ -134,16 +151,10 @@ def taylor_split(
         ValueError: Z mismatched with the parameters, non-finite, or zero (NDS undefined).
     """
     _check_direction(params, z, "update direction")
-    names = hidden_matrices(params) if subset is None else list(subset)
-    unknown = [n for n in names if n not in params]
-    if unknown:
-        raise ValueError(f"subset names unknown parameters: {unknown[:3]}")
     dt = working_dtype(params, dtype)
     z = P.cast(z, dt)
-    use_subset = bool(names) and set(names) != set(params)
-    z_sub = P.restrict(z, names) if use_subset else None
-    if use_subset and P.norm(z_sub) == 0.0:
-        raise ValueError("the update direction is zero on the subset: its NDS is undefined")
+    names, z_sub = _subset_direction(params, z, subset)
+    use_subset = z_sub is not None
     directions = [z] + ([z_sub] if use_subset else [])
     stacked = {n: torch.stack([d[n] for d in directions]) for n in params}
     loss, g, hv = gradient_and_hvps(loss_fn, params, batch, stacked, dtype=dt)
@@ -340,16 +351,10 @@ def taylor_split_and_block_matrix(
     by linearity. L + 1 HVPs and one gradient instead of L + 2 HVPs and two gradients."""
     _check_direction(params, z, "update direction")
     members = group_parameters(params.keys(), blocks)
-    names = hidden_matrices(params) if subset is None else list(subset)
-    unknown = [n for n in names if n not in params]
-    if unknown:
-        raise ValueError(f"subset names unknown parameters: {unknown[:3]}")
     dt = working_dtype(params, dtype)
     p, zc = P.cast(params, dt), P.cast(z, dt)
-    use_subset = bool(names) and set(names) != set(params)
-    z_sub = P.restrict(zc, names) if use_subset else None
-    if use_subset and P.norm(z_sub) == 0.0:
-        raise ValueError("the update direction is zero on the subset: its NDS is undefined")
+    names, z_sub = _subset_direction(params, zc, subset)
+    use_subset = z_sub is not None
     directions = [P.restrict(zc, b) for b in members.values()] + ([z_sub] if use_subset else [])
     stacked = {n: torch.stack([d[n] for d in directions]) for n in params}
     loss, g, hv = gradient_and_hvps(loss_fn, p, batch, stacked, chunk_size=chunk_size, dtype=dt)
