@@ -3,9 +3,9 @@ the single-process results, and a failing rank ends the group instead of hanging
 
 import datetime
 import os
-import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -164,11 +164,12 @@ def test_a_failing_rank_ends_the_group_with_its_cause(tmp_path):
     assert time.monotonic() - start < 60
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun comes with torch; this guards odd installs")
 def test_torchrun_cli_trains_and_resumes(pcfg_data, tmp_path):
+    """`torchrun` is `python -m torch.distributed.run`: called that way, nothing depends on PATH."""
     out = tmp_path / "run"
     cmd = [
-        "torchrun", "--standalone", "--nproc_per_node", "2", "-m", "curvlab", "train", "--data", str(pcfg_data),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "curvlab", "train", "--data", str(pcfg_data),
         "--out", str(out), "--optimizer", "adamw", "--steps", "4", "--ckpt-every", "2", "--batch-size", "8",
         "--warmup-steps", "1", "--val-windows", "8", "--device", "cpu", "--quiet",
         *[x for kv in SMALL_MODEL.items() for x in ("--model-opt", f"{kv[0]}={kv[1]}")],
