@@ -8,11 +8,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from timing import median_seconds, print_table
+from timing import median_seconds, print_table, tiny_problem
 
-from curvlab import block_matrix, evaluate_loss, group_parameters, hvp, make_loss_fn, taylor_split
+from curvlab import block_matrix, evaluate_loss, group_parameters, hvp, taylor_split
 from curvlab import params as P
-from curvlab.models.gpt import GPT, get_config
 
 
 def main() -> None:
@@ -20,13 +19,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    cfg = get_config("tiny")
-    model = GPT(cfg)
-    loss_fn = make_loss_fn(model)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1))
-    batch = (idx[:, :-1], idx[:, 1:])
+    cfg, loss_fn, params, batch = tiny_problem(args.batch)
     z = P.scale({k: torch.randn_like(t) for k, t in params.items()}, 1e-3)
     blocks = group_parameters(params, "layer")
     padded = [P.restrict(z, names) for names in blocks.values()]

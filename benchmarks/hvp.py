@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from timing import median_seconds, print_table
+from timing import median_seconds, print_table, tiny_problem
 
-from curvlab import hvp, hvps, make_loss_fn, quadratic_form
-from curvlab.models.gpt import GPT, get_config
+from curvlab import hvp, hvps, quadratic_form
 
 
 def main() -> None:
@@ -19,13 +18,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    cfg = get_config("tiny")
-    model = GPT(cfg)
-    loss_fn = make_loss_fn(model)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1))
-    batch = (idx[:, :-1], idx[:, 1:])
+    cfg, loss_fn, params, batch = tiny_problem(args.batch)
     v = {k: torch.randn_like(t) for k, t in params.items()}
     vs = {k: torch.stack([torch.randn_like(t) for _ in range(8)]) for k, t in params.items()}
 

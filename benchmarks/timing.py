@@ -25,3 +25,18 @@ def print_table(title: str, rows: list[tuple[str, float, str]]) -> None:
     print("|---|---:|---:|")
     for name, seconds, ratio in rows:
         print(f"| {name} | {seconds:.4f} | {ratio} |")
+
+
+def tiny_problem(batch: int = 8):
+    """The ~1M-parameter `tiny` GPT, its loss function, detached parameters and one random batch."""
+    import torch
+
+    from curvlab import make_loss_fn
+    from curvlab.models.gpt import GPT, get_config
+
+    torch.manual_seed(0)
+    cfg = get_config("tiny")
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return cfg, make_loss_fn(model), params, (idx[:, :-1], idx[:, 1:])

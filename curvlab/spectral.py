@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from curvlab import params as P
-from curvlab.hvp import hvps, working_dtype
+from curvlab.hvp import flat_hvp, working_dtype
 from curvlab.loss import LossFn
 
 
@@ -67,24 +67,8 @@ def hessian_operator_flat(
     the order of ``subset`` (default: all parameters in ``params`` order)."""
     dt = working_dtype(params, dtype)
     p = P.cast(params, dt)
-    names = list(p) if subset is None else list(subset)
-    unknown = [n for n in names if n not in p]
-    if unknown or not names:
-        raise ValueError(f"the block names no parameter: {unknown[:3]}" if unknown else "the block names no parameter")
-    like = {n: p[n] for n in names}
-    sizes = [t.numel() for t in like.values()]
-
-    def matmat(X: Tensor) -> Tensor:
-        k = X.shape[1]
-        vs = {n: torch.zeros((k, *t.shape), dtype=dt) for n, t in p.items()}
-        for n, piece in zip(names, X.T.to(dt).split(sizes, dim=1)):
-            vs[n] = piece.reshape(k, *like[n].shape)
-        hv = hvps(loss_fn, p, batch, vs, chunk_size=chunk_size, dtype=dt)
-        return torch.cat([hv[n].reshape(k, -1) for n in names], dim=1).T
-
-    op = Operator(sum(sizes), lambda x: matmat(x[:, None])[:, 0], dt, matmat)
-    op.names, op.like = names, like
-    return op
+    matmat, dim = flat_hvp(loss_fn, p, batch, list(p) if subset is None else list(subset), dt, chunk_size)
+    return Operator(dim, lambda x: matmat(x[:, None])[:, 0], dt, matmat)
 
 
 # -- Lanczos ---------------------------------------------------------------------------------

@@ -281,7 +281,8 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int | None = None, worl
             # every rank's share of the global batch has as many tokens: the mean of the means is the loss
             global_loss = all_reduce_sum(loss.detach().double()) / world if world > 1 else loss.detach()
             if not torch.isfinite(global_loss):
-                last = read_index(out)[-1]["path"] if read_index(out) else "none"
+                index = read_index(out)
+                last = index[-1]["path"] if index else "none"
                 raise TrainingDiverged(f"non-finite training loss at step {run.step + 1}; last good checkpoint: {last}")
             loss.backward()
             if cfg.grad_clip is not None:
@@ -308,6 +309,7 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int | None = None, worl
             tps = tokens_per_step * steps_done / max(elapsed, 1e-9)
             bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:.0f}")
     barrier()
-    last_val = read_index(out)[-1]["val_loss"] if read_index(out) else val_loss
+    index = read_index(out)
+    last_val = index[-1]["val_loss"] if index else val_loss
     tps = tokens_per_step * steps_done / elapsed if elapsed else float("nan")
     return TrainResult(str(out), run.step, last_val, tps, resumed_from)

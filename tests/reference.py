@@ -120,3 +120,19 @@ def perturb_norms(model: nn.Module, seed: int = 0) -> None:
             if isinstance(m, nn.LayerNorm):
                 m.weight.add_(0.3 * torch.randn(m.weight.shape, generator=g))
                 m.bias.add_(0.3 * torch.randn(m.bias.shape, generator=g))
+
+
+def assert_same(a, b) -> None:
+    """Nested state (tensors, dicts, lists, numbers) equal bit for bit; NaN equals NaN."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b or (isinstance(a, float) and a != a and b != b)

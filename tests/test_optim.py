@@ -7,6 +7,7 @@ from torch import nn
 from curvlab import build_optimizer, make_loss_fn, msign, next_update
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim import CombinedOptimizer, Muon, muon_scale
+from tests.reference import assert_same
 
 
 def tiny_gpt(seed=0, **overrides):
@@ -32,21 +33,6 @@ def train_step(model, opt, loss_fn, batch):
 def snapshot(opt):
     """The optimizer's full state as plain nested data, tensors cloned."""
     return copy.deepcopy(opt.state_dict())
-
-
-def assert_same(a, b):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    else:
-        assert a == b
 
 
 def test_default_muon_steps_equal_torch_muon():

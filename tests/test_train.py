@@ -12,6 +12,7 @@ from curvlab.models.gpt import CONFIGS, GPT
 from curvlab.optim import next_update
 from curvlab.train import TrainConfig, TrainingDiverged, build_run, restore, train
 from tests.conftest import SMALL_MODEL
+from tests.reference import assert_same
 
 
 def config(data, out, **kw):
@@ -23,20 +24,6 @@ def config(data, out, **kw):
 def final_state(out):
     ckpt = load_checkpoint(out / read_index(out)[-1]["path"])
     return ckpt["model"], ckpt["optimizer"]
-
-
-def assert_states_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_states_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        for x, y in zip(a, b):
-            assert_states_equal(x, y)
-    else:
-        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
 
 
 def test_parameter_counts_of_named_configs():
@@ -82,7 +69,7 @@ def test_resume_equals_uninterrupted_run(pcfg_data, tmp_path, monkeypatch):
     assert [e["step"] for e in read_index(tmp_path / "cut")] == [0, 4]
     result = train(interrupted, progress=False)
     assert result.resumed_from == 4 and result.step == 12
-    assert_states_equal(final_state(tmp_path / "cut"), final_state(tmp_path / "whole"))
+    assert_same(final_state(tmp_path / "cut"), final_state(tmp_path / "whole"))
     whole = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
     cut = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["train_loss"] for x in cut] == [json.loads(x)["train_loss"] for x in whole]
