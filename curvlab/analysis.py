@@ -33,6 +33,7 @@ from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import check_checkpoint
 from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split, taylor_split_and_block_matrix
 from curvlab.distributed import is_main
+from curvlab.errors import CurvlabError
 from curvlab.loss import ModuleLoss, make_loss_fn
 from curvlab.models.nanogpt import is_nanogpt_checkpoint, load_nanogpt
 from curvlab.optim import next_update
@@ -56,13 +57,13 @@ class AnalysisSettings:
 
     def validate(self) -> None:
         if self.batch not in BATCHES:
-            raise ValueError(f"unknown --batch {self.batch!r}; choose train (the next step's batch) or val")
+            raise CurvlabError(f"unknown --batch {self.batch!r}; choose train (the next step's batch) or val")
         if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose float32 or float64")
+            raise CurvlabError(f"unknown dtype {self.dtype!r}; choose float32 or float64")
         if self.batches < 1:
-            raise ValueError(f"batches must be >= 1, got {self.batches}")
+            raise CurvlabError(f"batches must be >= 1, got {self.batches}")
         if self.spectrum_top < 0:
-            raise ValueError(f"spectrum_top must be >= 0, got {self.spectrum_top}")
+            raise CurvlabError(f"spectrum_top must be >= 0, got {self.spectrum_top}")
 
     def key(self) -> str:
         """A short stable hash, for caching reports."""
@@ -99,17 +100,17 @@ def open_checkpoint(
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such checkpoint")
+        raise CurvlabError(f"{path}: no such checkpoint")
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt zip, truncated pickle, ...: all mean "unreadable"
-        raise ValueError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__})") from e
+        raise CurvlabError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__})") from e
     if is_nanogpt_checkpoint(raw):
         if data is None:
-            raise ValueError(f"{path}: a nanoGPT checkpoint doesn't record its data; pass --data DIR")
+            raise CurvlabError(f"{path}: a nanoGPT checkpoint doesn't record its data; pass --data DIR")
         model, optimizer = load_nanogpt(raw)
         if optimizer is None:
-            raise ValueError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
+            raise CurvlabError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
         conf = raw.get("config", {})
         seq = model.config.block_size
         tokens = TokenData.open(data, model.config.vocab_size)
@@ -128,14 +129,14 @@ def open_checkpoint(
         )
     ckpt = check_checkpoint(raw, path)
     if not ckpt.get("optimizer"):  # (an empty "state" is fine: a step-0 optimizer has none yet)
-        raise ValueError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
+        raise CurvlabError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
     fields = dict(ckpt["config"])
     if data is not None:
         fields["data"] = str(data)
     fields["device"] = device
     cfg = TrainConfig.from_dict(fields)
     if not Path(cfg.data).is_dir():
-        raise ValueError(f"{path}: its data directory {cfg.data} is gone; pass --data DIR")
+        raise CurvlabError(f"{path}: its data directory {cfg.data} is gone; pass --data DIR")
     run = build_run(cfg)
     restore(run, ckpt)
     return Target(
@@ -277,9 +278,9 @@ def load_report(path: str | Path) -> dict[str, Any]:
     try:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable report ({e})") from e
+        raise CurvlabError(f"{path}: unreadable report ({e})") from e
     if report.get("schema_version") != REPORT_SCHEMA_VERSION:
-        raise ValueError(f"{path}: report schema {report.get('schema_version')} is not {REPORT_SCHEMA_VERSION}")
+        raise CurvlabError(f"{path}: report schema {report.get('schema_version')} is not {REPORT_SCHEMA_VERSION}")
     return report
 
 

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from torch import Tensor
 
+from curvlab.errors import CurvlabError
+
 GROUPINGS = ("layer", "tensor", "kind")
 
 _LAYER = re.compile(r"(?:^|\.)(?:h|layers|layer|blocks|block)\.(\d+)\.")
@@ -85,15 +87,17 @@ def group_parameters(
         grouping: ``"layer"``, ``"tensor"``, ``"kind"``, or ``{block: [glob patterns or names]}``.
 
     Raises:
-        ValueError: an unknown grouping, a mapping that leaves a parameter out or claims it twice,
+        CurvlabError: an unknown grouping, a mapping that leaves a parameter out or claims it twice,
             or a block that names no parameter.
     """
     names = list(names)
     if not names:
-        raise ValueError("no parameters to group")
+        raise CurvlabError("no parameters to group")
     if isinstance(grouping, str):
         if grouping not in GROUPINGS:
-            raise ValueError(f"unknown block grouping {grouping!r}; choose one of {', '.join(GROUPINGS)} or a mapping")
+            raise CurvlabError(
+                f"unknown block grouping {grouping!r}; choose one of {', '.join(GROUPINGS)} or a mapping"
+            )
         key = {"layer": layer_block, "tensor": lambda n: n, "kind": kind_block}[grouping]
         blocks: dict[str, list[str]] = {}
         for n in names:
@@ -106,14 +110,14 @@ def group_parameters(
             patterns = [patterns]
         members = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
         if not members:
-            raise ValueError(f"block {block!r} matches no parameter (patterns {list(patterns)})")
+            raise CurvlabError(f"block {block!r} matches no parameter (patterns {list(patterns)})")
         for n in members:
             if n in claimed:
-                raise ValueError(f"parameter {n!r} is claimed by two blocks, {claimed[n]!r} and {block!r}")
+                raise CurvlabError(f"parameter {n!r} is claimed by two blocks, {claimed[n]!r} and {block!r}")
             claimed[n] = block
         blocks[block] = members
     left = [n for n in names if n not in claimed]
     if left:
         more = f" and {len(left) - 3} more" if len(left) > 3 else ""
-        raise ValueError(f"block patterns leave parameters out: {', '.join(map(repr, left[:3]))}{more}")
+        raise CurvlabError(f"block patterns leave parameters out: {', '.join(map(repr, left[:3]))}{more}")
     return blocks

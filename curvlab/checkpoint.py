@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from curvlab.atomic import atomic_open, atomic_write_text
+from curvlab.errors import CurvlabError
 
 FORMAT = "curvlab-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -49,23 +50,23 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a curvlab checkpoint, raising a one-line ``ValueError`` for a missing, corrupt or foreign file."""
+    """Load a curvlab checkpoint, raising a one-line ``CurvlabError`` for a missing, corrupt or foreign file."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such checkpoint")
+        raise CurvlabError(f"{path}: no such checkpoint")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as e:
-        raise ValueError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__})") from e
+        raise CurvlabError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__})") from e
     return check_checkpoint(ckpt, path)
 
 
 def check_checkpoint(ckpt: Any, path: str | Path) -> dict[str, Any]:
-    """``ckpt`` if it is a curvlab checkpoint of a supported version, else a ``ValueError`` naming ``path``."""
+    """``ckpt`` if it is a curvlab checkpoint of a supported version, else a ``CurvlabError`` naming ``path``."""
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a curvlab checkpoint (a nanoGPT ckpt.pt is read by `curvlab nds` directly)")
+        raise CurvlabError(f"{path}: not a curvlab checkpoint (a nanoGPT ckpt.pt is read by `curvlab nds` directly)")
     if ckpt.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(
+        raise CurvlabError(
             f"{path}: checkpoint version {ckpt.get('version')} is not supported (this curvlab reads "
             f"{CHECKPOINT_VERSION})"
         )
@@ -80,7 +81,7 @@ def read_index(run_dir: str | Path) -> list[dict[str, Any]]:
     try:
         entries = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: corrupt index ({e})") from e
+        raise CurvlabError(f"{path}: corrupt index ({e})") from e
     return sorted(entries, key=lambda e: e["step"])
 
 

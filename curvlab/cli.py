@@ -1,6 +1,6 @@
 """The ``curvlab`` command line. Thin: every command parses options and calls the library.
 
-Errors the library raises as ``ValueError`` (bad input: missing or corrupt files, mismatched
+Errors the library raises as ``CurvlabError`` (bad input: missing or corrupt files, mismatched
 shapes, non-finite values) become one line on stderr and exit status 2.
 """
 
@@ -16,6 +16,7 @@ import typer
 
 import curvlab
 from curvlab.distributed import distributed_context
+from curvlab.errors import CurvlabError
 
 app = typer.Typer(
     help="curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block curvature).",
@@ -28,13 +29,13 @@ app.add_typer(pcfg_app, name="pcfg")
 
 
 def one_line_errors(fn):
-    """Turn the library's ValueError (and missing files) into ``error: ...`` and exit status 2."""
+    """Turn the library's :class:`CurvlabError` (and missing files) into ``error: ...`` and exit status 2."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as e:
+        except (CurvlabError, FileNotFoundError, NotADirectoryError) as e:
             # torchrun's environment, not the process group: that is torn down before we get here
             world = int(os.environ.get("WORLD_SIZE", "1"))
             where = f"rank {os.environ.get('RANK', '0')}/{world}: " if world > 1 else ""
@@ -116,7 +117,7 @@ def _key_values(pairs: list[str] | None, what: str) -> dict:
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"{what} expects KEY=VALUE, got {pair!r}")
+            raise CurvlabError(f"{what} expects KEY=VALUE, got {pair!r}")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -186,7 +187,7 @@ def train(
     fields["model_overrides"] = {**fields.get("model_overrides", {}), **_key_values(model_opt, "--model-opt")}
     for required in ("data", "out"):
         if not fields.get(required):
-            raise ValueError(f"--{required} is required (or give it in --config)")
+            raise CurvlabError(f"--{required} is required (or give it in --config)")
     cfg = TrainConfig.from_dict(fields)
     with distributed_context() as (rank, world):
         result = run_training(cfg, progress=not quiet, rank=rank, world=world)
@@ -423,7 +424,7 @@ def reproduce(
     from curvlab.reproduce import PRESETS, Reproduction
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     out = out or Path("results") / preset
     summary = Reproduction(PRESETS[preset], out, fineweb, progress=not quiet).run()
     r = summary["mean_ratios"]

@@ -26,6 +26,7 @@ from torch.func import grad_and_value, jvp, vmap
 from curvlab import params as P
 from curvlab.blocks import group_parameters, hidden_matrices
 from curvlab.distributed import all_reduce_sum
+from curvlab.errors import CurvlabError
 from curvlab.exact_ops import exact_second_order
 from curvlab.hvp import (
     _check_finite_loss,
@@ -88,7 +89,7 @@ def _check_direction(params: Mapping[str, Tensor], z: Mapping[str, Tensor], what
     P.check_like(params, z, what)
     norm = P.norm(z)
     if norm == 0.0:
-        raise ValueError(f"the {what} is zero: NDS = <Z,HZ>/||Z||² is undefined")
+        raise CurvlabError(f"the {what} is zero: NDS = <Z,HZ>/||Z||² is undefined")
     return norm
 
 
@@ -100,12 +101,12 @@ def _subset_direction(
     names = hidden_matrices(params) if subset is None else list(subset)
     unknown = [n for n in names if n not in params]
     if unknown:
-        raise ValueError(f"subset names unknown parameters: {unknown[:3]}")
+        raise CurvlabError(f"subset names unknown parameters: {unknown[:3]}")
     if not names or set(names) == set(params):
         return names, None
     z_sub = P.restrict(z, names)
     if P.norm(z_sub) == 0.0:
-        raise ValueError("the update direction is zero on the subset: its NDS is undefined")
+        raise CurvlabError("the update direction is zero on the subset: its NDS is undefined")
     return names, z_sub
 
 
@@ -148,7 +149,7 @@ def taylor_split(
         batch: one batch, or several (accumulated with loss-term weights).
 
     Raises:
-        ValueError: Z mismatched with the parameters, non-finite, or zero (NDS undefined).
+        CurvlabError: Z mismatched with the parameters, non-finite, or zero (NDS undefined).
     """
     _check_direction(params, z, "update direction")
     dt = working_dtype(params, dtype)
@@ -292,11 +293,11 @@ def block_matrix(
         chunk_size: blocks per vectorized call (bounds memory).
 
     Raises:
-        ValueError: Z mismatched, non-finite or zero; a grouping that leaves a parameter out or
+        CurvlabError: Z mismatched, non-finite or zero; a grouping that leaves a parameter out or
             claims one twice; an unknown method.
     """
     if method not in BLOCK_METHODS:
-        raise ValueError(f"unknown block-matrix method {method!r}; choose one of {', '.join(BLOCK_METHODS)}")
+        raise CurvlabError(f"unknown block-matrix method {method!r}; choose one of {', '.join(BLOCK_METHODS)}")
     _check_direction(params, z, "update direction")
     members = group_parameters(params.keys(), blocks)
     dt = working_dtype(params, dtype)

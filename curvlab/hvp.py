@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 
 from curvlab import params as P
 from curvlab.distributed import all_reduce_sum, my_share, rank_and_world
+from curvlab.errors import CurvlabError
 from curvlab.exact_ops import exact_second_order
 from curvlab.loss import LossFn, weighted_batches
 
@@ -42,7 +43,7 @@ def working_dtype(params: Mapping[str, Tensor], dtype: torch.dtype | None = None
     """The dtype curvature is computed in: ``dtype`` if given, float64 if any parameter is, else float32."""
     if dtype is not None:
         if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be floating point, got {dtype}")
+            raise CurvlabError(f"dtype must be floating point, got {dtype}")
         return dtype
     return torch.float64 if any(p.dtype == torch.float64 for p in params.values()) else torch.float32
 
@@ -52,7 +53,7 @@ def _scalar_loss(loss_fn: LossFn, batch: Any):
         value = loss_fn(p, batch)
         if not isinstance(value, Tensor) or value.dim() != 0:
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+            raise CurvlabError(f"loss_fn must return a scalar tensor, got {shape}")
         return value
 
     return f
@@ -60,7 +61,7 @@ def _scalar_loss(loss_fn: LossFn, batch: Any):
 
 def _check_finite_loss(loss: Tensor) -> None:
     if not torch.isfinite(loss).all():
-        raise ValueError(f"the loss is not finite ({float(loss)}) at these parameters and batch")
+        raise CurvlabError(f"the loss is not finite ({float(loss)}) at these parameters and batch")
 
 
 def shared_batches(batch: Any) -> tuple[list[tuple[Any, float]], bool]:
@@ -79,23 +80,23 @@ def shared_batches(batch: Any) -> tuple[list[tuple[Any, float]], bool]:
 
 def _check_method(method: str) -> None:
     if method not in METHODS:
-        raise ValueError(f"unknown HVP method {method!r}; choose one of {', '.join(METHODS)}")
+        raise CurvlabError(f"unknown HVP method {method!r}; choose one of {', '.join(METHODS)}")
 
 
 def _check_stacked(params: Mapping[str, Tensor], vs: Mapping[str, Tensor]) -> int:
     first = next(iter(vs.values()), None)
     if first is None or first.dim() == 0:
-        raise ValueError("directions must be stacked along a leading dimension K")
+        raise CurvlabError("directions must be stacked along a leading dimension K")
     k = first.shape[0]
     if k == 0:
-        raise ValueError("no directions given (K = 0)")
+        raise CurvlabError("no directions given (K = 0)")
     P.check_like(params, {n: t[0] if t.shape[0] == k else t for n, t in vs.items()}, "directions")
     bad = [n for n, t in vs.items() if t.shape[0] != k]
     if bad:
-        raise ValueError(f"directions disagree on K: {bad[0]!r} stacks {vs[bad[0]].shape[0]}, others {k}")
+        raise CurvlabError(f"directions disagree on K: {bad[0]!r} stacks {vs[bad[0]].shape[0]}, others {k}")
     for n, t in vs.items():
         if not torch.isfinite(t).all():
-            raise ValueError(f"directions[{n!r}] holds non-finite values (NaN or inf)")
+            raise CurvlabError(f"directions[{n!r}] holds non-finite values (NaN or inf)")
     return k
 
 
@@ -326,7 +327,9 @@ def flat_hvp(
     zeros to full directions and go through one :func:`hvps` call. ``params`` must be in ``dtype``."""
     unknown = [n for n in names if n not in params]
     if unknown or not names:
-        raise ValueError(f"the block names no parameter: {unknown[:3]}" if unknown else "the block names no parameter")
+        raise CurvlabError(
+            f"the block names no parameter: {unknown[:3]}" if unknown else "the block names no parameter"
+        )
     sizes = [params[n].numel() for n in names]
 
     def matmat(X: Tensor) -> Tensor:

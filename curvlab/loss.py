@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from curvlab.errors import CurvlabError
+
 LossFn = Callable[[Mapping[str, Tensor], Any], Tensor]
 
 
@@ -101,10 +103,10 @@ def weighted_batches(batch: Any) -> list[tuple[Any, float]]:
     else:
         return [(batch, 1.0)]
     if not batches:
-        raise ValueError("no batches given: an empty list of batches has no loss")
+        raise CurvlabError("no batches given: an empty list of batches has no loss")
     if len(weights) != len(batches):
-        raise ValueError(f"{len(batches)} batches but {len(weights)} weights")
+        raise CurvlabError(f"{len(batches)} batches but {len(weights)} weights")
     total = float(sum(weights))
     if not total > 0:
-        raise ValueError(f"the batches hold no loss terms (weights sum to {total})")
+        raise CurvlabError(f"the batches hold no loss terms (weights sum to {total})")
     return [(b, float(w) / total) for b, w in zip(batches, weights)]

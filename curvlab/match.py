@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from curvlab.checkpoint import read_index
+from curvlab.errors import CurvlabError
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,12 @@ def run_losses(run_dir: str | Path) -> list[tuple[int, float, str]]:
     run_dir = Path(run_dir)
     entries = read_index(run_dir)
     if not entries:
-        raise ValueError(f"{run_dir}: no checkpoints (index.json is missing or empty)")
+        raise CurvlabError(f"{run_dir}: no checkpoints (index.json is missing or empty)")
     out = [
         (e["step"], float(e["val_loss"]), str(run_dir / e["path"])) for e in entries if e.get("val_loss") is not None
     ]
     if not out:
-        raise ValueError(f"{run_dir}: no checkpoint has a validation loss")
+        raise CurvlabError(f"{run_dir}: no checkpoint has a validation loss")
     return out
 
 
@@ -72,16 +73,16 @@ def match_runs(
         min_step: ignore checkpoints before this step (step 0 is the shared initialization).
 
     Raises:
-        ValueError: runs without checkpoints, or whose validation losses never overlap.
+        CurvlabError: runs without checkpoints, or whose validation losses never overlap.
     """
     a = [x for x in run_losses(run_a) if x[0] >= min_step]
     b = [x for x in run_losses(run_b) if x[0] >= min_step]
     if not a or not b:
-        raise ValueError(f"no checkpoint at step >= {min_step} in {run_a if not a else run_b}")
+        raise CurvlabError(f"no checkpoint at step >= {min_step} in {run_a if not a else run_b}")
     la, lb = np.array([x[1] for x in a]), np.array([x[1] for x in b])
     low, high = max(la.min(), lb.min()), min(la.max(), lb.max())
     if low > high:
-        raise ValueError(
+        raise CurvlabError(
             f"the validation losses never overlap: {run_a} spans [{la.min():.4f}, {la.max():.4f}], "
             f"{run_b} spans [{lb.min():.4f}, {lb.max():.4f}]"
         )

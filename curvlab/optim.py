@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from curvlab.blocks import is_hidden_matrix
 from curvlab.distributed import rank_and_world
+from curvlab.errors import CurvlabError
 from curvlab.polar import METHODS as POLAR_METHODS
 from curvlab.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
 
@@ -54,7 +55,7 @@ def muon_scale(shape: torch.Size, scale: str) -> float:
         return 0.2 * math.sqrt(max(rows, cols))
     if scale == "spectral":
         return math.sqrt(rows / cols)
-    raise ValueError(f"unknown Muon scale {scale!r}; choose one of {', '.join(SCALES)}")
+    raise CurvlabError(f"unknown Muon scale {scale!r}; choose one of {', '.join(SCALES)}")
 
 
 class Muon(torch.optim.Muon):
@@ -96,7 +97,7 @@ class Muon(torch.optim.Muon):
         if isinstance(polar_dtype, str):  # a name from a JSON config, e.g. "float32"
             polar_dtype = getattr(torch, polar_dtype.removeprefix("torch."))
         if polar not in POLAR_METHODS:
-            raise ValueError(f"unknown polar method {polar!r}; choose one of {', '.join(POLAR_METHODS)}")
+            raise CurvlabError(f"unknown polar method {polar!r}; choose one of {', '.join(POLAR_METHODS)}")
         adjust = {"original": "original", "moonlight": "match_rms_adamw", "spectral": None}[scale]
         super().__init__(params, lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust)
         extra = {"scale": scale, "polar": polar, "polar_dtype": polar_dtype}
@@ -160,7 +161,7 @@ class Lion(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
         if lr < 0:
-            raise ValueError(f"Lion learning rate must be >= 0, got {lr}")
+            raise CurvlabError(f"Lion learning rate must be >= 0, got {lr}")
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
 
     @torch.no_grad()
@@ -192,10 +193,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]):
         self.optimizers = dict(optimizers)
         if not self.optimizers:
-            raise ValueError("CombinedOptimizer needs at least one optimizer")
+            raise CurvlabError("CombinedOptimizer needs at least one optimizer")
         params = [p for o in self.optimizers.values() for g in o.param_groups for p in g["params"]]
         if len({id(p) for p in params}) != len(params):
-            raise ValueError("the combined optimizers share a parameter")
+            raise CurvlabError("the combined optimizers share a parameter")
         super().__init__(params, {})
         for o in self.optimizers.values():
             self.state.update(o.state)
@@ -254,11 +255,11 @@ def build_optimizer(
     never reaches Muon.
 
     Raises:
-        ValueError: an unknown name or option, or a model with no 2-D weights for Muon.
+        CurvlabError: an unknown name or option, or a model with no 2-D weights for Muon.
     """
     named = _named_trainable(model)
     if not named:
-        raise ValueError("the model has no trainable parameters")
+        raise CurvlabError("the model has no trainable parameters")
     hp = dict(hyperparameters)
 
     def take(defaults: dict[str, Any]) -> dict[str, Any]:
@@ -275,9 +276,9 @@ def build_optimizer(
         chosen = [(n, p) for n, p in named if rule(n, p)]
         bad = [n for n, p in chosen if p.dim() != 2]
         if bad:
-            raise ValueError(f"the Muon rule chose parameters that are not 2-D: {bad[:3]}")
+            raise CurvlabError(f"the Muon rule chose parameters that are not 2-D: {bad[:3]}")
         if not chosen:
-            raise ValueError("the model has no hidden 2-D weight matrices for Muon; use adamw, or pass muon_rule")
+            raise CurvlabError("the model has no hidden 2-D weight matrices for Muon; use adamw, or pass muon_rule")
         muon_ids = {id(p) for _, p in chosen}
         rest = [p for _, p in named if id(p) not in muon_ids]
         parts = {"muon": Muon([p for _, p in chosen], **muon_hp)}
@@ -303,12 +304,12 @@ def build_optimizer(
         opt = take({"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0})
         _reject_unknown(name, hp)
         return Lion(params, **{**opt, "betas": tuple(opt["betas"])})
-    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    raise CurvlabError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
 def _reject_unknown(name: str, leftover: dict[str, Any]) -> None:
     if leftover:
-        raise ValueError(f"unknown option(s) for {name}: {', '.join(sorted(leftover))}")
+        raise CurvlabError(f"unknown option(s) for {name}: {', '.join(sorted(leftover))}")
 
 
 def _copy_state(optimizer: torch.optim.Optimizer) -> dict:
@@ -319,7 +320,7 @@ def _copy_state(optimizer: torch.optim.Optimizer) -> dict:
             for p, s in optimizer.state.items()
         }
     except Exception as e:  # any failure here means the state can't be copied
-        raise ValueError(f"the state of {type(optimizer).__name__} can't be copied: {e}") from e
+        raise CurvlabError(f"the state of {type(optimizer).__name__} can't be copied: {e}") from e
 
 
 def _copy_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -366,7 +367,7 @@ def next_update(
         with torch.enable_grad():
             loss = loss_fn(dict(named), batch)
             if not torch.isfinite(loss):
-                raise ValueError(f"the loss is not finite ({float(loss.detach())}): no update direction")
+                raise CurvlabError(f"the loss is not finite ({float(loss.detach())}): no update direction")
             grads = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
         for p, g in zip(params, grads):
             p.grad = g.detach().clone()

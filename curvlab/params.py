@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
+from curvlab.errors import CurvlabError
+
 Params = dict[str, Tensor]
 
 
@@ -68,12 +70,12 @@ def unflatten(vector: Tensor, like: Mapping[str, Tensor]) -> Params:
     """Inverse of :func:`flatten`: split ``vector`` into tensors shaped like ``like``'s values."""
     sizes = [t.numel() for t in like.values()]
     if vector.numel() != sum(sizes):
-        raise ValueError(f"vector has {vector.numel()} entries but the parameters have {sum(sizes)}")
+        raise CurvlabError(f"vector has {vector.numel()} entries but the parameters have {sum(sizes)}")
     return {k: piece.view(t.shape) for (k, t), piece in zip(like.items(), vector.split(sizes))}
 
 
 def check_like(params: Mapping[str, Tensor], direction: Mapping[str, Tensor], what: str = "direction") -> None:
-    """Raise ``ValueError`` unless ``direction`` has exactly ``params``' keys and shapes and is finite."""
+    """Raise ``CurvlabError`` unless ``direction`` has exactly ``params``' keys and shapes and is finite."""
     missing = [k for k in params if k not in direction]
     extra = [k for k in direction if k not in params]
     if missing or extra:
@@ -82,13 +84,13 @@ def check_like(params: Mapping[str, Tensor], direction: Mapping[str, Tensor], wh
             parts.append(f"missing {_names(missing)}")
         if extra:
             parts.append(f"unknown {_names(extra)}")
-        raise ValueError(f"{what} does not match the parameters: {'; '.join(parts)}")
+        raise CurvlabError(f"{what} does not match the parameters: {'; '.join(parts)}")
     for k, p in params.items():
         d = direction[k]
         if tuple(d.shape) != tuple(p.shape):
-            raise ValueError(f"{what}[{k!r}] has shape {tuple(d.shape)}, parameter has {tuple(p.shape)}")
+            raise CurvlabError(f"{what}[{k!r}] has shape {tuple(d.shape)}, parameter has {tuple(p.shape)}")
         if not torch.isfinite(d).all():
-            raise ValueError(f"{what}[{k!r}] holds non-finite values (NaN or inf)")
+            raise CurvlabError(f"{what}[{k!r}] holds non-finite values (NaN or inf)")
 
 
 def _names(keys: list[str], most: int = 4) -> str:

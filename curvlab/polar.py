@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from curvlab.errors import CurvlabError
+
 METHODS = ("svd", "newton_schulz", "polar_express")
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 POLAR_EXPRESS_NORMALIZATION = 1.02  # divide by 1.02·||X||_F, matching the safety margin below
@@ -42,7 +44,7 @@ def optimal_odd_quintic(lower: float, upper: float, tol: float = 1e-15) -> tuple
     to the critical points of p (roots of :math:`a + 3bx^2 + 5cx^4`), repeat until E settles.
     """
     if not 0 < lower <= upper:
-        raise ValueError(f"need 0 < lower <= upper, got [{lower}, {upper}]")
+        raise CurvlabError(f"need 0 < lower <= upper, got [{lower}, {upper}]")
     if lower / upper >= 1 - 5e-6:  # degenerate interval: the limit of the equioscillating family
         return 15 / 8 / upper, -10 / 8 / upper**3, 3 / 8 / upper**5
     q, r = (3 * lower + upper) / 4, (lower + 3 * upper) / 4
@@ -76,7 +78,7 @@ def polar_express_coefficients(
     :math:`[p(l), 2 - p(l)]`. The defaults are the 5-step design used by modded-nanogpt and Dion.
     """
     if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+        raise CurvlabError(f"steps must be >= 1, got {steps}")
     lo, hi = lower, 1.0
     out = []
     for step in range(steps):
@@ -128,11 +130,11 @@ def msign(
         (a bf16 result is upcast, which is exact).
     """
     if method not in METHODS:
-        raise ValueError(f"unknown polar method {method!r}; choose one of {', '.join(METHODS)}")
+        raise CurvlabError(f"unknown polar method {method!r}; choose one of {', '.join(METHODS)}")
     if X.dim() < 2:
-        raise ValueError(f"msign needs a matrix or a batch of matrices, got shape {tuple(X.shape)}")
+        raise CurvlabError(f"msign needs a matrix or a batch of matrices, got shape {tuple(X.shape)}")
     if X.shape[-1] == 0 or X.shape[-2] == 0:
-        raise ValueError(f"msign of an empty matrix (shape {tuple(X.shape)})")
+        raise CurvlabError(f"msign of an empty matrix (shape {tuple(X.shape)})")
     out_dtype = X.dtype if X.dtype in (torch.float32, torch.float64) else torch.float32
     if method == "svd":
         U, S, Vh = torch.linalg.svd(X.double(), full_matrices=False)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from curvlab.errors import CurvlabError
 from curvlab.polar import msign
 
 LINE_SEARCH_METHODS = ("gd", "muon")
@@ -95,22 +96,22 @@ class TwoLevelSpec:
         return self.w_H / self.w_L
 
     def validate(self, outside_theorem: bool = False) -> None:
-        """Raise ``ValueError`` naming the assumption that fails (sizes always; the theorem's
+        """Raise ``CurvlabError`` naming the assumption that fails (sizes always; the theorem's
         assumptions unless ``outside_theorem``)."""
         if not 1 <= self.m < self.q:
-            raise ValueError(f"need 1 <= m < q, got m={self.m}, q={self.q}")
+            raise CurvlabError(f"need 1 <= m < q, got m={self.m}, q={self.q}")
         if self.q > min(self.d1, self.d2):
-            raise ValueError(f"q={self.q} > min(d1, d2)={min(self.d1, self.d2)}: not enough paired modes")
+            raise CurvlabError(f"q={self.q} > min(d1, d2)={min(self.d1, self.d2)}: not enough paired modes")
         if self.w_L <= 0 or self.w_H <= 0:
-            raise ValueError(f"curvatures must be positive, got w_H={self.w_H}, w_L={self.w_L}")
+            raise CurvlabError(f"curvatures must be positive, got w_H={self.w_H}, w_L={self.w_L}")
         if self.sigma_H <= 0 or self.sigma_L <= 0:
-            raise ValueError(f"gradient coefficients must be positive, got σ_H={self.sigma_H}, σ_L={self.sigma_L}")
+            raise CurvlabError(f"gradient coefficients must be positive, got σ_H={self.sigma_H}, σ_L={self.sigma_L}")
         if outside_theorem:
             return
         if self.alpha >= 0.5:
-            raise ValueError(f"the theorem needs α = m/q < 1/2, got {self.alpha:.3f}")
+            raise CurvlabError(f"the theorem needs α = m/q < 1/2, got {self.alpha:.3f}")
         if self.w_H <= self.w_L:
-            raise ValueError(f"the theorem needs w_H > w_L (heterogeneous curvature), got {self.w_H} <= {self.w_L}")
+            raise CurvlabError(f"the theorem needs w_H > w_L (heterogeneous curvature), got {self.w_H} <= {self.w_L}")
 
 
 def _orthogonal(n: int, generator: torch.Generator) -> Tensor:
@@ -159,7 +160,7 @@ def power_law(
     aligned gradient :math:`\sigma_i \propto w_i^{\text{alignment}}` (0: isotropic, larger: more
     aligned with the sharp modes). Kronecker rank 1 (B = I); unpaired modes take the smallest curvature."""
     if q > min(d1, d2):
-        raise ValueError(f"q={q} > min(d1, d2)={min(d1, d2)}")
+        raise CurvlabError(f"q={q} > min(d1, d2)={min(d1, d2)}")
     w = w_max * (torch.arange(q, dtype=torch.float64) + 1) ** (-exponent)
     a = torch.full((d1,), float(w[-1]), dtype=torch.float64)
     a[:q] = w
@@ -192,7 +193,7 @@ def _direction(method: str, R: Tensor, polar: str) -> Tensor:
 def run_line_search(problem: KroneckerQuadratic, method: str, steps: int, polar: str = "svd") -> Trajectory:
     """GD (Z = R) or Muon (Z = msign(R), no momentum) from Y = 0 with exact line search."""
     if method not in LINE_SEARCH_METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(LINE_SEARCH_METHODS)}")
+        raise CurvlabError(f"unknown method {method!r}; choose one of {', '.join(LINE_SEARCH_METHODS)}")
     Y = torch.zeros_like(problem.G)
     traj = Trajectory(method if method == "gd" or polar == "svd" else f"muon-{polar}")
     traj.loss.append(float(problem.value(Y)))
@@ -218,7 +219,7 @@ def run_fixed_lr(
     """A fixed learning rate, beyond the theorem: GD and Muon with heavy-ball momentum, Adam (bias
     corrected, in the coordinates of Y), and sign descent."""
     if method not in FIXED_LR_METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(FIXED_LR_METHODS)}")
+        raise CurvlabError(f"unknown method {method!r}; choose one of {', '.join(FIXED_LR_METHODS)}")
     Y = torch.zeros_like(problem.G)
     buf, m1, m2 = torch.zeros_like(Y), torch.zeros_like(Y), torch.zeros_like(Y)
     traj = Trajectory(method, lr=lr)
@@ -260,7 +261,7 @@ def scalar_two_level(spec: TwoLevelSpec, method: str, steps: int) -> Trajectory:
     """The dynamics of :func:`run_line_search` on :func:`two_level`, reduced to one coefficient per
     group: Y = y_H Σ_{i<m} M_i + y_L Σ_{m<=i<q} M_i (exact polar factor for Muon)."""
     if method not in LINE_SEARCH_METHODS:
-        raise ValueError(f"unknown method {method!r}")
+        raise CurvlabError(f"unknown method {method!r}")
     n = np.array([spec.m, spec.q - spec.m], dtype=float)
     w = np.array([spec.w_H, spec.w_L])
     s = np.array([spec.sigma_H, spec.sigma_L])

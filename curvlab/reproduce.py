@@ -31,6 +31,7 @@ from curvlab.analysis import AnalysisSettings
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
 from curvlab.data.dataset import generate_pcfg_dataset
+from curvlab.errors import CurvlabError
 from curvlab.studies import compare_runs, pair_reports, track_run, within_layer_gap
 from curvlab.train import TrainConfig, train
 
@@ -147,7 +148,7 @@ class Reproduction:
         self.fineweb = Path(fineweb) if fineweb else None
         if preset.fineweb:
             if self.fineweb is None:
-                raise ValueError("the paper preset trains gpt2-124m on FineWeb: pass --fineweb DIR with its shards")
+                raise CurvlabError("the paper preset trains gpt2-124m on FineWeb: pass --fineweb DIR with its shards")
             from curvlab.data.shards import find_shards
 
             for split in ("train", "val"):  # fail now, not after hours of training
@@ -163,7 +164,7 @@ class Reproduction:
         if path.is_file():
             saved = json.loads(path.read_text())
             if saved != config:
-                raise ValueError(
+                raise CurvlabError(
                     f"{self.out} holds the results of another configuration (preset "
                     f"{saved['preset']['name']!r}); refusing to mix them: choose a fresh --out"
                 )

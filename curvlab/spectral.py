@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from curvlab import params as P
+from curvlab.errors import CurvlabError
 from curvlab.hvp import flat_hvp, working_dtype
 from curvlab.loss import LossFn
 
@@ -35,7 +36,7 @@ class Operator:
         matmat: Callable[[Tensor], Tensor] | None = None,
     ):
         if dim < 1:
-            raise ValueError("the operator has no dimensions (an empty block?)")
+            raise CurvlabError("the operator has no dimensions (an empty block?)")
         self.dim, self.dtype, self._matvec, self._matmat = dim, dtype, matvec, matmat
         self.num_matvecs = 0
 
@@ -151,9 +152,9 @@ def lanczos(
     result says so.
     """
     if which not in ("largest", "smallest"):
-        raise ValueError(f"which must be 'largest' or 'smallest', got {which!r}")
+        raise CurvlabError(f"which must be 'largest' or 'smallest', got {which!r}")
     if not 1 <= k <= op.dim:
-        raise ValueError(f"k = {k} must lie in [1, dim = {op.dim}]")
+        raise CurvlabError(f"k = {k} must lie in [1, dim = {op.dim}]")
     g = torch.Generator().manual_seed(seed)
     v0 = torch.randn(op.dim, generator=g, dtype=op.dtype)
 
@@ -182,7 +183,7 @@ def eigsh_extremes(
     from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 
     if not 1 <= k < op.dim:
-        raise ValueError(f"eigsh needs 1 <= k < dim = {op.dim}, got k = {k}")
+        raise CurvlabError(f"eigsh needs 1 <= k < dim = {op.dim}, got k = {k}")
     lin = LinearOperator(
         (op.dim, op.dim),
         matvec=lambda x: op.matvec(torch.as_tensor(np.asarray(x).reshape(-1), dtype=op.dtype)).numpy(),
@@ -228,7 +229,7 @@ def hutchinson(op: Operator, samples: int = 64, batch: int = 16, seed: int = 0) 
     Rademacher :math:`z_i`; the standard error is the sample standard deviation over :math:`\sqrt N`.
     Products are taken ``batch`` at a time."""
     if samples < 2:
-        raise ValueError("Hutchinson needs at least 2 samples for a standard error")
+        raise CurvlabError("Hutchinson needs at least 2 samples for a standard error")
     g = torch.Generator().manual_seed(seed)
     values = []
     for start in range(0, samples, batch):
@@ -313,9 +314,9 @@ def spectral_density(
 def preconditioned_operator(op: Operator, diagonal: Tensor) -> Operator:
     r""":math:`P^{-1/2} A P^{-1/2}` for a positive diagonal P (flat, in the operator's order)."""
     if diagonal.numel() != op.dim:
-        raise ValueError(f"the preconditioner has {diagonal.numel()} entries, the operator {op.dim}")
+        raise CurvlabError(f"the preconditioner has {diagonal.numel()} entries, the operator {op.dim}")
     if not (diagonal > 0).all():
-        raise ValueError("the preconditioner must be positive")
+        raise CurvlabError("the preconditioner must be positive")
     s = diagonal.to(op.dtype).rsqrt()
     return Operator(
         op.dim, lambda x: s * op._matvec(s * x), op.dtype, lambda X: s[:, None] * op._matmat(s[:, None] * X)
@@ -327,7 +328,7 @@ def adam_preconditioner(optimizer: torch.optim.Optimizer, model: torch.nn.Module
     optimizer's state, flattened in the order of ``names``.
 
     Raises:
-        ValueError: a parameter without Adam state (``exp_avg_sq``), e.g. Muon's matrices.
+        CurvlabError: a parameter without Adam state (``exp_avg_sq``), e.g. Muon's matrices.
     """
     table = dict(model.named_parameters())
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -336,7 +337,7 @@ def adam_preconditioner(optimizer: torch.optim.Optimizer, model: torch.nn.Module
         p = table[n]
         state = optimizer.state.get(p, {})
         if "exp_avg_sq" not in state:
-            raise ValueError(
+            raise CurvlabError(
                 f"{n} has no Adam state (exp_avg_sq): the preconditioned sharpness needs an Adam checkpoint"
             )
         group = group_of[id(p)]

@@ -20,6 +20,7 @@ from curvlab.analysis import AnalysisSettings, cached_report, load_report, repor
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
 from curvlab.distributed import is_main
+from curvlab.errors import CurvlabError
 from curvlab.match import match_runs
 
 RATIO_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm")
@@ -107,7 +108,7 @@ def compare_runs(
     out = Path(out)
     matching = match_runs(run_a, run_b, levels if isinstance(levels, int) else list(levels), tolerance)
     if not matching.pairs:
-        raise ValueError("no matched pair within tolerance: " + "; ".join(matching.refused))
+        raise CurvlabError("no matched pair within tolerance: " + "; ".join(matching.refused))
     rows = []
     names = None
     for pair in tqdm(matching.pairs, desc="compare", disable=not progress):
@@ -126,7 +127,7 @@ def compare_runs(
     label = "adamw/muon" if names in (("muon", "adamw"), ("adamw", "muon")) else f"B/A ({names[1]}/{names[0]})"
     kept = [r for r in rows if r["taylor_ok_a"] and r["taylor_ok_b"]]
     if not kept:
-        raise ValueError("at no matched level does the second-order expansion hold for both runs")
+        raise CurvlabError("at no matched level does the second-order expansion hold for both runs")
     mean = {k: float(np.nanmean([r[f"ratio_{k}"] for r in kept])) for k in RATIO_KEYS}
     median = {k: float(np.nanmedian([r[f"ratio_{k}"] for r in kept])) for k in RATIO_KEYS}
     num, den = ("a", "b") if names == ("adamw", "muon") else ("b", "a")
@@ -151,11 +152,11 @@ def track_run(
     settings = settings or AnalysisSettings()
     settings.validate()
     if every < 1:
-        raise ValueError(f"--every must be >= 1, got {every}")
+        raise CurvlabError(f"--every must be >= 1, got {every}")
     run, out = Path(run), Path(out)
     entries = [e for e in read_index(run) if e["step"] > 0][::every]
     if not entries:
-        raise ValueError(f"{run}: no checkpoint after step 0 to track")
+        raise CurvlabError(f"{run}: no checkpoint after step 0 to track")
     rows = []
     for e in tqdm(entries, desc=f"track {run.name}", disable=not progress):
         report = cached_report(out / "reports", run / e["path"], settings, device=device)
@@ -183,7 +184,7 @@ def within_layer_gap(compare: dict[str, Any]) -> tuple[list[str], list[float]]:
     for row in compare["pairs"]:
         reports = pair_reports(row)
         if set(reports) != {"muon", "adamw"}:
-            raise ValueError("within_layer_gap needs a comparison of a Muon run with an AdamW run")
+            raise CurvlabError("within_layer_gap needs a comparison of a Muon run with an AdamW run")
         names = reports["muon"]["blocks"]["names"]
         gaps.append(np.diag(reports["adamw"]["blocks"]["matrix"]) - np.diag(reports["muon"]["blocks"]["matrix"]))
     return names, np.mean(gaps, axis=0).tolist()

@@ -24,6 +24,7 @@ from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
 from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, validation_batches
 from curvlab.distributed import all_reduce_sum, barrier, device_for_rank, my_share, rank_and_world
+from curvlab.errors import CurvlabError
 from curvlab.loss import count_loss_terms, token_cross_entropy
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim import build_optimizer
@@ -66,17 +67,17 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown training config field(s): {', '.join(unknown)}")
+            raise CurvlabError(f"unknown training config field(s): {', '.join(unknown)}")
         return cls(**d)
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+            raise CurvlabError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         for name in ("batch_size", "steps", "eval_every", "ckpt_every", "val_windows"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise CurvlabError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps must lie in [0, steps), got {self.warmup_steps}")
+            raise CurvlabError(f"warmup_steps must lie in [0, steps), got {self.warmup_steps}")
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
@@ -99,7 +100,7 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+        raise CurvlabError(f"device {name!r} was asked for but CUDA is not available")
     return torch.device(name)
 
 
@@ -130,13 +131,13 @@ def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1) -> Run:
     model_cfg = get_config(cfg.model, **cfg.model_overrides)
     vocab = data_vocab_size(cfg.data) or 1 + max(int(s.max()) for s in data.train + data.val if s.size)
     if vocab > model_cfg.vocab_size:
-        raise ValueError(
+        raise CurvlabError(
             f"{cfg.data}: the data's vocabulary ({vocab}) is larger than the model's ({model_cfg.vocab_size}); "
             "set model_overrides vocab_size"
         )
     seq_len = cfg.seq_len or model_cfg.block_size
     if seq_len > model_cfg.block_size:
-        raise ValueError(f"seq_len {seq_len} exceeds the model's block_size {model_cfg.block_size}")
+        raise CurvlabError(f"seq_len {seq_len} exceeds the model's block_size {model_cfg.block_size}")
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg).to(device)
     optimizer = build_optimizer(cfg.optimizer, model, **cfg.optimizer_options)
@@ -195,7 +196,7 @@ def checkpoint_payload(run: Run, val_loss: float, train_loss: float) -> dict[str
     }
 
 
-class TrainingDiverged(ValueError):
+class TrainingDiverged(CurvlabError):
     """The training loss became non-finite; the last good checkpoint stays."""
 
 
@@ -237,7 +238,7 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int | None = None, worl
     ranks), and rank 0 alone writes metrics and checkpoints.
 
     Raises:
-        ValueError: bad data or config, a resume with a different config, a corrupt checkpoint.
+        CurvlabError: bad data or config, a resume with a different config, a corrupt checkpoint.
         TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
     """
     if rank is None or world is None:
@@ -254,7 +255,7 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int | None = None, worl
         saved = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
         diff = config_difference(saved, cfg.to_dict())
         if diff:
-            raise ValueError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
+            raise CurvlabError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
         restore(run, load_checkpoint(out / index[-1]["path"], map_location=run.device))
         resumed_from = run.step
     elif is_main:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from curvlab.atomic import atomic_write_text, make_public
 from curvlab.data.pcfg import Grammar, count_stats, make_grammar
 from curvlab.data.shards import write_shard
+from curvlab.errors import CurvlabError
 
 STATS_VERSION = 1
 
@@ -32,9 +33,9 @@ def parse_count(text: str | int) -> int:
     try:
         value = float(t[:-1] if scale > 1 else t)
     except ValueError:
-        raise ValueError(f"not a count: {text!r} (use e.g. 20M, 500k or 1000)") from None
+        raise CurvlabError(f"not a count: {text!r} (use e.g. 20M, 500k or 1000)") from None
     if value <= 0:
-        raise ValueError(f"count must be positive, got {text!r}")
+        raise CurvlabError(f"count must be positive, got {text!r}")
     return round(value * scale)
 
 
@@ -58,10 +59,10 @@ def generate_pcfg_dataset(
         grammar_options: keyword arguments of :func:`~curvlab.data.pcfg.make_grammar`.
 
     Raises:
-        ValueError: s or val_s < 0, bad counts, or ``out`` holding a different dataset.
+        CurvlabError: s or val_s < 0, bad counts, or ``out`` holding a different dataset.
     """
     if s < 0 or val_s < 0:
-        raise ValueError(f"the Zipf exponent must be >= 0, got s={s}, val_s={val_s}")
+        raise CurvlabError(f"the Zipf exponent must be >= 0, got s={s}, val_s={val_s}")
     out = Path(out)
     config = {
         "s": float(s),
@@ -77,9 +78,9 @@ def generate_pcfg_dataset(
         stats = json.loads(existing.read_text())
         if stats.get("config") == config:
             return stats
-        raise ValueError(f"{out} already holds a dataset made with another config; choose another --out")
+        raise CurvlabError(f"{out} already holds a dataset made with another config; choose another --out")
     if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} exists and is not empty; choose another --out")
+        raise CurvlabError(f"{out} exists and is not empty; choose another --out")
     grammar = make_grammar(seed=seed, **config["grammar_options"])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -121,11 +122,11 @@ def read_stats(data_dir: str | Path) -> dict:
     """The ``stats.json`` of a Zipf-PCFG data directory."""
     path = Path(data_dir) / "stats.json"
     if not path.is_file():
-        raise ValueError(f"{data_dir}: no stats.json (not a directory written by `curvlab pcfg generate`)")
+        raise CurvlabError(f"{data_dir}: no stats.json (not a directory written by `curvlab pcfg generate`)")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: corrupt JSON ({e})") from e
+        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
 
 
 def load_grammar(data_dir: str | Path) -> Grammar:

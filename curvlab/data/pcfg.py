@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from curvlab.atomic import atomic_write_text
+from curvlab.errors import CurvlabError
 
 GRAMMAR_VERSION = 1
 
@@ -108,7 +109,7 @@ class Grammar:
     def from_dict(cls, d: dict, source: str = "grammar") -> Grammar:
         try:
             if d.get("version") != GRAMMAR_VERSION:
-                raise ValueError(f"unsupported grammar version {d.get('version')!r} (expected {GRAMMAR_VERSION})")
+                raise CurvlabError(f"unsupported grammar version {d.get('version')!r} (expected {GRAMMAR_VERSION})")
             levels = d["levels"]
             g = cls(
                 rules=[[[list(map(int, rhs)) for rhs in nt["rules"]] for nt in level] for level in levels],
@@ -119,9 +120,9 @@ class Grammar:
                 rule_s=float(d.get("rule_s", 0.0)),
             )
         except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{source}: malformed grammar JSON ({type(e).__name__}: {e})") from e
+            raise CurvlabError(f"{source}: malformed grammar JSON ({type(e).__name__}: {e})") from e
         except ValueError as e:
-            raise ValueError(f"{source}: {e}") from e
+            raise CurvlabError(f"{source}: {e}") from e
         g.validate(source)
         return g
 
@@ -131,45 +132,45 @@ class Grammar:
         try:
             d = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ValueError(f"{path}: no such grammar file") from None
+            raise CurvlabError(f"{path}: no such grammar file") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from e
+            raise CurvlabError(f"{path}: not valid JSON ({e})") from e
         return cls.from_dict(d, str(path))
 
     def validate(self, source: str = "grammar") -> None:
-        """Raise ``ValueError`` naming the problem: undefined or unreachable symbols, bad probabilities."""
+        """Raise ``CurvlabError`` naming the problem: undefined or unreachable symbols, bad probabilities."""
         if not self.rules or len(self.rules[0]) != 1:
-            raise ValueError(f"{source}: the first level must hold exactly one root nonterminal")
+            raise CurvlabError(f"{source}: the first level must hold exactly one root nonterminal")
         n_classes = len(self.class_sizes)
         if n_classes == 0 or any(s <= 0 for s in self.class_sizes):
-            raise ValueError(f"{source}: class sizes must be positive")
+            raise CurvlabError(f"{source}: class sizes must be positive")
         if len(self.ranks) != n_classes or any(
             sorted(r) != list(range(1, n + 1)) for r, n in zip(self.ranks, self.class_sizes)
         ):
-            raise ValueError(f"{source}: ranks must be a permutation of 1..size for every class")
+            raise CurvlabError(f"{source}: ranks must be a permutation of 1..size for every class")
         for level, (rules, probs) in enumerate(zip(self.rules, self.rule_probs)):
             below = len(self.rules[level + 1]) if level + 1 < self.depth else n_classes
             kind = "nonterminal" if level + 1 < self.depth else "class"
             used = set()
             if len(rules) != len(probs):
-                raise ValueError(
+                raise CurvlabError(
                     f"{source}: level {level} has {len(rules)} rule lists but {len(probs)} probability lists"
                 )
             for i, (rhs_list, p) in enumerate(zip(rules, probs)):
                 if not rhs_list or len(rhs_list) != len(p):
-                    raise ValueError(f"{source}: nonterminal {level}.{i} has no rules or mismatched probabilities")
+                    raise CurvlabError(f"{source}: nonterminal {level}.{i} has no rules or mismatched probabilities")
                 if any(x < 0 for x in p) or not math.isclose(sum(p), 1.0, rel_tol=1e-9):
-                    raise ValueError(f"{source}: rule probabilities of nonterminal {level}.{i} don't sum to 1")
+                    raise CurvlabError(f"{source}: rule probabilities of nonterminal {level}.{i} don't sum to 1")
                 for rhs in rhs_list:
                     if not rhs:
-                        raise ValueError(f"{source}: nonterminal {level}.{i} has an empty right-hand side")
+                        raise CurvlabError(f"{source}: nonterminal {level}.{i} has an empty right-hand side")
                     bad = [x for x in rhs if not 0 <= x < below]
                     if bad:
-                        raise ValueError(f"{source}: nonterminal {level}.{i} uses undefined {kind} {bad[0]}")
+                        raise CurvlabError(f"{source}: nonterminal {level}.{i} uses undefined {kind} {bad[0]}")
                     used.update(rhs)
             if level + 1 < self.depth and len(used) != below:
                 missing = sorted(set(range(below)) - used)
-                raise ValueError(f"{source}: nonterminal {level + 1}.{missing[0]} is unreachable")
+                raise CurvlabError(f"{source}: nonterminal {level + 1}.{missing[0]} is unreachable")
 
     # -- sampling ---------------------------------------------------------------------------
 
@@ -213,7 +214,7 @@ class Grammar:
     def sample_sentences(self, n: int, s: float, rng: np.random.Generator) -> np.ndarray:
         """``n`` sentences, each followed by the separator, as one int64 token stream."""
         if s < 0:
-            raise ValueError(f"the Zipf exponent s must be >= 0, got {s}")
+            raise CurvlabError(f"the Zipf exponent s must be >= 0, got {s}")
         rhs, cdf, n_nt, sep = self._expansion_tables()
         symbols = np.empty(2 * n, dtype=np.int64)
         symbols[0::2], symbols[1::2] = 0, sep
@@ -262,11 +263,11 @@ def make_grammar(
     not the only use of another symbol.
     """
     if not (n_classes >= 1 and n_tokens >= n_classes and depth >= 1 and width >= 1):
-        raise ValueError("need n_tokens >= n_classes >= 1, depth >= 1 and width >= 1")
+        raise CurvlabError("need n_tokens >= n_classes >= 1, depth >= 1 and width >= 1")
     if not (1 <= min_rules <= max_rules and 1 <= min_rhs <= max_rhs):
-        raise ValueError("need 1 <= min_rules <= max_rules and 1 <= min_rhs <= max_rhs")
+        raise CurvlabError("need 1 <= min_rules <= max_rules and 1 <= min_rhs <= max_rhs")
     if rule_s < 0:
-        raise ValueError(f"rule_s must be >= 0, got {rule_s}")
+        raise CurvlabError(f"rule_s must be >= 0, got {rule_s}")
     rng = np.random.default_rng(seed)
     sizes = [1] + [width] * (depth - 1)
     rules, probs = [], []
@@ -314,7 +315,7 @@ def _cover(level_rules: list[list[list[int]]], below: int, rng: np.random.Genera
             continue
         i, j, k = slots[rng.integers(len(slots))]
         level_rules[i][j][k] = int(missing[0])
-    raise ValueError("could not make every symbol reachable; increase rules per nonterminal")
+    raise CurvlabError("could not make every symbol reachable; increase rules per nonterminal")
 
 
 def zipf_exponent_fit(counts: np.ndarray) -> float:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from curvlab.atomic import atomic_write_with
+from curvlab.errors import CurvlabError
 
 MAGIC = 20240520
 VERSION = 1
@@ -34,7 +35,7 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
     """Write ``tokens`` (< 65536) as a headered uint16 shard, atomically."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: tokens must lie in [0, 65536) to fit uint16")
+        raise CurvlabError(f"{path}: tokens must lie in [0, 65536) to fit uint16")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = MAGIC, VERSION, tokens.size
 
@@ -49,31 +50,31 @@ def read_shard(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
     """The tokens of one shard (headered, or raw for ``train.bin``/``val.bin``) as a read-only memmap.
 
     Raises:
-        ValueError: missing file, wrong magic or version, a count that disagrees with the file size,
+        CurvlabError: missing file, wrong magic or version, a count that disagrees with the file size,
             or (when ``vocab_size`` is given) tokens beyond the vocabulary.
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such shard")
+        raise CurvlabError(f"{path}: no such shard")
     size = path.stat().st_size
     if path.name in RAW_NAMES:
         if size % 2:
-            raise ValueError(f"{path}: odd file size {size}, not a uint16 token file")
+            raise CurvlabError(f"{path}: odd file size {size}, not a uint16 token file")
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
     else:
         if size < HEADER_BYTES:
-            raise ValueError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte shard header")
+            raise CurvlabError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte shard header")
         header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
         if header[0] != MAGIC:
-            raise ValueError(f"{path}: wrong magic number {header[0]} (expected {MAGIC}); not a token shard")
+            raise CurvlabError(f"{path}: wrong magic number {header[0]} (expected {MAGIC}); not a token shard")
         if header[1] != VERSION:
-            raise ValueError(f"{path}: unsupported shard version {header[1]} (expected {VERSION})")
+            raise CurvlabError(f"{path}: unsupported shard version {header[1]} (expected {VERSION})")
         count = int(header[2])
         if size != HEADER_BYTES + 2 * count:
-            raise ValueError(f"{path}: header says {count} tokens but the file holds {(size - HEADER_BYTES) / 2:g}")
+            raise CurvlabError(f"{path}: header says {count} tokens but the file holds {(size - HEADER_BYTES) / 2:g}")
         tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
     if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:
-        raise ValueError(f"{path}: token {int(tokens.max())} is beyond the vocabulary of {vocab_size}")
+        raise CurvlabError(f"{path}: token {int(tokens.max())} is beyond the vocabulary of {vocab_size}")
     return tokens
 
 
@@ -81,10 +82,10 @@ def find_shards(data_dir: str | Path, split: str) -> list[Path]:
     """The ``split`` ("train" or "val") shard files of a data directory, sorted."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise ValueError(f"{data_dir}: no such data directory")
+        raise CurvlabError(f"{data_dir}: no such data directory")
     files = sorted(p for p in data_dir.glob(f"*{split}*.bin") if p.is_file())
     if not files:
-        raise ValueError(f"{data_dir}: no {split} shards (*{split}*.bin)")
+        raise CurvlabError(f"{data_dir}: no {split} shards (*{split}*.bin)")
     return files
 
 
@@ -126,9 +127,9 @@ class TrainBatches:
     ):
         self.shards = [s for s in shards if s.size > seq_len + 1]
         if not self.shards:
-            raise ValueError(f"no train shard holds more than seq_len + 1 = {seq_len + 1} tokens")
+            raise CurvlabError(f"no train shard holds more than seq_len + 1 = {seq_len + 1} tokens")
         if batch_size % world:
-            raise ValueError(f"batch size {batch_size} is not divisible by {world} processes")
+            raise CurvlabError(f"batch size {batch_size} is not divisible by {world} processes")
         self.batch_size, self.seq_len, self.rank, self.world = batch_size, seq_len, rank, world
         windows = np.array([s.size - seq_len - 1 for s in self.shards], dtype=np.float64)
         self._weights = windows / windows.sum()
@@ -164,6 +165,6 @@ def validation_batches(
                 break
             rows.append(np.asarray(s[o : o + seq_len + 1], dtype=np.int64))
     if not rows:
-        raise ValueError(f"the validation shards hold no window of {seq_len + 1} tokens")
+        raise CurvlabError(f"the validation shards hold no window of {seq_len + 1} tokens")
     data = torch.from_numpy(np.stack(rows))
     return [(data[i : i + batch_size, :-1], data[i : i + batch_size, 1:]) for i in range(0, len(rows), batch_size)]

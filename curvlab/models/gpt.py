@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from curvlab.errors import CurvlabError
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -45,7 +47,7 @@ CONFIGS: dict[str, GPTConfig] = {
 def get_config(name: str, **overrides) -> GPTConfig:
     """A named config with fields overridden, e.g. ``get_config("tiny", vocab_size=100)``."""
     if name not in CONFIGS:
-        raise ValueError(f"unknown model config {name!r}; choose one of {', '.join(CONFIGS)}")
+        raise CurvlabError(f"unknown model config {name!r}; choose one of {', '.join(CONFIGS)}")
     fields = {**CONFIGS[name].to_dict(), **{k: v for k, v in overrides.items() if v is not None}}
     return GPTConfig(**fields)
 
@@ -54,7 +56,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+            raise CurvlabError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
         self.c_q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
@@ -132,7 +134,7 @@ class GPT(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[1]
         if t > self.config.block_size:
-            raise ValueError(f"sequence of length {t} exceeds the model's block_size {self.config.block_size}")
+            raise CurvlabError(f"sequence of length {t} exceeds the model's block_size {self.config.block_size}")
         pos = torch.arange(t, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:

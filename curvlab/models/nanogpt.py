@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, GPTConfig
 
 ATTN_SPLIT = ("c_q", "c_k", "c_v")
@@ -41,7 +42,7 @@ def nanogpt_config(model_args: dict[str, Any]) -> GPTConfig:
             tie_embeddings=True,
         )
     except KeyError as e:
-        raise ValueError(f"nanoGPT model_args lack {e}") from None
+        raise CurvlabError(f"nanoGPT model_args lack {e}") from None
 
 
 def nanogpt_parameter_names(cfg: GPTConfig) -> list[str]:
@@ -92,7 +93,7 @@ def load_nanogpt(ckpt: dict[str, Any]) -> tuple[GPT, torch.optim.AdamW | None]:
     missing, unexpected = model.load_state_dict(convert_model_state(ckpt["model"]), strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
     if missing or unexpected:
-        raise ValueError(f"nanoGPT state doesn't fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise CurvlabError(f"nanoGPT state doesn't fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     saved = ckpt.get("optimizer")
     if not saved:
         return model, None
@@ -103,7 +104,7 @@ def load_nanogpt(ckpt: dict[str, Any]) -> tuple[GPT, torch.optim.AdamW | None]:
         [n for n in names if table[curvlab_names(n)[0]].dim() < 2],
     ]
     if [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in their_groups]:
-        raise ValueError("nanoGPT optimizer state doesn't have the expected two groups (decay, no decay)")
+        raise CurvlabError("nanoGPT optimizer state doesn't have the expected two groups (decay, no decay)")
     our_groups = [[m for n in group for m in curvlab_names(n)] for group in their_groups]
     index = {m: i for i, m in enumerate(our_groups[0] + our_groups[1])}
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
