@@ -6,15 +6,15 @@ real step: schedule, momentum, clipping and weight decay included); then, on the
 (the same next batch by default, or fixed validation windows), the Taylor split over all parameters
 and over the hidden matrices, and the block interaction matrix. Nothing is written to the checkpoint.
 
-Report JSON (``REPORT_SCHEMA_VERSION`` = 1)::
+Report JSON (``REPORT_SCHEMA_VERSION`` = 2)::
 
     schema_version, checkpoint, step, val_loss, optimizer, settings{blocks, batch, batches, dtype,
     block_method}, loss, nds, first_order, curvature_penalty, predicted, realized, update_norm,
     grad_norm, cosine, hidden{the same eight, over the hidden 2-D matrices, or null},
-    blocks{grouping, names, matrix, within, cross, total_nds, rho_within, first_order[], norm[],
-    nds[] (each block's own NDS), asymmetry, members}, timing{seconds, hvp_seconds}
+    blocks{grouping, names, matrix, within, cross, nds (the total, = sum(matrix)), rho_within, first_order[],
+    norm[], block_nds[] (each block's own NDS), asymmetry, members}, timing{seconds, hvp_seconds}
 
-Identities that always hold: sum(blocks.matrix) = blocks.total_nds = nds, within + cross = nds,
+Identities that always hold: sum(blocks.matrix) = blocks.nds = nds, within + cross = nds,
 predicted = first_order - curvature_penalty.
 """
 
@@ -38,7 +38,7 @@ from curvlab.loss import ModuleLoss, make_loss_fn
 from curvlab.models.nanogpt import is_nanogpt_checkpoint, load_nanogpt
 from curvlab.optim import next_update
 
-REPORT_SCHEMA_VERSION = 1
+REPORT_SCHEMA_VERSION = 2  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own
 BATCHES = ("train", "val")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 SCALAR_KEYS = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "grad_norm", "cosine")

@@ -208,11 +208,11 @@ class BlockMatrix:
             "matrix": self.matrix.tolist(),
             "within": self.within,
             "cross": self.cross,
-            "total_nds": self.nds,
+            "nds": self.nds,
             "rho_within": self.rho_within,
             "first_order": self.first_order.tolist(),
             "norm": self.norm.tolist(),
-            "nds": [None if np.isnan(x) else float(x) for x in self.block_nds],  # each block's own NDS
+            "block_nds": [None if np.isnan(x) else float(x) for x in self.block_nds],
             "asymmetry": self.asymmetry,
             "members": self.members,
         }

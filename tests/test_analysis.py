@@ -42,9 +42,12 @@ def runs(pcfg_data, tmp_path_factory):
 def test_report_identities_and_schema(runs):
     report = analyze_checkpoint(runs / "muon" / "ckpt_000008.pt", AnalysisSettings(blocks="layer")).to_dict()
     b = report["blocks"]
-    assert report["schema_version"] == 1 and report["step"] == 8 and report["optimizer"] == "muon"
+    assert report["schema_version"] == 2 and report["step"] == 8 and report["optimizer"] == "muon"
     assert sum(map(sum, b["matrix"])) == pytest.approx(report["nds"], rel=1e-5)
     assert b["within"] + b["cross"] == pytest.approx(report["nds"], rel=1e-5)
+    assert b["nds"] == pytest.approx(report["nds"], rel=1e-5)  # the total under its own name
+    own = [b["matrix"][i][i] * report["update_norm"] ** 2 / b["norm"][i] ** 2 for i in range(len(b["names"]))]
+    assert b["block_nds"] == pytest.approx(own, rel=1e-9)  # each block's own NDS under block_nds
     assert report["predicted"] == pytest.approx(report["first_order"] - report["curvature_penalty"], rel=1e-12)
     assert b["names"] == ["embedding", "layer0", "layer1", "final_norm", "head"]
     assert report["hidden"]["names"] and all(".h." in n for n in report["hidden"]["names"])
