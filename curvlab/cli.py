@@ -242,7 +242,13 @@ def nds(
     split = f"within {b['within']:.6g}, cross {b['cross']:.6g}, rho_within {b['rho_within']:.3f}"
     typer.echo(f"\nblocks ({b['grouping']}): {split}")
     rows = [
-        (name, b["norm"][i], b["first_order"][i], b["matrix"][i][i], b["block_nds"][i] if b["block_nds"][i] is not None else "-")
+        (
+            name,
+            b["norm"][i],
+            b["first_order"][i],
+            b["matrix"][i][i],
+            b["block_nds"][i] if b["block_nds"][i] is not None else "-",
+        )
         for i, name in enumerate(b["names"])
     ]
     print_table(rows, ("block", "||Z_l||", "<G_l,Z_l>", "M[l,l]", "own NDS"))
