@@ -26,8 +26,8 @@ def main() -> None:
     r = args.repeats
 
     t_seq = median_seconds(lambda: [hvp(loss_fn, params, batch, d) for d in padded], r)
-    t_hvp = median_seconds(lambda: block_matrix(loss_fn, params, batch, z, method="hvp"), r)
-    t_alpha = median_seconds(lambda: block_matrix(loss_fn, params, batch, z, method="alpha"), r)
+    t_hvp = median_seconds(lambda: block_matrix(loss_fn, params, batch, z, via="hvp"), r)
+    t_alpha = median_seconds(lambda: block_matrix(loss_fn, params, batch, z, via="alpha"), r)
     t_one = median_seconds(lambda: hvp(loss_fn, params, batch, z), r)
     t_loss = median_seconds(lambda: evaluate_loss(loss_fn, params, batch), r)
     t_split = median_seconds(lambda: taylor_split(loss_fn, params, batch, z), r)

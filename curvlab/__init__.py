@@ -1,9 +1,19 @@
 """curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block matrix)."""
 
 from curvlab.blocks import group_parameters, hidden_matrices
-from curvlab.curvature import BlockMatrix, TaylorScope, TaylorSplit, block_matrix, taylor_split
+from curvlab.curvature import (
+    BlockMatrix,
+    TaylorScope,
+    TaylorSplit,
+    block_matrix,
+    block_matrix_at,
+    nds,
+    taylor_split,
+    taylor_split_at,
+)
 from curvlab.exact_ops import exact_second_order
 from curvlab.hvp import (
+    CurvaturePoint,
     HessianOperator,
     evaluate_loss,
     gradient_and_hvps,
@@ -23,11 +33,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Batches",
     "BlockMatrix",
+    "CurvaturePoint",
     "HessianOperator",
     "Operator",
     "TaylorScope",
     "TaylorSplit",
     "block_matrix",
+    "block_matrix_at",
     "build_optimizer",
     "evaluate_loss",
     "exact_second_order",
@@ -43,10 +55,12 @@ __all__ = [
     "lanczos",
     "make_loss_fn",
     "msign",
+    "nds",
     "next_update",
     "quadratic_form",
     "quadratic_forms",
     "spectral_density",
     "taylor_split",
+    "taylor_split_at",
     "token_cross_entropy",
 ]

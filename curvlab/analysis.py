@@ -9,8 +9,8 @@ and over the hidden matrices, and the block interaction matrix. Nothing is writt
 Report JSON (``REPORT_SCHEMA_VERSION`` = 2)::
 
     schema_version, checkpoint, step, val_loss, optimizer, settings{blocks, batch, batches, dtype,
-    block_method}, loss, nds, first_order, curvature_penalty, predicted, realized, update_norm,
-    grad_norm, cosine, hidden{the same eight, over the hidden 2-D matrices, or null},
+    block_method, hvp_method, spectrum_top}, loss, nds, first_order, curvature_penalty, predicted, realized,
+    update_norm, grad_norm, cosine, hidden{the same eight, over the hidden 2-D matrices, or null},
     blocks{grouping, names, matrix, within, cross, nds (the total, = sum(matrix)), rho_within, first_order[],
     norm[], block_nds[] (each block's own NDS), asymmetry, members}, timing{seconds, hvp_seconds}
 
@@ -34,6 +34,7 @@ from curvlab.checkpoint import check_checkpoint
 from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split, taylor_split_and_block_matrix
 from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
+from curvlab.hvp import check_method
 from curvlab.loss import ModuleLoss, make_loss_fn
 from curvlab.models.nanogpt import is_nanogpt_checkpoint, load_nanogpt
 from curvlab.optim import next_update
@@ -53,6 +54,7 @@ class AnalysisSettings:
     batches: int = 1  # train: the step's batch and the N - 1 after it; val: the first N validation batches
     dtype: str = "float32"
     block_method: str = "hvp"
+    hvp_method: str = "rev_rev"  # rev_rev (double backward) or fwd_rev (jvp of grad): equal to rounding
     spectrum_top: int = 0  # > 0: also λ_max, the top-k eigenvalues, Z's overlap with them and the trace
 
     def validate(self) -> None:
@@ -64,6 +66,7 @@ class AnalysisSettings:
             raise CurvlabError(f"batches must be >= 1, got {self.batches}")
         if self.spectrum_top < 0:
             raise CurvlabError(f"spectrum_top must be >= 0, got {self.spectrum_top}")
+        check_method(self.hvp_method)
 
     def key(self) -> str:
         """A short stable hash, for caching reports."""
@@ -209,11 +212,16 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
     params = {n: p.detach() for n, p in model.named_parameters()}
     dtype = DTYPES[settings.dtype]
     hvp_start = time.perf_counter()
-    if settings.block_method == "hvp":  # one vectorized call serves both
-        split, blocks = taylor_split_and_block_matrix(loss_fn, params, D, Z, settings.blocks, dtype=dtype)
+    method = settings.hvp_method
+    if settings.block_method == "hvp":  # one point and one set of HVPs serve both
+        split, blocks = taylor_split_and_block_matrix(
+            loss_fn, params, D, Z, settings.blocks, dtype=dtype, method=method
+        )
     else:
-        split = taylor_split(loss_fn, params, D, Z, dtype=dtype)
-        blocks = block_matrix(loss_fn, params, D, Z, blocks=settings.blocks, method=settings.block_method, dtype=dtype)
+        split = taylor_split(loss_fn, params, D, Z, dtype=dtype, method=method)
+        blocks = block_matrix(
+            loss_fn, params, D, Z, blocks=settings.blocks, via=settings.block_method, dtype=dtype, method=method
+        )
     spectrum = None
     if settings.spectrum_top:
         spectrum = update_spectrum(loss_fn, params, D, Z, split.nds, settings.spectrum_top, dtype)

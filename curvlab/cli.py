@@ -200,10 +200,12 @@ def train(
         )
 
 
-def _settings(blocks: str, batch: str, batches: int, dtype: str, block_method: str):
+def _settings(blocks: str, batch: str, batches: int, dtype: str, block_method: str, hvp_method: str):
     from curvlab.analysis import AnalysisSettings
 
-    settings = AnalysisSettings(blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method)
+    settings = AnalysisSettings(
+        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, hvp_method=hvp_method
+    )
     settings.validate()
     return settings
 
@@ -211,6 +213,7 @@ def _settings(blocks: str, batch: str, batches: int, dtype: str, block_method: s
 BLOCKS_HELP = "Block grouping: layer, tensor or kind."
 BATCH_HELP = "Evaluate G, H and the decrease on the next step's batch (train) or on validation windows (val)."
 BATCHES_HELP = "Batches accumulated: train: the step's batch and the N-1 after it; val: the first N."
+HVP_METHOD_HELP = "HVP method: rev_rev (double backward, fastest) or fwd_rev (jvp of grad, for ops without it)."
 
 
 @app.command()
@@ -224,13 +227,16 @@ def nds(
     out: Path = typer.Option(None, help="Write the report JSON here."),
     dtype: str = typer.Option("float32", help="float32 or float64."),
     block_method: str = typer.Option("hvp", help="hvp (one HVP per block) or alpha (Hessian in alpha)."),
+    hvp_method: str = typer.Option("rev_rev", help=HVP_METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
 ) -> None:
     """NDS, Taylor split and block interaction matrix of a checkpoint's next update."""
     from curvlab.analysis import analyze_checkpoint
 
     with distributed_context() as (rank, _):
-        report = analyze_checkpoint(checkpoint, _settings(blocks, batch, batches, dtype, block_method), data, device)
+        report = analyze_checkpoint(
+            checkpoint, _settings(blocks, batch, batches, dtype, block_method, hvp_method), data, device
+        )
     if rank != 0:
         return
     d = report.to_dict()
@@ -271,13 +277,14 @@ def compare(
     batch: str = typer.Option("train", help=BATCH_HELP),
     batches: int = typer.Option(1, help=BATCHES_HELP),
     dtype: str = typer.Option("float32", help="float32 or float64."),
+    hvp_method: str = typer.Option("rev_rev", help=HVP_METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
     quiet: bool = typer.Option(False, help="No progress bar."),
 ) -> None:
     """Compare two runs at matched validation loss: NDS, first-order gain, curvature penalty, update norm."""
     from curvlab.studies import RATIO_KEYS, compare_runs
 
-    settings = _settings(blocks, batch, batches, dtype, "hvp")
+    settings = _settings(blocks, batch, batches, dtype, "hvp", hvp_method)
     with distributed_context() as (rank, _):
         result = compare_runs(run_a, run_b, out, levels, tolerance, settings, device, progress=not quiet and rank == 0)
     if rank != 0:
@@ -302,6 +309,7 @@ def track(
     batches: int = typer.Option(1, help=BATCHES_HELP),
     dtype: str = typer.Option("float32", help="float32 or float64."),
     spectrum: int = typer.Option(0, help="Also λ_max and the top-K eigenvalues at each checkpoint (K > 0)."),
+    hvp_method: str = typer.Option("rev_rev", help=HVP_METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
     quiet: bool = typer.Option(False, help="No progress bar."),
 ) -> None:
@@ -310,7 +318,7 @@ def track(
     from curvlab.studies import track_run
 
     out = out or run / "track"
-    settings = AnalysisSettings(blocks, batch, batches, dtype, "hvp", spectrum_top=spectrum)
+    settings = AnalysisSettings(blocks, batch, batches, dtype, "hvp", hvp_method, spectrum_top=spectrum)
     with distributed_context() as (rank, _):
         rows = track_run(run, out, every, settings, device, progress=not quiet and rank == 0)
     if rank != 0:

@@ -14,6 +14,7 @@ its trace is the within-layer NDS and its off-diagonal sum the cross-layer NDS.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,24 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.func import grad_and_value, jvp, vmap
 
 from curvlab import params as P
 from curvlab.blocks import group_parameters, hidden_matrices
-from curvlab.distributed import all_reduce_sum
 from curvlab.errors import CurvlabError
-from curvlab.exact_ops import exact_second_order
-from curvlab.hvp import (
-    _check_finite_loss,
-    _scalar_loss,
-    evaluate_loss,
-    gradient_and_hvps,
-    shared_batches,
-    working_dtype,
-)
+from curvlab.hvp import DEFAULT_METHOD, CurvaturePoint, working_dtype
 from curvlab.loss import LossFn
 
-BLOCK_METHODS = ("hvp", "alpha")
+BLOCK_WAYS = ("hvp", "alpha")
 
 
 @dataclass(frozen=True)
@@ -93,21 +84,13 @@ def _check_direction(params: Mapping[str, Tensor], z: Mapping[str, Tensor], what
     return norm
 
 
-def _subset_direction(
-    params: Mapping[str, Tensor], z: P.Params, subset: Sequence[str] | None
-) -> tuple[list[str], P.Params | None]:
-    """The subset's names (default: the hidden matrices) and Z_S (Z there, 0 elsewhere), or ``None``
-    for Z_S when the subset is empty or is every parameter (the full scope already covers it)."""
+def _subset_names(params: Mapping[str, Tensor], subset: Sequence[str] | None) -> list[str]:
+    """The subset scope's names: ``subset``, or by default the hidden matrices."""
     names = hidden_matrices(params) if subset is None else list(subset)
     unknown = [n for n in names if n not in params]
     if unknown:
-        raise CurvlabError(f"subset names unknown parameters: {unknown[:3]}")
-    if not names or set(names) == set(params):
-        return names, None
-    z_sub = P.restrict(z, names)
-    if P.norm(z_sub) == 0.0:
-        raise CurvlabError("the update direction is zero on the subset: its NDS is undefined")
-    return names, z_sub
+        raise CurvlabError(f"subset names unknown parameters: {P.names_text(unknown)}")
+    return names
 
 
 def _scope(loss: float, g: P.Params, z: P.Params, hz: P.Params, stepped_loss: float, keys) -> TaylorScope:
@@ -129,6 +112,62 @@ def _scope(loss: float, g: P.Params, z: P.Params, hz: P.Params, stepped_loss: fl
     )
 
 
+def _split(point: CurvaturePoint, z: P.Params, hz: P.Params, names: list[str], hz_sub: P.Params | None) -> TaylorSplit:
+    """The :class:`TaylorSplit` from H[Z] and, for a proper non-empty subset S, H[Z_S]."""
+    p, loss, g = point.params, point.loss, point.gradient
+    full = _scope(loss, g, z, hz, point.loss_at(P.add(p, z, -1.0)), p)
+    sub = full if names else None
+    if hz_sub is not None:
+        z_sub = P.restrict(z, names)
+        sub = _scope(loss, g, z_sub, hz_sub, point.loss_at(P.add(p, z_sub, -1.0)), names)
+    return TaylorSplit(**full.to_dict(), loss=loss, subset=sub, subset_names=tuple(names))
+
+
+def _proper(names: list[str], params: Mapping[str, Tensor], z: P.Params) -> bool:
+    """Whether the subset is a scope of its own: not empty, not everything, and Z not zero on it."""
+    if not names or set(names) == set(params):
+        return False
+    if P.norm(z, names) == 0.0:
+        raise CurvlabError("the update direction is zero on the subset: its NDS is undefined")
+    return True
+
+
+def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], subset: Sequence[str] | None = None) -> TaylorSplit:
+    r"""The second-order Taylor split of the step :math:`W \to W - Z` at a :class:`~curvlab.hvp.CurvaturePoint`.
+
+    :math:`H[Z]` and :math:`H[Z_S]` are two HVPs at the point (:math:`Z_S` touches only S); the
+    realized decreases are two more loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
+    """
+    _check_direction(point.params, z, "update direction")
+    z = P.cast(z, point.dtype)
+    names = _subset_names(point.params, subset)
+    if _proper(names, point.params, z):
+        hz, hz_sub = point.hvp_each([z, {n: z[n] for n in names}])
+    else:
+        (hz,), hz_sub = point.hvp_each([z]), None
+    return _split(point, z, hz, names, hz_sub)
+
+
+def nds(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    z: Mapping[str, Tensor],
+    dtype: torch.dtype | None = None,
+    method: str = DEFAULT_METHOD,
+) -> float:
+    r"""The Normalized Directional Sharpness :math:`\langle Z, H[Z]\rangle / \|Z\|_F^2` of a direction Z:
+    the curvature along it, whatever its length (one HVP; :func:`taylor_split` gives it with the rest).
+
+    Raises:
+        CurvlabError: Z mismatched with the parameters, non-finite, or zero.
+    """
+    _check_direction(params, z, "direction")
+    with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
+        zc = P.cast(z, point.dtype)
+        return P.dot(zc, point.hvp(zc)) / P.dot(zc, zc)
+
+
 def taylor_split(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
@@ -136,40 +175,26 @@ def taylor_split(
     z: Mapping[str, Tensor],
     subset: Sequence[str] | None = None,
     dtype: torch.dtype | None = None,
+    method: str = DEFAULT_METHOD,
 ) -> TaylorSplit:
     r"""The second-order Taylor split of the step :math:`W \to W - Z`, over all parameters and over ``subset``.
 
-    One vectorized call gives L(W), G, H[Z] and H[Z_S] (two HVPs sharing the primal pass); two more
-    loss evaluations give :math:`L(W - Z)` and :math:`L(W - Z_S)`.
+    At one :class:`~curvlab.hvp.CurvaturePoint` (forward and first backward once): L(W), G, H[Z] and
+    H[Z_S]; two more loss evaluations give :math:`L(W - Z)` and :math:`L(W - Z_S)`.
 
     Args:
         z: the step Z, a dict like ``params`` (e.g. from :func:`~curvlab.optim.next_update`).
         subset: parameter names of the second scope; default the hidden 2-D matrices
             (:func:`~curvlab.blocks.hidden_matrices`). Pass ``[]`` to skip it.
         batch: one batch, or several (accumulated with loss-term weights).
+        method: the HVP method, ``"rev_rev"`` (default) or ``"fwd_rev"``.
 
     Raises:
         CurvlabError: Z mismatched with the parameters, non-finite, or zero (NDS undefined).
     """
     _check_direction(params, z, "update direction")
-    dt = working_dtype(params, dtype)
-    z = P.cast(z, dt)
-    names, z_sub = _subset_direction(params, z, subset)
-    use_subset = z_sub is not None
-    directions = [z] + ([z_sub] if use_subset else [])
-    stacked = {n: torch.stack([d[n] for d in directions]) for n in params}
-    loss, g, hv = gradient_and_hvps(loss_fn, params, batch, stacked, dtype=dt)
-    p = P.cast(params, dt)
-    full = _scope(
-        loss, g, z, {n: t[0] for n, t in hv.items()}, evaluate_loss(loss_fn, P.add(p, z, -1.0), batch), params
-    )
-    sub = None
-    if use_subset:
-        stepped = evaluate_loss(loss_fn, P.add(p, z_sub, -1.0), batch)
-        sub = _scope(loss, g, z_sub, {n: t[1] for n, t in hv.items()}, stepped, names)
-    elif names:
-        sub = full
-    return TaylorSplit(**full.to_dict(), loss=loss, subset=sub, subset_names=tuple(names))
+    with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
+        return taylor_split_at(point, z, subset)
 
 
 @dataclass(frozen=True)
@@ -218,57 +243,41 @@ class BlockMatrix:
         }
 
 
-def _block_hessian_by_hvps(loss_fn, params, batch, z, members, chunk_size, dt):
-    """(G, R) with R[l, m] = <Z_l, H[Z_m]_l>: one HVP per block, Z_m padded with zeros, vmapped in chunks."""
-    blocks = list(members.values())
-    L = len(blocks)
-    step = L if chunk_size is None else max(1, chunk_size)
-    R = np.zeros((L, L))
-    g = None
-    for start in range(0, L, step):
-        chunk = blocks[start : start + step]
-        stacked = {n: torch.stack([z[n] if n in set(b) else torch.zeros_like(z[n]) for b in chunk]) for n in params}
-        _, g, hv = gradient_and_hvps(loss_fn, params, batch, stacked, dtype=dt)
-        for j in range(len(chunk)):
-            hz = {n: t[j] for n, t in hv.items()}
-            for lidx, b in enumerate(blocks):
-                R[lidx, start + j] = P.dot(z, hz, b)
-    return g, R
+def _block_directions(z: P.Params, members: Mapping[str, Sequence[str]]) -> list[P.Params]:
+    """Z_m for each block m, as directions that touch only the block's parameters."""
+    return [{n: z[n] for n in names} for names in members.values()]
 
 
-def _block_hessian_by_alpha(loss_fn, params, batch, z, members, chunk_size, dt):
-    r"""(G·Z per block, R) from the Hessian in :math:`\alpha` of :math:`L(W + \sum_l \alpha_l Z_l)` at 0,
-    by forward-over-reverse (``jvp`` of ``grad`` in the L-dimensional :math:`\alpha`), vmapped over the
-    basis vectors. Exact through LayerNorm, unlike ``torch.func.hessian`` (jacrev of jacrev) on torch 2.13."""
-    block_of = {n: i for i, b in enumerate(members.values()) for n in b}
-    L = len(members)
-    index = {n: block_of[n] for n in params}
-    eye = torch.eye(L, dtype=dt)
-    step = L if chunk_size is None else max(1, chunk_size)
-    R = torch.zeros(L, L, dtype=torch.float64)
-    gz = torch.zeros(L, dtype=torch.float64)
-    pairs, reduce = shared_batches(batch)
-    with exact_second_order():
-        for b, w in pairs:
-            f = _scalar_loss(loss_fn, b)
+def _interactions(z: P.Params, members: Mapping[str, Sequence[str]], hz_blocks: Sequence[P.Params]) -> np.ndarray:
+    """R[l, m] = <Z_l, H[Z_m]_l>."""
+    return np.array([[P.dot(z, hz, names) for hz in hz_blocks] for names in members.values()])
 
-            def f_alpha(alpha, f=f):
-                return f({n: params[n] + alpha[index[n]] * z[n] for n in params})
 
-            def column(e, f_alpha=f_alpha):
-                (grad_a, loss), (hess_col, _) = jvp(grad_and_value(f_alpha), (torch.zeros(L, dtype=dt),), (e,))
-                return loss, grad_a, hess_col
+class _AlphaLoss:
+    r""":math:`\alpha \mapsto L(W + \sum_l \alpha_l Z_l)`, a loss over one parameter ``alpha`` (one entry
+    per block), whose Hessian at 0 is :math:`M\|Z\|^2` and whose gradient is :math:`\langle G_l, Z_l\rangle`."""
 
-            cols = []
-            for s in range(0, L, step):
-                loss, grad_a, part = vmap(column, out_dims=(None, None, 0))(eye[s : s + step])
-                cols.append(part)
-            _check_finite_loss(loss)
-            R += w * torch.cat(cols).double().T
-            gz += w * grad_a.double()
-    if reduce:  # in place
-        all_reduce_sum(R), all_reduce_sum(gz)
-    return gz.numpy(), R.numpy()
+    def __init__(self, loss_fn: LossFn, params: P.Params, z: P.Params, members: Mapping[str, Sequence[str]]):
+        self.loss_fn, self.params, self.z = loss_fn, params, z
+        self.block_of = {n: i for i, names in enumerate(members.values()) for n in names}
+        self.model = getattr(loss_fn, "model", None)  # so that the point keeps its running statistics
+
+    def __call__(self, a: Mapping[str, Tensor], batch: Any) -> Tensor:
+        alpha = a["alpha"]
+        return self.loss_fn({n: w + alpha[self.block_of[n]] * self.z[n] for n, w in self.params.items()}, batch)
+
+
+def block_matrix_at(
+    point: CurvaturePoint, z: Mapping[str, Tensor], blocks: str | Mapping[str, Sequence[str]] = "layer"
+) -> BlockMatrix:
+    r"""The block interaction matrix of the step Z at a :class:`~curvlab.hvp.CurvaturePoint`: one HVP per
+    block, :math:`H[Z_m]` with :math:`Z_m` touching only block m (see :func:`block_matrix`)."""
+    _check_direction(point.params, z, "update direction")
+    members = group_parameters(point.params.keys(), blocks)
+    z = P.cast(z, point.dtype)
+    hz_blocks = point.hvp_each(_block_directions(z, members))
+    first = np.array([P.dot(point.gradient, z, names) for names in members.values()])
+    return _assemble(members, z, first, _interactions(z, members, hz_blocks))
 
 
 def block_matrix(
@@ -277,9 +286,10 @@ def block_matrix(
     batch: Any,
     z: Mapping[str, Tensor],
     blocks: str | Mapping[str, Sequence[str]] = "layer",
-    method: str = "hvp",
+    via: str = "hvp",
     chunk_size: int | None = None,
     dtype: torch.dtype | None = None,
+    method: str = DEFAULT_METHOD,
 ) -> BlockMatrix:
     r"""The block interaction matrix :math:`M_{lm} = \langle Z_l, H_{lm}[Z_m]\rangle / \|Z\|^2`, exactly.
 
@@ -287,28 +297,32 @@ def block_matrix(
         z: the step Z.
         blocks: ``"layer"``, ``"tensor"``, ``"kind"``, or ``{block: [parameter names or globs]}``
             (see :func:`~curvlab.blocks.group_parameters`).
-        method: ``"hvp"`` (one HVP per block, H applied to Z_m padded with zeros, vmapped) or
-            ``"alpha"`` (the Hessian in α of :math:`L(W + \sum_l \alpha_l Z_l)`, which is
-            :math:`M\|Z\|^2`, by forward-over-reverse). Both are exact; ``"hvp"`` is the default.
-        chunk_size: blocks per vectorized call (bounds memory).
+        via: ``"hvp"`` (one HVP per block at one point, :math:`H[Z_m]` with :math:`Z_m` touching only
+            block m) or ``"alpha"`` (the Hessian in α of :math:`L(W + \sum_l \alpha_l Z_l)`, which is
+            :math:`M\|Z\|^2`, as the curvature of an L-parameter loss). Both are exact; ``"hvp"`` is
+            the default.
+        chunk_size: directions per vectorized call (bounds memory).
+        method: the HVP method, ``"rev_rev"`` (default) or ``"fwd_rev"``.
 
     Raises:
         CurvlabError: Z mismatched, non-finite or zero; a grouping that leaves a parameter out or
-            claims one twice; an unknown method.
+            claims one twice; an unknown way.
     """
-    if method not in BLOCK_METHODS:
-        raise CurvlabError(f"unknown block-matrix method {method!r}; choose one of {', '.join(BLOCK_METHODS)}")
+    if via not in BLOCK_WAYS:
+        raise CurvlabError(f"unknown block-matrix way {via!r}; choose one of {', '.join(BLOCK_WAYS)}")
     _check_direction(params, z, "update direction")
+    if via == "hvp":
+        with CurvaturePoint(loss_fn, params, batch, method, dtype, chunk_size) as point:
+            return block_matrix_at(point, z, blocks)
     members = group_parameters(params.keys(), blocks)
     dt = working_dtype(params, dtype)
-    p = P.cast(params, dt)
-    zc = P.cast(z, dt)
-    if method == "hvp":
-        g, R = _block_hessian_by_hvps(loss_fn, p, batch, zc, members, chunk_size, dt)
-        first = np.array([P.dot(g, zc, b) for b in members.values()])
-    else:
-        first, R = _block_hessian_by_alpha(loss_fn, p, batch, zc, members, chunk_size, dt)
-    return _assemble(members, zc, first, R)
+    p, zc = P.cast(params, dt), P.cast(z, dt)
+    device = next(iter(p.values())).device
+    alpha = {"alpha": torch.zeros(len(members), dtype=dt, device=device)}
+    with CurvaturePoint(_AlphaLoss(loss_fn, p, zc, members), alpha, batch, method, dt, chunk_size) as point:
+        R = point.hvps({"alpha": torch.eye(len(members), dtype=dt, device=device)})["alpha"]
+        gz = point.gradient["alpha"]
+    return _assemble(members, zc, gz.double().cpu().numpy(), R.double().cpu().numpy())
 
 
 def _assemble(members: dict[str, list[str]], z: P.Params, first: np.ndarray, R: np.ndarray) -> BlockMatrix:
@@ -337,6 +351,35 @@ def _assemble(members: dict[str, list[str]], z: P.Params, first: np.ndarray, R: 
     )
 
 
+def taylor_split_and_block_matrix_at(
+    point: CurvaturePoint,
+    z: Mapping[str, Tensor],
+    blocks: str | Mapping[str, Sequence[str]] = "layer",
+    subset: Sequence[str] | None = None,
+) -> tuple[TaylorSplit, BlockMatrix]:
+    r""":func:`taylor_split_at` and :func:`block_matrix_at` of one step at one point, sharing their HVPs:
+    :math:`H[Z] = \sum_m H[Z_m]` by linearity, and when every block lies inside the subset S or
+    outside it, :math:`H[Z_S]` is the sum over the blocks inside. L HVPs (L + 1 otherwise)."""
+    _check_direction(point.params, z, "update direction")
+    members = group_parameters(point.params.keys(), blocks)
+    z = P.cast(z, point.dtype)
+    names = _subset_names(point.params, subset)
+    proper = _proper(names, point.params, z)
+    inside = set(names)
+    aligned = all(set(b) <= inside or not set(b) & inside for b in members.values())
+    extra = [{n: z[n] for n in names}] if proper and not aligned else []
+    hzs = point.hvp_each(_block_directions(z, members) + extra)
+    hz_blocks = hzs[: len(members)]
+    hz = functools.reduce(P.add, hz_blocks)
+    hz_sub = None
+    if proper:
+        within_s = [hz_m for hz_m, b in zip(hz_blocks, members.values()) if set(b) <= inside]
+        hz_sub = hzs[-1] if extra else functools.reduce(P.add, within_s)
+    split = _split(point, z, hz, names, hz_sub)
+    first = np.array([P.dot(point.gradient, z, b) for b in members.values()])
+    return split, _assemble(members, z, first, _interactions(z, members, hz_blocks))
+
+
 def taylor_split_and_block_matrix(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
@@ -346,30 +389,10 @@ def taylor_split_and_block_matrix(
     subset: Sequence[str] | None = None,
     chunk_size: int | None = None,
     dtype: torch.dtype | None = None,
+    method: str = DEFAULT_METHOD,
 ) -> tuple[TaylorSplit, BlockMatrix]:
-    r""":func:`taylor_split` and :func:`block_matrix` (method ``"hvp"``) of one step, sharing one
-    vectorized call: the L padded block directions and :math:`Z_S`, with :math:`H[Z] = \sum_m H[Z_m]`
-    by linearity. L + 1 HVPs and one gradient instead of L + 2 HVPs and two gradients."""
+    r""":func:`taylor_split` and :func:`block_matrix` (via HVPs) of one step, at one point and sharing
+    their HVPs (:func:`taylor_split_and_block_matrix_at`)."""
     _check_direction(params, z, "update direction")
-    members = group_parameters(params.keys(), blocks)
-    dt = working_dtype(params, dtype)
-    p, zc = P.cast(params, dt), P.cast(z, dt)
-    names, z_sub = _subset_direction(params, zc, subset)
-    use_subset = z_sub is not None
-    directions = [P.restrict(zc, b) for b in members.values()] + ([z_sub] if use_subset else [])
-    stacked = {n: torch.stack([d[n] for d in directions]) for n in params}
-    loss, g, hv = gradient_and_hvps(loss_fn, p, batch, stacked, chunk_size=chunk_size, dtype=dt)
-    L = len(members)
-    R = np.array([[P.dot(zc, {n: t[m] for n, t in hv.items()}, b) for m in range(L)] for b in members.values()])
-    hz = {n: t[:L].sum(0) for n, t in hv.items()}
-    stepped = evaluate_loss(loss_fn, P.add(p, zc, -1.0), batch)
-    full = _scope(loss, g, zc, hz, stepped, params)
-    sub = None
-    if use_subset:
-        sub_stepped = evaluate_loss(loss_fn, P.add(p, z_sub, -1.0), batch)
-        sub = _scope(loss, g, z_sub, {n: t[L] for n, t in hv.items()}, sub_stepped, names)
-    elif names:
-        sub = full
-    split = TaylorSplit(**full.to_dict(), loss=loss, subset=sub, subset_names=tuple(names))
-    first = np.array([P.dot(g, zc, b) for b in members.values()])
-    return split, _assemble(members, zc, first, R)
+    with CurvaturePoint(loss_fn, params, batch, method, dtype, chunk_size) as point:
+        return taylor_split_and_block_matrix_at(point, z, blocks, subset)

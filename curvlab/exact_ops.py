@@ -1,38 +1,53 @@
-"""A mode under which any PyTorch model can be differentiated twice, exactly.
+r"""A mode under which any PyTorch model can be differentiated twice, exactly, without side effects.
 
-Three things break second derivatives of ordinary models on torch 2.13 (see SCIENCE.md and
-``shared/repro/layernorm_hessian.py``):
+What breaks second derivatives of ordinary models on torch 2.13 (``shared/repro/layernorm_hessian.py``
+and ``tests/test_exact_ops.py`` measure each case against double backward):
 
 * flash and memory-efficient attention have neither forward-mode AD nor double backward, so
-  ``scaled_dot_product_attention`` must run on the math backend;
-* dropout makes the loss random, so the "Hessian" would change between two HVPs;
-* ``nn.LayerNorm``'s fused kernel has wrong second-order forward-mode formulas: ``jvp`` of ``jvp``
-  through any LayerNorm, and ``jacrev`` of ``jacrev`` (``torch.func.hessian``) through an affine one,
-  give wrong numbers. Forward-over-reverse and double backward are right.
+  ``scaled_dot_product_attention`` must run on the math backend (every method);
+* dropout makes the loss random, so the "Hessian" would change between two HVPs (every method);
+* batch and instance norms in training mode update their running statistics in place: curvature
+  must never change the model, and under ``torch.func`` transforms the update even crashes (every
+  method);
+* the fused norm kernels have wrong second-order *forward-mode* formulas. Forward-over-forward
+  (``jvp`` of ``jvp``, the quadratic forms) is wrong through ``layer_norm``, ``instance_norm`` and
+  ``batch_norm`` with batch statistics, and ``jacrev`` of ``jacrev`` (``torch.func.hessian``) through
+  their affine forms. Forward-over-reverse (``jvp`` of ``grad``) and double backward are right, and
+  ``group_norm``, ``rms_norm`` and ``batch_norm`` with running statistics are right under all four.
 
-It also routes the plain cross-entropy through ``logsumexp`` (:func:`composite_cross_entropy`): not a
-correctness fix but a speed one, since second derivatives of the fused ``log_softmax`` cost twice as
-much on a large vocabulary.
+So each method reroutes only what is wrong under it (:data:`REROUTES`): the HVP methods ``"rev_rev"``
+and ``"fwd_rev"`` keep the fused kernels, while ``"fwd_fwd"`` (and ``None``: any transform, for users
+who call ``torch.func.hessian`` themselves) route the three norms through composites of ``mean`` and
+``rsqrt``, whose derivatives of every order and mode are exact.
 
-:func:`exact_second_order` fixes all three for the code run inside it, whatever model that code
-calls: a :class:`~torch.overrides.TorchFunctionMode` routes ``F.layer_norm`` through a composite of
-``mean`` and ``rsqrt`` (whose derivatives of every order are exact), makes every functional dropout
-the identity, and zeroes attention dropout, while ``sdpa_kernel(SDPBackend.MATH)`` pins attention to
-the math backend. Every curvature function of curvlab enters it itself, so a user can't forget.
+With ``watch_dtype=torch.float64`` the mode also reports where the model computes in lower precision
+inside (a ``.float()`` of the logits, an RMSNorm computing in float32): the result would carry float32
+accuracy, whatever dtype the parameters have.
 """
 
 from __future__ import annotations
 
 import contextlib
+import traceback
+import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.modules.batchnorm import _NormBase
 from torch.overrides import TorchFunctionMode
 
+from curvlab.errors import CurvlabError
+
+MODES = ("rev_rev", "fwd_rev", "fwd_fwd")
+# what each method needs rerouted beyond attention, dropout and running statistics
+REROUTES = {"rev_rev": frozenset(), "fwd_rev": frozenset(), "fwd_fwd": frozenset({"norms"}), None: frozenset({"norms"})}
+
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+_PRECISION = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1}
 
 
 def composite_layer_norm(
@@ -46,84 +61,189 @@ def composite_layer_norm(
 
     Same value as ``F.layer_norm`` (to rounding), with derivatives of every order and mode exact.
     """
-    dims = tuple(range(-len(normalized_shape), 0))
-    mean = x.mean(dims, keepdim=True)
-    centered = x - mean
-    var = centered.pow(2).mean(dims, keepdim=True)
-    y = centered * torch.rsqrt(var + eps)
+    return _affine(_normalize(x, tuple(range(-len(normalized_shape), 0)), eps), weight, bias, x.dim(), 0)
+
+
+def composite_batch_norm(
+    x: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""Batch normalization of ``(N, C, ...)`` from primitive ops, never updating running statistics.
+
+    With batch statistics (``training`` or no running statistics), :math:`\mu, \sigma^2` are taken over
+    every dimension but C (biased variance, as ``F.batch_norm`` normalizes); otherwise the running
+    ones are used. Derivatives of every order and mode are exact.
+    """
+    if training or running_mean is None or running_var is None:
+        y = _normalize(x, (0, *range(2, x.dim())), eps)
+    else:
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        y = (x - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
+    return _affine(y, weight, bias, x.dim(), 1)
+
+
+def composite_instance_norm(
+    x: Tensor,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Instance normalization of ``(N, C, ...)`` over the spatial dimensions, from primitive ops, never
+    updating running statistics (see :func:`composite_batch_norm`)."""
+    if use_input_stats or running_mean is None or running_var is None:
+        y = _normalize(x, tuple(range(2, x.dim())), eps)
+    else:
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        y = (x - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
+    return _affine(y, weight, bias, x.dim(), 1)
+
+
+def _normalize(x: Tensor, dims: tuple[int, ...], eps: float) -> Tensor:
+    centered = x - x.mean(dims, keepdim=True)
+    return centered * torch.rsqrt(centered.pow(2).mean(dims, keepdim=True) + eps)
+
+
+def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, ndim: int, channel_dim: int) -> Tensor:
+    """``y * weight + bias`` with the parameters broadcast along ``channel_dim`` (1: channels, 0: the
+    trailing normalized shape, which broadcasts as is)."""
+    shape = None if channel_dim == 0 else (-1,) + (1,) * (ndim - 2)
     if weight is not None:
-        y = y * weight
+        y = y * (weight if shape is None else weight.view(shape))
     if bias is not None:
-        y = y + bias
+        y = y + (bias if shape is None else bias.view(shape))
     return y
 
 
-def composite_cross_entropy(
-    logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean"
-) -> Tensor:
-    r"""Cross-entropy :math:`\operatorname{logsumexp}(x) - x_y` for ``(N, C)`` logits and class targets.
-
-    Same value as ``F.cross_entropy``; its second derivatives (forward-over-reverse or double
-    backward) cost about half as much, because the derivative formulas of ``logsumexp`` and
-    ``gather`` touch the ``N x C`` logits fewer times than those of ``_log_softmax_backward_data``.
-    """
-    keep = target != ignore_index
-    safe = torch.where(keep, target, torch.zeros_like(target))
-    terms = torch.logsumexp(logits, dim=-1) - logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    terms = torch.where(keep, terms, torch.zeros_like(terms))
-    if reduction == "sum":
-        return terms.sum()
-    if reduction == "none":
-        return terms
-    return terms.sum() / keep.sum()
+_BATCH_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_INSTANCE_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
 
 
-def _is_plain_cross_entropy(args, kwargs) -> bool:
-    """Class-index targets on (N, C) logits, no class weights, no label smoothing: what the composite covers."""
-    bound = dict(zip(("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction"), args))
+def _bind(names: tuple[str, ...], args, kwargs) -> dict:
+    bound = dict(zip(names, args))
     bound.update(kwargs)
-    logits, target = bound.get("input"), bound.get("target")
-    return (
-        isinstance(logits, Tensor)
-        and isinstance(target, Tensor)
-        and logits.dim() == 2
-        and target.dim() == 1
-        and not target.is_floating_point()
-        and bound.get("weight") is None
-        and bound.get("size_average") is None
-        and bound.get("reduce") is None
-        and not bound.get("label_smoothing", 0.0)
-        and bound.get("reduction", "mean") in ("mean", "sum", "none")
-    )
+    return bound
 
 
 class _ExactSecondOrderMode(TorchFunctionMode):
+    def __init__(self, composite_norms: bool, watch_dtype: torch.dtype | None, frozen: frozenset[int]):
+        super().__init__()
+        self.composite_norms = composite_norms
+        self.watch_dtype = watch_dtype
+        self.frozen = frozen
+        self.downcast_at: str | None = None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.layer_norm:
-            return composite_layer_norm(*args, **kwargs)
-        if func is F.cross_entropy and _is_plain_cross_entropy(args, kwargs):
-            bound = dict(zip(("input", "target", "weight", "size_average", "ignore_index"), args))
-            bound.update(kwargs)
-            return composite_cross_entropy(
-                bound["input"], bound["target"], bound.get("ignore_index", -100), bound.get("reduction", "mean")
-            )
+        if self.frozen and args and id(args[0]) in self.frozen and _in_place(func):
+            return args[0]  # e.g. nn.BatchNorm's num_batches_tracked.add_(1): the model stays as it was
         if func in _DROPOUTS:
             return args[0] if args else kwargs["input"]
         if func is F.scaled_dot_product_attention:
             kwargs = {**kwargs, "dropout_p": 0.0}
             if len(args) > 4:  # dropout_p passed positionally
                 args = (*args[:4], 0.0, *args[5:])
-        return func(*args, **kwargs)
+        elif func is F.batch_norm:
+            b = _bind(_BATCH_NORM_ARGS, args, kwargs)
+            batch_stats = b.get("training", False) or b.get("running_mean") is None
+            if self.composite_norms:
+                return composite_batch_norm(
+                    b["input"], None if batch_stats else b["running_mean"], None if batch_stats else b["running_var"],
+                    b.get("weight"), b.get("bias"), batch_stats, eps=b.get("eps", 1e-5),
+                )  # fmt: skip
+            if batch_stats:  # the fused kernel, without its in-place update of the running statistics
+                return func(b["input"], None, None, b.get("weight"), b.get("bias"), True, 0.0, b.get("eps", 1e-5))
+        elif func is F.instance_norm:
+            b = _bind(_INSTANCE_NORM_ARGS, args, kwargs)
+            batch_stats = b.get("use_input_stats", True) or b.get("running_mean") is None
+            if self.composite_norms:
+                return composite_instance_norm(
+                    b["input"], None if batch_stats else b["running_mean"], None if batch_stats else b["running_var"],
+                    b.get("weight"), b.get("bias"), batch_stats, eps=b.get("eps", 1e-5),
+                )  # fmt: skip
+            if batch_stats:
+                return func(b["input"], None, None, b.get("weight"), b.get("bias"), True, 0.0, b.get("eps", 1e-5))
+        elif func is F.layer_norm and self.composite_norms:
+            return composite_layer_norm(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.watch_dtype is not None and self.downcast_at is None:
+            self._watch(func, args, kwargs, out)
+        return out
+
+    def _watch(self, func, args, kwargs, out) -> None:
+        """Remember the first op that turns a ``watch_dtype`` input into a lower-precision float."""
+        if not (isinstance(out, Tensor) and _PRECISION.get(out.dtype, 9) < _PRECISION[self.watch_dtype]):
+            return
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        if any(a.dtype == self.watch_dtype for a in inputs):
+            name = getattr(func, "__name__", str(func))
+            self.downcast_at = f"{name}() to {_dtype_name(out.dtype)} at {_caller()}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _caller() -> str:
+    """``file:line in function`` of the innermost frame outside torch and curvlab: the model's code."""
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(skip):
+            return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
+    return "an unknown place"
+
+
+def running_statistics(module: nn.Module | None) -> list[Tensor]:
+    """The buffers of every batch and instance norm of ``module`` (running means and variances, and
+    ``num_batches_tracked``, which ``nn.BatchNorm`` counts in its Python ``forward``)."""
+    if module is None:
+        return []
+    return [b for m in module.modules() if isinstance(m, _NormBase) for b in m.buffers(recurse=False)]
 
 
 @contextlib.contextmanager
-def exact_second_order() -> Iterator[None]:
-    """Context in which second derivatives of any model are exact and deterministic.
+def exact_second_order(
+    method: str | None = None, watch_dtype: torch.dtype | None = None, keep: Sequence[Tensor] = ()
+) -> Iterator[None]:
+    """Context in which second derivatives of any model are exact, deterministic and side-effect free.
 
-    Inside it: attention runs on the math backend with dropout 0, all functional dropouts are the
-    identity, ``F.layer_norm`` is replaced by :func:`composite_layer_norm` and the plain
-    ``F.cross_entropy`` by :func:`composite_cross_entropy`. Re-entrant.
+    Inside it, for every ``method``: attention runs on the math backend with dropout 0, all functional
+    dropouts are the identity, batch and instance norms never update their running statistics, and
+    in-place operations on the tensors in ``keep`` (pass :func:`running_statistics` of the model) are
+    skipped.
+    For ``method`` ``"fwd_fwd"`` or ``None`` (any transform, ``torch.func.hessian`` included),
+    ``F.layer_norm``, ``F.batch_norm`` with batch statistics and ``F.instance_norm`` also run as
+    composites (:func:`composite_layer_norm`, ...). Re-entrant.
+
+    Args:
+        method: ``"rev_rev"`` or ``"fwd_rev"`` (the HVP methods), ``"fwd_fwd"`` (quadratic forms), or
+            ``None`` for every rerouting.
+        watch_dtype: warn, naming the place, when the model turns a tensor of this dtype (e.g. float64)
+            into a lower-precision float: its curvature then has that lower precision.
     """
-    with sdpa_kernel(SDPBackend.MATH), _ExactSecondOrderMode():
+    if method not in REROUTES:
+        raise CurvlabError(f"unknown method {method!r} for the exact mode; choose one of {', '.join(MODES)}")
+    watch = watch_dtype if watch_dtype in _PRECISION else None
+    mode = _ExactSecondOrderMode("norms" in REROUTES[method], watch, frozenset(id(t) for t in keep))
+    with sdpa_kernel(SDPBackend.MATH), mode:
         yield
+    if mode.downcast_at is not None:
+        warnings.warn(
+            f"{_dtype_name(watch)} was requested, but the model computes in lower precision inside "
+            f"({mode.downcast_at}): the curvature has that precision, not {_dtype_name(watch)}'s",
+            stacklevel=3,
+        )

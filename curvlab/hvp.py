@@ -1,26 +1,35 @@
-r"""Exact Hessian-vector products of ``loss_fn(params, batch)``.
+r"""Exact Hessian-vector products of ``loss_fn(params, batch)``, from one object per point.
 
 Notation (SCIENCE.md): parameters W as a dict of tensors, gradient :math:`G = \nabla L(W)`, and the
 Hessian operator :math:`H[v] = \frac{d}{d\epsilon} \nabla L(W + \epsilon v)\big|_{\epsilon=0}`.
 
+:class:`CurvaturePoint` is the engine: built for a loss, parameters and batches (one or many,
+weighted by their loss terms, shared across ranks under torch.distributed), it runs the forward pass
+and the first backward once, then answers any number of HVPs, quadratic forms and gradients there.
 Methods:
 
-* ``"fwd_rev"`` (default): forward-over-reverse, ``jvp`` of ``grad``. One forward and one backward
-  pass carrying dual numbers; under ``vmap`` the primal pass is shared by all K directions.
-* ``"rev_rev"``: double backward through ``torch.autograd``, for ops without forward-mode AD.
-* :func:`quadratic_form`: forward-over-forward, ``jvp`` of ``jvp`` along one direction, gives
-  :math:`(\langle G, z\rangle, \langle z, H z\rangle)` without any backward pass.
+* ``"rev_rev"`` (default): double backward on the kept first-order graph. Each further direction
+  costs one backward pass through that graph (about 2 gradients), restricted to the gradient entries
+  the direction touches, so a direction that lives in the top layers skips the bottom of the graph.
+* ``"fwd_rev"``: forward-over-reverse, ``jvp`` of ``grad``, for ops without double backward. Nothing
+  is kept; every call runs one forward and one backward pass carrying dual numbers, vmapped over
+  its directions, with tangents only on the parameters the directions touch.
 
-All of them run inside :func:`~curvlab.exact_ops.exact_second_order` (math attention, no dropout,
-composite LayerNorm), so they are exact on any model, and all accept several batches (a ``list``
-or :class:`~curvlab.loss.Batches`), accumulated with weights proportional to their loss terms.
-Computation is in float32 unless ``dtype`` (or float64 parameters) say otherwise; bf16 and fp16
-parameters and directions are upcast.
+:func:`quadratic_forms` is a third way for :math:`(\langle G, z\rangle, \langle z, H z\rangle)` alone:
+forward-over-forward, ``jvp`` of ``jvp``, with no backward pass at all.
+
+Every computation runs inside :func:`~curvlab.exact_ops.exact_second_order` with just the reroutings
+its method needs (math attention, no dropout, running statistics untouched; composite norms for
+forward-over-forward), so it is exact on any model. Computation is in float32 unless ``dtype`` (or
+float64 parameters) say otherwise; bf16 and fp16 parameters and directions are upcast. The functions
+:func:`hvp`, :func:`hvps`, :func:`gradient_and_hvps` and :func:`evaluate_loss` are one-point
+shortcuts over :class:`CurvaturePoint`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,10 +42,11 @@ from torch.utils._pytree import tree_map
 from curvlab import params as P
 from curvlab.distributed import all_reduce_sum, my_share, rank_and_world
 from curvlab.errors import CurvlabError
-from curvlab.exact_ops import exact_second_order
+from curvlab.exact_ops import exact_second_order, running_statistics
 from curvlab.loss import LossFn, weighted_batches
 
-METHODS = ("fwd_rev", "rev_rev")
+METHODS = ("rev_rev", "fwd_rev")
+DEFAULT_METHOD = "rev_rev"
 
 
 def working_dtype(params: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> torch.dtype:
@@ -46,22 +56,6 @@ def working_dtype(params: Mapping[str, Tensor], dtype: torch.dtype | None = None
             raise CurvlabError(f"dtype must be floating point, got {dtype}")
         return dtype
     return torch.float64 if any(p.dtype == torch.float64 for p in params.values()) else torch.float32
-
-
-def _scalar_loss(loss_fn: LossFn, batch: Any):
-    def f(p):
-        value = loss_fn(p, batch)
-        if not isinstance(value, Tensor) or value.dim() != 0:
-            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise CurvlabError(f"loss_fn must return a scalar tensor, got {shape}")
-        return value
-
-    return f
-
-
-def _check_finite_loss(loss: Tensor) -> None:
-    if not torch.isfinite(loss).all():
-        raise CurvlabError(f"the loss is not finite ({float(loss)}) at these parameters and batch")
 
 
 def shared_batches(batch: Any) -> tuple[list[tuple[Any, float]], bool]:
@@ -78,36 +72,409 @@ def shared_batches(batch: Any) -> tuple[list[tuple[Any, float]], bool]:
     return pairs, False
 
 
-def _check_method(method: str) -> None:
+def check_method(method: str) -> None:
+    """Raise :class:`CurvlabError` unless ``method`` is an HVP method."""
     if method not in METHODS:
         raise CurvlabError(f"unknown HVP method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def _check_stacked(params: Mapping[str, Tensor], vs: Mapping[str, Tensor]) -> int:
-    first = next(iter(vs.values()), None)
-    if first is None or first.dim() == 0:
-        raise CurvlabError("directions must be stacked along a leading dimension K")
-    k = first.shape[0]
-    if k == 0:
-        raise CurvlabError("no directions given (K = 0)")
-    P.check_like(params, {n: t[0] if t.shape[0] == k else t for n, t in vs.items()}, "directions")
-    bad = [n for n, t in vs.items() if t.shape[0] != k]
+def _scalar(value: Any) -> Tensor:
+    if not isinstance(value, Tensor) or value.dim() != 0:
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise CurvlabError(f"loss_fn must return a scalar tensor, got {shape}")
+    return value
+
+
+def _check_finite_loss(loss: Tensor) -> None:
+    if not torch.isfinite(loss).all():
+        raise CurvlabError(f"the loss is not finite ({float(loss.detach())}) at these parameters and batch")
+
+
+def _detached_error() -> CurvlabError:
+    return CurvlabError(
+        "the loss does not depend on the parameters: it has no autograd graph to them (was it detached, "
+        "e.g. by .item() or .detach(), or computed with weights that are not in params?)"
+    )
+
+
+def _check_finite_hvp(hv: Mapping[str, Tensor]) -> None:
+    bad = [n for n, t in hv.items() if not torch.isfinite(t).all()]
     if bad:
-        raise CurvlabError(f"directions disagree on K: {bad[0]!r} stacks {vs[bad[0]].shape[0]}, others {k}")
-    for n, t in vs.items():
-        if not torch.isfinite(t).all():
-            raise CurvlabError(f"directions[{n!r}] holds non-finite values (NaN or inf)")
-    return k
+        raise CurvlabError(f"the Hessian-vector product is not finite (NaN or inf) in {P.names_text(bad)}")
 
 
-def _fwd_rev(f, params, vs, chunk_size):
-    """(loss, G, H[v_k] stacked) by jvp of grad, vmapped over the K directions."""
+@dataclass
+class _Graph:
+    """One batch's kept first-order graph: leaves, the gradient (with its graph) and the batch weight."""
 
-    def one(v):
-        (g, loss), (hv, _) = jvp(grad_and_value(f), (params,), (v,))
-        return loss, g, hv
+    weight: float
+    leaves: list[Tensor]
+    grads: list[Tensor]
 
-    return _vmap_directions(one, vs, chunk_size, out_dims=(None, None, 0))
+
+class CurvaturePoint:
+    r"""Loss :math:`L(W)`, gradient :math:`G` and Hessian :math:`H` of ``loss_fn`` at one point, on a batch.
+
+    The forward pass and the first backward run once, at construction (``"rev_rev"``) or at the first
+    request (``"fwd_rev"``); then :meth:`hvps`, :meth:`hvp`, :meth:`quadratic_forms` and
+    :meth:`loss_at` can be called any number of times. A direction may name only some parameters:
+    the others are zero, and no work is spent on them.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        params: parameter dict W (not modified; copied in the working dtype).
+        batch: one batch, or a ``list``/:class:`~curvlab.loss.Batches` of batches, accumulated with
+            weights proportional to their loss terms (and shared out across ranks).
+        method: ``"rev_rev"`` (double backward on the kept graph) or ``"fwd_rev"`` (jvp of grad).
+        dtype: computation dtype (default float32, or float64 when the parameters are).
+        chunk_size: directions per vectorized call (bounds memory; ``None`` = all at once).
+
+    Memory: ``"rev_rev"`` keeps one first-order graph per batch of this process (about the activation
+    memory of a training step with ``create_graph``, per batch) until :meth:`close` or the end of a
+    ``with`` block.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        params: Mapping[str, Tensor],
+        batch: Any,
+        method: str = DEFAULT_METHOD,
+        dtype: torch.dtype | None = None,
+        chunk_size: int | None = None,
+    ):
+        check_method(method)
+        self.loss_fn, self.method, self.chunk_size = loss_fn, method, chunk_size
+        self.dtype = working_dtype(params, dtype)
+        self.params = P.cast(params, self.dtype)
+        if not self.params:
+            raise CurvlabError("no parameters given")
+        self._pairs, self._reduce = shared_batches(batch)
+        self._graphs: list[_Graph] | None = None
+        self._loss: float | None = None
+        self._gradient: P.Params | None = None
+        if method == "rev_rev":
+            self._graphs = self._first_order(create_graph=True)
+
+    # -- the batch loop ----------------------------------------------------------------------
+
+    def _each_batch(self, method: str) -> Iterator[tuple[Any, float]]:
+        """This process's ``(p -> loss, weight)`` pairs, inside the exact mode for ``method``, with the
+        running statistics of the loss's model (if it has one) left untouched: the one batch loop."""
+        keep = running_statistics(getattr(self.loss_fn, "model", None))
+        with exact_second_order(method, self.dtype, keep):
+            for b, w in self._pairs:
+                yield _bound(self.loss_fn, b), w
+
+    def _sum(self, value):
+        """A token-weighted sum over this process's batches, summed across ranks when they share them."""
+        return all_reduce_sum(value) if self._reduce else value
+
+    # -- first order -------------------------------------------------------------------------
+
+    def _first_order(self, create_graph: bool) -> list[_Graph]:
+        """Forward and backward for every batch of this process; loss and gradient accumulated."""
+        names = list(self.params)
+        graphs, loss_total, g_total = [], 0.0, P.zeros_like(self.params)
+        with torch.enable_grad():
+            for f, w in self._each_batch(self.method):
+                leaves = [self.params[n].detach().requires_grad_() for n in names]
+                loss = f(dict(zip(names, leaves)))
+                _check_finite_loss(loss)
+                if not loss.requires_grad:
+                    raise _detached_error()
+                grads = torch.autograd.grad(
+                    loss, leaves, create_graph=create_graph, allow_unused=True, materialize_grads=True
+                )
+                loss_total += w * float(loss.detach())
+                g_total = P.add(g_total, {n: t.detach() for n, t in zip(names, grads)}, w)
+                if create_graph:
+                    graphs.append(_Graph(w, leaves, list(grads)))
+        self._loss, self._gradient = self._sum(loss_total), self._sum(g_total)
+        return graphs
+
+    @property
+    def loss(self) -> float:
+        """:math:`L(W)`, accumulated over the batches."""
+        if self._loss is None:
+            self._first_order(create_graph=False)
+        return self._loss
+
+    @property
+    def gradient(self) -> P.Params:
+        r""":math:`G = \nabla L(W)`, a dict like ``params`` (in the working dtype)."""
+        if self._gradient is None:
+            self._first_order(create_graph=False)
+        return self._gradient
+
+    def loss_at(self, params: Mapping[str, Tensor]) -> float:
+        """:math:`L` at other parameters (e.g. :math:`W - Z`) on the same batches, in the same dtype and
+        mode, so that differences of losses and Taylor predictions are comparable."""
+        p = P.cast(params, self.dtype)
+        total = 0.0
+        with torch.no_grad():
+            for f, w in self._each_batch(self.method):
+                loss = f(p)
+                _check_finite_loss(loss)
+                total += w * float(loss)
+        return self._sum(total)
+
+    # -- second order ------------------------------------------------------------------------
+
+    def hvps(self, vs: Mapping[str, Tensor]) -> P.Params:
+        r""":math:`H[v_k]` for K directions stacked along dim 0, a dict over *all* parameters.
+
+        Args:
+            vs: ``{name: tensor (K, *param.shape)}`` for the parameters the directions touch; the
+                names left out are zero in every direction, and cost nothing.
+        """
+        names, k = self._check_stacked(vs)
+        vs = P.cast({n: vs[n] for n in names}, self.dtype)
+        step = k if self.chunk_size is None else max(1, self.chunk_size)
+        chunk = self._hvps_rev_rev if self.method == "rev_rev" else self._hvps_fwd_rev
+        pieces = [chunk({n: t[i : i + step] for n, t in vs.items()}) for i in range(0, k, step)]
+        hv = self._sum({n: torch.cat([p[n] for p in pieces]) for n in self.params})
+        _check_finite_hvp(hv)
+        return hv
+
+    def hvp(self, v: Mapping[str, Tensor]) -> P.Params:
+        r"""The exact :math:`H[v]`, a dict like ``params`` (``v`` may name only some parameters)."""
+        return {n: t[0] for n, t in self.hvps({n: t.unsqueeze(0) for n, t in v.items()}).items()}
+
+    def hvp_each(self, directions: Sequence[Mapping[str, Tensor]]) -> list[P.Params]:
+        r""":math:`H[v]` for each direction of a list, each of which may name only some parameters.
+
+        Double backward takes each on its own support (a direction in the top layers skips the bottom
+        of the graph); forward-over-reverse stacks them over the union of their supports, in one
+        vectorized call that shares the primal pass.
+        """
+        if self.method == "rev_rev":
+            return [self.hvp(v) for v in directions]
+        union = list(dict.fromkeys(n for v in directions for n in v))
+        stacked = {
+            n: torch.stack([v[n] if n in v else torch.zeros_like(self.params[n]) for v in directions]) for n in union
+        }
+        hv = self.hvps(stacked)
+        return [{n: t[i] for n, t in hv.items()} for i in range(len(directions))]
+
+    def quadratic_forms(self, zs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        r""":math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions, by HVPs at this
+        point; each a float64 tensor of shape ``(K,)``."""
+        hz = self.hvps(zs)
+        return P.stacked_dot(self.gradient, zs, zs), P.stacked_dot(zs, hz, zs)
+
+    def _hvps_rev_rev(self, vs: Mapping[str, Tensor]) -> P.Params:
+        r"""Double backward of :math:`\langle G_S, v_S\rangle` through each kept graph: only the gradient
+        entries of the support S are differentiated, so the part of the graph below S is never visited."""
+        if self._graphs is None:
+            raise CurvlabError("this curvature point was closed: its graphs are freed")
+        index = {n: i for i, n in enumerate(self.params)}
+        total = self._zeros(next(iter(vs.values())).shape[0])
+        for graph in self._graphs:
+            outputs = [(graph.grads[index[n]], v) for n, v in vs.items() if graph.grads[index[n]].requires_grad]
+            if not outputs:
+                continue  # the gradient on the support doesn't depend on W: H[v] = 0 on this batch
+            rows = _double_backward([o for o, _ in outputs], graph.leaves, [v for _, v in outputs])
+            for t, r in zip(total.values(), rows):
+                t.add_(r, alpha=graph.weight)
+        return total
+
+    def _hvps_fwd_rev(self, vs: Mapping[str, Tensor]) -> P.Params:
+        """jvp of the full gradient with tangents only on the support S (the rest closed over, so no
+        tangent work happens below S), vmapped over the K directions; loss and gradient come with it."""
+        rest = {n: t for n, t in self.params.items() if n not in vs}
+        on_support = {n: self.params[n] for n in vs}
+        total = self._zeros(next(iter(vs.values())).shape[0])
+        loss_total, g_total = 0.0, P.zeros_like(self.params)
+        for f, w in self._each_batch("fwd_rev"):
+
+            def one(v, f=f):
+                (g, loss), (hv, _) = jvp(lambda p_s: grad_and_value(f)({**rest, **p_s}), (on_support,), (v,))
+                return loss, g, hv
+
+            loss, g, hv = vmap(one, out_dims=(None, None, 0), randomness="same")(vs)
+            _check_finite_loss(loss)
+            loss_total += w * float(loss)
+            g_total = P.add(g_total, g, w)
+            for n, t in total.items():
+                t.add_(hv[n], alpha=w)
+        if self._gradient is None:
+            self._loss, self._gradient = self._sum(loss_total), self._sum(g_total)
+            if not any(t.any() for t in (*self._gradient.values(), *total.values())):
+                self._first_order(create_graph=False)  # all zero: raises if the loss is detached
+        return total
+
+    def _zeros(self, k: int) -> P.Params:
+        return {n: torch.zeros((k, *t.shape), dtype=t.dtype, device=t.device) for n, t in self.params.items()}
+
+    def _check_stacked(self, vs: Mapping[str, Tensor]) -> tuple[list[str], int]:
+        unknown = [n for n in vs if n not in self.params]
+        if unknown:
+            raise CurvlabError(f"directions name unknown parameters: {P.names_text(unknown)}")
+        if not vs:
+            raise CurvlabError("the directions name no parameter")
+        first = next(iter(vs.values()))
+        if first.dim() == 0:
+            raise CurvlabError("directions must be stacked along a leading dimension K")
+        k = first.shape[0]
+        if k == 0:
+            raise CurvlabError("no directions given (K = 0)")
+        for n, t in vs.items():
+            if tuple(t.shape) != (k, *self.params[n].shape):
+                raise CurvlabError(
+                    f"directions[{n!r}] has shape {tuple(t.shape)}, expected ({k}, *{tuple(self.params[n].shape)})"
+                )
+            if not torch.isfinite(t).all():
+                raise CurvlabError(f"directions[{n!r}] holds non-finite values (NaN or inf)")
+        return list(vs), k
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the kept graphs (``"rev_rev"``); the point answers no more HVPs."""
+        self._graphs = None
+
+    def __enter__(self) -> CurvaturePoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _bound(loss_fn: LossFn, batch: Any):
+    """``p -> loss_fn(p, batch)``, checked to be a scalar."""
+    return lambda p: _scalar(loss_fn(p, batch))
+
+
+def _double_backward(outputs: list[Tensor], leaves: list[Tensor], vs: list[Tensor]) -> tuple[Tensor, ...]:
+    r"""Rows :math:`\nabla_W \langle \text{outputs}, v_k\rangle` stacked over the K directions in ``vs``.
+
+    One direction is one plain backward; several are one ``is_grads_batched`` backward (vmapped). An op
+    whose double backward has no batching rule falls back to one backward per direction.
+    """
+    k = vs[0].shape[0]
+    kw = {"retain_graph": True, "allow_unused": True, "materialize_grads": True}
+    if k == 1:
+        return tuple(r.unsqueeze(0) for r in torch.autograd.grad(outputs, leaves, [v[0] for v in vs], **kw))
+    try:
+        return torch.autograd.grad(outputs, leaves, vs, is_grads_batched=True, **kw)
+    except RuntimeError:  # no batching rule for some op's double backward (e.g. group_norm's)
+        rows = [torch.autograd.grad(outputs, leaves, [v[i] for v in vs], **kw) for i in range(k)]
+        return tuple(torch.stack(r) for r in zip(*rows))
+
+
+def evaluate_loss(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Any, dtype: torch.dtype | None = None) -> float:
+    """:math:`L(W)` accumulated over batches with loss-term weights, evaluated exactly as the curvature
+    functions evaluate it (:meth:`CurvaturePoint.loss_at`)."""
+    return CurvaturePoint(loss_fn, params, batch, method="fwd_rev", dtype=dtype).loss_at(params)
+
+
+def gradient_and_hvps(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    vs: Mapping[str, Tensor],
+    chunk_size: int | None = None,
+    method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
+) -> tuple[float, P.Params, P.Params]:
+    r"""Loss :math:`L(W)`, gradient :math:`G` and :math:`H[v_k]` for K stacked directions, at one point.
+
+    Args:
+        vs: dict of tensors shaped ``(K, *param.shape)``, one per parameter.
+        chunk_size: directions per vectorized call (bounds memory; ``None`` = all K at once).
+
+    Returns:
+        ``(loss, G, HV)`` with ``G`` shaped like ``params`` and ``HV`` like ``vs``, accumulated over
+        batches with loss-term weights.
+    """
+    _check_full(params, vs)
+    with CurvaturePoint(loss_fn, params, batch, method, dtype, chunk_size) as point:
+        hv = point.hvps(vs)
+        return point.loss, point.gradient, hv
+
+
+def hvps(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    vs: Mapping[str, Tensor],
+    chunk_size: int | None = None,
+    method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
+) -> P.Params:
+    r""":math:`H[v_k]` for K directions stacked along dim 0, at one point (see :class:`CurvaturePoint`)."""
+    return gradient_and_hvps(loss_fn, params, batch, vs, chunk_size, method, dtype)[2]
+
+
+def hvp(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    v: Mapping[str, Tensor],
+    method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
+) -> P.Params:
+    r"""The exact Hessian-vector product :math:`H[v] = \nabla^2 L(W)\, v`, a dict like ``params``.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        params: parameter dict W (not modified).
+        batch: one batch, or a ``list``/:class:`~curvlab.loss.Batches` of batches to accumulate.
+        v: direction, a dict with ``params``' keys and shapes.
+        method: ``"rev_rev"`` (double backward, default) or ``"fwd_rev"`` (jvp of grad).
+        dtype: computation dtype (default float32, or float64 when the parameters are).
+    """
+    P.check_like(params, v)
+    stacked = {n: t.unsqueeze(0) for n, t in v.items()}
+    return {n: t[0] for n, t in hvps(loss_fn, params, batch, stacked, method=method, dtype=dtype).items()}
+
+
+def _check_full(params: Mapping[str, Tensor], vs: Mapping[str, Tensor]) -> None:
+    """Stacked directions over exactly ``params``' names (the shortcuts take no partial directions)."""
+    missing = [n for n in params if n not in vs]
+    if missing:
+        raise CurvlabError(f"directions do not match the parameters: missing {P.names_text(missing)}")
+
+
+def quadratic_forms(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    zs: Mapping[str, Tensor],
+    chunk_size: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[float, Tensor, Tensor]:
+    r"""Loss and :math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions.
+
+    Forward-over-forward: the second derivative of :math:`t \mapsto L(W + t z)` at 0 by ``jvp`` of
+    ``jvp``. No backward pass and no gradient is formed. Exact through the fused norms only because
+    :func:`~curvlab.exact_ops.exact_second_order` (method ``"fwd_fwd"``) routes them through composites.
+
+    Returns:
+        ``(loss, gz, zhz)`` with ``gz`` and ``zhz`` float64 tensors of shape ``(K,)``.
+    """
+    _check_full(params, zs)
+    point = CurvaturePoint(loss_fn, params, batch, method="fwd_rev", dtype=dtype, chunk_size=chunk_size)
+    _, k = point._check_stacked(zs)
+    p, zs = point.params, P.cast(zs, point.dtype)
+    loss_total, gz_total, zhz_total = 0.0, torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
+    for f, w in point._each_batch("fwd_fwd"):
+
+        def one(z, f=f):
+            def directional(q):
+                value, slope = jvp(f, (q,), (z,))
+                return slope, value
+
+            slope, curvature, value = jvp(directional, (p,), (z,), has_aux=True)
+            return value, slope, curvature
+
+        loss, gz, zhz = _vmap_directions(one, zs, chunk_size, out_dims=(None, 0, 0))
+        _check_finite_loss(loss)
+        loss_total += w * float(loss)
+        gz_total += w * gz.double().cpu()
+        zhz_total += w * zhz.double().cpu()
+    return point._sum(loss_total), point._sum(gz_total), point._sum(zhz_total)
 
 
 def _vmap_directions(fn, vs, chunk_size, out_dims):
@@ -124,176 +491,6 @@ def _vmap_directions(fn, vs, chunk_size, out_dims):
         first if dim is None else tree_map(lambda *xs: torch.cat(xs), *(p[j] for p in pieces))
         for j, (first, dim) in enumerate(zip(pieces[0], out_dims))
     )
-
-
-def _rev_rev(f, params, vs, chunk_size):
-    """(loss, G, H[v_k] stacked) by double backward: one first-order graph with ``create_graph``,
-    reused for every chunk of directions, each chunk one ``is_grads_batched`` backward."""
-    names = list(params)
-    leaves = [params[n].detach().requires_grad_() for n in names]
-    k = vs[names[0]].shape[0]
-    step = k if chunk_size is None else max(1, chunk_size)
-    with torch.enable_grad():
-        loss = f(dict(zip(names, leaves)))
-        g = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True, materialize_grads=True)
-        connected = [i for i, t in enumerate(g) if t.requires_grad]
-        if not connected:  # the loss is at most linear in the parameters
-            return loss.detach(), {n: t.detach() for n, t in zip(names, g)}, {n: torch.zeros_like(vs[n]) for n in names}
-        pieces = [
-            torch.autograd.grad(
-                [g[i] for i in connected],
-                leaves,
-                grad_outputs=[vs[names[i]][s : s + step] for i in connected],
-                retain_graph=True,
-                is_grads_batched=True,
-                allow_unused=True,
-                materialize_grads=True,
-            )
-            for s in range(0, k, step)
-        ]
-    hv = {n: torch.cat([p[i] for p in pieces]) for i, n in enumerate(names)}
-    return loss.detach(), {n: t.detach() for n, t in zip(names, g)}, hv
-
-
-def evaluate_loss(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Any, dtype: torch.dtype | None = None) -> float:
-    """:math:`L(W)` accumulated over batches with loss-term weights, evaluated exactly as the
-    curvature functions evaluate it (inside :func:`~curvlab.exact_ops.exact_second_order`, same dtype),
-    so that differences of losses and Taylor predictions are comparable."""
-    p = P.cast(params, working_dtype(params, dtype))
-    total = 0.0
-    pairs, reduce = shared_batches(batch)
-    with torch.no_grad(), exact_second_order():
-        for b, w in pairs:
-            loss = _scalar_loss(loss_fn, b)(p)
-            _check_finite_loss(loss)
-            total += w * float(loss)
-    return all_reduce_sum(total) if reduce else total
-
-
-def gradient_and_hvps(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Any,
-    vs: Mapping[str, Tensor],
-    chunk_size: int | None = None,
-    method: str = "fwd_rev",
-    dtype: torch.dtype | None = None,
-) -> tuple[float, P.Params, P.Params]:
-    r"""Loss :math:`L(W)`, gradient :math:`G` and :math:`H[v_k]` for K stacked directions, in one pass.
-
-    Args:
-        vs: dict of tensors shaped ``(K, *param.shape)``.
-        chunk_size: directions per vectorized call (bounds memory; ``None`` = all K at once).
-
-    Returns:
-        ``(loss, G, HV)`` with ``G`` shaped like ``params`` and ``HV`` like ``vs``, accumulated over
-        batches with loss-term weights.
-    """
-    _check_method(method)
-    _check_stacked(params, vs)
-    dt = working_dtype(params, dtype)
-    p = P.cast(params, dt)
-    vs = P.cast(vs, dt)
-    loss_total, g_total, hv_total = 0.0, P.zeros_like(p), P.zeros_like(vs)
-    pairs, reduce = shared_batches(batch)
-    with exact_second_order():
-        for b, w in pairs:
-            f = _scalar_loss(loss_fn, b)
-            loss, g, hv = _fwd_rev(f, p, vs, chunk_size) if method == "fwd_rev" else _rev_rev(f, p, vs, chunk_size)
-            _check_finite_loss(loss)
-            loss_total += w * float(loss)
-            g_total = P.add(g_total, g, w)
-            hv_total = P.add(hv_total, hv, w)
-    if reduce:
-        loss_total, g_total, hv_total = all_reduce_sum(loss_total), all_reduce_sum(g_total), all_reduce_sum(hv_total)
-    return loss_total, g_total, hv_total
-
-
-def hvps(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Any,
-    vs: Mapping[str, Tensor],
-    chunk_size: int | None = None,
-    method: str = "fwd_rev",
-    dtype: torch.dtype | None = None,
-) -> P.Params:
-    r""":math:`H[v_k]` for K directions stacked along dim 0, in one vectorized call (see
-    :func:`gradient_and_hvps`)."""
-    return gradient_and_hvps(loss_fn, params, batch, vs, chunk_size, method, dtype)[2]
-
-
-def hvp(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Any,
-    v: Mapping[str, Tensor],
-    method: str = "fwd_rev",
-    dtype: torch.dtype | None = None,
-) -> P.Params:
-    r"""The exact Hessian-vector product :math:`H[v] = \nabla^2 L(W)\, v`, a dict like ``params``.
-
-    Args:
-        loss_fn: ``loss_fn(params, batch) -> scalar``.
-        params: parameter dict W (not modified).
-        batch: one batch, or a ``list``/:class:`~curvlab.loss.Batches` of batches to accumulate.
-        v: direction, a dict with ``params``' keys and shapes.
-        method: ``"fwd_rev"`` (jvp of grad) or ``"rev_rev"`` (double backward).
-        dtype: computation dtype (default float32, or float64 when the parameters are).
-    """
-    P.check_like(params, v)
-    stacked = {n: t.unsqueeze(0) for n, t in v.items()}
-    return {n: t[0] for n, t in hvps(loss_fn, params, batch, stacked, method=method, dtype=dtype).items()}
-
-
-def quadratic_forms(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Any,
-    zs: Mapping[str, Tensor],
-    chunk_size: int | None = None,
-    dtype: torch.dtype | None = None,
-) -> tuple[float, Tensor, Tensor]:
-    r"""Loss and :math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions.
-
-    Forward-over-forward: the second derivative of :math:`t \mapsto L(W + t z)` at 0 by ``jvp`` of
-    ``jvp``. No backward pass and no gradient is formed. Exact through LayerNorm only because
-    :func:`~curvlab.exact_ops.exact_second_order` routes it through a composite.
-
-    Returns:
-        ``(loss, gz, zhz)`` with ``gz`` and ``zhz`` float64 tensors of shape ``(K,)``.
-    """
-    _check_stacked(params, zs)
-    dt = working_dtype(params, dtype)
-    p = P.cast(params, dt)
-    zs = P.cast(zs, dt)
-    k = next(iter(zs.values())).shape[0]
-    loss_total, gz_total, zhz_total = 0.0, torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
-    pairs, reduce = shared_batches(batch)
-    with exact_second_order():
-        for b, w in pairs:
-            f = _scalar_loss(loss_fn, b)
-
-            def one(z, f=f):
-                def directional(q):
-                    value, slope = jvp(f, (q,), (z,))
-                    return slope, value
-
-                slope, curvature, value = jvp(directional, (p,), (z,), has_aux=True)
-                return value, slope, curvature
-
-            loss, gz, zhz = _vmap_directions(one, zs, chunk_size, out_dims=(None, 0, 0))
-            _check_finite_loss(loss)
-            loss_total += w * float(loss)
-            gz_total = gz_total + w * gz.double()
-            zhz_total = zhz_total + w * zhz.double()
-    if reduce:
-        loss_total, gz_total, zhz_total = (
-            all_reduce_sum(loss_total),
-            all_reduce_sum(gz_total),
-            all_reduce_sum(zhz_total),
-        )
-    return loss_total, gz_total, zhz_total
 
 
 def quadratic_form(
@@ -362,7 +559,7 @@ class HessianOperator(LinearOperator):
         method: str = "fwd_rev",
         chunk_size: int | None = None,
     ):
-        _check_method(method)
+        check_method(method)
         self.torch_dtype = working_dtype(params, dtype)
         p = P.cast(params, self.torch_dtype)
         self.names = list(p) if subset is None else list(subset)

@@ -30,6 +30,21 @@ def dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str] | 
     return float(total)
 
 
+def stacked_dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str]) -> Tensor:
+    r"""Inner products :math:`\langle a_k, b_k\rangle` over ``keys`` for K stacked entries, float64 ``(K,)``.
+
+    Tensors stacked along dim 0 (``(K, *shape)``) pair entry by entry; an unstacked tensor (``shape``)
+    pairs with every entry.
+    """
+    total = None
+    for k in keys:
+        x, y = a[k].double(), b[k].double()
+        x, y = torch.broadcast_tensors(x, y)
+        part = (x * y).reshape(x.shape[0], -1).sum(1)
+        total = part if total is None else total + part
+    return total.cpu()
+
+
 def norm(a: Mapping[str, Tensor], keys: Iterable[str] | None = None) -> float:
     r"""Frobenius norm :math:`\|a\|_F = \langle a, a\rangle^{1/2}` over all (or ``keys``) tensors."""
     return dot(a, a, keys) ** 0.5
@@ -81,9 +96,9 @@ def check_like(params: Mapping[str, Tensor], direction: Mapping[str, Tensor], wh
     if missing or extra:
         parts = []
         if missing:
-            parts.append(f"missing {_names(missing)}")
+            parts.append(f"missing {names_text(missing)}")
         if extra:
-            parts.append(f"unknown {_names(extra)}")
+            parts.append(f"unknown {names_text(extra)}")
         raise CurvlabError(f"{what} does not match the parameters: {'; '.join(parts)}")
     for k, p in params.items():
         d = direction[k]
@@ -93,6 +108,7 @@ def check_like(params: Mapping[str, Tensor], direction: Mapping[str, Tensor], wh
             raise CurvlabError(f"{what}[{k!r}] holds non-finite values (NaN or inf)")
 
 
-def _names(keys: list[str], most: int = 4) -> str:
+def names_text(keys: list[str], most: int = 4) -> str:
+    """Up to ``most`` names quoted, then how many more: for error messages."""
     shown = ", ".join(repr(k) for k in keys[:most])
     return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")

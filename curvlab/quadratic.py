@@ -32,7 +32,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from curvlab.curvature import nds
 from curvlab.errors import CurvlabError
+from curvlab.hvp import CurvaturePoint
 from curvlab.polar import msign
 
 LINE_SEARCH_METHODS = ("gd", "muon")
@@ -66,6 +68,21 @@ class KroneckerQuadratic:
     def loss_fn(self, params: dict[str, Tensor], batch: Any = None) -> Tensor:
         """curvlab's loss convention: ``params = {"Y": Y}``; the batch is ignored."""
         return self.value(params["Y"])
+
+    def nds(self, Y: Tensor, Z: Tensor) -> float:
+        r""":math:`\langle Z, H[Z]\rangle / \|Z\|^2` at Y, by the curvature functions every model goes through."""
+        return nds(self.loss_fn, {"Y": Y}, None, {"Y": Z}, dtype=Y.dtype)
+
+    def nds_along(self, Zs: list[Tensor]) -> list[float]:
+        """The NDS of each direction of a trajectory, at one :class:`~curvlab.hvp.CurvaturePoint`: the
+        Hessian of a quadratic is the same at every Y, so one point serves every step."""
+        if not Zs:
+            return []
+        with CurvaturePoint(self.loss_fn, {"Y": torch.zeros_like(self.G)}, None, dtype=self.G.dtype) as point:
+            stacked = torch.stack(Zs)
+            _, zhz = point.quadratic_forms({"Y": stacked})
+        zz = stacked.double().flatten(1).pow(2).sum(1).cpu()
+        return [float(a / b) if b > 0 else float("nan") for a, b in zip(zhz, zz)]
 
     def dense_hessian(self) -> Tensor:
         """The dense ``d1 d2 x d1 d2`` Hessian (row-major vec of Y): for tests on small sizes only."""
@@ -200,13 +217,15 @@ def run_line_search(problem: KroneckerQuadratic, method: str, steps: int, polar:
     for _ in range(steps):
         R = problem.residual(Y)
         Z = _direction(method, R, polar)
-        HZ = problem.hvp(Z)
-        zhz, zz, rz = float((Z * HZ).sum()), float((Z * Z).sum()), float((R * Z).sum())
-        if zz == 0 or zhz <= 0:
-            break  # at the optimum (or no descent curvature): nothing left to do
-        eta = rz / zhz
+        zz, rz = float((Z * Z).sum()), float((R * Z).sum())
+        if zz == 0:
+            break  # at the optimum: nothing left to do
+        sharpness = problem.nds(Y, Z)
+        if sharpness <= 0:
+            break  # no descent curvature
+        eta = rz / (sharpness * zz)
         Y = Y + eta * Z
-        traj.nds.append(zhz / zz)
+        traj.nds.append(sharpness)
         traj.step_norm.append(abs(eta) * math.sqrt(zz))
         traj.first_order.append(eta * rz)
         traj.loss.append(float(problem.value(Y)))
@@ -214,16 +233,25 @@ def run_line_search(problem: KroneckerQuadratic, method: str, steps: int, polar:
 
 
 def run_fixed_lr(
-    problem: KroneckerQuadratic, method: str, lr: float, steps: int, momentum: float = 0.9, betas=(0.9, 0.999), eps=1e-8
+    problem: KroneckerQuadratic,
+    method: str,
+    lr: float,
+    steps: int,
+    momentum: float = 0.9,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    with_nds: bool = True,
 ) -> Trajectory:
     """A fixed learning rate, beyond the theorem: GD and Muon with heavy-ball momentum, Adam (bias
-    corrected, in the coordinates of Y), and sign descent."""
+    corrected, in the coordinates of Y), and sign descent. ``with_nds=False`` leaves ``nds`` empty
+    (a learning-rate search needs only the losses)."""
     if method not in FIXED_LR_METHODS:
         raise CurvlabError(f"unknown method {method!r}; choose one of {', '.join(FIXED_LR_METHODS)}")
     Y = torch.zeros_like(problem.G)
     buf, m1, m2 = torch.zeros_like(Y), torch.zeros_like(Y), torch.zeros_like(Y)
     traj = Trajectory(method, lr=lr)
     traj.loss.append(float(problem.value(Y)))
+    directions = []
     for t in range(1, steps + 1):
         R = problem.residual(Y)
         if method == "adam":
@@ -236,8 +264,7 @@ def run_fixed_lr(
             buf = momentum * buf + R
             Z = _direction(method, buf, "svd")
         step = lr * Z
-        zz = float((Z * Z).sum())
-        traj.nds.append(float((Z * problem.hvp(Z)).sum()) / zz if zz else float("nan"))
+        directions.append(Z)
         traj.step_norm.append(float(step.norm()))
         traj.first_order.append(float((R * step).sum()))
         Y = Y + step
@@ -245,13 +272,16 @@ def run_fixed_lr(
         traj.loss.append(value if math.isfinite(value) else float("inf"))
         if not math.isfinite(value):
             break
+    if with_nds:
+        traj.nds = problem.nds_along(directions)
     return traj
 
 
 def best_fixed_lr(problem: KroneckerQuadratic, method: str, grid, steps: int, **kwargs) -> Trajectory:
     """The run with the lowest final loss over a learning-rate grid (each method gets its best, for fairness)."""
-    runs = [run_fixed_lr(problem, method, lr, steps, **kwargs) for lr in grid]
-    return min(runs, key=lambda tr: tr.loss[-1] if len(tr.loss) == steps + 1 else float("inf"))
+    runs = [run_fixed_lr(problem, method, lr, steps, with_nds=False, **kwargs) for lr in grid]
+    best = min(runs, key=lambda tr: tr.loss[-1] if len(tr.loss) == steps + 1 else float("inf"))
+    return run_fixed_lr(problem, method, best.lr, steps, **kwargs)  # the winner again, now with its NDS
 
 
 # -- the separable two-level model and the theorem's closed forms --------------------------------

@@ -13,31 +13,41 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.modules.batchnorm import _NormBase
 
 from curvlab import params as P
 
 
 def deterministic(loss_fn):
-    """The same loss on an eval-mode copy of the model (dropout off), independently of curvlab."""
+    """The same loss on a copy of the model with dropout off, independently of curvlab: every module
+    leaves training mode except batch and instance norms, which keep their batch statistics."""
     model = getattr(loss_fn, "model", None)
     if model is None or not model.training:
         return loss_fn
-    return type(loss_fn)(copy.deepcopy(model).eval(), loss_fn.criterion)
+    copy_ = copy.deepcopy(model)
+    for m in copy_.modules():
+        if not isinstance(m, _NormBase):
+            m.training = False
+    return type(loss_fn)(copy_, loss_fn.criterion)
 
 
 _CACHE: dict = {}
+_CACHE_SIZE = 4
 
 
 def dense_hessian(loss_fn, params, batch) -> torch.Tensor:
     """The full Hessian of ``loss_fn`` at ``params`` (flattened in key order), row by row.
 
-    Cached per (loss_fn, parameter values, batch) identity: the fixtures build fresh objects per test.
+    Cached per (loss_fn, parameter tensors, batch) identity for the last few problems (the session
+    fixtures alternate between problems); each entry keeps its objects alive so that an id can't be
+    reused by a different object while it is cached.
     """
     key = (id(loss_fn), id(batch), *(id(t) for t in params.values()))
     if key not in _CACHE:
-        _CACHE.clear()
-        _CACHE[key] = _dense_hessian(loss_fn, params, batch)
-    return _CACHE[key]
+        if len(_CACHE) >= _CACHE_SIZE:
+            del _CACHE[next(iter(_CACHE))]
+        _CACHE[key] = (_dense_hessian(loss_fn, params, batch), (loss_fn, batch, list(params.values())))
+    return _CACHE[key][0]
 
 
 def _dense_hessian(loss_fn, params, batch) -> torch.Tensor:

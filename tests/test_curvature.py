@@ -54,8 +54,8 @@ def test_block_matrix_on_a_quadratic_equals_closed_forms():
     loss_fn, params, A, _ = quadratic_problem()
     z = random_direction(params, 4)
     zf = P.flatten(z)
-    for method in ("hvp", "alpha"):
-        bm = block_matrix(loss_fn, params, None, z, blocks="tensor", method=method)
+    for via, method in itertools.product(("hvp", "alpha"), ("rev_rev", "fwd_rev")):
+        bm = block_matrix(loss_fn, params, None, z, blocks="tensor", via=via, method=method)
         z1 = torch.cat([zf[:6], torch.zeros(4, dtype=torch.float64)])
         z2 = zf - z1
         expected = np.array([[z1 @ A @ z1, z1 @ A @ z2], [z2 @ A @ z1, z2 @ A @ z2]]) / float(zf @ zf)
@@ -63,13 +63,14 @@ def test_block_matrix_on_a_quadratic_equals_closed_forms():
         assert bm.nds == pytest.approx(float(zf @ A @ zf / (zf @ zf)), rel=1e-12)
 
 
-@pytest.mark.parametrize("method", ["hvp", "alpha"])
+@pytest.mark.parametrize("via", ["hvp", "alpha"])
+@pytest.mark.parametrize("method", ["rev_rev", "fwd_rev"])
 @pytest.mark.parametrize("grouping", ["layer", "kind"])
-def test_block_matrix_equals_dense_hessian_blocks(transformer_problem, method, grouping):
+def test_block_matrix_equals_dense_hessian_blocks(transformer_problem, via, method, grouping):
     loss_fn, params, batch = transformer_problem
     z = random_direction(params, 5)
     H = dense_hessian(loss_fn, params, batch)
-    bm = block_matrix(loss_fn, params, batch, z, blocks=grouping, method=method, chunk_size=3)
+    bm = block_matrix(loss_fn, params, batch, z, blocks=grouping, via=via, method=method, chunk_size=3)
     zf = P.flatten(z)
     members = group_parameters(params, grouping)
     masks = [
@@ -156,7 +157,9 @@ def test_bad_directions_and_blocks(transformer_problem):
         block_matrix(loss_fn, params, batch, z, blocks={"all": ["*"], "head": ["lm_head.*"]})
     with pytest.raises(ValueError, match="unknown block grouping"):
         block_matrix(loss_fn, params, batch, z, blocks="row")
-    with pytest.raises(ValueError, match="unknown block-matrix method"):
+    with pytest.raises(ValueError, match="unknown block-matrix way"):
+        block_matrix(loss_fn, params, batch, z, via="dense")
+    with pytest.raises(ValueError, match="unknown HVP method"):
         block_matrix(loss_fn, params, batch, z, method="dense")
 
 
