@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.func import grad_and_value, jvp, vmap
 
 from curvlab import params as P
-from curvlab.blocks import group_parameters, hidden_matrices
+from curvlab.blocks import group_parameters, hidden_matrices, model_of
 from curvlab.distributed import all_reduce_sum
 from curvlab.errors import CurvlabError
 from curvlab.exact_ops import exact_second_order
@@ -94,11 +94,11 @@ def _check_direction(params: Mapping[str, Tensor], z: Mapping[str, Tensor], what
 
 
 def _subset_direction(
-    params: Mapping[str, Tensor], z: P.Params, subset: Sequence[str] | None
+    params: Mapping[str, Tensor], z: P.Params, subset: Sequence[str] | None, model=None
 ) -> tuple[list[str], P.Params | None]:
     """The subset's names (default: the hidden matrices) and Z_S (Z there, 0 elsewhere), or ``None``
     for Z_S when the subset is empty or is every parameter (the full scope already covers it)."""
-    names = hidden_matrices(params) if subset is None else list(subset)
+    names = hidden_matrices(params, model) if subset is None else list(subset)
     unknown = [n for n in names if n not in params]
     if unknown:
         raise CurvlabError(f"subset names unknown parameters: {unknown[:3]}")
@@ -144,8 +144,9 @@ def taylor_split(
 
     Args:
         z: the step Z, a dict like ``params`` (e.g. from :func:`~curvlab.optim.next_update`).
-        subset: parameter names of the second scope; default the hidden 2-D matrices
-            (:func:`~curvlab.blocks.hidden_matrices`). Pass ``[]`` to skip it.
+        subset: parameter names of the second scope; default the hidden matrices
+            (:func:`~curvlab.blocks.hidden_matrices`: by role when ``loss_fn`` has a ``.model``). Pass
+            ``[]`` to skip it.
         batch: one batch, or several (accumulated with loss-term weights).
 
     Raises:
@@ -154,7 +155,7 @@ def taylor_split(
     _check_direction(params, z, "update direction")
     dt = working_dtype(params, dtype)
     z = P.cast(z, dt)
-    names, z_sub = _subset_direction(params, z, subset)
+    names, z_sub = _subset_direction(params, z, subset, model_of(loss_fn))
     use_subset = z_sub is not None
     directions = [z] + ([z_sub] if use_subset else [])
     stacked = {n: torch.stack([d[n] for d in directions]) for n in params}
@@ -247,7 +248,7 @@ def _block_hessian_by_alpha(loss_fn, params, batch, z, members, chunk_size, dt):
     step = L if chunk_size is None else max(1, chunk_size)
     R = torch.zeros(L, L, dtype=torch.float64)
     gz = torch.zeros(L, dtype=torch.float64)
-    pairs, reduce = shared_batches(batch)
+    pairs, reduce = shared_batches(batch, loss_fn)
     with exact_second_order():
         for b, w in pairs:
             f = _scalar_loss(loss_fn, b)
@@ -299,7 +300,7 @@ def block_matrix(
     if method not in BLOCK_METHODS:
         raise CurvlabError(f"unknown block-matrix method {method!r}; choose one of {', '.join(BLOCK_METHODS)}")
     _check_direction(params, z, "update direction")
-    members = group_parameters(params.keys(), blocks)
+    members = group_parameters(params.keys(), blocks, model_of(loss_fn))
     dt = working_dtype(params, dtype)
     p = P.cast(params, dt)
     zc = P.cast(z, dt)
@@ -351,10 +352,10 @@ def taylor_split_and_block_matrix(
     vectorized call: the L padded block directions and :math:`Z_S`, with :math:`H[Z] = \sum_m H[Z_m]`
     by linearity. L + 1 HVPs and one gradient instead of L + 2 HVPs and two gradients."""
     _check_direction(params, z, "update direction")
-    members = group_parameters(params.keys(), blocks)
+    members = group_parameters(params.keys(), blocks, model_of(loss_fn))
     dt = working_dtype(params, dtype)
     p, zc = P.cast(params, dt), P.cast(z, dt)
-    names, z_sub = _subset_direction(params, zc, subset)
+    names, z_sub = _subset_direction(params, zc, subset, model_of(loss_fn))
     use_subset = z_sub is not None
     directions = [P.restrict(zc, b) for b in members.values()] + ([z_sub] if use_subset else [])
     stacked = {n: torch.stack([d[n] for d in directions]) for n in params}

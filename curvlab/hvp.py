@@ -64,14 +64,14 @@ def _check_finite_loss(loss: Tensor) -> None:
         raise CurvlabError(f"the loss is not finite ({float(loss)}) at these parameters and batch")
 
 
-def shared_batches(batch: Any) -> tuple[list[tuple[Any, float]], bool]:
+def shared_batches(batch: Any, loss_fn: Any = None) -> tuple[list[tuple[Any, float]], bool]:
     """This process's ``(batch, weight)`` pairs and whether results must be summed across ranks.
 
     Weights are normalized over *all* batches (every rank knows them all), so under torch.distributed
     each rank takes its share and the token-weighted sums are all-reduced: exactly the one-process
     result. With fewer batches than ranks, every rank computes everything and nothing is reduced.
     """
-    pairs = weighted_batches(batch)
+    pairs = weighted_batches(batch, loss_fn)
     world = rank_and_world()[1]
     if world > 1 and len(pairs) >= world:
         return my_share(pairs), True
@@ -161,7 +161,7 @@ def evaluate_loss(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Any, dty
     so that differences of losses and Taylor predictions are comparable."""
     p = P.cast(params, working_dtype(params, dtype))
     total = 0.0
-    pairs, reduce = shared_batches(batch)
+    pairs, reduce = shared_batches(batch, loss_fn)
     with torch.no_grad(), exact_second_order():
         for b, w in pairs:
             loss = _scalar_loss(loss_fn, b)(p)
@@ -195,7 +195,7 @@ def gradient_and_hvps(
     p = P.cast(params, dt)
     vs = P.cast(vs, dt)
     loss_total, g_total, hv_total = 0.0, P.zeros_like(p), P.zeros_like(vs)
-    pairs, reduce = shared_batches(batch)
+    pairs, reduce = shared_batches(batch, loss_fn)
     with exact_second_order():
         for b, w in pairs:
             f = _scalar_loss(loss_fn, b)
@@ -269,7 +269,7 @@ def quadratic_forms(
     zs = P.cast(zs, dt)
     k = next(iter(zs.values())).shape[0]
     loss_total, gz_total, zhz_total = 0.0, torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
-    pairs, reduce = shared_batches(batch)
+    pairs, reduce = shared_batches(batch, loss_fn)
     with exact_second_order():
         for b, w in pairs:
             f = _scalar_loss(loss_fn, b)
