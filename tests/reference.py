@@ -22,7 +22,9 @@ def deterministic(loss_fn):
     model = getattr(loss_fn, "model", None)
     if model is None or not model.training:
         return loss_fn
-    return type(loss_fn)(copy.deepcopy(model).eval(), loss_fn.criterion)
+    same = copy.copy(loss_fn)  # (every setting kept: criterion, shift, ignore_index, tie_weights)
+    same.model = copy.deepcopy(model).eval()
+    return same
 
 
 _CACHE: dict = {}
