@@ -21,7 +21,7 @@ checkpoint, so matching by validation loss never has to open checkpoints.
 
 This is also the one place where checkpoints of every format are read, with one set of errors
 (:func:`read_checkpoint`): curvlab's own, nanoGPT's ``ckpt.pt``, and a Hugging Face ``Trainer``
-checkpoint directory (read by :func:`curvlab.hf.read_trainer_checkpoint`, which imports transformers).
+checkpoint directory (with :mod:`curvlab.hf`, which imports transformers, for what only it knows).
 A missing path, an unreadable or corrupt file, a file of no known format, and a device this torch
 can't use each raise one :class:`~curvlab.errors.CurvlabError`.
 """
@@ -113,13 +113,28 @@ def read_checkpoint(path: str | Path) -> ReadCheckpoint:
     a file with curvlab's ``format`` field curvlab's."""
     path = Path(path)
     if path.is_dir():
-        from curvlab.hf import read_trainer_checkpoint
-
-        return ReadCheckpoint("hf-trainer", path, read_trainer_checkpoint(path))
+        return ReadCheckpoint("hf-trainer", path, _read_trainer_directory(path))
     raw = read_file(path)
     if is_nanogpt_checkpoint(raw):
         return ReadCheckpoint("nanogpt", path, raw)
     return ReadCheckpoint("curvlab", path, check_checkpoint(raw, path))
+
+
+def _read_trainer_directory(path: Path):
+    """A Hugging Face Trainer checkpoint directory as a :class:`curvlab.hf.TrainerCheckpoint`."""
+    from curvlab import hf
+
+    hf.check_trainer_directory(path)
+    args_file, scheduler = path / "training_args.bin", path / "scheduler.pt"
+    with torch.serialization.safe_globals(hf.training_args_classes(args_file)):
+        args = hf.check_training_args(read_file(args_file, "training arguments"), args_file)
+    return hf.TrainerCheckpoint(
+        model=hf.load_model(path),
+        optimizer_state=read_file(path / "optimizer.pt", "optimizer state"),
+        scheduler_state=read_file(scheduler, "scheduler state") if scheduler.is_file() else None,
+        step=hf.global_step(path),
+        args=args,
+    )
 
 
 def check_checkpoint(ckpt: Any, path: str | Path) -> dict[str, Any]:

@@ -18,7 +18,8 @@ training_args.bin   ``TrainingArguments``: batch size, gradient accumulation, cl
 
 ``training_args.bin`` is a pickle. It is unpickled with ``weights_only=True`` and only the
 transformers and accelerate classes it names allowed, so a file that names anything else is refused,
-never run.
+never run. The files are read by :func:`curvlab.checkpoint.read_checkpoint`, with the errors of
+every other checkpoint; this module supplies what only transformers knows.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from curvlab.checkpoint import read_file
 from curvlab.errors import CurvlabError
 
 TRAINER_FILES = ("config.json", "optimizer.pt", "trainer_state.json", "training_args.bin")
@@ -82,10 +82,18 @@ class TrainerCheckpoint:
         raise CurvlabError(f"the model config ({type(config).__name__}) names no context length")
 
 
-def read_training_args(path: Path) -> Any:
-    """``training_args.bin``, unpickled with only the transformers and accelerate classes it names allowed."""
-    if not path.is_file():
-        raise CurvlabError(f"{path}: no such file (a Trainer checkpoint holds its TrainingArguments there)")
+def check_trainer_directory(path: Path) -> None:
+    """Raise ``CurvlabError`` unless ``path`` holds the files of a Trainer checkpoint."""
+    missing = [f for f in TRAINER_FILES if not (path / f).is_file()]
+    if not any((path / w).is_file() for w in WEIGHTS):
+        missing.append(" or ".join(WEIGHTS))
+    if missing:
+        raise CurvlabError(f"{path}: not a Hugging Face Trainer checkpoint (no {', '.join(missing)})")
+
+
+def training_args_classes(path: Path) -> list[type]:
+    """The classes ``training_args.bin`` names, to allow while unpickling it with ``weights_only=True``:
+    transformers' and accelerate's only (anything else is refused, never run)."""
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as e:  # not a torch zip file at all
@@ -93,55 +101,47 @@ def read_training_args(path: Path) -> Any:
     foreign = [n for n in names if not n.startswith(_ALLOWED_MODULES)]
     if foreign:
         raise CurvlabError(f"{path}: holds {foreign[:3]}, not only TrainingArguments; refusing to unpickle it")
-    allowed = []
+    classes = []
     for name in names:
         module, _, attr = name.rpartition(".")
         try:
-            allowed.append(getattr(importlib.import_module(module), attr))
+            classes.append(getattr(importlib.import_module(module), attr))
         except (ImportError, AttributeError) as e:
             raise CurvlabError(f"{path}: names {name}, which this transformers doesn't have") from e
-    with torch.serialization.safe_globals(allowed):
-        args = read_file(path, "training arguments")
+    return classes
+
+
+def check_training_args(args: Any, path: Path) -> Any:
     if not hasattr(args, "gradient_accumulation_steps"):
         raise CurvlabError(f"{path}: holds a {type(args).__name__}, not TrainingArguments")
     return args
 
 
-def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
-    """Read a ``transformers.Trainer`` checkpoint directory (see the module docstring).
+def global_step(path: Path) -> int:
+    """``global_step`` from the directory's ``trainer_state.json``."""
+    try:
+        return int(json.loads((path / "trainer_state.json").read_text()).get("global_step", 0))
+    except (OSError, ValueError) as e:
+        raise CurvlabError(f"{path}/trainer_state.json: unreadable ({type(e).__name__})") from e
 
-    Raises:
-        CurvlabError: a missing or unreadable file, a model class this transformers lacks.
-    """
+
+def load_model(path: Path) -> nn.Module:
+    """The model of a checkpoint directory, by the class its ``config.json`` names, in eval mode
+    (nothing is downloaded: ``local_files_only``)."""
     import transformers
 
-    path = Path(path)
-    missing = [f for f in TRAINER_FILES if not (path / f).is_file()]
-    if not any((path / w).is_file() for w in WEIGHTS):
-        missing.append(" or ".join(WEIGHTS))
-    if missing:
-        raise CurvlabError(f"{path}: not a Hugging Face Trainer checkpoint (no {', '.join(missing)})")
     try:
-        state = json.loads((path / "trainer_state.json").read_text())
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise CurvlabError(f"{path}: unreadable trainer_state.json or config.json ({type(e).__name__})") from e
+        raise CurvlabError(f"{path}/config.json: unreadable ({type(e).__name__})") from e
     architectures = getattr(config, "architectures", None) or []
     cls = getattr(transformers, architectures[0], None) if architectures else None
     if cls is None:
         raise CurvlabError(f"{path}/config.json: model class {architectures[:1]} isn't in this transformers")
     try:
-        model = cls.from_pretrained(path, local_files_only=True)
+        return cls.from_pretrained(path, local_files_only=True).eval()
     except (OSError, ValueError, RuntimeError) as e:
         raise CurvlabError(f"{path}: the weights don't load into {cls.__name__} ({type(e).__name__})") from e
-    scheduler = path / "scheduler.pt"
-    return TrainerCheckpoint(
-        model=model.eval(),
-        optimizer_state=read_file(path / "optimizer.pt", "optimizer state"),
-        scheduler_state=read_file(scheduler, "scheduler state") if scheduler.is_file() else None,
-        step=int(state.get("global_step", 0)),
-        args=read_training_args(path / "training_args.bin"),
-    )
 
 
 def trainer_optimizer(ckpt: TrainerCheckpoint) -> torch.optim.Optimizer:

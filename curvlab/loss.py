@@ -203,9 +203,15 @@ class ModuleLoss:
         return self.loss_from_logits(logits_of(output), targets)
 
     def _module_tensors(self, params: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
-        """Buffers and the parameters not in ``params``, floating ones cast to ``dtype``."""
+        """Buffers and the parameters not in ``params``, floating ones cast to ``dtype`` (untied, every
+        name of a shared tensor, so that a tied name not in ``params`` keeps the module's value)."""
         out = {}
-        for name, t in [*self.model.named_buffers(), *self.model.named_parameters()]:
+        every = not self.tie_weights
+        tensors = [
+            *self.model.named_buffers(remove_duplicate=not every),
+            *self.model.named_parameters(remove_duplicate=not every),
+        ]
+        for name, t in tensors:
             if name in params:
                 continue
             t = t.detach()

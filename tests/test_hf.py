@@ -270,6 +270,29 @@ def test_loss_follows_each_models_own_loss(problems):
     model.train()
 
 
+def test_tie_weights_passes_through(problems):
+    """GPT-2's head is tied to wte: a new wte moves the head too (tie_weights=True, the default), or
+    leaves the head as the module has it (tie_weights=False)."""
+    model, batch, _ = problems["gpt2"]
+    model = copy.deepcopy(model).eval()
+    params = {k: t.detach().clone() for k, t in model.named_parameters()}
+    assert "lm_head.weight" not in params  # (named_parameters lists a tied tensor once)
+    shift = 0.1 * direction({"w": params["transformer.wte.weight"]}, 5)["w"]
+    params["transformer.wte.weight"] += shift
+    tied = make_loss_fn(model)(params, batch)
+    untied = make_loss_fn(model, tie_weights=False)(params, batch)
+    with torch.no_grad():
+        head_before = model.lm_head.weight.clone()
+        model.transformer.wte.weight += shift  # the same tensor as lm_head.weight
+        assert float(tied) == pytest.approx(float(ReferenceLoss(model, causal=True)({}, batch)), rel=1e-13)
+        model.transformer.wte.weight -= shift
+        model.lm_head = nn.Linear(16, VOCAB, bias=False, dtype=torch.float64)  # untie: old head, new wte
+        model.lm_head.weight.copy_(head_before)
+        model.transformer.wte.weight += shift
+        assert float(untied) == pytest.approx(float(ReferenceLoss(model, causal=True)({}, batch)), rel=1e-13)
+    assert float(tied) != pytest.approx(float(untied), rel=1e-6)
+
+
 def test_batch_weights_count_the_terms_the_loss_averages(problems):
     """A list of batches equals their concatenation: weights are the loss terms after the shift and
     the ignored labels (4 : 16 here, where counting the labels before the shift gives 4 : 20)."""
@@ -418,10 +441,13 @@ def trainer_run(tmp_path_factory):
 
 
 def test_trainer_checkpoint_is_read_as_the_trainer_left_it(trainer_run):
-    from curvlab.hf import read_trainer_checkpoint, trainer_optimizer
+    from curvlab.checkpoint import read_checkpoint
+    from curvlab.hf import trainer_optimizer
 
     trainer, path, _ = trainer_run
-    ckpt = read_trainer_checkpoint(path)
+    read = read_checkpoint(path)
+    assert read.format == "hf-trainer"
+    ckpt = read.payload
     assert (ckpt.step, ckpt.accumulation_steps, ckpt.batch_size, ckpt.max_grad_norm) == (2, 2, 4, 1.0)
     opt = trainer_optimizer(ckpt)
     live = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # (accelerate wraps it)
@@ -465,6 +491,10 @@ def test_nds_command_on_a_trainer_checkpoint(trainer_run, tmp_path):
             (broken / f.name).write_bytes(f.read_bytes())
     r = runner.invoke(app, ["nds", str(broken), "--data", str(data)])
     assert r.exit_code == 2 and "no optimizer.pt" in r.output and len(r.output.strip().splitlines()) == 1
+    (broken / "optimizer.pt").write_bytes((path / "optimizer.pt").read_bytes())
+    torch.save({"args": Path("elsewhere")}, broken / "training_args.bin")  # a pickle naming a foreign class
+    r = runner.invoke(app, ["nds", str(broken), "--data", str(data)])
+    assert r.exit_code == 2 and "refusing to unpickle" in r.output
 
 
 # --- README ----------------------------------------------------------------------------------------
