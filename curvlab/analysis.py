@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,8 @@ def _curvlab_target(path: Path, ckpt: dict, data, device: str, batches: int) -> 
         fields["data"] = str(data)
     fields["device"] = device
     cfg = TrainConfig.from_dict(fields)
+    # enough validation windows for `batches` batches where the data hold them (the run's own come first)
+    cfg = replace(cfg, val_windows=max(cfg.val_windows, batches * cfg.batch_size))
     if not Path(cfg.data).is_dir():
         raise CurvlabError(f"{path}: its data directory {cfg.data} is gone; pass --data DIR")
     run = build_run(cfg)

@@ -386,3 +386,18 @@ def test_spectrum_command(runs, tmp_path):
     assert (tmp_path / "t" / "lambda_max_vs_nds.png").is_file()
     rows = json.loads((tmp_path / "t" / "track.json").read_text())["rows"]
     assert all(row["nds"] <= row["lambda_max"] * 1.001 for row in rows)
+
+
+def test_more_validation_batches_than_the_run_evaluates(runs):
+    """--batch val --batches 5 on a run that validates on 2 batches: the next windows of the same
+    validation stream, the run's own first; never silently fewer than asked."""
+    from curvlab.analysis import evaluation_batches, open_checkpoint
+
+    ckpt = runs / "muon" / "ckpt_000008.pt"
+    own = open_checkpoint(ckpt).val_batches
+    target = open_checkpoint(ckpt, batches=5)
+    D = evaluation_batches(target, AnalysisSettings(batch="val", batches=5))
+    assert len(own) == 2 and len(D) == 5
+    assert all(torch.equal(a, b) for mine, theirs in zip(D, own) for a, b in zip(mine, theirs))
+    with pytest.raises(ValueError, match="asks for 5 val batches, but there are 2"):
+        evaluation_batches(open_checkpoint(ckpt), AnalysisSettings(batch="val", batches=5))
