@@ -24,8 +24,9 @@ from curvlab.hvp import (
     quadratic_forms,
 )
 from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
-from curvlab.optim import build_optimizer, next_update
+from curvlab.optim import build_optimizer, next_update, trainable_parameters
 from curvlab.polar import msign
+from curvlab.roles import parameter_roles
 from curvlab.spectral import Operator, hessian_operator_flat, hutch_plus_plus, hutchinson, lanczos, spectral_density
 
 __version__ = "0.1.0"
@@ -57,10 +58,12 @@ __all__ = [
     "msign",
     "nds",
     "next_update",
+    "parameter_roles",
     "quadratic_form",
     "quadratic_forms",
     "spectral_density",
     "taylor_split",
     "taylor_split_at",
     "token_cross_entropy",
+    "trainable_parameters",
 ]

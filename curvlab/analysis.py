@@ -1,10 +1,20 @@
 """From a checkpoint to a curvature report: the next update Z, its Taylor split and block matrix.
 
-For one checkpoint: rebuild model, optimizer and data position; take the batch the run would train
-on next; compute the gradient and the next update Z with :func:`~curvlab.optim.next_update` (the
-real step: schedule, momentum, clipping and weight decay included); then, on the evaluation batch D
-(the same next batch by default, or fixed validation windows), the Taylor split over all parameters
-and over the hidden matrices, and the block interaction matrix. Nothing is written to the checkpoint.
+For one checkpoint (curvlab's, nanoGPT's ``ckpt.pt``, or a Hugging Face Trainer directory): rebuild
+model, optimizer and data position; take the batch the run would train on next; compute the gradient
+and the next update Z with :func:`~curvlab.optim.next_update` (the real step: schedule, momentum,
+gradient accumulation, clipping and weight decay included); then, on the evaluation batch D (the same
+next batch by default, or fixed validation windows), the Taylor split over all parameters and over
+the hidden matrices, and the block interaction matrix. Nothing is written to the checkpoint.
+
+Two choices, stated because they differ from a literal replay of the run:
+
+* Dropout is off for Z, as it is for G and H (curvature is taken on the deterministic loss), so Z is
+  the step from the dropout-free gradient and is the same on every run. With dropout 0 it is the
+  run's own next step, bit for bit.
+* nanoGPT and the Trainer don't save their data sampler, so their next batch is curvlab's own draw
+  from ``--data``, seeded with the checkpoint's step; the report's ``next_batch`` records the seed
+  and the (shard, offset) of every row. A curvlab checkpoint resumes its own loader.
 
 Report JSON (``REPORT_SCHEMA_VERSION`` = 2)::
 
@@ -12,7 +22,8 @@ Report JSON (``REPORT_SCHEMA_VERSION`` = 2)::
     block_method, hvp_method, spectrum_top}, loss, nds, first_order, curvature_penalty, predicted, realized,
     update_norm, grad_norm, cosine, hidden{the same eight, over the hidden 2-D matrices, or null},
     blocks{grouping, names, matrix, within, cross, nds (the total, = sum(matrix)), rho_within, first_order[],
-    norm[], block_nds[] (each block's own NDS), asymmetry, members}, timing{seconds, hvp_seconds}
+    norm[], block_nds[] (each block's own NDS), asymmetry, members}, spectrum, next_batch{source, seed,
+    micro_batches, rows}, timing{seconds, hvp_seconds}
 
 Identities that always hold: sum(blocks.matrix) = blocks.nds = nds, within + cross = nds,
 predicted = first_order - curvature_penalty.
@@ -23,20 +34,20 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from curvlab.atomic import atomic_write_text
-from curvlab.checkpoint import check_checkpoint
+from curvlab.checkpoint import check_device, read_checkpoint
 from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split, taylor_split_and_block_matrix
 from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
 from curvlab.hvp import check_method
 from curvlab.loss import ModuleLoss, make_loss_fn
-from curvlab.models.nanogpt import is_nanogpt_checkpoint, load_nanogpt
+from curvlab.models.nanogpt import load_nanogpt
 from curvlab.optim import next_update
 
 REPORT_SCHEMA_VERSION = 2  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own
@@ -74,63 +85,97 @@ class AnalysisSettings:
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
+@dataclass(frozen=True)
+class BatchDraw:
+    """Where the next step's batch came from.
+
+    Attributes:
+        source: ``"checkpoint"`` (a curvlab checkpoint's own data loader, resumed: the batch the run
+            really trained on next) or ``"seeded draw"`` (nanoGPT and Hugging Face Trainer checkpoints
+            don't save their sampler, so curvlab draws the batch itself, with ``seed``).
+        seed: the seed of the draw (the checkpoint's step), or ``None``.
+        micro_batches: micro-batches accumulated into the step (``gradient_accumulation_steps``).
+        rows: ``[shard, offset]`` of every row of the step's micro-batches, in order (train shards
+            that hold a window, in file order), for a seeded draw.
+    """
+
+    source: str
+    seed: int | None = None
+    micro_batches: int = 1
+    rows: tuple[tuple[int, int], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rows": [list(r) for r in self.rows]}
+
+
 @dataclass
 class Target:
     """What the analysis needs from a checkpoint, whoever wrote it."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    train_batches: list  # the batch of the next step first, then the ones after it
+    train_batches: list  # one entry per step from the next one on: a batch, or a list of micro-batches
     val_batches: list
     grad_clip: float | None
     step: int
     val_loss: float
     optimizer_name: str
+    draw: BatchDraw = BatchDraw("checkpoint")
 
 
-def open_checkpoint(
-    path: str | Path, data: str | Path | None = None, device: str = "cpu", train_batches: int = 1
-) -> Target:
-    """Rebuild the model, optimizer and next batches of a curvlab or nanoGPT checkpoint.
+def open_checkpoint(path: str | Path, data: str | Path | None = None, device: str = "cpu", batches: int = 1) -> Target:
+    """Rebuild the model, optimizer and next batches of a curvlab, nanoGPT or Hugging Face Trainer
+    checkpoint (read by :func:`~curvlab.checkpoint.read_checkpoint`, with its errors).
 
     Args:
-        train_batches: how many training batches to draw, from the one the next step trains on.
         data: the data directory; default the one recorded in a curvlab checkpoint (required for
-            nanoGPT checkpoints, which don't record where their data lie).
+            nanoGPT and Trainer checkpoints, which don't record where their data lie).
+        batches: how many steps' training batches to draw, from the next step's on, and how many
+            validation batches to provide at least (where the data hold them).
     """
-    from curvlab.data.shards import TokenData, TrainBatches, validation_batches
-    from curvlab.train import TrainConfig, build_run, restore
-
-    path = Path(path)
-    if not path.is_file():
-        raise CurvlabError(f"{path}: no such checkpoint")
-    try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt zip, truncated pickle, ...: all mean "unreadable"
-        raise CurvlabError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__})") from e
-    if is_nanogpt_checkpoint(raw):
-        if data is None:
-            raise CurvlabError(f"{path}: a nanoGPT checkpoint doesn't record its data; pass --data DIR")
-        model, optimizer = load_nanogpt(raw)
+    dev = check_device(device)
+    ckpt = read_checkpoint(path)
+    if ckpt.format == "curvlab":
+        return _curvlab_target(ckpt.path, ckpt.payload, data, device, batches)
+    if data is None:
+        raise CurvlabError(f"{ckpt.path}: a {ckpt.format} checkpoint doesn't record its data; pass --data DIR")
+    if ckpt.format == "nanogpt":
+        model, optimizer = load_nanogpt(ckpt.payload)
         if optimizer is None:
             raise CurvlabError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
-        conf = raw.get("config", {})
-        seq = model.config.block_size
-        tokens = TokenData.open(data, model.config.vocab_size)
-        # nanoGPT doesn't save its data sampler: the next batch is drawn from the data with a fixed seed.
-        loader = TrainBatches(tokens.train, int(conf.get("batch_size", 12)), seq, seed=int(raw.get("iter_num", 0)))
-        val = validation_batches(tokens.val, int(conf.get("batch_size", 12)), seq, 64)
-        return Target(
-            model.to(device),
-            optimizer,
-            [loader.next() for _ in range(train_batches)],
-            val,
-            conf.get("grad_clip", 1.0) or None,
-            int(raw.get("iter_num", 0)),
-            float(raw.get("best_val_loss", float("nan"))),
-            "adamw",
+        model.to(dev)
+        optimizer.load_state_dict(optimizer.state_dict())  # (moves the moments to the parameters' device)
+        conf = ckpt.payload.get("config", {})
+        step = int(ckpt.payload.get("iter_num", 0))
+        micro = int(conf.get("gradient_accumulation_steps", 1))
+        train, val, draw = _seeded_draw(
+            data,
+            model.config.vocab_size,
+            int(conf.get("batch_size", 12)),
+            model.config.block_size,
+            step,
+            micro,
+            batches,
+            dev,
         )
-    ckpt = check_checkpoint(raw, path)
+        val_loss = float(ckpt.payload.get("best_val_loss", float("nan")))
+        return Target(model, optimizer, train, val, conf.get("grad_clip", 1.0) or None, step, val_loss, "adamw", draw)
+    from curvlab.hf import token_batch, trainer_optimizer
+
+    hf = ckpt.payload
+    hf.model.to(dev)
+    optimizer = trainer_optimizer(hf)  # (its state lands on the parameters' device)
+    train, val, draw = _seeded_draw(
+        data, hf.model.config.vocab_size, hf.batch_size, hf.context - 1, hf.step, hf.accumulation_steps, batches, dev
+    )
+    train = [[token_batch(*b) for b in s] if isinstance(s, list) else token_batch(*s) for s in train]
+    val = [token_batch(*b) for b in val]
+    return Target(hf.model, optimizer, train, val, hf.max_grad_norm, hf.step, float("nan"), "adamw", draw)
+
+
+def _curvlab_target(path: Path, ckpt: dict, data, device: str, batches: int) -> Target:
+    from curvlab.train import TrainConfig, build_run, restore
+
     if not ckpt.get("optimizer"):  # (an empty "state" is fine: a step-0 optimizer has none yet)
         raise CurvlabError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
     fields = dict(ckpt["config"])
@@ -138,6 +183,8 @@ def open_checkpoint(
         fields["data"] = str(data)
     fields["device"] = device
     cfg = TrainConfig.from_dict(fields)
+    # enough validation windows for `batches` batches where the data hold them (the run's own come first)
+    cfg = replace(cfg, val_windows=max(cfg.val_windows, batches * cfg.batch_size))
     if not Path(cfg.data).is_dir():
         raise CurvlabError(f"{path}: its data directory {cfg.data} is gone; pass --data DIR")
     run = build_run(cfg)
@@ -145,13 +192,36 @@ def open_checkpoint(
     return Target(
         run.model,
         run.optimizer,
-        [tuple(t.to(run.device) for t in run.loader.next()) for _ in range(train_batches)],
+        [tuple(t.to(run.device) for t in run.loader.next()) for _ in range(batches)],
         [tuple(t.to(run.device) for t in b) for b in run.val_batches],
         cfg.grad_clip,
         run.step,
         float(ckpt.get("val_loss", float("nan"))),
         cfg.optimizer,
     )
+
+
+def _seeded_draw(data, vocab_size: int, batch_size: int, seq_len: int, step: int, micro: int, steps: int, device):
+    """Training batches for ``steps`` steps of ``micro`` micro-batches, drawn from the data with the
+    checkpoint's step as seed (the sampler of nanoGPT and the Trainer isn't saved), and validation
+    batches: at least 64 windows, and enough for ``steps`` batches where the data hold them."""
+    from curvlab.data.shards import TokenData, TrainBatches, validation_batches
+
+    if micro < 1:
+        raise CurvlabError(f"gradient_accumulation_steps must be >= 1, got {micro}")
+    tokens = TokenData.open(data, vocab_size)
+    loader = TrainBatches(tokens.train, batch_size, seq_len, seed=step)
+    train, rows = [], []
+    for k in range(steps):
+        step_batches = []
+        for _ in range(micro):
+            step_batches.append(tuple(t.to(device) for t in loader.next()))
+            if k == 0:
+                rows += loader.last_rows
+        train.append(step_batches if micro > 1 else step_batches[0])
+    val = validation_batches(tokens.val, batch_size, seq_len, max(64, steps * batch_size))
+    val = [tuple(t.to(device) for t in b) for b in val]
+    return train, val, BatchDraw("seeded draw", step, micro, tuple(rows))
 
 
 @dataclass(frozen=True)
@@ -168,6 +238,7 @@ class CurvatureReport:
     seconds: float
     hvp_seconds: float
     spectrum: dict[str, Any] | None = None
+    next_batch: BatchDraw | None = None
 
     def to_dict(self) -> dict[str, Any]:
         split = self.split.to_dict()
@@ -184,6 +255,7 @@ class CurvatureReport:
             "hidden": None if hidden is None else {**hidden, "names": names},
             "blocks": {"grouping": self.settings.blocks, **self.blocks.to_dict()},
             "spectrum": self.spectrum,
+            "next_batch": None if self.next_batch is None else self.next_batch.to_dict(),
             "timing": {"seconds": self.seconds, "hvp_seconds": self.hvp_seconds},
         }
 
@@ -192,12 +264,21 @@ class CurvatureReport:
 
 
 def evaluation_batches(target: Target, settings: AnalysisSettings):
-    """The batch D that G, H and the realized decrease are taken on: the next step's own batch (one),
-    the next ``batches`` training batches, or the first ``batches`` validation batches (a list)."""
-    if settings.batch == "train" and settings.batches == 1:
-        return target.train_batches[0]
+    """The batch D that G, H and the realized decrease are taken on: the next step's own batch (its
+    micro-batches, if it accumulates), the batches of the next ``batches`` steps, or the first
+    ``batches`` validation batches.
+
+    Raises:
+        CurvlabError: fewer batches than ``settings.batches`` exist (never silently fewer).
+    """
     pool = target.train_batches if settings.batch == "train" else target.val_batches
-    return list(pool[: settings.batches])
+    if len(pool) < settings.batches:
+        raise CurvlabError(
+            f"--batches {settings.batches} asks for {settings.batches} {settings.batch} batches, "
+            f"but there are {len(pool)}"
+        )
+    chosen = [b for entry in pool[: settings.batches] for b in (entry if isinstance(entry, list) else [entry])]
+    return chosen[0] if len(chosen) == 1 else chosen
 
 
 def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") -> CurvatureReport:
@@ -205,8 +286,11 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
     settings.validate()
     start = time.perf_counter()
     model = target.model
+    # Dropout off, for Z as for G and H (which the curvature functions take without it): the step is
+    # the one the optimizer takes from the deterministic gradient, the same on every run.
+    model.eval()
     loss_fn: ModuleLoss = make_loss_fn(model)
-    step_batch = target.train_batches[0]
+    step_batch = target.train_batches[0]  # (a list of micro-batches when the run accumulates gradients)
     _, Z = next_update(model, target.optimizer, loss_fn, step_batch, max_grad_norm=target.grad_clip)
     D = evaluation_batches(target, settings)
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -237,6 +321,7 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
         seconds=time.perf_counter() - start,
         hvp_seconds=hvp_seconds,
         spectrum=spectrum,
+        next_batch=target.draw,
     )
 
 
@@ -367,7 +452,7 @@ def checkpoint_spectrum(
     if density:
         out["density"] = spectral_density(operator()).to_dict()
     if blocks:
-        members = group_parameters(params, blocks)
+        members = group_parameters(params, blocks, model)
         out["blocks"] = {
             name: lanczos(operator(names), k=1, max_iter=max_iter).to_dict() for name, names in members.items()
         }

@@ -18,6 +18,12 @@ train_loss the last training loss
 Writes go to a temporary file that is renamed into place, so a crash mid-write leaves the previous
 checkpoint valid. A run directory also keeps ``index.json``: ``[{step, val_loss, path}]`` for every
 checkpoint, so matching by validation loss never has to open checkpoints.
+
+This is also the one place where checkpoints of every format are read, with one set of errors
+(:func:`read_checkpoint`): curvlab's own, nanoGPT's ``ckpt.pt``, and a Hugging Face ``Trainer``
+checkpoint directory (with :mod:`curvlab.hf`, which imports transformers, for what only it knows).
+A missing path, an unreadable or corrupt file, a file of no known format, and a device this torch
+can't use each raise one :class:`~curvlab.errors.CurvlabError`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import math
 import pickle
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,7 @@ import torch
 
 from curvlab.atomic import atomic_open, atomic_write_text
 from curvlab.errors import CurvlabError
+from curvlab.models.nanogpt import is_nanogpt_checkpoint
 
 FORMAT = "curvlab-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -49,22 +57,92 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> None:
         torch.save({"format": FORMAT, "version": CHECKPOINT_VERSION, **payload}, f)
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a curvlab checkpoint, raising a one-line ``CurvlabError`` for a missing, corrupt or foreign file."""
+def read_file(path: str | Path, what: str = "checkpoint", map_location: str | torch.device = "cpu") -> Any:
+    """``torch.load`` of one file (tensors only, ``weights_only=True``), with curvlab's errors: a
+    missing file, and a corrupt or unreadable one, each a one-line ``CurvlabError`` naming ``path``."""
     path = Path(path)
     if not path.is_file():
-        raise CurvlabError(f"{path}: no such checkpoint")
+        raise CurvlabError(f"{path}: no such {what}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as e:
-        raise CurvlabError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__})") from e
-    return check_checkpoint(ckpt, path)
+        raise CurvlabError(f"{path}: corrupt or unreadable {what} ({type(e).__name__})") from e
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a curvlab checkpoint, raising a one-line ``CurvlabError`` for a missing, corrupt or foreign file."""
+    return check_checkpoint(read_file(path, map_location=map_location), path)
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, if this torch can use it (a CUDA device on a CPU-only build is
+    a ``CurvlabError``, not a traceback from deep inside the first tensor moved there)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise CurvlabError(f"unknown device {device!r}") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CurvlabError(f"device {device!r}: this torch ({torch.__version__}) can't use CUDA here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise CurvlabError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return dev
+
+
+FORMATS = ("curvlab", "nanogpt", "hf-trainer")
+
+
+@dataclass
+class ReadCheckpoint:
+    """A checkpoint as read from disk, before any model is built.
+
+    Attributes:
+        format: ``"curvlab"``, ``"nanogpt"`` or ``"hf-trainer"``.
+        path: where it was read from.
+        payload: the loaded dict (curvlab, nanoGPT) or a :class:`curvlab.hf.TrainerCheckpoint`.
+    """
+
+    format: str
+    path: Path
+    payload: Any
+
+
+def read_checkpoint(path: str | Path) -> ReadCheckpoint:
+    """Read a checkpoint of any format curvlab knows (see :data:`FORMATS`), telling them apart by
+    content: a directory is a Hugging Face Trainer checkpoint, a file with ``model_args`` nanoGPT's,
+    a file with curvlab's ``format`` field curvlab's."""
+    path = Path(path)
+    if path.is_dir():
+        return ReadCheckpoint("hf-trainer", path, _read_trainer_directory(path))
+    raw = read_file(path)
+    if is_nanogpt_checkpoint(raw):
+        return ReadCheckpoint("nanogpt", path, raw)
+    return ReadCheckpoint("curvlab", path, check_checkpoint(raw, path))
+
+
+def _read_trainer_directory(path: Path):
+    """A Hugging Face Trainer checkpoint directory as a :class:`curvlab.hf.TrainerCheckpoint`."""
+    from curvlab import hf
+
+    hf.check_trainer_directory(path)
+    args_file, scheduler = path / "training_args.bin", path / "scheduler.pt"
+    with torch.serialization.safe_globals(hf.training_args_classes(args_file)):
+        args = hf.check_training_args(read_file(args_file, "training arguments"), args_file)
+    return hf.TrainerCheckpoint(
+        model=hf.load_model(path),
+        optimizer_state=read_file(path / "optimizer.pt", "optimizer state"),
+        scheduler_state=read_file(scheduler, "scheduler state") if scheduler.is_file() else None,
+        step=hf.global_step(path),
+        args=args,
+    )
 
 
 def check_checkpoint(ckpt: Any, path: str | Path) -> dict[str, Any]:
     """``ckpt`` if it is a curvlab checkpoint of a supported version, else a ``CurvlabError`` naming ``path``."""
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        raise CurvlabError(f"{path}: not a curvlab checkpoint (a nanoGPT ckpt.pt is read by `curvlab nds` directly)")
+        raise CurvlabError(
+            f"{path}: not a checkpoint curvlab knows (curvlab's, nanoGPT's ckpt.pt, or a Hugging Face Trainer dir)"
+        )
     if ckpt.get("version") != CHECKPOINT_VERSION:
         raise CurvlabError(
             f"{path}: checkpoint version {ckpt.get('version')} is not supported (this curvlab reads "

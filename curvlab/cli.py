@@ -211,6 +211,14 @@ def _settings(blocks: str, batch: str, batches: int, dtype: str, block_method: s
 
 
 BLOCKS_HELP = "Block grouping: layer, tensor or kind."
+DATA_HELP = (
+    "Data directory (default: the one a curvlab checkpoint was trained on, whose loader gives the next batch). "
+    "nanoGPT and Trainer checkpoints don't save their sampler: their next batch is curvlab's own draw from "
+    "DATA, seeded with the checkpoint's step; the report's next_batch records the seed and each row's offset."
+)
+CHECKPOINT_HELP = (
+    "A curvlab checkpoint, a nanoGPT ckpt.pt, or a Hugging Face Trainer checkpoint directory (these two with --data)."
+)
 BATCH_HELP = "Evaluate G, H and the decrease on the next step's batch (train) or on validation windows (val)."
 BATCHES_HELP = "Batches accumulated: train: the step's batch and the N-1 after it; val: the first N."
 HVP_METHOD_HELP = "HVP method: rev_rev (double backward, fastest) or fwd_rev (jvp of grad, for ops without it)."
@@ -219,18 +227,21 @@ HVP_METHOD_HELP = "HVP method: rev_rev (double backward, fastest) or fwd_rev (jv
 @app.command()
 @one_line_errors
 def nds(
-    checkpoint: Path = typer.Argument(..., help="A curvlab checkpoint, or a nanoGPT ckpt.pt (with --data)."),
+    checkpoint: Path = typer.Argument(..., help=CHECKPOINT_HELP),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
     batches: int = typer.Option(1, help=BATCHES_HELP),
-    data: Path = typer.Option(None, help="Data directory (default: the one the checkpoint was trained on)."),
+    data: Path = typer.Option(None, help=DATA_HELP),
     out: Path = typer.Option(None, help="Write the report JSON here."),
     dtype: str = typer.Option("float32", help="float32 or float64."),
     block_method: str = typer.Option("hvp", help="hvp (one HVP per block) or alpha (Hessian in alpha)."),
     hvp_method: str = typer.Option("rev_rev", help=HVP_METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
 ) -> None:
-    """NDS, Taylor split and block interaction matrix of a checkpoint's next update."""
+    """NDS, Taylor split and block interaction matrix of a checkpoint's next update.
+
+    Z is the optimizer's next step, with dropout off as for G and H (see --data for its batch).
+    """
     from curvlab.analysis import analyze_checkpoint
 
     with distributed_context() as (rank, _):
@@ -337,7 +348,7 @@ def track(
 @app.command()
 @one_line_errors
 def spectrum(
-    checkpoint: Path = typer.Argument(..., help="A curvlab checkpoint, or a nanoGPT ckpt.pt (with --data)."),
+    checkpoint: Path = typer.Argument(..., help=CHECKPOINT_HELP),
     top: int = typer.Option(5, help="Largest eigenvalues (Lanczos)."),
     bottom: int = typer.Option(0, help="Smallest eigenvalues."),
     trace: bool = typer.Option(False, help="Trace by Hutchinson and Hutch++."),

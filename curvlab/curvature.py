@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from curvlab import params as P
-from curvlab.blocks import group_parameters, hidden_matrices
+from curvlab.blocks import group_parameters, hidden_matrices, model_of
 from curvlab.errors import CurvlabError
 from curvlab.hvp import DEFAULT_METHOD, CurvaturePoint, working_dtype
 from curvlab.loss import LossFn
@@ -84,9 +84,11 @@ def _check_direction(params: Mapping[str, Tensor], z: Mapping[str, Tensor], what
     return norm
 
 
-def _subset_names(params: Mapping[str, Tensor], subset: Sequence[str] | None) -> list[str]:
-    """The subset scope's names: ``subset``, or by default the hidden matrices."""
-    names = hidden_matrices(params) if subset is None else list(subset)
+def _subset_names(point: CurvaturePoint, subset: Sequence[str] | None) -> list[str]:
+    """The subset scope's names: ``subset``, or by default the hidden matrices (by role, when the
+    loss function carries its model)."""
+    params = point.params
+    names = hidden_matrices(params, model_of(point.loss_fn)) if subset is None else list(subset)
     unknown = [n for n in names if n not in params]
     if unknown:
         raise CurvlabError(f"subset names unknown parameters: {P.names_text(unknown)}")
@@ -140,7 +142,7 @@ def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], subset: Sequ
     """
     _check_direction(point.params, z, "update direction")
     z = P.cast(z, point.dtype)
-    names = _subset_names(point.params, subset)
+    names = _subset_names(point, subset)
     if _proper(names, point.params, z):
         hz, hz_sub = point.hvp_each([z, {n: z[n] for n in names}])
     else:
@@ -184,8 +186,9 @@ def taylor_split(
 
     Args:
         z: the step Z, a dict like ``params`` (e.g. from :func:`~curvlab.optim.next_update`).
-        subset: parameter names of the second scope; default the hidden 2-D matrices
-            (:func:`~curvlab.blocks.hidden_matrices`). Pass ``[]`` to skip it.
+        subset: parameter names of the second scope; default the hidden matrices
+            (:func:`~curvlab.blocks.hidden_matrices`: by role when ``loss_fn`` has a ``.model``). Pass
+            ``[]`` to skip it.
         batch: one batch, or several (accumulated with loss-term weights).
         method: the HVP method, ``"rev_rev"`` (default) or ``"fwd_rev"``.
 
@@ -261,6 +264,7 @@ class _AlphaLoss:
         self.loss_fn, self.params, self.z = loss_fn, params, z
         self.block_of = {n: i for i, names in enumerate(members.values()) for n in names}
         self.model = getattr(loss_fn, "model", None)  # so that the point keeps its running statistics
+        self.loss_terms = getattr(loss_fn, "loss_terms", None)  # so that batches keep their weights
 
     def __call__(self, a: Mapping[str, Tensor], batch: Any) -> Tensor:
         alpha = a["alpha"]
@@ -273,7 +277,7 @@ def block_matrix_at(
     r"""The block interaction matrix of the step Z at a :class:`~curvlab.hvp.CurvaturePoint`: one HVP per
     block, :math:`H[Z_m]` with :math:`Z_m` touching only block m (see :func:`block_matrix`)."""
     _check_direction(point.params, z, "update direction")
-    members = group_parameters(point.params.keys(), blocks)
+    members = group_parameters(point.params.keys(), blocks, model_of(point.loss_fn))
     z = P.cast(z, point.dtype)
     hz_blocks = point.hvp_each(_block_directions(z, members))
     first = np.array([P.dot(point.gradient, z, names) for names in members.values()])
@@ -314,7 +318,7 @@ def block_matrix(
     if via == "hvp":
         with CurvaturePoint(loss_fn, params, batch, method, dtype, chunk_size) as point:
             return block_matrix_at(point, z, blocks)
-    members = group_parameters(params.keys(), blocks)
+    members = group_parameters(params.keys(), blocks, model_of(loss_fn))
     dt = working_dtype(params, dtype)
     p, zc = P.cast(params, dt), P.cast(z, dt)
     device = next(iter(p.values())).device
@@ -361,9 +365,9 @@ def taylor_split_and_block_matrix_at(
     :math:`H[Z] = \sum_m H[Z_m]` by linearity, and when every block lies inside the subset S or
     outside it, :math:`H[Z_S]` is the sum over the blocks inside. L HVPs (L + 1 otherwise)."""
     _check_direction(point.params, z, "update direction")
-    members = group_parameters(point.params.keys(), blocks)
+    members = group_parameters(point.params.keys(), blocks, model_of(point.loss_fn))
     z = P.cast(z, point.dtype)
-    names = _subset_names(point.params, subset)
+    names = _subset_names(point, subset)
     proper = _proper(names, point.params, z)
     inside = set(names)
     aligned = all(set(b) <= inside or not set(b) & inside for b in members.values())

@@ -135,7 +135,7 @@ def _bind(names: tuple[str, ...], args, kwargs) -> dict:
 
 
 class _ExactSecondOrderMode(TorchFunctionMode):
-    def __init__(self, composite_norms: bool, watch_dtype: torch.dtype | None, frozen: frozenset[int]):
+    def __init__(self, composite_norms: bool, watch_dtype: torch.dtype | None, frozen: frozenset[int | None]):
         super().__init__()
         self.composite_norms = composite_norms
         self.watch_dtype = watch_dtype
@@ -144,7 +144,7 @@ class _ExactSecondOrderMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.frozen and args and id(args[0]) in self.frozen and _in_place(func):
+        if self.frozen and args and _in_place(func) and _storage(args[0]) in self.frozen:
             return args[0]  # e.g. nn.BatchNorm's num_batches_tracked.add_(1): the model stays as it was
         if func in _DROPOUTS:
             return args[0] if args else kwargs["input"]
@@ -193,6 +193,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _storage(t: object) -> int | None:
+    """The address of a plain tensor's storage (views and detached aliases share it); ``None`` otherwise."""
+    try:
+        return t.untyped_storage().data_ptr() if isinstance(t, Tensor) else None
+    except (RuntimeError, NotImplementedError):  # a functorch wrapper has no storage of its own
+        return None
+
+
 def _in_place(func) -> bool:
     name = getattr(func, "__name__", "")
     return name.endswith("_") and not name.startswith("_")
@@ -238,7 +246,7 @@ def exact_second_order(
     if method not in REROUTES:
         raise CurvlabError(f"unknown method {method!r} for the exact mode; choose one of {', '.join(MODES)}")
     watch = watch_dtype if watch_dtype in _PRECISION else None
-    mode = _ExactSecondOrderMode("norms" in REROUTES[method], watch, frozenset(id(t) for t in keep))
+    mode = _ExactSecondOrderMode("norms" in REROUTES[method], watch, frozenset(_storage(t) for t in keep))
     with sdpa_kernel(SDPBackend.MATH), mode:
         yield
     if mode.downcast_at is not None:

@@ -58,14 +58,14 @@ def working_dtype(params: Mapping[str, Tensor], dtype: torch.dtype | None = None
     return torch.float64 if any(p.dtype == torch.float64 for p in params.values()) else torch.float32
 
 
-def shared_batches(batch: Any) -> tuple[list[tuple[Any, float]], bool]:
+def shared_batches(batch: Any, loss_fn: Any = None) -> tuple[list[tuple[Any, float]], bool]:
     """This process's ``(batch, weight)`` pairs and whether results must be summed across ranks.
 
     Weights are normalized over *all* batches (every rank knows them all), so under torch.distributed
     each rank takes its share and the token-weighted sums are all-reduced: exactly the one-process
     result. With fewer batches than ranks, every rank computes everything and nothing is reduced.
     """
-    pairs = weighted_batches(batch)
+    pairs = weighted_batches(batch, loss_fn)
     world = rank_and_world()[1]
     if world > 1 and len(pairs) >= world:
         return my_share(pairs), True
@@ -149,7 +149,7 @@ class CurvaturePoint:
         self.params = P.cast(params, self.dtype)
         if not self.params:
             raise CurvlabError("no parameters given")
-        self._pairs, self._reduce = shared_batches(batch)
+        self._pairs, self._reduce = shared_batches(batch, loss_fn)
         self._graphs: list[_Graph] | None = None
         self._loss: float | None = None
         self._gradient: P.Params | None = None

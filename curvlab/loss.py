@@ -1,11 +1,30 @@
-"""The loss-function convention: ``loss_fn(params, batch) -> scalar``, and batches to accumulate over.
+r"""The loss-function convention: ``loss_fn(params, batch) -> scalar``, and batches to accumulate over.
 
 Every curvature function takes a pure function of a parameter dict, exactly like ``torch.func``.
-:func:`make_loss_fn` builds one from any ``nn.Module`` and criterion. Several batches are passed as
-a ``list`` (or a :class:`Batches`, to give weights explicitly); the loss they stand for is the mean
-over *all* their loss terms, so each batch is weighted by its share of those terms, never equally:
+:func:`make_loss_fn` builds one from any ``nn.Module``, Hugging Face models included:
 
-.. math::  L = \\sum_j \\frac{n_j}{\\sum_i n_i} L_j, \\qquad n_j = \\text{loss terms (tokens) in batch } j.
+* a batch is a tuple ``(inputs, targets)`` (the model is called as ``model(inputs)``) or a dict of
+  keyword inputs with the targets under ``"labels"`` (``model(**inputs)``, e.g. ``input_ids`` and
+  ``attention_mask``; the labels are *not* passed to the model);
+* the model may return the logits, an object with ``.logits`` (Hugging Face's outputs), a dict with
+  a ``"logits"`` key, or a tuple whose first element is the logits;
+* the loss is computed here from the logits, in the working dtype (the parameters'), never taken
+  from the model: Hugging Face's ``.loss`` casts the logits with ``.float()``, so a float64
+  computation would come back with float32 accuracy;
+* its semantics are the model's own: for a causal LM (a Hugging Face model whose ``loss_type`` is
+  ``ForCausalLM``, or unset, which Hugging Face treats the same way) the logits at position t predict
+  the label at t + 1; masked-LM and token-classification models compare position by position;
+  sequence classification is cross-entropy, MSE (one label) or BCE (multi-label), as Hugging Face
+  decides; any other ``nn.Module`` compares logits and targets position by position. Labels equal to
+  ``ignore_index`` (-100, as in torch and Hugging Face) are left out, and the loss is the mean over
+  the rest.
+
+Several batches are passed as a ``list`` (or a :class:`Batches`, to give weights explicitly); the
+loss they stand for is the mean over *all* their loss terms, so each batch is weighted by the
+number of terms its loss really averages (after the causal shift and the ignored labels), never
+equally:
+
+.. math::  L = \sum_j \frac{n_j}{\sum_i n_i} L_j, \qquad n_j = \text{loss terms in batch } j.
 """
 
 from __future__ import annotations
@@ -22,84 +41,257 @@ from torch.func import functional_call
 from curvlab.errors import CurvlabError
 
 LossFn = Callable[[Mapping[str, Tensor], Any], Tensor]
+IGNORE_INDEX = -100
+_INTEGER = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+# Hugging Face's loss_type -> how curvlab computes the same loss (None is treated as a causal LM, as HF does)
+_CAUSAL, _TOKENS, _SEQUENCE = "causal_lm", "tokens", "sequence_classification"
+_HF_TASKS = {
+    None: _CAUSAL,
+    "ForCausalLM": _CAUSAL,
+    "ForMaskedLM": _TOKENS,
+    "ForTokenClassification": _TOKENS,
+    "ForSequenceClassification": _SEQUENCE,
+    "ForImageClassification": _SEQUENCE,
+    "ForAudioClassification": _SEQUENCE,
+    "ForVideoClassification": _SEQUENCE,
+}
 
 
-def token_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross-entropy over all positions of ``(..., vocab)`` logits; targets < 0 are ignored.
+def token_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Mean cross-entropy over all positions of ``(..., classes)`` logits; targets equal to
+    ``ignore_index`` are left out.
 
-    Half-precision logits are upcast to float32 (softmax over a large vocabulary needs it).
+    Half-precision logits are upcast to float32 (softmax over a large vocabulary needs it); float32
+    and float64 logits are used as they are.
     """
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
+
+
+def logits_of(output: Any) -> Tensor:
+    """The logits in a model's output: a tensor, ``.logits``, ``["logits"]`` or a tuple's first element."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(getattr(output, "logits", None), Tensor):
+        return output.logits
+    if isinstance(output, Mapping):
+        if isinstance(output.get("logits"), Tensor):
+            return output["logits"]
+        raise CurvlabError(f"the model returned a dict without 'logits' (keys: {', '.join(map(str, output))})")
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    raise CurvlabError(f"can't find logits in the model's output of type {type(output).__name__}")
+
+
+def hf_task(model: nn.Module) -> str | None:
+    """How a Hugging Face model's own loss is computed: ``"causal_lm"``, ``"tokens"`` (masked LM, token
+    classification), ``"sequence_classification"``, ``"unknown"`` (another ``loss_type``), or ``None``
+    for a model that isn't a Hugging Face model (a peft wrapper is looked through)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not hasattr(base, "loss_type") or not hasattr(base, "config"):
+        return None
+    return _HF_TASKS.get(base.loss_type, "unknown")
 
 
 class ModuleLoss:
-    """``loss_fn(params, batch) = criterion(model(inputs), targets)`` for ``batch = (inputs, targets)``.
+    r"""``loss_fn(params, batch)``: the loss of ``model`` with ``params`` substituted, on ``batch``.
 
-    Runs ``model`` through :func:`torch.func.functional_call` with ``params`` substituted (names
-    not in ``params`` keep the module's own tensors); buffers pass through untouched, except that
-    floating buffers and floating inputs are cast to the parameters' dtype, so a float32 model can
-    be evaluated in float64 by passing float64 parameters.
+    Runs ``model`` through :func:`torch.func.functional_call` (with ``tie_weights``); names not in
+    ``params`` keep the module's own tensors, so frozen parameters need not be passed. Every floating
+    tensor the model reads that isn't in ``params`` (frozen parameters, buffers, floating inputs) is
+    cast to the parameters' dtype, so a float32 model runs in float64 when given float64 parameters.
+
+    Attributes:
+        model: the module.
+        criterion: ``criterion(logits, targets) -> scalar``, or ``None`` for the model's own semantics
+            (see the module docstring), computed in the working dtype.
+        ignore_index: the label value left out of the loss and of the term count.
+        shift: whether position t's logits predict label t + 1 (``None`` at construction: a causal LM).
+        tie_weights: passed to ``functional_call``: a parameter given for one of several tied names
+            stands for all of them.
     """
 
-    def __init__(self, model: nn.Module, criterion: Callable[[Tensor, Tensor], Tensor]):
+    def __init__(
+        self,
+        model: nn.Module,
+        criterion: Callable[[Tensor, Tensor], Tensor] | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        shift: bool | None = None,
+        tie_weights: bool = True,
+        label_key: str = "labels",
+    ):
         self.model = model
         self.criterion = criterion
+        self.ignore_index = ignore_index
+        task = hf_task(model)
+        if task == "unknown" and criterion is None:
+            raise CurvlabError(f"curvlab doesn't know the loss of a {type(model).__name__}: pass criterion=")
+        self.task = task
+        self.shift = (task == _CAUSAL) if shift is None else bool(shift)
+        self.tie_weights = tie_weights
+        self.label_key = label_key
+
+    def split(self, batch: Any) -> tuple[tuple, dict[str, Any], Any]:
+        """``(args, kwargs, targets)`` of a tuple ``(inputs, targets)`` or a dict batch."""
+        if isinstance(batch, Mapping):
+            if self.label_key not in batch:
+                raise CurvlabError(
+                    f"the dict batch has no {self.label_key!r} (keys: {', '.join(map(str, batch))}); "
+                    "curvlab computes the loss from the labels"
+                )
+            kwargs = {k: v for k, v in batch.items() if k != self.label_key}
+            return (), kwargs, batch[self.label_key]
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return (batch[0],), {}, batch[1]
+        raise CurvlabError(
+            f"a batch is (inputs, targets) or a dict with {self.label_key!r}, got {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        )
+
+    def targets(self, targets: Tensor) -> Tensor:
+        """The targets the loss compares with: shifted one position left for a causal LM."""
+        return targets[..., 1:] if self.shift else targets
+
+    def loss_terms(self, batch: Any) -> int:
+        """The number of terms the loss of ``batch`` averages: targets after the causal shift that
+        aren't ``ignore_index`` (integer targets), or every target entry (float targets, as MSE and
+        BCE average)."""
+        _, _, targets = self.split(batch)
+        return _count(self.targets(targets) if isinstance(targets, Tensor) else targets, self.ignore_index)
+
+    def loss_from_logits(self, logits: Tensor, targets: Any) -> Tensor:
+        """The loss given the model's logits and the batch's targets (the model's own semantics)."""
+        if self.shift:
+            logits, targets = logits[..., :-1, :], targets[..., 1:]
+        if self.criterion is not None:
+            return self.criterion(logits, targets)
+        if self.task == _SEQUENCE:
+            return self._sequence_loss(logits, targets)
+        return token_cross_entropy(logits, targets, self.ignore_index)
+
+    def _sequence_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Hugging Face's sequence-classification loss, chosen as it chooses (without mutating the config)."""
+        config = (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model).config
+        num_labels = config.num_labels
+        problem = config.problem_type
+        if problem is None:
+            if num_labels == 1:
+                problem = "regression"
+            elif labels.dtype in (torch.int64, torch.int32):
+                problem = "single_label_classification"
+            else:
+                problem = "multi_label_classification"
+        if problem == "regression":
+            labels = labels.to(logits.dtype)
+            if num_labels == 1:
+                return F.mse_loss(logits.squeeze(), labels.squeeze())
+            return F.mse_loss(logits, labels)
+        if problem == "single_label_classification":
+            return token_cross_entropy(logits.reshape(-1, num_labels), labels.reshape(-1), self.ignore_index)
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
 
     def __call__(self, params: Mapping[str, Tensor], batch: Any) -> Tensor:
-        inputs, targets = batch
+        args, kwargs, targets = self.split(batch)
         dtype = next((p.dtype for p in params.values() if p.is_floating_point()), None)
-        buffers = {
-            name: b.to(dtype) if dtype is not None and b.is_floating_point() and b.dtype != dtype else b
-            for name, b in self.model.named_buffers()
-        }
-        if dtype is not None and isinstance(inputs, Tensor) and inputs.is_floating_point():
-            inputs = inputs.to(dtype)
-        return self.criterion(functional_call(self.model, {**buffers, **params}, (inputs,)), targets)
+        tensors = {**self._module_tensors(params, dtype), **params}
+        if dtype is not None:
+            args = tuple(_cast(a, dtype) for a in args)
+            kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        output = functional_call(self.model, tensors, args, kwargs, tie_weights=self.tie_weights, strict=False)
+        return self.loss_from_logits(logits_of(output), targets)
+
+    def _module_tensors(self, params: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+        """Buffers and the parameters not in ``params``, floating ones cast to ``dtype`` (untied, every
+        name of a shared tensor, so that a tied name not in ``params`` keeps the module's value)."""
+        out = {}
+        every = not self.tie_weights
+        tensors = [
+            *self.model.named_buffers(remove_duplicate=not every),
+            *self.model.named_parameters(remove_duplicate=not every),
+        ]
+        for name, t in tensors:
+            if name in params:
+                continue
+            if t.requires_grad:  # (under torch.func, detaching a buffer would wrap it: the exact mode must see it)
+                t = t.detach()
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            out[name] = t
+        return out
 
 
-def make_loss_fn(model: nn.Module, criterion: Callable[[Tensor, Tensor], Tensor] | None = None) -> ModuleLoss:
-    """Build ``loss_fn(params, batch)`` computing ``criterion(model(inputs), targets)``.
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != dtype else x
 
-    ``criterion`` defaults to :func:`token_cross_entropy` (mean over all positions).
+
+def make_loss_fn(
+    model: nn.Module,
+    criterion: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    shift: bool | None = None,
+    tie_weights: bool = True,
+) -> ModuleLoss:
+    """Build ``loss_fn(params, batch)``: ``criterion(logits, targets)`` of ``model`` on ``batch``.
+
+    Args:
+        model: any ``nn.Module``, including Hugging Face and peft models.
+        criterion: ``criterion(logits, targets) -> scalar``; default the model's own loss
+            (:class:`ModuleLoss`): token cross-entropy, shifted for a causal LM, ignoring
+            ``ignore_index``; Hugging Face's sequence-classification losses.
+        ignore_index: the label value left out (default -100, as torch and Hugging Face).
+        shift: whether logits at t predict the target at t + 1; default: ``True`` for a Hugging Face
+            causal LM (its labels are the inputs), ``False`` otherwise (targets already aligned).
+        tie_weights: ``torch.func.functional_call``'s ``tie_weights``.
     """
-    return ModuleLoss(model, token_cross_entropy if criterion is None else criterion)
+    return ModuleLoss(model, criterion, ignore_index=ignore_index, shift=shift, tie_weights=tie_weights)
 
 
-def count_loss_terms(batch: Any) -> int:
-    """Loss terms of a ``(inputs, targets)`` batch: integer targets >= 0 (class labels, tokens not
-    ignored), else every target entry."""
-    targets = batch[-1] if isinstance(batch, (tuple, list)) else batch
+def _count(targets: Any, ignore_index: int) -> int:
     if not isinstance(targets, Tensor):
         return 1
-    if targets.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        return int((targets >= 0).sum())
+    if targets.dtype in _INTEGER:
+        return int((targets != ignore_index).sum())
     return targets.numel()
+
+
+def count_loss_terms(batch: Any, ignore_index: int = IGNORE_INDEX) -> int:
+    """Loss terms of a batch without knowing its loss function: the targets of ``(inputs, targets)``
+    or a dict's ``"labels"``, integer ones not equal to ``ignore_index``, else every entry. No causal
+    shift: pass the loss function to :func:`weighted_batches` for a model that shifts."""
+    if isinstance(batch, Mapping):
+        return _count(batch.get("labels"), ignore_index)
+    targets = batch[-1] if isinstance(batch, (tuple, list)) else batch
+    return _count(targets, ignore_index)
 
 
 @dataclass(frozen=True)
 class Batches:
-    """Several batches with explicit weights (their numbers of loss terms).
+    """Several batches with explicit weights.
 
-    ``Batches(list_of_batches)`` counts the terms with :func:`count_loss_terms`; pass ``weights`` when
-    the loss is not a mean over targets (the weights are normalized to sum to one).
+    ``Batches(list_of_batches)`` counts the loss terms (see :func:`weighted_batches`); pass
+    ``weights`` when the loss is not a mean over targets (the weights are normalized to sum to one).
     """
 
     batches: Sequence[Any]
     weights: Sequence[float] | None = None
 
 
-def weighted_batches(batch: Any) -> list[tuple[Any, float]]:
+def weighted_batches(batch: Any, loss_fn: Any = None) -> list[tuple[Any, float]]:
     """Split ``batch`` into ``(batch_j, w_j)`` pairs with ``sum(w_j) == 1``.
 
-    A ``list`` or :class:`Batches` is several batches; anything else (a tuple, a tensor) is one.
+    A ``list`` or :class:`Batches` is several batches; anything else (a tuple, a dict, a tensor) is
+    one. Each batch's weight is its number of loss terms: ``loss_fn.loss_terms(batch_j)`` when the
+    loss function has that method (a :class:`ModuleLoss`: after the causal shift and ignored labels),
+    else :func:`count_loss_terms`.
     """
+    count = getattr(loss_fn, "loss_terms", None) or count_loss_terms
     if isinstance(batch, Batches):
         batches = list(batch.batches)
-        weights = list(batch.weights) if batch.weights is not None else [count_loss_terms(b) for b in batches]
+        weights = list(batch.weights) if batch.weights is not None else [count(b) for b in batches]
     elif isinstance(batch, list):
-        batches, weights = batch, [count_loss_terms(b) for b in batch]
+        batches, weights = batch, [count(b) for b in batch]
     else:
         return [(batch, 1.0)]
     if not batches:

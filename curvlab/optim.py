@@ -3,8 +3,9 @@ r"""Optimizers whose steps curvlab measures, and the side-effect-free next updat
 :func:`build_optimizer` gives one ``torch.optim.Optimizer`` per name:
 
 * ``"muon"``: :class:`Muon` (``torch.optim.Muon`` with more polar methods and scales) on the hidden
-  2-D matrices, ``torch.optim.AdamW`` on embeddings, head, norms and biases, as in modded-nanogpt
-  and Moonlight, combined in one :class:`CombinedOptimizer`;
+  matrices, ``torch.optim.AdamW`` on embeddings, head, norms and biases, as in modded-nanogpt
+  and Moonlight, combined in one :class:`CombinedOptimizer`. The roles come from the model's
+  structure (:func:`~curvlab.roles.parameter_roles`), not its parameter names;
 * ``"adamw"``: ``torch.optim.AdamW`` on everything;
 * ``"sgd"``: ``torch.optim.SGD`` with momentum;
 * ``"lion"``: :class:`Lion`, a sign-based member (Chen et al. 2023).
@@ -24,11 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from curvlab.blocks import is_hidden_matrix
 from curvlab.distributed import rank_and_world
 from curvlab.errors import CurvlabError
+from curvlab.loss import Batches, weighted_batches
 from curvlab.polar import METHODS as POLAR_METHODS
 from curvlab.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
+from curvlab.roles import parameter_roles, stored_transposed
 
 SCALES = ("original", "moonlight", "spectral")
 OPTIMIZERS = ("muon", "adamw", "sgd", "lion")
@@ -42,8 +44,9 @@ def _evaluate(closure) -> Tensor | None:
         return closure()
 
 
-def muon_scale(shape: torch.Size, scale: str) -> float:
-    r"""Muon's per-matrix learning-rate multiplier for a ``rows x cols`` weight.
+def muon_scale(shape: tuple[int, ...], scale: str) -> float:
+    r"""Muon's per-matrix learning-rate multiplier for a weight of mathematical shape ``rows x cols``
+    (:math:`d_\text{out} \times d_\text{in}`; see :func:`matrix_shape`).
 
     ``"original"``: :math:`\max(1, r/c)^{1/2}` (Keller Jordan); ``"moonlight"``:
     :math:`0.2\max(r, c)^{1/2}` (matches AdamW's update RMS); ``"spectral"``: :math:`(r/c)^{1/2}`.
@@ -58,6 +61,14 @@ def muon_scale(shape: torch.Size, scale: str) -> float:
     raise CurvlabError(f"unknown Muon scale {scale!r}; choose one of {', '.join(SCALES)}")
 
 
+def matrix_shape(p: Tensor, transposed: bool = False) -> tuple[int, int]:
+    """The matrix Muon orthogonalizes for parameter ``p``: (out, in) for a 2-D weight (swapped when it
+    is stored transposed, as Hugging Face's ``Conv1D``), out x (in/groups * prod k) for a
+    convolution kernel."""
+    rows, cols = p.shape[0], math.prod(p.shape[1:])
+    return (cols, rows) if transposed else (rows, cols)
+
+
 class Muon(torch.optim.Muon):
     r"""``torch.optim.Muon``, computing its step out of place, with a choice of polar factor and scale.
 
@@ -70,6 +81,12 @@ class Muon(torch.optim.Muon):
 
     With the defaults (``polar="newton_schulz"``, ``scale="original"``) every step equals
     ``torch.optim.Muon``'s bit for bit, and the state dict has the same layout.
+
+    Parameters of more than 2 dimensions (convolution kernels, out x in/groups x k...) are
+    orthogonalized as the out x (in/groups * prod k) matrix they flatten to, and scaled by that
+    shape, as Keller Jordan's CIFAR-10 speedrun does (``torch.optim.Muon`` refuses them). A param
+    group with ``transposed=True`` holds matrices stored (in, out), like Hugging Face's ``Conv1D``:
+    the polar factor doesn't care (msign(Xᵀ) = msign(X)ᵀ) but the scale uses the (out, in) shape.
 
     Under torch.distributed (gradients already averaged by DDP) the polar factors are shared out: the
     matrices, sorted by size, go round-robin to the ranks, each rank orthogonalizes its own and
@@ -99,8 +116,16 @@ class Muon(torch.optim.Muon):
         if polar not in POLAR_METHODS:
             raise CurvlabError(f"unknown polar method {polar!r}; choose one of {', '.join(POLAR_METHODS)}")
         adjust = {"original": "original", "moonlight": "match_rms_adamw", "spectral": None}[scale]
-        super().__init__(params, lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust)
-        extra = {"scale": scale, "polar": polar, "polar_dtype": polar_dtype}
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise CurvlabError(f"Muon needs lr, momentum and weight_decay >= 0, got {lr}, {momentum}, {weight_decay}")
+        # torch.optim.Muon's own __init__ refuses parameters that aren't 2-D: set up as it does, minus that
+        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov}
+        defaults |= {"ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust}
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        flat = [tuple(p.shape) for g in self.param_groups for p in g["params"] if p.dim() < 2]
+        if flat:
+            raise CurvlabError(f"Muon takes matrices (2 or more dimensions); got parameters of shape {flat[:3]}")
+        extra = {"scale": scale, "polar": polar, "polar_dtype": polar_dtype, "transposed": False}
         self.defaults.update(extra)
         for group in self.param_groups:
             for k, v in extra.items():
@@ -128,16 +153,15 @@ class Muon(torch.optim.Muon):
         for i, (group, p, update) in enumerate(work):
             if owner[i] == rank:
                 ortho = msign(
-                    update,
+                    update.reshape(update.shape[0], -1),  # a convolution kernel as out x (in * prod k)
                     method=group["polar"],
                     steps=group["ns_steps"],
                     dtype=group["polar_dtype"],
                     coefficients=tuple(group["ns_coefficients"]),
                     eps=group["eps"],
                 ).to(p.dtype)
-                ortho = (
-                    ortho.contiguous()
-                )  # (a tall matrix's factor is a transposed view; collectives need memory order)
+                # (a tall matrix's factor is a transposed view; collectives need memory order)
+                ortho = ortho.contiguous().view(p.shape)
             else:
                 ortho = torch.empty_like(p)
             orthos.append(ortho)
@@ -147,7 +171,8 @@ class Muon(torch.optim.Muon):
         for (group, p, _), ortho in zip(work, orthos):
             lr = group["lr"]
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(ortho, alpha=-(lr * muon_scale(p.shape, group["scale"])))
+            shape = matrix_shape(p, group.get("transposed", False))  # (a state dict from before had no flag)
+            p.add_(ortho, alpha=-(lr * muon_scale(shape, group["scale"])))
         return loss
 
 
@@ -229,11 +254,19 @@ def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def trainable_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """The model's trainable parameters (``requires_grad``), detached: the ``params`` that go with the
+    G and Z of :func:`next_update`, which cover exactly these (frozen ones, a LoRA model's base
+    weights say, keep their values inside the loss function)."""
+    return {n: p.detach() for n, p in _named_trainable(model)}
+
+
 def default_muon_rule(model: nn.Module) -> Callable[[str, Tensor], bool]:
-    """The default split: Muon on hidden 2-D matrices (:func:`~curvlab.blocks.is_hidden_matrix`),
-    never on an ``nn.Embedding``'s table (a tied head shares it)."""
-    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return lambda name, p: is_hidden_matrix(name, p) and id(p) not in embedding_ids
+    """The default split: Muon on the parameters whose role is ``hidden``
+    (:func:`~curvlab.roles.parameter_roles`: read from the model's structure, so an embedding, the
+    head, tied or not, norms and biases never reach Muon)."""
+    roles = parameter_roles(model)
+    return lambda name, p: roles.get(name) == "hidden"
 
 
 def build_optimizer(
@@ -251,8 +284,10 @@ def build_optimizer(
     For ``"muon"``, the options ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``,
     ``scale``, ``polar`` and ``polar_dtype`` go to Muon, and ``adam_lr``, ``adam_betas``,
     ``adam_eps``, ``adam_weight_decay`` to its AdamW side. ``muon_rule(name, param) -> bool`` decides
-    which parameters Muon takes (default :func:`default_muon_rule`); a parameter that isn't 2-D
-    never reaches Muon.
+    which parameters Muon takes (default :func:`default_muon_rule`: the hidden matrices, by
+    structure); a vector never reaches Muon. Convolution kernels go to Muon flattened to
+    out x (in * prod k) (see :class:`Muon`); Hugging Face ``Conv1D`` weights go in a group marked
+    ``transposed``, so that Muon's shape scale reads them as (out, in).
 
     Raises:
         CurvlabError: an unknown name or option, or a model with no 2-D weights for Muon.
@@ -274,14 +309,19 @@ def build_optimizer(
         _reject_unknown(name, hp)
         rule = muon_rule or default_muon_rule(model)
         chosen = [(n, p) for n, p in named if rule(n, p)]
-        bad = [n for n, p in chosen if p.dim() != 2]
+        bad = [n for n, p in chosen if p.dim() < 2]
         if bad:
-            raise CurvlabError(f"the Muon rule chose parameters that are not 2-D: {bad[:3]}")
+            raise CurvlabError(f"the Muon rule chose parameters that are not matrices: {bad[:3]}")
         if not chosen:
-            raise CurvlabError("the model has no hidden 2-D weight matrices for Muon; use adamw, or pass muon_rule")
+            raise CurvlabError("the model has no hidden weight matrices for Muon; use adamw, or pass muon_rule")
         muon_ids = {id(p) for _, p in chosen}
         rest = [p for _, p in named if id(p) not in muon_ids]
-        parts = {"muon": Muon([p for _, p in chosen], **muon_hp)}
+        transposed = stored_transposed(model)
+        groups = [
+            {"params": [p for n, p in chosen if n not in transposed]},
+            {"params": [p for n, p in chosen if n in transposed], "transposed": True},
+        ]
+        parts = {"muon": Muon([g for g in groups if g["params"]], **muon_hp)}
         if rest:
             parts["adamw"] = torch.optim.AdamW(
                 rest,
@@ -342,10 +382,20 @@ def next_update(
     r"""The gradient G and the step :math:`Z = W - W_\text{next}` that ``optimizer`` would take on ``batch``.
 
     G is computed as a training step computes it (autograd through ``loss_fn`` on the model's own
-    parameters), optionally clipped to ``max_grad_norm`` as the training loop does; then the
-    optimizer really steps, on cloned state, and everything is put back: parameters, their ``.grad``
-    (the same objects), the optimizer's per-parameter state (the same tensor objects) and its param
-    groups. Z includes learning rate, schedule, momentum, bias correction and weight decay.
+    parameters, in the model's current mode: dropout is live in train mode), optionally clipped to
+    ``max_grad_norm`` as the training loop does; then the optimizer really steps, on cloned state,
+    and everything is put back: parameters, their ``.grad`` (the same objects), the optimizer's
+    per-parameter state (the same tensor objects), its param groups, and torch's global RNG state
+    (so dropout here doesn't change the masks of the user's later steps). Z includes learning rate,
+    schedule, momentum, bias correction and weight decay.
+
+    A list of micro-batches (or :class:`~curvlab.loss.Batches`) is one step with gradient
+    accumulation: :math:`G = \sum_j w_j \nabla L_j` with :math:`w_j` each micro-batch's share of
+    the loss terms (:func:`~curvlab.loss.weighted_batches`), as Hugging Face's Trainer weights them,
+    and as nanoGPT's ``loss / gradient_accumulation_steps`` does for its equal micro-batches.
+
+    Frozen parameters (``requires_grad=False``) get neither G nor Z: pair the result with
+    :func:`trainable_parameters`.
 
     Args:
         lr_scale: multiply every group's learning rate by this for the step (Z for a scaled lr).
@@ -356,19 +406,26 @@ def next_update(
         ``(G, Z)``, dicts keyed by parameter name (trainable parameters only).
     """
     named = _named_trainable(model)
+    if not named:
+        raise CurvlabError("the model has no trainable parameters: there is no update")
     names = [n for n, _ in named]
     params = [p for _, p in named]
+    pairs = weighted_batches(batch, loss_fn) if isinstance(batch, (list, Batches)) else [(batch, 1.0)]
     saved_state = dict(optimizer.state)  # the original per-parameter dicts, put back untouched
     cloned_state = _copy_state(optimizer)
     saved_groups = _copy_groups(optimizer)
     saved_grads = [p.grad for p in params]
     before = [p.detach().clone() for p in params]
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     try:
-        with torch.enable_grad():
-            loss = loss_fn(dict(named), batch)
-            if not torch.isfinite(loss):
-                raise CurvlabError(f"the loss is not finite ({float(loss.detach())}): no update direction")
-            grads = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            grads = [torch.zeros_like(p) for p in params]
+            for b, w in pairs:
+                loss = loss_fn(dict(named), b)
+                if not torch.isfinite(loss):
+                    raise CurvlabError("the loss is not finite: no update direction")
+                parts = torch.autograd.grad(loss * w, params, allow_unused=True, materialize_grads=True)
+                grads = [g + part for g, part in zip(grads, parts)] if len(pairs) > 1 else list(parts)
         for p, g in zip(params, grads):
             p.grad = g.detach().clone()
         if max_grad_norm is not None:

@@ -24,11 +24,12 @@ def deterministic(loss_fn):
     model = getattr(loss_fn, "model", None)
     if model is None or not model.training:
         return loss_fn
-    copy_ = copy.deepcopy(model)
-    for m in copy_.modules():
+    same = copy.copy(loss_fn)  # (every setting kept: criterion, shift, ignore_index, tie_weights)
+    same.model = copy.deepcopy(model)
+    for m in same.model.modules():
         if not isinstance(m, _NormBase):
             m.training = False
-    return type(loss_fn)(copy_, loss_fn.criterion)
+    return same
 
 
 _CACHE: dict = {}

@@ -190,7 +190,7 @@ class NanoGPT(nn.Module):
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def nanogpt_checkpoint(tmp_path):
+def nanogpt_checkpoint(tmp_path, dropout=0.0, accumulation=None, name="ckpt.pt"):
     torch.manual_seed(0)
     ref = NanoGPT()
     with torch.no_grad():
@@ -212,12 +212,42 @@ def nanogpt_checkpoint(tmp_path):
         "block_size": 16,
         "bias": True,
         "vocab_size": 64,
-        "dropout": 0.0,
+        "dropout": dropout,
     }
+    config = {"batch_size": 4, "grad_clip": 1.0}
+    if accumulation is not None:
+        config["gradient_accumulation_steps"] = accumulation
     ckpt = {"model": ref.state_dict(), "optimizer": opt.state_dict(), "model_args": model_args, "iter_num": 3,
-            "best_val_loss": 4.0, "config": {"batch_size": 4, "grad_clip": 1.0}}  # fmt: skip
-    torch.save(ckpt, tmp_path / "ckpt.pt")
+            "best_val_loss": 4.0, "config": config}  # fmt: skip
+    torch.save(ckpt, tmp_path / name)
     return ref, opt, ckpt
+
+
+def token_data(tmp_path, val_tokens=2000):
+    import numpy as np
+
+    from curvlab.data.shards import write_shard
+
+    data = tmp_path / "data"
+    rng = np.random.default_rng(0)
+    write_shard(data / "train_000000.bin", rng.integers(0, 64, 5000))
+    write_shard(data / "val_000000.bin", rng.integers(0, 64, val_tokens))
+    return data
+
+
+def assert_same_parameters(ours: dict, theirs: dict, atol: float) -> None:
+    """curvlab-named tensors against nanoGPT-named ones (c_attn split into c_q, c_k, c_v)."""
+    for name, p in theirs.items():
+        if ".attn.c_attn." in name:
+            parts = [ours[name.replace("c_attn", s)] for s in ("c_q", "c_k", "c_v")]
+            if name.endswith("bias"):
+                # softmax is invariant to the key bias: its gradient is 0 up to rounding noise, which
+                # Adam's m/sqrt(v) blows up to steps of size lr; compare the query and value biases only
+                parts[1], p = parts[1][:0], torch.cat([p.chunk(3)[0], p.chunk(3)[2]])
+            mine = torch.cat(parts)
+        else:
+            mine = ours[name]
+        assert torch.allclose(mine, p, atol=atol), name
 
 
 def test_nanogpt_import_gives_same_logits_and_same_next_step(tmp_path):
@@ -231,36 +261,72 @@ def test_nanogpt_import_gives_same_logits_and_same_next_step(tmp_path):
         o.zero_grad()
         F.cross_entropy(m(x[:, :-1]).reshape(-1, 64), x[:, 1:].reshape(-1)).backward()
         o.step()
-    ours = dict(model.named_parameters())
-    for name, p in ref.named_parameters():
-        if ".attn.c_attn." in name:
-            parts = [ours[name.replace("c_attn", s)] for s in ("c_q", "c_k", "c_v")]
-            if name.endswith("bias"):
-                # softmax is invariant to the key bias: its gradient is 0 up to rounding noise, which
-                # Adam's m/sqrt(v) blows up to steps of size lr; compare the query and value biases only
-                parts[1], p = parts[1][:0], torch.cat([p.chunk(3)[0], p.chunk(3)[2]])
-            mine = torch.cat(parts)
-        else:
-            mine = ours[name]
-        assert torch.allclose(mine, p, atol=1e-6), name
+    assert_same_parameters(dict(model.named_parameters()), dict(ref.named_parameters()), atol=1e-6)
 
 
 def test_nds_command_on_a_nanogpt_checkpoint(tmp_path):
     nanogpt_checkpoint(tmp_path)
-    import numpy as np
-
-    from curvlab.data.shards import write_shard
-
-    data = tmp_path / "data"
-    rng = np.random.default_rng(0)
-    write_shard(data / "train_000000.bin", rng.integers(0, 64, 5000))
-    write_shard(data / "val_000000.bin", rng.integers(0, 64, 2000))
+    data = token_data(tmp_path)
     r = runner.invoke(app, ["nds", str(tmp_path / "ckpt.pt"), "--data", str(data), "--out", str(tmp_path / "r.json")])
     assert r.exit_code == 0, r.output
     report = load_report(tmp_path / "r.json")
     assert report["optimizer"] == "adamw" and report["step"] == 3 and math.isfinite(report["nds"])
     r = runner.invoke(app, ["nds", str(tmp_path / "ckpt.pt")])
     assert r.exit_code == 2 and "pass --data" in r.output
+    assert report["next_batch"]["source"] == "seeded draw" and report["next_batch"]["seed"] == 3
+    # what --batches can't have, and a device this torch can't use: one line each, no report
+    r = runner.invoke(app, ["nds", str(tmp_path / "ckpt.pt"), "--data", str(data), "--batch", "val", "--batches", "50",
+                            "--out", str(tmp_path / "v.json")])  # fmt: skip
+    assert r.exit_code == 2 and "asks for 50 val batches, but there are 31" in r.output
+    assert not (tmp_path / "v.json").exists()
+    device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    r = runner.invoke(app, ["nds", str(tmp_path / "ckpt.pt"), "--data", str(data), "--device", device])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "CUDA" in r.output
+    assert "curvlab's own draw" in " ".join(runner.invoke(app, ["nds", "--help"]).output.split())
+
+
+def test_nanogpt_next_step_accumulates_its_micro_batches(tmp_path):
+    """With gradient_accumulation_steps = 2, Z is nanoGPT's own step over the two micro-batches
+    (loss / 2 each, clip, AdamW), and the report records where every row came from."""
+    import numpy as np
+
+    from curvlab.analysis import open_checkpoint
+    from curvlab.data.shards import TokenData
+    from curvlab.loss import make_loss_fn
+    from curvlab.optim import next_update
+
+    ref, ref_opt, _ = nanogpt_checkpoint(tmp_path, accumulation=2)
+    data = token_data(tmp_path)
+    target = open_checkpoint(tmp_path / "ckpt.pt", data)
+    micro = target.train_batches[0]
+    assert isinstance(micro, list) and len(micro) == 2 and target.draw.micro_batches == 2
+    model = target.model.eval()
+    _, Z = next_update(model, target.optimizer, make_loss_fn(model), micro, max_grad_norm=target.grad_clip)
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_opt.zero_grad()
+    with sdpa_kernel(SDPBackend.MATH):
+        for x, y in micro:  # nanoGPT's train loop
+            (F.cross_entropy(ref(x).reshape(-1, 64), y.reshape(-1)) / 2).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ref_opt.step()
+    assert_same_parameters(Z, {n: before[n] - p.detach() for n, p in ref.named_parameters()}, atol=1e-6)
+    _, Z_one = next_update(model, target.optimizer, make_loss_fn(model), micro[0], max_grad_norm=target.grad_clip)
+    assert not torch.allclose(Z_one["transformer.h.0.mlp.c_fc.weight"], Z["transformer.h.0.mlp.c_fc.weight"])
+    shards = TokenData.open(data, 64).train
+    rows = np.stack([np.asarray(shards[s][o : o + 17]) for s, o in target.draw.rows])
+    tokens = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in micro])
+    assert torch.equal(torch.from_numpy(rows.astype(np.int64)), tokens)
+
+
+def test_nanogpt_dropout_gives_the_same_z_every_run(tmp_path):
+    """Dropout is off for Z as for G and H: with dropout 0.2 the report equals itself on every run,
+    and equals that of the same weights saved with dropout 0."""
+    nanogpt_checkpoint(tmp_path, dropout=0.2, name="drop.pt")
+    nanogpt_checkpoint(tmp_path, dropout=0.0, name="nodrop.pt")
+    data = token_data(tmp_path)
+    runs = [analyze_checkpoint(tmp_path / n, data=data).to_dict() for n in ("drop.pt", "drop.pt", "nodrop.pt")]
+    assert runs[0]["nds"] == runs[1]["nds"] == runs[2]["nds"]
+    assert runs[0]["update_norm"] == runs[2]["update_norm"]
 
 
 def test_bad_inputs(runs, tmp_path):
@@ -320,3 +386,18 @@ def test_spectrum_command(runs, tmp_path):
     assert (tmp_path / "t" / "lambda_max_vs_nds.png").is_file()
     rows = json.loads((tmp_path / "t" / "track.json").read_text())["rows"]
     assert all(row["nds"] <= row["lambda_max"] * 1.001 for row in rows)
+
+
+def test_more_validation_batches_than_the_run_evaluates(runs):
+    """--batch val --batches 5 on a run that validates on 2 batches: the next windows of the same
+    validation stream, the run's own first; never silently fewer than asked."""
+    from curvlab.analysis import evaluation_batches, open_checkpoint
+
+    ckpt = runs / "muon" / "ckpt_000008.pt"
+    own = open_checkpoint(ckpt).val_batches
+    target = open_checkpoint(ckpt, batches=5)
+    D = evaluation_batches(target, AnalysisSettings(batch="val", batches=5))
+    assert len(own) == 2 and len(D) == 5
+    assert all(torch.equal(a, b) for mine, theirs in zip(D, own) for a, b in zip(mine, theirs))
+    with pytest.raises(ValueError, match="asks for 5 val batches, but there are 2"):
+        evaluation_batches(open_checkpoint(ckpt), AnalysisSettings(batch="val", batches=5))

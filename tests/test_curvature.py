@@ -72,7 +72,7 @@ def test_block_matrix_equals_dense_hessian_blocks(transformer_problem, via, meth
     H = dense_hessian(loss_fn, params, batch)
     bm = block_matrix(loss_fn, params, batch, z, blocks=grouping, via=via, method=method, chunk_size=3)
     zf = P.flatten(z)
-    members = group_parameters(params, grouping)
+    members = group_parameters(params, grouping, loss_fn.model)  # the structural grouping block_matrix uses
     masks = [
         P.flatten({n: torch.full_like(t, float(n in set(b))) for n, t in params.items()}) for b in members.values()
     ]
@@ -93,7 +93,7 @@ def test_per_tensor_blocks_sum_to_per_layer_blocks(transformer_problem):
     z = random_direction(params, 6)
     per_tensor = block_matrix(loss_fn, params, batch, z, blocks="tensor")
     per_layer = block_matrix(loss_fn, params, batch, z, blocks="layer")
-    layer_of = {n: b for b, names in group_parameters(params, "layer").items() for n in names}
+    layer_of = {n: b for b, names in group_parameters(params, "layer", loss_fn.model).items() for n in names}
     idx = [per_layer.names.index(layer_of[n]) for n in per_tensor.names]
     S = np.zeros((len(per_layer.names), len(per_tensor.names)))
     S[idx, np.arange(len(idx))] = 1.0

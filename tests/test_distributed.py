@@ -91,7 +91,7 @@ def _curvature_problem():
     params = {k: v.detach() for k, v in model.named_parameters()}
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 11, (2, 6), generator=g), torch.randint(0, 11, (2, 6), generator=g)) for _ in range(4)]
-    batches[1][1][0, :3] = -1  # uneven loss terms
+    batches[1][1][0, :3] = -100  # uneven loss terms (ignored labels)
     return make_loss_fn(model), params, batches, random_direction(params, 3)
 
 

@@ -79,7 +79,7 @@ def test_gradient_and_loss_come_with_the_hvps(transformer_problem):
 def test_uneven_batches_are_weighted_by_loss_terms(transformer_problem):
     loss_fn, params, (idx, tgt) = transformer_problem
     tgt = tgt.clone()
-    tgt[0, :4] = -1  # ignored tokens: the batches hold 2, 6 and 6 loss terms
+    tgt[0, :4] = -100  # ignored tokens: the batches hold 2, 6 and 6 loss terms
     whole = (idx, tgt)
     parts = [(idx[:1], tgt[:1]), (idx[1:2], tgt[1:2]), (idx[2:], tgt[2:])]
     v = random_direction(params)

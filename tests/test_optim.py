@@ -110,9 +110,9 @@ def test_bad_optimizer_requests():
         build_optimizer("adamw", model, beta1=0.9)
     with pytest.raises(ValueError, match="unknown Muon scale"):
         build_optimizer("muon", model, scale="huge")
-    with pytest.raises(ValueError, match="no hidden 2-D"):
+    with pytest.raises(ValueError, match="no hidden weight matrices"):
         build_optimizer("muon", nn.Sequential(nn.LayerNorm(4)))
-    with pytest.raises(ValueError, match="not 2-D"):
+    with pytest.raises(ValueError, match="not matrices"):
         build_optimizer("muon", model, muon_rule=lambda n, p: True)
 
 
@@ -221,3 +221,58 @@ def test_hybrid_trains_and_state_dict_round_trip_continues_identically(name):
         train_step(clone, opt2, make_loss_fn(clone), b)
     for (n, p), (_, q) in zip(model.named_parameters(), clone.named_parameters()):
         assert torch.equal(p, q), n
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)  # kernel 16 x 1 x 3 x 3: out 16 x in*k*k 9
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 4, 1)
+        self.fc = nn.Linear(4, 6)  # (6 classes: conv2's 4 x 16 gradient has full rank)
+
+    def forward(self, x):
+        return self.fc(self.conv2(torch.relu(self.bn1(self.conv1(x)))).mean((2, 3)))
+
+
+def test_muon_orthogonalizes_conv_kernels_flattened():
+    """Muon takes a CNN's convolution kernels (role hidden) as the out x (in * k * k) matrices they
+    flatten to: conv1's step is lr * sqrt(16 / 9) * msign(G reshaped to 16 x 9); the head (fc), the
+    BatchNorm and the biases go to AdamW."""
+    from curvlab import parameter_roles
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    roles = parameter_roles(model)
+    assert roles["fc.weight"] == roles["fc.bias"] == "head" and roles["bn1.weight"] == "norm"
+    assert roles["conv1.weight"] == roles["conv2.weight"] == "hidden" and roles["conv1.bias"] == "bias"
+    opt = build_optimizer("muon", model, polar="svd", lr=0.02)
+    in_muon = {id(p) for g in opt.optimizers["muon"].param_groups for p in g["params"]}
+    assert in_muon == {id(model.conv1.weight), id(model.conv2.weight)}
+    batch = (torch.randn(8, 1, 5, 5), torch.randint(0, 6, (8,)))
+    G, Z = next_update(model, opt, make_loss_fn(model, nn.functional.cross_entropy), batch, dtype=torch.float64)
+    for name, scale in (("conv1.weight", (16 / 9) ** 0.5), ("conv2.weight", 1.0)):
+        g = G[name].reshape(G[name].shape[0], -1)
+        expected = (0.02 * scale * msign(g, method="svd")).reshape(G[name].shape)
+        assert torch.allclose(Z[name], expected, rtol=1e-4, atol=1e-8), name
+    with pytest.raises(ValueError, match="matrices"):
+        Muon([model.conv1.bias])
+
+
+def test_next_update_accumulates_micro_batches_by_their_loss_terms():
+    """A list of micro-batches is one step with gradient accumulation: G = sum_j (n_j / N) grad L_j,
+    as a loop of (loss_j * n_j / N).backward() gives it, with 3 and 5 rows here."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    loss_fn = make_loss_fn(model, nn.functional.cross_entropy)
+    micro = [(torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in (3, 5)]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    G, Z = next_update(model, opt, loss_fn, micro, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    for x, y in micro:
+        (nn.functional.cross_entropy(ref(x), y) * len(y) / 8).backward()
+    ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(Z[name], p.detach() - q.detach(), rtol=1e-12, atol=1e-15), name
+        assert torch.allclose(G[name], q.grad, rtol=1e-12, atol=1e-15), name

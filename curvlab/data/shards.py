@@ -119,7 +119,8 @@ class TrainBatches:
     windows) and an offset inside it. ``state_dict()`` / ``load_state_dict()`` save and restore the
     generator, so a resumed run reads exactly the batches it would have read. ``rank``/``world``
     select a disjoint slice of each global batch (rows ``rank::world``): every rank draws the same
-    global batch, so the data don't depend on the number of processes.
+    global batch, so the data don't depend on the number of processes. ``last_rows`` holds the
+    ``(shard, offset)`` of every row of the last global batch drawn.
     """
 
     def __init__(
@@ -134,10 +135,12 @@ class TrainBatches:
         windows = np.array([s.size - seq_len - 1 for s in self.shards], dtype=np.float64)
         self._weights = windows / windows.sum()
         self._rng = np.random.default_rng(seed)
+        self.last_rows: list[tuple[int, int]] = []
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         shard_ids = self._rng.choice(len(self.shards), size=self.batch_size, p=self._weights)
         offsets = [int(self._rng.integers(0, self.shards[i].size - self.seq_len - 1)) for i in shard_ids]
+        self.last_rows = [(int(i), o) for i, o in zip(shard_ids, offsets)]
         rows = [
             np.asarray(self.shards[i][o : o + self.seq_len + 1], dtype=np.int64) for i, o in zip(shard_ids, offsets)
         ]

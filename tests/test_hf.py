@@ -1,0 +1,511 @@
+"""curvlab on the models researchers bring: Hugging Face GPT-2 (tied head, Conv1D, dropout), BERT with a
+padding mask, Llama (RMSNorm, rotary, grouped-query attention) and a peft LoRA model, all tiny and
+random-init from config objects (nothing is downloaded).
+
+References are written here, independently of curvlab: the loss from the model's logits through
+``torch.func.functional_call`` on an eval-mode float64 copy (dropout off), shifted for causal LMs, with
+``F.cross_entropy(ignore_index=-100)``; HVPs of it by plain double backward (a row combination of the
+dense Hessian, without forming its ~7k x 7k entries); the dense Hessian itself for the LoRA adapters.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from curvlab import (
+    block_matrix,
+    build_optimizer,
+    evaluate_loss,
+    group_parameters,
+    hvp,
+    make_loss_fn,
+    next_update,
+    parameter_roles,
+    quadratic_form,
+    taylor_split,
+    trainable_parameters,
+)
+from curvlab import params as P
+from curvlab.loss import count_loss_terms, weighted_batches
+from curvlab.polar import msign
+from tests.reference import dense_hessian
+
+transformers.logging.set_verbosity_error()
+VOCAB = 50
+
+
+def gpt2_config(**kw) -> GPT2Config:
+    # (GPT-2's default dropout, 0.1, stays on: curvature must switch it off itself)
+    return GPT2Config(vocab_size=VOCAB, n_positions=8, n_embd=16, n_layer=2, n_head=2, bos_token_id=0,
+                      eos_token_id=0, pad_token_id=0, **kw)  # fmt: skip
+
+
+def bert() -> nn.Module:
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=8, num_labels=3)  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def llama() -> nn.Module:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def lora(model: nn.Module) -> nn.Module:
+    """LoRA on GPT-2's fused attention (a Conv1D, so fan_in_fan_out), with dropout; B made nonzero."""
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.1)
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def perturb_norms(model: nn.Module) -> None:
+    """Non-trivial norm weights and biases (the affine case is where bugs hide)."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, role in parameter_roles(model).items():
+            p = model.get_parameter(name)
+            if role == "norm" and p.requires_grad:
+                p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def float64_rms_norm(self, hidden_states):
+    """LlamaRMSNorm without its float32 upcast (which caps a float64 computation at float32 accuracy)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def causal_batch(seed=0, rows=2, length=6, padded=((1, 4),)) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, start in padded:  # right padding: masked out and ignored in the loss
+        mask[row, start:] = 0
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def classification_batch(seed=0) -> dict:
+    batch = causal_batch(seed, rows=3, padded=((1, 4), (2, 3)))
+    batch["labels"] = torch.tensor([0, 2, 1])
+    return batch
+
+
+class ReferenceLoss:
+    """The model's own loss written out here: float64, eval mode, shift for a causal LM, -100 ignored."""
+
+    def __init__(self, model: nn.Module, causal: bool):
+        self.model = copy.deepcopy(model).double().eval()
+        self.causal = causal
+
+    def __call__(self, params, batch):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits, labels = functional_call(self.model, params, (), inputs).logits, batch["labels"]
+        if self.causal:
+            logits, labels = logits[..., :-1, :], labels[..., 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+def double_backward(f, params, batch, directions):
+    """(L, G, [H v for v in directions]) by plain autograd double backward, in float64."""
+    leaves = {k: t.detach().double().clone().requires_grad_() for k, t in params.items()}
+    with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
+        loss = f(leaves, batch)
+        g = torch.autograd.grad(loss, list(leaves.values()), create_graph=True)
+        hvs = []
+        for v in directions:
+            gv = sum((gi * v[k]).sum() for gi, k in zip(g, leaves))
+            hvs.append(dict(zip(leaves, torch.autograd.grad(gv, list(leaves.values()), retain_graph=True))))
+    return float(loss.detach()), {k: t.detach() for k, t in zip(leaves, g)}, hvs
+
+
+def rel_error(a, b) -> float:
+    """max |a - b| / max |b| over all tensors of two dicts."""
+    return max(float((a[k] - b[k]).abs().max()) for k in b) / max(float(b[k].abs().max()) for k in b)
+
+
+def direction(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(t.shape, generator=g, dtype=torch.float64) for k, t in params.items()}
+
+
+MODELS = ("gpt2", "bert", "llama", "lora")
+
+
+@pytest.fixture(scope="module")
+def problems():
+    """name -> (model in train mode, float64 unless LoRA, whose frozen base stays float32; batch; causal)."""
+    torch.manual_seed(0)
+    out = {}
+    for name in MODELS:
+        if name == "gpt2":
+            model, batch, causal = GPT2LMHeadModel(gpt2_config()).double(), causal_batch(1), True
+        elif name == "bert":
+            model, batch, causal = bert().double(), classification_batch(2), False
+        elif name == "llama":
+            model, batch, causal = llama().double(), causal_batch(3), True
+        else:
+            model, batch, causal = lora(GPT2LMHeadModel(gpt2_config())), causal_batch(4), True
+        perturb_norms(model)
+        out[name] = (model.train(), batch, causal)
+    return out
+
+
+@pytest.fixture
+def exact_rms_norm(monkeypatch):
+    monkeypatch.setattr(LlamaRMSNorm, "forward", float64_rms_norm)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_curvature_matches_double_backward(problems, name, exact_rms_norm):
+    """hvp (both methods), quadratic_form, taylor_split and block_matrix against the independent
+    float64 reference; measured errors are ~1e-16 relative on every model."""
+    model, batch, causal = problems[name]
+    loss_fn = make_loss_fn(model)
+    ref = ReferenceLoss(model, causal)
+    # adapter-only for LoRA (frozen float32 base, float64 adapters); every parameter otherwise
+    params = {k: t.double() for k, t in trainable_parameters(model).items()}
+    v = direction(params, 1)
+    loss, g, (hv,) = double_backward(ref, params, batch, [v])
+    assert evaluate_loss(loss_fn, params, batch) == pytest.approx(loss, rel=1e-13)  # (dropout off inside)
+    for method in ("fwd_rev", "rev_rev"):
+        assert rel_error(hvp(loss_fn, params, batch, v, method=method), hv) < 1e-12, method
+    gz, zhz = quadratic_form(loss_fn, params, batch, v)
+    assert gz == pytest.approx(P.dot(g, v), rel=1e-12) and zhz == pytest.approx(P.dot(v, hv), rel=1e-12)
+
+    hidden = [n for n, r in parameter_roles(model).items() if r == "hidden" and n in params]
+    v_hidden = P.restrict(v, hidden)
+    _, _, (hv_hidden,) = double_backward(ref, params, batch, [v_hidden])
+    split = taylor_split(loss_fn, params, batch, v)
+    assert list(split.subset_names) == hidden
+    assert split.nds == pytest.approx(P.dot(v, hv) / P.dot(v, v), rel=1e-12)
+    assert split.first_order == pytest.approx(P.dot(g, v), rel=1e-12)
+    assert split.realized == pytest.approx(loss - float(ref(P.add(params, v, -1.0), batch)), rel=1e-12)
+    assert split.subset.nds == pytest.approx(P.dot(v_hidden, hv_hidden) / P.dot(v_hidden, v_hidden), rel=1e-12)
+
+    bm = block_matrix(loss_fn, params, batch, v, blocks="layer")
+    members = list(bm.members.values())
+    _, _, hv_blocks = double_backward(ref, params, batch, [P.restrict(v, b) for b in members])
+    expected = [[P.dot(v, hm, b) / P.dot(v, v) for hm in hv_blocks] for b in members]
+    np.testing.assert_allclose(bm.matrix, expected, rtol=1e-10, atol=1e-13 * np.abs(expected).max())
+
+
+def test_lora_adapter_curvature_against_the_dense_hessian(problems):
+    """Adapter-only curvature (SCIENCE.md section 8): params are the trainable adapters, Z the next
+    step of the adapters' own optimizer; the dense float64 Hessian over the 256 adapter entries."""
+    model, batch, _ = problems["lora"]
+    adapters = trainable_parameters(model)
+    assert adapters and all("lora_" in n for n in adapters)
+    assert all(t.dtype == torch.float32 for t in adapters.values())  # the frozen base stays float32 too
+    # (frozen parameters get no gradient: AdamW skips them)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    loss_fn = make_loss_fn(model)
+    G, Z = next_update(model, opt, loss_fn, batch, dtype=torch.float64)
+    assert G.keys() == Z.keys() == adapters.keys()
+    params = {k: t.double() for k, t in adapters.items()}
+    H = dense_hessian(ReferenceLoss(model, causal=True), params, batch)
+    z = P.flatten(Z)
+    split = taylor_split(loss_fn, params, batch, Z)
+    assert split.nds == pytest.approx(float(z @ H @ z / (z @ z)), rel=1e-10)
+    hv = hvp(loss_fn, params, batch, Z, method="rev_rev")
+    np.testing.assert_allclose(P.flatten(hv), H @ z, rtol=1e-10, atol=1e-12 * float((H @ z).abs().max()))
+    # Adam's first step on a fresh optimizer is lr G / (|G| + eps): Z really is that step
+    g = P.flatten(G)
+    np.testing.assert_allclose(P.flatten(Z), 1e-2 * g / (g.abs() + 1e-8), rtol=1e-5)
+
+
+def test_float64_through_frozen_float32_weights_equals_the_float64_model(problems):
+    model, batch, _ = problems["lora"]
+    params = {k: t.double() for k, t in trainable_parameters(model).items()}
+    v = direction(params, 2)
+    mixed = hvp(make_loss_fn(model), params, batch, v)  # base float32, cast exactly to float64 inside
+    double = hvp(make_loss_fn(copy.deepcopy(model).double()), params, batch, v)
+    assert all(t.dtype == torch.float64 for t in mixed.values())
+    assert rel_error(mixed, double) < 1e-14
+
+
+def test_loss_follows_each_models_own_loss(problems):
+    """In float32, curvlab's loss from the logits equals the model's own ``.loss`` (causal shift,
+    ignored labels, classification); in float64 it stays float64 (HF's .loss casts to float32)."""
+    for name in MODELS:
+        model, batch, _ = problems[name]
+        model32 = copy.deepcopy(model).float().eval()
+        params = {k: t.detach() for k, t in model32.named_parameters()}
+        loss = make_loss_fn(model32)(params, batch)
+        assert float(loss.detach()) == pytest.approx(float(model32(**batch).loss.detach()), rel=1e-6), name
+        assert make_loss_fn(model)({k: t.double() for k, t in params.items()}, batch).dtype == torch.float64
+    # a tuple batch (inputs, targets) on a causal LM is shifted the same way
+    model, batch, _ = problems["gpt2"]
+    loss_fn = make_loss_fn(model.eval())
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    plain = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    assert float(loss_fn(params, (batch["input_ids"], batch["labels"]))) == float(loss_fn(params, plain))
+    model.train()
+
+
+def test_tie_weights_passes_through(problems):
+    """GPT-2's head is tied to wte: a new wte moves the head too (tie_weights=True, the default), or
+    leaves the head as the module has it (tie_weights=False)."""
+    model, batch, _ = problems["gpt2"]
+    model = copy.deepcopy(model).eval()
+    params = {k: t.detach().clone() for k, t in model.named_parameters()}
+    assert "lm_head.weight" not in params  # (named_parameters lists a tied tensor once)
+    shift = 0.1 * direction({"w": params["transformer.wte.weight"]}, 5)["w"]
+    params["transformer.wte.weight"] += shift
+    tied = make_loss_fn(model)(params, batch)
+    untied = make_loss_fn(model, tie_weights=False)(params, batch)
+    with torch.no_grad():
+        head_before = model.lm_head.weight.clone()
+        model.transformer.wte.weight += shift  # the same tensor as lm_head.weight
+        assert float(tied) == pytest.approx(float(ReferenceLoss(model, causal=True)({}, batch)), rel=1e-13)
+        model.transformer.wte.weight -= shift
+        model.lm_head = nn.Linear(16, VOCAB, bias=False, dtype=torch.float64)  # untie: old head, new wte
+        model.lm_head.weight.copy_(head_before)
+        model.transformer.wte.weight += shift
+        assert float(untied) == pytest.approx(float(ReferenceLoss(model, causal=True)({}, batch)), rel=1e-13)
+    assert float(tied) != pytest.approx(float(untied), rel=1e-6)
+
+
+def test_batch_weights_count_the_terms_the_loss_averages(problems):
+    """A list of batches equals their concatenation: weights are the loss terms after the shift and
+    the ignored labels (4 : 16 here, where counting the labels before the shift gives 4 : 20)."""
+    model, _, _ = problems["gpt2"]
+    loss_fn = make_loss_fn(model)
+    params = P.cast(dict(model.named_parameters()), torch.float64)
+    whole = causal_batch(5, rows=5, length=6, padded=((0, 5), (1, 2)))
+    parts = [{k: t[:1] for k, t in whole.items()}, {k: t[1:] for k, t in whole.items()}]
+    parts[0]["labels"][0, :1] = -100  # ignored from the start too
+    whole["labels"][0, :1] = -100
+    assert [count_loss_terms(b) for b in parts] == [4, 2 + 3 * 6]  # labels that aren't -100
+    assert [loss_fn.loss_terms(b) for b in parts] == [4, 1 + 3 * 5]  # ... of them, predicted after the shift
+    assert [w for _, w in weighted_batches(parts, loss_fn)] == pytest.approx([4 / 20, 16 / 20])
+    v = direction(params, 3)
+    reference = hvp(loss_fn, params, whole, v)
+    assert rel_error(hvp(loss_fn, params, parts, v), reference) < 1e-12
+    tuples = [(b["input_ids"], b["labels"]) for b in parts]  # tuples weigh the same
+    assert rel_error(hvp(loss_fn, params, tuples, v, method="rev_rev"), reference) < 1e-12
+    # classification: one term per labelled sequence
+    model, batch, _ = problems["bert"]
+    loss_fn = make_loss_fn(model)
+    params = P.cast(dict(model.named_parameters()), torch.float64)
+    parts = [{k: t[:1] for k, t in batch.items()}, {k: t[1:] for k, t in batch.items()}]
+    assert [loss_fn.loss_terms(b) for b in parts] == [1, 2]
+    v = direction(params, 4)
+    assert rel_error(hvp(loss_fn, params, parts, v), hvp(loss_fn, params, batch, v)) < 1e-12
+
+
+def test_roles_from_structure(problems):
+    gpt2_roles = parameter_roles(problems["gpt2"][0])
+    assert gpt2_roles["transformer.wte.weight"] == gpt2_roles["lm_head.weight"] == "head"  # tied
+    assert gpt2_roles["transformer.wpe.weight"] == "embedding"
+    assert gpt2_roles["transformer.h.0.attn.c_attn.weight"] == "hidden"
+    assert gpt2_roles["transformer.h.0.attn.c_attn.bias"] == "bias"
+    assert gpt2_roles["transformer.ln_f.weight"] == gpt2_roles["transformer.h.1.ln_2.bias"] == "norm"
+
+    bert_model = problems["bert"][0]
+    roles = parameter_roles(bert_model)
+    assert roles["bert.encoder.layer.0.attention.output.dense.weight"] == "hidden"
+    assert roles["classifier.weight"] == roles["classifier.bias"] == "head"
+    assert roles["bert.embeddings.token_type_embeddings.weight"] == "embedding"
+    assert roles["bert.embeddings.LayerNorm.weight"] == "norm"
+    layer = group_parameters([n for n, _ in bert_model.named_parameters()], "layer", bert_model)
+    assert list(layer) == ["embedding", "layer0", "layer1", "pooler", "head"]
+    assert "bert.embeddings.LayerNorm.weight" in layer["embedding"]
+    kind = {n: b for b, ns in group_parameters(roles, "kind", bert_model).items() for n in ns}
+    assert kind["bert.encoder.layer.0.attention.output.dense.weight"] == "attn_o"
+    assert kind["bert.encoder.layer.0.output.dense.weight"] == "mlp_out"
+    assert kind["classifier.weight"] == "head"
+
+    llama_model = problems["llama"][0]
+    roles = parameter_roles(llama_model)
+    assert roles["lm_head.weight"] == "head" and roles["model.embed_tokens.weight"] == "embedding"
+    assert roles["model.norm.weight"] == roles["model.layers.0.input_layernorm.weight"] == "norm"
+    layer = group_parameters([n for n, _ in llama_model.named_parameters()], "layer", llama_model)
+    assert list(layer) == ["embedding", "layer0", "layer1", "final_norm", "head"]  # no block named "model"
+    assert layer["final_norm"] == ["model.norm.weight"]
+
+    score = parameter_roles(GPT2ForSequenceClassification(gpt2_config(num_labels=3)))
+    assert score["score.weight"] == "head" and score["transformer.wte.weight"] == "embedding"
+
+    lora_roles = parameter_roles(problems["lora"][0])
+    adapters = [n for n in lora_roles if "lora_" in n]
+    assert adapters and all(lora_roles[n] == "hidden" for n in adapters)
+    assert lora_roles["base_model.model.lm_head.weight"] == "head"
+
+    with pytest.raises(ValueError, match="matches no parameter"):
+        parameter_roles(bert_model, {"nothing.*": "head"})
+    assert parameter_roles(bert_model, {"bert.pooler.*": "other"})["bert.pooler.dense.weight"] == "other"
+
+
+def test_muon_takes_the_hidden_matrices_and_reads_conv1d_transposed():
+    """Muon's split by role; its shape scale by the mathematical (out, in) shape: GPT-2's c_fc stores
+    (16, 64) but maps 16 -> 64, so its 'original' scale is sqrt(64/16) = 2 (1 if read as stored);
+    c_attn maps 16 -> 48: sqrt(3); mlp.c_proj stores (64, 16), maps 64 -> 16: 1 (2 if read as stored)."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config()).eval()
+    perturb_norms(model)  # (LayerNorm biases: inputs not centred, so the gradients have full rank)
+    opt = build_optimizer("muon", model, polar="svd", lr=0.02)
+    roles = parameter_roles(model)
+    in_muon = {id(p) for g in opt.optimizers["muon"].param_groups for p in g["params"]}
+    assert {n for n, p in model.named_parameters() if id(p) in in_muon} == {
+        n for n, r in roles.items() if r == "hidden"
+    }
+    batch = causal_batch(6, rows=4, length=8, padded=())  # 28 predicted tokens: full-rank 16 x 64 gradients
+    G, Z = next_update(model, opt, make_loss_fn(model), batch, dtype=torch.float64)
+    for name, scale in (("transformer.h.0.mlp.c_fc.weight", 2.0), ("transformer.h.0.attn.c_attn.weight", 3**0.5)):
+        expected = 0.02 * scale * msign(G[name], method="svd")
+        np.testing.assert_allclose(Z[name].numpy(), expected.numpy(), rtol=1e-4, atol=1e-7)
+    # mlp.c_proj's gradient has rank 15 (the next LayerNorm centres it), so compare singular values
+    singular = torch.linalg.svdvals(Z["transformer.h.0.mlp.c_proj.weight"])
+    np.testing.assert_allclose(singular[:15].numpy(), 0.02, rtol=1e-6)
+
+
+def test_next_update_leaves_the_rng_and_handles_frozen_parameters(problems):
+    model, batch, _ = problems["lora"]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    loss_fn = make_loss_fn(model)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    _, z1 = next_update(model, opt, loss_fn, batch)  # train mode: LoRA and GPT-2 dropout are live
+    assert torch.equal(torch.get_rng_state(), state)
+    _, z2 = next_update(model, opt, loss_fn, batch)
+    assert all(torch.equal(z1[k], z2[k]) for k in z1)  # the same masks, from the same untouched state
+    model.eval()
+    _, z_eval = next_update(model, opt, loss_fn, batch)
+    model.train()
+    assert any(not torch.equal(z1[k], z_eval[k]) for k in z1)  # dropout really ran in train mode
+
+
+# --- Hugging Face Trainer checkpoints ---------------------------------------------------------------
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, rows: int, length: int, seed: int):
+        self.ids = torch.randint(1, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory):
+    """A real Trainer run: tiny GPT-2, 2 steps of 2 accumulated micro-batches, AdamW, clipping, CPU."""
+    out = tmp_path_factory.mktemp("trainer")
+    torch.manual_seed(0)
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.1, max_grad_norm=1.0, save_steps=2,
+        report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1, seed=0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=GPT2LMHeadModel(gpt2_config()), args=args, train_dataset=TokenDataset(32, 8, 0)
+    )
+    trainer.train()
+    from curvlab.data.shards import write_shard
+
+    data = out / "data"
+    rng = np.random.default_rng(0)
+    write_shard(data / "train_000000.bin", rng.integers(0, VOCAB, 4000))
+    write_shard(data / "val_000000.bin", rng.integers(0, VOCAB, 2000))
+    return trainer, out / "checkpoint-2", data
+
+
+def test_trainer_checkpoint_is_read_as_the_trainer_left_it(trainer_run):
+    from curvlab.checkpoint import read_checkpoint
+    from curvlab.hf import trainer_optimizer
+
+    trainer, path, _ = trainer_run
+    read = read_checkpoint(path)
+    assert read.format == "hf-trainer"
+    ckpt = read.payload
+    assert (ckpt.step, ckpt.accumulation_steps, ckpt.batch_size, ckpt.max_grad_norm) == (2, 2, 4, 1.0)
+    opt = trainer_optimizer(ckpt)
+    live = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # (accelerate wraps it)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    ours = dict(ckpt.model.named_parameters())
+    for p, state in live.state.items():
+        mine = opt.state[ours[names[id(p)]]]
+        assert all(torch.equal(state[k], mine[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in live.param_groups]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    # the next step from the checkpoint is the next step of the live trainer, bit for bit
+    batches = [causal_batch(s, rows=4, length=8, padded=()) for s in (8, 9)]
+    model = trainer.model.eval()
+    _, z_live = next_update(model, live, make_loss_fn(model), batches, max_grad_norm=1.0)
+    _, z_read = next_update(ckpt.model, opt, make_loss_fn(ckpt.model), batches, max_grad_norm=1.0)
+    assert z_live.keys() == z_read.keys() and all(torch.equal(z_live[k], z_read[k]) for k in z_live)
+
+
+def test_nds_command_on_a_trainer_checkpoint(trainer_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from curvlab.analysis import load_report
+    from curvlab.cli import app
+
+    runner = CliRunner()
+    _, path, data = trainer_run
+    r = runner.invoke(app, ["nds", str(path), "--data", str(data), "--out", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    report = load_report(tmp_path / "r.json")
+    assert report["optimizer"] == "adamw" and report["step"] == 2 and math.isfinite(report["nds"])
+    assert report["blocks"]["names"] == ["embedding", "layer0", "layer1", "final_norm", "head"]
+    draw = report["next_batch"]
+    assert draw["source"] == "seeded draw" and draw["seed"] == 2 and draw["micro_batches"] == 2
+    assert len(draw["rows"]) == 2 * 4
+    r = runner.invoke(app, ["nds", str(path)])
+    assert r.exit_code == 2 and "pass --data" in r.output
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in path.iterdir():
+        if f.name != "optimizer.pt":
+            (broken / f.name).write_bytes(f.read_bytes())
+    r = runner.invoke(app, ["nds", str(broken), "--data", str(data)])
+    assert r.exit_code == 2 and "no optimizer.pt" in r.output and len(r.output.strip().splitlines()) == 1
+    (broken / "optimizer.pt").write_bytes((path / "optimizer.pt").read_bytes())
+    torch.save({"args": Path("elsewhere")}, broken / "training_args.bin")  # a pickle naming a foreign class
+    r = runner.invoke(app, ["nds", str(broken), "--data", str(data)])
+    assert r.exit_code == 2 and "refusing to unpickle" in r.output
+
+
+# --- README ----------------------------------------------------------------------------------------
+
+
+def readme_examples() -> list[str]:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## curvlab on your own model", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("index", range(len(readme_examples())))
+def test_readme_examples_run(index):
+    exec(compile(readme_examples()[index], f"README example {index}", "exec"), {})
