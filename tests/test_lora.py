@@ -21,6 +21,7 @@ from tests.reference import assert_same
 from tests.test_optim import batch_for, snapshot, train_step
 
 F64 = torch.float64
+BF16_EDGE = 5 * 2**-8
 
 
 def peft_gpt(r=4, targets=("c_q", "c_v", "c_fc", "c_proj"), seed=0, dtype=torch.float32, **lora):
@@ -220,8 +221,9 @@ def test_smuon_with_newton_schulz_keeps_H_singular_vectors_and_lands_in_the_band
     dense = proj(msign(H, method=method, dtype=F64))
     assert (D - dense).norm() <= 1e-10 * dense.norm()
     assert (dense - proj(U @ torch.diag(expected) @ Vh)).norm() <= 1e-10 * dense.norm()
-    # bf16 iteration, as the optimizer runs it: D = proj_T(U diag(f) Vᵀ) up to bf16 noise, with f in the band
-    # (bf16 rounding moves each f off its float64 image, by up to 0.2 here, but not out of the band)
+    # bf16 iteration, as the optimizer runs it: D = proj_T(U diag(f) Vᵀ) up to bf16 noise, with f in the band.
+    # bf16 rounding moves each f off its float64 image (by up to 0.2) and the band's edges by about 0.01
+    # (over 20 seeds: [0.674, 1.141] and [0.858, 1.144]); BF16_EDGE allows for that, 5 bf16 ulps at 1.
     A32, B32 = nn.Parameter(A.float()), nn.Parameter(B.float())
     opt = SMuon([AdaptedLayer("l", A32, B32, s)], lr=1.0, momentum=0.0, polar=method)
     set_gradients(A32, B32, G.float(), s)
@@ -231,8 +233,8 @@ def test_smuon_with_newton_schulz_keeps_H_singular_vectors_and_lands_in_the_band
     basis = torch.stack([proj(torch.outer(U[:, i], Vh[i])).flatten() for i in range(2 * r)], dim=1)
     f = torch.linalg.lstsq(basis, D.flatten()[:, None]).solution.flatten()
     residual = (basis @ f - D.flatten()).norm() / D.norm()
-    assert residual < 0.03
-    assert band[0] <= f.min() and f.max() <= band[1]
+    assert residual < 0.05
+    assert band[0] - BF16_EDGE <= f.min() and f.max() <= band[1] + BF16_EDGE
 
 
 # --- momentum transport and split weight decay, by hand -----------------------------------------------------
@@ -296,11 +298,13 @@ def test_smuon_momentum_is_the_ema_of_gradients_projected_on_each_new_tangent_sp
 # --- LoRA-Muon and per-factor Muon against independent implementations --------------------------------------
 
 
-def test_lora_muon_is_cesista_et_al_in_their_own_convention():
+@pytest.mark.parametrize("kind", ["random", "B=0"])
+def test_lora_muon_is_cesista_et_al_in_their_own_convention(kind):
     """Their W + A_c B_cᵀ with A_c = sB, B_c = Aᵀ: ΔA_c = -(η/2) msign(g_{A_c} R_{B_c}) R_{B_c} and its twin,
-    with R = (FᵀF)^{-1/2} from scipy; peft's ΔB = ΔA_c / s and ΔA = ΔB_cᵀ."""
+    with R = (FᵀF)^{-1/2} from scipy; peft's ΔB = ΔA_c / s and ΔA = ΔB_cᵀ. From B = 0 (R_{A_c} undefined
+    there) our pseudo-inverse gives ΔB_c = 0: A stays, B takes its half of the budget."""
     m, n, r, s, lr = 10, 14, 3, 2.5, 0.03
-    A0, B0, G = make_case(m, n, r, "random", seed=2)
+    A0, B0, G = make_case(m, n, r, kind, seed=2)
     A, B = nn.Parameter(A0.clone()), nn.Parameter(B0.clone())
     opt = LoraMuon([AdaptedLayer("l", A, B, s)], lr=lr, momentum=0.0, polar="svd")
     set_gradients(A, B, G, s)
@@ -315,10 +319,14 @@ def test_lora_muon_is_cesista_et_al_in_their_own_convention():
         U, _, Vh = np.linalg.svd(X, full_matrices=False)
         return U @ Vh
 
-    RA, RB = inv_sqrt(Ac.T @ Ac), inv_sqrt(Bc.T @ Bc)
+    RB = inv_sqrt(Bc.T @ Bc)
     c = muon_scale(torch.Size([m, n]), "original")
     dAc = -(lr * c / 2) * polar(gAc @ RB) @ RB
-    dBc = -(lr * c / 2) * polar(gBc @ RA) @ RA
+    if kind == "B=0":
+        dBc = np.zeros_like(Bc)
+    else:
+        RA = inv_sqrt(Ac.T @ Ac)
+        dBc = -(lr * c / 2) * polar(gBc @ RA) @ RA
     assert np.allclose(B.detach().numpy(), B0.numpy() + dAc / s, atol=1e-12)
     assert np.allclose(A.detach().numpy(), A0.numpy() + dBc.T, atol=1e-12)
 
