@@ -190,6 +190,22 @@ def test_smuon_first_order_change_is_the_projected_polar_factor_of_H(case):
         assert torch.equal(B.detach(), B0)
 
 
+@pytest.mark.parametrize(("kappa", "bound"), [(1.0, 1e-6), (1e3, 1e-4)])
+def test_smuon_in_float32_stays_close_to_the_float64_reference(kappa, bound):
+    """float32 factors, exact polar factor: the error grows with B's condition number (measured 1.4e-7 and
+    6.7e-6; the bounds leave a factor of about 7-15 for other BLAS builds)."""
+    from curvlab.lora import smuon_direction
+
+    A, B, G = make_case(64, 96, 8, "random", seed=1)
+    U, _, Vh = torch.linalg.svd(B, full_matrices=False)
+    B = U @ torch.diag(torch.logspace(0, -math.log10(kappa), 8, dtype=F64)) @ Vh
+    proj = tangent_projection(A, B)
+    reference = proj(svd_msign(proj(G)))
+    dA, dB = smuon_direction(A.float(), B.float(), (B.T @ G).float(), (G @ A.T).float(), 1.0, polar="svd")
+    D = dB.double() @ A + B @ dA.double()
+    assert (D - reference).norm() <= bound * reference.norm()
+
+
 def _scalar_polynomial_images(S, method, eps=1e-7):
     """The singular values that 5 steps of the method make of H's singular values S (float64 scalars),
     after msign's normalization: by ||H||_F, or by 1.02 ||H||_F + eps for Polar Express."""
