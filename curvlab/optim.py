@@ -34,6 +34,7 @@ from curvlab.roles import parameter_roles, stored_transposed
 
 SCALES = ("original", "moonlight", "spectral")
 OPTIMIZERS = ("muon", "adamw", "sgd", "lion")
+LORA_OPTIMIZERS = ("smuon", "lora-muon", "per-factor-muon")  # for peft LoRA models: curvlab.lora
 
 
 def _evaluate(closure) -> Tensor | None:
@@ -289,9 +290,18 @@ def build_optimizer(
     out x (in * prod k) (see :class:`Muon`); Hugging Face ``Conv1D`` weights go in a group marked
     ``transposed``, so that Muon's shape scale reads them as (out, in).
 
+    ``"smuon"``, ``"lora-muon"`` and ``"per-factor-muon"`` train the factors of a peft LoRA model
+    (:func:`curvlab.lora.build_lora_optimizer`); ``"adamw"`` on such a model is their baseline.
+
     Raises:
         CurvlabError: an unknown name or option, or a model with no 2-D weights for Muon.
     """
+    if name in LORA_OPTIMIZERS:
+        from curvlab.lora import build_lora_optimizer  # imported here: curvlab.lora builds on this module
+
+        if muon_rule is not None:
+            raise CurvlabError(f"muon_rule applies to muon only, not to {name}")
+        return build_lora_optimizer(name, model, **hyperparameters)
     named = _named_trainable(model)
     if not named:
         raise CurvlabError("the model has no trainable parameters")
@@ -344,7 +354,7 @@ def build_optimizer(
         opt = take({"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0})
         _reject_unknown(name, hp)
         return Lion(params, **{**opt, "betas": tuple(opt["betas"])})
-    raise CurvlabError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    raise CurvlabError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS + LORA_OPTIMIZERS)}")
 
 
 def _reject_unknown(name: str, leftover: dict[str, Any]) -> None:
