@@ -23,11 +23,11 @@ def dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str] | 
 
     ``keys`` restricts the sum to a subset of the parameter names.
     """
-    keys = a.keys() if keys is None else keys
-    total = torch.zeros((), dtype=torch.float64)
-    for k in keys:
-        total = total + torch.sum(a[k].double() * b[k].double()).cpu()
-    return float(total)
+    keys = list(a.keys() if keys is None else keys)
+    if not keys:
+        return 0.0
+    # on the tensors' own device, one float64 sum per tensor, and a single transfer at the end
+    return float(torch.stack([torch.sum(a[k].double() * b[k].double()) for k in keys]).sum())
 
 
 def stacked_dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str]) -> Tensor:

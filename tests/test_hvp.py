@@ -1,11 +1,16 @@
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from scipy.sparse.linalg import eigsh
 from torch.func import hessian
 
+import curvlab
 from curvlab import (
     Batches,
+    CurvaturePoint,
     exact_second_order,
     gradient_and_hvps,
     hessian_operator,
@@ -201,3 +206,82 @@ def test_bad_input_is_named(mlp_problem):
         hvp(lambda p, b: loss_fn(p, b) / 0.0, params, batch, v)
     with pytest.raises(ValueError, match="no batches"):
         hvp(loss_fn, params, [], v)
+
+
+@pytest.mark.parametrize("method", ["rev_rev", "fwd_rev"])
+def test_a_point_answers_many_hvps_exactly_and_directions_may_touch_few_parameters(transformer_problem, method):
+    """One CurvaturePoint (forward and first backward once) gives every HVP asked of it; a direction
+    naming only some parameters is zero elsewhere; loss and gradient equal the dense references."""
+    loss_fn, params, batch = transformer_problem
+    H = dense_hessian(loss_fn, params, batch)
+    with CurvaturePoint(loss_fn, params, batch, method=method) as point:
+        for seed in (1, 2, 3):
+            v = random_direction(params, seed)
+            assert rel_err(P.flatten(point.hvp(v)), H @ P.flatten(v)) <= 1e-10
+        top = {n: t for n, t in random_direction(params, 4).items() if n.startswith(("h.1.", "lm_head"))}
+        padded = P.flatten({n: top.get(n, torch.zeros_like(t)) for n, t in params.items()})
+        assert rel_err(P.flatten(point.hvp(top)), H @ padded) <= 1e-10
+        pieces = point.hvp_each([top, random_direction(params, 5)])
+        assert rel_err(P.flatten(pieces[0]), H @ padded) <= 1e-10
+        z = random_direction(params, 6)
+        gz, zhz = point.quadratic_forms({n: t.unsqueeze(0) for n, t in z.items()})
+        assert float(zhz[0]) == pytest.approx(float(P.flatten(z) @ H @ P.flatten(z)), rel=1e-10)
+        assert rel_err(P.flatten(point.gradient), dense_gradient(loss_fn, params, batch)) <= 1e-12
+        assert float(gz[0]) == pytest.approx(float(dense_gradient(loss_fn, params, batch) @ P.flatten(z)), rel=1e-10)
+    if method == "rev_rev":
+        with pytest.raises(ValueError, match="closed"):
+            point.hvp(z)
+
+
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad=True")  # the mistake under test
+@pytest.mark.parametrize("method", ["rev_rev", "fwd_rev"])
+def test_a_loss_detached_from_the_parameters_is_refused(mlp_problem, method):
+    loss_fn, params, batch = mlp_problem
+    v = random_direction(params)
+    with pytest.raises(ValueError, match="does not depend on the parameters"):
+        hvp(lambda p, b: torch.tensor(float(loss_fn(p, b)), dtype=torch.float64), params, batch, v, method=method)
+    detached = {k: t.detach().clone() for k, t in params.items()}
+    with pytest.raises(ValueError, match="does not depend on the parameters"):
+        hvp(lambda p, b: loss_fn(detached, b), params, batch, v, method=method)
+
+
+def test_a_non_finite_hessian_vector_product_is_refused(mlp_problem):
+    loss_fn, params, batch = mlp_problem
+    v = random_direction(params)
+
+    def kinked(p, b):  # finite loss and gradient, infinite second derivative at 0
+        return loss_fn(p, b) + (p["fc2.bias"] - p["fc2.bias"].detach()).abs().pow(1.5).sum()
+
+    with pytest.raises(ValueError, match=r"Hessian-vector product is not finite .* 'fc2\.bias'"):
+        hvp(kinked, params, batch, v)
+
+
+FACTORIES = frozenset({torch.zeros, torch.ones, torch.empty, torch.full, torch.randn, torch.rand, torch.eye})
+
+
+class DeviceCheck(torch.overrides.TorchFunctionMode):
+    """Fails when curvlab's own code calls a tensor factory without an explicit device (the tensor would
+    land on the default device, not necessarily the parameters'). The model's code is not checked."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and "device" not in kwargs:
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(str(Path(curvlab.__file__).parent)):
+                raise AssertionError(f"{func.__name__} without a device in {caller}")
+        return func(*args, **kwargs)
+
+
+def test_the_engine_keeps_the_parameters_dtype_and_never_creates_tensors_without_a_device(transformer_problem):
+    from curvlab import block_matrix, taylor_split
+
+    loss_fn, params, batch = transformer_problem
+    z = random_direction(params, 8)
+    with DeviceCheck():
+        for method in ("rev_rev", "fwd_rev"):
+            with CurvaturePoint(loss_fn, params, batch, method=method) as point:
+                hv = point.hvp(z)
+            assert all(t.dtype == torch.float64 for t in hv.values())
+            taylor_split(loss_fn, params, batch, z, method=method)
+            block_matrix(loss_fn, params, batch, z, method=method)
+            block_matrix(loss_fn, params, batch, z, via="alpha", method=method)
