@@ -1,21 +1,34 @@
-"""Shared timing helper for the ratio benchmarks (run by hand, never in tests)."""
+"""Shared timing helpers for the ratio benchmarks (run by hand, never in tests).
+
+Timings on a shared machine stretch with load, so methods are *interleaved*: every round runs each
+method once, in turn, and each method's median over the rounds is reported. Ratios between methods
+measured this way in one run are what the README quotes.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 
 def median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
+    return interleaved_medians({"fn": fn}, repeats, warmup)["fn"]
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1) -> dict[str, float]:
+    """Median wall time of each function, over ``repeats`` rounds that run every function once in turn."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def print_table(title: str, rows: list[tuple[str, float, str]]) -> None:

@@ -98,6 +98,8 @@ def _detached_error() -> CurvlabError:
 
 
 def _check_finite_hvp(hv: Mapping[str, Tensor]) -> None:
+    if bool(torch.stack([torch.isfinite(t).all() for t in hv.values()]).all()):
+        return  # (one synchronization in the common case)
     bad = [n for n, t in hv.items() if not torch.isfinite(t).all()]
     if bad:
         raise CurvlabError(f"the Hessian-vector product is not finite (NaN or inf) in {P.names_text(bad)}")
@@ -175,7 +177,7 @@ class CurvaturePoint:
     def _first_order(self, create_graph: bool) -> list[_Graph]:
         """Forward and backward for every batch of this process; loss and gradient accumulated."""
         names = list(self.params)
-        graphs, loss_total, g_total = [], 0.0, P.zeros_like(self.params)
+        graphs, loss_total, g_total = [], 0.0, None
         with torch.enable_grad():
             for f, w in self._each_batch(self.method):
                 leaves = [self.params[n].detach().requires_grad_() for n in names]
@@ -187,10 +189,10 @@ class CurvaturePoint:
                     loss, leaves, create_graph=create_graph, allow_unused=True, materialize_grads=True
                 )
                 loss_total += w * float(loss.detach())
-                g_total = P.add(g_total, {n: t.detach() for n, t in zip(names, grads)}, w)
+                g_total = _accumulate(g_total, [t.detach() for t in grads], w)
                 if create_graph:
                     graphs.append(_Graph(w, leaves, list(grads)))
-        self._loss, self._gradient = self._sum(loss_total), self._sum(g_total)
+        self._loss, self._gradient = self._sum(loss_total), self._sum(dict(zip(names, g_total)))
         return graphs
 
     @property
@@ -233,7 +235,8 @@ class CurvaturePoint:
         step = k if self.chunk_size is None else max(1, self.chunk_size)
         chunk = self._hvps_rev_rev if self.method == "rev_rev" else self._hvps_fwd_rev
         pieces = [chunk({n: t[i : i + step] for n, t in vs.items()}) for i in range(0, k, step)]
-        hv = self._sum({n: torch.cat([p[n] for p in pieces]) for n in self.params})
+        hv = pieces[0] if len(pieces) == 1 else {n: torch.cat([p[n] for p in pieces]) for n in self.params}
+        hv = self._sum(hv)
         _check_finite_hvp(hv)
         return hv
 
@@ -269,15 +272,15 @@ class CurvaturePoint:
         if self._graphs is None:
             raise CurvlabError("this curvature point was closed: its graphs are freed")
         index = {n: i for i, n in enumerate(self.params)}
-        total = self._zeros(next(iter(vs.values())).shape[0])
+        total = None
         for graph in self._graphs:
             outputs = [(graph.grads[index[n]], v) for n, v in vs.items() if graph.grads[index[n]].requires_grad]
-            if not outputs:
-                continue  # the gradient on the support doesn't depend on W: H[v] = 0 on this batch
-            rows = _double_backward([o for o, _ in outputs], graph.leaves, [v for _, v in outputs])
-            for t, r in zip(total.values(), rows):
-                t.add_(r, alpha=graph.weight)
-        return total
+            if outputs:  # (else the gradient on the support doesn't depend on W: H[v] = 0 on this batch)
+                rows = _double_backward([o for o, _ in outputs], graph.leaves, [v for _, v in outputs])
+                total = _accumulate(total, rows, graph.weight)
+        if total is None:
+            return self._zeros(next(iter(vs.values())).shape[0])
+        return dict(zip(self.params, total))
 
     def _hvps_fwd_rev(self, vs: Mapping[str, Tensor]) -> P.Params:
         """jvp of the full gradient with tangents only on the support S (the rest closed over, so no
@@ -346,21 +349,26 @@ def _bound(loss_fn: LossFn, batch: Any):
     return lambda p: _scalar(loss_fn(p, batch))
 
 
-def _double_backward(outputs: list[Tensor], leaves: list[Tensor], vs: list[Tensor]) -> tuple[Tensor, ...]:
+def _double_backward(outputs: list[Tensor], leaves: list[Tensor], vs: list[Tensor]) -> list[Tensor]:
     r"""Rows :math:`\nabla_W \langle \text{outputs}, v_k\rangle` stacked over the K directions in ``vs``.
 
-    One direction is one plain backward; several are one ``is_grads_batched`` backward (vmapped). An op
-    whose double backward has no batching rule falls back to one backward per direction.
+    One plain backward per direction: on the kept graph that costs about two gradients, where one
+    vmapped ``is_grads_batched`` backward over the K directions measured 1.7x slower per direction
+    (``benchmarks/hvp.py``), and has no batching rule for some ops (``group_norm``).
     """
-    k = vs[0].shape[0]
     kw = {"retain_graph": True, "allow_unused": True, "materialize_grads": True}
-    if k == 1:
-        return tuple(r.unsqueeze(0) for r in torch.autograd.grad(outputs, leaves, [v[0] for v in vs], **kw))
-    try:
-        return torch.autograd.grad(outputs, leaves, vs, is_grads_batched=True, **kw)
-    except RuntimeError:  # no batching rule for some op's double backward (e.g. group_norm's)
-        rows = [torch.autograd.grad(outputs, leaves, [v[i] for v in vs], **kw) for i in range(k)]
-        return tuple(torch.stack(r) for r in zip(*rows))
+    rows = [torch.autograd.grad(outputs, leaves, [v[i] for v in vs], **kw) for i in range(vs[0].shape[0])]
+    return [r[0].unsqueeze(0) for r in zip(*rows)] if len(rows) == 1 else [torch.stack(r) for r in zip(*rows)]
+
+
+def _accumulate(total: list[Tensor] | None, terms: Sequence[Tensor], weight: float) -> list[Tensor]:
+    """``total + weight * terms``, tensor by tensor, into fresh tensors (``total`` ``None``: the first
+    batch's; the terms may be views of a kept graph's tensors, which must not change)."""
+    if total is None:
+        return [t * weight for t in terms]
+    for acc, t in zip(total, terms):
+        acc.add_(t, alpha=weight)
+    return total
 
 
 def evaluate_loss(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Any, dtype: torch.dtype | None = None) -> float:
