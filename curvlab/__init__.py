@@ -14,6 +14,7 @@ from curvlab.hvp import (
     quadratic_forms,
 )
 from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
+from curvlab.monitor import CurvatureMonitor, MonitorRow, curvature_callback
 from curvlab.optim import build_optimizer, next_update
 from curvlab.polar import msign
 from curvlab.spectral import Operator, hessian_operator_flat, hutch_plus_plus, hutchinson, lanczos, spectral_density
@@ -23,12 +24,15 @@ __version__ = "0.1.0"
 __all__ = [
     "Batches",
     "BlockMatrix",
+    "CurvatureMonitor",
     "HessianOperator",
+    "MonitorRow",
     "Operator",
     "TaylorScope",
     "TaylorSplit",
     "block_matrix",
     "build_optimizer",
+    "curvature_callback",
     "evaluate_loss",
     "exact_second_order",
     "gradient_and_hvps",

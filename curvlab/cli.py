@@ -155,8 +155,12 @@ def train(
         0, help="Every K steps, the NDS and Taylor split of the step taken, on held-out windows, into metrics.jsonl."
     ),
     curvature_batches: int = typer.Option(1, help="Held-out batches of --curvature-windows validation windows."),
-    curvature_windows: int = typer.Option(None, help="Windows per held-out batch. [default: --batch-size]"),
-    blocks: str = typer.Option(None, help="Also the within/cross split of this grouping: layer, tensor or kind."),
+    curvature_windows: int = typer.Option(
+        8, help="Windows per held-out batch. The defaults cost under 10% of training time at K = 50 on tiny."
+    ),
+    blocks: str = typer.Option(
+        None, help="Also the within/cross split of this grouping: layer, tensor or kind (about 3x a row's cost)."
+    ),
     curvature_stop: bool = typer.Option(False, help="Stop at a non-finite curvature row (else record it, go on)."),
 ) -> None:
     """Train a GPT with one optimizer, keeping checkpoints ready for curvature analysis.
@@ -312,7 +316,7 @@ def compare(
 @one_line_errors
 def track(
     run: Path = typer.Argument(..., help="A run directory."),
-    every: int = typer.Option(1, help="Analyse every N-th checkpoint."),
+    every: int = typer.Option(1, help="Analyse every N-th checkpoint (or draw every N-th monitor row)."),
     out: Path = typer.Option(None, help="Output directory (default: RUN/track)."),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
@@ -333,7 +337,7 @@ def track(
 
     out = out or run / "track"
     if track_source(run, source) == "monitor":
-        _track_monitor(run, out)
+        _track_monitor(run, out, every)
         return
     settings = AnalysisSettings(blocks, batch, batches, dtype, "hvp", spectrum_top=spectrum)
     with distributed_context() as (rank, _):
@@ -351,11 +355,11 @@ def track(
     typer.echo("wrote " + ", ".join(map(str, written)))
 
 
-def _track_monitor(run: Path, out: Path) -> None:
+def _track_monitor(run: Path, out: Path, every: int) -> None:
     from curvlab.plots import curvature_during_training
     from curvlab.studies import track_monitor
 
-    rows = track_monitor(run, out)
+    rows = track_monitor(run, out, every)
     keys = ("step", "val_loss", "status", "nds", "hidden_nds", "predicted", "realized", "within", "cross", "rho_within")
     print_table([tuple("-" if r[k] is None else r[k] for k in keys) for r in rows], keys)
     for r in rows:

@@ -221,13 +221,15 @@ def _validation_losses(run: Path) -> dict[int, float]:
     return losses
 
 
-def track_monitor(run: str | Path, out: str | Path) -> list[dict[str, Any]]:
-    """:func:`track_run` without checkpoints: the curvature rows a monitored run recorded while it
-    trained (nothing is recomputed), each with the validation loss of its step where one was
-    evaluated (else NaN); write ``track.json`` and ``track.csv`` to ``out``. Rows whose status is not
-    ``ok`` stay, with their message, and count as Taylor failures."""
+def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[dict[str, Any]]:
+    """:func:`track_run` without checkpoints: every ``every``-th curvature row a monitored run
+    recorded while it trained (nothing is recomputed), each with the validation loss of its step
+    where one was evaluated (else NaN); write ``track.json`` and ``track.csv`` to ``out``. Rows whose
+    status is not ``ok`` stay, with their message, and count as Taylor failures."""
+    if every < 1:
+        raise CurvlabError(f"--every must be >= 1, got {every}")
     run, out = Path(run), Path(out)
-    rows = monitor_rows(run)
+    rows = monitor_rows(run)[::every]
     if not rows:
         raise CurvlabError(f"{run}: metrics.jsonl holds no curvature rows (train with --curvature-every K)")
     config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}

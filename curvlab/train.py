@@ -291,7 +291,9 @@ def train(
         _save(run, out, val_loss, float("nan"), is_main)
     forward = DistributedDataParallel(run.model) if world > 1 else run.model  # averages the gradients
     forward = torch.compile(forward) if cfg.compile else forward
-    curvature = None if monitor is None else training_monitor(run.model, run.optimizer, run.val_batches, monitor, cfg)
+    curvature = None
+    if monitor is not None:
+        curvature = training_monitor(run.model, run.optimizer, run.val_batches, monitor, cfg.grad_clip)
     run.model.train()
     tokens_per_step = cfg.batch_size * run.loader.seq_len
     val_loss, elapsed, steps_done = float("nan"), 0.0, 0

@@ -350,7 +350,8 @@ def test_train_command_records_curvature(pcfg_data, tmp_path):
     args = ["train", "--data", str(pcfg_data), "--out", str(out), "--steps", "4", "--batch-size", "4", "--quiet"]
     args += ["--warmup-steps", "1"]
     args += [f"--model-opt={k}={v}" for k, v in SMALL_MODEL.items()]
-    args += ["--val-windows", "8", "--curvature-every", "3", "--curvature-batches", "2", "--blocks", "kind"]
+    args += ["--val-windows", "8", "--curvature-every", "3", "--curvature-batches", "2", "--curvature-windows", "4"]
+    args += ["--blocks", "kind"]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     rows = curvature_rows(out)
