@@ -24,6 +24,7 @@ from curvlab.hvp import (
     quadratic_forms,
 )
 from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
+from curvlab.monitor import CurvatureMonitor, MonitorRow, curvature_callback
 from curvlab.optim import build_optimizer, next_update, trainable_parameters
 from curvlab.polar import msign
 from curvlab.roles import parameter_roles
@@ -34,14 +35,17 @@ __version__ = "0.1.0"
 __all__ = [
     "Batches",
     "BlockMatrix",
+    "CurvatureMonitor",
     "CurvaturePoint",
     "HessianOperator",
+    "MonitorRow",
     "Operator",
     "TaylorScope",
     "TaylorSplit",
     "block_matrix",
     "block_matrix_at",
     "build_optimizer",
+    "curvature_callback",
     "evaluate_loss",
     "exact_second_order",
     "gradient_and_hvps",

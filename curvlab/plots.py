@@ -202,3 +202,44 @@ def lambda_max_along_run(tracks: dict[str, list[dict[str, Any]]], stem: str | Pa
     ax.set(xlabel="step", title="sharpest direction vs the update's direction")
     ax.legend(fontsize=8)
     return save_figure(fig, stem)
+
+
+def curvature_during_training(tracks: dict[str, list[dict[str, Any]]], stem: str | Path) -> list[Path]:
+    """The monitor's rows along each run (``curvlab train --curvature-every K``): NDS over all
+    parameters and the hidden matrices; the Taylor split (I1, I2, predicted and realized decrease);
+    the within- and cross-layer NDS when the rows have them. Steps whose row is not ``ok`` are marked
+    with a grey line and left as gaps."""
+    with_blocks = any(r.get("within") is not None for rows in tracks.values() for r in rows)
+    fig, axes = plt.subplots(1, 3 if with_blocks else 2, figsize=(13 if with_blocks else 9, 3.6))
+    for name, rows in tracks.items():
+        color = COLORS.get(name)
+        step = np.array([r["step"] for r in rows])
+
+        def values(key, rows=rows):
+            return np.array([np.nan if r.get(key) is None else r[key] for r in rows], dtype=float)
+
+        axes[0].plot(step, values("nds"), "o-", color=color, label=f"{name} all")
+        axes[0].plot(step, values("hidden_nds"), "x--", color=color, label=f"{name} hidden")
+        for key, style in (
+            ("first_order", "o-"),
+            ("curvature_penalty", "s-"),
+            ("predicted", "x--"),
+            ("realized", "^:"),
+        ):
+            axes[1].plot(step, values(key), style, color=color, label=f"{name} {key}", ms=4)
+        if with_blocks:
+            axes[2].plot(step, values("within"), "o-", color=color, label=f"{name} within")
+            axes[2].plot(step, values("cross"), "x--", color=color, label=f"{name} cross")
+        for r in rows:
+            if r["status"] != "ok":
+                for ax in axes:
+                    ax.axvline(r["step"], color="grey", lw=0.8, alpha=0.6)
+    titles = [
+        "NDS <Z,HZ>/||Z||² (held-out)",
+        "one-step decrease: I1, I2, predicted, realized",
+        "within / cross-layer NDS",
+    ]
+    for ax, title in zip(axes, titles):
+        ax.set(xlabel="step", title=title)
+        ax.legend(fontsize=7)
+    return save_figure(fig, stem)

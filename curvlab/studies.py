@@ -22,6 +22,7 @@ from curvlab.checkpoint import read_index
 from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
 from curvlab.match import match_runs
+from curvlab.monitor import ROW_KIND, MonitorRow
 
 RATIO_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm")
 TAYLOR_TOLERANCE = 0.5
@@ -188,3 +189,72 @@ def within_layer_gap(compare: dict[str, Any]) -> tuple[list[str], list[float]]:
         names = reports["muon"]["blocks"]["names"]
         gaps.append(np.diag(reports["adamw"]["blocks"]["matrix"]) - np.diag(reports["muon"]["blocks"]["matrix"]))
     return names, np.mean(gaps, axis=0).tolist()
+
+
+def monitor_rows(run: str | Path) -> list[MonitorRow]:
+    """The curvature rows that ``curvlab train --curvature-every K`` wrote to ``RUN/metrics.jsonl``,
+    by step (a line cut by a crash ends the file, as on resume)."""
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise CurvlabError(f"{run}: no metrics.jsonl")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if record.get("kind") == ROW_KIND:
+            rows.append(MonitorRow.from_dict(record))
+    return sorted(rows, key=lambda r: r.step)
+
+
+def _validation_losses(run: Path) -> dict[int, float]:
+    """Step -> validation loss, from the checkpoint index and the training rows of metrics.jsonl."""
+    losses = {e["step"]: e["val_loss"] for e in read_index(run) if e.get("val_loss") is not None}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if record.get("kind") is None and "val_loss" in record:
+            losses[record["step"]] = record["val_loss"]
+    return losses
+
+
+def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[dict[str, Any]]:
+    """:func:`track_run` without checkpoints: every ``every``-th curvature row a monitored run
+    recorded while it trained (nothing is recomputed), each with the validation loss of its step
+    where one was evaluated (else NaN); write ``track.json`` and ``track.csv`` to ``out``. Rows whose
+    status is not ``ok`` stay, with their message, and count as Taylor failures."""
+    if every < 1:
+        raise CurvlabError(f"--every must be >= 1, got {every}")
+    run, out = Path(run), Path(out)
+    rows = monitor_rows(run)[::every]
+    if not rows:
+        raise CurvlabError(f"{run}: metrics.jsonl holds no curvature rows (train with --curvature-every K)")
+    config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
+    val = _validation_losses(run)
+    summaries = []
+    for r in rows:
+        row = {**r.summary(), "val_loss": val.get(r.step, float("nan")), "optimizer": config.get("optimizer", "")}
+        row["taylor_ok"] = r.ok and taylor_holds(row)
+        row["message"] = r.message
+        summaries.append(row)
+    if is_main():
+        track = {"run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens, "rows": summaries}
+        atomic_write_text(out / "track.json", json.dumps(track, indent=1))
+        _write_csv(out / "track.csv", summaries)
+    return summaries
+
+
+TRACK_SOURCES = ("auto", "monitor", "checkpoints")
+
+
+def track_source(run: str | Path, source: str = "auto") -> str:
+    """``"monitor"`` or ``"checkpoints"``: what ``curvlab track`` draws for ``source``; ``"auto"``
+    takes the monitor's rows when the run's metrics.jsonl holds any, else analyses the checkpoints."""
+    if source not in TRACK_SOURCES:
+        raise CurvlabError(f"unknown track source {source!r}; choose one of {', '.join(TRACK_SOURCES)}")
+    if source != "auto":
+        return source
+    return "monitor" if (Path(run) / "metrics.jsonl").is_file() and monitor_rows(run) else "checkpoints"

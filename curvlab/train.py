@@ -27,6 +27,7 @@ from curvlab.distributed import all_reduce_sum, barrier, device_for_rank, my_sha
 from curvlab.errors import CurvlabError
 from curvlab.loss import count_loss_terms, token_cross_entropy
 from curvlab.models.gpt import GPT, get_config
+from curvlab.monitor import MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
 from curvlab.optim import build_optimizer
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -217,21 +218,41 @@ def _save(run: Run, out: Path, val_loss: float, train_loss: float, is_main: bool
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep the metric lines of steps <= last_step (a resumed run rewrites the rest)."""
+    """Keep the metric lines of steps <= last_step, and the curvature rows of steps < last_step (the
+    row of step k is written after step k + 1): a resumed run rewrites the rest."""
     if not path.is_file():
         return
     kept = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line)["step"] <= last_step:
+            row = json.loads(line)
+            if row["step"] < last_step or (row["step"] == last_step and row.get("kind") != "curvature"):
                 kept.append(line)
         except (json.JSONDecodeError, KeyError):
             break  # a line cut by a crash: nothing after it is trusted
     atomic_write_text(path, "".join(k + "\n" for k in kept))
 
 
-def train(cfg: TrainConfig, progress: bool = True, rank: int | None = None, world: int | None = None) -> TrainResult:
+def _record_curvature(row: MonitorRow, log, stop: bool) -> None:
+    if log is not None:
+        log.write(json.dumps(row.to_dict()) + "\n")
+        log.flush()
+    if stop and row.status == "non-finite":
+        raise NonFiniteCurvature(f"non-finite curvature at step {row.step} ({row.message}); stopped as asked")
+
+
+def train(
+    cfg: TrainConfig,
+    progress: bool = True,
+    rank: int | None = None,
+    world: int | None = None,
+    monitor: MonitorSettings | None = None,
+) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; see the module docstring.
+
+    With ``monitor``, every ``monitor.every`` steps the curvature of the step taken (NDS, Taylor split,
+    within/cross split; :mod:`curvlab.monitor`) goes into ``metrics.jsonl`` as a row of kind
+    ``"curvature"``. The run itself is the same, bit for bit, with or without it.
 
     Under torch.distributed (``torchrun``), the model is wrapped in DistributedDataParallel, each rank
     trains on rows ``rank::world`` of the same global batch (so results don't depend on the number of
@@ -240,6 +261,7 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int | None = None, worl
     Raises:
         CurvlabError: bad data or config, a resume with a different config, a corrupt checkpoint.
         TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
+        NonFiniteCurvature: a non-finite curvature row, with ``monitor.stop_on_nonfinite``.
     """
     if rank is None or world is None:
         rank, world = rank_and_world()
@@ -269,6 +291,9 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int | None = None, worl
         _save(run, out, val_loss, float("nan"), is_main)
     forward = DistributedDataParallel(run.model) if world > 1 else run.model  # averages the gradients
     forward = torch.compile(forward) if cfg.compile else forward
+    curvature = None
+    if monitor is not None:
+        curvature = training_monitor(run.model, run.optimizer, run.val_batches, monitor, cfg.grad_clip)
     run.model.train()
     tokens_per_step = cfg.batch_size * run.loader.seq_len
     val_loss, elapsed, steps_done = float("nan"), 0.0, 0
@@ -289,6 +314,7 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int | None = None, worl
             if cfg.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
             lr = run.optimizer.param_groups[0]["lr"]
+            before = curvature.snapshot() if curvature is not None and curvature.due(run.step) else None
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
@@ -305,6 +331,8 @@ def train(cfg: TrainConfig, progress: bool = True, rank: int | None = None, worl
             if log is not None:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
+            if before is not None:  # every rank measures (the held-out batches are shared out); rank 0 writes
+                _record_curvature(curvature.measure_taken(run.step - 1, before), log, monitor.stop_on_nonfinite)
             if checkpoint_now:
                 _save(run, out, val_loss, train_loss, is_main)
             tps = tokens_per_step * steps_done / max(elapsed, 1e-9)

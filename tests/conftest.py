@@ -45,3 +45,21 @@ def pcfg_data(tmp_path_factory):
 
 
 SMALL_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
+
+
+def crash_training_after(monkeypatch, steps: int):
+    """Make the training loader raise KeyboardInterrupt when asked for batch ``steps + 1``; returns a
+    function that puts the real loader back."""
+    from curvlab.data.shards import TrainBatches
+
+    original_next = TrainBatches.next
+    calls = {"n": 0}
+
+    def crashing_next(self):
+        calls["n"] += 1
+        if calls["n"] > steps:
+            raise KeyboardInterrupt
+        return original_next(self)
+
+    monkeypatch.setattr(TrainBatches, "next", crashing_next)
+    return lambda: monkeypatch.setattr(TrainBatches, "next", original_next)

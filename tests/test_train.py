@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from curvlab.checkpoint import load_checkpoint, read_index
-from curvlab.data.shards import TrainBatches
 from curvlab.loss import make_loss_fn
 from curvlab.models.gpt import CONFIGS, GPT
 from curvlab.optim import next_update
 from curvlab.train import TrainConfig, TrainingDiverged, build_run, restore, train
-from tests.conftest import SMALL_MODEL
+from tests.conftest import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same
 
 
@@ -53,19 +52,10 @@ def test_resume_equals_uninterrupted_run(pcfg_data, tmp_path, monkeypatch):
     cfg = config(pcfg_data, tmp_path / "whole")
     train(cfg, progress=False)
     interrupted = replace(cfg, out=str(tmp_path / "cut"))
-    original_next = TrainBatches.next
-    calls = {"n": 0}
-
-    def crash_after_six(self):
-        calls["n"] += 1
-        if calls["n"] > 6:
-            raise KeyboardInterrupt
-        return original_next(self)
-
-    monkeypatch.setattr(TrainBatches, "next", crash_after_six)
+    restore_loader = crash_training_after(monkeypatch, 6)
     with pytest.raises(KeyboardInterrupt):
         train(interrupted, progress=False)
-    monkeypatch.setattr(TrainBatches, "next", original_next)
+    restore_loader()
     assert [e["step"] for e in read_index(tmp_path / "cut")] == [0, 4]
     result = train(interrupted, progress=False)
     assert result.resumed_from == 4 and result.step == 12
