@@ -4,26 +4,24 @@ from curvlab.blocks import group_parameters, hidden_matrices
 from curvlab.curvature import BlockMatrix, TaylorScope, TaylorSplit, block_matrix, taylor_split
 from curvlab.exact_ops import exact_second_order
 from curvlab.hvp import (
-    HessianOperator,
     evaluate_loss,
     gradient_and_hvps,
-    hessian_operator,
     hvp,
     hvps,
     quadratic_form,
     quadratic_forms,
 )
 from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
+from curvlab.operator import Operator, hessian_operator, preconditioned_operator
 from curvlab.optim import build_optimizer, next_update
 from curvlab.polar import msign
-from curvlab.spectral import Operator, hessian_operator_flat, hutch_plus_plus, hutchinson, lanczos, spectral_density
+from curvlab.spectral import hutch_plus_plus, hutchinson, lanczos, spectral_density
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Batches",
     "BlockMatrix",
-    "HessianOperator",
     "Operator",
     "TaylorScope",
     "TaylorSplit",
@@ -34,7 +32,6 @@ __all__ = [
     "gradient_and_hvps",
     "group_parameters",
     "hessian_operator",
-    "hessian_operator_flat",
     "hidden_matrices",
     "hutch_plus_plus",
     "hutchinson",
@@ -44,6 +41,7 @@ __all__ = [
     "make_loss_fn",
     "msign",
     "next_update",
+    "preconditioned_operator",
     "quadratic_form",
     "quadratic_forms",
     "spectral_density",
