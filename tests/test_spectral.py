@@ -79,7 +79,7 @@ def test_hessian_eigenvalues_match_dense_float64_through_layernorm(transformer_p
     assert top.num_matvecs + bottom.num_matvecs == op.num_matvecs  # each result counts its own HVPs
 
 
-def test_lanczos_under_a_memory_budget_converges_to_the_same_eigenpairs():
+def test_lanczos_under_a_memory_budget_converges_to_the_same_eigenpairs(monkeypatch):
     lam = np.concatenate([[50.0, 20.0, 10.0, 9.5], np.linspace(-1, 1, 300), [-7.0, -30.0]])
     A, _ = random_symmetric(len(lam), spectrum=lam)
     free = lanczos(Operator.from_matrix(A), k=4, max_iter=300, tol=1e-10)
@@ -98,6 +98,11 @@ def test_lanczos_under_a_memory_budget_converges_to_the_same_eigenpairs():
     smallest = lanczos(Operator.from_matrix(A), k=2, which="smallest", max_iter=300, tol=1e-10, memory=5 * vb)
     assert smallest.converged
     np.testing.assert_allclose(smallest.eigenvalues, [-30, -7], rtol=1e-9)
+    # as a large model stores it: one vector per block, and restarts that rotate the basis in slabs
+    monkeypatch.setattr("curvlab.spectral._Basis.CHUNK", 50)
+    slabs = lanczos(Operator.from_matrix(A), k=2, which="smallest", max_iter=300, tol=1e-10, memory=5 * vb)
+    np.testing.assert_allclose(slabs.eigenvalues, smallest.eigenvalues, rtol=1e-13)
+    assert slabs.num_matvecs == smallest.num_matvecs and slabs.restarts == smallest.restarts > 0
     with pytest.raises(
         ValueError, match=r"memory budget of 3200 bytes holds 1 Lanczos vectors.*k = 4 needs at least 6"
     ):
