@@ -180,6 +180,11 @@ def _check_which(which: str) -> None:
         raise CurvlabError(f"which must be 'largest' or 'smallest', got {which!r}")
 
 
+def _check_memory(memory: float) -> None:
+    if not memory > 0:
+        raise CurvlabError(f"the memory budget must be a positive number of bytes, got {memory}")
+
+
 def basis_capacity(op: Operator, memory: int | None, k: int, limit: int) -> int:
     """How many Lanczos vectors fit in ``memory`` bytes (at most ``limit``); ``None`` means ``limit``.
 
@@ -188,6 +193,7 @@ def basis_capacity(op: Operator, memory: int | None, k: int, limit: int) -> int:
     """
     if memory is None:
         return limit
+    _check_memory(memory)
     m = int(memory) // vector_bytes(op)
     need = min(k + 2, op.dim)
     if m < need:
@@ -458,6 +464,8 @@ def spectral_density(
     g = _generator(op, seed)
     starts = _gaussian(op, vectors, g)
     per_run = steps * vector_bytes(op)
+    if memory is not None:
+        _check_memory(memory)
     together = vectors if memory is None else min(vectors, int(memory) // per_run)
     keep_basis = together >= 1
     together = together if keep_basis else vectors

@@ -107,6 +107,8 @@ def test_lanczos_under_a_memory_budget_converges_to_the_same_eigenpairs(monkeypa
         ValueError, match=r"memory budget of 3200 bytes holds 1 Lanczos vectors.*k = 4 needs at least 6"
     ):
         lanczos(Operator.from_matrix(A), k=4, memory=3200)
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        spectral_density(Operator.from_matrix(A), memory=-1)
 
 
 def test_lanczos_finds_a_repeated_eigenvalue_after_its_krylov_space_closes():
