@@ -1,17 +1,21 @@
 """λ_max to relative error < 1e-3 on the `tiny` GPT: HVPs, seconds and peak memory of curvlab's
-Lanczos, scipy's eigsh on curvlab's operator, and PyHessian's power iteration (run by hand).
+Lanczos, scipy's eigsh on curvlab's operator, and PyHessian's power iteration (run by hand); then
+Lanczos under memory budgets against the unbounded one (HVPs, seconds, and the time outside HVPs).
 
     pip install pyhessian   # a benchmark-only dependency
-    python benchmarks/spectral.py
+    python benchmarks/spectral.py            # both tables
+    python benchmarks/spectral.py --budget   # the memory-budget table alone
 
-Each method runs in a fresh process, so its peak resident memory (ru_maxrss; torch's own counters
-only see CUDA) is its own. The reference λ_max is Lanczos run to a residual of 1e-10.
+Each method of the first table runs in a fresh process, so its peak resident memory (ru_maxrss;
+torch's own counters only see CUDA) is its own. The reference λ_max is Lanczos run to a residual of
+1e-10. The budget table runs in one process, its configurations in turn, so its ratios share one load.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import resource
+import sys
 import time
 
 import torch
@@ -31,12 +35,13 @@ def problem():
 
 
 def run_curvlab(method: str, budget: int, reference: float):
-    from curvlab.spectral import eigsh_extremes, hessian_operator_flat, lanczos
+    from curvlab.operator import hessian_operator
+    from curvlab.spectral import eigsh_extremes, lanczos
 
     model, loss_fn, batch = problem()
     params = {k: v.detach() for k, v in model.named_parameters()}
     start = time.perf_counter()
-    op = hessian_operator_flat(loss_fn, params, batch)
+    op = hessian_operator(loss_fn, params, batch)
     if method == "lanczos":
         result = lanczos(op, k=1, max_iter=budget, tol=1e-12)
     else:
@@ -96,12 +101,55 @@ def measure(kind, arg, reference):
     return out
 
 
-def main() -> None:
-    from curvlab.spectral import hessian_operator_flat, lanczos
+def budget_table(k: int = 3, tol: float = 1e-6, budgets=(None, 24, 12, 8)) -> None:
+    """Lanczos for the top k under budgets of so many stored vectors, against the unbounded run."""
+    from curvlab.operator import hessian_operator
+    from curvlab.spectral import lanczos, vector_bytes
 
     model, loss_fn, batch = problem()
     params = {k: v.detach() for k, v in model.named_parameters()}
-    ref = lanczos(hessian_operator_flat(loss_fn, params, batch, dtype=torch.float64), k=1, max_iter=300, tol=1e-10)
+    rows = []
+    for vectors in budgets:
+        op = hessian_operator(loss_fn, params, batch)
+        inner, in_hvps = op._matmat, [0.0]
+
+        def timed(X, inner=inner, in_hvps=in_hvps):
+            start = time.perf_counter()
+            out = inner(X)
+            in_hvps[0] += time.perf_counter() - start
+            return out
+
+        op._matmat = timed
+        memory = None if vectors is None else vectors * vector_bytes(op)
+        start = time.perf_counter()
+        r = lanczos(op, k=k, max_iter=400, tol=tol, memory=memory)
+        rows.append((vectors, r, time.perf_counter() - start, in_hvps[0], vector_bytes(op)))
+    base = rows[0]
+    n = sum(t.numel() for t in params.values())
+    print(f"\nLanczos for the top {k} (tol {tol:g}) of `tiny` ({n} parameters, {base[4] / 2**20:.1f} MiB a vector)\n")
+    print("| stored vectors | restarts | HVPs | HVPs vs unbounded | seconds | seconds vs unbounded "
+          "| outside HVPs | max rel. diff. of λ |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for vectors, r, seconds, in_hvps, _ in rows:
+        diff = max(abs(a - b) / abs(b) for a, b in zip(r.eigenvalues, base[1].eigenvalues))
+        label = f"unbounded ({r.basis_vectors} used)" if vectors is None else str(vectors)
+        print(
+            f"| {label} | {r.restarts} | {r.num_matvecs} | {r.num_matvecs / base[1].num_matvecs:.2f}x "
+            f"| {seconds:.1f} | {seconds / base[2]:.2f}x | {(seconds - in_hvps) / seconds:.1%} | {diff:.1e} |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    from curvlab.operator import hessian_operator
+    from curvlab.spectral import lanczos
+
+    if "--budget" in sys.argv[1:]:
+        budget_table()
+        return
+    model, loss_fn, batch = problem()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ref = lanczos(hessian_operator(loss_fn, params, batch, dtype=torch.float64), k=1, max_iter=300, tol=1e-10)
     reference = float(ref.eigenvalues[0])
     print(f"\nreference λ_max = {reference:.6g} (residual {ref.residuals[0]:.1e}, {ref.num_matvecs} HVPs in float64)\n")
     print("| method | HVPs to rel. error < 1e-3 | seconds | peak RSS (MiB) | rel. error |")
@@ -124,6 +172,7 @@ def main() -> None:
                 break
         else:
             print(f"| {label} | not reached in the plan ({hvps} HVPs, error {err:.1e}) | | | |")
+    budget_table()
 
 
 if __name__ == "__main__":

@@ -14,10 +14,8 @@ from curvlab.curvature import (
 from curvlab.exact_ops import exact_second_order
 from curvlab.hvp import (
     CurvaturePoint,
-    HessianOperator,
     evaluate_loss,
     gradient_and_hvps,
-    hessian_operator,
     hvp,
     hvps,
     quadratic_form,
@@ -25,10 +23,11 @@ from curvlab.hvp import (
 )
 from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
 from curvlab.monitor import CurvatureMonitor, MonitorRow, curvature_callback
+from curvlab.operator import Operator, hessian_operator, preconditioned_operator
 from curvlab.optim import build_optimizer, next_update, trainable_parameters
 from curvlab.polar import msign
 from curvlab.roles import parameter_roles
-from curvlab.spectral import Operator, hessian_operator_flat, hutch_plus_plus, hutchinson, lanczos, spectral_density
+from curvlab.spectral import hutch_plus_plus, hutchinson, lanczos, spectral_density
 
 __version__ = "0.1.0"
 
@@ -37,7 +36,6 @@ __all__ = [
     "BlockMatrix",
     "CurvatureMonitor",
     "CurvaturePoint",
-    "HessianOperator",
     "MonitorRow",
     "Operator",
     "TaylorScope",
@@ -51,7 +49,6 @@ __all__ = [
     "gradient_and_hvps",
     "group_parameters",
     "hessian_operator",
-    "hessian_operator_flat",
     "hidden_matrices",
     "hutch_plus_plus",
     "hutchinson",
@@ -63,6 +60,7 @@ __all__ = [
     "nds",
     "next_update",
     "parameter_roles",
+    "preconditioned_operator",
     "quadratic_form",
     "quadratic_forms",
     "spectral_density",

@@ -45,10 +45,11 @@ from curvlab.checkpoint import check_device, read_checkpoint
 from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split, taylor_split_and_block_matrix
 from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
-from curvlab.hvp import check_method
+from curvlab.hvp import DEFAULT_METHOD, check_method
 from curvlab.loss import ModuleLoss, make_loss_fn
 from curvlab.models.nanogpt import load_nanogpt
 from curvlab.optim import next_update
+from curvlab.spectral import CheckpointSpectrum, UpdateSpectrum
 
 REPORT_SCHEMA_VERSION = 2  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own
 BATCHES = ("train", "val")
@@ -237,7 +238,7 @@ class CurvatureReport:
     blocks: BlockMatrix
     seconds: float
     hvp_seconds: float
-    spectrum: dict[str, Any] | None = None
+    spectrum: UpdateSpectrum | None = None
     next_batch: BatchDraw | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -254,7 +255,7 @@ class CurvatureReport:
             **split,
             "hidden": None if hidden is None else {**hidden, "names": names},
             "blocks": {"grouping": self.settings.blocks, **self.blocks.to_dict()},
-            "spectrum": self.spectrum,
+            "spectrum": None if self.spectrum is None else self.spectrum.to_dict(),
             "next_batch": None if self.next_batch is None else self.next_batch.to_dict(),
             "timing": {"seconds": self.seconds, "hvp_seconds": self.hvp_seconds},
         }
@@ -326,34 +327,33 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
 
 
 def update_spectrum(
-    loss_fn, params, batch, Z, nds: float, k: int, dtype: torch.dtype, trace_samples: int = 32
-) -> dict[str, Any]:
-    r"""λ_max and the top-k eigenpairs of H (Lanczos), the share of :math:`\|Z\|^2` in their span, and
-    the trace (Hutchinson) per parameter: is NDS low because the landscape is flat, or because Z
-    steers around the sharp directions? Checks NDS <= λ_max (a Rayleigh quotient can't exceed it)."""
+    loss_fn,
+    params,
+    batch,
+    Z,
+    nds: float,
+    k: int,
+    dtype: torch.dtype,
+    trace_samples: int = 32,
+    method: str = DEFAULT_METHOD,
+    memory: int | None = None,
+) -> UpdateSpectrum:
+    r"""λ_max and the top-k eigenpairs of H (Lanczos, its basis within ``memory`` bytes), the share of
+    :math:`\|Z\|^2` in their span, and the trace (Hutchinson): is NDS low because the landscape is flat, or
+    because Z steers around the sharp directions? Checks NDS <= λ_max (a Rayleigh quotient can't exceed it)."""
     from curvlab import params as P
-    from curvlab.spectral import hessian_operator_flat, hutchinson, lanczos, overlap_with
+    from curvlab.operator import hessian_operator
+    from curvlab.spectral import hutchinson, lanczos, overlap_with
 
-    op = hessian_operator_flat(loss_fn, params, batch, dtype=dtype)
-    top = lanczos(op, k=k, max_iter=max(60, 4 * k), tol=1e-4)
+    op = hessian_operator(loss_fn, params, batch, dtype=dtype, method=method)
+    top = lanczos(op, k=k, max_iter=max(60, 4 * k), tol=1e-4, memory=memory)
     lam = float(top.eigenvalues[0])
     slack = 1e-4 * abs(lam) + float(top.residuals.max())
     if top.converged and nds > lam + slack:
         raise RuntimeError(f"NDS {nds:.6g} exceeds λ_max {lam:.6g}: the HVPs or the update are inconsistent")
-    trace = hutchinson(hessian_operator_flat(loss_fn, params, batch, dtype=dtype), samples=trace_samples)
-    z = P.flatten({n: Z[n] for n in params}).to(top.eigenvectors.dtype)
-    return {
-        "lambda_max": lam,
-        "top": top.eigenvalues.tolist(),
-        "residuals": top.residuals.tolist(),
-        "converged": top.converged,
-        "num_hvps": top.num_matvecs + trace.num_matvecs,
-        "overlap_top_k": overlap_with(top.eigenvectors, z),
-        "nds_over_lambda_max": nds / lam if lam else float("nan"),
-        "trace": trace.trace,
-        "trace_std_error": trace.std_error,
-        "trace_per_parameter": trace.trace / op.dim,
-    }
+    trace = hutchinson(op, samples=trace_samples)
+    overlap = overlap_with(top.eigenvectors, P.flatten({n: Z[n] for n in params}))
+    return UpdateSpectrum(top, trace, overlap, nds, op.dim)
 
 
 def analyze_checkpoint(
@@ -413,18 +413,23 @@ def checkpoint_spectrum(
     data: str | Path | None = None,
     device: str = "cpu",
     max_iter: int = 100,
-) -> dict[str, Any]:
-    """The Hessian spectrum at a checkpoint (on the batches ``settings`` choose): top/bottom
+    method: str = DEFAULT_METHOD,
+    memory: int | None = None,
+) -> CheckpointSpectrum:
+    r"""The Hessian spectrum at a checkpoint (on the batches ``settings`` choose): top/bottom
     eigenvalues, trace (Hutchinson and Hutch++), spectral density, per-block λ_max, and Adam's
-    preconditioned sharpness beside its edge-of-stability value 38/η; plus NDS of the next update."""
+    preconditioned sharpness :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` beside its edge of stability
+    :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)`. HVPs by ``method``; every Lanczos basis (and SLQ's)
+    within ``memory`` bytes (``None``: unbounded)."""
     from curvlab.blocks import group_parameters
+    from curvlab.operator import hessian_operator, preconditioned_operator
     from curvlab.spectral import (
+        PreconditionedSharpness,
         adam_preconditioner,
-        hessian_operator_flat,
+        adam_step_settings,
         hutch_plus_plus,
         hutchinson,
         lanczos,
-        preconditioned_operator,
         spectral_density,
     )
 
@@ -434,32 +439,33 @@ def checkpoint_spectrum(
     model, loss_fn = target.model, make_loss_fn(target.model)
     params = {n: p.detach() for n, p in model.named_parameters()}
     D = evaluation_batches(target, settings)
-    dtype = DTYPES[settings.dtype]
+    H = hessian_operator(loss_fn, params, D, dtype=DTYPES[settings.dtype], method=method)
 
-    def operator(subset=None):
-        return hessian_operator_flat(loss_fn, params, D, subset=subset, dtype=dtype)
+    def extremes(op, k, which="largest"):
+        return lanczos(op, k=k, which=which, max_iter=max_iter, memory=memory)
 
-    out: dict[str, Any] = {"checkpoint": str(path), "step": target.step, "optimizer": target.optimizer_name}
-    if top:
-        out["top"] = lanczos(operator(), k=top, max_iter=max_iter).to_dict()
-    if bottom:
-        out["bottom"] = lanczos(operator(), k=bottom, which="smallest", max_iter=max_iter).to_dict()
-    if trace:
-        out["trace"] = {
-            "hutchinson": hutchinson(operator()).to_dict(),
-            "hutch++": hutch_plus_plus(operator()).to_dict(),
-        }
-    if density:
-        out["density"] = spectral_density(operator()).to_dict()
+    per_block = None
     if blocks:
-        members = group_parameters(params, blocks, model)
-        out["blocks"] = {
-            name: lanczos(operator(names), k=1, max_iter=max_iter).to_dict() for name, names in members.items()
+        per_block = {
+            name: extremes(hessian_operator(loss_fn, params, D, dtype=H.dtype, subset=names, method=method), 1)
+            for name, names in group_parameters(params, blocks, model).items()
         }
+    sharpness = None
     if preconditioned:
-        names = list(params)
-        P = adam_preconditioner(target.optimizer, model, names)
-        result = lanczos(preconditioned_operator(operator(), P), k=1, max_iter=max_iter)
-        lr = target.optimizer.param_groups[0]["lr"]
-        out["preconditioned"] = {**result.to_dict(), "lr": lr, "edge_of_stability": 38.0 / lr}
-    return out
+        lr, beta1 = adam_step_settings(target.optimizer)
+        P = preconditioned_operator(H, adam_preconditioner(target.optimizer, model, list(params)))
+        sharpness = PreconditionedSharpness(extremes(P, 1), lr, beta1)
+    return CheckpointSpectrum(
+        checkpoint=str(path),
+        step=target.step,
+        optimizer=target.optimizer_name,
+        method=method,
+        dtype=settings.dtype,
+        top=extremes(H, top) if top else None,
+        bottom=extremes(H, bottom, "smallest") if bottom else None,
+        hutchinson=hutchinson(H) if trace else None,
+        hutch_plus_plus=hutch_plus_plus(H) if trace else None,
+        density=spectral_density(H, memory=memory) if density else None,
+        blocks=per_block,
+        preconditioned=sharpness,
+    )

@@ -17,6 +17,7 @@ import typer
 import curvlab
 from curvlab.distributed import distributed_context
 from curvlab.errors import CurvlabError
+from curvlab.hvp import DEFAULT_METHOD
 
 app = typer.Typer(
     help="curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block curvature).",
@@ -404,6 +405,10 @@ def spectrum(
     batches: int = typer.Option(1, help=BATCHES_HELP),
     data: Path = typer.Option(None, help="Data directory (default: the checkpoint's)."),
     max_iter: int = typer.Option(100, help="Lanczos iterations at most (HVPs)."),
+    memory: float = typer.Option(
+        None, help="GB the stored Lanczos vectors may take (thick restart beyond); default: unbounded."
+    ),
+    method: str = typer.Option(DEFAULT_METHOD, "--hvp-method", help=HVP_METHOD_HELP),
     out: Path = typer.Option(None, help="Output directory for spectrum.json (and the density figure)."),
     dtype: str = typer.Option("float32", help="float32 or float64."),
     device: str = typer.Option("cpu", help="Device."),
@@ -412,34 +417,33 @@ def spectrum(
     from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
 
     settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype)
+    budget = None if memory is None else int(memory * 1e9)
     result = checkpoint_spectrum(
-        checkpoint, top, bottom, trace, density, blocks, preconditioned, settings, data, device, max_iter
-    )
+        checkpoint, top, bottom, trace, density, blocks, preconditioned, settings, data, device, max_iter,
+        method=method, memory=budget,
+    )  # fmt: skip
     rows = []
-    for key in ("top", "bottom"):
-        if key in result:
-            r = result[key]
-            rows += [
-                (key, f"{v:.6g}", f"{res:.2g}", r["converged"]) for v, res in zip(r["eigenvalues"], r["residuals"])
-            ]
-    for name, r in result.get("blocks", {}).items():
-        rows.append((f"λ_max {name}", f"{r['eigenvalues'][0]:.6g}", f"{r['residuals'][0]:.2g}", r["converged"]))
-    if "preconditioned" in result:
-        r = result["preconditioned"]
-        rows.append(("P^-1/2 H P^-1/2", f"{r['eigenvalues'][0]:.6g}", f"{r['residuals'][0]:.2g}", r["converged"]))
-        rows.append(("38 / lr", f"{r['edge_of_stability']:.6g}", "", ""))
+    for key, r in (("top", result.top), ("bottom", result.bottom)):
+        if r is not None:
+            rows += [(key, f"{v:.6g}", f"{res:.2g}", r.converged) for v, res in zip(r.eigenvalues, r.residuals)]
+    for name, r in (result.blocks or {}).items():
+        rows.append((f"λ_max {name}", f"{r.eigenvalues[0]:.6g}", f"{r.residuals[0]:.2g}", r.converged))
+    if result.preconditioned is not None:
+        p, r = result.preconditioned, result.preconditioned.eigen
+        rows.append(("P^-1/2 H P^-1/2", f"{r.eigenvalues[0]:.6g}", f"{r.residuals[0]:.2g}", r.converged))
+        rows.append((f"(2+2β1)/((1-β1)lr), β1={p.beta1:g}", f"{p.edge_of_stability:.6g}", "", ""))
     print_table(rows, ("what", "eigenvalue", "residual", "converged"))
-    for name, t in result.get("trace", {}).items():
-        typer.echo(f"trace ({name}): {t['trace']:.6g} ± {t['std_error']:.2g} ({t['num_matvecs']} HVPs)")
+    for name, t in result.traces().items():
+        typer.echo(f"trace ({name}): {t.trace:.6g} ± {t.std_error:.2g} ({t.num_matvecs} HVPs)")
     if out:
         from curvlab.atomic import atomic_write_text
 
-        atomic_write_text(out / "spectrum.json", json.dumps(result, indent=1))
+        atomic_write_text(out / "spectrum.json", json.dumps(result.to_dict(), indent=1))
         written = [out / "spectrum.json"]
-        if density:
+        if result.density is not None:
             from curvlab.plots import spectral_density_plot
 
-            written += spectral_density_plot(result["density"], out / "spectral_density", f"step {result['step']}")
+            written += spectral_density_plot(result.density.to_dict(), out / "spectral_density", f"step {result.step}")
         typer.echo("wrote " + ", ".join(map(str, written)))
 
 

@@ -32,9 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from scipy.sparse.linalg import LinearOperator
 from torch import Tensor
 from torch.func import grad_and_value, jvp, vmap
 from torch.utils._pytree import tree_map
@@ -516,83 +514,3 @@ def quadratic_form(
     P.check_like(params, z)
     _, gz, zhz = quadratic_forms(loss_fn, params, batch, {n: t.unsqueeze(0) for n, t in z.items()}, dtype=dtype)
     return float(gz[0]), float(zhz[0])
-
-
-def flat_hvp(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Any,
-    names: Sequence[str],
-    dtype: torch.dtype,
-    chunk_size: int | None = None,
-    method: str = "fwd_rev",
-):
-    """``matmat(X) -> H_SS X`` for the principal block over ``names`` of the Hessian, on flat column
-    vectors (``X`` is ``(n_S, K)``, laid out in the order of ``names``): the columns are padded with
-    zeros to full directions and go through one :func:`hvps` call. ``params`` must be in ``dtype``."""
-    unknown = [n for n in names if n not in params]
-    if unknown or not names:
-        raise CurvlabError(
-            f"the block names no parameter: {unknown[:3]}" if unknown else "the block names no parameter"
-        )
-    sizes = [params[n].numel() for n in names]
-
-    def matmat(X: Tensor) -> Tensor:
-        k = X.shape[1]
-        vs = {n: torch.zeros((k, *t.shape), dtype=dtype) for n, t in params.items()}
-        for n, piece in zip(names, X.T.to(dtype).split(sizes, dim=1)):
-            vs[n] = piece.reshape(k, *params[n].shape)
-        hv = hvps(loss_fn, params, batch, vs, chunk_size, method, dtype)
-        return torch.cat([hv[n].reshape(k, -1) for n in names], dim=1).T
-
-    return matmat, sum(sizes)
-
-
-class HessianOperator(LinearOperator):
-    r"""The Hessian :math:`\nabla^2 L(W)` over the flattened parameters, as a scipy ``LinearOperator``.
-
-    Binds ``loss_fn``, ``params`` and ``batch``; each ``matvec`` is one exact HVP, each ``matmat``
-    one vectorized call over its columns (:func:`flat_hvp`). ``subset`` restricts it to the principal
-    block of those parameter names (the flattened order is ``subset``'s, else ``params'``).
-    ``num_hvps`` counts the Hessian-vector products taken, for diagnostics.
-    """
-
-    def __init__(
-        self,
-        loss_fn: LossFn,
-        params: Mapping[str, Tensor],
-        batch: Any,
-        dtype: torch.dtype | None = None,
-        subset: Sequence[str] | None = None,
-        method: str = "fwd_rev",
-        chunk_size: int | None = None,
-    ):
-        check_method(method)
-        self.torch_dtype = working_dtype(params, dtype)
-        p = P.cast(params, self.torch_dtype)
-        self.names = list(p) if subset is None else list(subset)
-        self._matmat_torch, n = flat_hvp(loss_fn, p, batch, self.names, self.torch_dtype, chunk_size, method)
-        self.num_hvps = 0
-        super().__init__(dtype=np.dtype("float64" if self.torch_dtype == torch.float64 else "float32"), shape=(n, n))
-
-    def _matmat(self, X: np.ndarray) -> np.ndarray:
-        X = torch.as_tensor(np.asarray(X), dtype=self.torch_dtype)
-        self.num_hvps += X.shape[1]
-        return self._matmat_torch(X).numpy().astype(self.dtype, copy=False)
-
-    def _matvec(self, x: np.ndarray) -> np.ndarray:
-        return self._matmat(np.asarray(x).reshape(-1, 1)).reshape(-1)
-
-    def _adjoint(self) -> HessianOperator:
-        return self  # symmetric
-
-
-def hessian_operator(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Any,
-    dtype: torch.dtype | None = None,
-    subset: Sequence[str] | None = None,
-) -> HessianOperator:
-    """The Hessian as a :class:`HessianOperator` (a scipy ``LinearOperator``), e.g. for ``eigsh``."""
-    return HessianOperator(loss_fn, params, batch, dtype=dtype, subset=subset)

@@ -177,16 +177,21 @@ def test_linear_operator_top_eigenvalue(problem, request):
     H = dense_hessian(loss_fn, params, batch)
     top = float(torch.linalg.eigvalsh(H)[-1])
     op = hessian_operator(loss_fn, params, batch)
-    assert op.shape == H.shape and op.dtype == np.float64
-    val = eigsh(op, k=1, which="LA", tol=1e-12, return_eigenvectors=False)[0]
+    assert op.shape == H.shape and op.dtype == torch.float64 and op.device == torch.device("cpu")
+    lin = op.to_scipy()
+    assert lin.shape == H.shape and lin.dtype == np.float64
+    val = eigsh(lin, k=1, which="LA", tol=1e-12, return_eigenvectors=False)[0]
     assert val == pytest.approx(top, rel=1e-8)
-    assert op.num_hvps > 0
+    assert op.num_matvecs > 0
+    X = torch.randn(H.shape[0], 3, dtype=torch.float64)
+    assert rel_err(op @ X, H @ X) <= 1e-10
     block = ["fc1.weight"] if "fc1.weight" in params else ["h.1.mlp_fc.weight"]
-    sub = hessian_operator(loss_fn, params, batch, subset=block)
-    x = np.random.default_rng(0).standard_normal(sub.shape[1])
+    sub = hessian_operator(loss_fn, params, batch, subset=block, method="rev_rev")
+    x = np.random.default_rng(0).standard_normal(sub.dim)
     start = sum(t.numel() for k, t in params.items() if list(params).index(k) < list(params).index(block[0]))
-    sl = slice(start, start + sub.shape[1])
-    np.testing.assert_allclose(sub @ x, H[sl, sl].numpy() @ x, rtol=1e-9, atol=1e-12)
+    sl = slice(start, start + sub.dim)
+    np.testing.assert_allclose(sub.to_scipy() @ x, H[sl, sl].numpy() @ x, rtol=1e-9, atol=1e-12)
+    assert rel_err(sub @ torch.as_tensor(x), H[sl, sl] @ torch.as_tensor(x)) <= 1e-10
 
 
 def test_bad_input_is_named(mlp_problem):
