@@ -2,6 +2,7 @@ import copy
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -97,6 +98,22 @@ def test_nds_matches_finite_differences_along_the_step_really_taken(pcfg_data, t
     assert report["nds"] == pytest.approx(fd, rel=1e-4)
     realized = loss_at(0.0) - loss_at(-1.0)
     assert report["realized"] == pytest.approx(realized, rel=1e-6)
+
+
+def test_both_hvp_methods_and_both_block_ways_give_the_same_report(runs):
+    """--hvp-method and --block-method are choices of algorithm, not of result: float64 reports agree."""
+    path = runs / "adamw" / "ckpt_000008.pt"
+    reports = [
+        analyze_checkpoint(path, AnalysisSettings(dtype="float64", hvp_method=m, block_method=b)).to_dict()
+        for m, b in (("rev_rev", "hvp"), ("fwd_rev", "hvp"), ("rev_rev", "alpha"))
+    ]
+    for other in reports[1:]:
+        for key in ("nds", "first_order", "curvature_penalty", "realized"):
+            assert other[key] == pytest.approx(reports[0][key], rel=1e-9)
+        assert other["hidden"]["nds"] == pytest.approx(reports[0]["hidden"]["nds"], rel=1e-9)
+        np.testing.assert_allclose(other["blocks"]["matrix"], reports[0]["blocks"]["matrix"], rtol=1e-8, atol=1e-12)
+    with pytest.raises(ValueError, match="unknown HVP method"):
+        analyze_checkpoint(path, AnalysisSettings(hvp_method="magic"))
 
 
 def test_analysis_never_changes_the_checkpoint(runs):
