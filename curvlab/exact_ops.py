@@ -124,14 +124,13 @@ def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, ndim: int, ch
     return y
 
 
-_BATCH_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-_INSTANCE_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
-
-
-def _bind(names: tuple[str, ...], args, kwargs) -> dict:
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
+# F.batch_norm and F.instance_norm share one argument layout; their flag for batch statistics
+# ("training", "use_input_stats") is called batch_stats here
+_STATISTICS_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "batch_stats", "momentum", "eps")
+_STATISTICS_NORMS = {
+    F.batch_norm: ("training", False, composite_batch_norm),
+    F.instance_norm: ("use_input_stats", True, composite_instance_norm),
+}
 
 
 class _ExactSecondOrderMode(TorchFunctionMode):
@@ -152,32 +151,27 @@ class _ExactSecondOrderMode(TorchFunctionMode):
             kwargs = {**kwargs, "dropout_p": 0.0}
             if len(args) > 4:  # dropout_p passed positionally
                 args = (*args[:4], 0.0, *args[5:])
-        elif func is F.batch_norm:
-            b = _bind(_BATCH_NORM_ARGS, args, kwargs)
-            batch_stats = b.get("training", False) or b.get("running_mean") is None
-            if self.composite_norms:
-                return composite_batch_norm(
-                    b["input"], None if batch_stats else b["running_mean"], None if batch_stats else b["running_var"],
-                    b.get("weight"), b.get("bias"), batch_stats, eps=b.get("eps", 1e-5),
-                )  # fmt: skip
-            if batch_stats:  # the fused kernel, without its in-place update of the running statistics
-                return func(b["input"], None, None, b.get("weight"), b.get("bias"), True, 0.0, b.get("eps", 1e-5))
-        elif func is F.instance_norm:
-            b = _bind(_INSTANCE_NORM_ARGS, args, kwargs)
-            batch_stats = b.get("use_input_stats", True) or b.get("running_mean") is None
-            if self.composite_norms:
-                return composite_instance_norm(
-                    b["input"], None if batch_stats else b["running_mean"], None if batch_stats else b["running_var"],
-                    b.get("weight"), b.get("bias"), batch_stats, eps=b.get("eps", 1e-5),
-                )  # fmt: skip
-            if batch_stats:
-                return func(b["input"], None, None, b.get("weight"), b.get("bias"), True, 0.0, b.get("eps", 1e-5))
+        elif func in _STATISTICS_NORMS:
+            return self._statistics_norm(func, args, kwargs)
         elif func is F.layer_norm and self.composite_norms:
             return composite_layer_norm(*args, **kwargs)
         out = func(*args, **kwargs)
         if self.watch_dtype is not None and self.downcast_at is None:
             self._watch(func, args, kwargs, out)
         return out
+
+    def _statistics_norm(self, func, args, kwargs) -> Tensor:
+        """Batch or instance norm that never updates its running statistics (as a composite when the
+        method needs one)."""
+        flag, default, composite = _STATISTICS_NORMS[func]
+        b = dict(zip(_STATISTICS_NORM_ARGS, args))
+        b.update({("batch_stats" if k == flag else k): v for k, v in kwargs.items()})
+        batch_stats = b.get("batch_stats", default) or b.get("running_mean") is None
+        running = (None, None) if batch_stats else (b["running_mean"], b["running_var"])
+        weight, bias, eps = b.get("weight"), b.get("bias"), b.get("eps", 1e-5)
+        if self.composite_norms:
+            return composite(b["input"], *running, weight, bias, batch_stats, eps=eps)
+        return func(b["input"], *running, weight, bias, batch_stats, 0.0, eps)
 
     def _watch(self, func, args, kwargs, out) -> None:
         """Remember the first op that turns a ``watch_dtype`` input into a lower-precision float."""
