@@ -96,7 +96,8 @@ def main() -> None:
     for stage, seconds in timings.items():
         print(f"  {stage}: {seconds:.1f} s")
     print(f"  NDS {report.split.nds:.6g}, rho_within {report.blocks.rho_within:.3f}")
-    print(f"  top eigenvalues: {[round(float(x), 4) for x in spectrum.top.eigenvalues]} ({spectrum.top.num_matvecs} HVPs)")
+    top = [round(float(x), 4) for x in spectrum.top.eigenvalues]
+    print(f"  top eigenvalues: {top} ({spectrum.top.num_matvecs} HVPs)")
     if device.type == "cuda":
         print(
             f"  peak memory: gradient {grad_peak / 2**30:.2f} GiB, HVP {hvp_peak / 2**30:.2f} GiB "

@@ -7,16 +7,15 @@ Every method runs once per round, interleaved, and the median over the rounds is
 ratios hold within one run even when the machine's speed drifts. The references are written here by
 hand: plain double backward and plain ``jvp`` of ``grad`` (torch.func), each with attention pinned to
 the math backend. ``--compile`` adds ``torch.compile`` of forward-over-reverse (compiling takes
-minutes; torch.compile has no double backward). ``--memory`` measures the peak resident memory of
-one gradient and one HVP, each in a fresh process (RSS deltas from ``ru_maxrss``; on a GPU
-``torch.cuda.max_memory_allocated`` is the counter to use, see ``benchmarks/gpu_check.py``).
+minutes; torch.compile has no double backward). ``--memory`` measures the peak memory of one gradient
+and one HVP, each in a fresh process, from torch's own counters (the profiler's CPU memory timeline;
+on a GPU ``torch.cuda.max_memory_allocated``, see ``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import resource
 
 import torch
 import torch.nn.functional as F
@@ -111,20 +110,34 @@ def report(cfg, params, t, args) -> None:
 
 
 def _peak(kind: str, batch: int, queue) -> None:
-    """In a fresh process: resident memory after setup and a forward pass, then the peak during one
-    gradient or one HVP (KiB)."""
+    """In a fresh process: the peak of torch's own CPU memory timeline (``torch.profiler`` with
+    ``profile_memory``) during one gradient or one HVP, in bytes."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
     _, loss_fn, params, b = tiny_problem(batch)
     v = {k: torch.randn_like(t) for k, t in params.items()}
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
-        plain_loss(loss_fn.model, *b)(params)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if kind == "gradient":
+    f = plain_loss(loss_fn.model, *b)
+
+    def gradient():
         leaves = {k: t.clone().requires_grad_() for k, t in params.items()}
         with sdpa_kernel(SDPBackend.MATH):
-            torch.autograd.grad(plain_loss(loss_fn.model, *b)(leaves), list(leaves.values()))
-    else:
-        hvp(loss_fn, params, b, v, method=kind)
-    queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+            torch.autograd.grad(f(leaves), list(leaves.values()))
+
+    run = gradient if kind == "gradient" else (lambda: hvp(loss_fn, params, b, v, method=kind))
+    run()  # warm up outside the profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "timeline.json")
+        prof.export_memory_timeline(path, device="cpu")
+        with open(path) as f:
+            _, sizes = json.load(f)
+    queue.put(max(sum(s) for s in sizes))
+    os._exit(0)  # (the profiler's stack records can crash the interpreter's own shutdown)
 
 
 def memory(batch: int) -> None:
@@ -136,9 +149,9 @@ def memory(batch: int) -> None:
         proc.start()
         peaks[kind] = queue.get()
         proc.join()
-    print("\nPeak resident memory above the process after setup (ru_maxrss deltas, separate processes):\n")
-    for kind, kib in peaks.items():
-        print(f"- {kind}: {kib / 1024:.0f} MiB ({kib / peaks['gradient']:.2f}x the gradient's)")
+    print("\nPeak memory of torch's tensors (torch.profiler's CPU memory timeline, each in a fresh process):\n")
+    for kind, size in peaks.items():
+        print(f"- {kind}: {size / 2**20:.0f} MiB ({size / peaks['gradient']:.2f}x the gradient's)")
 
 
 def main() -> None:
