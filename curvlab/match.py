@@ -250,10 +250,12 @@ def match_runs(
     else:
         targets = np.asarray(levels, dtype=float)
         reach = [tolerance * t for t in targets]
-    pairs, refused, used = [], [], set()
+    pairs, refused, used_a, used_b = [], [], set(), set()
     for t, r in zip(targets, reach):
         order = np.argsort(np.abs(centres - t) + 1e-9 * mismatch[ii, jj])
-        pick = next((k for k in order if abs(centres[k] - t) <= r and (ii[k], jj[k]) not in used), None)
+        # each checkpoint is the centre of one level at most, so that no window counts twice
+        free = (k for k in order if ii[k] not in used_a and jj[k] not in used_b)
+        pick = next((k for k in free if abs(centres[k] - t) <= r), None)
         if pick is None:
             refused.append(
                 f"level {t:.4f}: no pair of checkpoints{where} within {tolerance:.1%} of each other near it; "
@@ -261,7 +263,8 @@ def match_runs(
             )
             continue
         i, j = int(ii[pick]), int(jj[pick])
-        used.add((i, j))
+        used_a.add(i)
+        used_b.add(j)
         target = float((la[i] + lb[j]) / 2)
         pairs.append(
             MatchedPair(

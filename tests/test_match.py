@@ -51,6 +51,8 @@ def test_stable_phase_pairs_only_stable_checkpoints_within_tolerance(tmp_path):
         assert p.target == pytest.approx((p.loss_a + p.loss_b) / 2)
         assert all(c.phase == "stable" for c in p.window_a + p.window_b)
         assert [c.step for c in p.window_b] == [p.step_b - 2, p.step_b, p.step_b + 2] or p.step_b in (10, 78)
+    for side in ("step_a", "step_b"):  # no checkpoint is the centre of two levels
+        assert len({getattr(p, side) for p in m.pairs}) == len(m.pairs)
     # "any" pairs the slow run's decay-phase checkpoints with the fast run's stable ones: the confound
     anywhere = match_runs(b, a, levels=6, tolerance=0.01, phase="any")
     assert any(p.multiplier_a < 1.0 for p in anywhere.pairs)
@@ -106,3 +108,12 @@ def test_unknown_phase_and_missing_schedule(tmp_path):
     with pytest.raises(ValueError, match="schedule is unknown"):
         match_runs(a, a, phase="stable")
     assert match_runs(a, a, levels=3, phase="any").pairs
+
+
+def test_a_sparse_run_does_not_lend_one_checkpoint_to_several_levels(tmp_path):
+    a, _ = make_run(tmp_path / "fast", fast, every=20)  # few checkpoints where a dense run has many
+    b, _ = make_run(tmp_path / "slow", slow, every=2)
+    m = match_runs(b, a, levels=8, tolerance=0.05, phase="stable")
+    steps = [p.step_b for p in m.pairs]
+    assert steps and len(set(steps)) == len(steps)
+    assert len(m.refused) == 8 - len(m.pairs)
