@@ -459,11 +459,12 @@ def readme_results(
     results: Path = typer.Argument(..., help="A reproduction's output directory (with summary.json)."),
     readme: Path = typer.Option(Path("README.md"), help="The README whose results section is rewritten."),
     figures: Path = typer.Option(Path("docs/results"), help="Where the figures the README shows are copied."),
+    note: str = typer.Option("", help="A sentence to add after the timing line (e.g. how the machine was shared)."),
 ) -> None:
     """Regenerate the README's results section (table, caveats, figures) from a reproduction's summary.json."""
     from curvlab.report import update_readme
 
-    update_readme(results, readme, figures)
+    update_readme(results, readme, figures, note)
     typer.echo(f"rewrote the results section of {readme}; figures in {figures}")
 
 

@@ -103,9 +103,18 @@ def _side_arrays(comparisons, key: str, pick: int) -> tuple[np.ndarray, np.ndarr
     return np.array(x), np.array(y), np.array(err)
 
 
-def _matched_points(ax, comparisons, key: str, pick: int, label: str, color: str, marker: str = "o") -> None:
+def _matched_points(ax, comparisons, key: str, pick: int, label: str, color: str, marker: str = "o") -> np.ndarray:
     x, y, err = _side_arrays(comparisons, key, pick)
     ax.errorbar(x, y, yerr=err, fmt=marker, ms=4, capsize=2, color=color, label=label, alpha=0.85)
+    return y
+
+
+def _symlog(ax, values: list[np.ndarray]) -> None:
+    """A symmetric log scale (linear near zero) when values span decades or change sign, as NDS does."""
+    y = np.abs(np.concatenate(values))
+    y = y[np.isfinite(y) & (y > 0)]
+    if y.size and y.max() > 30 * np.median(y):
+        ax.set_yscale("symlog", linthresh=float(np.median(y)) / 2)
 
 
 def taylor_split_vs_loss(comparisons, stem: str | Path) -> list[Path]:
@@ -119,10 +128,12 @@ def taylor_split_vs_loss(comparisons, stem: str | Path) -> list[Path]:
         (("curvature_penalty",), "curvature penalty I2 = ½<Z,HZ>"),
     ]
     for ax, (keys, title) in zip(axes, panels):
+        values = []
         for key in keys:
             marker = "o" if key != "predicted" else "x"
-            _matched_points(ax, comparisons, key, 1, f"Muon {key}", COLORS["muon"], marker)
-            _matched_points(ax, comparisons, key, 0, f"AdamW {key}", COLORS["adamw"], marker)
+            values.append(_matched_points(ax, comparisons, key, 1, f"Muon {key}", COLORS["muon"], marker))
+            values.append(_matched_points(ax, comparisons, key, 0, f"AdamW {key}", COLORS["adamw"], marker))
+        _symlog(ax, values)
         ax.set(xlabel="matched validation loss", title=title)
         ax.invert_xaxis()
         ax.legend(fontsize=7)
@@ -132,8 +143,8 @@ def taylor_split_vs_loss(comparisons, stem: str | Path) -> list[Path]:
 def _ci_text(entry) -> str:
     if entry is None or entry.value is None:
         return "n/a"
-    ci = "" if entry.ci95 is None else f" [{entry.ci95[0]:.2f}, {entry.ci95[1]:.2f}]"
-    return f"{entry.value:.2f}{ci}"
+    ci = "" if entry.ci95 is None else f" [{entry.ci95[0]:.3g}, {entry.ci95[1]:.3g}]"
+    return f"{entry.value:.3g}{ci}"
 
 
 def nds_and_norm_vs_loss(arms: dict[str, list], stem: str | Path, ratios: dict[str, Any] | None = None) -> list[Path]:
@@ -143,12 +154,14 @@ def nds_and_norm_vs_loss(arms: dict[str, list], stem: str | Path, ratios: dict[s
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     panels = [("nds", "NDS, all parameters"), ("hidden_nds", "NDS, hidden matrices"), ("update_norm", "||Z||_F")]
     for ax, (key, title) in zip(axes, panels):
-        first = True
-        for arm, comparisons in arms.items():
-            if first:
-                _matched_points(ax, comparisons, key, 0, "AdamW", COLORS["adamw"])
-                first = False
-            _matched_points(ax, comparisons, key, 1, arm, _color(arm), "s" if "moonlight" in arm else "o")
+        values = []
+        for i, (arm, comparisons) in enumerate(arms.items()):
+            if i == 0:
+                values.append(_matched_points(ax, comparisons, key, 0, "AdamW", COLORS["adamw"]))
+            marker = "s" if "moonlight" in arm else "o"
+            values.append(_matched_points(ax, comparisons, key, 1, arm, _color(arm), marker))
+        if "nds" in key:
+            _symlog(ax, values)
         ax.set(xlabel="matched validation loss", title=title)
         ax.invert_xaxis()
         ax.legend(fontsize=7)

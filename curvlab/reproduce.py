@@ -31,10 +31,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from curvlab.analysis import AnalysisSettings
 from curvlab.atomic import atomic_write_text
@@ -261,6 +264,7 @@ class Reproduction:
                 find_shards(self.fineweb, split)
         self.log: list[str] = []
         self.timing: dict[str, float] = {}
+        self.loads: list[float] = []  # the machine's 1-minute load average at the end of each stage
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -294,6 +298,7 @@ class Reproduction:
         finally:
             self.timing[name] = self.timing.get(name, 0.0) + time.perf_counter() - start
             self.timing[f"{name}_cpu"] = self.timing.get(f"{name}_cpu", 0.0) + time.process_time() - cpu
+            self.loads.append(os.getloadavg()[0])
 
     def _train_config(self, data: Path, out: Path, arm: str, options: dict[str, Any], seed: int, **overrides):
         p = self.preset
@@ -571,9 +576,14 @@ class Reproduction:
         seconds = time.perf_counter() - start
         timing_path = self.out / "timing.json"
         invocations = json.loads(timing_path.read_text()) if timing_path.is_file() else []
-        invocations.append({**self.timing, "total": seconds, "total_cpu": time.process_time() - cpu})
+        load = sum(self.loads) / len(self.loads)
+        invocations.append({**self.timing, "total": seconds, "total_cpu": time.process_time() - cpu, "load": load,
+                            "threads": torch.get_num_threads(), "cpus": os.cpu_count()})  # fmt: skip
         atomic_write_text(timing_path, json.dumps(invocations, indent=1))
         summary.timing = {k: sum(i.get(k, 0.0) for i in invocations) for k in [*self.timing, "total", "total_cpu"]}
+        # the conditions of the invocation that did the most work
+        longest = max(invocations, key=lambda i: i["total"])
+        summary.timing.update({k: float(longest[k]) for k in ("load", "threads", "cpus") if k in longest})
         summary.seconds = summary.timing["total"]  # over every invocation, when a run was interrupted and resumed
         summary.invocations = len(invocations)
         atomic_write_text(self.out / "summary.json", json.dumps(summary.to_dict(), indent=1))

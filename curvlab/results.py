@@ -237,7 +237,7 @@ def claim_for(name: str) -> Claim:
             c.quantity.replace("AdamW/Muon", "AdamW/Muon-moonlight"),
             c.statement,
             None,
-            c.paper_text if c.paper is None else "(direction only)",
+            c.paper_text if c.paper is None else f"> {c.null:g}",  # only nds_ratio has a number: its direction
             c.direction,
             c.null,
             c.band,
