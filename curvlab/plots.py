@@ -256,11 +256,13 @@ def block_heatmaps(reports: dict[str, dict[str, Any]], stem: str | Path) -> list
     return save_figure(fig, stem)
 
 
-def within_gap_by_layer(names: list[str], gap: list[float], stem: str | Path) -> list[Path]:
+def within_gap_by_layer(names: list[str], gap: list[float], stem: str | Path, stderr: list[float] | None = None):
     """Beyond the paper: the within-layer NDS gap AdamW − Muon per block (diagonal of M), averaged over
-    matched levels. The paper reports most of it in the first and last layers."""
+    matched levels, with its standard error over levels as bars. The paper reports most of it in the
+    first and last layers."""
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    ax.bar(range(len(names)), gap, color=["tab:red" if g > 0 else "tab:blue" for g in gap])
+    colors = ["tab:red" if g > 0 else "tab:blue" for g in gap]
+    ax.bar(range(len(names)), gap, yerr=None if stderr is None else np.nan_to_num(stderr), capsize=3, color=colors)
     ax.set_xticks(range(len(names)), names, rotation=45, fontsize=8)
     ax.axhline(0, color="k", lw=0.8)
     ax.set(ylabel="M[l,l]: AdamW − Muon", title="within-layer NDS gap per block")
@@ -306,8 +308,8 @@ def reproduction_figures(data, summary, tuning: dict[str, Any], quadratic: dict[
         written["nds_norm"] = nds_and_norm_vs_loss(arms, out / "fig2_nds_update_norm", entries)
         level = next(lv for c in arms["muon"] for lv in c.headline_levels[len(c.headline_levels) // 2 :])
         written["heatmap"] = block_heatmaps(pair_reports(level), out / "block_matrix_heatmap")
-        names, gap = within_layer_gap(arms["muon"])
-        written["within_gap"] = within_gap_by_layer(names, gap, out / "within_gap_by_layer")
+        names, gap, se = within_layer_gap(arms["muon"])
+        written["within_gap"] = within_gap_by_layer(names, gap, out / "within_gap_by_layer", se)
     if summary.zipf:
         written["zipf"] = zipf_nds(summary.zipf, out / "fig3_zipf_nds", entries.get("gap_change"))
     tracks = {arm: data.track(arm, s0) for arm in ("muon", "adamw") if data.track(arm, s0)}

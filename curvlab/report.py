@@ -14,6 +14,7 @@ from pathlib import Path
 
 from curvlab.atomic import atomic_write_text
 from curvlab.errors import CurvlabError
+from curvlab.paper import QUADRATIC_EXAMPLE
 from curvlab.results import HeadlineEntry, LevelData, Summary, claim_for
 from curvlab.statistics import CONTRADICTED, NO_CLAIM, SUPPORTED
 
@@ -252,10 +253,11 @@ def render_report(summary: Summary, levels: LevelData | None = None) -> str:
     for s, arms in summary.final_val_loss.items():
         lines.append(f"- s = {s}: " + "; ".join(f"{a} " + ", ".join(fmt(v) for v in vals) for a, vals in arms.items()))
     q = summary.quadratic
+    closed = ", ".join(f"{QUADRATIC_EXAMPLE[k]:g}" for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction"))
     lines += [
         "",
         f"Quadratic model: Muon NDS {q['muon_nds']:.3g}, Γ² {q['muon_contraction']:.6f}, GD two-step ratio "
-        f"{q['gd_two_step_contraction']:.6f} (closed forms: 10.0, 0.669421, 0.922913).",
+        f"{q['gd_two_step_contraction']:.6f} (closed forms: {closed}).",
         "",
         "## Figures",
         "",

@@ -45,6 +45,7 @@ from curvlab.checkpoint import read_index
 from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.errors import CurvlabError
 from curvlab.match import PLATEAU_FRACTION, plateau_ceiling
+from curvlab.paper import REFERENCE_TRAINING
 from curvlab.results import ComparisonRecord, LevelData, Summary, TrackRecord, headline, taylor_counts
 from curvlab.studies import compare_runs, track_run
 from curvlab.train import TrainConfig, TrainingDiverged, train
@@ -119,9 +120,9 @@ class Preset:
     fineweb: bool = False  # the paper preset also trains gpt2-124m on FineWeb shards
     fineweb_model: str = "gpt2-124m"
     fineweb_model_overrides: dict[str, Any] = field(default_factory=dict)
-    fineweb_steps: int = 5100  # SCIENCE.md section 4: the modded-nanogpt comparison
+    fineweb_steps: int = REFERENCE_TRAINING["steps"]  # SCIENCE.md section 4: the modded-nanogpt comparison
     fineweb_batch_size: int = 512  # x 1024 tokens = 524k tokens per step
-    fineweb_lr: dict[str, float] = field(default_factory=lambda: {"muon": 0.02, "adamw": 0.0018})
+    fineweb_lr: dict[str, float] = field(default_factory=lambda: dict(_PAPER_LR))
     fineweb_ckpt_every: int = 250  # a gpt2-124m checkpoint with AdamW state is ~1.5 GB
     device: str = "auto"
 
@@ -140,6 +141,7 @@ class Preset:
             raise CurvlabError("a preset needs seeds >= 1, tune_seeds >= 1 and grid_points >= 2")
 
 
+_PAPER_LR = {arm: REFERENCE_TRAINING[arm]["lr"] for arm in ("muon", "adamw")}
 _MICRO_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 320}
 PRESETS = {
     "micro": Preset(
@@ -226,7 +228,8 @@ PRESETS = {
         ckpt_every=50,
         sweep_ckpt_every=250,
         val_windows=512,
-        lr_centers={"adamw": 0.0018, "muon": 0.02, "muon-moonlight": 0.0018},
+        # the paper's learning rates; the RMS-matched Muon's steps are AdamW-sized, so it starts from AdamW's
+        lr_centers={"adamw": _PAPER_LR["adamw"], "muon": _PAPER_LR["muon"], "muon-moonlight": _PAPER_LR["adamw"]},
         tune_steps=1000,
         adam_side="tuned",
         compare_levels=10,

@@ -445,9 +445,10 @@ def pair_reports(level: Level) -> dict[str, dict[str, Any]]:
     return out
 
 
-def within_layer_gap(comparisons: Sequence[Comparison]) -> tuple[list[str], list[float]]:
+def within_layer_gap(comparisons: Sequence[Comparison]) -> tuple[list[str], list[float], list[float]]:
     """Per block, the within-layer entry M[l,l] of AdamW minus Muon's at the matched checkpoints,
-    averaged over the levels off the plateau of one or more comparisons (seeds)."""
+    averaged over the levels off the plateau of one or more comparisons (seeds), and its standard
+    error over those levels."""
     gaps, names = [], []
     for comparison in comparisons:
         for level in comparison.headline_levels:
@@ -458,4 +459,6 @@ def within_layer_gap(comparisons: Sequence[Comparison]) -> tuple[list[str], list
             gaps.append(np.diag(reports["adamw"]["blocks"]["matrix"]) - np.diag(reports["muon"]["blocks"]["matrix"]))
     if not gaps:
         raise CurvlabError("no matched level off the unigram plateau to take the within-layer gap from")
-    return names, np.mean(gaps, axis=0).tolist()
+    gaps = np.array(gaps)
+    se = gaps.std(axis=0, ddof=1) / np.sqrt(len(gaps)) if len(gaps) > 1 else np.full(gaps.shape[1], np.nan)
+    return names, gaps.mean(axis=0).tolist(), se.tolist()
