@@ -50,15 +50,15 @@ def _difference(name: str, quantity: str, statement: str, paper: float | None, t
 
 # fmt: off
 CLAIMS: dict[str, Claim] = {c.name: c for c in [
-    _ratio("nds_ratio", "AdamW/Muon NDS at matched validation loss",
+    _ratio("nds_ratio", "AdamW/Muon NDS at matched validation loss, ratio of means",
            "Adam's NDS is about 1.76x Muon's", 1.76, "1.76", "greater"),
-    _ratio("first_order_ratio", "AdamW/Muon first-order gain I1 at matched loss",
+    _ratio("first_order_ratio", "AdamW/Muon first-order gain I1 at matched loss, ratio of means",
            "I1 about equal", None, "≈ 1", "about"),
-    _ratio("curvature_penalty_ratio", "AdamW/Muon curvature penalty I2 at matched loss",
+    _ratio("curvature_penalty_ratio", "AdamW/Muon curvature penalty I2 at matched loss, ratio of means",
            "Adam's I2 consistently above Muon's", None, "> 1", "greater"),
-    _ratio("update_norm_ratio", "AdamW/Muon update norm ||Z|| at matched loss",
+    _ratio("update_norm_ratio", "AdamW/Muon update norm ||Z|| at matched loss, ratio of means",
            "||Z||_F about equal", None, "≈ 1", "about"),
-    _ratio("nds_ratio_equal_step", "AdamW/Muon NDS at equal step (stable phase)",
+    _ratio("nds_ratio_equal_step", "AdamW/Muon NDS at equal step (stable phase), ratio of means",
            "(the paper compares at matched loss; same direction)", None, "> 1", "greater"),
     Claim("taylor_error_adamw", "AdamW: |predicted − realized| / max(|realized|, |I1|), median",
           "predicted ≈ realized decrease", None, "< 0.5", "less", 0.5),

@@ -167,7 +167,8 @@ def nds_and_norm_vs_loss(arms: dict[str, list], stem: str | Path, ratios: dict[s
         ax.legend(fontsize=7)
     if ratios:
         fig.suptitle(
-            f"AdamW/Muon NDS {_ci_text(ratios.get('nds_ratio'))} (hidden {_ci_text(ratios.get('nds_ratio_hidden'))}; "
+            f"AdamW/Muon NDS: ratio of means {_ci_text(ratios.get('nds_ratio'))}, median of ratios "
+            f"{_ci_text(ratios.get('nds_ratio_median'))} (hidden {_ci_text(ratios.get('nds_ratio_median_hidden'))}; "
             f"paper {CLAIMS['nds_ratio'].paper_text}); update norm {_ci_text(ratios.get('update_norm_ratio'))}; "
             "95% bootstrap intervals",
             fontsize=9,

@@ -225,24 +225,24 @@ class Summary:
 
 
 def claim_for(name: str) -> Claim:
-    """The paper's claim about headline quantity ``name``; the RMS-matched Muon arm's ratios inherit the
-    direction of the default arm's claim, without the paper's number (the paper did not run it)."""
+    """The paper's claim about headline quantity ``name``. Variants of a claimed ratio inherit its
+    direction: ``*_median`` (the median of per-level ratios, beside the ratio of means) keeps the
+    paper's number; ``*_moonlight`` (the RMS-matched Muon arm, which the paper did not run) does not."""
     if name in CLAIMS:
         return CLAIMS[name]
     base = name.removesuffix("_moonlight")
-    if base != name and base in CLAIMS:
-        c = CLAIMS[base]
-        return Claim(
-            name,
-            c.quantity.replace("AdamW/Muon", "AdamW/Muon-moonlight"),
-            c.statement,
-            None,
-            c.paper_text if c.paper is None else f"> {c.null:g}",  # only nds_ratio has a number: its direction
-            c.direction,
-            c.null,
-            c.band,
-        )
-    return Claim(name, name, "", None, "—", None)
+    moonlight = base != name
+    median = base.endswith("_median")
+    base = base.removesuffix("_median")
+    if base not in CLAIMS or not (moonlight or median):
+        return Claim(name, name, "", None, "—", None)
+    c = CLAIMS[base]
+    quantity = c.quantity.replace("AdamW/Muon", "AdamW/Muon-moonlight") if moonlight else c.quantity
+    if median:
+        quantity = quantity.replace("ratio of means", "median of per-level ratios")
+    paper = None if moonlight else c.paper
+    text = c.paper_text if paper is not None or c.paper is None else f"> {c.null:g}"  # the direction only
+    return Claim(name, quantity, c.statement, paper, text, c.direction, c.null, c.band)
 
 
 def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict], note: str = "") -> HeadlineEntry:
@@ -272,6 +272,21 @@ def _sides(comparison: Comparison, level):
     return (level.a, level.b) if comparison.numerator == "a" else (level.b, level.a)
 
 
+def _ratio_entries(
+    base: str, suffix: str, scope: str, groups, per_level, n_boot: int, note: str
+) -> list[HeadlineEntry]:
+    """Two estimates of one AdamW/Muon ratio from the same (numerator, denominator) rows: the ratio of
+    means (the paper's kind of average), and the median of the per-unit ratios, which one step outside
+    the quadratic regime (a loss spike, with NDS of either sign and hundreds of times the usual size)
+    cannot swing. No unit is dropped from either."""
+    mean = None if groups is None else st.estimate(groups, lambda g: st.ratio_of_means(g["levels"]), n_boot)
+    median = None if groups is None else st.estimate(groups, lambda g: st.median_ratio(g["levels"]), n_boot)
+    return [
+        _entry(base + suffix, scope, mean, per_level, note),
+        _entry(base + "_median" + suffix, scope, median, per_level, note),
+    ]
+
+
 def _matched_entries(data: LevelData, arm: str, n_boot: int) -> list[HeadlineEntry]:
     name = MATCHED[arm]
     records = data.matched(name)
@@ -295,8 +310,7 @@ def _matched_entries(data: LevelData, arm: str, n_boot: int) -> list[HeadlineEnt
                         {"seed": r.seed, "target": lv.target, "adamw": x, arm: y, "value": x / y if y else None}
                     )
                 groups["levels"].append(np.array(rows))
-            est = st.estimate(groups, lambda g: st.ratio_of_means(g["levels"]), n_boot) if usable else None
-            out.append(_entry(base + suffix, scope, est, per_level, why))
+            out += _ratio_entries(base, suffix, scope, groups if usable else None, per_level, n_boot, why)
     # each optimizer's share of ||Z||^2 in embedding + head, and the Taylor error at matched loss
     for side_name, pick in (("adamw", 0), (arm, 1)):
         if arm != "muon" and side_name == "adamw":
@@ -338,9 +352,9 @@ def _equal_step_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
             ]
             if rows:
                 groups["steps"].append(np.array(rows))
-        est = st.estimate(groups, lambda g: st.ratio_of_means(g["steps"]), n_boot) if groups["steps"] else None
-        note = "" if est else "no tracked step where both runs are in the stable phase and off the plateau"
-        out.append(_entry("nds_ratio_equal_step", scope, est, per_level, note))
+        usable = {"levels": groups["steps"]} if groups["steps"] else None
+        note = "" if usable else "no tracked step where both runs are in the stable phase and off the plateau"
+        out += _ratio_entries("nds_ratio_equal_step", "", scope, usable, per_level, n_boot, note)
     return out
 
 

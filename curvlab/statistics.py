@@ -119,6 +119,12 @@ def ratio_of_means(rows: np.ndarray) -> float:
     return float(rows[:, 0].sum() / den) if den else float("nan")
 
 
+def median_ratio(rows: np.ndarray) -> float:
+    """The median over units of ``rows[:, 0] / rows[:, 1]``: robust to a few units of extreme size."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.nanmedian(rows[:, 0] / rows[:, 1]))
+
+
 def mean(rows: np.ndarray) -> float:
     return float(rows[:, 0].mean())
 

@@ -66,7 +66,7 @@ def test_summary_schema(micro):
     out, _ = micro
     data = json.loads((out / "summary.json").read_text())
     names = {e["name"] for e in data["headline"]}
-    assert {"nds_ratio", "nds_ratio_moonlight", "nds_ratio_equal_step", "gap_change", "embed_head_share_adamw"} <= names
+    assert {"nds_ratio", "nds_ratio_median", "nds_ratio_moonlight", "nds_ratio_equal_step", "gap_change"} <= names
     for e in data["headline"]:
         assert {"name", "scope", "value", "ci95", "n_levels", "n_seeds", "per_level", "paper", "verdict"} <= set(e)
         assert e["scope"] in ("all", "hidden") and e["verdict"] in VERDICTS

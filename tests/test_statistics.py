@@ -42,6 +42,12 @@ def test_ratio_of_means_and_groups_resampled_independently():
     assert est.value == 1.0 and est.ci95[0] == pytest.approx(0.5) and est.ci95[1] == pytest.approx(1.5)
 
 
+def test_median_of_ratios_is_not_swung_by_one_extreme_unit():
+    rows = np.array([[2.0, 1.0], [4.0, 2.0], [6.0, 3.0], [-600.0, 1.0]])  # one spike of the other sign
+    assert st.median_ratio(rows) == 2.0
+    assert st.ratio_of_means(rows) == pytest.approx(-588.0 / 7.0)
+
+
 def test_fewer_than_two_seeds_gives_no_interval_and_no_verdict():
     est = st.estimate({"x": [np.array([[1.0], [2.0], [3.0]])]}, lambda g: st.mean(g["x"]))
     assert est.value == 2.0 and est.ci95 is None and est.n_seeds == 1
