@@ -209,11 +209,11 @@ PRESETS = {
         seeds=3,
         ckpt_every=4,
         sweep_ckpt_every=20,
-        val_windows=128,
+        val_windows=64,
         tune_steps=150,
         analysis_batches=4,
         track_interval=40,
-        track_batches=2,
+        track_batches=1,  # a trajectory mean already averages 10 checkpoints
         device="cpu",
     ),
     "paper": Preset(
