@@ -305,6 +305,12 @@ def compare(
     run_b: Path = typer.Argument(..., help="Second run directory."),
     levels: int = typer.Option(8, help="Matched validation-loss levels inside the range both runs reach."),
     tolerance: float = typer.Option(0.01, help="Largest relative validation-loss mismatch of a pair."),
+    phase: str = typer.Option(
+        "stable",
+        help="Which checkpoints may pair: stable (both in the schedule's stable phase: train with --schedule wsd), "
+        "multiplier (equal schedule multipliers) or any (matched loss alone, whatever the learning rate).",
+    ),
+    window: int = typer.Option(0, help="Average each level over this many neighbouring checkpoints on each side."),
     out: Path = typer.Option(Path("compare"), help="Output directory (compare.csv, compare.json, reports/)."),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
@@ -319,7 +325,9 @@ def compare(
 
     settings = _settings(blocks, batch, batches, dtype, "hvp", hvp_method)
     with distributed_context() as (rank, _):
-        result = compare_runs(run_a, run_b, out, levels, tolerance, settings, device, progress=not quiet and rank == 0)
+        result = compare_runs(
+            run_a, run_b, out, levels, tolerance, settings, device, not quiet and rank == 0, phase, window
+        )
     if rank != 0:
         return
     for message in result.refused:
@@ -489,24 +497,43 @@ def quadratic(
 @app.command()
 @one_line_errors
 def reproduce(
-    preset: str = typer.Option("quick", help="micro (seconds), quick (CPU, < 10 min) or paper (GPU)."),
+    preset: str = typer.Option(
+        "quick",
+        help="micro (seconds), quick (CPU, < 10 min), standard (CPU, < 1 h: 3 seeds, 4412 tokens) or paper (GPU).",
+    ),
     out: Path = typer.Option(None, help="Output directory [default: results/<preset>]; a re-run continues it."),
     fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),
     quiet: bool = typer.Option(False, help="No progress bars."),
 ) -> None:
-    """The whole reproduction: data, training, matched-loss analysis, quadratic model, figures, report.md."""
+    """The whole reproduction: data, tuning, training, matched-loss analysis, quadratic model, figures, report.md."""
+    from curvlab.report import value_cell
     from curvlab.reproduce import PRESETS, Reproduction
 
     if preset not in PRESETS:
         raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     out = out or Path("results") / preset
     summary = Reproduction(PRESETS[preset], out, fineweb, progress=not quiet).run()
-    r = summary["mean_ratios"]
-    typer.echo(
-        f"AdamW/Muon at matched loss: NDS {r['nds']:.2f}, first-order {r['first_order']:.2f}, "
-        f"curvature penalty {r['curvature_penalty']:.2f}, update norm {r['update_norm']:.2f}"
-    )
-    typer.echo(f"finished in {summary['seconds']:.0f} s; report: {out / 'report.md'}")
+    for name in ("nds_ratio", "update_norm_ratio", "nds_ratio_moonlight"):
+        for scope in ("all", "hidden"):
+            e = next((e for e in summary.headline if e.name == name and e.scope == scope), None)
+            if e is not None:
+                typer.echo(f"{e.quantity} ({scope}): {value_cell(e)}, paper {e.paper_text}: {e.verdict}")
+    typer.echo(f"finished in {summary.seconds:.0f} s; report: {out / 'report.md'}")
+
+
+@app.command("readme-results")
+@one_line_errors
+def readme_results(
+    results: Path = typer.Argument(..., help="A reproduction's output directory (with summary.json)."),
+    readme: Path = typer.Option(Path("README.md"), help="The README whose results section is rewritten."),
+    figures: Path = typer.Option(Path("docs/results"), help="Where the figures the README shows are copied."),
+    note: str = typer.Option("", help="A sentence to add after the timing line (e.g. how the machine was shared)."),
+) -> None:
+    """Regenerate the README's results section (table, caveats, figures) from a reproduction's summary.json."""
+    from curvlab.report import update_readme
+
+    update_readme(results, readme, figures, note)
+    typer.echo(f"rewrote the results section of {readme}; figures in {figures}")
 
 
 def main() -> None:

@@ -1,14 +1,36 @@
-"""Matched validation loss: pairing two runs' checkpoints at equal validation loss (SCIENCE.md section 3).
+"""Matched validation loss, in a chosen schedule phase: pairing two runs' checkpoints (SCIENCE.md
+sections 3 and 10).
 
-Optimizers are compared at equal validation loss, not at equal step. Target levels are spaced evenly
-inside the range both runs reach (or given); for each, each run contributes the checkpoint whose
-validation loss is nearest. A pair whose losses differ by more than ``tolerance`` (relative to the
-target) is refused, with a message saying how to get denser checkpoints.
+Optimizers are compared at equal validation loss, not at equal step. But the step Z contains the
+scheduled learning rate, so a pair that puts the faster optimizer at the start of its schedule and the
+slower one at the end of its decay compares learning rates, not optimizers. ``phase`` says which
+checkpoints may pair:
+
+* ``"stable"`` (what the reproduction uses): both checkpoints in their schedule's stable phase
+  (multiplier 1 after warmup: ``wsd`` before its cooldown, or ``constant``). A run without one
+  (``cosine``) is refused.
+* ``"multiplier"``: any two checkpoints whose schedule multipliers are equal (within
+  ``multiplier_tolerance``, relative).
+* ``"any"``: matched loss alone, whatever the schedule (the comparison the paper describes, and the
+  one the confound above affects).
+
+Every checkpoint records its step, the schedule multiplier and learning rate of the step it takes
+next, and its phase. For each target level the pair is the candidate (one checkpoint of each run,
+losses within ``tolerance`` of each other, relative) whose mean loss lies nearest the target; with a
+number of levels, the targets are spaced evenly over the loss range both runs reach in the phase,
+below the unigram plateau when its ceiling is given. A level at or above ``plateau_ceiling`` (by
+default :func:`plateau_ceiling`: within 5% of the unigram entropy of the validation data) is flagged
+``on_plateau``: there the models have learned only token frequencies, and NDS is tiny and changes sign;
+aggregates leave such levels out (they stay in the results).
+
+Each side of a pair carries a *window*: the matched checkpoint and up to ``window`` neighbours on each
+side in the same phase, over which the analysis averages (a single step's NDS is noisy).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +38,32 @@ import numpy as np
 from curvlab.checkpoint import read_index
 from curvlab.errors import CurvlabError
 
+PHASES = ("stable", "multiplier", "any")
+PLATEAU_FRACTION = 0.05  # a loss within 5% of the unigram entropy sits on the unigram plateau
+
+
+def plateau_ceiling(unigram_entropy: float, fraction: float = PLATEAU_FRACTION) -> float:
+    """The loss at and above which a model sits on the unigram plateau: ``(1 - fraction) * H_unigram``
+    (a model that has learned only token frequencies has loss H_unigram, in nats)."""
+    return (1 - fraction) * unigram_entropy
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint of a run, with the schedule of the step it takes next."""
+
+    step: int
+    val_loss: float
+    path: str
+    multiplier: float | None = None  # None: the run's schedule is unknown (no config.json)
+    lr: float | None = None  # the main parameter group's learning rate at this step (base lr x multiplier)
+    phase: str = "unknown"  # "warmup", "stable", "decay" or "unknown"
+
 
 @dataclass(frozen=True)
 class MatchedPair:
+    """Run A's and run B's checkpoints at one matched validation-loss level (and their windows)."""
+
     target: float
     step_a: int
     loss_a: float
@@ -26,6 +71,13 @@ class MatchedPair:
     step_b: int
     loss_b: float
     path_b: str
+    multiplier_a: float | None = None
+    multiplier_b: float | None = None
+    lr_a: float | None = None
+    lr_b: float | None = None
+    on_plateau: bool = False
+    window_a: tuple[Checkpoint, ...] = field(default=(), repr=False)
+    window_b: tuple[Checkpoint, ...] = field(default=(), repr=False)
 
     @property
     def mismatch(self) -> float:
@@ -33,29 +85,100 @@ class MatchedPair:
         return abs(self.loss_a - self.loss_b) / self.target
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "mismatch": self.mismatch}
+        d = asdict(self)
+        d["window_a"] = [asdict(c) for c in self.window_a]
+        d["window_b"] = [asdict(c) for c in self.window_b]
+        return {**d, "mismatch": self.mismatch}
 
 
 @dataclass(frozen=True)
 class Matching:
     pairs: list[MatchedPair]
     refused: list[str]  # one message per refused level
-    low: float
+    low: float  # the loss range both runs reach in the phase
     high: float
+    phase: str = "any"
+    plateau_ceiling: float | None = None  # losses at or above this are on the unigram plateau
 
 
-def run_losses(run_dir: str | Path) -> list[tuple[int, float, str]]:
-    """``(step, val_loss, checkpoint path)`` of every checkpoint of a run with a validation loss."""
+def _run_config(run_dir: Path):
+    from curvlab.train import TrainConfig
+
+    path = run_dir / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return TrainConfig.from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
+
+
+def run_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
+    """Every checkpoint of a run that has a validation loss, in step order, with its schedule (read
+    from the run's ``config.json``; without one, multiplier, lr and phase are unknown).
+
+    Raises:
+        CurvlabError: no checkpoints, or none with a validation loss.
+    """
+    from curvlab.train import lr_multiplier, schedule_phase
+
     run_dir = Path(run_dir)
     entries = read_index(run_dir)
     if not entries:
         raise CurvlabError(f"{run_dir}: no checkpoints (index.json is missing or empty)")
-    out = [
-        (e["step"], float(e["val_loss"]), str(run_dir / e["path"])) for e in entries if e.get("val_loss") is not None
-    ]
+    cfg = _run_config(run_dir)
+    base_lr = None if cfg is None else cfg.optimizer_options.get("lr")
+    out = []
+    for e in entries:
+        if e.get("val_loss") is None:
+            continue
+        step, path = int(e["step"]), str(run_dir / e["path"])
+        if cfg is None:
+            out.append(Checkpoint(step, float(e["val_loss"]), path))
+            continue
+        m = lr_multiplier(step, cfg)
+        out.append(
+            Checkpoint(
+                step, float(e["val_loss"]), path, m, None if base_lr is None else base_lr * m, schedule_phase(step, cfg)
+            )
+        )
     if not out:
         raise CurvlabError(f"{run_dir}: no checkpoint has a validation loss")
     return out
+
+
+def run_losses(run_dir: str | Path) -> list[tuple[int, float, str]]:
+    """``(step, val_loss, checkpoint path)`` of every checkpoint of a run with a validation loss."""
+    return [(c.step, c.val_loss, c.path) for c in run_checkpoints(run_dir)]
+
+
+def in_phase(checkpoints: list[Checkpoint], phase: str, run: str | Path, min_step: int = 1) -> list[Checkpoint]:
+    """The checkpoints (at step >= ``min_step``) that may pair under ``phase``.
+
+    Raises:
+        CurvlabError: an unknown phase; for ``"stable"``/``"multiplier"``, a run whose schedule is
+            unknown, or (``"stable"``) one with no checkpoint in its stable phase.
+    """
+    if phase not in PHASES:
+        raise CurvlabError(f"unknown phase {phase!r}; choose one of {', '.join(PHASES)}")
+    kept = [c for c in checkpoints if c.step >= min_step]
+    if phase != "any" and any(c.multiplier is None for c in kept):
+        raise CurvlabError(f"{run}: no config.json, so its schedule is unknown; match with phase 'any'")
+    if phase == "stable":
+        kept = [c for c in kept if c.phase == "stable"]
+        if not kept:
+            raise CurvlabError(
+                f"{run} never reaches a stable phase with a checkpoint (a cosine schedule has none): train with "
+                "--schedule wsd (or constant), or match with phase 'multiplier' or 'any'"
+            )
+    if not kept:
+        raise CurvlabError(f"no checkpoint at step >= {min_step} in {run}")
+    return kept
+
+
+def window(checkpoints: list[Checkpoint], i: int, width: int) -> tuple[Checkpoint, ...]:
+    """``checkpoints[i]`` and up to ``width`` neighbours on each side (fewer at the ends)."""
+    return tuple(checkpoints[max(0, i - width) : i + width + 1])
 
 
 def match_runs(
@@ -64,40 +187,101 @@ def match_runs(
     levels: int | list[float] = 8,
     tolerance: float = 0.01,
     min_step: int = 1,
+    phase: str = "any",
+    plateau_ceiling: float | None = None,
+    window_width: int = 0,
+    multiplier_tolerance: float = 0.02,
 ) -> Matching:
-    """Pair the checkpoints of two runs at matched validation loss.
+    """Pair the checkpoints of two runs at matched validation loss, in a schedule phase (module docstring).
 
     Args:
-        levels: how many evenly spaced targets inside the common range, or the targets themselves.
+        levels: how many evenly spaced targets inside the common range (below ``plateau_ceiling``), or
+            the targets themselves.
         tolerance: largest accepted relative mismatch |L_a - L_b| / target.
         min_step: ignore checkpoints before this step (step 0 is the shared initialization).
+        phase: ``"stable"``, ``"multiplier"`` or ``"any"``.
+        plateau_ceiling: levels at or above this loss are flagged ``on_plateau`` (see :func:`plateau_ceiling`).
+        window_width: neighbours on each side of a matched checkpoint in its window.
+        multiplier_tolerance: for ``phase="multiplier"``, the largest relative multiplier difference.
 
     Raises:
-        CurvlabError: runs without checkpoints, or whose validation losses never overlap.
+        CurvlabError: runs without checkpoints, without a stable phase (``"stable"``), or whose
+            validation losses never overlap in the phase.
     """
-    a = [x for x in run_losses(run_a) if x[0] >= min_step]
-    b = [x for x in run_losses(run_b) if x[0] >= min_step]
-    if not a or not b:
-        raise CurvlabError(f"no checkpoint at step >= {min_step} in {run_a if not a else run_b}")
-    la, lb = np.array([x[1] for x in a]), np.array([x[1] for x in b])
+    a = in_phase(run_checkpoints(run_a), phase, run_a, min_step)
+    b = in_phase(run_checkpoints(run_b), phase, run_b, min_step)
+    la, lb = np.array([c.val_loss for c in a]), np.array([c.val_loss for c in b])
     low, high = max(la.min(), lb.min()), min(la.max(), lb.max())
+    where = "" if phase == "any" else f" in the {phase} phase" if phase == "stable" else " at equal multipliers"
     if low > high:
         raise CurvlabError(
-            f"the validation losses never overlap: {run_a} spans [{la.min():.4f}, {la.max():.4f}], "
+            f"the validation losses never overlap{where}: {run_a} spans [{la.min():.4f}, {la.max():.4f}], "
             f"{run_b} spans [{lb.min():.4f}, {lb.max():.4f}]"
         )
-    targets = np.linspace(high, low, levels) if isinstance(levels, int) else np.asarray(levels, dtype=float)
-    pairs, refused, seen = [], [], set()
-    for t in targets:
-        i, j = int(np.abs(la - t).argmin()), int(np.abs(lb - t).argmin())
-        pair = MatchedPair(float(t), a[i][0], a[i][1], a[i][2], b[j][0], b[j][1], b[j][2])
-        if pair.mismatch > tolerance:
+    ceiling = plateau_ceiling
+    # candidate pairs: losses within tolerance of each other (and, for "multiplier", equal multipliers)
+    mismatch = np.abs(la[:, None] - lb[None, :]) / ((la[:, None] + lb[None, :]) / 2)
+    allowed = mismatch <= tolerance
+    if phase == "multiplier":
+        ma, mb = np.array([c.multiplier for c in a]), np.array([c.multiplier for c in b])
+        allowed &= np.abs(ma[:, None] - mb[None, :]) <= multiplier_tolerance * np.maximum(ma[:, None], mb[None, :])
+    ii, jj = np.nonzero(allowed)
+    centres = (la[ii] + lb[jj]) / 2
+    inside = (centres >= low) & (centres <= high)
+    if isinstance(levels, int) and ceiling is not None:  # spaced targets stay off the plateau
+        inside &= centres < ceiling
+    ii, jj, centres = ii[inside], jj[inside], centres[inside]
+    if isinstance(levels, int):
+        top = high if ceiling is None else min(high, ceiling)
+        if top <= low:
+            return Matching(
+                [],
+                [
+                    f"the common range{where} [{low:.4f}, {high:.4f}] lies on the unigram plateau "
+                    f"(losses >= {ceiling:.4f})"
+                ],
+                float(low),
+                float(high),
+                phase,
+                plateau_ceiling,
+            )
+        targets = np.linspace(top, low, levels)
+        reach = [(top - low) / max(1, levels - 1) / 2] * levels
+    else:
+        targets = np.asarray(levels, dtype=float)
+        reach = [tolerance * t for t in targets]
+    pairs, refused, used_a, used_b = [], [], set(), set()
+    for t, r in zip(targets, reach):
+        order = np.argsort(np.abs(centres - t) + 1e-9 * mismatch[ii, jj])
+        # each checkpoint is the centre of one level at most, so that no window counts twice
+        free = (k for k in order if ii[k] not in used_a and jj[k] not in used_b)
+        pick = next((k for k in free if abs(centres[k] - t) <= r), None)
+        if pick is None:
             refused.append(
-                f"level {t:.4f}: nearest checkpoints differ by {pair.mismatch:.1%} (> {tolerance:.1%}): "
-                f"step {pair.step_a} at {pair.loss_a:.4f} vs step {pair.step_b} at {pair.loss_b:.4f}; "
+                f"level {t:.4f}: no pair of checkpoints{where} within {tolerance:.1%} of each other near it; "
                 "save denser checkpoints (a smaller --ckpt-every) or raise --tolerance"
             )
-        elif (pair.step_a, pair.step_b) not in seen:
-            seen.add((pair.step_a, pair.step_b))
-            pairs.append(pair)
-    return Matching(pairs, refused, float(low), float(high))
+            continue
+        i, j = int(ii[pick]), int(jj[pick])
+        used_a.add(i)
+        used_b.add(j)
+        target = float((la[i] + lb[j]) / 2)
+        pairs.append(
+            MatchedPair(
+                target,
+                a[i].step,
+                a[i].val_loss,
+                a[i].path,
+                b[j].step,
+                b[j].val_loss,
+                b[j].path,
+                a[i].multiplier,
+                b[j].multiplier,
+                a[i].lr,
+                b[j].lr,
+                ceiling is not None and target >= ceiling,
+                window(a, i, window_width),
+                window(b, j, window_width),
+            )
+        )
+    return Matching(pairs, refused, float(low), float(high), phase, plateau_ceiling)

@@ -17,8 +17,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from curvlab.atomic import atomic_write_with
+from curvlab.paper import CLAIMS
 
-COLORS = {"muon": "tab:blue", "adamw": "tab:orange", "gd": "tab:orange", "adam": "tab:red", "sign": "tab:green"}
+COLORS = {
+    "muon": "tab:blue",
+    "adamw": "tab:orange",
+    "gd": "tab:orange",
+    "adam": "tab:red",
+    "sign": "tab:green",
+    "muon-moonlight": "tab:purple",
+}
 
 
 def save_figure(fig, stem: str | Path) -> list[Path]:
@@ -35,7 +43,7 @@ def save_figure(fig, stem: str | Path) -> list[Path]:
 
 
 def _color(name: str) -> str:
-    return COLORS.get(name.split("-")[0])
+    return COLORS.get(name, COLORS.get(name.split("-")[0]))
 
 
 def quadratic_trajectories(result: dict[str, Any], stem: str | Path) -> list[Path]:
@@ -81,20 +89,38 @@ def quadratic_phase(result: dict[str, Any], stem: str | Path) -> list[Path]:
     return save_figure(fig, stem)
 
 
-def _pair_arrays(compare: dict[str, Any], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(matched loss, value for Muon, value for AdamW) along the matched pairs of a compare.json."""
-    rows = sorted(compare["pairs"], key=lambda r: -r["target"])
-    muon, adam = ("a", "b") if compare["optimizers"][0] == "muon" else ("b", "a")
-    return (
-        np.array([r["target"] for r in rows]),
-        np.array([r[f"{key}_{muon}"] for r in rows]),
-        np.array([r[f"{key}_{adam}"] for r in rows]),
-    )
+def _side_arrays(comparisons, key: str, pick: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(matched loss, window mean, window standard error) of one side (0: AdamW, 1: the Muon arm) of
+    every level off the plateau, over the comparisons of all seeds."""
+    x, y, err = [], [], []
+    for c in comparisons:
+        for lv in c.headline_levels:
+            side = ((lv.a, lv.b) if c.numerator == "a" else (lv.b, lv.a))[pick]
+            x.append(lv.target)
+            y.append(side.mean[key])
+            e = side.stderr[key]
+            err.append(0.0 if np.isnan(e) else e)
+    return np.array(x), np.array(y), np.array(err)
 
 
-def taylor_split_vs_loss(compare: dict[str, Any], stem: str | Path) -> list[Path]:
+def _matched_points(ax, comparisons, key: str, pick: int, label: str, color: str, marker: str = "o") -> np.ndarray:
+    x, y, err = _side_arrays(comparisons, key, pick)
+    ax.errorbar(x, y, yerr=err, fmt=marker, ms=4, capsize=2, color=color, label=label, alpha=0.85)
+    return y
+
+
+def _symlog(ax, values: list[np.ndarray]) -> None:
+    """A symmetric log scale (linear near zero) when values span decades or change sign, as NDS does."""
+    y = np.abs(np.concatenate(values))
+    y = y[np.isfinite(y) & (y > 0)]
+    if y.size and y.max() > 30 * np.median(y):
+        ax.set_yscale("symlog", linthresh=float(np.median(y)) / 2)
+
+
+def taylor_split_vs_loss(comparisons, stem: str | Path) -> list[Path]:
     """Paper figure 1: realized vs predicted one-step decrease, first-order gain and curvature
-    penalty, Adam vs Muon, against the matched validation loss."""
+    penalty of AdamW and Muon against the matched validation loss; one point per seed and level (a
+    window mean), with the window's standard error as its bar."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     panels = [
         (("realized", "predicted"), "one-step decrease ΔD"),
@@ -102,58 +128,117 @@ def taylor_split_vs_loss(compare: dict[str, Any], stem: str | Path) -> list[Path
         (("curvature_penalty",), "curvature penalty I2 = ½<Z,HZ>"),
     ]
     for ax, (keys, title) in zip(axes, panels):
+        values = []
         for key in keys:
-            x, muon, adam = _pair_arrays(compare, key)
-            style = "o-" if key != "predicted" else "x--"
-            ax.plot(x, muon, style, color=COLORS["muon"], label=f"Muon {key}")
-            ax.plot(x, adam, style, color=COLORS["adamw"], label=f"AdamW {key}")
+            marker = "o" if key != "predicted" else "x"
+            values.append(_matched_points(ax, comparisons, key, 1, f"Muon {key}", COLORS["muon"], marker))
+            values.append(_matched_points(ax, comparisons, key, 0, f"AdamW {key}", COLORS["adamw"], marker))
+        _symlog(ax, values)
         ax.set(xlabel="matched validation loss", title=title)
         ax.invert_xaxis()
         ax.legend(fontsize=7)
     return save_figure(fig, stem)
 
 
-def nds_and_norm_vs_loss(compare: dict[str, Any], stem: str | Path) -> list[Path]:
-    """Paper figure 2: NDS and update norm ||Z||_F against the matched validation loss."""
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for ax, (key, title) in zip(axes, [("nds", "NDS <Z,HZ>/||Z||²"), ("update_norm", "update norm ||Z||_F")]):
-        x, muon, adam = _pair_arrays(compare, key)
-        ax.plot(x, muon, "o-", color=COLORS["muon"], label="Muon")
-        ax.plot(x, adam, "o-", color=COLORS["adamw"], label="AdamW")
+def _ci_text(entry) -> str:
+    if entry is None or entry.value is None:
+        return "n/a"
+    ci = "" if entry.ci95 is None else f" [{entry.ci95[0]:.3g}, {entry.ci95[1]:.3g}]"
+    return f"{entry.value:.3g}{ci}"
+
+
+def nds_and_norm_vs_loss(arms: dict[str, list], stem: str | Path, ratios: dict[str, Any] | None = None) -> list[Path]:
+    """Paper figure 2: NDS (all parameters and hidden matrices) and update norm ||Z||_F against the
+    matched validation loss, for AdamW and every Muon arm (``{arm: comparisons over seeds}``), with
+    window standard errors; ``ratios`` (headline entries by name) puts the ratios and intervals in the title."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [("nds", "NDS, all parameters"), ("hidden_nds", "NDS, hidden matrices"), ("update_norm", "||Z||_F")]
+    for ax, (key, title) in zip(axes, panels):
+        values = []
+        for i, (arm, comparisons) in enumerate(arms.items()):
+            if i == 0:
+                values.append(_matched_points(ax, comparisons, key, 0, "AdamW", COLORS["adamw"]))
+            marker = "s" if "moonlight" in arm else "o"
+            values.append(_matched_points(ax, comparisons, key, 1, arm, _color(arm), marker))
+        if "nds" in key:
+            _symlog(ax, values)
         ax.set(xlabel="matched validation loss", title=title)
         ax.invert_xaxis()
+        ax.legend(fontsize=7)
+    if ratios:
+        fig.suptitle(
+            f"AdamW/Muon NDS: ratio of means {_ci_text(ratios.get('nds_ratio'))}, median of ratios "
+            f"{_ci_text(ratios.get('nds_ratio_median'))} (hidden {_ci_text(ratios.get('nds_ratio_median_hidden'))}; "
+            f"paper {CLAIMS['nds_ratio'].paper_text}); update norm {_ci_text(ratios.get('update_norm_ratio'))}; "
+            "95% bootstrap intervals",
+            fontsize=9,
+        )
+    return save_figure(fig, stem)
+
+
+def zipf_nds(points: list, stem: str | Path, gap=None) -> list[Path]:
+    """Paper figure 3: trajectory-mean NDS normalized by Muon's at the first s, against the Zipf
+    exponent s, with 95% bootstrap intervals (the baseline's own uncertainty included); one panel per scope."""
+    scopes = sorted({p.scope for p in points})
+    fig, axes = plt.subplots(1, len(scopes), figsize=(4.8 * len(scopes), 3.6), squeeze=False)
+    for ax, scope in zip(axes[0], scopes):
+        for arm in sorted({p.arm for p in points}):
+            pts = sorted((p for p in points if p.arm == arm and p.scope == scope), key=lambda p: p.s)
+            s = np.array([p.s for p in pts])
+            y = np.array([p.value for p in pts])
+            lo = np.array([p.ci95[0] if p.ci95 else p.value for p in pts])
+            hi = np.array([p.ci95[1] if p.ci95 else p.value for p in pts])
+            ax.errorbar(s, y, yerr=[y - lo, hi - y], fmt="o-", capsize=3, color=_color(arm), label=arm)
+        if scope == "all":  # the paper's values (all parameters), from curvlab.paper
+            for arm, (s0, s1) in PAPER_ZIPF.items():
+                ax.plot([0.0, 1.0], [s0, s1], "D", mfc="none", color=_color(arm), label=f"{arm} (paper)")
+        ax.set(xlabel="Zipf exponent s", ylabel="NDS / NDS(Muon, first s)", title=f"trajectory-mean NDS ({scope})")
         ax.legend(fontsize=8)
-    fig.suptitle(f"mean AdamW/Muon NDS ratio {compare['mean_ratios']['nds']:.2f}", fontsize=9)
+    if gap is not None:
+        fig.suptitle(f"gap growth (s = last minus first): {_ci_text(gap)}", fontsize=9)
     return save_figure(fig, stem)
 
 
-def zipf_nds(zipf: dict[str, Any], stem: str | Path) -> list[Path]:
-    """Paper figure 3: trajectory-averaged NDS normalized by Muon at s = 0, against the Zipf exponent s,
-    and the Adam-Muon gap."""
-    s = np.array(zipf["s"])
-    muon, adam = np.array(zipf["normalized"]["muon"]), np.array(zipf["normalized"]["adamw"])
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    axes[0].plot(s, muon, "o-", color=COLORS["muon"], label="Muon")
-    axes[0].plot(s, adam, "o-", color=COLORS["adamw"], label="AdamW")
-    axes[0].set(xlabel="Zipf exponent s", ylabel="NDS / NDS(Muon, s=0)", title="trajectory-averaged NDS")
-    axes[0].legend(fontsize=8)
-    axes[1].plot(s, adam - muon, "o-", color="k")
-    axes[1].set(xlabel="Zipf exponent s", title="gap AdamW − Muon")
-    return save_figure(fig, stem)
+PAPER_ZIPF = {
+    "muon": (1.0, CLAIMS["normalized_nds_muon_s1"].paper),
+    "adamw": (CLAIMS["normalized_nds_adamw_s0"].paper, CLAIMS["normalized_nds_adamw_s1"].paper),
+}
 
 
-def layer_split_over_training(tracks: dict[str, list[dict[str, Any]]], stem: str | Path) -> list[Path]:
-    """Paper figure 4: within- and cross-layer NDS over training, and rho_within, per optimizer."""
+def layer_split_over_training(tracks: dict[str, list], stem: str | Path) -> list[Path]:
+    """Paper figure 4: within- and cross-layer NDS over training, and rho_within, per optimizer
+    (``{arm: TrackRecords over seeds}``): the mean over seeds, with a band from the lowest to the highest seed."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for name, rows in tracks.items():
-        step = [r["step"] for r in rows]
-        color = COLORS.get(name)
-        axes[0].plot(step, [r["within"] for r in rows], "o-", color=color, label=name)
-        axes[1].plot(step, [r["cross"] for r in rows], "o-", color=color, label=name)
-        axes[2].plot(step, [r["rho_within"] for r in rows], "o-", color=color, label=name)
+    for name, records in tracks.items():
+        color = _color(name)
+        for ax, key in zip(axes, ("within", "cross", "rho_within")):
+            steps = sorted(set.intersection(*({r["step"] for r in t.rows} for t in records)))
+            values = np.array([[next(r[key] for r in t.rows if r["step"] == k) for k in steps] for t in records])
+            ax.plot(steps, values.mean(0), "o-", ms=3, color=color, label=f"{name} ({len(records)} seeds)")
+            ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.2)
     for ax, title in zip(axes, ["within-layer NDS", "cross-layer NDS", "rho_within = within / NDS"]):
         ax.set(xlabel="step", title=title)
         ax.legend(fontsize=8)
+    axes[2].set_ylim(-1, 2)
+    return save_figure(fig, stem)
+
+
+def tuning_grids(tuning: dict[str, Any], stem: str | Path) -> list[Path]:
+    """Final validation loss against the learning rate for every tuned grid, with the standard error
+    over seeds as bars and the chosen point ringed."""
+    searches = tuning["searches"]
+    fig, axes = plt.subplots(1, len(searches), figsize=(3.6 * len(searches), 3.2), squeeze=False)
+    for ax, (name, s) in zip(axes[0], searches.items()):
+        lrs = [float(k) for k in s["grid"]]
+        mean = np.array([s["mean"][k] for k in s["grid"]])
+        se = np.array([0.0 if not np.isfinite(s["stderr"][k]) else s["stderr"][k] for k in s["grid"]])
+        finite = np.isfinite(mean)
+        color = _color(name.split(".")[0])
+        ax.errorbar(np.array(lrs)[finite], mean[finite], yerr=se[finite], fmt="o-", capsize=3, color=color)
+        ax.plot([s["chosen"]], [s["mean"][f"{s['chosen']:g}"]], "o", ms=12, mfc="none", color="k")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel=name, ylabel="final validation loss")
+    fig.suptitle(f"learning-rate grids ({tuning['horizon_steps']}-step runs, seeds {tuning['seeds']})", fontsize=9)
     return save_figure(fig, stem)
 
 
@@ -172,11 +257,13 @@ def block_heatmaps(reports: dict[str, dict[str, Any]], stem: str | Path) -> list
     return save_figure(fig, stem)
 
 
-def within_gap_by_layer(names: list[str], gap: list[float], stem: str | Path) -> list[Path]:
+def within_gap_by_layer(names: list[str], gap: list[float], stem: str | Path, stderr: list[float] | None = None):
     """Beyond the paper: the within-layer NDS gap AdamW − Muon per block (diagonal of M), averaged over
-    matched levels. The paper reports most of it in the first and last layers."""
+    matched levels, with its standard error over levels as bars. The paper reports most of it in the
+    first and last layers."""
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    ax.bar(range(len(names)), gap, color=["tab:red" if g > 0 else "tab:blue" for g in gap])
+    colors = ["tab:red" if g > 0 else "tab:blue" for g in gap]
+    ax.bar(range(len(names)), gap, yerr=None if stderr is None else np.nan_to_num(stderr), capsize=3, color=colors)
     ax.set_xticks(range(len(names)), names, rotation=45, fontsize=8)
     ax.axhline(0, color="k", lw=0.8)
     ax.set(ylabel="M[l,l]: AdamW − Muon", title="within-layer NDS gap per block")
@@ -243,3 +330,34 @@ def curvature_during_training(tracks: dict[str, list[dict[str, Any]]], stem: str
         ax.set(xlabel="step", title=title)
         ax.legend(fontsize=7)
     return save_figure(fig, stem)
+
+
+def reproduction_figures(data, summary, tuning: dict[str, Any], quadratic: dict[str, Any], out: str | Path):
+    """Every figure of a reproduction, from its per-level data (:class:`curvlab.results.LevelData`),
+    summary, tuning and quadratic results; returns ``{figure family: paths}``."""
+    from curvlab.studies import pair_reports, within_layer_gap
+
+    out = Path(out)
+    s0 = data.s_values[0]
+    arms = {}
+    for r in data.comparisons:
+        if r.comparison is not None and r.comparison.headline_levels:
+            arms.setdefault(r.name.split("/")[1], []).append(r.comparison)
+    entries = {e.name + ("" if e.scope == "all" else "_hidden"): e for e in summary.headline}
+    written = {"tuning": tuning_grids(tuning, out / "tuning_grids")}
+    if "muon" in arms:
+        written["taylor_split"] = taylor_split_vs_loss(arms["muon"], out / "fig1_taylor_split")
+        written["nds_norm"] = nds_and_norm_vs_loss(arms, out / "fig2_nds_update_norm", entries)
+        level = next(lv for c in arms["muon"] for lv in c.headline_levels[len(c.headline_levels) // 2 :])
+        written["heatmap"] = block_heatmaps(pair_reports(level), out / "block_matrix_heatmap")
+        names, gap, se = within_layer_gap(arms["muon"])
+        written["within_gap"] = within_gap_by_layer(names, gap, out / "within_gap_by_layer", se)
+    if summary.zipf:
+        written["zipf"] = zipf_nds(summary.zipf, out / "fig3_zipf_nds", entries.get("gap_change"))
+    tracks = {arm: data.track(arm, s0) for arm in ("muon", "adamw") if data.track(arm, s0)}
+    if tracks:
+        written["layers"] = layer_split_over_training(tracks, out / "fig4_within_cross")
+    written["quadratic"] = quadratic_trajectories(quadratic, out / "fig7_quadratic_trajectories") + quadratic_phase(
+        quadratic, out / "fig7_quadratic_phase"
+    )
+    return written

@@ -1,47 +1,78 @@
-"""The main job: reproduce the paper's curvature analysis end to end, from data to report.
+"""The main job: reproduce the paper's curvature analysis end to end, fairly, from data to report.
 
 Stages, each skipped when its output already exists with the same settings (so an interrupted run,
-started again, continues from what is done):
+started again, continues from what is done), each timed (``timing.json``):
 
 1. data: Zipf-PCFG at each s (training at s, validation at s = 0);
-2. tuning: at s = 0, each optimizer trains once per learning rate of its grid; the best final
-   validation loss wins, and the grid and the choice are recorded (``tuning.json``);
-3. training: each optimizer at its chosen learning rate on the other values of s;
-4. analysis: Muon vs AdamW at matched validation loss on s = 0 (``compare``), and every run along its
-   trajectory (``track``), from which the trajectory-averaged NDS per s (``zipf.json``);
-5. the quadratic model; 6. figures; 7. ``report.md`` with our numbers beside the paper's.
+2. tune: at the first s, each optimizer arm's learning rate on a log2 grid of short runs with the
+   same schedule shape, several seeds per point, the grid extended while its best point sits at an
+   edge (:mod:`curvlab.tuning`). The arms are AdamW, Muon (the hybrid: Muon on the hidden matrices,
+   AdamW on the rest) and the step-size control Muon with RMS-matched scaling (``scale="moonlight"``),
+   all tuned alike. The hybrids' Adam-side learning rate is tied to AdamW's tuned value, or tuned on
+   its own grid (``adam_side``); ``tuning.json`` holds every grid;
+3. train: every arm and seed at the first s (dense checkpoints, for matched levels), AdamW and Muon
+   at the other s (for trajectories), all with a warmup-stable-decay schedule;
+4. compare: per seed, AdamW against each Muon arm at matched validation loss inside the stable
+   phase (:mod:`curvlab.match`), each level averaged over a window of neighbouring checkpoints;
+5. track: AdamW and Muon along their trajectories at every s (the Zipf sweep, rho_within over
+   training, the equal-step comparison);
+6. ``analysis/levels.json``, everything measured (:class:`curvlab.results.LevelData`), and from it
+   alone the headline with bootstrap intervals and verdicts (:func:`curvlab.results.headline`);
+7. the quadratic model; 8. figures; 9. ``summary.json`` and ``report.md``.
 
-Presets: ``micro`` (the test suite's, well under a minute), ``quick`` (the CPU default, under ten
-minutes on two cores) and ``paper`` (a GPU: ``pcfg-9m`` on the s sweep, and ``gpt2-124m`` on FineWeb
-shards the user provides).
+Presets: ``micro`` (the test suite's, seconds), ``quick`` (the CPU default, ten minutes on two cores:
+everything at reduced size), ``standard`` (CPU, within an hour: three seeds, the paper's 4412-token
+grammar) and ``paper`` (a GPU: ``pcfg-9m`` on the s sweep, and ``gpt2-124m`` on FineWeb shards the
+user provides).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
+import math
+import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import torch
 
 from curvlab.analysis import AnalysisSettings
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
-from curvlab.data.dataset import generate_pcfg_dataset
+from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.errors import CurvlabError
-from curvlab.studies import compare_runs, pair_reports, track_run, within_layer_gap
-from curvlab.train import TrainConfig, train
+from curvlab.match import PLATEAU_FRACTION, plateau_ceiling
+from curvlab.paper import REFERENCE_TRAINING
+from curvlab.results import ComparisonRecord, LevelData, Summary, TrackRecord, headline, taylor_counts
+from curvlab.studies import compare_runs, track_run
+from curvlab.train import TrainConfig, TrainingDiverged, train
+from curvlab.tuning import TUNING_SCHEMA_VERSION, LrSearch, log2_grid, search_lr
 
-OPTIMIZERS = ("muon", "adamw")
-# SCIENCE.md section 4: the paper's 124M FineWeb numbers, and its Zipf-PCFG sweep.
-PAPER = {
-    "nds_ratio": 1.76,
-    "normalized_nds": {"muon": {0.0: 1.00, 1.0: 1.25}, "adamw": {0.0: 1.63, 1.0: 2.38}},
-    "gap": {0.0: 0.63, 1.0: 1.13},
-    "rho_within": {"muon": (0.14, 0.44), "adamw": (0.27, 0.34)},
+ADAM_SIDES = ("tied", "tuned")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One optimizer as compared: a ``build_optimizer`` name and the options that set it apart."""
+
+    name: str
+    optimizer: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hybrid(self) -> bool:
+        """Muon on the hidden matrices with an AdamW side (whose lr is ``adam_lr``)."""
+        return self.optimizer == "muon"
+
+
+ARMS = {
+    "adamw": Arm("adamw", "adamw"),
+    "muon": Arm("muon", "muon"),
+    # the step-size control: RMS-matched scaling 0.2 sqrt(max(rows, cols)) (SCIENCE.md section 10, width)
+    "muon-moonlight": Arm("muon-moonlight", "muon", {"scale": "moonlight"}),
 }
 
 
@@ -57,43 +88,89 @@ class Preset:
     steps: int = 200
     batch_size: int = 16
     warmup_steps: int = 10
-    ckpt_every: int = 20
-    val_windows: int = 32
-    lr_grid: dict[str, tuple[float, ...]] = field(
-        default_factory=lambda: {"muon": (0.02, 0.04), "adamw": (0.002, 0.004)}
+    schedule: str = "wsd"
+    cooldown_frac: float = 0.2
+    seeds: int = 3  # per arm, for the headline
+    arms: tuple[str, ...] = ("adamw", "muon", "muon-moonlight")  # at the first s
+    sweep_arms: tuple[str, ...] = ("adamw", "muon")  # at every s
+    ckpt_every: int = 2  # at the first s: matched levels at a 1% tolerance need dense checkpoints
+    sweep_ckpt_every: int = 10  # at the other s (trajectories only)
+    val_windows: int = 64
+    # tuning (at the first s)
+    lr_centers: dict[str, float] = field(
+        default_factory=lambda: {"adamw": 0.004, "muon": 0.02, "muon-moonlight": 0.004}
     )
+    grid_points: int = 5
+    tune_seeds: int = 2
+    tune_steps: int = 100
+    max_extensions: int = 3
+    adam_side: str = "tied"  # the hybrids' Adam-side lr: tied to AdamW's tuned lr, or tuned on its own grid
+    # matched comparison
+    phase: str = "stable"
+    plateau_fraction: float = PLATEAU_FRACTION  # levels within this fraction of the unigram entropy are flagged
     compare_levels: int = 6
-    tolerance: float = 0.03
-    analysis_batches: int = 2  # G, H and ΔD on the step's batch and the next (a loss spike in one small
-    # batch can dominate the curvature; the step Z is always the real one)
-    track_every: int = 2
+    tolerance: float = 0.01
+    window: int = 1  # neighbours on each side of a matched checkpoint
+    analysis_batches: int = 4  # G, H and ΔD on the step's batch and the next ones
+    # trajectories
+    track_interval: int = 20  # steps between tracked checkpoints
+    track_batches: int = 2
+    n_boot: int = 2000  # bootstrap replicates per interval
     quadratic: dict[str, Any] = field(default_factory=dict)
     fineweb: bool = False  # the paper preset also trains gpt2-124m on FineWeb shards
     fineweb_model: str = "gpt2-124m"
     fineweb_model_overrides: dict[str, Any] = field(default_factory=dict)
-    fineweb_steps: int = 5100  # SCIENCE.md section 4: the modded-nanogpt comparison
+    fineweb_steps: int = REFERENCE_TRAINING["steps"]  # SCIENCE.md section 4: the modded-nanogpt comparison
     fineweb_batch_size: int = 512  # x 1024 tokens = 524k tokens per step
-    fineweb_lr: dict[str, float] = field(default_factory=lambda: {"muon": 0.02, "adamw": 0.0018})
+    fineweb_lr: dict[str, float] = field(default_factory=lambda: dict(_PAPER_LR))
+    fineweb_ckpt_every: int = 250  # a gpt2-124m checkpoint with AdamW state is ~1.5 GB
     device: str = "auto"
 
+    def validate(self) -> None:
+        if self.adam_side not in ADAM_SIDES:
+            raise CurvlabError(f"adam_side must be one of {', '.join(ADAM_SIDES)}, got {self.adam_side!r}")
+        unknown = sorted(set(self.arms) - set(ARMS))
+        if unknown or "adamw" not in self.arms or "muon" not in self.arms:
+            raise CurvlabError(f"arms must include adamw and muon, from {', '.join(ARMS)}; got {self.arms}")
+        if not set(self.sweep_arms) <= set(self.arms):
+            raise CurvlabError(f"sweep_arms {self.sweep_arms} must be among arms {self.arms}")
+        for name, every in (("ckpt_every", self.ckpt_every), ("sweep_ckpt_every", self.sweep_ckpt_every)):
+            if self.track_interval % every:
+                raise CurvlabError(f"track_interval {self.track_interval} is not a multiple of {name} {every}")
+        if self.seeds < 1 or self.tune_seeds < 1 or self.grid_points < 2:
+            raise CurvlabError("a preset needs seeds >= 1, tune_seeds >= 1 and grid_points >= 2")
 
+
+_PAPER_LR = {arm: REFERENCE_TRAINING[arm]["lr"] for arm in ("muon", "adamw")}
+_MICRO_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 320}
 PRESETS = {
     "micro": Preset(
         "micro",
-        model_overrides={"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 320},
+        model_overrides=_MICRO_MODEL,
+        s_values=(0.0, 1.0),
         grammar={"n_tokens": 300},
         tokens="100k",
         val_tokens="10k",
-        steps=24,
+        steps=20,
         batch_size=8,
         warmup_steps=2,
-        ckpt_every=4,
-        val_windows=8,
-        lr_grid={"muon": (0.02,), "adamw": (0.003, 0.006)},
-        compare_levels=3,
+        seeds=2,
+        ckpt_every=2,
+        sweep_ckpt_every=5,
+        val_windows=16,
+        plateau_fraction=-0.2,  # its toy runs never leave the unigram plateau: flag only far above it
+        lr_centers={"adamw": 0.008, "muon": 0.04, "muon-moonlight": 0.008},
+        grid_points=2,
+        tune_seeds=1,
+        tune_steps=4,
+        max_extensions=1,
+        compare_levels=2,
         tolerance=0.05,
+        window=1,
         analysis_batches=1,
-        track_every=2,
+        track_interval=10,
+        track_batches=1,
+        n_boot=200,
         quadratic={
             "steps": 8,
             "fixed_lr_steps": 10,
@@ -105,16 +182,38 @@ PRESETS = {
         device="cpu",
     ),
     # A 1024-token version of the grammar: with the paper's 4412 tokens, 70% of `tiny` is embedding and
-    # head, and two CPUs for a few minutes don't get it past unigram statistics, where NDS is tiny and
-    # changes sign. The paper preset keeps 4412 tokens.
+    # head, and two CPUs for a few minutes don't get it past unigram statistics. Reduced sizes
+    # throughout (2 seeds, s = 0 and 1, short tuning runs, 1 evaluation batch per checkpoint): the
+    # report says so, and `standard` runs the full design.
     "quick": Preset(
         "quick",
         model_overrides={"vocab_size": 1088},
         grammar={"n_tokens": 1024},
-        steps=300,
-        ckpt_every=20,
-        compare_levels=6,
-        track_every=3,
+        s_values=(0.0, 1.0),
+        steps=200,
+        seeds=2,
+        tune_steps=100,
+        analysis_batches=1,
+        track_interval=20,
+        track_batches=1,
+        device="cpu",
+    ),
+    # The full design on the paper's 4412-token grammar (three seeds, s = 0, 0.5, 1, four evaluation
+    # batches per checkpoint), on a CPU within an hour.
+    "standard": Preset(
+        "standard",
+        model_overrides={"vocab_size": 4416},
+        tokens="4M",
+        val_tokens="200k",
+        steps=400,
+        seeds=3,
+        ckpt_every=4,
+        sweep_ckpt_every=20,
+        val_windows=64,
+        tune_steps=150,
+        analysis_batches=4,
+        track_interval=40,
+        track_batches=1,  # a trajectory mean already averages 10 checkpoints
         device="cpu",
     ),
     "paper": Preset(
@@ -125,12 +224,18 @@ PRESETS = {
         steps=5000,
         batch_size=64,
         warmup_steps=100,
-        ckpt_every=250,
-        val_windows=256,
-        lr_grid={"muon": (0.01, 0.02, 0.04), "adamw": (0.0009, 0.0018, 0.0036)},
+        seeds=3,
+        ckpt_every=50,
+        sweep_ckpt_every=250,
+        val_windows=512,
+        # the paper's learning rates; the RMS-matched Muon's steps are AdamW-sized, so it starts from AdamW's
+        lr_centers={"adamw": _PAPER_LR["adamw"], "muon": _PAPER_LR["muon"], "muon-moonlight": _PAPER_LR["adamw"]},
+        tune_steps=1000,
+        adam_side="tuned",
         compare_levels=10,
-        tolerance=0.01,
-        track_every=1,
+        window=2,
+        track_interval=250,
+        track_batches=4,
         fineweb=True,
     ),
 }
@@ -140,10 +245,17 @@ def _s_name(s: float) -> str:
     return f"s{s:g}"
 
 
+def unigram_entropy_nats(data_dir: str | Path) -> float:
+    """The unigram entropy of a Zipf-PCFG data directory's validation tokens, in nats: the loss of a
+    model that has learned only token frequencies (the unigram plateau)."""
+    return read_stats(data_dir)["val"]["entropy_bits"] * math.log(2)
+
+
 class Reproduction:
     """One reproduction in one output directory (see the module docstring)."""
 
     def __init__(self, preset: Preset, out: str | Path, fineweb: str | Path | None = None, progress: bool = True):
+        preset.validate()
         self.preset, self.out, self.progress = preset, Path(out), progress
         self.fineweb = Path(fineweb) if fineweb else None
         if preset.fineweb:
@@ -154,6 +266,8 @@ class Reproduction:
             for split in ("train", "val"):  # fail now, not after hours of training
                 find_shards(self.fineweb, split)
         self.log: list[str] = []
+        self.timing: dict[str, float] = {}
+        self.loads: list[float] = []  # the machine's 1-minute load average at the end of each stage
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -177,14 +291,26 @@ class Reproduction:
         if self.progress:
             print(f"[reproduce] {message}", flush=True)
 
-    def _train_config(self, data: Path, out: Path, optimizer: str, lr: float, **overrides) -> TrainConfig:
+    @contextlib.contextmanager
+    def _stage(self, name: str):
+        """Time a stage: wall seconds under ``name``, and this process's CPU seconds under ``name_cpu``
+        (on a shared machine, wall time inflates with the load; CPU time much less)."""
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.timing[name] = self.timing.get(name, 0.0) + time.perf_counter() - start
+            self.timing[f"{name}_cpu"] = self.timing.get(f"{name}_cpu", 0.0) + time.process_time() - cpu
+            self.loads.append(os.getloadavg()[0])
+
+    def _train_config(self, data: Path, out: Path, arm: str, options: dict[str, Any], seed: int, **overrides):
         p = self.preset
-        options = {"lr": lr} if optimizer == "adamw" else {"lr": lr, "adam_lr": 0.0036}
         fields = dict(
             data=str(data), out=str(out), model=p.model, model_overrides=dict(p.model_overrides),
-            optimizer=optimizer, optimizer_options=options, batch_size=p.batch_size, steps=p.steps,
-            warmup_steps=p.warmup_steps, eval_every=p.ckpt_every, ckpt_every=p.ckpt_every,
-            val_windows=p.val_windows, device=p.device,
+            optimizer=ARMS[arm].optimizer, optimizer_options={**ARMS[arm].options, **options},
+            batch_size=p.batch_size, steps=p.steps, warmup_steps=p.warmup_steps, schedule=p.schedule,
+            cooldown_frac=p.cooldown_frac, eval_every=p.ckpt_every, ckpt_every=p.ckpt_every,
+            val_windows=p.val_windows, seed=seed, device=p.device,
         )  # fmt: skip
         fields.update(overrides)
         return TrainConfig(**fields)
@@ -204,99 +330,163 @@ class Reproduction:
         self._say(f"data ready: s = {', '.join(f'{s:g}' for s in p.s_values)}")
         return dirs
 
+    def _tuning_loss(self, data: Path, arm: str, options: dict[str, float], seed: int) -> float:
+        """The final validation loss of one short tuning run (+inf if it diverges); its checkpoints
+        are deleted once it is done (the index, config and metrics stay)."""
+        p = self.preset
+        tag = "-".join(f"{k}{v:g}" for k, v in sorted(options.items()))
+        run = self.out / "runs" / "tune" / arm / f"{tag}-seed{seed}"
+        diverged = run / "diverged.json"
+        if diverged.is_file():
+            return math.inf
+        index = read_index(run)
+        if index and index[-1]["step"] == p.tune_steps and not (run / index[-1]["path"]).exists():
+            return float(index[-1]["val_loss"])  # finished before; its checkpoints were cleaned up
+        cfg = self._train_config(
+            data, run, arm, options, seed, steps=p.tune_steps, eval_every=p.tune_steps, ckpt_every=p.tune_steps
+        )
+        try:
+            loss = train(cfg, progress=self.progress).val_loss
+        except TrainingDiverged as e:
+            atomic_write_text(diverged, json.dumps({"error": str(e)}))
+            loss = math.inf
+        for ckpt in run.glob("ckpt_*.pt"):
+            ckpt.unlink()
+        return loss if math.isfinite(loss) else math.inf
+
     def tune(self, data: Path) -> dict[str, Any]:
-        """The learning-rate grid at s = 0 (the first s); the winning runs are kept as that s's runs."""
+        """Every arm's learning rate on an extended log2 grid at the first s (module docstring)."""
+        p = self.preset
         path = self.out / "tuning.json"
-        grid = {k: list(v) for k, v in self.preset.lr_grid.items()}
-        if path.is_file() and json.loads(path.read_text())["grid"] == grid:
+        if path.is_file():
             return json.loads(path.read_text())
-        s0 = self.preset.s_values[0]
-        results: dict[str, dict[str, float]] = {}
-        for optimizer in OPTIMIZERS:
-            results[optimizer] = {}
-            for lr in grid[optimizer]:
-                run = self.out / "runs" / f"tune-{optimizer}-lr{lr:g}"
-                result = train(self._train_config(data, run, optimizer, lr), progress=self.progress)
-                results[optimizer][f"{lr:g}"] = result.val_loss
-                self._say(f"tuning {optimizer} lr {lr:g}: final validation loss {result.val_loss:.4f}")
-        chosen = {opt: float(min(res, key=res.get)) for opt, res in results.items()}
-        for optimizer, lr in chosen.items():  # keep the winners as the s0 runs, drop the others' checkpoints
-            target = self.out / "runs" / _s_name(s0) / optimizer
-            if not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copytree(self.out / "runs" / f"tune-{optimizer}-lr{lr:g}", target)
-                _retarget(target)
-        for optimizer in OPTIMIZERS:
-            for lr in grid[optimizer]:
-                for ckpt in (self.out / "runs" / f"tune-{optimizer}-lr{lr:g}").glob("ckpt_*.pt"):
-                    ckpt.unlink()
-        tuning = {"grid": grid, "final_val_loss": results, "chosen": chosen, "tuned_on_s": s0}
+        seeds = list(range(p.tune_seeds))
+        searches: dict[str, LrSearch] = {}
+        chosen: dict[str, dict[str, float]] = {}
+
+        def search(arm: str, knob: str, centre: float, fixed: dict[str, float]) -> LrSearch:
+            result = search_lr(
+                lambda lr, seed: self._tuning_loss(data, arm, {**fixed, knob: lr}, seed),
+                log2_grid(centre, p.grid_points), seeds, f"{arm}.{knob}", p.max_extensions, fixed,
+            )  # fmt: skip
+            grid = ", ".join(f"{x:g}" for x in sorted(result.grid))
+            self._say(f"tuned {arm} {knob}: {result.chosen:g} (grid {grid})")
+            return result
+
+        searches["adamw.lr"] = search("adamw", "lr", p.lr_centers["adamw"], {})
+        adam_lr = searches["adamw.lr"].chosen
+        chosen["adamw"] = {"lr": adam_lr}
+        for arm in (a for a in p.arms if ARMS[a].hybrid):
+            s = searches[f"{arm}.lr"] = search(arm, "lr", p.lr_centers[arm], {"adam_lr": adam_lr})
+            chosen[arm] = {"lr": s.chosen, "adam_lr": adam_lr}
+            if p.adam_side == "tuned":  # a second, one-dimensional search at the chosen Muon lr
+                s = searches[f"{arm}.adam_lr"] = search(arm, "adam_lr", adam_lr, {"lr": chosen[arm]["lr"]})
+                chosen[arm]["adam_lr"] = s.chosen
+        tuning = {
+            "schema_version": TUNING_SCHEMA_VERSION,
+            "tuned_on_s": p.s_values[0],
+            "horizon_steps": p.tune_steps,
+            "seeds": seeds,
+            "adam_side": p.adam_side,
+            "searches": {k: v.to_dict() for k, v in searches.items()},
+            "chosen": chosen,
+        }
         atomic_write_text(path, json.dumps(tuning, indent=1))
         return tuning
 
-    def train_all(self, data: dict[float, Path], chosen: dict[str, float]) -> dict[float, dict[str, Path]]:
-        runs: dict[float, dict[str, Path]] = {}
-        for s, d in data.items():
-            runs[s] = {}
-            for optimizer in OPTIMIZERS:
-                run = self.out / "runs" / _s_name(s) / optimizer
-                train(self._train_config(d, run, optimizer, chosen[optimizer]), progress=self.progress)
-                runs[s][optimizer] = run
-            self._say(f"trained Muon and AdamW at s = {s:g}")
+    def _runs(self) -> list[tuple[float, str, int]]:
+        p = self.preset
+        return [
+            (s, arm, seed)
+            for s in p.s_values
+            for arm in (p.arms if s == p.s_values[0] else p.sweep_arms)
+            for seed in range(p.seeds)
+        ]
+
+    def _ckpt_every(self, s: float) -> int:
+        return self.preset.ckpt_every if s == self.preset.s_values[0] else self.preset.sweep_ckpt_every
+
+    def train_all(self, data: dict[float, Path], chosen: dict[str, dict[str, float]]) -> dict[tuple, Path]:
+        runs = {}
+        for s, arm, seed in self._runs():
+            run = self.out / "runs" / _s_name(s) / arm / f"seed{seed}"
+            every = self._ckpt_every(s)
+            cfg = self._train_config(data[s], run, arm, chosen[arm], seed, eval_every=every, ckpt_every=every)
+            train(cfg, progress=self.progress)
+            runs[(s, arm, seed)] = run
+        self._say(f"trained {len(runs)} runs")
         return runs
 
-    def analyse(self, runs: dict[float, dict[str, Path]]) -> dict[str, Any]:
+    def _settings(self, batches: int) -> AnalysisSettings:
+        return AnalysisSettings(blocks="layer", batch="train", batches=batches)
+
+    def compare(self, runs: dict[tuple, Path], plateau: float) -> list[ComparisonRecord]:
         p = self.preset
-        settings = AnalysisSettings(blocks="layer", batch="train", batches=p.analysis_batches)
         s0 = p.s_values[0]
-        analysis = self.out / "analysis"
-        compare = compare_runs(
-            runs[s0]["muon"], runs[s0]["adamw"], analysis / "compare", p.compare_levels, p.tolerance, settings,
-            progress=self.progress,
-        )  # fmt: skip
-        self._say(
-            f"compared at {len(compare.rows)} matched levels (mean AdamW/Muon NDS {compare.mean_ratios['nds']:.3f})"
-        )
-        tracks = {}
-        for s, pair in runs.items():
-            for optimizer, run in pair.items():
-                tracks[(s, optimizer)] = track_run(
-                    run, analysis / f"track-{_s_name(s)}-{optimizer}", p.track_every, settings, progress=self.progress
-                )
-        self._say(f"tracked {len(tracks)} runs")
-        valid = {key: [r for r in rows if r["taylor_ok"]] for key, rows in tracks.items()}
-        excluded = sum(len(rows) - len(valid[key]) for key, rows in tracks.items())
-        base = float(np.mean([r["nds"] for r in valid[(s0, "muon")]]))
-        mean_nds = {o: [float(np.mean([r["nds"] for r in valid[(s, o)]])) for s in p.s_values] for o in OPTIMIZERS}
-        zipf = {"s": list(p.s_values), "mean_nds": mean_nds, "excluded_checkpoints": excluded}
-        zipf["normalized"] = {o: [x / base for x in zipf["mean_nds"][o]] for o in OPTIMIZERS}
-        zipf["gap"] = [a - m for a, m in zip(zipf["normalized"]["adamw"], zipf["normalized"]["muon"])]
-        atomic_write_text(analysis / "zipf.json", json.dumps(zipf, indent=1))
-        return {"compare": compare.to_dict(), "tracks": tracks, "zipf": zipf}
+        records = []
+        for seed in range(p.seeds):
+            for arm in (a for a in p.arms if a != "adamw"):
+                name = f"adamw/{arm}"
+                try:
+                    c = compare_runs(
+                        runs[(s0, "adamw", seed)], runs[(s0, arm, seed)],
+                        self.out / "analysis" / f"compare-{arm}-seed{seed}", p.compare_levels, p.tolerance,
+                        self._settings(p.analysis_batches), progress=self.progress, phase=p.phase, window=p.window,
+                        plateau_ceiling=plateau, cache=self.out / "analysis" / "reports",
+                    )  # fmt: skip
+                    records.append(ComparisonRecord(name, seed, s0, c))
+                except CurvlabError as e:  # no stable phase, no overlap, no level within tolerance
+                    records.append(ComparisonRecord(name, seed, s0, None, str(e)))
+                    self._say(f"{name} seed {seed}: no comparison ({e})")
+        n = sum(len(r.comparison.headline_levels) for r in records if r.comparison)
+        self._say(f"compared {len(records)} run pairs at {n} matched levels off the plateau")
+        return records
+
+    def track(self, runs: dict[tuple, Path], plateau: float) -> list[TrackRecord]:
+        p = self.preset
+        records = []
+        for s, arm, seed in self._runs():
+            if arm not in p.sweep_arms:
+                continue
+            steps = list(range(p.track_interval, p.steps + 1, p.track_interval))
+            rows = track_run(
+                runs[(s, arm, seed)], self.out / "analysis" / f"track-{_s_name(s)}-{arm}-seed{seed}",
+                settings=self._settings(p.track_batches), progress=self.progress, plateau_ceiling=plateau,
+                cache=self.out / "analysis" / "reports", steps=steps,
+            )  # fmt: skip
+            records.append(TrackRecord(arm, s, seed, p.steps, p.warmup_steps, rows))
+        self._say(f"tracked {len(records)} runs")
+        return records
 
     def fineweb_comparison(self) -> dict[str, Any] | None:
         """Muon vs AdamW at the paper's learning rates on the user's FineWeb shards, compared at
-        matched validation loss (the paper's figures 1 and 2 on its own data)."""
+        matched validation loss in the stable phase (the paper's figures 1 and 2 on its own data;
+        one seed, so no interval)."""
         if self.fineweb is None:
             return None
         p = self.preset
         runs = {}
-        for optimizer in OPTIMIZERS:
-            run = self.out / "runs" / "fineweb" / optimizer
-            cfg = self._train_config(self.fineweb, run, optimizer, p.fineweb_lr[optimizer])
-            cfg = replace(
-                cfg, model=p.fineweb_model, model_overrides=dict(p.fineweb_model_overrides), steps=p.fineweb_steps,
-                batch_size=p.fineweb_batch_size, optimizer_options={"lr": p.fineweb_lr[optimizer]},
+        for arm in ("muon", "adamw"):
+            run = self.out / "runs" / "fineweb" / arm
+            cfg = self._train_config(
+                self.fineweb, run, arm, {"lr": p.fineweb_lr[arm]}, 0, model=p.fineweb_model,
+                model_overrides=dict(p.fineweb_model_overrides), steps=p.fineweb_steps,
+                batch_size=p.fineweb_batch_size, eval_every=p.fineweb_ckpt_every, ckpt_every=p.fineweb_ckpt_every,
             )  # fmt: skip
             train(cfg, progress=self.progress)
-            runs[optimizer] = run
-        settings = AnalysisSettings(blocks="layer", batch="train", batches=p.analysis_batches)
+            runs[arm] = run
         compare = compare_runs(
-            runs["muon"], runs["adamw"], self.out / "analysis" / "compare-fineweb", p.compare_levels, p.tolerance,
-            settings, progress=self.progress,
+            runs["adamw"], runs["muon"], self.out / "analysis" / "compare-fineweb", p.compare_levels, p.tolerance,
+            self._settings(p.analysis_batches), progress=self.progress, phase=p.phase, window=p.window,
+            cache=self.out / "analysis" / "reports",
         )  # fmt: skip
-        self._say(f"FineWeb: compared at {len(compare.rows)} matched levels")
-        return compare.to_dict()
+        self._say(f"FineWeb: compared at {len(compare.levels)} matched levels")
+        return {
+            "ratio_of_means": compare.ratio_of_means,
+            "levels": len(compare.headline_levels),
+            "seeds": 1,
+            "note": "one seed: no interval",
+        }
 
     def quadratic(self) -> dict[str, Any]:
         from curvlab.quadratic import quadratic_study
@@ -309,204 +499,97 @@ class Reproduction:
         self._say("quadratic model done")
         return result
 
-    def figures(self, results: dict[str, Any], quadratic: dict[str, Any]) -> dict[str, list[str]]:
+    def figures(self, data: LevelData, summary: Summary, tuning: dict[str, Any], quadratic: dict[str, Any]):
         from curvlab import plots
 
         fig = self.out / "figures"
-        compare = results["compare"]
-        s0 = self.preset.s_values[0]
-        written = {
-            "taylor_split": plots.taylor_split_vs_loss(compare, fig / "fig1_taylor_split"),
-            "nds_norm": plots.nds_and_norm_vs_loss(compare, fig / "fig2_nds_update_norm"),
-            "zipf": plots.zipf_nds(results["zipf"], fig / "fig3_zipf_nds"),
-            "layers": plots.layer_split_over_training(
-                {o: results["tracks"][(s0, o)] for o in OPTIMIZERS}, fig / "fig4_within_cross"
-            ),
-            "quadratic": plots.quadratic_trajectories(quadratic, fig / "fig7_quadratic_trajectories")
-            + plots.quadratic_phase(quadratic, fig / "fig7_quadratic_phase"),
-        }
-        middle = compare["pairs"][len(compare["pairs"]) // 2]
-        written["heatmap"] = plots.block_heatmaps(pair_reports(middle), fig / "block_matrix_heatmap")
-        names, gap = within_layer_gap(compare)
-        written["within_gap"] = plots.within_gap_by_layer(names, gap, fig / "within_gap_by_layer")
+        written = plots.reproduction_figures(data, summary, tuning, quadratic, fig)
         return {k: [str(p.relative_to(self.out)) for p in v] for k, v in written.items()}
+
+    def notes(self, tuning: dict[str, Any]) -> list[str]:
+        """The caveats the report states up front (what this preset reduced, what it tied)."""
+        p = self.preset
+        tokens = f"{p.batch_size}x{p.model_overrides.get('block_size', 64)}"
+        notes = []
+        if p.seeds < 3:
+            notes.append(
+                f"{p.seeds} seeds per optimizer (fewer than the 3 of the standard preset): the intervals "
+                "resample few seeds and are rough."
+            )
+        if p.adam_side == "tied":
+            notes.append(
+                "The hybrid Muon arms' AdamW side (embeddings, head, norms) runs at AdamW's tuned learning rate "
+                f"({tuning['chosen']['adamw']['lr']:g}); it is not tuned on its own."
+            )
+        notes.append(
+            f"Learning rates were tuned at s = {p.s_values[0]:g} on {p.tune_steps}-step runs with the same "
+            f"schedule shape ({p.tune_seeds} seeds per grid point); the compared runs train {p.steps} steps."
+        )
+        notes.append(
+            f"Matched levels: {p.compare_levels} targets in the {p.phase} phase, tolerance {p.tolerance:.0%}, each "
+            f"averaged over a window of up to {2 * p.window + 1} checkpoints {p.ckpt_every} steps apart, each "
+            f"analysed on {p.analysis_batches} batch(es) of {tokens} tokens; trajectories on {p.track_batches}."
+        )
+        if p.analysis_batches < 4:
+            notes.append(f"{p.analysis_batches} evaluation batch(es) per checkpoint (the standard preset uses 4).")
+        if len(p.s_values) < 3:
+            notes.append(f"The Zipf sweep runs s = {', '.join(f'{s:g}' for s in p.s_values)} only.")
+        if p.grammar.get("n_tokens"):
+            notes.append(f"A {p.grammar['n_tokens']}-token grammar (the paper's has 4412).")
+        return notes
 
     # -- the whole job ----------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
-        start = time.perf_counter()
-        self._check_config()
-        data = self.data()
-        tuning = self.tune(data[self.preset.s_values[0]])
-        runs = self.train_all(data, tuning["chosen"])
-        results = self.analyse(runs)
-        fineweb = self.fineweb_comparison()
-        quadratic = self.quadratic()
-        figures = self.figures(results, quadratic)
-        summary = summarize(results, tuning, runs, quadratic)
-        if fineweb is not None:
-            from curvlab import plots
+    def run(self) -> Summary:
+        from curvlab import report
 
-            fig = self.out / "figures"
-            paths = plots.taylor_split_vs_loss(fineweb, fig / "fineweb_taylor_split")
-            paths += plots.nds_and_norm_vs_loss(fineweb, fig / "fineweb_nds_update_norm")
-            figures["fineweb"] = [str(p.relative_to(self.out)) for p in paths]
-            summary["fineweb"] = {k: fineweb[k] for k in ("ratio_of_means", "median_ratios", "mean_ratios")}
-        summary["figures"] = figures
+        start, cpu = time.perf_counter(), time.process_time()
+        self._check_config()
+        p = self.preset
+        with self._stage("data"):
+            data = self.data()
+        plateau = plateau_ceiling(unigram_entropy_nats(data[p.s_values[0]]), p.plateau_fraction)
+        with self._stage("tune"):
+            tuning = self.tune(data[p.s_values[0]])
+        with self._stage("train"):
+            runs = self.train_all(data, tuning["chosen"])
+        with self._stage("compare"):
+            comparisons = self.compare(runs, plateau)
+        with self._stage("track"):
+            tracks = self.track(runs, plateau)
+        levels = LevelData(comparisons, tracks, plateau, list(p.s_values))
+        levels.save(self.out / "analysis" / "levels.json")
+        with self._stage("fineweb"):
+            fineweb = self.fineweb_comparison()
+        with self._stage("quadratic"):
+            quadratic = self.quadratic()
+        with self._stage("summary"):
+            entries, zipf = headline(levels, p.n_boot)
+        final = {}
+        for (s, arm, _), run in runs.items():
+            index = read_index(run)
+            final.setdefault(f"{s:g}", {}).setdefault(arm, []).append(index[-1]["val_loss"] if index else None)
+        closed = quadratic["example"]["closed_forms"]
+        summary = Summary(
+            p.name, entries, zipf, taylor_counts(levels), tuning, self.notes(tuning), final,
+            {k: closed[k] for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")}, fineweb=fineweb,
+        )  # fmt: skip
+        with self._stage("figures"):
+            summary.figures = self.figures(levels, summary, tuning, quadratic)
         seconds = time.perf_counter() - start
         timing_path = self.out / "timing.json"
-        runs_so_far = json.loads(timing_path.read_text()) if timing_path.is_file() else []
-        runs_so_far.append(seconds)
-        atomic_write_text(timing_path, json.dumps(runs_so_far))
-        summary["seconds"] = sum(runs_so_far)  # over every invocation, when a run was interrupted and resumed
-        summary["invocations"] = len(runs_so_far)
-        summary["preset"] = self.preset.name
-        atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
-        atomic_write_text(self.out / "report.md", render_report(summary))
-        self._say(f"done in {summary['seconds']:.0f} s: {self.out / 'report.md'}")
+        invocations = json.loads(timing_path.read_text()) if timing_path.is_file() else []
+        load = sum(self.loads) / len(self.loads)
+        invocations.append({**self.timing, "total": seconds, "total_cpu": time.process_time() - cpu, "load": load,
+                            "threads": torch.get_num_threads(), "cpus": os.cpu_count()})  # fmt: skip
+        atomic_write_text(timing_path, json.dumps(invocations, indent=1))
+        summary.timing = {k: sum(i.get(k, 0.0) for i in invocations) for k in [*self.timing, "total", "total_cpu"]}
+        # the conditions of the invocation that did the most work
+        longest = max(invocations, key=lambda i: i["total"])
+        summary.timing.update({k: float(longest[k]) for k in ("load", "threads", "cpus") if k in longest})
+        summary.seconds = summary.timing["total"]  # over every invocation, when a run was interrupted and resumed
+        summary.invocations = len(invocations)
+        atomic_write_text(self.out / "summary.json", json.dumps(summary.to_dict(), indent=1))
+        atomic_write_text(self.out / "report.md", report.render_report(summary, levels))
+        self._say(f"done in {summary.seconds:.0f} s: {self.out / 'report.md'}")
         return summary
-
-
-def _retarget(run: Path) -> None:
-    """A copied run directory's config names its new place (so resuming it there works)."""
-    config = json.loads((run / "config.json").read_text())
-    config["out"] = str(run)
-    atomic_write_text(run / "config.json", json.dumps(config, indent=1))
-
-
-def _thirds(rows: list[dict[str, Any]]) -> tuple[float, float]:
-    """rho_within over the first and the last third of a trajectory, as sum(within) / sum(NDS) over the
-    checkpoints where the Taylor expansion holds: a ratio of sums, because a single checkpoint's NDS
-    can sit near zero early in training."""
-    rows = [r for r in rows if r["taylor_ok"]]
-    k = max(1, len(rows) // 3)
-
-    def rho(part):
-        return sum(r["within"] for r in part) / sum(r["nds"] for r in part)
-
-    return rho(rows[:k]), rho(rows[-k:])
-
-
-def summarize(results: dict[str, Any], tuning: dict[str, Any], runs, quadratic: dict[str, Any]) -> dict[str, Any]:
-    """The numbers the report puts beside the paper's (all read from the saved results)."""
-    compare, zipf, tracks = results["compare"], results["zipf"], results["tracks"]
-    s0 = zipf["s"][0]
-    rho = {o: _thirds(tracks[(s0, o)]) for o in OPTIMIZERS}
-    final_val = {f"{s:g}": {o: read_index(r)[-1]["val_loss"] for o, r in pair.items()} for s, pair in runs.items()}
-    closed = quadratic["example"]["closed_forms"]
-    return {
-        "mean_ratios": compare["mean_ratios"],
-        "median_ratios": compare["median_ratios"],
-        "ratio_of_means": compare["ratio_of_means"],
-        "matched_levels": len(compare["pairs"]),
-        "levels_in_ratios": sum(1 for row in compare["pairs"] if row["taylor_ok_a"] and row["taylor_ok_b"]),
-        "refused_levels": len(compare["refused"]),
-        "zipf": zipf,
-        "rho_within": {o: {"early": v[0], "late": v[1]} for o, v in rho.items()},
-        "tuning": tuning,
-        "final_val_loss": final_val,
-        "quadratic": {k: closed[k] for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")},
-    }
-
-
-def _fineweb_lines(summary: dict[str, Any]) -> list[str]:
-    if "fineweb" not in summary:
-        return []
-    rom = summary["fineweb"]["ratio_of_means"]
-    return [
-        "## FineWeb (the paper's own setting)",
-        "",
-        f"AdamW/Muon at matched validation loss (ratio of means): NDS {rom['nds']:.2f} (paper 1.76), "
-        f"first-order gain {rom['first_order']:.2f}, curvature penalty {rom['curvature_penalty']:.2f}, "
-        f"update norm {rom['update_norm']:.2f}.",
-        "",
-    ]
-
-
-def _arrow(a: float, b: float, fmt: str = ".2f") -> str:
-    return f"{a:{fmt}} → {b:{fmt}}"
-
-
-def render_report(summary: dict[str, Any]) -> str:
-    """``report.md``: figures and a table of our numbers beside the paper's."""
-    z, r, rho, q = summary["zipf"], summary["mean_ratios"], summary["rho_within"], summary["quadratic"]
-    med, rom = summary["median_ratios"], summary["ratio_of_means"]
-    first, last = z["s"][0], z["s"][-1]
-    paper = PAPER["normalized_nds"]
-    rows = [
-        *(
-            (
-                f"AdamW/Muon {label} at matched loss: ratio of means (median, mean of per-level ratios)",
-                f"{rom[k]:.2f} ({med[k]:.2f}, {r[k]:.2f})",
-                paper_value,
-            )
-            for k, label, paper_value in [
-                ("nds", "NDS", "1.76"),
-                ("first_order", "first-order gain", "≈ 1"),
-                ("curvature_penalty", "curvature penalty", "> 1"),
-                ("update_norm", "update-norm", "≈ 1"),
-            ]
-        ),
-        (
-            f"normalized NDS, Muon, s = {first:g} → {last:g}",
-            _arrow(z["normalized"]["muon"][0], z["normalized"]["muon"][-1]),
-            _arrow(paper["muon"][0.0], paper["muon"][1.0]),
-        ),
-        (
-            f"normalized NDS, AdamW, s = {first:g} → {last:g}",
-            _arrow(z["normalized"]["adamw"][0], z["normalized"]["adamw"][-1]),
-            _arrow(paper["adamw"][0.0], paper["adamw"][1.0]),
-        ),
-        (f"gap AdamW − Muon, s = {first:g} → {last:g}", _arrow(z["gap"][0], z["gap"][-1]), "0.63 → 1.13"),
-        (
-            "rho_within Muon, first → last third of training",
-            _arrow(rho["muon"]["early"], rho["muon"]["late"], ".0%"),
-            "14% → 44%",
-        ),
-        (
-            "rho_within AdamW, first → last third of training",
-            _arrow(rho["adamw"]["early"], rho["adamw"]["late"], ".0%"),
-            "27% → 34%",
-        ),
-        (
-            "quadratic model: Muon NDS, Γ², GD two-step ratio",
-            f"{q['muon_nds']:.3g}, {q['muon_contraction']:.6f}, {q['gd_two_step_contraction']:.6f}",
-            "10.0, 0.669421, 0.922913",
-        ),
-    ]
-    lines = [
-        f"# curvlab reproduction ({summary['preset']} preset)",
-        "",
-        f"Finished in {summary['seconds']:.0f} s ({summary['invocations']} invocation(s) of `curvlab reproduce`). "
-        "Tiny models on a synthetic language are not the paper's "
-        "124M model on FineWeb: the table says where the qualitative picture holds here and where it doesn't.",
-        "",
-        f"Aggregates leave out the steps where the second-order expansion fails (predicted and realized "
-        f"decrease more than 50% apart, e.g. the batch of a loss spike): {summary['levels_in_ratios']} of "
-        f"{summary['matched_levels']} matched levels enter the ratios, and {summary['zipf']['excluded_checkpoints']} "
-        "trajectory checkpoints are left out of the trajectory averages.",
-        "",
-        "## Numbers beside the paper's",
-        "",
-        "| quantity | curvlab | paper |",
-        "|---|---:|---:|",
-        *(f"| {a} | {b} | {c} |" for a, b, c in rows),
-        "",
-        *_fineweb_lines(summary),
-        "## Learning rates",
-        "",
-        f"Tuned at s = {summary['tuning']['tuned_on_s']:g}; the best final validation loss wins.",
-        "",
-        "| optimizer | grid (final validation loss) | chosen |",
-        "|---|---|---:|",
-    ]
-    for o in OPTIMIZERS:
-        grid = ", ".join(f"{lr}: {v:.4f}" for lr, v in summary["tuning"]["final_val_loss"][o].items())
-        lines.append(f"| {o} | {grid} | {summary['tuning']['chosen'][o]:g} |")
-    lines += ["", "Final validation loss per run (validation at s = 0):", ""]
-    for s, vals in summary["final_val_loss"].items():
-        lines.append(f"- s = {s}: " + ", ".join(f"{o} {v:.4f}" for o, v in vals.items()))
-    lines += ["", "## Figures", ""]
-    for name, paths in summary["figures"].items():
-        lines += [f"![{name}]({p})" for p in paths if p.endswith(".png")]
-    return "\n".join(lines) + "\n"

@@ -1,6 +1,12 @@
 """Studies over many checkpoints: two optimizers at matched validation loss (``compare``), and one
-run along its trajectory (``track``). Each analysed checkpoint's report is cached under
-``OUT/reports/``, so a re-run (after an interruption, say) skips what is done.
+run along its trajectory (``track``). Each analysed checkpoint's report is cached (by default under
+``OUT/reports/``), so a re-run (after an interruption, say) skips what is done.
+
+A matched level of a comparison averages each quantity over a *window*: the matched checkpoint and its
+neighbours in the same schedule phase (see :mod:`curvlab.match`). Aggregates over levels leave out the
+levels on the unigram plateau, and nothing else: the Taylor check (:func:`taylor_holds`) judges only
+claims about predicted against realized decrease, and is reported as a count, never used to drop a
+checkpoint from an NDS mean.
 """
 
 from __future__ import annotations
@@ -8,10 +14,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -21,18 +28,76 @@ from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
 from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
-from curvlab.match import match_runs
+from curvlab.match import Checkpoint, match_runs, run_checkpoints
 from curvlab.monitor import ROW_KIND, MonitorRow
 
+COMPARE_SCHEMA_VERSION = 2  # 2: window means per level, plateau flags, schedule per side, no Taylor filter
 RATIO_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm")
+SCOPED_KEYS = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm")
 TAYLOR_TOLERANCE = 0.5
+_LAYER_BLOCK = re.compile(r"^layer\d+$")
+T = TypeVar("T")
+
+
+def taylor_error(report: dict[str, Any]) -> float:
+    """The scale-aware Taylor error |predicted - realized| / max(|realized|, |I1|): how far the
+    second-order prediction of the step's decrease is off, relative to the size of the step's effect
+    (the first-order gain keeps a step whose realized decrease happens to be near zero from counting
+    as a failure)."""
+    scale = max(abs(report["realized"]), abs(report["first_order"]))
+    return abs(report["predicted"] - report["realized"]) / scale if scale else 0.0
 
 
 def taylor_holds(report: dict[str, Any], tolerance: float = TAYLOR_TOLERANCE) -> bool:
-    """Whether the second-order prediction of the step's decrease is within ``tolerance`` of the
-    realized one: outside that, the step has left the region a quadratic model describes (a loss spike,
-    say) and its NDS says little about the optimizer; aggregates leave such steps out."""
-    return abs(report["predicted"] - report["realized"]) <= tolerance * abs(report["realized"])
+    """Whether the second-order prediction is within ``tolerance`` of the realized decrease
+    (:func:`taylor_error`). It judges statements about predicted against realized decrease; a step
+    that fails it (a loss spike, an overshoot past the line-search optimum) still has an NDS."""
+    return taylor_error(report) <= tolerance
+
+
+def embed_head_share(report: dict[str, Any]) -> float:
+    """Share of ||Z||² in the ``embedding`` and ``head`` blocks of the report's ``layer`` grouping
+    (``nan`` for other groupings)."""
+    b = report["blocks"]
+    if b.get("grouping") != "layer":
+        return float("nan")
+    norms = dict(zip(b["names"], b["norm"]))
+    return (norms.get("embedding", 0.0) ** 2 + norms.get("head", 0.0) ** 2) / report["update_norm"] ** 2
+
+
+def layer_blocks_split(report: dict[str, Any]) -> tuple[float, float]:
+    """(within, total) of the block matrix restricted to the transformer-layer blocks (``layerN``):
+    within / total is rho_within of the step with its embedding, final-norm and head parts removed
+    (the hidden scope of the layer decomposition; both are over the full ||Z||², which cancels)."""
+    b = report["blocks"]
+    idx = [i for i, n in enumerate(b["names"]) if _LAYER_BLOCK.match(n)]
+    if not idx:
+        return float("nan"), float("nan")
+    M = np.asarray(b["matrix"])[np.ix_(idx, idx)]
+    return float(np.trace(M)), float(M.sum())
+
+
+def checkpoint_scalars(report: dict[str, Any]) -> dict[str, Any]:
+    """The scalars of a report that tables, figures and aggregates use (both scopes)."""
+    b = report["blocks"]
+    hidden = report["hidden"] or {}
+    within_layers, nds_layers = layer_blocks_split(report)
+    return {
+        "step": report["step"],
+        "val_loss": report["val_loss"],
+        **{k: report[k] for k in SCOPED_KEYS},
+        "grad_norm": report["grad_norm"],
+        "cosine": report["cosine"],
+        **{f"hidden_{k}": hidden.get(k, float("nan")) for k in SCOPED_KEYS},
+        "within": b["within"],
+        "cross": b["cross"],
+        "rho_within": b["rho_within"],
+        "within_layers": within_layers,
+        "nds_layers": nds_layers,
+        "embed_head_share": embed_head_share(report),
+        "taylor_error": taylor_error(report),
+        "taylor_ok": taylor_holds(report),
+    }
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -43,54 +108,215 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     atomic_write_text(path, buffer.getvalue())
 
 
-def _summary(report: dict[str, Any]) -> dict[str, Any]:
-    """The scalars of a report that tables and figures use."""
-    b = report["blocks"]
-    hidden = report["hidden"] or {}
-    return {
-        "step": report["step"],
-        "val_loss": report["val_loss"],
-        "nds": report["nds"],
-        "first_order": report["first_order"],
-        "curvature_penalty": report["curvature_penalty"],
-        "predicted": report["predicted"],
-        "realized": report["realized"],
-        "update_norm": report["update_norm"],
-        "grad_norm": report["grad_norm"],
-        "cosine": report["cosine"],
-        "hidden_nds": hidden.get("nds"),
-        "within": b["within"],
-        "cross": b["cross"],
-        "rho_within": b["rho_within"],
-        "taylor_ok": taylor_holds(report),
-    }
+@dataclass(frozen=True)
+class WindowSide:
+    """One run's side of a matched level: its matched checkpoint (step, loss, schedule) and the
+    per-checkpoint scalars of the window around it, with their means and standard errors."""
+
+    optimizer: str
+    step: int
+    val_loss: float
+    multiplier: float | None
+    lr: float | None
+    members: list[dict[str, Any]]  # checkpoint_scalars of each window member, in step order
+    reports: list[str]
+
+    @property
+    def mean(self) -> dict[str, float]:
+        keys = [k for k, v in self.members[0].items() if isinstance(v, float) and k != "taylor_ok"]
+        return {k: float(np.mean([m[k] for m in self.members])) for k in keys}
+
+    @property
+    def stderr(self) -> dict[str, float]:
+        n = len(self.members)
+        keys = self.mean.keys()
+        return {
+            k: float(np.std([m[k] for m in self.members], ddof=1) / np.sqrt(n)) if n > 1 else float("nan") for k in keys
+        }
+
+    @property
+    def taylor_failures(self) -> int:
+        return sum(not m["taylor_ok"] for m in self.members)
+
+    def to_dict(self) -> dict[str, Any]:
+        norm = self.mean["update_norm"]
+        return {
+            **asdict(self),
+            "update_norm_over_multiplier": norm / self.multiplier if self.multiplier else None,
+            "mean": self.mean,
+            "stderr": self.stderr,
+            "taylor_failures": self.taylor_failures,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WindowSide:
+        return cls(d["optimizer"], d["step"], d["val_loss"], d["multiplier"], d["lr"], d["members"], d["reports"])
+
+
+@dataclass(frozen=True)
+class Level:
+    """One matched validation-loss level: the two runs' windows."""
+
+    target: float
+    mismatch: float
+    on_plateau: bool
+    a: WindowSide
+    b: WindowSide
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "mismatch": self.mismatch,
+            "on_plateau": self.on_plateau,
+            "a": self.a.to_dict(),
+            "b": self.b.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Level:
+        return cls(
+            d["target"], d["mismatch"], d["on_plateau"], WindowSide.from_dict(d["a"]), WindowSide.from_dict(d["b"])
+        )
 
 
 @dataclass(frozen=True)
 class Comparison:
     """Matched-loss comparison of two runs. ``ratio_label`` says which is over which (Adam/Muon when
-    the runs are AdamW and Muon, else B/A). The ratios aggregate the levels where the second-order
-    expansion holds for both runs (:func:`taylor_holds`); every level stays in ``rows``."""
+    the runs are AdamW and Muon, else B/A). The aggregates run over the levels off the unigram
+    plateau; every level stays in ``levels``."""
 
-    rows: list[dict[str, Any]]
-    mean_ratios: dict[str, float]  # mean over levels of the per-level ratios
-    median_ratios: dict[str, float]
-    ratio_of_means: dict[str, float]  # sum over levels of one over the other's: robust to near-zero levels
+    levels: list[Level]
     ratio_label: str
     refused: list[str]
-
     optimizers: tuple[str, str] = ("", "")
+    phase: str = "any"
+    window: int = 0
+    plateau_ceiling: float | None = None
+    runs: tuple[str, str] = ("", "")
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numerator(self) -> str:
+        """``"a"`` or ``"b"``: the side on top of the ratios (AdamW's, or else B's)."""
+        return "a" if self.optimizers == ("adamw", "muon") else "b"
+
+    def _sides(self, level: Level) -> tuple[WindowSide, WindowSide]:
+        return (level.a, level.b) if self.numerator == "a" else (level.b, level.a)
+
+    @property
+    def headline_levels(self) -> list[Level]:
+        return [lv for lv in self.levels if not lv.on_plateau]
+
+    def _ratios(self, key: str) -> list[float]:
+        out = []
+        for lv in self.headline_levels:
+            num, den = self._sides(lv)
+            out.append(num.mean[key] / den.mean[key] if den.mean[key] else float("nan"))
+        return out
+
+    @property
+    def mean_ratios(self) -> dict[str, float]:
+        """Mean over levels of the per-level ratios."""
+        return {k: float(np.nanmean(self._ratios(k))) if self.headline_levels else float("nan") for k in RATIO_KEYS}
+
+    @property
+    def median_ratios(self) -> dict[str, float]:
+        return {k: float(np.nanmedian(self._ratios(k))) if self.headline_levels else float("nan") for k in RATIO_KEYS}
+
+    @property
+    def ratio_of_means(self) -> dict[str, float]:
+        """Sum over levels of one run's values over the other's: robust to near-zero levels."""
+        out = {}
+        for k in RATIO_KEYS:
+            sides = [self._sides(lv) for lv in self.headline_levels]
+            den = sum(d.mean[k] for _, d in sides)
+            out[k] = sum(n.mean[k] for n, _ in sides) / den if den else float("nan")
+        return out
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """One flat row per level (the CSV): window means of both sides and their ratios."""
+        rows = []
+        for lv in self.levels:
+            row = {"target": lv.target, "mismatch": lv.mismatch, "on_plateau": lv.on_plateau}
+            for tag, side in (("a", lv.a), ("b", lv.b)):
+                row.update(
+                    {
+                        f"step_{tag}": side.step,
+                        f"loss_{tag}": side.val_loss,
+                        f"multiplier_{tag}": side.multiplier,
+                        f"lr_{tag}": side.lr,
+                        f"window_{tag}": len(side.members),
+                        f"taylor_failures_{tag}": side.taylor_failures,
+                    }
+                )
+                row.update({f"{k}_{tag}": v for k, v in side.mean.items()})
+            num, den = self._sides(lv)
+            row.update({f"ratio_{k}": num.mean[k] / den.mean[k] if den.mean[k] else float("nan") for k in RATIO_KEYS})
+            rows.append(row)
+        return rows
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema_version": COMPARE_SCHEMA_VERSION,
             "ratio": self.ratio_label,
             "optimizers": list(self.optimizers),
+            "runs": list(self.runs),
+            "phase": self.phase,
+            "window": self.window,
+            "plateau_ceiling": self.plateau_ceiling,
+            "settings": self.settings,
             "mean_ratios": self.mean_ratios,
             "median_ratios": self.median_ratios,
             "ratio_of_means": self.ratio_of_means,
-            "pairs": self.rows,
+            "pairs": [lv.to_dict() for lv in self.levels],  # one per matched level
             "refused": self.refused,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Comparison:
+        if d.get("schema_version") != COMPARE_SCHEMA_VERSION:
+            raise CurvlabError(f"comparison schema {d.get('schema_version')} is not {COMPARE_SCHEMA_VERSION}")
+        return cls(
+            [Level.from_dict(lv) for lv in d["pairs"]],
+            d["ratio"],
+            d["refused"],
+            tuple(d["optimizers"]),
+            d["phase"],
+            d["window"],
+            d["plateau_ceiling"],
+            tuple(d["runs"]),
+            d["settings"],
+        )
+
+
+def load_typed(path: str | Path, parse: Callable[[dict[str, Any]], T], what: str) -> T:
+    """``parse`` of a JSON file; a missing, corrupt or malformed file is a one-line ``CurvlabError``."""
+    path = Path(path)
+    try:
+        return parse(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CurvlabError(f"{path}: unreadable {what} ({type(e).__name__}: {e})") from e
+
+
+def load_comparison(path: str | Path) -> Comparison:
+    """A saved ``compare.json``, checked for its schema version."""
+    return load_typed(path, Comparison.from_dict, "comparison")
+
+
+def _window_side(window: Sequence[Checkpoint], centre_step: int, cache: Path, settings, device) -> WindowSide:
+    reports = [cached_report(cache, c.path, settings, device=device) for c in window]
+    centre = next(c for c in window if c.step == centre_step)
+    paths = [str(report_cache_path(cache, c.path, settings)) for c in window]
+    return WindowSide(
+        reports[0]["optimizer"],
+        centre.step,
+        centre.val_loss,
+        centre.multiplier,
+        centre.lr,
+        [checkpoint_scalars(r) for r in reports],
+        paths,
+    )
 
 
 def compare_runs(
@@ -102,41 +328,60 @@ def compare_runs(
     settings: AnalysisSettings | None = None,
     device: str = "cpu",
     progress: bool = True,
+    phase: str = "any",
+    window: int = 0,
+    plateau_ceiling: float | None = None,
+    cache: str | Path | None = None,
 ) -> Comparison:
-    """Analyse every matched pair of two runs; write ``compare.json`` and ``compare.csv`` to ``out``."""
+    """Analyse every matched level of two runs (each side averaged over its window of ``2 window + 1``
+    checkpoints at most); write ``compare.json`` and ``compare.csv`` to ``out``.
+
+    Args:
+        phase: which checkpoints may pair (:data:`curvlab.match.PHASES`).
+        plateau_ceiling: levels at or above this loss are on the unigram plateau (see
+            :func:`curvlab.match.plateau_ceiling`): flagged, and left out of the aggregates.
+        cache: where reports are cached (default ``out/reports``); share one between studies to
+            analyse a checkpoint once.
+
+    Raises:
+        CurvlabError: bad runs (see :func:`curvlab.match.match_runs`), or no level within tolerance.
+    """
     settings = settings or AnalysisSettings()
     settings.validate()
     out = Path(out)
-    matching = match_runs(run_a, run_b, levels if isinstance(levels, int) else list(levels), tolerance)
+    cache = Path(cache) if cache else out / "reports"
+    matching = match_runs(
+        run_a,
+        run_b,
+        levels if isinstance(levels, int) else list(levels),
+        tolerance,
+        phase=phase,
+        plateau_ceiling=plateau_ceiling,
+        window_width=window,
+    )
     if not matching.pairs:
         raise CurvlabError("no matched pair within tolerance: " + "; ".join(matching.refused))
-    rows = []
-    names = None
+    result_levels = []
     for pair in tqdm(matching.pairs, desc="compare", disable=not progress):
-        ra = cached_report(out / "reports", pair.path_a, settings, device=device)
-        rb = cached_report(out / "reports", pair.path_b, settings, device=device)
-        if names is None:
-            names = (ra["optimizer"], rb["optimizer"])
-        num, den = (ra, rb) if names == ("adamw", "muon") else (rb, ra)  # Adam over Muon, else B over A
-        row = {"target": pair.target, "mismatch": pair.mismatch}
-        for tag, path in (("a", pair.path_a), ("b", pair.path_b)):
-            row[f"report_{tag}"] = str(report_cache_path(out / "reports", path, settings))
-        for tag, r in (("a", ra), ("b", rb)):
-            row.update({f"{k}_{tag}": v for k, v in _summary(r).items()})
-        row.update({f"ratio_{k}": num[k] / den[k] if den[k] else float("nan") for k in RATIO_KEYS})
-        rows.append(row)
-    label = "adamw/muon" if names in (("muon", "adamw"), ("adamw", "muon")) else f"B/A ({names[1]}/{names[0]})"
-    kept = [r for r in rows if r["taylor_ok_a"] and r["taylor_ok_b"]]
-    if not kept:
-        raise CurvlabError("at no matched level does the second-order expansion hold for both runs")
-    mean = {k: float(np.nanmean([r[f"ratio_{k}"] for r in kept])) for k in RATIO_KEYS}
-    median = {k: float(np.nanmedian([r[f"ratio_{k}"] for r in kept])) for k in RATIO_KEYS}
-    num, den = ("a", "b") if names == ("adamw", "muon") else ("b", "a")
-    of_means = {k: sum(r[f"{k}_{num}"] for r in kept) / sum(r[f"{k}_{den}"] for r in kept) for k in RATIO_KEYS}
-    result = Comparison(rows, mean, median, of_means, label, matching.refused, names)
+        a = _window_side(pair.window_a, pair.step_a, cache, settings, device)
+        b = _window_side(pair.window_b, pair.step_b, cache, settings, device)
+        result_levels.append(Level(pair.target, pair.mismatch, pair.on_plateau, a, b))
+    names = (result_levels[0].a.optimizer, result_levels[0].b.optimizer)
+    label = "adamw/muon" if set(names) == {"muon", "adamw"} else f"B/A ({names[1]}/{names[0]})"
+    result = Comparison(
+        result_levels,
+        label,
+        matching.refused,
+        names,
+        phase,
+        window,
+        plateau_ceiling,
+        (str(run_a), str(run_b)),
+        asdict(settings),
+    )
     if is_main():
         atomic_write_text(out / "compare.json", json.dumps(result.to_dict(), indent=1))
-        _write_csv(out / "compare.csv", rows)
+        _write_csv(out / "compare.csv", result.rows)
     return result
 
 
@@ -147,48 +392,78 @@ def track_run(
     settings: AnalysisSettings | None = None,
     device: str = "cpu",
     progress: bool = True,
+    plateau_ceiling: float | None = None,
+    cache: str | Path | None = None,
+    steps: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Analyse every ``every``-th checkpoint of a run (step 0 excluded: there is no trajectory yet);
-    write ``track.json`` and ``track.csv`` to ``out``. Returns the per-checkpoint summaries."""
+    """Analyse every ``every``-th checkpoint of a run (step 0 excluded: there is no trajectory yet),
+    or those at ``steps``; write ``track.json`` and ``track.csv`` to ``out``. Returns the
+    per-checkpoint scalars, with the schedule (multiplier, phase) of each step and whether it sits on
+    the unigram plateau (at or above ``plateau_ceiling``)."""
     settings = settings or AnalysisSettings()
     settings.validate()
     if every < 1:
         raise CurvlabError(f"--every must be >= 1, got {every}")
     run, out = Path(run), Path(out)
-    entries = [e for e in read_index(run) if e["step"] > 0][::every]
-    if not entries:
+    cache = Path(cache) if cache else out / "reports"
+    checkpoints = [c for c in run_checkpoints(run) if c.step > 0]
+    if steps is not None:
+        missing = sorted(set(steps) - {c.step for c in checkpoints})
+        if missing:
+            raise CurvlabError(f"{run}: no checkpoint with a validation loss at step(s) {missing[:5]}")
+        checkpoints = [c for c in checkpoints if c.step in set(steps)]
+    checkpoints = checkpoints[::every]
+    if not checkpoints:
         raise CurvlabError(f"{run}: no checkpoint after step 0 to track")
+    ceiling = plateau_ceiling
     rows = []
-    for e in tqdm(entries, desc=f"track {run.name}", disable=not progress):
-        report = cached_report(out / "reports", run / e["path"], settings, device=device)
-        row = {**_summary(report), "optimizer": report["optimizer"]}
+    for c in tqdm(checkpoints, desc=f"track {run.name}", disable=not progress):
+        report = cached_report(cache, c.path, settings, device=device)
+        row = {
+            **checkpoint_scalars(report),
+            "optimizer": report["optimizer"],
+            "multiplier": c.multiplier,
+            "lr": c.lr,
+            "phase": c.phase,
+            "on_plateau": ceiling is not None and c.val_loss >= ceiling,
+        }
         if report.get("spectrum"):
             row["lambda_max"] = report["spectrum"]["lambda_max"]
             row["overlap_top_k"] = report["spectrum"]["overlap_top_k"]
         rows.append(row)
     if is_main():
-        track = {"run": str(run), "settings": vars(settings), "rows": rows}
+        track = {"run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": rows}
         atomic_write_text(out / "track.json", json.dumps(track, indent=1))
         _write_csv(out / "track.csv", rows)
     return rows
 
 
-def pair_reports(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The two reports of one matched pair of a ``compare.json``, keyed by optimizer."""
-    reports = [load_report(row[f"report_{tag}"]) for tag in ("a", "b")]
-    return {r["optimizer"]: r for r in reports}
+def pair_reports(level: Level) -> dict[str, dict[str, Any]]:
+    """The reports of the matched checkpoints (the window centres) of one level, keyed by optimizer."""
+    out = {}
+    for side in (level.a, level.b):
+        centre = side.members.index(next(m for m in side.members if m["step"] == side.step))
+        out[side.optimizer] = load_report(side.reports[centre])
+    return out
 
 
-def within_layer_gap(compare: dict[str, Any]) -> tuple[list[str], list[float]]:
-    """Per block, the within-layer entry M[l,l] of AdamW minus Muon's, averaged over the matched pairs."""
+def within_layer_gap(comparisons: Sequence[Comparison]) -> tuple[list[str], list[float], list[float]]:
+    """Per block, the within-layer entry M[l,l] of AdamW minus Muon's at the matched checkpoints,
+    averaged over the levels off the plateau of one or more comparisons (seeds), and its standard
+    error over those levels."""
     gaps, names = [], []
-    for row in compare["pairs"]:
-        reports = pair_reports(row)
-        if set(reports) != {"muon", "adamw"}:
-            raise CurvlabError("within_layer_gap needs a comparison of a Muon run with an AdamW run")
-        names = reports["muon"]["blocks"]["names"]
-        gaps.append(np.diag(reports["adamw"]["blocks"]["matrix"]) - np.diag(reports["muon"]["blocks"]["matrix"]))
-    return names, np.mean(gaps, axis=0).tolist()
+    for comparison in comparisons:
+        for level in comparison.headline_levels:
+            reports = pair_reports(level)
+            if set(reports) != {"muon", "adamw"}:
+                raise CurvlabError("within_layer_gap needs a comparison of a Muon run with an AdamW run")
+            names = reports["muon"]["blocks"]["names"]
+            gaps.append(np.diag(reports["adamw"]["blocks"]["matrix"]) - np.diag(reports["muon"]["blocks"]["matrix"]))
+    if not gaps:
+        raise CurvlabError("no matched level off the unigram plateau to take the within-layer gap from")
+    gaps = np.array(gaps)
+    se = gaps.std(axis=0, ddof=1) / np.sqrt(len(gaps)) if len(gaps) > 1 else np.full(gaps.shape[1], np.nan)
+    return names, gaps.mean(axis=0).tolist(), se.tolist()
 
 
 def monitor_rows(run: str | Path) -> list[MonitorRow]:

@@ -90,11 +90,26 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     if cfg.schedule == "cosine":
         progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    decay_start = cfg.steps * (1 - cfg.cooldown_frac)
+    decay_start = wsd_decay_start(cfg)
     if step < decay_start:
         return 1.0
     progress = (step - decay_start) / max(1.0, cfg.steps - decay_start)
     return 1.0 - (1.0 - cfg.min_lr_frac) * min(progress, 1.0)
+
+
+def wsd_decay_start(cfg: TrainConfig) -> float:
+    """The step where warmup-stable-decay leaves its stable phase: the last ``cooldown_frac`` of the run decays."""
+    return cfg.steps * (1 - cfg.cooldown_frac)
+
+
+def schedule_phase(step: int, cfg: TrainConfig) -> str:
+    """``"warmup"``, ``"stable"`` (multiplier 1 after warmup: ``wsd`` before its decay, ``constant``) or
+    ``"decay"`` (``cosine`` after warmup, ``wsd`` in its cooldown) for the step taken at ``step``."""
+    if step < cfg.warmup_steps:
+        return "warmup"
+    if cfg.schedule == "constant" or (cfg.schedule == "wsd" and step < wsd_decay_start(cfg)):
+        return "stable"
+    return "decay"
 
 
 def pick_device(name: str) -> torch.device:
@@ -297,6 +312,7 @@ def train(
     run.model.train()
     tokens_per_step = cfg.batch_size * run.loader.seq_len
     val_loss, elapsed, steps_done = float("nan"), 0.0, 0
+    shown_val = float("nan")
     bar = tqdm(range(run.step, cfg.steps), desc=f"train {cfg.optimizer}", disable=not (progress and is_main))
     with open(metrics_path, "a") if is_main else contextlib.nullcontext() as log:
         for _ in bar:
@@ -336,7 +352,9 @@ def train(
             if checkpoint_now:
                 _save(run, out, val_loss, train_loss, is_main)
             tps = tokens_per_step * steps_done / max(elapsed, 1e-9)
-            bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:.0f}")
+            shown_val = val_loss if evaluate_now else shown_val
+            val_text = {} if math.isnan(shown_val) else {"val": f"{shown_val:.3f}"}  # none before the first evaluation
+            bar.set_postfix(loss=f"{train_loss:.3f}", **val_text, tok_s=f"{tps:.0f}")
     barrier()
     index = read_index(out)
     last_val = index[-1]["val_loss"] if index else val_loss

@@ -338,7 +338,7 @@ def test_track_draws_the_rows_without_checkpoints(runs, tmp_path):
     assert (run / "track" / "curvature_during_training.png").stat().st_size > 0
     assert (run / "track" / "track.csv").read_text().count("\n") == 4
     r = CliRunner().invoke(app, ["track", str(run), "--source", "checkpoints"])
-    assert r.exit_code == 2 and "no checkpoint after step 0" in r.output
+    assert r.exit_code == 2 and "no checkpoints (index.json is missing or empty)" in r.output
 
 
 def test_train_command_records_curvature(pcfg_data, tmp_path):

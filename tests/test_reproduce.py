@@ -1,13 +1,21 @@
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 from nbclient import NotebookClient
 
-from curvlab.reproduce import PRESETS, Reproduction, _fineweb_lines
+from curvlab.report import README_BEGIN, README_END, render_readme_results, update_readme, value_cell
+from curvlab.reproduce import PRESETS, Reproduction
+from curvlab.results import ComparisonRecord, LevelData, Summary, headline
+from curvlab.statistics import CONTRADICTED, INCONCLUSIVE, NO_CLAIM, SUPPORTED
+from curvlab.studies import Comparison, Level, WindowSide
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+VERDICTS = {SUPPORTED, CONTRADICTED, INCONCLUSIVE, NO_CLAIM}
 
 
 @pytest.fixture(scope="module")
@@ -19,38 +27,170 @@ def micro(tmp_path_factory):
 
 def test_micro_preset_writes_every_output(micro):
     out, summary = micro
-    for name in ("report.md", "summary.json", "tuning.json", "reproduce.json", "quadratic/quadratic.json"):
+    for name in (
+        "report.md",
+        "summary.json",
+        "tuning.json",
+        "reproduce.json",
+        "timing.json",
+        "quadratic/quadratic.json",
+    ):
         assert (out / name).is_file(), name
-    for name in ("compare/compare.json", "compare/compare.csv", "zipf.json", "track-s0-muon/track.json"):
+    for name in (
+        "levels.json",
+        "compare-muon-seed0/compare.json",
+        "compare-muon-moonlight-seed1/compare.csv",
+        "track-s0-muon-seed0/track.json",
+        "track-s1-adamw-seed1/track.json",
+    ):
         assert (out / "analysis" / name).is_file(), name
-    for paths in summary["figures"].values():
+    for paths in summary.figures.values():
         for p in paths:
             assert (out / p).stat().st_size > 1000, p
-    expected = {"fig1_taylor_split", "fig2_nds_update_norm", "fig3_zipf_nds", "fig4_within_cross", "fig7_quadratic_phase",
-                "fig7_quadratic_trajectories", "block_matrix_heatmap", "within_gap_by_layer"}  # fmt: skip
-    assert {Path(p).stem for ps in summary["figures"].values() for p in ps} == expected
+    expected = {
+        "fig1_taylor_split",
+        "fig2_nds_update_norm",
+        "fig3_zipf_nds",
+        "fig4_within_cross",
+        "fig7_quadratic_phase",
+        "fig7_quadratic_trajectories",
+        "block_matrix_heatmap",
+        "within_gap_by_layer",
+        "tuning_grids",
+    }
+    assert {Path(p).stem for ps in summary.figures.values() for p in ps} == expected
+    assert {"data", "tune", "train", "compare", "track", "summary", "figures", "total"} <= set(summary.timing)
 
 
-def test_report_numbers_match_the_json_results(micro):
+def test_summary_schema(micro):
+    out, _ = micro
+    data = json.loads((out / "summary.json").read_text())
+    names = {e["name"] for e in data["headline"]}
+    assert {"nds_ratio", "nds_ratio_median", "nds_ratio_moonlight", "nds_ratio_equal_step", "gap_change"} <= names
+    for e in data["headline"]:
+        assert {"name", "scope", "value", "ci95", "n_levels", "n_seeds", "per_level", "paper", "verdict"} <= set(e)
+        assert e["scope"] in ("all", "hidden") and e["verdict"] in VERDICTS
+        if e["value"] is not None and e["n_seeds"] >= 2 and e["ci95"] is not None:
+            lo, hi = e["ci95"]
+            assert lo <= hi
+    for name in ("nds_ratio", "update_norm_ratio", "gap_s0"):
+        assert {e["scope"] for e in data["headline"] if e["name"] == name} == {"all", "hidden"}  # both scopes
+    nds = next(e for e in data["headline"] if e["name"] == "nds_ratio" and e["scope"] == "all")
+    assert nds["n_seeds"] == 2 and nds["paper"] == 1.76 and len(nds["per_level"]) == nds["n_levels"] >= 2
+    tuning = json.loads((out / "tuning.json").read_text())
+    for name in ("adamw.lr", "muon.lr", "muon-moonlight.lr"):  # the control arm is tuned like the others
+        search = tuning["searches"][name]
+        assert len(search["grid"]) >= 2 and all(len(v) == 1 for v in search["grid"].values())
+        assert f"{search['chosen']:g}" in search["grid"]
+    assert tuning["chosen"]["muon"]["adam_lr"] == tuning["chosen"]["adamw"]["lr"]  # tied, and the report says so
+    assert any("not tuned on its own" in n for n in data["notes"])
+
+
+def test_every_summary_number_is_rederivable_from_the_per_level_json(micro):
+    out, summary = micro
+    raw = json.loads((out / "analysis" / "levels.json").read_text())
+    again, zipf = headline(LevelData.from_dict(raw), PRESETS["micro"].n_boot)
+    assert json.dumps([e.to_dict() for e in again]) == json.dumps([e.to_dict() for e in summary.headline])
+    assert [dataclasses.asdict(z) for z in zipf] == [dataclasses.asdict(z) for z in summary.zipf]
+    # and independently of curvlab.results, from the raw JSON: the NDS ratio is a ratio of sums of window means
+    num = den = 0.0
+    for record in raw["comparisons"]:
+        if record["name"] != "adamw/muon" or record["comparison"] is None:
+            continue
+        for level in record["comparison"]["pairs"]:
+            if not level["on_plateau"]:
+                num += np.mean([m["nds"] for m in level["a"]["members"]])  # side a is AdamW's
+                den += np.mean([m["nds"] for m in level["b"]["members"]])
+    assert summary.entry("nds_ratio").value == pytest.approx(num / den, rel=1e-12)
+    # the Zipf ratio: Muon's trajectory NDS at s = 1 over its own at s = 0, every tracked point after warmup
+    warm = PRESETS["micro"].warmup_steps
+
+    def pooled(arm, s):
+        rows = [r for t in raw["tracks"] if t["arm"] == arm and t["s"] == s for r in t["rows"] if r["step"] >= warm]
+        return np.mean([r["nds"] for r in rows])
+
+    assert summary.entry("normalized_nds_muon_s1").value == pytest.approx(pooled("muon", 1.0) / pooled("muon", 0.0))
+
+
+def _side(optimizer, nds_values, ok):
+    members = [
+        {
+            "step": 10 + i,
+            "val_loss": 4.0,
+            "nds": x,
+            "first_order": 1.0,
+            "curvature_penalty": 0.5,
+            "update_norm": 1.0,
+            "taylor_error": 0.0 if good else 3.0,
+            "taylor_ok": good,
+        }
+        for i, (x, good) in enumerate(zip(nds_values, ok))
+    ]
+    return WindowSide(optimizer, 11, 4.0, 1.0, 0.01, members, [])
+
+
+def test_the_taylor_check_never_filters_nds_means():
+    """A window member whose Taylor prediction fails keeps its NDS in every mean; the failure is counted."""
+    level = Level(
+        4.0,
+        0.0,
+        False,
+        _side("adamw", [1.0, 9.0, 2.0], [True, False, True]),
+        _side("muon", [1.0, 1.0, 1.0], [True] * 3),
+    )
+    c = Comparison([level], "adamw/muon", [], ("adamw", "muon"))
+    assert level.a.mean["nds"] == pytest.approx(4.0) and level.a.taylor_failures == 1
+    assert c.ratio_of_means["nds"] == pytest.approx(4.0) and c.mean_ratios["nds"] == pytest.approx(4.0)
+    plateau = Level(6.0, 0.0, True, _side("adamw", [50.0], [True]), _side("muon", [1.0], [True]))
+    assert Comparison([level, plateau], "adamw/muon", [], ("adamw", "muon")).ratio_of_means["nds"] == pytest.approx(4.0)
+
+
+def test_missing_comparisons_and_single_seeds_are_inconclusive_never_bare_numbers(micro):
+    out, _ = micro
+    data = LevelData.load(out / "analysis" / "levels.json")
+    failed = dataclasses.replace(
+        data, comparisons=[ComparisonRecord("adamw/muon", 0, 0.0, None, "the validation losses never overlap")]
+    )
+    entries, _ = headline(failed, 50)
+    nds = next(e for e in entries if e.name == "nds_ratio")
+    assert nds.value is None and nds.verdict == INCONCLUSIVE and "never overlap" in nds.note
+    one_seed = dataclasses.replace(
+        data,
+        comparisons=[r for r in data.comparisons if r.seed == 0],
+        tracks=[t for t in data.tracks if t.seed == 0],
+    )
+    entries, _ = headline(one_seed, 50)
+    for e in entries:
+        if e.value is not None:
+            assert e.ci95 is None and e.verdict in (INCONCLUSIVE, NO_CLAIM) and "no interval" in e.note, e.name
+    assert "no interval" in value_cell(entries[0])
+
+
+def test_report_and_readme_render_the_summary(micro, tmp_path):
     out, summary = micro
     report = (out / "report.md").read_text()
-    compare = json.loads((out / "analysis" / "compare" / "compare.json").read_text())
-    zipf = json.loads((out / "analysis" / "zipf.json").read_text())
-    c = compare
-    cell = f"{c['ratio_of_means']['nds']:.2f} ({c['median_ratios']['nds']:.2f}, {c['mean_ratios']['nds']:.2f})"
-    assert (
-        f"AdamW/Muon NDS at matched loss: ratio of means (median, mean of per-level ratios) | {cell} | 1.76 |" in report
-    )
-    assert f"{compare['mean_ratios']['update_norm']:.2f}" in report
-    assert f"{zipf['gap'][0]:.2f} → {zipf['gap'][-1]:.2f}" in report
-    assert f"{zipf['normalized']['adamw'][0]:.2f} → {zipf['normalized']['adamw'][-1]:.2f}" in report
-    tuning = json.loads((out / "tuning.json").read_text())
-    assert "| adamw | " in report and f"| {tuning['chosen']['adamw']:g} |" in report
-    assert f"Finished in {summary['seconds']:.0f} s" in report
-    for figure in summary["figures"].values():
+    for e in summary.headline:
+        assert f"| {e.quantity} | {e.scope} | {value_cell(e)} |" in report
+    assert f"Finished in {summary.seconds:.0f} s" in report and "not tuned on its own" in report
+    assert "| muon-moonlight.lr |" in report and "## Matched levels" in report
+    for arm, counts in summary.taylor.items():
+        assert f"- {arm}: {counts['failed']} of {counts['checked']} analysed checkpoints fail it." in report
+    for figure in summary.figures.values():
         for p in figure:
             if p.endswith(".png"):
                 assert f"({p})" in report
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Results\n\n{README_BEGIN}\nold table\n{README_END}\n\n## Next\n")
+    update_readme(out, readme, tmp_path / "docs" / "results")
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# x\n") and text.endswith("## Next\n")
+    assert render_readme_results(Summary.load(out / "summary.json"), (tmp_path / "docs" / "results").as_posix()) in text
+    shown = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
+    assert shown and all(Path(p).is_file() for p in shown)  # every image the README shows exists
+    plain = tmp_path / "plain.md"
+    plain.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="no results markers"):
+        update_readme(out, plain, tmp_path / "figures")
 
 
 def test_rerun_continues_and_other_config_is_refused(micro, monkeypatch):
@@ -68,6 +208,7 @@ def test_rerun_continues_and_other_config_is_refused(micro, monkeypatch):
     Reproduction(PRESETS["micro"], out, progress=False).run()
     assert results  # the finished runs were visited...
     assert all(r.resumed_from == cfg.steps for cfg, r in results)  # ...and none trained a single step more
+    assert not any("tune" in cfg.out for cfg, _ in results)  # finished tuning runs are read from their index
     with pytest.raises(ValueError, match="another configuration"):
         Reproduction(PRESETS["quick"], out, progress=False).run()
 
@@ -92,10 +233,6 @@ def test_notebooks_run_against_a_results_set(micro, path, tmp_path, monkeypatch)
 
 def test_fineweb_stage_plumbing_with_a_small_model(tmp_path):
     """The paper preset's FineWeb comparison, with a small model on fake GPT-2-token shards."""
-    import dataclasses
-
-    import numpy as np
-
     from curvlab.data.shards import write_shard
 
     shards = tmp_path / "fineweb"
@@ -103,15 +240,24 @@ def test_fineweb_stage_plumbing_with_a_small_model(tmp_path):
     write_shard(shards / "fineweb_train_000001.bin", rng.integers(0, 300, 40_000))
     write_shard(shards / "fineweb_val_000000.bin", rng.integers(0, 300, 5_000))
     preset = dataclasses.replace(
-        PRESETS["micro"], fineweb=True, fineweb_model="tiny", fineweb_steps=12, fineweb_batch_size=8,
+        PRESETS["micro"],
+        fineweb=True,
+        fineweb_model="tiny",
+        fineweb_steps=16,
+        fineweb_batch_size=8,
+        fineweb_ckpt_every=2,
         fineweb_model_overrides={"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "vocab_size": 320},
         tolerance=0.2,
-    )  # fmt: skip
+    )
     reproduction = Reproduction(preset, tmp_path / "out", fineweb=shards, progress=False)
-    compare = reproduction.fineweb_comparison()  # the stage alone: the rest is the micro run above
-    assert compare["optimizers"] == ["muon", "adamw"] and compare["pairs"]
-    assert set(compare["ratio_of_means"]) == {"nds", "first_order", "curvature_penalty", "update_norm"}
+    result = reproduction.fineweb_comparison()  # the stage alone: the rest is the micro run above
+    assert result["levels"] >= 1 and set(result["ratio_of_means"]) == {
+        "nds",
+        "first_order",
+        "curvature_penalty",
+        "update_norm",
+    }
+    assert all(math.isfinite(v) for v in result["ratio_of_means"].values())
     config = json.loads((tmp_path / "out" / "runs" / "fineweb" / "muon" / "config.json").read_text())
     assert config["optimizer_options"] == {"lr": 0.02} and config["data"] == str(shards)
-    lines = "\n".join(_fineweb_lines({"fineweb": compare}))
-    assert "## FineWeb" in lines and f"NDS {compare['ratio_of_means']['nds']:.2f}" in lines
+    assert config["schedule"] == "wsd"

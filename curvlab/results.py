@@ -1,0 +1,510 @@
+"""The results of a reproduction, as typed data: the per-level data and the headline derived from it.
+
+``analysis/levels.json`` (:class:`LevelData`, ``LEVELS_SCHEMA_VERSION``) holds everything measured:
+every matched comparison of every seed (each level's windows, with every analysed checkpoint's scalars)
+and every tracked trajectory. ``summary.json`` (:class:`Summary`, ``SUMMARY_SCHEMA_VERSION``) holds
+the headline, a list of :class:`HeadlineEntry`::
+
+    name, scope ("all" | "hidden"), quantity, value, ci95 [lo, hi] (or null), n_levels, n_seeds,
+    per_level [{seed, ... , value}], paper, paper_text, verdict, note
+
+:func:`headline` derives every entry from a :class:`LevelData` alone (so the summary can be
+re-derived from ``levels.json``, and the tests do so), with the statistics of
+:mod:`curvlab.statistics` and the claims of :mod:`curvlab.paper`:
+
+* matched-loss ratios (AdamW over Muon, and over the RMS-matched Muon arm): ratio of the sums over
+  seeds and levels off the unigram plateau of the window means, e.g. sum NDS_AdamW / sum NDS_Muon;
+* each optimizer's embedding+head share of ||Z||² at matched loss: the mean over levels;
+* the Taylor error |predicted − realized| / max(|realized|, |I1|): the median over levels of each
+  window's median (judges the claim "predicted ≈ realized", and nothing else);
+* the equal-step NDS ratio: tracked checkpoints at equal steps, both in the stable phase and off
+  the plateau;
+* the Zipf sweep: trajectory-mean NDS (all tracked checkpoints after warmup, unfiltered) divided by
+  Muon's at the first s, pooled over seeds; the Muon baseline is resampled in the bootstrap, so its
+  uncertainty is carried;
+* rho_within in the first and last third of training (s = first s): sum(within) / sum(NDS) over the
+  tracked checkpoints there; the hidden scope uses the transformer-layer blocks only.
+
+Intervals are two-stage bootstrap intervals over seeds and units (levels or checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from curvlab import statistics as st
+from curvlab.atomic import atomic_write_text
+from curvlab.errors import CurvlabError
+from curvlab.paper import CLAIMS, Claim
+from curvlab.studies import Comparison, load_typed
+
+LEVELS_SCHEMA_VERSION = 1
+SUMMARY_SCHEMA_VERSION = 1
+SCOPES = ("all", "hidden")
+MATCHED = {"muon": "adamw/muon", "muon-moonlight": "adamw/muon-moonlight"}  # Muon arm -> comparison name
+RATIO_NAMES = {
+    "nds": "nds_ratio",
+    "first_order": "first_order_ratio",
+    "curvature_penalty": "curvature_penalty_ratio",
+    "update_norm": "update_norm_ratio",
+}
+
+
+def _key(quantity: str, scope: str) -> str:
+    return quantity if scope == "all" else f"hidden_{quantity}"
+
+
+@dataclass
+class ComparisonRecord:
+    """One matched comparison of one seed: AdamW's run against one Muon arm's (or why there is none)."""
+
+    name: str  # "adamw/muon" or "adamw/muon-moonlight"
+    seed: int
+    s: float
+    comparison: Comparison | None
+    error: str | None = None  # why no comparison (e.g. the runs never overlap in the stable phase)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "seed": self.seed,
+            "s": self.s,
+            "error": self.error,
+            "comparison": None if self.comparison is None else self.comparison.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ComparisonRecord:
+        c = None if d["comparison"] is None else Comparison.from_dict(d["comparison"])
+        return cls(d["name"], d["seed"], d["s"], c, d["error"])
+
+
+@dataclass
+class TrackRecord:
+    """The tracked checkpoints of one run (``track_run`` rows)."""
+
+    arm: str
+    s: float
+    seed: int
+    steps: int  # the run's length (the thirds of training are thirds of it)
+    warmup_steps: int
+    rows: list[dict[str, Any]]
+
+    def after_warmup(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["step"] >= self.warmup_steps]
+
+
+@dataclass
+class LevelData:
+    """Everything measured in one reproduction (``analysis/levels.json``)."""
+
+    comparisons: list[ComparisonRecord]
+    tracks: list[TrackRecord]
+    plateau_ceiling: float | None
+    s_values: list[float]
+    schema_version: int = LEVELS_SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "plateau_ceiling": self.plateau_ceiling,
+            "s_values": self.s_values,
+            "comparisons": [c.to_dict() for c in self.comparisons],
+            "tracks": [asdict(t) for t in self.tracks],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LevelData:
+        if d.get("schema_version") != LEVELS_SCHEMA_VERSION:
+            raise CurvlabError(f"levels.json schema {d.get('schema_version')} is not {LEVELS_SCHEMA_VERSION}")
+        return cls(
+            [ComparisonRecord.from_dict(c) for c in d["comparisons"]],
+            [TrackRecord(**t) for t in d["tracks"]],
+            d["plateau_ceiling"],
+            d["s_values"],
+        )
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> LevelData:
+        return load_typed(path, cls.from_dict, "per-level results")
+
+    def track(self, arm: str, s: float) -> list[TrackRecord]:
+        return sorted((t for t in self.tracks if t.arm == arm and t.s == s), key=lambda t: t.seed)
+
+    def matched(self, name: str) -> list[ComparisonRecord]:
+        return sorted((c for c in self.comparisons if c.name == name), key=lambda c: c.seed)
+
+
+@dataclass
+class HeadlineEntry:
+    """One headline number with its interval, its units, the paper's number and the verdict."""
+
+    name: str
+    scope: str
+    quantity: str
+    value: float | None
+    ci95: list[float] | None
+    n_levels: int
+    n_seeds: int
+    per_level: list[dict[str, Any]]
+    paper: float | None
+    paper_text: str
+    verdict: str
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ZipfPoint:
+    """Trajectory-mean NDS of one optimizer at one s, over Muon's at the first s (both pooled over seeds)."""
+
+    arm: str
+    s: float
+    scope: str
+    value: float
+    ci95: list[float] | None
+    n_seeds: int
+    n_checkpoints: int
+    per_seed: list[float]  # each seed's trajectory mean (not normalized)
+
+
+@dataclass
+class Summary:
+    """``summary.json``: the headline, the Taylor check, tuning, caveats, timings and figures."""
+
+    preset: str
+    headline: list[HeadlineEntry]
+    zipf: list[ZipfPoint]  # normalized NDS per (optimizer, s), for the figure and the report
+    taylor: dict[str, dict[str, int]]  # arm -> {"checked", "failed"}
+    tuning: dict[str, Any]
+    notes: list[str]
+    final_val_loss: dict[str, dict[str, list[float]]]  # s -> arm -> per seed
+    quadratic: dict[str, float]
+    timing: dict[str, float] = field(default_factory=dict)  # stage -> seconds, over every invocation
+    seconds: float = 0.0
+    invocations: int = 1
+    figures: dict[str, list[str]] = field(default_factory=dict)
+    fineweb: dict[str, Any] | None = None
+    schema_version: int = SUMMARY_SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Summary:
+        if d.get("schema_version") != SUMMARY_SCHEMA_VERSION:
+            raise CurvlabError(f"summary.json schema {d.get('schema_version')} is not {SUMMARY_SCHEMA_VERSION}")
+        d = dict(d)
+        d["headline"] = [HeadlineEntry(**e) for e in d["headline"]]
+        d["zipf"] = [ZipfPoint(**e) for e in d["zipf"]]
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Summary:
+        return load_typed(path, cls.from_dict, "summary")
+
+    def entry(self, name: str, scope: str = "all") -> HeadlineEntry:
+        for e in self.headline:
+            if e.name == name and e.scope == scope:
+                return e
+        raise CurvlabError(f"no headline entry {name!r} ({scope})")
+
+
+# -- the headline -------------------------------------------------------------------------------
+
+
+def claim_for(name: str) -> Claim:
+    """The paper's claim about headline quantity ``name``. Variants of a claimed ratio inherit its
+    direction: ``*_median`` (the median of per-level ratios, beside the ratio of means) keeps the
+    paper's number; ``*_moonlight`` (the RMS-matched Muon arm, which the paper did not run) does not."""
+    if name in CLAIMS:
+        return CLAIMS[name]
+    base = name.removesuffix("_moonlight")
+    moonlight = base != name
+    median = base.endswith("_median")
+    base = base.removesuffix("_median")
+    if base not in CLAIMS or not (moonlight or median):
+        return Claim(name, name, "", None, "—", None)
+    c = CLAIMS[base]
+    quantity = c.quantity.replace("AdamW/Muon", "AdamW/Muon-moonlight") if moonlight else c.quantity
+    if median:
+        quantity = quantity.replace("ratio of means", "median of per-level ratios")
+    paper = None if moonlight else c.paper
+    text = c.paper_text if paper is not None or c.paper is None else f"> {c.null:g}"  # the direction only
+    return Claim(name, quantity, c.statement, paper, text, c.direction, c.null, c.band)
+
+
+def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict], note: str = "") -> HeadlineEntry:
+    """A headline entry from an estimate (``None``: nothing to estimate from, ``note`` says why)."""
+    claim = claim_for(name)
+    ci = None if est is None or est.ci95 is None else list(est.ci95)
+    if est is not None and ci is None and not note:
+        note = f"{est.n_seeds} seed(s): no interval"
+    return HeadlineEntry(
+        name=name,
+        scope=scope,
+        quantity=claim.quantity,
+        value=None if est is None else est.value,
+        ci95=ci,
+        n_levels=0 if est is None else est.n_units,
+        n_seeds=0 if est is None else est.n_seeds,
+        per_level=per_level,
+        paper=claim.paper,
+        paper_text=claim.paper_text,
+        verdict=st.verdict(claim.direction, ci, claim.null, claim.band),
+        note=note,
+    )
+
+
+def _sides(comparison: Comparison, level):
+    """(AdamW's side, the Muon arm's side) of a level."""
+    return (level.a, level.b) if comparison.numerator == "a" else (level.b, level.a)
+
+
+def _ratio_entries(
+    base: str, suffix: str, scope: str, groups, per_level, n_boot: int, note: str
+) -> list[HeadlineEntry]:
+    """Two estimates of one AdamW/Muon ratio from the same (numerator, denominator) rows: the ratio of
+    means (the paper's kind of average), and the median of the per-unit ratios, which one step outside
+    the quadratic regime (a loss spike, with NDS of either sign and hundreds of times the usual size)
+    cannot swing. No unit is dropped from either."""
+    mean = None if groups is None else st.estimate(groups, lambda g: st.ratio_of_means(g["levels"]), n_boot)
+    median = None if groups is None else st.estimate(groups, lambda g: st.median_ratio(g["levels"]), n_boot)
+    return [
+        _entry(base + suffix, scope, mean, per_level, note),
+        _entry(base + "_median" + suffix, scope, median, per_level, note),
+    ]
+
+
+def _matched_entries(data: LevelData, arm: str, n_boot: int) -> list[HeadlineEntry]:
+    name = MATCHED[arm]
+    records = data.matched(name)
+    usable = [r for r in records if r.comparison is not None and r.comparison.headline_levels]
+    why = "; ".join(
+        f"seed {r.seed}: {r.error or 'every level on the unigram plateau'}" for r in records if r not in usable
+    )
+    suffix = "" if arm == "muon" else "_moonlight"
+    out = []
+    for quantity, base in RATIO_NAMES.items():
+        for scope in SCOPES:
+            key = _key(quantity, scope)
+            groups, per_level = {"levels": []}, []
+            for r in usable:
+                rows = []
+                for lv in r.comparison.headline_levels:
+                    num, den = _sides(r.comparison, lv)
+                    x, y = num.mean[key], den.mean[key]
+                    rows.append([x, y])
+                    per_level.append(
+                        {"seed": r.seed, "target": lv.target, "adamw": x, arm: y, "value": x / y if y else None}
+                    )
+                groups["levels"].append(np.array(rows))
+            out += _ratio_entries(base, suffix, scope, groups if usable else None, per_level, n_boot, why)
+    # each optimizer's share of ||Z||^2 in embedding + head, and the Taylor error at matched loss
+    for side_name, pick in (("adamw", 0), (arm, 1)):
+        if arm != "muon" and side_name == "adamw":
+            continue  # AdamW's are reported once, from its comparison with the default Muon arm
+        groups, per_level = {"levels": []}, []
+        taylor, taylor_levels = {"levels": []}, []
+        for r in usable:
+            shares, errors = [], []
+            for lv in r.comparison.headline_levels:
+                side = _sides(r.comparison, lv)[pick]
+                shares.append([side.mean["embed_head_share"]])
+                err = float(np.median([m["taylor_error"] for m in side.members]))
+                errors.append([err])
+                per_level.append({"seed": r.seed, "target": lv.target, "value": shares[-1][0]})
+                taylor_levels.append({"seed": r.seed, "target": lv.target, "value": err})
+            groups["levels"].append(np.array(shares))
+            taylor["levels"].append(np.array(errors))
+        share = st.estimate(groups, lambda g: st.mean(g["levels"]), n_boot) if usable else None
+        err = st.estimate(taylor, lambda g: st.median(g["levels"]), n_boot) if usable else None
+        out.append(_entry(f"embed_head_share_{side_name}", "all", share, per_level, why))
+        out.append(_entry(f"taylor_error_{side_name}", "all", err, taylor_levels, why))
+    return out
+
+
+def _equal_step_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
+    s0 = data.s_values[0]
+    adam, muon = {t.seed: t for t in data.track("adamw", s0)}, {t.seed: t for t in data.track("muon", s0)}
+    out = []
+    for scope in SCOPES:
+        key = _key("nds", scope)
+        groups, per_level = {"steps": []}, []
+        for seed in sorted(set(adam) & set(muon)):
+            a = {r["step"]: r for r in adam[seed].rows if r["phase"] == "stable" and not r["on_plateau"]}
+            m = {r["step"]: r for r in muon[seed].rows if r["phase"] == "stable" and not r["on_plateau"]}
+            rows = [[a[k][key], m[k][key]] for k in sorted(set(a) & set(m))]
+            per_level += [
+                {"seed": seed, "step": k, "adamw": x, "muon": y, "value": x / y if y else None}
+                for k, (x, y) in zip(sorted(set(a) & set(m)), rows)
+            ]
+            if rows:
+                groups["steps"].append(np.array(rows))
+        usable = {"levels": groups["steps"]} if groups["steps"] else None
+        note = "" if usable else "no tracked step where both runs are in the stable phase and off the plateau"
+        out += _ratio_entries("nds_ratio_equal_step", "", scope, usable, per_level, n_boot, note)
+    return out
+
+
+def _trajectory_groups(data: LevelData, key: str) -> dict[tuple[str, float], list[np.ndarray]]:
+    groups = {}
+    for t in data.tracks:
+        rows = t.after_warmup()
+        if rows:
+            groups.setdefault((t.arm, t.s), []).append(np.array([[r[key]] for r in rows]))
+    return groups
+
+
+def _mean(x: np.ndarray) -> float:
+    return float(x[:, 0].mean())
+
+
+ZIPF_STATISTICS: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, np.ndarray]], float]]] = {
+    # name -> (groups it reads, from: "a0"/"m0" AdamW/Muon at the first s, "a1"/"m1" at the last)
+    "normalized_nds_adamw_s0": (("a0", "m0"), lambda g: _mean(g["a0"]) / _mean(g["m0"])),
+    "normalized_nds_muon_s1": (("m1", "m0"), lambda g: _mean(g["m1"]) / _mean(g["m0"])),
+    "normalized_nds_adamw_s1": (("a1", "m0"), lambda g: _mean(g["a1"]) / _mean(g["m0"])),
+    "normalized_nds_adamw_change": (("a1", "a0", "m0"), lambda g: (_mean(g["a1"]) - _mean(g["a0"])) / _mean(g["m0"])),
+    "gap_s0": (("a0", "m0"), lambda g: (_mean(g["a0"]) - _mean(g["m0"])) / _mean(g["m0"])),
+    "gap_s1": (("a1", "m1", "m0"), lambda g: (_mean(g["a1"]) - _mean(g["m1"])) / _mean(g["m0"])),
+    "gap_change": (
+        ("a1", "m1", "a0", "m0"),
+        lambda g: (_mean(g["a1"]) - _mean(g["m1"]) - _mean(g["a0"]) + _mean(g["m0"])) / _mean(g["m0"]),
+    ),
+}
+
+
+def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], list[ZipfPoint]]:
+    """The headline's Zipf entries, and the normalized NDS of every (optimizer, s) for the figure."""
+    s0, s1 = data.s_values[0], data.s_values[-1]
+    headline, per_s = [], []
+    for scope in SCOPES:
+        groups = _trajectory_groups(data, _key("nds", scope))
+        named = {"a0": ("adamw", s0), "m0": ("muon", s0), "a1": ("adamw", s1), "m1": ("muon", s1)}
+        for name, (needs, stat) in ZIPF_STATISTICS.items():
+            missing = [f"{named[k][0]} at s = {named[k][1]:g}" for k in needs if named[k] not in groups]
+            if s0 == s1 and any(k.endswith("1") for k in needs):
+                missing = ["a second value of s"]
+            if missing:
+                headline.append(_entry(name, scope, None, [], f"no trajectory for {', '.join(missing)}"))
+                continue
+            g = {k: groups[named[k]] for k in needs}
+            per_level = [
+                {"arm": named[k][0], "s": named[k][1], "seed": i, "mean": float(x[:, 0].mean())}
+                for k in needs
+                for i, x in enumerate(g[k])
+            ]
+            headline.append(_entry(name, scope, st.estimate(g, stat, n_boot), per_level))
+        if ("muon", s0) not in groups:
+            continue
+        for arm, s in sorted(groups):
+            x = "m0" if (arm, s) == ("muon", s0) else "x"  # the baseline over itself is 1 in every resample
+            g = {x: groups[(arm, s)], "m0": groups[("muon", s0)]}
+            est = st.estimate(g, lambda g, x=x: _mean(g[x]) / _mean(g["m0"]), n_boot)
+            per_seed = [float(x[:, 0].mean()) for x in groups[(arm, s)]]
+            per_s.append(
+                ZipfPoint(
+                    arm,
+                    s,
+                    scope,
+                    est.value,
+                    None if est.ci95 is None else list(est.ci95),
+                    est.n_seeds,
+                    est.n_units,
+                    per_seed,
+                )
+            )
+    return headline, per_s
+
+
+def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
+    s0 = data.s_values[0]
+    out = []
+
+    def rows_of(arm: str, scope: str) -> list[np.ndarray]:
+        within, total = ("within", "nds") if scope == "all" else ("within_layers", "nds_layers")
+        seeds = []
+        for t in data.track(arm, s0):
+            third = t.steps / 3
+            seeds.append(np.array([[r[within], r[total], r["step"] <= third, r["step"] > 2 * third] for r in t.rows]))
+        return seeds
+
+    def rho(rows: np.ndarray, col: int) -> float:
+        pick = rows[:, col] > 0
+        den = rows[pick, 1].sum()
+        return float(rows[pick, 0].sum() / den) if pick.any() and den else float("nan")
+
+    for scope in SCOPES:
+        groups = {arm: rows_of(arm, scope) for arm in ("muon", "adamw")}
+        if not all(groups[a] for a in groups):
+            out += [
+                _entry(n, scope, None, [], "no trajectory at the first s")
+                for n in (
+                    "rho_within_muon_early",
+                    "rho_within_muon_late",
+                    "rho_within_adamw_early",
+                    "rho_within_adamw_late",
+                    "rho_within_muon_change",
+                    "rho_within_adamw_change",
+                    "rho_within_change_gap",
+                )
+            ]
+            continue
+        for arm in ("muon", "adamw"):
+            per_seed = [{"seed": i, "early": rho(x, 2), "late": rho(x, 3)} for i, x in enumerate(groups[arm])]
+            g = {"x": groups[arm]}
+            out.append(
+                _entry(f"rho_within_{arm}_early", scope, st.estimate(g, lambda g: rho(g["x"], 2), n_boot), per_seed)
+            )
+            out.append(
+                _entry(f"rho_within_{arm}_late", scope, st.estimate(g, lambda g: rho(g["x"], 3), n_boot), per_seed)
+            )
+            change = st.estimate(g, lambda g: rho(g["x"], 3) - rho(g["x"], 2), n_boot)
+            out.append(_entry(f"rho_within_{arm}_change", scope, change, per_seed))
+        gap = st.estimate(
+            groups, lambda g: rho(g["muon"], 3) - rho(g["muon"], 2) - rho(g["adamw"], 3) + rho(g["adamw"], 2), n_boot
+        )
+        out.append(_entry("rho_within_change_gap", scope, gap, []))
+    return out
+
+
+def headline(data: LevelData, n_boot: int = st.N_BOOT) -> tuple[list[HeadlineEntry], list[ZipfPoint]]:
+    """Every headline entry (module docstring) and the per-s normalized NDS, from the per-level data alone."""
+    entries = []
+    for arm in MATCHED:
+        if data.matched(MATCHED[arm]):
+            entries += _matched_entries(data, arm, n_boot)
+    entries += _equal_step_entries(data, n_boot)
+    zipf, per_s = _zipf_entries(data, n_boot)
+    entries += zipf + _rho_entries(data, n_boot)
+    return entries, per_s
+
+
+def taylor_counts(data: LevelData) -> dict[str, dict[str, int]]:
+    """Per arm, how many distinct analysed checkpoints (matched windows and trajectories) the Taylor
+    check judged, and how many it failed."""
+    seen: dict[str, dict[tuple, bool]] = {}
+    for r in data.comparisons:
+        if r.comparison is None:
+            continue
+        arm = r.name.split("/")[1]
+        for lv in r.comparison.levels:
+            for side_arm, side in zip(("adamw", arm), _sides(r.comparison, lv)):
+                for m in side.members:
+                    seen.setdefault(side_arm, {})[(r.s, r.seed, m["step"])] = m["taylor_ok"]
+    for t in data.tracks:
+        for row in t.rows:
+            seen.setdefault(t.arm, {})[(t.s, t.seed, row["step"])] = row["taylor_ok"]
+    return {arm: {"checked": len(v), "failed": sum(not ok for ok in v.values())} for arm, v in sorted(seen.items())}

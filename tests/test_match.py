@@ -1,0 +1,119 @@
+"""Phase-matched pairing on synthetic runs: an index of validation losses and a config with a known
+schedule (no checkpoint files are needed to match)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from curvlab.match import match_runs, plateau_ceiling, run_checkpoints
+from curvlab.train import TrainConfig, lr_multiplier
+
+
+def make_run(path, losses, schedule="wsd", steps=100, warmup=10, lr=0.01, every=2):
+    """A run directory whose checkpoints (every ``every`` steps) have validation loss ``losses(step)``."""
+    path.mkdir(parents=True)
+    cfg = TrainConfig(data="nowhere", out=str(path), optimizer="adamw", optimizer_options={"lr": lr}, steps=steps,
+                      warmup_steps=warmup, schedule=schedule, cooldown_frac=0.2)  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    index = [{"step": k, "val_loss": float(losses(k)), "path": f"ckpt_{k:06d}.pt"} for k in range(0, steps + 1, every)]
+    (path / "index.json").write_text(json.dumps(index))
+    return path, cfg
+
+
+def fast(k):
+    return 3.0 + 4.0 * np.exp(-k / 40)
+
+
+def slow(k):
+    return 3.0 + 4.0 * np.exp(-k / 100)
+
+
+def test_checkpoints_carry_their_schedule(tmp_path):
+    run, cfg = make_run(tmp_path / "a", fast)
+    cks = run_checkpoints(run)
+    for c in cks:
+        assert c.multiplier == lr_multiplier(c.step, cfg) and c.lr == pytest.approx(0.01 * c.multiplier)
+    assert {c.phase for c in cks if c.step < 10} == {"warmup"}
+    assert {c.phase for c in cks if 10 <= c.step < 80} == {"stable"}
+    assert {c.phase for c in cks if c.step >= 80} == {"decay"}
+
+
+def test_stable_phase_pairs_only_stable_checkpoints_within_tolerance(tmp_path):
+    a, _ = make_run(tmp_path / "fast", fast)
+    b, _ = make_run(tmp_path / "slow", slow)
+    m = match_runs(b, a, levels=6, tolerance=0.01, phase="stable", window_width=1)
+    assert len(m.pairs) >= 4 and m.phase == "stable"
+    for p in m.pairs:
+        assert p.multiplier_a == 1.0 and p.multiplier_b == 1.0
+        assert 10 <= p.step_a < 80 and 10 <= p.step_b < 80
+        assert p.mismatch <= 0.01
+        assert p.target == pytest.approx((p.loss_a + p.loss_b) / 2)
+        assert all(c.phase == "stable" for c in p.window_a + p.window_b)
+        assert [c.step for c in p.window_b] == [p.step_b - 2, p.step_b, p.step_b + 2] or p.step_b in (10, 78)
+    for side in ("step_a", "step_b"):  # no checkpoint is the centre of two levels
+        assert len({getattr(p, side) for p in m.pairs}) == len(m.pairs)
+    # "any" pairs the slow run's decay-phase checkpoints with the fast run's stable ones: the confound
+    anywhere = match_runs(b, a, levels=6, tolerance=0.01, phase="any")
+    assert any(p.multiplier_a < 1.0 for p in anywhere.pairs)
+
+
+def test_equal_multiplier_pairs(tmp_path):
+    a, _ = make_run(tmp_path / "fast", fast)
+    b, _ = make_run(tmp_path / "slow", slow)
+    m = match_runs(b, a, levels=12, tolerance=0.02, phase="multiplier")
+    assert m.pairs
+    for p in m.pairs:
+        assert abs(p.multiplier_a - p.multiplier_b) <= 0.02 * max(p.multiplier_a, p.multiplier_b)
+
+
+def test_plateau_levels_are_flagged_and_not_targeted(tmp_path):
+    a, _ = make_run(tmp_path / "fast", fast)
+    b, _ = make_run(tmp_path / "slow", slow)
+    ceiling = plateau_ceiling(6.0)  # losses >= 5.7 are on the plateau
+    assert ceiling == pytest.approx(5.7)
+    m = match_runs(b, a, levels=6, tolerance=0.01, phase="stable", plateau_ceiling=ceiling)
+    assert m.pairs and all(p.target < ceiling and not p.on_plateau for p in m.pairs)
+    explicit = match_runs(b, a, levels=[5.9, 5.0], tolerance=0.01, phase="stable", plateau_ceiling=ceiling)
+    assert [p.on_plateau for p in explicit.pairs] == [True, False]
+
+
+def test_a_run_without_a_stable_phase_is_refused(tmp_path):
+    a, _ = make_run(tmp_path / "fast", fast)
+    b, _ = make_run(tmp_path / "cosine", slow, schedule="cosine")
+    with pytest.raises(ValueError, match="never reaches a stable phase"):
+        match_runs(b, a, phase="stable")
+    assert match_runs(b, a, levels=4, tolerance=0.01, phase="any").pairs  # the old behaviour, on request
+
+
+def test_runs_with_no_overlap_in_the_stable_phase_are_refused(tmp_path):
+    a, _ = make_run(tmp_path / "fast", fast)
+    b, _ = make_run(tmp_path / "stuck", lambda k: 9.0 - 0.001 * k)  # never comes near the other's losses
+    with pytest.raises(ValueError, match="never overlap in the stable phase"):
+        match_runs(b, a, phase="stable")
+
+
+def test_a_range_wholly_on_the_plateau_gives_no_level_and_says_why(tmp_path):
+    a, _ = make_run(tmp_path / "fast", fast)
+    b, _ = make_run(tmp_path / "slow", slow)
+    m = match_runs(b, a, levels=4, phase="stable", plateau_ceiling=3.0)
+    assert m.pairs == [] and "unigram plateau" in m.refused[0]
+
+
+def test_unknown_phase_and_missing_schedule(tmp_path):
+    a, _ = make_run(tmp_path / "fast", fast)
+    with pytest.raises(ValueError, match="unknown phase"):
+        match_runs(a, a, phase="late")
+    (a / "config.json").unlink()
+    with pytest.raises(ValueError, match="schedule is unknown"):
+        match_runs(a, a, phase="stable")
+    assert match_runs(a, a, levels=3, phase="any").pairs
+
+
+def test_a_sparse_run_does_not_lend_one_checkpoint_to_several_levels(tmp_path):
+    a, _ = make_run(tmp_path / "fast", fast, every=20)  # few checkpoints where a dense run has many
+    b, _ = make_run(tmp_path / "slow", slow, every=2)
+    m = match_runs(b, a, levels=8, tolerance=0.05, phase="stable")
+    steps = [p.step_b for p in m.pairs]
+    assert steps and len(set(steps)) == len(steps)
+    assert len(m.refused) == 8 - len(m.pairs)

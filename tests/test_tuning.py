@@ -1,0 +1,78 @@
+import math
+
+import numpy as np
+import pytest
+
+from curvlab.tuning import LrSearch, log2_grid, search_lr
+
+
+def bowl(best: float, noise: float = 0.0):
+    """A fake final loss, quadratic in log2(lr) with its minimum at ``best``; ``noise`` per seed."""
+    calls = []
+
+    def objective(lr, seed):
+        calls.append((lr, seed))
+        return 3.0 + 0.1 * (math.log2(lr) - math.log2(best)) ** 2 + noise * (seed - 0.5)
+
+    return objective, calls
+
+
+def test_log2_grid():
+    assert log2_grid(0.004, 5) == [0.001, 0.002, 0.004, 0.008, 0.016]
+    assert log2_grid(0.02, 2) == [0.01, 0.02]
+    with pytest.raises(ValueError, match="log2 grid"):
+        log2_grid(0.0, 5)
+
+
+def test_an_interior_optimum_needs_no_extension():
+    objective, calls = bowl(0.004)
+    result = search_lr(objective, log2_grid(0.004, 5), seeds=[0, 1])
+    assert result.chosen == 0.004 and result.extended == [] and not result.at_edge
+    assert len(calls) == 10 and sorted({s for _, s in calls}) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "best, expected_extension", [(0.05, [0.032, 0.064, 0.128]), (0.0003, [0.0005, 0.00025, 0.000125])]
+)
+def test_the_grid_grows_while_the_best_point_sits_at_an_edge(best, expected_extension):
+    objective, _ = bowl(best)
+    result = search_lr(objective, log2_grid(0.004, 5), seeds=[0, 1], max_extensions=4)
+    assert result.extended == expected_extension
+    assert result.chosen == pytest.approx(expected_extension[-2], rel=1e-6)  # one past it came back worse
+    assert not result.at_edge
+    assert len(result.grid) == 8 and all(len(v) == 2 for v in result.grid.values())
+
+
+def test_the_extension_budget_is_respected_and_an_edge_winner_is_flagged():
+    objective, _ = bowl(10.0)
+    result = search_lr(objective, log2_grid(0.004, 5), seeds=[0], max_extensions=2)
+    assert result.extended == [0.032, 0.064] and result.chosen == 0.064 and result.at_edge
+
+
+def test_a_diverged_point_scores_infinity_and_ends_an_upward_extension():
+    def objective(lr, seed):
+        return math.inf if lr > 0.01 else 3.0 - lr  # better and better up to where it blows up
+
+    result = search_lr(objective, log2_grid(0.004, 5), seeds=[0, 1])
+    assert result.chosen == 0.008 and result.extended == []
+    assert result.grid[0.016] == [math.inf, math.inf] and not math.isfinite(result.mean(0.016))
+
+
+def test_ties_are_the_points_within_one_combined_standard_error():
+    objective, _ = bowl(0.004, noise=0.2)  # seeds differ by 0.2: se 0.1 per point, 0.14 combined
+    result = search_lr(objective, log2_grid(0.004, 5), seeds=[0, 1])
+    assert result.stderr(0.004) == pytest.approx(0.1)
+    assert result.ties == [0.002, 0.008]  # 0.1 above the best; 0.001 and 0.016 are 0.4 above
+    d = result.to_dict()
+    assert d["chosen"] == 0.004 and d["grid"]["0.004"] == pytest.approx([2.9, 3.1])
+    again = LrSearch.from_dict(d)
+    assert again.grid == result.grid and again.ties == result.ties
+
+
+def test_bad_grids_are_refused():
+    objective, _ = bowl(0.004)
+    with pytest.raises(ValueError, match="factors of 2"):
+        search_lr(objective, [0.001, 0.003, 0.009], seeds=[0])
+    with pytest.raises(ValueError, match="at least 2 grid points"):
+        search_lr(objective, [0.001], seeds=[0])
+    assert np.isnan(search_lr(objective, [0.001, 0.002], seeds=[0]).stderr(0.001))
