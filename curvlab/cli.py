@@ -521,6 +521,38 @@ def reproduce(
     typer.echo(f"finished in {summary.seconds:.0f} s; report: {out / 'report.md'}")
 
 
+@app.command()
+@one_line_errors
+def finetune(
+    preset: str = typer.Option(
+        "quick", help="micro (seconds), quick (one thread, ~8 min: 2 seeds) or standard (3 seeds, 5-point grids)."
+    ),
+    out: Path = typer.Option(
+        None, help="Output directory [default: results/finetune-<preset>]; a re-run continues it."
+    ),
+    base: Path = typer.Option(
+        None, help="Reuse a pretrained run directory (its last checkpoint) or checkpoint instead of pretraining."
+    ),
+    data: Path = typer.Option(None, help="The s = 1 adaptation data [default: generated with the base's grammar]."),
+    rank: int = typer.Option(None, help="LoRA rank [default: the preset's]."),
+    seeds: int = typer.Option(None, help="Seeds per optimizer [default: the preset's]."),
+    quiet: bool = typer.Option(False, help="No progress bars."),
+) -> None:
+    """LoRA fine-tuning at s = 1 of a model pretrained at s = 0, under sMuon, LoRA-Muon, per-factor Muon and
+    AdamW (each lr tuned alike): NDS and Taylor split of the adapter steps at matched validation loss."""
+    from curvlab.finetune import Finetune, with_preset
+    from curvlab.report import finetune_table
+
+    if rank is not None and rank < 1:
+        raise CurvlabError(f"--rank must be >= 1, got {rank}")
+    chosen = with_preset(preset, rank=rank, seeds=seeds)
+    out = out or Path("results") / f"finetune-{preset}"
+    result = Finetune(chosen, out, base, data, progress=not quiet).run()
+    for line in finetune_table(result):
+        typer.echo(line)
+    typer.echo(f"finished in {result.timing['total']:.0f} s; results: {out / 'finetune.json'}")
+
+
 @app.command("readme-results")
 @one_line_errors
 def readme_results(

@@ -361,3 +361,37 @@ def reproduction_figures(data, summary, tuning: dict[str, Any], quadratic: dict[
         quadratic, out / "fig7_quadratic_phase"
     )
     return written
+
+
+def finetune_ratios(result, stem: str | Path) -> list[Path]:
+    """The fine-tuning comparison (:class:`curvlab.finetune.FinetuneResult`): left, AdamW over each
+    Muon variant of NDS, I1 and I2 at matched validation loss, with 95% bootstrap intervals as bars;
+    right, each level's NDS of both sides against the matched loss (one marker per seed)."""
+    from curvlab.finetune import RATIO_KEYS
+
+    keys = [k for k in RATIO_KEYS if k != "update_norm"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / max(1, len(result.comparisons))
+    for i, c in enumerate(result.comparisons):
+        entries = [result.entry(f"{k}_ratio", c.variant) for k in keys]
+        x = np.arange(len(keys)) + (i - (len(result.comparisons) - 1) / 2) * width
+        values = np.array([e.value for e in entries], dtype=float)
+        lo = np.array([e.value - e.ci95[0] if e.ci95 else 0.0 for e in entries])
+        hi = np.array([e.ci95[1] - e.value if e.ci95 else 0.0 for e in entries])
+        ax.bar(x, values, width, yerr=[lo, hi], capsize=3, label=f"AdamW / {c.variant}", color=f"C{i}")
+        for s in c.seeds():
+            levels = [lv for lv in c.levels if lv.seed == s]
+            targets = [lv.target for lv in levels]
+            marker = "os^v"[s % 4]
+            bx.plot(targets, [lv.values[c.variant]["nds"] for lv in levels], marker, color=f"C{i}", ls="none")
+            if i == 0:
+                bx.plot(targets, [lv.values["adamw"]["nds"] for lv in levels], marker, color="k", mfc="none", ls="none")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(np.arange(len(keys)), ["NDS", "I1 (first order)", "I2 (curvature penalty)"])
+    ax.set(ylabel="AdamW / variant at matched loss", title="ratio of sums, 95% bootstrap CI")
+    ax.legend(fontsize=7)
+    bx.set(
+        xlabel="matched validation loss (s = 1)", ylabel="adapter NDS (window mean)", title="per level (black: AdamW)"
+    )
+    bx.invert_xaxis()
+    return save_figure(fig, stem)

@@ -313,3 +313,48 @@ def update_readme(
             shutil.copyfile(source, figures / f"{name}.png")
     section = render_readme_results(summary, figures.as_posix(), note)
     atomic_write_text(readme, head + README_BEGIN + "\n\n" + section + "\n" + README_END + tail)
+
+
+FINETUNE_ROWS = ("nds_ratio", "first_order_ratio", "curvature_penalty_ratio", "update_norm_ratio",
+                 "rho_within_adamw", "rho_within_variant", "taylor_adamw", "taylor_variant")  # fmt: skip
+
+
+def finetune_table(result) -> list[str]:
+    """The markdown table of a fine-tuning comparison (:class:`curvlab.finetune.FinetuneResult`):
+    every entry with its interval and its seeds × levels."""
+    lines = ["| quantity | comparison | value [95% CI] | seeds × levels |", "|---|---|---:|---:|"]
+    for c in result.comparisons:
+        for name in FINETUNE_ROWS:
+            e = result.entry(name, c.variant)
+            quantity = e.quantity.replace("variant", c.variant)
+            units = f"{e.n_seeds} × {e.n_levels}" if e.n_seeds else "—"
+            lines.append(f"| {quantity} | adamw/{c.variant} | {value_cell(e)} | {units} |")
+    return lines
+
+
+def finetune_section(result) -> list[str]:
+    """The report section of a fine-tuning comparison: table, learning rates, final losses, caveats."""
+    t = result.timing
+    lines = [
+        "## Curvature of adapter steps (LoRA fine-tuning)",
+        "",
+        "AdamW over each Muon variant at matched validation loss (s = 1), adapter parameters only, one block "
+        "per adapted layer (A and B together); ratios of sums over seeds and levels with 95% two-stage "
+        "bootstrap intervals.",
+        "",
+        *finetune_table(result),
+        "",
+        "Tuned learning rates: " + ", ".join(f"{a} {lr:g}" for a, lr in result.chosen_lr.items()) + ".",
+        "Final validation loss (per seed): "
+        + "; ".join(f"{a} {', '.join(f'{x:.3f}' for x in v)}" for a, v in result.final_loss.items())
+        + ".",
+    ]
+    if "total" in t:
+        lines.append(
+            f"Wall time {t['total']:.0f} s on {t.get('threads', '?')} thread(s), load average {t.get('load', math.nan):.1f}."
+        )
+    refused = sum(len(c.refused) for c in result.comparisons)
+    if refused:
+        lines.append(f"{refused} level(s) or seed(s) found no match (see finetune.json, `refused`).")
+    lines += ["", "Caveats:", "", *(f"- {n}" for n in result.notes)]
+    return lines

@@ -1,0 +1,726 @@
+r"""Curvature of adapter steps: LoRA fine-tuning under sMuon, LoRA-Muon, per-factor Muon and AdamW,
+compared at matched validation loss with the fairness machinery of the main comparison.
+
+The job (``curvlab finetune``), each stage skipped when its output exists with the same settings:
+
+1. data: the Zipf-PCFG at s = 0 (pretraining) and at s = 1 (adaptation; its validation split at s = 1
+   too, since the adapted model is judged on the distribution it adapts to), one grammar;
+2. base: ``tiny`` pretrained with AdamW at s = 0 by :func:`curvlab.train.train` (or a given run or
+   checkpoint, ``--base``);
+3. tune: for every adapter optimizer, its learning rate on the same log2 grid shape, the same seeds
+   and the same short horizon, extended at its edges (:func:`curvlab.tuning.search_lr`);
+4. adapt: every optimizer and seed, the same steps, batches and warmup-stable-decay schedule; peft
+   LoRA (``LoraConfig``/``get_peft_model``) on every ``nn.Linear`` inside the transformer blocks
+   (found from the module structure: :func:`curvlab.blocks.layer_stacks`), rank r, alpha 2r. At
+   every checkpoint in the stable phase a :class:`curvlab.monitor.CurvatureMonitor` measures the
+   step taken, :math:`Z_k = W_k - W_{k+1}` over the adapter parameters, on a fixed held-out batch D:
+
+   .. math::
+       I_1 = \langle G_D, Z\rangle,\ I_2 = \tfrac12\langle Z, H_D[Z]\rangle,\
+       \text{predicted} = I_1 - I_2,\ \text{realized} = L_D(W) - L_D(W - Z),\
+       \mathrm{NDS} = \langle Z, H_D[Z]\rangle / \|Z\|^2,
+
+   and the block matrix :math:`M_{lm} = \langle Z_l, H_{lm}[Z_m]\rangle / \|Z\|^2` with one block per
+   adapted layer, its A and B together (:func:`curvlab.lora.adapter_blocks`): within = tr M,
+   cross = the rest;
+5. compare: per seed, AdamW against each Muon variant at matched validation loss in the stable
+   phase (:func:`curvlab.match.match_runs`), each side averaged over a window of neighbouring
+   checkpoints; every level is kept (no filter on NDS, ever);
+6. ``finetune.json`` (:class:`FinetuneResult`): the per-level data and, derived from it alone
+   (:func:`estimates`), each ratio of means with its two-stage bootstrap interval over seeds and
+   levels (:func:`curvlab.statistics.estimate`); ``tuning.json``; a figure; ``report.md``.
+
+Ratios are AdamW over the Muon variant (sum over seeds and levels of AdamW's window means over the
+variant's), the orientation of the paper's AdamW/Muon NDS ratio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from curvlab import statistics as st
+from curvlab.atomic import atomic_write_text
+from curvlab.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
+from curvlab.data.dataset import generate_pcfg_dataset, read_stats
+from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, validation_batches
+from curvlab.errors import CurvlabError
+from curvlab.loss import make_loss_fn, token_cross_entropy
+from curvlab.match import match_runs
+from curvlab.models.gpt import GPT, GPTConfig
+from curvlab.monitor import CurvatureMonitor, MonitorRow
+from curvlab.optim import build_optimizer
+from curvlab.studies import load_typed
+from curvlab.train import Run, TrainConfig, TrainingDiverged, evaluate, lr_multiplier, schedule_phase, train
+from curvlab.tuning import TUNING_SCHEMA_VERSION, LrSearch, log2_grid, search_lr
+
+FINETUNE_SCHEMA_VERSION = 1
+ADAPTER_ARMS = ("adamw", "smuon", "lora-muon", "per-factor-muon")
+MUON_VARIANTS = ("smuon", "lora-muon", "per-factor-muon")  # each compared against AdamW
+LEVEL_KEYS = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "within", "cross")
+RATIO_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm")
+ADAPTER_FILE = "adapter.json"  # the LoRA settings of an adaptation run, beside its config.json
+
+
+# -- presets ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FinetunePreset:
+    """Every setting of a fine-tuning comparison (``curvlab finetune --preset``)."""
+
+    name: str
+    model: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    grammar: dict[str, Any] = field(default_factory=dict)
+    tokens: str = "1M"
+    val_tokens: str = "50k"
+    pretrain_steps: int = 300
+    pretrain_lr: float = 0.004  # AdamW, the main comparison's tuned centre
+    rank: int = 8
+    steps: int = 120
+    batch_size: int = 16
+    warmup_steps: int = 10
+    cooldown_frac: float = 0.2
+    seeds: int = 3
+    lr_centers: dict[str, float] = field(
+        default_factory=lambda: {"adamw": 0.004, "smuon": 0.02, "lora-muon": 0.02, "per-factor-muon": 0.02}
+    )
+    grid_points: int = 5
+    tune_seeds: int = 2
+    tune_steps: int = 60
+    max_extensions: int = 2
+    ckpt_every: int = 4
+    val_windows: int = 32
+    heldout_windows: int = 8  # the curvature's held-out batch D: the first windows of the validation split
+    levels: int = 6
+    tolerance: float = 0.01
+    window: int = 1
+    n_boot: int = 2000
+    device: str = "cpu"
+
+    def validate(self) -> None:
+        if self.seeds < 1 or self.tune_seeds < 1 or self.grid_points < 2:
+            raise CurvlabError("a fine-tuning preset needs seeds >= 1, tune_seeds >= 1 and grid_points >= 2")
+        missing = sorted(set(ADAPTER_ARMS) - set(self.lr_centers))
+        if missing:
+            raise CurvlabError(f"lr_centers lacks {', '.join(missing)}")
+        if self.rank < 1:
+            raise CurvlabError(f"the LoRA rank must be >= 1, got {self.rank}")
+        if self.heldout_windows > self.val_windows:
+            raise CurvlabError(f"heldout_windows {self.heldout_windows} exceeds val_windows {self.val_windows}")
+
+
+_MICRO_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 320}
+FINETUNE_PRESETS = {
+    "micro": FinetunePreset(
+        "micro",
+        model_overrides=_MICRO_MODEL,
+        grammar={"n_tokens": 300},
+        tokens="60k",
+        val_tokens="6k",
+        pretrain_steps=20,
+        rank=2,
+        steps=24,
+        batch_size=8,
+        warmup_steps=2,
+        seeds=2,
+        grid_points=2,
+        tune_seeds=1,
+        tune_steps=4,
+        max_extensions=1,
+        ckpt_every=2,
+        val_windows=8,
+        heldout_windows=4,
+        levels=2,
+        tolerance=0.05,
+        n_boot=200,
+    ),  # fmt: skip
+    # One thread, about eight minutes: the quick reproduction's 1024-token grammar, 2 seeds, a 3-point
+    # grid with 1 tuning seed (the report says so; `standard` runs the full design).
+    "quick": FinetunePreset(
+        "quick",
+        model_overrides={"vocab_size": 1088},
+        grammar={"n_tokens": 1024},
+        tokens="600k",
+        val_tokens="40k",
+        pretrain_steps=150,
+        rank=4,
+        steps=80,
+        warmup_steps=6,
+        seeds=2,
+        grid_points=3,
+        tune_seeds=1,
+        tune_steps=30,
+        max_extensions=1,
+        ckpt_every=3,
+        val_windows=16,
+        heldout_windows=4,
+        levels=5,
+        tolerance=0.02,
+    ),  # fmt: skip
+    "standard": FinetunePreset("standard", model_overrides={"vocab_size": 4416}, tokens="2M", val_tokens="100k"),
+}
+
+
+# -- one adaptation run ------------------------------------------------------------------------------
+
+
+def adapter_targets(model: nn.Module) -> list[str]:
+    """The names of every ``nn.Linear`` inside the model's layer stacks (attention and MLP linears;
+    not the embeddings or the head), found from the module structure, never from parameter names.
+
+    Raises:
+        CurvlabError: the model has no layer stack, or no linear layer inside one.
+    """
+    from curvlab.blocks import layer_stacks
+
+    stacks = layer_stacks(model)
+    names = [
+        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and any(n.startswith(s + ".") for s in stacks)
+    ]
+    if not names:
+        raise CurvlabError("the model has no linear layers inside a layer stack for LoRA to adapt")
+    return names
+
+
+def lora_model(base: nn.Module, rank: int, targets: list[str] | None = None) -> nn.Module:
+    """``base`` wrapped by peft LoRA (rank r, alpha 2r, no dropout) on ``targets`` (default
+    :func:`adapter_targets`); everything else is frozen.
+
+    Raises:
+        CurvlabError: no linear layer to adapt, or a rank larger than a layer's smaller side.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = adapter_targets(base) if targets is None else targets
+    shapes = {n: m.weight.shape for n, m in base.named_modules() if n in set(targets)}
+    for n, (d_out, d_in) in shapes.items():
+        if rank > min(d_out, d_in):
+            raise CurvlabError(f"LoRA rank {rank} exceeds layer {n} ({d_out} x {d_in}); use r <= {min(d_out, d_in)}")
+    return get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets))
+
+
+def load_base(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict[str, Any]]:
+    """The GPT of a curvlab checkpoint, or of a run directory's last checkpoint, and the checkpoint's
+    training config (``config``).
+
+    Raises:
+        CurvlabError: no such run or checkpoint, a corrupt one, or one without a GPT config.
+    """
+    path = Path(path)
+    if path.is_dir():
+        index = read_index(path)
+        if not index:
+            raise CurvlabError(f"{path}: not a training run (no checkpoints in index.json)")
+        path = path / index[-1]["path"]
+    if not path.is_file():
+        raise CurvlabError(f"{path}: no such base run or checkpoint")
+    ckpt = load_checkpoint(path, map_location=device)
+    if "model_config" not in ckpt or "model" not in ckpt:
+        raise CurvlabError(f"{path}: not a curvlab GPT checkpoint (no model_config)")
+    model = GPT(GPTConfig(**ckpt["model_config"])).to(device)
+    model.load_state_dict(ckpt["model"])
+    return model, ckpt.get("config", {})
+
+
+def _adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | None, progress: bool = True) -> float:
+    """Fine-tune the base checkpoint with LoRA (:func:`lora_model`) as ``cfg`` says (optimizer, lr,
+    steps, schedule, batches, seed; ``cfg.model`` is ignored: the base's model is used).
+
+    With ``heldout_windows``, every checkpoint in the stable phase also gets a curvature row of the
+    step taken from it (:class:`~curvlab.monitor.CurvatureMonitor`, blocks :func:`~curvlab.lora.adapter_blocks`,
+    on the first ``heldout_windows`` validation windows) in ``metrics.jsonl``. Checkpoints hold the
+    adapter parameters only. A finished run is not run again. Returns the final validation loss.
+
+    Raises:
+        CurvlabError: a bad base, data or rank; :class:`~curvlab.train.TrainingDiverged` on a
+            non-finite training loss.
+    """
+    from curvlab.lora import adapter_blocks
+
+    out = Path(cfg.out)
+    index = read_index(out)
+    if index and index[-1]["step"] == cfg.steps:
+        return float(index[-1]["val_loss"])
+    cfg.validate()
+    device = torch.device(cfg.device)
+    model, _ = load_base(base, device)
+    vocab = data_vocab_size(cfg.data)
+    if vocab is not None and vocab > model.config.vocab_size:
+        raise CurvlabError(
+            f"{cfg.data}: the data's vocabulary ({vocab}) is larger than the base model's ({model.config.vocab_size})"
+        )
+    torch.manual_seed(cfg.seed)  # peft draws A from the global generator
+    model = lora_model(model, rank)
+    optimizer = build_optimizer(cfg.optimizer, model, **cfg.optimizer_options)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+    data = TokenData.open(cfg.data)
+    seq_len = cfg.seq_len or model.config.block_size
+    loader = TrainBatches(data.train, cfg.batch_size, seq_len, seed=cfg.seed)
+    val = validation_batches(data.val, cfg.batch_size, seq_len, cfg.val_windows)
+    run = Run(cfg, model, optimizer, scheduler, loader, val, device)
+    monitor = None
+    if heldout_windows:
+        x, y = (torch.cat([b[i] for b in val])[:heldout_windows].to(device) for i in (0, 1))
+        blocks = adapter_blocks(model)
+        monitor = CurvatureMonitor(model, optimizer, make_loss_fn(model), [(x, y)], cfg.ckpt_every, blocks, subset=[])
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in (out / "metrics.jsonl", out / "index.json"):  # an interrupted run starts over
+        stale.unlink(missing_ok=True)
+    atomic_write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    atomic_write_text(out / ADAPTER_FILE, json.dumps({"base": str(base), "rank": rank, "alpha": 2 * rank}))
+
+    def save(val_loss: float) -> None:
+        name = checkpoint_name(run.step)
+        save_checkpoint(out / name, {"step": run.step, "adapter": _adapter_state(model), "val_loss": val_loss})
+        add_to_index(out, run.step, val_loss, name)
+
+    save(evaluate(run))
+    model.train()
+    with open(out / "metrics.jsonl", "a") as log:
+        for _ in tqdm(range(cfg.steps), desc=f"adapt {cfg.optimizer}", disable=not progress, leave=False):
+            x, y = (t.to(device) for t in loader.next())
+            loss = token_cross_entropy(model(x), y)
+            if not torch.isfinite(loss):
+                raise TrainingDiverged(f"non-finite training loss at step {run.step + 1}")
+            loss.backward()
+            if cfg.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+            measure = monitor is not None and monitor.due(run.step) and schedule_phase(run.step, cfg) == "stable"
+            before = monitor.snapshot() if measure else None
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.step += 1
+            record: dict[str, Any] = {"step": run.step, "train_loss": float(loss.detach())}
+            if before is not None:
+                row = monitor.measure_taken(run.step - 1, before)
+                log.write(json.dumps(row.to_dict()) + "\n")
+            if run.step % cfg.ckpt_every == 0 or run.step == cfg.steps:
+                record["val_loss"] = evaluate(run)
+                save(record["val_loss"])
+            log.write(json.dumps(record) + "\n")
+    return float(read_index(out)[-1]["val_loss"])
+
+
+def curvature_rows(run: str | Path) -> dict[int, MonitorRow]:
+    """Step -> the curvature row of the step taken from that checkpoint, from ``RUN/metrics.jsonl``."""
+    from curvlab.studies import monitor_rows
+
+    return {r.step: r for r in monitor_rows(run)}
+
+
+# -- typed results ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdapterLevel:
+    """One matched validation-loss level of AdamW against a Muon variant, in one seed: each side's
+    matched step, its window's steps and the window means of :data:`LEVEL_KEYS`."""
+
+    seed: int
+    target: float
+    mismatch: float
+    steps: dict[str, int]
+    windows: dict[str, list[int]]
+    values: dict[str, dict[str, float]]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AdapterLevel:
+        return cls(d["seed"], d["target"], d["mismatch"], d["steps"], d["windows"], d["values"])
+
+
+@dataclass(frozen=True)
+class AdapterComparison:
+    """AdamW against one Muon variant at matched loss, over every seed (``refused``: levels and seeds
+    without a match, with the reason)."""
+
+    variant: str
+    levels: list[AdapterLevel]
+    refused: list[str] = field(default_factory=list)
+
+    def seeds(self) -> list[int]:
+        return sorted({lv.seed for lv in self.levels})
+
+    def rows(self, num: tuple[str, str], den: tuple[str, str]) -> list[np.ndarray]:
+        """Per seed, the ``(levels, 2)`` array of (numerator, denominator) window means, each given as
+        ``(arm, key)`` with arm ``"adamw"`` or ``"variant"``."""
+        arm = {"adamw": "adamw", "variant": self.variant}
+        return [
+            np.array(
+                [[lv.values[arm[num[0]]][num[1]], lv.values[arm[den[0]]][den[1]]] for lv in self.levels if lv.seed == s]
+            )
+            for s in self.seeds()
+        ]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AdapterComparison:
+        return cls(d["variant"], [AdapterLevel.from_dict(lv) for lv in d["levels"]], d["refused"])
+
+
+@dataclass(frozen=True)
+class FinetuneEntry:
+    """One summary number: a ratio of sums over seeds and levels, its 95% bootstrap interval (``None``
+    with one seed), the numbers of seeds and levels, and the per-level values it comes from."""
+
+    name: str  # e.g. "nds_ratio", "rho_within_adamw"
+    variant: str  # the comparison, "adamw/<variant>"
+    quantity: str
+    value: float
+    ci95: list[float] | None
+    n_levels: int
+    n_seeds: int
+    per_level: list[dict[str, Any]]
+    note: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FinetuneEntry:
+        return cls(**d)
+
+
+@dataclass
+class FinetuneResult:
+    """Everything ``curvlab finetune`` measured (``finetune.json``, ``FINETUNE_SCHEMA_VERSION``)."""
+
+    preset: dict[str, Any]
+    base: str
+    chosen_lr: dict[str, float]
+    comparisons: list[AdapterComparison]
+    entries: list[FinetuneEntry]
+    final_loss: dict[str, list[float]]  # arm -> final validation loss per seed
+    notes: list[str]
+    timing: dict[str, float] = field(default_factory=dict)
+
+    def entry(self, name: str, variant: str) -> FinetuneEntry:
+        found = [e for e in self.entries if e.name == name and e.variant == variant]
+        if not found:
+            raise CurvlabError(f"no entry {name!r} for adamw/{variant}")
+        return found[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": FINETUNE_SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FinetuneResult:
+        if d.get("schema_version") != FINETUNE_SCHEMA_VERSION:
+            raise CurvlabError(f"fine-tuning results schema {d.get('schema_version')} is not {FINETUNE_SCHEMA_VERSION}")
+        return cls(
+            d["preset"], d["base"], d["chosen_lr"], [AdapterComparison.from_dict(c) for c in d["comparisons"]],
+            [FinetuneEntry.from_dict(e) for e in d["entries"]], d["final_loss"], d["notes"], d["timing"],
+        )  # fmt: skip
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> FinetuneResult:
+        return load_typed(path, cls.from_dict, "fine-tuning results")
+
+
+# (name, quantity, numerator (arm, key), denominator (arm, key)): every summary number is a ratio of sums
+ENTRY_SPECS = (
+    *((f"{k}_ratio", f"{k} AdamW / variant", ("adamw", k), ("variant", k)) for k in RATIO_KEYS),
+    ("rho_within_adamw", "within-layer share of NDS, AdamW", ("adamw", "within"), ("adamw", "nds")),
+    ("rho_within_variant", "within-layer share of NDS, variant", ("variant", "within"), ("variant", "nds")),
+    ("taylor_adamw", "predicted / realized decrease, AdamW", ("adamw", "predicted"), ("adamw", "realized")),
+    ("taylor_variant", "predicted / realized decrease, variant", ("variant", "predicted"), ("variant", "realized")),
+)
+
+
+def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> list[FinetuneEntry]:
+    """Every summary entry, from the per-level data alone: for each comparison and each of
+    :data:`ENTRY_SPECS`, the ratio of sums over seeds and levels of the window means, with the
+    two-stage bootstrap interval (:func:`curvlab.statistics.estimate`). No level is dropped."""
+    entries = []
+    for c in comparisons:
+        for name, quantity, num, den in ENTRY_SPECS:
+            rows = c.rows(num, den)
+            per_level = [
+                {"seed": lv.seed, "target": lv.target, "numerator": float(r[0]), "denominator": float(r[1])}
+                for lv, r in zip(sorted(c.levels, key=lambda lv: lv.seed), np.concatenate(rows) if rows else [])
+            ]
+            if not rows:
+                entries.append(FinetuneEntry(name, c.variant, quantity, math.nan, None, 0, 0, [], "no matched level"))
+                continue
+            est = st.estimate({"levels": rows}, lambda g: st.ratio_of_means(g["levels"]), n_boot)
+            note = "" if est.ci95 is not None else f"{est.n_seeds} seed(s): no interval"
+            ci = None if est.ci95 is None else list(est.ci95)
+            entries.append(
+                FinetuneEntry(name, c.variant, quantity, est.value, ci, est.n_units, est.n_seeds, per_level, note)
+            )
+    return entries
+
+
+def _side_means(rows: dict[int, MonitorRow], steps: list[int]) -> dict[str, float]:
+    """Window means of :data:`LEVEL_KEYS` over the curvature rows at ``steps`` (a non-finite row
+    makes the mean non-finite: nothing is dropped)."""
+    out = {}
+    for k in LEVEL_KEYS:
+        values = [getattr(rows[s].blocks, k) if k in ("within", "cross") else getattr(rows[s].split, k) for s in steps]
+        out[k] = float(np.mean(values))
+    return out
+
+
+def compare_adapters(
+    runs: dict[tuple[str, int], Path], seeds: list[int], preset: FinetunePreset
+) -> list[AdapterComparison]:
+    """Per seed, AdamW's run against each Muon variant's at matched validation loss in the stable
+    phase, each side averaged over its window (:func:`curvlab.match.match_runs`)."""
+    comparisons = []
+    for variant in MUON_VARIANTS:
+        levels, refused = [], []
+        for seed in seeds:
+            a, b = runs[("adamw", seed)], runs[(variant, seed)]
+            try:
+                m = match_runs(a, b, preset.levels, preset.tolerance, phase="stable", window_width=preset.window)
+            except CurvlabError as e:
+                refused.append(f"seed {seed}: {e}")
+                continue
+            refused += [f"seed {seed}: {r}" for r in m.refused]
+            rows_a, rows_b = curvature_rows(a), curvature_rows(b)
+            for pair in m.pairs:
+                wa, wb = [c.step for c in pair.window_a], [c.step for c in pair.window_b]
+                levels.append(
+                    AdapterLevel(
+                        seed,
+                        pair.target,
+                        pair.mismatch,
+                        {"adamw": pair.step_a, variant: pair.step_b},
+                        {"adamw": wa, variant: wb},
+                        {"adamw": _side_means(rows_a, wa), variant: _side_means(rows_b, wb)},
+                    )  # fmt: skip
+                )
+        comparisons.append(AdapterComparison(variant, levels, refused))
+    return comparisons
+
+
+# -- the job ----------------------------------------------------------------------------------------
+
+
+class Finetune:
+    """One fine-tuning comparison in one output directory (see the module docstring)."""
+
+    def __init__(
+        self,
+        preset: FinetunePreset,
+        out: str | Path,
+        base: str | Path | None = None,
+        data: str | Path | None = None,
+        progress: bool = True,
+    ):
+        preset.validate()
+        self.preset, self.out, self.progress = preset, Path(out), progress
+        self.base = Path(base) if base else None
+        self.data_dir = Path(data) if data else None
+        self.timing: dict[str, float] = {}
+        self.loads: list[float] = []
+        if self.base is not None:
+            load_base(self.base)  # a missing or incompatible base fails now, not after the data
+
+    def _say(self, message: str) -> None:
+        if self.progress:
+            print(f"[finetune] {message}", flush=True)
+
+    @contextlib.contextmanager
+    def _stage(self, name: str):
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.timing[name] = time.perf_counter() - start
+            self.timing[f"{name}_cpu"] = time.process_time() - cpu
+            self.loads.append(os.getloadavg()[0])
+
+    def _check_config(self) -> None:
+        path = self.out / "finetune-config.json"
+        config = json.loads(
+            json.dumps({"preset": asdict(self.preset), "base": str(self.base), "data": str(self.data_dir)})
+        )
+        if path.is_file():
+            if json.loads(path.read_text()) != config:
+                raise CurvlabError(
+                    f"{self.out} holds a fine-tuning comparison with other settings; choose a fresh --out"
+                )
+        else:
+            self.out.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(config, indent=1))
+
+    def prepare(self) -> tuple[Path, Path]:
+        """(the s = 1 adaptation data, the base checkpoint or run): made here unless given."""
+        p = self.preset
+        if self.base is not None:
+            if self.data_dir is not None:
+                return self.data_dir, self.base
+            _, config = load_base(self.base)
+            source = Path(config.get("data", ""))
+            stats = read_stats(source) if config.get("data") else None
+            if stats is None or "grammar_options" not in stats.get("config", {}):
+                raise CurvlabError(f"{self.base}: its training data is not a Zipf-PCFG directory; pass --data")
+            grammar, seed = stats["config"]["grammar_options"], stats["config"]["seed"]
+        else:
+            grammar, seed = p.grammar, 0
+        target = self.data_dir or self.out / "data" / "s1"
+        if self.data_dir is None:
+            generate_pcfg_dataset(
+                target,
+                1.0,
+                p.tokens,
+                p.val_tokens,
+                val_s=1.0,
+                seed=seed,
+                grammar_options=grammar,
+                progress=self.progress,
+            )
+        if self.base is not None:
+            return target, self.base
+        s0 = self.out / "data" / "s0"
+        generate_pcfg_dataset(
+            s0, 0.0, p.tokens, p.val_tokens, val_s=0.0, seed=seed, grammar_options=grammar, progress=self.progress
+        )
+        base = self.out / "base"
+        cfg = TrainConfig(
+            data=str(s0), out=str(base), model=p.model, model_overrides=dict(p.model_overrides), optimizer="adamw",
+            optimizer_options={"lr": p.pretrain_lr}, batch_size=p.batch_size, steps=p.pretrain_steps,
+            warmup_steps=p.warmup_steps, schedule="wsd", cooldown_frac=p.cooldown_frac, eval_every=p.pretrain_steps,
+            ckpt_every=p.pretrain_steps, val_windows=p.val_windows, device=p.device,
+        )  # fmt: skip
+        index = read_index(base)
+        if not (index and index[-1]["step"] == p.pretrain_steps):
+            train(cfg, progress=self.progress)
+        self._say(f"base: {base} (AdamW, {p.pretrain_steps} steps at s = 0)")
+        return target, base
+
+    def _config(
+        self, data: Path, out: Path, arm: str, lr: float, seed: int, steps: int, ckpt_every: int
+    ) -> TrainConfig:
+        p = self.preset
+        return TrainConfig(
+            data=str(data), out=str(out), model=p.model, optimizer=arm, optimizer_options={"lr": lr},
+            batch_size=p.batch_size, steps=steps, warmup_steps=max(1, p.warmup_steps * steps // p.steps),
+            schedule="wsd", cooldown_frac=p.cooldown_frac, seed=seed, eval_every=ckpt_every, ckpt_every=ckpt_every,
+            val_windows=p.val_windows, device=p.device,
+        )  # fmt: skip
+
+    def _tuning_loss(self, data: Path, base: Path, arm: str, lr: float, seed: int) -> float:
+        p = self.preset
+        run = self.out / "runs" / "tune" / arm / f"lr{lr:g}-seed{seed}"
+        cfg = self._config(data, run, arm, lr, seed, p.tune_steps, p.tune_steps)
+        try:
+            loss = adapt(cfg, base, p.rank, None, progress=self.progress)
+        except TrainingDiverged:
+            return math.inf
+        for ckpt in run.glob("ckpt_*.pt"):
+            ckpt.unlink()
+        return loss if math.isfinite(loss) else math.inf
+
+    def tune(self, data: Path, base: Path) -> dict[str, Any]:
+        """Every arm's learning rate: the same grid shape, seeds, horizon and extension rule."""
+        p = self.preset
+        path = self.out / "tuning.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        seeds = list(range(p.tune_seeds))
+        searches: dict[str, LrSearch] = {}
+        for arm in ADAPTER_ARMS:
+            searches[f"{arm}.lr"] = search_lr(
+                lambda lr, seed, arm=arm: self._tuning_loss(data, base, arm, lr, seed),
+                log2_grid(p.lr_centers[arm], p.grid_points), seeds, f"{arm}.lr", p.max_extensions,
+            )  # fmt: skip
+            self._say(f"tuned {arm}: lr {searches[f'{arm}.lr'].chosen:g}")
+        tuning = {
+            "schema_version": TUNING_SCHEMA_VERSION,
+            "tuned_on_s": 1.0,
+            "horizon_steps": p.tune_steps,
+            "seeds": seeds,
+            "searches": {k: v.to_dict() for k, v in searches.items()},
+            "chosen": {arm: {"lr": searches[f"{arm}.lr"].chosen} for arm in ADAPTER_ARMS},
+        }
+        atomic_write_text(path, json.dumps(tuning, indent=1))
+        return tuning
+
+    def adapt_all(self, data: Path, base: Path, chosen: dict[str, dict[str, float]]) -> dict[tuple[str, int], Path]:
+        p = self.preset
+        runs = {}
+        for arm in ADAPTER_ARMS:
+            for seed in range(p.seeds):
+                run = self.out / "runs" / arm / f"seed{seed}"
+                cfg = self._config(data, run, arm, chosen[arm]["lr"], seed, p.steps, p.ckpt_every)
+                adapt(cfg, base, p.rank, p.heldout_windows, progress=self.progress)
+                runs[(arm, seed)] = run
+        self._say(f"adapted {len(runs)} runs")
+        return runs
+
+    def notes(self) -> list[str]:
+        p = self.preset
+        notes = [
+            f"LoRA rank {p.rank} (alpha {2 * p.rank}) on every attention and MLP linear of `{p.model}`; "
+            f"{p.steps} adaptation steps at s = 1, warmup-stable-decay, the same for every optimizer.",
+            f"Learning rates tuned on a {p.grid_points}-point log2 grid (extended up to {p.max_extensions} times "
+            f"at an edge), {p.tune_seeds} seed(s) per point, {p.tune_steps}-step runs.",
+            f"Curvature of the step taken at each checkpoint of the stable phase ({p.ckpt_every} steps apart), over "
+            f"the adapter parameters, on {p.heldout_windows} held-out validation windows at s = 1 (the main "
+            "comparison measures on the step's training batches).",
+            f"Matched levels: {p.levels} targets in the stable phase, tolerance {p.tolerance:.0%}, windows of up to "
+            f"{2 * p.window + 1} checkpoints; no level is dropped.",
+        ]
+        if p.seeds < 3:
+            notes.append(f"{p.seeds} seeds per optimizer (3 in the standard preset): the intervals are rough.")
+        return notes
+
+    def run(self) -> FinetuneResult:
+        from curvlab import plots, report
+
+        start = time.perf_counter()
+        self._check_config()
+        with self._stage("prepare"):
+            data, base = self.prepare()
+        with self._stage("tune"):
+            tuning = self.tune(data, base)
+        with self._stage("adapt"):
+            runs = self.adapt_all(data, base, tuning["chosen"])
+        with self._stage("compare"):
+            comparisons = compare_adapters(runs, list(range(self.preset.seeds)), self.preset)
+            entries = estimates(comparisons, self.preset.n_boot)
+        final = {
+            arm: [float(read_index(runs[(arm, s)])[-1]["val_loss"]) for s in range(self.preset.seeds)]
+            for arm in ADAPTER_ARMS
+        }
+        self.timing["total"] = time.perf_counter() - start
+        self.timing["load"] = float(np.mean(self.loads))
+        self.timing["threads"] = torch.get_num_threads()
+        result = FinetuneResult(
+            asdict(self.preset), str(base), {a: v["lr"] for a, v in tuning["chosen"].items()}, comparisons, entries,
+            final, self.notes(), dict(self.timing),
+        )  # fmt: skip
+        result.save(self.out / "finetune.json")
+        plots.finetune_ratios(result, self.out / "figures" / "finetune_ratios")
+        atomic_write_text(self.out / "report.md", "\n".join(report.finetune_section(result)) + "\n")
+        self._say(f"done in {self.timing['total']:.0f} s: {self.out / 'finetune.json'}")
+        return result
+
+
+def with_preset(name: str, **overrides: Any) -> FinetunePreset:
+    """A named preset with fields replaced.
+
+    Raises:
+        CurvlabError: an unknown preset name.
+    """
+    if name not in FINETUNE_PRESETS:
+        raise CurvlabError(f"unknown fine-tuning preset {name!r}; choose one of {', '.join(FINETUNE_PRESETS)}")
+    return replace(FINETUNE_PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
