@@ -146,7 +146,7 @@ FINETUNE_PRESETS = {
         levels=2,
         tolerance=0.05,
         n_boot=200,
-    ),  # fmt: skip
+    ),
     # One thread, about eight minutes: the quick reproduction's 1024-token grammar, 2 seeds, a 3-point
     # grid with 1 tuning seed (the report says so; `standard` runs the full design).
     "quick": FinetunePreset(
@@ -169,7 +169,7 @@ FINETUNE_PRESETS = {
         heldout_windows=4,
         levels=5,
         tolerance=0.02,
-    ),  # fmt: skip
+    ),
     "standard": FinetunePreset("standard", model_overrides={"vocab_size": 4416}, tokens="2M", val_tokens="100k"),
 }
 
@@ -421,9 +421,15 @@ class FinetuneResult:
         if d.get("schema_version") != FINETUNE_SCHEMA_VERSION:
             raise CurvlabError(f"fine-tuning results schema {d.get('schema_version')} is not {FINETUNE_SCHEMA_VERSION}")
         return cls(
-            d["preset"], d["base"], d["chosen_lr"], [AdapterComparison.from_dict(c) for c in d["comparisons"]],
-            [FinetuneEntry.from_dict(e) for e in d["entries"]], d["final_loss"], d["notes"], d["timing"],
-        )  # fmt: skip
+            d["preset"],
+            d["base"],
+            d["chosen_lr"],
+            [AdapterComparison.from_dict(c) for c in d["comparisons"]],
+            [FinetuneEntry.from_dict(e) for e in d["entries"]],
+            d["final_loss"],
+            d["notes"],
+            d["timing"],
+        )
 
     def save(self, path: str | Path) -> None:
         atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=1))
@@ -504,7 +510,7 @@ def compare_adapters(
                         {"adamw": pair.step_a, variant: pair.step_b},
                         {"adamw": wa, variant: wb},
                         {"adamw": _side_means(rows_a, wa), variant: _side_means(rows_b, wb)},
-                    )  # fmt: skip
+                    )
                 )
         comparisons.append(AdapterComparison(variant, levels, refused))
     return comparisons
@@ -595,11 +601,22 @@ class Finetune:
         )
         base = self.out / "base"
         cfg = TrainConfig(
-            data=str(s0), out=str(base), model=p.model, model_overrides=dict(p.model_overrides), optimizer="adamw",
-            optimizer_options={"lr": p.pretrain_lr}, batch_size=p.batch_size, steps=p.pretrain_steps,
-            warmup_steps=p.warmup_steps, schedule="wsd", cooldown_frac=p.cooldown_frac, eval_every=p.pretrain_steps,
-            ckpt_every=p.pretrain_steps, val_windows=p.val_windows, device=p.device,
-        )  # fmt: skip
+            data=str(s0),
+            out=str(base),
+            model=p.model,
+            model_overrides=dict(p.model_overrides),
+            optimizer="adamw",
+            optimizer_options={"lr": p.pretrain_lr},
+            batch_size=p.batch_size,
+            steps=p.pretrain_steps,
+            warmup_steps=p.warmup_steps,
+            schedule="wsd",
+            cooldown_frac=p.cooldown_frac,
+            eval_every=p.pretrain_steps,
+            ckpt_every=p.pretrain_steps,
+            val_windows=p.val_windows,
+            device=p.device,
+        )
         index = read_index(base)
         if not (index and index[-1]["step"] == p.pretrain_steps):
             train(cfg, progress=self.progress)
@@ -611,11 +628,22 @@ class Finetune:
     ) -> TrainConfig:
         p = self.preset
         return TrainConfig(
-            data=str(data), out=str(out), model=p.model, optimizer=arm, optimizer_options={"lr": lr},
-            batch_size=p.batch_size, steps=steps, warmup_steps=max(1, p.warmup_steps * steps // p.steps),
-            schedule="wsd", cooldown_frac=p.cooldown_frac, seed=seed, eval_every=ckpt_every, ckpt_every=ckpt_every,
-            val_windows=p.val_windows, device=p.device,
-        )  # fmt: skip
+            data=str(data),
+            out=str(out),
+            model=p.model,
+            optimizer=arm,
+            optimizer_options={"lr": lr},
+            batch_size=p.batch_size,
+            steps=steps,
+            warmup_steps=max(1, p.warmup_steps * steps // p.steps),
+            schedule="wsd",
+            cooldown_frac=p.cooldown_frac,
+            seed=seed,
+            eval_every=ckpt_every,
+            ckpt_every=ckpt_every,
+            val_windows=p.val_windows,
+            device=p.device,
+        )
 
     def _tuning_loss(self, data: Path, base: Path, arm: str, lr: float, seed: int) -> float:
         p = self.preset
@@ -640,8 +668,11 @@ class Finetune:
         for arm in ADAPTER_ARMS:
             searches[f"{arm}.lr"] = search_lr(
                 lambda lr, seed, arm=arm: self._tuning_loss(data, base, arm, lr, seed),
-                log2_grid(p.lr_centers[arm], p.grid_points), seeds, f"{arm}.lr", p.max_extensions,
-            )  # fmt: skip
+                log2_grid(p.lr_centers[arm], p.grid_points),
+                seeds,
+                f"{arm}.lr",
+                p.max_extensions,
+            )
             self._say(f"tuned {arm}: lr {searches[f'{arm}.lr'].chosen:g}")
         tuning = {
             "schema_version": TUNING_SCHEMA_VERSION,
@@ -705,9 +736,15 @@ class Finetune:
         self.timing["load"] = float(np.mean(self.loads))
         self.timing["threads"] = torch.get_num_threads()
         result = FinetuneResult(
-            asdict(self.preset), str(base), {a: v["lr"] for a, v in tuning["chosen"].items()}, comparisons, entries,
-            final, self.notes(), dict(self.timing),
-        )  # fmt: skip
+            asdict(self.preset),
+            str(base),
+            {a: v["lr"] for a, v in tuning["chosen"].items()},
+            comparisons,
+            entries,
+            final,
+            self.notes(),
+            dict(self.timing),
+        )
         result.save(self.out / "finetune.json")
         plots.finetune_ratios(result, self.out / "figures" / "finetune_ratios")
         atomic_write_text(self.out / "report.md", "\n".join(report.finetune_section(result)) + "\n")

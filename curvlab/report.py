@@ -351,7 +351,8 @@ def finetune_section(result) -> list[str]:
     ]
     if "total" in t:
         lines.append(
-            f"Wall time {t['total']:.0f} s on {t.get('threads', '?')} thread(s), load average {t.get('load', math.nan):.1f}."
+            f"Wall time {t['total']:.0f} s on {t.get('threads', '?')} thread(s), "
+            f"load average {t.get('load', math.nan):.1f}."
         )
     refused = sum(len(c.refused) for c in result.comparisons)
     if refused:
