@@ -58,7 +58,7 @@ from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, valida
 from curvlab.errors import CurvlabError
 from curvlab.loss import make_loss_fn, token_cross_entropy
 from curvlab.match import match_runs
-from curvlab.models.gpt import GPT, GPTConfig
+from curvlab.models.gpt import GPT, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
 from curvlab.optim import build_optimizer
 from curvlab.studies import load_typed
@@ -178,21 +178,38 @@ FINETUNE_PRESETS = {
 
 
 def adapter_targets(model: nn.Module) -> list[str]:
-    """The names of every ``nn.Linear`` inside the model's layer stacks (attention and MLP linears;
-    not the embeddings or the head), found from the module structure, never from parameter names.
+    """The names of the ``nn.Linear`` modules whose weight is a hidden matrix (the attention and MLP
+    linears; not the embeddings or the head), found from the module structure
+    (:func:`curvlab.roles.parameter_roles`), never from parameter names.
 
     Raises:
-        CurvlabError: the model has no layer stack, or no linear layer inside one.
+        CurvlabError: the model has no such linear layer (nothing for LoRA to adapt).
     """
-    from curvlab.blocks import layer_stacks
+    from curvlab.blocks import hidden_matrices
 
-    stacks = layer_stacks(model)
-    names = [
-        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and any(n.startswith(s + ".") for s in stacks)
-    ]
+    params = dict(model.named_parameters())
+    hidden = set(hidden_matrices(params, model))
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and f"{n}.weight" in hidden]
     if not names:
-        raise CurvlabError("the model has no linear layers inside a layer stack for LoRA to adapt")
+        raise CurvlabError("the model has no hidden linear layers (attention or MLP) for LoRA to adapt")
     return names
+
+
+def check_rank(model: nn.Module, rank: int, targets: list[str] | None = None) -> list[str]:
+    """``targets`` (default :func:`adapter_targets`), after checking that rank r fits every one.
+
+    Raises:
+        CurvlabError: r < 1, or r larger than a target layer's smaller side; no layer to adapt.
+    """
+    targets = adapter_targets(model) if targets is None else targets
+    if rank < 1:
+        raise CurvlabError(f"the LoRA rank must be >= 1, got {rank}")
+    modules = dict(model.named_modules())
+    for n in targets:
+        d_out, d_in = modules[n].weight.shape
+        if rank > min(d_out, d_in):
+            raise CurvlabError(f"LoRA rank {rank} exceeds layer {n} ({d_out} x {d_in}); use r <= {min(d_out, d_in)}")
+    return targets
 
 
 def lora_model(base: nn.Module, rank: int, targets: list[str] | None = None) -> nn.Module:
@@ -204,11 +221,7 @@ def lora_model(base: nn.Module, rank: int, targets: list[str] | None = None) -> 
     """
     from peft import LoraConfig, get_peft_model
 
-    targets = adapter_targets(base) if targets is None else targets
-    shapes = {n: m.weight.shape for n, m in base.named_modules() if n in set(targets)}
-    for n, (d_out, d_in) in shapes.items():
-        if rank > min(d_out, d_in):
-            raise CurvlabError(f"LoRA rank {rank} exceeds layer {n} ({d_out} x {d_in}); use r <= {min(d_out, d_in)}")
+    targets = check_rank(base, rank, targets)
     return get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets))
 
 
@@ -233,6 +246,15 @@ def load_base(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT
     model = GPT(GPTConfig(**ckpt["model_config"])).to(device)
     model.load_state_dict(ckpt["model"])
     return model, ckpt.get("config", {})
+
+
+def check_vocab(data: str | Path, model: GPT) -> None:
+    """Raises ``CurvlabError`` when the data's vocabulary (its ``stats.json``) exceeds the model's."""
+    vocab = data_vocab_size(data)
+    if vocab is not None and vocab > model.config.vocab_size:
+        raise CurvlabError(
+            f"{data}: the data's vocabulary ({vocab}) is larger than the base model's ({model.config.vocab_size})"
+        )
 
 
 def _adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -261,11 +283,7 @@ def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | 
     cfg.validate()
     device = torch.device(cfg.device)
     model, _ = load_base(base, device)
-    vocab = data_vocab_size(cfg.data)
-    if vocab is not None and vocab > model.config.vocab_size:
-        raise CurvlabError(
-            f"{cfg.data}: the data's vocabulary ({vocab}) is larger than the base model's ({model.config.vocab_size})"
-        )
+    check_vocab(cfg.data, model)
     torch.manual_seed(cfg.seed)  # peft draws A from the global generator
     model = lora_model(model, rank)
     optimizer = build_optimizer(cfg.optimizer, model, **cfg.optimizer_options)
@@ -536,8 +554,15 @@ class Finetune:
         self.data_dir = Path(data) if data else None
         self.timing: dict[str, float] = {}
         self.loads: list[float] = []
-        if self.base is not None:
-            load_base(self.base)  # a missing or incompatible base fails now, not after the data
+        # a missing or incompatible base, or a rank that does not fit, fails now, not after the data
+        model = (
+            load_base(self.base)[0]
+            if self.base is not None
+            else GPT(get_config(preset.model, **preset.model_overrides))
+        )
+        check_rank(model, preset.rank)
+        if self.data_dir is not None:
+            check_vocab(self.data_dir, model)
 
     def _say(self, message: str) -> None:
         if self.progress:
