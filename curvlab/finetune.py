@@ -62,7 +62,16 @@ from curvlab.models.gpt import GPT, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
 from curvlab.optim import build_optimizer
 from curvlab.studies import load_typed
-from curvlab.train import Run, TrainConfig, TrainingDiverged, evaluate, lr_multiplier, schedule_phase, train
+from curvlab.train import (
+    Run,
+    TrainConfig,
+    TrainingDiverged,
+    evaluate,
+    lr_multiplier,
+    pick_device,
+    schedule_phase,
+    train,
+)
 from curvlab.tuning import TUNING_SCHEMA_VERSION, LrSearch, log2_grid, search_lr
 
 FINETUNE_SCHEMA_VERSION = 1
@@ -284,7 +293,7 @@ def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | 
     if index and index[-1]["step"] == cfg.steps:
         return float(index[-1]["val_loss"])
     cfg.validate()
-    device = torch.device(cfg.device)
+    device = pick_device(cfg.device)
     model, _ = load_base(base, device)
     check_vocab(cfg.data, model)
     torch.manual_seed(cfg.seed)  # peft draws A from the global generator
@@ -460,7 +469,7 @@ class FinetuneResult:
         return load_typed(path, cls.from_dict, "fine-tuning results")
 
 
-# (name, quantity, numerator (arm, key), denominator (arm, key)): every summary number is a ratio of sums
+# (name, quantity, numerator (arm, key), denominator (arm, key)): every summary number is a ratio
 ENTRY_SPECS = (
     *((f"{k}_ratio", f"{k} AdamW / variant", ("adamw", k), ("variant", k)) for k in RATIO_KEYS),
     ("rho_within_adamw", "within-layer share of NDS, AdamW", ("adamw", "within"), ("adamw", "nds")),
@@ -468,29 +477,38 @@ ENTRY_SPECS = (
     ("taylor_adamw", "predicted / realized decrease, AdamW", ("adamw", "predicted"), ("adamw", "realized")),
     ("taylor_variant", "predicted / realized decrease, variant", ("variant", "predicted"), ("variant", "realized")),
 )
+# each ratio twice, from the same rows: the ratio of sums (the paper's kind of average) and the median of
+# the per-level ratios, which one level outside the quadratic regime (a sum near zero) cannot swing
+STATISTICS = {"": st.ratio_of_means, "_median": st.median_ratio}
 
 
 def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> list[FinetuneEntry]:
     """Every summary entry, from the per-level data alone: for each comparison and each of
-    :data:`ENTRY_SPECS`, the ratio of sums over seeds and levels of the window means, with the
-    two-stage bootstrap interval (:func:`curvlab.statistics.estimate`). No level is dropped."""
+    :data:`ENTRY_SPECS`, the ratio of sums over seeds and levels of the window means, and the median
+    of the per-level ratios (``_median``), each with its two-stage bootstrap interval
+    (:func:`curvlab.statistics.estimate`). No level is dropped."""
     entries = []
     for c in comparisons:
         for name, quantity, num, den in ENTRY_SPECS:
             rows = c.rows(num, den)
+            levels = sorted(c.levels, key=lambda lv: lv.seed)  # the order of the rows
+            stacked = np.concatenate(rows) if rows else np.zeros((0, 2))
             per_level = [
                 {"seed": lv.seed, "target": lv.target, "numerator": float(r[0]), "denominator": float(r[1])}
-                for lv, r in zip(sorted(c.levels, key=lambda lv: lv.seed), np.concatenate(rows) if rows else [])
+                for lv, r in zip(levels, stacked)
             ]
-            if not rows:
-                entries.append(FinetuneEntry(name, c.variant, quantity, math.nan, None, 0, 0, [], "no matched level"))
-                continue
-            est = st.estimate({"levels": rows}, lambda g: st.ratio_of_means(g["levels"]), n_boot)
-            note = "" if est.ci95 is not None else f"{est.n_seeds} seed(s): no interval"
-            ci = None if est.ci95 is None else list(est.ci95)
-            entries.append(
-                FinetuneEntry(name, c.variant, quantity, est.value, ci, est.n_units, est.n_seeds, per_level, note)
-            )
+            for suffix, statistic in STATISTICS.items():
+                label = quantity + (" (median over levels)" if suffix else "")
+                if not rows:
+                    entries.append(FinetuneEntry(name + suffix, c.variant, label, math.nan, None, 0, 0, [], "no level"))
+                    continue
+                est = st.estimate({"levels": rows}, lambda g, f=statistic: f(g["levels"]), n_boot)
+                note = "" if est.ci95 is not None else f"{est.n_seeds} seed(s): no interval"
+                ci = None if est.ci95 is None else list(est.ci95)
+                entry = FinetuneEntry(
+                    name + suffix, c.variant, label, est.value, ci, est.n_units, est.n_seeds, per_level, note
+                )
+                entries.append(entry)
     return entries
 
 

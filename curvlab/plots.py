@@ -376,9 +376,11 @@ def finetune_ratios(result, stem: str | Path) -> list[Path]:
         entries = [result.entry(f"{k}_ratio", c.variant) for k in keys]
         x = np.arange(len(keys)) + (i - (len(result.comparisons) - 1) / 2) * width
         values = np.array([e.value for e in entries], dtype=float)
-        lo = np.array([e.value - e.ci95[0] if e.ci95 else 0.0 for e in entries])
-        hi = np.array([e.ci95[1] - e.value if e.ci95 else 0.0 for e in entries])
-        ax.bar(x, values, width, yerr=[lo, hi], capsize=3, label=f"AdamW / {c.variant}", color=f"C{i}")
+        ax.bar(x, values, width, label=f"AdamW / {c.variant}", color=f"C{i}", alpha=0.8)
+        # the percentile interval need not contain the ratio of sums (a skewed statistic): drawn as is
+        for xi, e in zip(x, entries):
+            if e.ci95 is not None:
+                ax.errorbar([xi, xi], e.ci95, color="k", lw=1, capsize=3)
         for s in c.seeds():
             levels = [lv for lv in c.levels if lv.seed == s]
             targets = [lv.target for lv in levels]
@@ -387,7 +389,8 @@ def finetune_ratios(result, stem: str | Path) -> list[Path]:
             if i == 0:
                 bx.plot(targets, [lv.values["adamw"]["nds"] for lv in levels], marker, color="k", mfc="none", ls="none")
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks(np.arange(len(keys)), ["NDS", "I1 (first order)", "I2 (curvature penalty)"])
+    ax.set_xticks(np.arange(len(keys)), ["NDS", "I1", "I2"])
+    ax.set_yscale("symlog", linthresh=0.1)
     ax.set(ylabel="AdamW / variant at matched loss", title="ratio of sums, 95% bootstrap CI")
     ax.legend(fontsize=7)
     bx.set(

@@ -32,7 +32,7 @@ README_ROWS = (
 # fmt: on
 README_FIGURES = ("fig2_nds_update_norm", "fig3_zipf_nds", "tuning_grids", "within_gap_by_layer")
 PERCENT = ("rho_within", "embed_head_share")
-STAGES = ("data", "tune", "train", "compare", "track", "fineweb", "quadratic", "summary", "figures")
+STAGES = ("data", "tune", "train", "compare", "track", "finetune", "fineweb", "quadratic", "summary", "figures")
 
 
 def fmt(x: float | None, name: str = "") -> str:
@@ -315,8 +315,9 @@ def update_readme(
     atomic_write_text(readme, head + README_BEGIN + "\n\n" + section + "\n" + README_END + tail)
 
 
-FINETUNE_ROWS = ("nds_ratio", "first_order_ratio", "curvature_penalty_ratio", "update_norm_ratio",
-                 "rho_within_adamw", "rho_within_variant", "taylor_adamw", "taylor_variant")  # fmt: skip
+FINETUNE_ROWS = ("nds_ratio", "nds_ratio_median", "first_order_ratio", "curvature_penalty_ratio",
+                 "curvature_penalty_ratio_median", "update_norm_ratio", "rho_within_adamw", "rho_within_variant",
+                 "taylor_adamw_median", "taylor_variant_median")  # fmt: skip
 
 
 def finetune_table(result) -> list[str]:

@@ -33,7 +33,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,7 @@ class Preset:
     track_batches: int = 2
     n_boot: int = 2000  # bootstrap replicates per interval
     quadratic: dict[str, Any] = field(default_factory=dict)
+    finetune: str | None = None  # a `curvlab finetune` preset, run on the first seed's AdamW model at the first s
     fineweb: bool = False  # the paper preset also trains gpt2-124m on FineWeb shards
     fineweb_model: str = "gpt2-124m"
     fineweb_model_overrides: dict[str, Any] = field(default_factory=dict)
@@ -171,6 +172,7 @@ PRESETS = {
         track_interval=10,
         track_batches=1,
         n_boot=200,
+        finetune="micro",
         quadratic={
             "steps": 8,
             "fixed_lr_steps": 10,
@@ -214,6 +216,7 @@ PRESETS = {
         analysis_batches=4,
         track_interval=40,
         track_batches=1,  # a trajectory mean already averages 10 checkpoints
+        finetune="standard",
         device="cpu",
     ),
     "paper": Preset(
@@ -236,6 +239,7 @@ PRESETS = {
         window=2,
         track_interval=250,
         track_batches=4,
+        finetune="standard",
         fineweb=True,
     ),
 }
@@ -488,6 +492,20 @@ class Reproduction:
             "note": "one seed: no interval",
         }
 
+    def finetune(self, runs: dict[tuple, Path]):
+        """The fine-tuning comparison (:mod:`curvlab.finetune`) in ``OUT/finetune``, adapting the first
+        seed's AdamW model at the first s to s = 1; ``None`` when the preset has none."""
+        from curvlab.finetune import Finetune, with_preset
+
+        p = self.preset
+        if p.finetune is None:
+            return None
+        base = runs[(p.s_values[0], "adamw", 0)]
+        result = Finetune(
+            replace(with_preset(p.finetune), device=p.device), self.out / "finetune", base, None, self.progress
+        )
+        return result.run()
+
     def quadratic(self) -> dict[str, Any]:
         from curvlab.quadratic import quadratic_study
 
@@ -559,6 +577,8 @@ class Reproduction:
             tracks = self.track(runs, plateau)
         levels = LevelData(comparisons, tracks, plateau, list(p.s_values))
         levels.save(self.out / "analysis" / "levels.json")
+        with self._stage("finetune"):
+            finetune = self.finetune(runs)
         with self._stage("fineweb"):
             fineweb = self.fineweb_comparison()
         with self._stage("quadratic"):
@@ -590,6 +610,9 @@ class Reproduction:
         summary.seconds = summary.timing["total"]  # over every invocation, when a run was interrupted and resumed
         summary.invocations = len(invocations)
         atomic_write_text(self.out / "summary.json", json.dumps(summary.to_dict(), indent=1))
-        atomic_write_text(self.out / "report.md", report.render_report(summary, levels))
+        text = report.render_report(summary, levels)
+        if finetune is not None:
+            text += "\n" + "\n".join(report.finetune_section(finetune)) + "\n"
+        atomic_write_text(self.out / "report.md", text)
         self._say(f"done in {summary.seconds:.0f} s: {self.out / 'report.md'}")
         return summary

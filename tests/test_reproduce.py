@@ -34,6 +34,8 @@ def test_micro_preset_writes_every_output(micro):
         "reproduce.json",
         "timing.json",
         "quadratic/quadratic.json",
+        "finetune/finetune.json",
+        "finetune/tuning.json",
     ):
         assert (out / name).is_file(), name
     for name in (
@@ -59,7 +61,9 @@ def test_micro_preset_writes_every_output(micro):
         "tuning_grids",
     }
     assert {Path(p).stem for ps in summary.figures.values() for p in ps} == expected
-    assert {"data", "tune", "train", "compare", "track", "summary", "figures", "total"} <= set(summary.timing)
+    stages = {"data", "tune", "train", "compare", "track", "finetune", "summary", "figures", "total"}
+    assert stages <= set(summary.timing)
+    assert "Curvature of adapter steps" in (out / "report.md").read_text()
 
 
 def test_summary_schema(micro):
