@@ -525,17 +525,18 @@ def reproduce(
 @one_line_errors
 def finetune(
     preset: str = typer.Option(
-        "quick", help="micro (seconds), quick (one thread, ~8 min: 2 seeds) or standard (3 seeds, 5-point grids)."
+        "quick",
+        help="micro (seconds), quick (one thread, ~7 min: 3 seeds, 4-point grids), standard (5-point grids x 2 seeds).",
     ),
     out: Path = typer.Option(
-        None, help="Output directory [default: results/finetune-<preset>]; a re-run continues it."
+        None, help="Output directory (default: results/finetune-<preset>); a re-run continues it."
     ),
     base: Path = typer.Option(
         None, help="Reuse a pretrained run directory (its last checkpoint) or checkpoint instead of pretraining."
     ),
-    data: Path = typer.Option(None, help="The s = 1 adaptation data [default: generated with the base's grammar]."),
-    rank: int = typer.Option(None, help="LoRA rank [default: the preset's]."),
-    seeds: int = typer.Option(None, help="Seeds per optimizer [default: the preset's]."),
+    data: Path = typer.Option(None, help="The s = 1 adaptation data (default: generated with the base's grammar)."),
+    rank: int = typer.Option(None, help="LoRA rank, alpha = 2 rank (default: the preset's; quick 4, standard 8)."),
+    seeds: int = typer.Option(None, help="Seeds per optimizer (default: the preset's, 3)."),
     quiet: bool = typer.Option(False, help="No progress bars."),
 ) -> None:
     """LoRA fine-tuning at s = 1 of a model pretrained at s = 0, under sMuon, LoRA-Muon, per-factor Muon and
