@@ -18,7 +18,10 @@ started again, continues from what is done), each timed (``timing.json``):
    training, the equal-step comparison);
 6. ``analysis/levels.json``, everything measured (:class:`curvlab.results.LevelData`), and from it
    alone the headline with bootstrap intervals and verdicts (:func:`curvlab.results.headline`);
-7. the quadratic model; 8. figures; 9. ``summary.json`` and ``report.md``.
+7. with a fine-tuning preset (``micro``, ``standard``, ``paper``): LoRA adaptation of the first seed's
+   AdamW model to s = 1 under the adapter optimizers (:mod:`curvlab.finetune`, in ``finetune/``; its
+   section closes ``report.md``);
+8. the quadratic model; 9. figures; 10. ``summary.json`` and ``report.md``.
 
 Presets: ``micro`` (the test suite's, seconds), ``quick`` (the CPU default, ten minutes on two cores:
 everything at reduced size), ``standard`` (CPU, within an hour: three seeds, the paper's 4412-token
