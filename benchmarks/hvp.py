@@ -109,7 +109,7 @@ def report(cfg, params, t, args) -> None:
     )
 
 
-def _peak(kind: str, batch: int, queue) -> None:
+def _peak(kind: str, batch: int, conn) -> None:
     """In a fresh process: the peak of torch's own CPU memory timeline (``torch.profiler`` with
     ``profile_memory``) during one gradient or one HVP, in bytes."""
     import json
@@ -136,7 +136,7 @@ def _peak(kind: str, batch: int, queue) -> None:
         prof.export_memory_timeline(path, device="cpu")
         with open(path) as f:
             _, sizes = json.load(f)
-    queue.put(max(sum(s) for s in sizes))
+    conn.send(max(sum(s) for s in sizes))  # a pipe's send returns once written: safe before _exit
     os._exit(0)  # (the profiler's stack records can crash the interpreter's own shutdown)
 
 
@@ -144,10 +144,11 @@ def memory(batch: int) -> None:
     ctx = mp.get_context("spawn")
     peaks = {}
     for kind in ("gradient", "rev_rev", "fwd_rev"):
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_peak, args=(kind, batch, queue))
+        receive, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_peak, args=(kind, batch, send))
         proc.start()
-        peaks[kind] = queue.get()
+        send.close()  # so that a child that dies unsent ends recv() with EOFError instead of a hang
+        peaks[kind] = receive.recv()
         proc.join()
     print("\nPeak memory of torch's tensors (torch.profiler's CPU memory timeline, each in a fresh process):\n")
     for kind, size in peaks.items():
