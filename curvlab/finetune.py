@@ -66,6 +66,7 @@ from curvlab.train import (
     Run,
     TrainConfig,
     TrainingDiverged,
+    config_difference,
     evaluate,
     lr_multiplier,
     pick_device,
@@ -273,6 +274,20 @@ def _adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def _check_finished_run(out: Path, cfg: TrainConfig, base: Path, rank: int) -> None:
+    """Refuse to reuse a finished run made with other settings (its directory does not name them)."""
+    try:
+        saved = json.loads((out / "config.json").read_text())
+        adapter = json.loads((out / ADAPTER_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CurvlabError(f"{out}: a finished run without readable settings ({type(e).__name__})") from None
+    changed = config_difference(saved, json.loads(json.dumps(cfg.to_dict())))
+    if adapter.get("rank") != rank or adapter.get("base") != str(base):
+        changed.append(f"adapter: {adapter} -> base {str(base)!r}, rank {rank}")
+    if changed:
+        raise CurvlabError(f"{out} holds a finished run with other settings ({'; '.join(changed)}): use a fresh --out")
+
+
 def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | None, progress: bool = True) -> float:
     """Fine-tune the base checkpoint with LoRA (:func:`lora_model`) as ``cfg`` says (optimizer, lr,
     steps, schedule, batches, seed; ``cfg.model`` is ignored: the base's model is used).
@@ -291,6 +306,7 @@ def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | 
     out = Path(cfg.out)
     index = read_index(out)
     if index and index[-1]["step"] == cfg.steps:
+        _check_finished_run(out, cfg, base, rank)
         return float(index[-1]["val_loss"])
     cfg.validate()
     device = pick_device(cfg.device)
@@ -502,8 +518,11 @@ def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> 
                 if not rows:
                     entries.append(FinetuneEntry(name + suffix, c.variant, label, math.nan, None, 0, 0, [], "no level"))
                     continue
-                est = st.estimate({"levels": rows}, lambda g, f=statistic: f(g["levels"]), n_boot)
+                den = (lambda g: st.denominator_of_means(g["levels"])) if statistic is st.ratio_of_means else None
+                est = st.estimate({"levels": rows}, lambda g, f=statistic: f(g["levels"]), n_boot, denominator=den)
                 note = "" if est.ci95 is not None else f"{est.n_seeds} seed(s): no interval"
+                if est.denominator_spans_zero:
+                    note = "the denominator's interval contains 0, so the ratio's interval means little"
                 ci = None if est.ci95 is None else list(est.ci95)
                 entry = FinetuneEntry(
                     name + suffix, c.variant, label, est.value, ci, est.n_units, est.n_seeds, per_level, note
@@ -513,13 +532,14 @@ def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> 
 
 
 def _side_means(rows: dict[int, MonitorRow], steps: list[int]) -> dict[str, float]:
-    """Window means of :data:`LEVEL_KEYS` over the curvature rows at ``steps`` (a non-finite row
-    makes the mean non-finite: nothing is dropped)."""
-    out = {}
-    for k in LEVEL_KEYS:
-        values = [getattr(rows[s].blocks, k) if k in ("within", "cross") else getattr(rows[s].split, k) for s in steps]
-        out[k] = float(np.mean(values))
-    return out
+    """Window means of :data:`LEVEL_KEYS` over the curvature rows at ``steps`` (a row that is not
+    ``ok``, non-finite or a zero step, counts as NaN and makes the mean NaN: nothing is dropped)."""
+
+    def value(row: MonitorRow, k: str) -> float:
+        part = row.blocks if k in ("within", "cross") else row.split
+        return getattr(part, k) if row.ok and part is not None else math.nan
+
+    return {k: float(np.mean([value(rows[s], k) for s in steps])) for k in LEVEL_KEYS}
 
 
 def compare_adapters(

@@ -12,7 +12,7 @@ import math
 import shutil
 from pathlib import Path
 
-from curvlab.atomic import atomic_write_text
+from curvlab.atomic import atomic_write_text, atomic_write_with
 from curvlab.errors import CurvlabError
 from curvlab.paper import QUADRATIC_EXAMPLE
 from curvlab.results import HeadlineEntry, LevelData, Summary, claim_for
@@ -54,7 +54,7 @@ def value_cell(e: HeadlineEntry) -> str:
 
 
 def _units(e: HeadlineEntry) -> str:
-    return f"{e.n_seeds} × {e.n_levels}" if e.n_seeds else "—"
+    return f"{e.n_seeds}, {e.n_levels}" if e.n_seeds else "—"
 
 
 def headline_table(entries: list[HeadlineEntry], names: tuple[str, ...] | None = None) -> list[str]:
@@ -63,7 +63,7 @@ def headline_table(entries: list[HeadlineEntry], names: tuple[str, ...] | None =
         order = {n: i for i, n in enumerate(names)}
         entries = sorted((e for e in entries if e.name in order), key=lambda e: (order[e.name], e.scope))
     lines = [
-        "| quantity | scope | curvlab [95% CI] | seeds × units | paper | verdict |",
+        "| quantity | scope | curvlab [95% CI] | seeds, units in all | paper | verdict |",
         "|---|---|---:|---:|---:|---|",
     ]
     for e in entries:
@@ -174,7 +174,8 @@ def _tuning_lines(tuning: dict) -> list[str]:
             flags.append("**still at an edge**")
         fixed = ", ".join(f"{k} {v:g}" for k, v in s["fixed"].items())
         chosen = f"{s['chosen']:g}" + (f" ({'; '.join(flags)})" if flags else "") + (f"; {fixed}" if fixed else "")
-        ties = ", ".join(f"{x:g}" for x in s["ties"]) or "none"
+        known = math.isfinite(s["stderr"][f"{s['chosen']:g}"])
+        ties = ", ".join(f"{x:g}" for x in s["ties"]) or ("none" if known else "unknown (one seed per point)")
         lines.append(f"| {name} | {'<br>'.join(cells)} | {chosen} | {ties} |")
     return lines
 
@@ -310,7 +311,8 @@ def update_readme(
     for name in README_FIGURES:
         source = results / "figures" / f"{name}.png"
         if source.is_file():
-            shutil.copyfile(source, figures / f"{name}.png")
+            with open(source, "rb") as f:
+                atomic_write_with(figures / f"{name}.png", lambda out, f=f: shutil.copyfileobj(f, out))
     section = render_readme_results(summary, figures.as_posix(), note)
     atomic_write_text(readme, head + README_BEGIN + "\n\n" + section + "\n" + README_END + tail)
 
@@ -322,14 +324,13 @@ FINETUNE_ROWS = ("nds_ratio", "nds_ratio_median", "first_order_ratio", "curvatur
 
 def finetune_table(result) -> list[str]:
     """The markdown table of a fine-tuning comparison (:class:`curvlab.finetune.FinetuneResult`):
-    every entry with its interval and its seeds × levels."""
-    lines = ["| quantity | comparison | value [95% CI] | seeds × levels |", "|---|---|---:|---:|"]
+    every entry with its interval, its seeds and its levels over all seeds."""
+    lines = ["| quantity | comparison | value [95% CI] | seeds, levels in all |", "|---|---|---:|---:|"]
     for c in result.comparisons:
         for name in FINETUNE_ROWS:
             e = result.entry(name, c.variant)
             quantity = e.quantity.replace("variant", c.variant)
-            units = f"{e.n_seeds} × {e.n_levels}" if e.n_seeds else "—"
-            lines.append(f"| {quantity} | adamw/{c.variant} | {value_cell(e)} | {units} |")
+            lines.append(f"| {quantity} | adamw/{c.variant} | {value_cell(e)} | {_units(e)} |")
     return lines
 
 

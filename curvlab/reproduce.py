@@ -48,6 +48,7 @@ from curvlab.checkpoint import read_index
 from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.errors import CurvlabError
 from curvlab.match import PLATEAU_FRACTION, plateau_ceiling
+from curvlab.models.gpt import get_config
 from curvlab.paper import REFERENCE_TRAINING
 from curvlab.results import ComparisonRecord, LevelData, Summary, TrackRecord, headline, taylor_counts
 from curvlab.studies import compare_runs, track_run
@@ -529,10 +530,11 @@ class Reproduction:
         written = plots.reproduction_figures(data, summary, tuning, quadratic, fig)
         return {k: [str(p.relative_to(self.out)) for p in v] for k, v in written.items()}
 
-    def notes(self, tuning: dict[str, Any]) -> list[str]:
-        """The caveats the report states up front (what this preset reduced, what it tied)."""
+    def notes(self, tuning: dict[str, Any], levels: LevelData | None = None) -> list[str]:
+        """The caveats the report states up front (what this preset reduced, what it tied, what the
+        trajectory means leave out)."""
         p = self.preset
-        tokens = f"{p.batch_size}x{p.model_overrides.get('block_size', 64)}"
+        tokens = f"{p.batch_size}x{get_config(p.model, **p.model_overrides).block_size}"
         notes = []
         if p.seeds < 3:
             notes.append(
@@ -553,6 +555,18 @@ class Reproduction:
             f"averaged over a window of up to {2 * p.window + 1} checkpoints {p.ckpt_every} steps apart, each "
             f"analysed on {p.analysis_batches} batch(es) of {tokens} tokens; trajectories on {p.track_batches}."
         )
+        if levels is not None and levels.tracks:
+            counts = {}
+            for t in levels.tracks:
+                n = counts.setdefault(t.arm, [0, 0])
+                n[0] += len(t.rows) - len(t.off_plateau())
+                n[1] += len(t.rows)
+            notes.append(
+                "Trajectory means (the Zipf sweep, rho_within by thirds) leave out checkpoints on the unigram "
+                "plateau, as the matched levels do: "
+                + ", ".join(f"{arm} {off} of {total}" for arm, (off, total) in sorted(counts.items()))
+                + "."
+            )
         if p.analysis_batches < 4:
             notes.append(f"{p.analysis_batches} evaluation batch(es) per checkpoint (the standard preset uses 4).")
         if len(p.s_values) < 3:
@@ -596,7 +610,7 @@ class Reproduction:
             final.setdefault(f"{s:g}", {}).setdefault(arm, []).append(index[-1]["val_loss"] if index else None)
         closed = quadratic["example"]["closed_forms"]
         summary = Summary(
-            p.name, entries, zipf, taylor_counts(levels), tuning, self.notes(tuning), final,
+            p.name, entries, zipf, taylor_counts(levels), tuning, self.notes(tuning, levels), final,
             {k: closed[k] for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")}, fineweb=fineweb,
         )  # fmt: skip
         with self._stage("figures"):

@@ -97,7 +97,13 @@ class TrackRecord:
     rows: list[dict[str, Any]]
 
     def after_warmup(self) -> list[dict[str, Any]]:
-        return [r for r in self.rows if r["step"] >= self.warmup_steps]
+        """The checkpoints after warmup and off the unigram plateau: what trajectory means average."""
+        return [r for r in self.off_plateau() if r["step"] >= self.warmup_steps]
+
+    def off_plateau(self) -> list[dict[str, Any]]:
+        """The checkpoints off the unigram plateau (kept out of the headline, like matched levels there:
+        NDS is tiny and changes sign there, and the arms spend different times on it)."""
+        return [r for r in self.rows if not r.get("on_plateau")]
 
 
 @dataclass
@@ -249,8 +255,15 @@ def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict]
     """A headline entry from an estimate (``None``: nothing to estimate from, ``note`` says why)."""
     claim = claim_for(name)
     ci = None if est is None or est.ci95 is None else list(est.ci95)
+    notes = [note] if note else []
     if est is not None and ci is None and not note:
-        note = f"{est.n_seeds} seed(s): no interval"
+        notes.append(f"{est.n_seeds} seed(s): no interval")
+    if est is not None and est.n_boot and est.failed_replicates > 0.01 * est.n_boot:
+        notes.append(f"{est.failed_replicates} of {est.n_boot} resamples gave no finite value")
+    verdict = st.verdict(claim.direction, ci, claim.null, claim.band)
+    if est is not None and est.denominator_spans_zero:
+        notes.append("the denominator's interval contains 0, so the ratio's interval means little")
+        verdict = st.INCONCLUSIVE if verdict != st.NO_CLAIM else verdict
     return HeadlineEntry(
         name=name,
         scope=scope,
@@ -262,8 +275,8 @@ def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict]
         per_level=per_level,
         paper=claim.paper,
         paper_text=claim.paper_text,
-        verdict=st.verdict(claim.direction, ci, claim.null, claim.band),
-        note=note,
+        verdict=verdict,
+        note="; ".join(notes),
     )
 
 
@@ -279,7 +292,16 @@ def _ratio_entries(
     means (the paper's kind of average), and the median of the per-unit ratios, which one step outside
     the quadratic regime (a loss spike, with NDS of either sign and hundreds of times the usual size)
     cannot swing. No unit is dropped from either."""
-    mean = None if groups is None else st.estimate(groups, lambda g: st.ratio_of_means(g["levels"]), n_boot)
+    mean = (
+        None
+        if groups is None
+        else st.estimate(
+            groups,
+            lambda g: st.ratio_of_means(g["levels"]),
+            n_boot,
+            denominator=lambda g: st.denominator_of_means(g["levels"]),
+        )
+    )
     median = None if groups is None else st.estimate(groups, lambda g: st.median_ratio(g["levels"]), n_boot)
     return [
         _entry(base + suffix, scope, mean, per_level, note),
@@ -406,7 +428,8 @@ def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], li
                 for k in needs
                 for i, x in enumerate(g[k])
             ]
-            headline.append(_entry(name, scope, st.estimate(g, stat, n_boot), per_level))
+            muon_s0 = lambda g: _mean(g["m0"])  # noqa: E731 (every Zipf statistic divides by it)
+            headline.append(_entry(name, scope, st.estimate(g, stat, n_boot, denominator=muon_s0), per_level))
         if ("muon", s0) not in groups:
             continue
         for arm, s in sorted(groups):
@@ -438,7 +461,8 @@ def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
         seeds = []
         for t in data.track(arm, s0):
             third = t.steps / 3
-            seeds.append(np.array([[r[within], r[total], r["step"] <= third, r["step"] > 2 * third] for r in t.rows]))
+            rows = t.off_plateau()
+            seeds.append(np.array([[r[within], r[total], r["step"] <= third, r["step"] > 2 * third] for r in rows]))
         return seeds
 
     def rho(rows: np.ndarray, col: int) -> float:

@@ -51,6 +51,9 @@ class Estimate:
     n_units: int
     n_boot: int
     failed_replicates: int = 0  # replicates whose statistic was not finite (e.g. an empty third)
+    # the statistic is a ratio whose denominator's own interval contains 0: resamples near a zero
+    # denominator make the ratio's percentiles meaningless (they may even exclude its value)
+    denominator_spans_zero: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -71,7 +74,12 @@ def _check(groups: Groups) -> None:
 
 
 def estimate(
-    groups: Groups, statistic: Statistic, n_boot: int = N_BOOT, seed: int = BOOTSTRAP_SEED, confidence: float = 0.95
+    groups: Groups,
+    statistic: Statistic,
+    n_boot: int = N_BOOT,
+    seed: int = BOOTSTRAP_SEED,
+    confidence: float = 0.95,
+    denominator: Statistic | None = None,
 ) -> Estimate:
     """The statistic on all the data, and its two-stage bootstrap interval (module docstring).
 
@@ -81,6 +89,8 @@ def estimate(
         statistic: ``{group: stacked rows} -> float``.
         n_boot: bootstrap replicates.
         seed: the generator's seed (fixed, so the interval is reproducible from the same data).
+        denominator: for a ratio, its denominator on the same data; its interval, from the same
+            replicates, is checked for 0 (``Estimate.denominator_spans_zero``).
 
     Raises:
         CurvlabError: a group with no data at all.
@@ -96,7 +106,7 @@ def estimate(
     stacked = {k: _stack(v) for k, v in data.items()}
     sizes = {k: np.array([len(r) for r in v]) for k, v in data.items()}
     offsets = {k: np.concatenate([[0], np.cumsum(n)[:-1]]) for k, n in sizes.items()}
-    reps = np.empty(n_boot)
+    reps, den_reps = np.empty(n_boot), np.empty(n_boot)
     for b in range(n_boot):
         drawn = {}
         for k, n in sizes.items():
@@ -105,18 +115,26 @@ def estimate(
             within = np.floor(rng.random(counts.sum()) * np.repeat(counts, counts)).astype(int)  # units in each
             drawn[k] = stacked[k][np.repeat(offsets[k][picks], counts) + within]
         reps[b] = statistic(drawn)
+        den_reps[b] = denominator(drawn) if denominator is not None else 1.0
+    tail = 100 * (1 - confidence) / 2
+    den_lo, den_hi = np.percentile(den_reps, [tail, 100 - tail])
+    spans_zero = denominator is not None and bool(den_lo <= 0 <= den_hi)
     finite = reps[np.isfinite(reps)]
     if finite.size < n_boot // 2:
-        return Estimate(value, None, n_seeds, n_units, n_boot, n_boot - finite.size)
-    tail = 100 * (1 - confidence) / 2
+        return Estimate(value, None, n_seeds, n_units, n_boot, n_boot - finite.size, spans_zero)
     lo, hi = np.percentile(finite, [tail, 100 - tail])
-    return Estimate(value, (float(lo), float(hi)), n_seeds, n_units, n_boot, n_boot - finite.size)
+    return Estimate(value, (float(lo), float(hi)), n_seeds, n_units, n_boot, n_boot - finite.size, spans_zero)
 
 
 def ratio_of_means(rows: np.ndarray) -> float:
     """``sum(rows[:, 0]) / sum(rows[:, 1])``: robust to units where the denominator is near zero."""
     den = rows[:, 1].sum()
     return float(rows[:, 0].sum() / den) if den else float("nan")
+
+
+def denominator_of_means(rows: np.ndarray) -> float:
+    """``sum(rows[:, 1])``: the denominator of :func:`ratio_of_means`."""
+    return float(rows[:, 1].sum())
 
 
 def median_ratio(rows: np.ndarray) -> float:

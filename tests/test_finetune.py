@@ -193,3 +193,40 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path):
     assert not (tmp_path / "a").exists()
     with pytest.raises(CurvlabError, match="no hidden linear layers"):
         adapter_targets(torch.nn.Sequential(torch.nn.Embedding(4, 3)))
+
+
+def test_a_failed_curvature_row_makes_its_window_mean_nan(micro):
+    """A non-finite or zero-step row (no block split) counts as NaN: the window mean says so, and
+    nothing is dropped or crashes."""
+    import dataclasses
+    import math
+
+    out, _ = micro
+    rows = curvature_rows(out / "runs" / "adamw" / "seed0")
+    steps = sorted(rows)[:2]
+    failed = dataclasses.replace(rows[steps[0]], status="non-finite", message="NDS is nan", blocks=None)
+    means = _side_means({**rows, steps[0]: failed}, steps)
+    assert all(math.isnan(v) for v in means.values())
+    assert all(math.isfinite(v) for v in _side_means(rows, steps[1:]).values())
+
+
+def test_a_finished_run_is_not_reused_under_other_settings(micro, tmp_path):
+    """A finished adaptation run is reused only when its saved settings are the ones asked for."""
+    import dataclasses
+    import shutil
+
+    from curvlab.finetune import adapt
+    from curvlab.train import TrainConfig
+
+    out, _ = micro
+    run = tmp_path / "run"
+    shutil.copytree(out / "runs" / "adamw" / "seed0", run)
+    saved = json.loads((run / "config.json").read_text())
+    adapter = json.loads((run / "adapter.json").read_text())
+    cfg = TrainConfig.from_dict(saved)
+    assert adapt(cfg, adapter["base"], adapter["rank"], None) == read_index(run)[-1]["val_loss"]
+    cfg = dataclasses.replace(cfg, optimizer_options={**cfg.optimizer_options, "lr": 2 * cfg.optimizer_options["lr"]})
+    with pytest.raises(CurvlabError, match="other settings.*lr"):
+        adapt(cfg, adapter["base"], adapter["rank"], None)
+    with pytest.raises(CurvlabError, match="other settings.*rank"):
+        adapt(TrainConfig.from_dict(saved), adapter["base"], adapter["rank"] + 1, None)

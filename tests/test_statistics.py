@@ -91,3 +91,29 @@ def test_verdict_rejects_a_bad_claim():
 def test_standard_error():
     assert st.standard_error([1.0, 3.0]) == pytest.approx(1.0)
     assert np.isnan(st.standard_error([1.0]))
+
+
+def test_a_ratio_whose_denominator_interval_contains_zero_is_flagged():
+    """Denominators of either sign: the percentile interval of the ratio means little, and says so;
+    a denominator far from zero is not flagged."""
+    rng = np.random.default_rng(3)
+    near_zero = [np.column_stack([rng.normal(1, 0.1, 4), rng.normal(0, 1, 4)]) for _ in range(4)]
+    stat = lambda g: st.ratio_of_means(g["x"])  # noqa: E731
+    den = lambda g: st.denominator_of_means(g["x"])  # noqa: E731
+    assert st.estimate({"x": near_zero}, stat, 500, denominator=den).denominator_spans_zero
+    away = [np.column_stack([rng.normal(1, 0.1, 4), rng.normal(5, 1, 4)]) for _ in range(4)]
+    assert not st.estimate({"x": away}, stat, 500, denominator=den).denominator_spans_zero
+    assert not st.estimate({"x": near_zero}, stat, 500).denominator_spans_zero  # only checked when asked
+
+
+def test_trajectory_means_leave_out_the_unigram_plateau():
+    """Like matched levels, tracked checkpoints on the plateau are kept out of trajectory means (and
+    the rho_within thirds); warmup is left out too."""
+    from curvlab.results import TrackRecord
+
+    rows = [{"step": k, "nds": float(k), "on_plateau": k < 20} for k in range(0, 60, 10)]
+    t = TrackRecord("muon", 0.0, 0, 60, 5, rows)
+    assert [r["step"] for r in t.off_plateau()] == [20, 30, 40, 50]
+    assert [r["step"] for r in t.after_warmup()] == [20, 30, 40, 50]
+    t = TrackRecord("muon", 0.0, 0, 60, 25, [{**r, "on_plateau": False} for r in rows])
+    assert [r["step"] for r in t.after_warmup()] == [30, 40, 50]
