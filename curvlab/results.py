@@ -256,8 +256,10 @@ def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict]
     claim = claim_for(name)
     ci = None if est is None or est.ci95 is None else list(est.ci95)
     notes = [note] if note else []
-    if est is not None and ci is None and not note:
+    if est is not None and ci is None and not note and est.n_seeds < 2:
         notes.append(f"{est.n_seeds} seed(s): no interval")
+    if est is not None and not np.isfinite(est.value):
+        notes.append("no finite value (e.g. no checkpoint off the unigram plateau where one is needed)")
     if est is not None and est.n_boot and est.failed_replicates > 0.01 * est.n_boot:
         notes.append(f"{est.failed_replicates} of {est.n_boot} resamples gave no finite value")
     verdict = st.verdict(claim.direction, ci, claim.null, claim.band)
