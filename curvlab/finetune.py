@@ -522,7 +522,7 @@ def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> 
                 est = st.estimate({"levels": rows}, lambda g, f=statistic: f(g["levels"]), n_boot, denominator=den)
                 note = "" if est.ci95 is not None else f"{est.n_seeds} seed(s): no interval"
                 if est.denominator_spans_zero:
-                    note = "the denominator's interval contains 0, so the ratio's interval means little"
+                    note = st.DENOMINATOR_NOTE
                 ci = None if est.ci95 is None else list(est.ci95)
                 entry = FinetuneEntry(
                     name + suffix, c.variant, label, est.value, ci, est.n_units, est.n_seeds, per_level, note
@@ -540,6 +540,24 @@ def _side_means(rows: dict[int, MonitorRow], steps: list[int]) -> dict[str, floa
         return getattr(part, k) if row.ok and part is not None else math.nan
 
     return {k: float(np.mean([value(rows[s], k) for s in steps])) for k in LEVEL_KEYS}
+
+
+def _over_invocations(path: Path, timing: dict[str, float]) -> dict[str, float]:
+    """This invocation's stage times added to those a resumed job's earlier invocations recorded (a
+    re-run that finds everything done must not report the job as taking seconds); the load and threads
+    are those of the invocation that did the most work."""
+    try:
+        previous = json.loads(path.read_text()).get("timing", {}) if path.is_file() else {}
+    except json.JSONDecodeError:
+        previous = {}
+    if not previous:
+        return {**timing, "invocations": 1}
+    conditions = ("load", "threads")
+    out = {k: v + previous.get(k, 0.0) for k, v in timing.items() if k not in conditions}
+    heavier = previous if previous.get("total", 0.0) > timing["total"] else timing
+    out.update({k: heavier[k] for k in conditions if k in heavier})
+    out["invocations"] = previous.get("invocations", 1) + 1
+    return out
 
 
 def compare_adapters(
@@ -803,6 +821,7 @@ class Finetune:
         self.timing["total"] = time.perf_counter() - start
         self.timing["load"] = float(np.mean(self.loads))
         self.timing["threads"] = torch.get_num_threads()
+        self.timing = _over_invocations(self.out / "finetune.json", self.timing)
         result = FinetuneResult(
             asdict(self.preset),
             str(base),

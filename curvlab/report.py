@@ -12,6 +12,7 @@ import math
 import shutil
 from pathlib import Path
 
+from curvlab import statistics as st
 from curvlab.atomic import atomic_write_text, atomic_write_with
 from curvlab.errors import CurvlabError
 from curvlab.paper import QUADRATIC_EXAMPLE
@@ -50,7 +51,8 @@ def value_cell(e: HeadlineEntry) -> str:
         return f"— ({e.note})" if e.note else "—"
     if e.ci95 is None:
         return f"{fmt(e.value, e.name)} (no interval)"
-    return f"{fmt(e.value, e.name)} [{fmt(e.ci95[0], e.name)}, {fmt(e.ci95[1], e.name)}]"
+    flag = " (denominator spans 0)" if st.DENOMINATOR_NOTE in e.note else ""
+    return f"{fmt(e.value, e.name)} [{fmt(e.ci95[0], e.name)}, {fmt(e.ci95[1], e.name)}]{flag}"
 
 
 def _units(e: HeadlineEntry) -> str:
@@ -354,7 +356,8 @@ def finetune_section(result) -> list[str]:
     if "total" in t:
         lines.append(
             f"Wall time {t['total']:.0f} s on {t.get('threads', '?')} thread(s), "
-            f"load average {t.get('load', math.nan):.1f}."
+            f"load average {t.get('load', math.nan):.1f}"
+            + (f", over {t['invocations']:.0f} invocations." if t.get("invocations", 1) > 1 else ".")
         )
     refused = sum(len(c.refused) for c in result.comparisons)
     if refused:

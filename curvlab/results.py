@@ -264,7 +264,7 @@ def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict]
         notes.append(f"{est.failed_replicates} of {est.n_boot} resamples gave no finite value")
     verdict = st.verdict(claim.direction, ci, claim.null, claim.band)
     if est is not None and est.denominator_spans_zero:
-        notes.append("the denominator's interval contains 0, so the ratio's interval means little")
+        notes.append(st.DENOMINATOR_NOTE)
         verdict = st.INCONCLUSIVE if verdict != st.NO_CLAIM else verdict
     return HeadlineEntry(
         name=name,

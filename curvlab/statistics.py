@@ -36,6 +36,8 @@ BOOTSTRAP_SEED = 0  # fixed: a summary re-derived from the same per-level data g
 SUPPORTED, CONTRADICTED, INCONCLUSIVE, NO_CLAIM = "supported", "contradicted", "inconclusive at this scale", "no claim"
 DIRECTIONS = ("greater", "less", "about")
 
+DENOMINATOR_NOTE = "the denominator's interval contains 0, so the ratio's interval means little"
+
 Groups = Mapping[str, Sequence[np.ndarray]]
 Statistic = Callable[[Mapping[str, np.ndarray]], float]
 
