@@ -36,11 +36,8 @@ variant's), the orientation of the paper's AdamW/Muon NDS ratio.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -56,12 +53,13 @@ from curvlab.checkpoint import add_to_index, checkpoint_name, load_checkpoint, r
 from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, validation_batches
 from curvlab.errors import CurvlabError
+from curvlab.jobs import StageClock, guard_config, record_invocation
 from curvlab.loss import make_loss_fn, token_cross_entropy
 from curvlab.match import match_runs
-from curvlab.models.gpt import GPT, GPTConfig, get_config
+from curvlab.models.gpt import GPT, MICRO_OVERRIDES, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
 from curvlab.optim import build_optimizer
-from curvlab.studies import load_typed
+from curvlab.studies import RATIO_KEYS, load_typed
 from curvlab.train import (
     Run,
     TrainConfig,
@@ -79,7 +77,6 @@ FINETUNE_SCHEMA_VERSION = 1
 ADAPTER_ARMS = ("adamw", "smuon", "lora-muon", "per-factor-muon")
 MUON_VARIANTS = ("smuon", "lora-muon", "per-factor-muon")  # each compared against AdamW
 LEVEL_KEYS = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "within", "cross")
-RATIO_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm")
 ADAPTER_FILE = "adapter.json"  # the LoRA settings of an adaptation run, beside its config.json
 
 
@@ -132,11 +129,10 @@ class FinetunePreset:
             raise CurvlabError(f"heldout_windows {self.heldout_windows} exceeds val_windows {self.val_windows}")
 
 
-_MICRO_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 320}
 FINETUNE_PRESETS = {
     "micro": FinetunePreset(
         "micro",
-        model_overrides=_MICRO_MODEL,
+        model_overrides=MICRO_OVERRIDES,
         grammar={"n_tokens": 300},
         tokens="60k",
         val_tokens="6k",
@@ -493,16 +489,13 @@ ENTRY_SPECS = (
     ("taylor_adamw", "predicted / realized decrease, AdamW", ("adamw", "predicted"), ("adamw", "realized")),
     ("taylor_variant", "predicted / realized decrease, variant", ("variant", "predicted"), ("variant", "realized")),
 )
-# each ratio twice, from the same rows: the ratio of sums (the paper's kind of average) and the median of
-# the per-level ratios, which one level outside the quadratic regime (a sum near zero) cannot swing
-STATISTICS = {"": st.ratio_of_means, "_median": st.median_ratio}
 
 
 def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> list[FinetuneEntry]:
     """Every summary entry, from the per-level data alone: for each comparison and each of
     :data:`ENTRY_SPECS`, the ratio of sums over seeds and levels of the window means, and the median
     of the per-level ratios (``_median``), each with its two-stage bootstrap interval
-    (:func:`curvlab.statistics.estimate`). No level is dropped."""
+    (:func:`curvlab.statistics.ratio_estimates`). No level is dropped."""
     entries = []
     for c in comparisons:
         for name, quantity, num, den in ENTRY_SPECS:
@@ -513,13 +506,13 @@ def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> 
                 {"seed": lv.seed, "target": lv.target, "numerator": float(r[0]), "denominator": float(r[1])}
                 for lv, r in zip(levels, stacked)
             ]
-            for suffix, statistic in STATISTICS.items():
-                label = quantity + (" (median over levels)" if suffix else "")
-                if not rows:
+            if not rows:
+                for suffix in ("", "_median"):
+                    label = quantity + (" (median over levels)" if suffix else "")
                     entries.append(FinetuneEntry(name + suffix, c.variant, label, math.nan, None, 0, 0, [], "no level"))
-                    continue
-                den = (lambda g: st.denominator_of_means(g["levels"])) if statistic is st.ratio_of_means else None
-                est = st.estimate({"levels": rows}, lambda g, f=statistic: f(g["levels"]), n_boot, denominator=den)
+                continue
+            for suffix, est in st.ratio_estimates(rows, n_boot).items():
+                label = quantity + (" (median over levels)" if suffix else "")
                 note = "" if est.ci95 is not None else f"{est.n_seeds} seed(s): no interval"
                 if est.denominator_spans_zero:
                     note = st.DENOMINATOR_NOTE
@@ -540,24 +533,6 @@ def _side_means(rows: dict[int, MonitorRow], steps: list[int]) -> dict[str, floa
         return getattr(part, k) if row.ok and part is not None else math.nan
 
     return {k: float(np.mean([value(rows[s], k) for s in steps])) for k in LEVEL_KEYS}
-
-
-def _over_invocations(path: Path, timing: dict[str, float]) -> dict[str, float]:
-    """This invocation's stage times added to those a resumed job's earlier invocations recorded (a
-    re-run that finds everything done must not report the job as taking seconds); the load and threads
-    are those of the invocation that did the most work."""
-    try:
-        previous = json.loads(path.read_text()).get("timing", {}) if path.is_file() else {}
-    except json.JSONDecodeError:
-        previous = {}
-    if not previous:
-        return {**timing, "invocations": 1}
-    conditions = ("load", "threads")
-    out = {k: v + previous.get(k, 0.0) for k, v in timing.items() if k not in conditions}
-    heavier = previous if previous.get("total", 0.0) > timing["total"] else timing
-    out.update({k: heavier[k] for k in conditions if k in heavier})
-    out["invocations"] = previous.get("invocations", 1) + 1
-    return out
 
 
 def compare_adapters(
@@ -611,8 +586,7 @@ class Finetune:
         self.preset, self.out, self.progress = preset, Path(out), progress
         self.base = Path(base) if base else None
         self.data_dir = Path(data) if data else None
-        self.timing: dict[str, float] = {}
-        self.loads: list[float] = []
+        self.clock = StageClock()
         # a missing or incompatible base, or a rank that does not fit, fails now, not after the data
         model = (
             load_base(self.base)[0]
@@ -627,29 +601,9 @@ class Finetune:
         if self.progress:
             print(f"[finetune] {message}", flush=True)
 
-    @contextlib.contextmanager
-    def _stage(self, name: str):
-        start, cpu = time.perf_counter(), time.process_time()
-        try:
-            yield
-        finally:
-            self.timing[name] = time.perf_counter() - start
-            self.timing[f"{name}_cpu"] = time.process_time() - cpu
-            self.loads.append(os.getloadavg()[0])
-
     def _check_config(self) -> None:
-        path = self.out / "finetune-config.json"
-        config = json.loads(
-            json.dumps({"preset": asdict(self.preset), "base": str(self.base), "data": str(self.data_dir)})
-        )
-        if path.is_file():
-            if json.loads(path.read_text()) != config:
-                raise CurvlabError(
-                    f"{self.out} holds a fine-tuning comparison with other settings; choose a fresh --out"
-                )
-        else:
-            self.out.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, json.dumps(config, indent=1))
+        config = {"preset": asdict(self.preset), "base": str(self.base), "data": str(self.data_dir)}
+        guard_config(self.out / "finetune-config.json", config, "a fine-tuning comparison")
 
     def prepare(self) -> tuple[Path, Path]:
         """(the s = 1 adaptation data, the base checkpoint or run): made here unless given."""
@@ -803,25 +757,22 @@ class Finetune:
     def run(self) -> FinetuneResult:
         from curvlab import plots, report
 
-        start = time.perf_counter()
+        self.clock = StageClock()
         self._check_config()
-        with self._stage("prepare"):
+        with self.clock("prepare"):
             data, base = self.prepare()
-        with self._stage("tune"):
+        with self.clock("tune"):
             tuning = self.tune(data, base)
-        with self._stage("adapt"):
+        with self.clock("adapt"):
             runs = self.adapt_all(data, base, tuning["chosen"])
-        with self._stage("compare"):
+        with self.clock("compare"):
             comparisons = compare_adapters(runs, list(range(self.preset.seeds)), self.preset)
             entries = estimates(comparisons, self.preset.n_boot)
         final = {
             arm: [float(read_index(runs[(arm, s)])[-1]["val_loss"]) for s in range(self.preset.seeds)]
             for arm in ADAPTER_ARMS
         }
-        self.timing["total"] = time.perf_counter() - start
-        self.timing["load"] = float(np.mean(self.loads))
-        self.timing["threads"] = torch.get_num_threads()
-        self.timing = _over_invocations(self.out / "finetune.json", self.timing)
+        timing = record_invocation(self.out / "timing.json", self.clock.invocation())
         result = FinetuneResult(
             asdict(self.preset),
             str(base),
@@ -830,12 +781,12 @@ class Finetune:
             entries,
             final,
             self.notes(),
-            dict(self.timing),
+            timing,
         )
         result.save(self.out / "finetune.json")
         plots.finetune_ratios(result, self.out / "figures" / "finetune_ratios")
         atomic_write_text(self.out / "report.md", "\n".join(report.finetune_section(result)) + "\n")
-        self._say(f"done in {self.timing['total']:.0f} s: {self.out / 'finetune.json'}")
+        self._say(f"done in {timing['total']:.0f} s: {self.out / 'finetune.json'}")
         return result
 
 

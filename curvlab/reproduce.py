@@ -31,24 +31,20 @@ user provides).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from curvlab.analysis import AnalysisSettings
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
 from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.errors import CurvlabError
+from curvlab.jobs import StageClock, guard_config, record_invocation
 from curvlab.match import PLATEAU_FRACTION, plateau_ceiling
-from curvlab.models.gpt import get_config
+from curvlab.models.gpt import MICRO_OVERRIDES, get_config
 from curvlab.paper import REFERENCE_TRAINING
 from curvlab.results import ComparisonRecord, LevelData, Summary, TrackRecord, headline, taylor_counts
 from curvlab.studies import compare_runs, track_run
@@ -147,11 +143,10 @@ class Preset:
 
 
 _PAPER_LR = {arm: REFERENCE_TRAINING[arm]["lr"] for arm in ("muon", "adamw")}
-_MICRO_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 320}
 PRESETS = {
     "micro": Preset(
         "micro",
-        model_overrides=_MICRO_MODEL,
+        model_overrides=MICRO_OVERRIDES,
         s_values=(0.0, 1.0),
         grammar={"n_tokens": 300},
         tokens="100k",
@@ -276,42 +271,18 @@ class Reproduction:
             for split in ("train", "val"):  # fail now, not after hours of training
                 find_shards(self.fineweb, split)
         self.log: list[str] = []
-        self.timing: dict[str, float] = {}
-        self.loads: list[float] = []  # the machine's 1-minute load average at the end of each stage
+        self.clock = StageClock()
 
     # -- bookkeeping ------------------------------------------------------------------------
 
     def _check_config(self) -> None:
-        path = self.out / "reproduce.json"
         config = {"preset": asdict(self.preset), "fineweb": str(self.fineweb) if self.fineweb else None}
-        config = json.loads(json.dumps(config))
-        if path.is_file():
-            saved = json.loads(path.read_text())
-            if saved != config:
-                raise CurvlabError(
-                    f"{self.out} holds the results of another configuration (preset "
-                    f"{saved['preset']['name']!r}); refusing to mix them: choose a fresh --out"
-                )
-        else:
-            self.out.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, json.dumps(config, indent=1))
+        guard_config(self.out / "reproduce.json", config, f"the results of preset {self.preset.name!r}")
 
     def _say(self, message: str) -> None:
         self.log.append(message)
         if self.progress:
             print(f"[reproduce] {message}", flush=True)
-
-    @contextlib.contextmanager
-    def _stage(self, name: str):
-        """Time a stage: wall seconds under ``name``, and this process's CPU seconds under ``name_cpu``
-        (on a shared machine, wall time inflates with the load; CPU time much less)."""
-        start, cpu = time.perf_counter(), time.process_time()
-        try:
-            yield
-        finally:
-            self.timing[name] = self.timing.get(name, 0.0) + time.perf_counter() - start
-            self.timing[f"{name}_cpu"] = self.timing.get(f"{name}_cpu", 0.0) + time.process_time() - cpu
-            self.loads.append(os.getloadavg()[0])
 
     def _train_config(self, data: Path, out: Path, arm: str, options: dict[str, Any], seed: int, **overrides):
         p = self.preset
@@ -580,29 +551,29 @@ class Reproduction:
     def run(self) -> Summary:
         from curvlab import report
 
-        start, cpu = time.perf_counter(), time.process_time()
+        self.clock = StageClock()
         self._check_config()
         p = self.preset
-        with self._stage("data"):
+        with self.clock("data"):
             data = self.data()
         plateau = plateau_ceiling(unigram_entropy_nats(data[p.s_values[0]]), p.plateau_fraction)
-        with self._stage("tune"):
+        with self.clock("tune"):
             tuning = self.tune(data[p.s_values[0]])
-        with self._stage("train"):
+        with self.clock("train"):
             runs = self.train_all(data, tuning["chosen"])
-        with self._stage("compare"):
+        with self.clock("compare"):
             comparisons = self.compare(runs, plateau)
-        with self._stage("track"):
+        with self.clock("track"):
             tracks = self.track(runs, plateau)
         levels = LevelData(comparisons, tracks, plateau, list(p.s_values))
         levels.save(self.out / "analysis" / "levels.json")
-        with self._stage("finetune"):
+        with self.clock("finetune"):
             finetune = self.finetune(runs)
-        with self._stage("fineweb"):
+        with self.clock("fineweb"):
             fineweb = self.fineweb_comparison()
-        with self._stage("quadratic"):
+        with self.clock("quadratic"):
             quadratic = self.quadratic()
-        with self._stage("summary"):
+        with self.clock("summary"):
             entries, zipf = headline(levels, p.n_boot)
         final = {}
         for (s, arm, _), run in runs.items():
@@ -613,21 +584,11 @@ class Reproduction:
             p.name, entries, zipf, taylor_counts(levels), tuning, self.notes(tuning, levels), final,
             {k: closed[k] for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")}, fineweb=fineweb,
         )  # fmt: skip
-        with self._stage("figures"):
+        with self.clock("figures"):
             summary.figures = self.figures(levels, summary, tuning, quadratic)
-        seconds = time.perf_counter() - start
-        timing_path = self.out / "timing.json"
-        invocations = json.loads(timing_path.read_text()) if timing_path.is_file() else []
-        load = sum(self.loads) / len(self.loads)
-        invocations.append({**self.timing, "total": seconds, "total_cpu": time.process_time() - cpu, "load": load,
-                            "threads": torch.get_num_threads(), "cpus": os.cpu_count()})  # fmt: skip
-        atomic_write_text(timing_path, json.dumps(invocations, indent=1))
-        summary.timing = {k: sum(i.get(k, 0.0) for i in invocations) for k in [*self.timing, "total", "total_cpu"]}
-        # the conditions of the invocation that did the most work
-        longest = max(invocations, key=lambda i: i["total"])
-        summary.timing.update({k: float(longest[k]) for k in ("load", "threads", "cpus") if k in longest})
+        summary.timing = record_invocation(self.out / "timing.json", self.clock.invocation())
         summary.seconds = summary.timing["total"]  # over every invocation, when a run was interrupted and resumed
-        summary.invocations = len(invocations)
+        summary.invocations = int(summary.timing["invocations"])
         atomic_write_text(self.out / "summary.json", json.dumps(summary.to_dict(), indent=1))
         text = report.render_report(summary, levels)
         if finetune is not None:

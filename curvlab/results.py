@@ -290,21 +290,9 @@ def _sides(comparison: Comparison, level):
 def _ratio_entries(
     base: str, suffix: str, scope: str, groups, per_level, n_boot: int, note: str
 ) -> list[HeadlineEntry]:
-    """Two estimates of one AdamW/Muon ratio from the same (numerator, denominator) rows: the ratio of
-    means (the paper's kind of average), and the median of the per-unit ratios, which one step outside
-    the quadratic regime (a loss spike, with NDS of either sign and hundreds of times the usual size)
-    cannot swing. No unit is dropped from either."""
-    mean = (
-        None
-        if groups is None
-        else st.estimate(
-            groups,
-            lambda g: st.ratio_of_means(g["levels"]),
-            n_boot,
-            denominator=lambda g: st.denominator_of_means(g["levels"]),
-        )
-    )
-    median = None if groups is None else st.estimate(groups, lambda g: st.median_ratio(g["levels"]), n_boot)
+    """Both estimates of one AdamW/Muon ratio (:func:`curvlab.statistics.ratio_estimates`)."""
+    both = {"": None, "_median": None} if groups is None else st.ratio_estimates(groups["levels"], n_boot)
+    mean, median = both[""], both["_median"]
     return [
         _entry(base + suffix, scope, mean, per_level, note),
         _entry(base + "_median" + suffix, scope, median, per_level, note),

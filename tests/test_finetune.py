@@ -230,16 +230,3 @@ def test_a_finished_run_is_not_reused_under_other_settings(micro, tmp_path):
         adapt(cfg, adapter["base"], adapter["rank"], None)
     with pytest.raises(CurvlabError, match="other settings.*rank"):
         adapt(TrainConfig.from_dict(saved), adapter["base"], adapter["rank"] + 1, None)
-
-
-def test_a_resumed_job_reports_the_time_of_all_its_invocations(tmp_path):
-    """A re-run that finds everything done adds its seconds to the earlier invocations' instead of
-    reporting the whole job as taking seconds."""
-    from curvlab.finetune import _over_invocations
-
-    path = tmp_path / "finetune.json"
-    first = _over_invocations(path, {"adapt": 300.0, "total": 320.0, "load": 1.9, "threads": 2})
-    assert first == {"adapt": 300.0, "total": 320.0, "load": 1.9, "threads": 2, "invocations": 1}
-    path.write_text(json.dumps({"timing": first}))
-    again = _over_invocations(path, {"adapt": 0.5, "total": 2.0, "load": 0.2, "threads": 1})
-    assert again == {"adapt": 300.5, "total": 322.0, "load": 1.9, "threads": 2, "invocations": 2}

@@ -42,6 +42,8 @@ CONFIGS: dict[str, GPTConfig] = {
     # GPT-2 small, the paper's main model (vocabulary padded to 50304 as in nanoGPT).
     "gpt2-124m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, tie_embeddings=True),
 }
+# `tiny` shrunk for the test suite's micro presets (reproduction and fine-tuning), seconds on a CPU
+MICRO_OVERRIDES = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 320}
 
 
 def get_config(name: str, **overrides) -> GPTConfig:
