@@ -260,7 +260,9 @@ class ShadowState:
 
     def to(self, device: torch.device | str) -> ShadowState:
         """Move the moments to ``device`` (Adam's step counts stay on the CPU, as torch keeps them)."""
-        self.state = {n: {k: v if k == "step" else v.to(device) for k, v in s.items()} for n, s in self.state.items()}
+        self.state = {
+            n: {k: v.cpu() if k == "step" else v.to(device) for k, v in s.items()} for n, s in self.state.items()
+        }
         return self
 
 

@@ -180,6 +180,13 @@ class Level:
         landscape term (:class:`~curvlab.directions.DirectionLandscape`), from the window means of the
         paired NDS of both arms' directions at both runs' checkpoints; ``None`` unless the level pairs an
         AdamW with a Muon run whose checkpoints carry shadow states."""
+        values = self.paired_nds
+        return None if values is None else {s: DirectionLandscape.of(*v) for s, v in values.items()}
+
+    @property
+    def paired_nds(self) -> dict[str, tuple[float, float, float, float]] | None:
+        """Per scope, the window means (adamw at the AdamW run, muon at the AdamW run, adamw at the Muon
+        run, muon at the Muon run) of the paired NDS; ``None`` as for :attr:`paired_terms`."""
         sides = {self.a.optimizer: self.a, self.b.optimizer: self.b}
         if set(sides) != set(PAIRED):
             return None
@@ -188,7 +195,7 @@ class Level:
         if not all(k in a and k in m for k in keys):
             return None
         return {
-            s: DirectionLandscape.of(
+            s: (
                 a[f"paired_nds_adamw_{s}"],
                 a[f"paired_nds_muon_{s}"],
                 m[f"paired_nds_adamw_{s}"],
@@ -270,6 +277,16 @@ class Comparison:
         return out
 
     @property
+    def paired_ratio_of_means(self) -> dict[str, DirectionLandscape] | None:
+        """Per scope, the direction/landscape split of the ratio of sums over the levels off the plateau
+        (each of the four paired NDS summed over levels: the identity holds for the sums too); ``None``
+        unless every such level has paired terms."""
+        values = [lv.paired_nds for lv in self.headline_levels]
+        if not values or any(v is None for v in values):
+            return None
+        return {s: DirectionLandscape.of(*np.sum([v[s] for v in values], axis=0).tolist()) for s in SCOPES}
+
+    @property
     def rows(self) -> list[dict[str, Any]]:
         """One flat row per level (the CSV): window means of both sides and their ratios."""
         rows = []
@@ -295,6 +312,7 @@ class Comparison:
         return rows
 
     def to_dict(self) -> dict[str, Any]:
+        paired = self.paired_ratio_of_means
         return {
             "schema_version": COMPARE_SCHEMA_VERSION,
             "ratio": self.ratio_label,
@@ -307,6 +325,7 @@ class Comparison:
             "mean_ratios": self.mean_ratios,
             "median_ratios": self.median_ratios,
             "ratio_of_means": self.ratio_of_means,
+            "paired_ratio_of_means": None if paired is None else {s: t.to_dict() for s, t in paired.items()},
             "pairs": [lv.to_dict() for lv in self.levels],  # one per matched level
             "refused": self.refused,
         }

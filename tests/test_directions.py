@@ -1,5 +1,7 @@
+import hashlib
 import json
 import math
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -233,6 +235,10 @@ def test_no_shadow_means_no_paired_keys_and_no_crash(runs, tmp_path):
     old = {k: v for k, v in report.items() if k != "paired"}  # a report from before the field existed
     assert not [k for k in checkpoint_scalars(old) if k.startswith("paired_")]
     assert AnalysisSettings().key() != AnalysisSettings(paired=False).key()
+    # reports cached before the paired section existed (schema 2, no `paired` setting) are not reused
+    before = {k: v for k, v in asdict(AnalysisSettings()).items() if k != "paired"}
+    old_key = hashlib.sha256(json.dumps({**before, "schema": 2}, sort_keys=True).encode()).hexdigest()[:10]
+    assert AnalysisSettings().key() != old_key
 
 
 def test_compare_splits_the_between_run_ratio(runs, tmp_path):
@@ -249,6 +255,12 @@ def test_compare_splits_the_between_run_ratio(runs, tmp_path):
             assert t.between == pytest.approx(adamw.mean[key] / muon.mean[key], rel=1e-4)
     data = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert set(data["pairs"][0]["paired"]) == {"all", "hidden"}
+    summed = data["paired_ratio_of_means"]["hidden"]
+    assert summed["between"] == pytest.approx(summed["direction_at_adamw"] * summed["landscape_along_muon"], rel=1e-12)
+    headline = result.headline_levels
+    adamw_sum = sum(lv.paired_nds["hidden"][0] for lv in headline)
+    muon_sum = sum(lv.paired_nds["hidden"][3] for lv in headline)
+    assert summed["between"] == pytest.approx(adamw_sum / muon_sum, rel=1e-12)
     header = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()[0].split(",")
     assert {"between_hidden", "direction_at_adamw_hidden", "landscape_along_muon_all"} <= set(header)
     assert "paired_nds_muon_hidden_a" in header and "paired_q_adamw_all_b" in header
