@@ -159,6 +159,8 @@ class PairedDirections:
         directions: in the order asked for.
         hidden_names: the hidden matrices (scope ``"hidden"``, and where the directions differ).
         multiplier: the run's schedule multiplier at the step (scales the lr of shadow steps).
+        shadow: the settings of the shadow state a direction came from (:class:`~curvlab.shadow.ShadowSettings`
+            as a dict: arm, peak lr, momentum or betas...), or ``None``.
     """
 
     base: str
@@ -166,6 +168,7 @@ class PairedDirections:
     directions: tuple[PairedDirection, ...]
     hidden_names: tuple[str, ...]
     multiplier: float
+    shadow: dict[str, Any] | None = None
 
     def get(self, name: str) -> PairedDirection:
         for d in self.directions:
@@ -197,6 +200,7 @@ class PairedDirections:
             "real": self.real,
             "multiplier": self.multiplier,
             "hidden_names": list(self.hidden_names),
+            "shadow": self.shadow,
             "directions": [d.to_dict() for d in self.directions],
         }
 
@@ -210,6 +214,7 @@ class PairedDirections:
             tuple(PairedDirection.from_dict(x) for x in d["directions"]),
             tuple(d["hidden_names"]),
             d["multiplier"],
+            d.get("shadow"),
         )
 
 
@@ -419,7 +424,10 @@ def paired_directions(
     hidden = hidden_matrices({n: params[n] for n in params}, model)
     with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
         measured = measure_directions(point, directions, hidden)
-    return PairedDirections(base, BASES[base], measured, tuple(hidden), multiplier)
+    used = shadow is not None and any(d.source.startswith("shadow") for d in directions)
+    return PairedDirections(
+        base, BASES[base], measured, tuple(hidden), multiplier, shadow.settings.to_dict() if used else None
+    )
 
 
 # -- between runs ---------------------------------------------------------------------------------
@@ -498,4 +506,6 @@ def directions_table(paired: PairedDirections) -> str:
         f"(base state: {paired.base}; schedule multiplier {paired.multiplier:.6g}; off the hidden matrices every "
         "direction is the real step)"
     )
+    if paired.shadow is not None:
+        lines.append(f"(shadow {paired.shadow['kind']}: peak lr {paired.shadow['lr']:g} times the multiplier)")
     return "\n".join(lines)

@@ -199,6 +199,7 @@ def test_report_pairs_the_real_step_with_the_shadow_step(runs, optimizer):
     real = next(d for d in paired["directions"] if d["name"] == optimizer)
     shadow = next(d for d in paired["directions"] if d["name"] == other)
     assert shadow["source"] == f"shadow {other} state"
+    assert paired["shadow"]["kind"] == other and paired["shadow"]["lr"] == {"muon": 0.02, "adamw": 0.0018}[other]
     # the real direction, measured beside the shadow's, is the report's own step (Taylor split, its own point)
     for key in ("nds", "cosine", "update_norm", "first_order"):
         assert real["all"][key] == pytest.approx(report[key], rel=1e-9)
