@@ -4,8 +4,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from curvlab.checkpoint import load_checkpoint, read_index
+from curvlab.cli import app
 from curvlab.errors import CurvlabError
 from curvlab.optim import Muon
 from curvlab.shadow import ShadowSettings, ShadowState, build_shadow
@@ -172,3 +174,15 @@ def test_build_shadow_refuses_an_optimizer_without_another_arm(pcfg_data, tmp_pa
         build_shadow("sgd", run.model)
     with pytest.raises(CurvlabError, match="adamw and muon arms"):
         build_run(config(pcfg_data, tmp_path / "s", optimizer="sgd", shadow=True))
+
+
+def test_train_command_keeps_a_shadow_when_asked(pcfg_data, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--data", str(pcfg_data), "--out", str(out), "--optimizer", "muon", "--steps", "2", "--quiet"]
+    args += ["--model-opt", "n_layer=1", "--model-opt", "n_embd=16", "--model-opt", "block_size=16", "--shadow"]
+    args += ["--batch-size", "4", "--ckpt-every", "2", "--warmup-steps", "1", "--val-windows", "4"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    ckpt = last_checkpoint(out)
+    assert ckpt["config"]["shadow"] is True and ckpt["shadow"]["settings"]["kind"] == "adamw"
+    assert all(float(s["step"]) == 2 for s in ckpt["shadow"]["state"].values())
