@@ -354,8 +354,8 @@ class DirectionReport:
     JSON (``DIRECTIONS_SCHEMA_VERSION`` = 1)::
 
         schema_version, checkpoint, step, val_loss, optimizer, settings{...}, paired{base, real, multiplier,
-        hidden_names, shadow (its settings, or null), directions[{name, source, scaling, all{nds, first_order, curvature_penalty,
-        update_norm, grad_norm, cosine, q}, hidden{...}}]}, seconds
+        hidden_names, shadow (its settings, or null), directions[{name, source, scaling, all{nds,
+        first_order, curvature_penalty, update_norm, grad_norm, cosine, q}, hidden{...}}]}, seconds
     """
 
     checkpoint: str
