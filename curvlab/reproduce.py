@@ -537,12 +537,19 @@ class Reproduction:
     def _ckpt_every(self, s: float) -> int:
         return self.preset.ckpt_every if s == self.preset.s_values[0] else self.preset.sweep_ckpt_every
 
-    def _train(self, data: dict[float, Path], s: float, arm: str, seed: int, options: dict[str, float]) -> Path:
+    def _train(self, data: dict[float, Path], s: float, arm: str, seed: int, chosen: dict[str, dict]) -> Path:
+        """Train one measured run. It carries a shadow of the other arm (docs/science.md section 11): an
+        AdamW run a Muon momentum at Muon's chosen lr, a Muon run Adam's moments at AdamW's."""
         run = self._run_dir(s, arm, seed)
         every = self._ckpt_every(s)
+        options = {k: v for k, v in chosen[arm].items() if k in ("lr", "adam_lr")}
+        other = "muon" if ARMS[arm].optimizer == "adamw" else "adamw"
+        cfg = self._train_config(
+            data[s], run, arm, options, seed, eval_every=every, ckpt_every=every, shadow=True,
+            shadow_options={"lr": chosen[other]["lr"]},
+        )  # fmt: skip
         with self.clock("train"):
-            train(self._train_config(data[s], run, arm, options, seed, eval_every=every, ckpt_every=every),
-                  progress=self.progress)  # fmt: skip
+            train(cfg, progress=self.progress)
         return run
 
     def _settings(self, batches: int) -> AnalysisSettings:
@@ -594,7 +601,7 @@ class Reproduction:
         for s in p.s_values:
             for arm in self._arms_at(s):
                 if arm != CONTROL_ARM:
-                    self._train(data, s, arm, seed, chosen[arm])
+                    self._train(data, s, arm, seed, chosen)
         adamw = self._run_dir(s0, "adamw", seed)
         records = [self._compare("adamw/muon", seed, adamw, self._run_dir(s0, "muon", seed), plateaus[s0],
                                  f"compare-muon-seed{seed}")]  # fmt: skip
@@ -603,9 +610,8 @@ class Reproduction:
                 chosen[CONTROL_ARM] = self.control_lr(records[0], chosen)
                 atomic_write_text(self.out / "tuning.json", json.dumps(tuning, indent=1))
                 self._say(f"{CONTROL_ARM}: lr set to {chosen[CONTROL_ARM]['lr']:g} (AdamW's hidden ||Z||)")
-            options = {k: v for k, v in chosen[CONTROL_ARM].items() if k in ("lr", "adam_lr")}
             for s in (s for s in p.s_values if CONTROL_ARM in self._arms_at(s)):
-                self._train(data, s, CONTROL_ARM, seed, options)
+                self._train(data, s, CONTROL_ARM, seed, chosen)
             records.append(self._compare(f"adamw/{CONTROL_ARM}", seed, adamw, self._run_dir(s0, CONTROL_ARM, seed),
                                          plateaus[s0], f"compare-{CONTROL_ARM}-seed{seed}"))  # fmt: skip
         tracks = [self._track(s, arm, seed, plateaus[s]) for s in p.s_values for arm in p.sweep_arms]
