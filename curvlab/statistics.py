@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy import stats as scipy_stats
+from scipy import special
 
 from curvlab.errors import CurvlabError
 
@@ -99,7 +99,8 @@ class SeedInference:
 
 
 def _t_crit(n: int, confidence: float) -> float:
-    return float(scipy_stats.t.ppf(0.5 + confidence / 2, n - 1))
+    """The two-sided ``confidence`` quantile of Student's t on n - 1 degrees of freedom."""
+    return float(special.stdtrit(n - 1, 0.5 + confidence / 2))  # the ufunc: scipy.stats.t.ppf costs 50x more
 
 
 def _t_test(x: np.ndarray, null: float) -> tuple[float, float, float]:
@@ -108,7 +109,7 @@ def _t_test(x: np.ndarray, null: float) -> tuple[float, float, float]:
     if se == 0.0:
         p = 1.0 if m == null else 0.0  # no spread: the data say exactly what the mean is
     else:
-        p = float(2 * scipy_stats.t.sf(abs(m - null) / se, x.size - 1))
+        p = float(2 * special.stdtr(x.size - 1, -abs(m - null) / se))
     return m, se, p
 
 
