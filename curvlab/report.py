@@ -132,7 +132,7 @@ def calibration_line(c: Calibration) -> str:
 def primary_section(summary: Summary, figure: str | None) -> list[str]:
     """The primary family, its figure (``figure``: a path, or None) and the calibration line."""
     if not summary.primary:
-        return ["The primary family was not computed for this summary.", ""]
+        return ["The primary family was not computed for this summary.", "", calibration_line(summary.calibration), ""]
     lines = [*primary_table(summary.primary), "", PRIMARY_METHOD, ""]
     notes = [f"- {e.name}: {e.note}" for e in summary.primary if e.note]
     lines += notes + ([""] if notes else [])

@@ -650,10 +650,11 @@ def _between(records: list[ComparisonRecord], key_of) -> _SeedValues | str:
         for lv in r.comparison.headline_levels:
             a, b = _sides(r.comparison, lv)
             ka, kb = key_of(a), key_of(b)
-            if ka not in a.mean or kb not in b.mean:
-                return f"no {ka if ka not in a.mean else kb} in the matched windows (older runs)"
-            xs.append(a.mean[ka])
-            ys.append(b.mean[kb])
+            ma, mb = a.mean, b.mean  # (a property that averages every key)
+            if ka not in ma or kb not in mb:
+                return f"no {ka if ka not in ma else kb} in the matched windows (older runs)"
+            xs.append(ma[ka])
+            ys.append(mb[kb])
         seeds.append(r.seed)
         num.append(float(np.mean(xs)))
         den.append(float(np.mean(ys)))
@@ -676,11 +677,12 @@ def _paired(records: list[ComparisonRecord], scope: str) -> _SeedValues | str:
         xs, ys = [], []
         for lv in r.comparison.headline_levels:
             for side in (lv.a, lv.b):
-                if ka not in side.mean or km not in side.mean:
+                mean = side.mean  # (a property that averages every key)
+                if ka not in mean or km not in mean:
                     return f"no {ka} / {km} in the matched windows (older runs)"
-                xs.append(side.mean[ka])
-                ys.append(side.mean[km])
-                agree += (side.mean[ka] > 0) == (side.mean[km] > 0)
+                xs.append(mean[ka])
+                ys.append(mean[km])
+                agree += (mean[ka] > 0) == (mean[km] > 0)
         seeds.append(r.seed)
         num.append(float(np.mean(xs)))
         den.append(float(np.mean(ys)))
