@@ -577,12 +577,51 @@ def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
     return out
 
 
+DECOMPOSITION = {
+    # name -> (side the numerator is read at, its direction, side the denominator is read at, its direction)
+    "direction_term_adamw_w": (0, "adamw", 0, "muon"),
+    "direction_term_muon_w": (1, "adamw", 1, "muon"),
+    "landscape_term": (0, "muon", 1, "muon"),
+}
+
+
+def _decomposition_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
+    """The between-run NDS ratio split at each matched level (descriptive): the direction term
+    NDS(AdamW's direction) / NDS(Muon's direction) at one W (AdamW's, or Muon's), and the landscape
+    term NDS(Muon's direction at AdamW's W) / NDS(Muon's direction at Muon's W); direction term at
+    AdamW's W x landscape term = the between-run ratio, level by level. A scope without paired
+    scalars (older runs) has no such entries."""
+    usable = _usable(data.matched(PRIMARY_COMPARISON))
+    out = []
+    for scope in SCOPES:
+        for name, (i, num_dir, j, den_dir) in DECOMPOSITION.items():
+            kn, kd = f"paired_nds_{num_dir}_{scope}", f"paired_nds_{den_dir}_{scope}"
+            groups, per_level = {"levels": []}, []
+            for r in usable:
+                rows = []
+                for lv in r.comparison.headline_levels:
+                    sides = _sides(r.comparison, lv)
+                    mn, md = sides[i].mean, sides[j].mean
+                    if kn in mn and kd in md:
+                        rows.append([mn[kn], md[kd]])
+                        per_level.append(
+                            {"seed": r.seed, "target": lv.target, "numerator": mn[kn], "denominator": md[kd]}
+                        )
+                if rows:
+                    groups["levels"].append(np.array(rows))
+            complete = len(per_level) == sum(len(r.comparison.headline_levels) for r in usable)
+            if usable and per_level and complete:
+                out += _ratio_entries(name, "", scope, groups, per_level, n_boot, "")
+    return out
+
+
 def headline(data: LevelData, n_boot: int = st.N_BOOT) -> tuple[list[HeadlineEntry], list[ZipfPoint]]:
     """Every headline entry (module docstring) and the per-s normalized NDS, from the per-level data alone."""
     entries = []
     for arm in MATCHED:
         if data.matched(MATCHED[arm]):
             entries += _matched_entries(data, arm, n_boot)
+    entries += _decomposition_entries(data, n_boot)
     entries += _equal_step_entries(data, n_boot)
     zipf, per_s = _zipf_entries(data, n_boot)
     entries += zipf + _rho_entries(data, n_boot)

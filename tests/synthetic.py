@@ -19,8 +19,16 @@ def ar1(rng: np.random.Generator, n: int, rho: float, sd: float, size: int = 1) 
     return out
 
 
+# what every window member holds besides the scalars a test sets (checkpoint_scalars' other keys)
+FILLER = {
+    **{f"{p}{k}": 1.0 for p in ("", "hidden_") for k in ("nds", "first_order", "curvature_penalty", "update_norm")},
+    "embed_head_share": 0.5,
+    "taylor_error": 0.1,
+}
+
+
 def side(optimizer: str, scalars: dict[str, float], step: int = 10) -> WindowSide:
-    member = {"step": step, "val_loss": 4.0, "taylor_ok": True, **{k: float(v) for k, v in scalars.items()}}
+    member = {"step": step, "val_loss": 4.0, "taylor_ok": True, **FILLER, **{k: float(v) for k, v in scalars.items()}}
     return WindowSide(optimizer, step, 4.0, 1.0, 0.01, [member], [])
 
 
@@ -41,7 +49,7 @@ def track(arm: str, s: float, seed: int, nds: np.ndarray, within: np.ndarray | N
     n = len(nds)
     within = np.zeros(n) if within is None else within
     rows = [
-        {"step": 10 * (k + 1), "on_plateau": False, "nds": float(nds[k]), "hidden_nds": float(nds[k]),
+        {"step": 10 * (k + 1), "on_plateau": False, "phase": "stable", "nds": float(nds[k]), "hidden_nds": float(nds[k]),
          "within": float(within[k]), "nds_layers": float(nds[k]), "within_layers": float(within[k])}
         for k in range(n)
     ]  # fmt: skip

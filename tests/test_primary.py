@@ -11,7 +11,7 @@ from curvlab import statistics as st
 from curvlab.paper import PRIMARY
 from curvlab.plots import primary_forest
 from curvlab.report import render_readme_results, render_report
-from curvlab.results import Calibration, PrimaryEntry, Summary, calibration, primary_family
+from curvlab.results import Calibration, PrimaryEntry, Summary, calibration, headline, primary_family
 from tests.synthetic import ar1, level_data, record, track
 
 LEVELS = 6
@@ -252,3 +252,23 @@ def test_forest_plot_of_measured_unmeasured_and_fallen_back_entries(tmp_path):
     paths = primary_forest(entries, tmp_path / "forest")
     assert [p.suffix for p in paths] == [".png", ".pdf"] and all(p.stat().st_size > 1000 for p in paths)
     assert primary_forest(primary_family(level_data()), tmp_path / "empty")[0].stat().st_size > 1000
+
+
+def test_descriptive_decomposition_of_the_between_run_ratio():
+    """Headline (descriptive) entries from the paired scalars: the direction term at each arm's W and
+    the landscape term, each a ratio of sums over seeds and levels; absent without paired scalars."""
+    data = _experiment(np.random.default_rng(12), 3)
+    entries = {(e.name, e.scope): e for e in headline(data)[0]}
+    a = [lv.a.members[0] for r in data.matched("adamw/muon") for lv in r.comparison.levels]
+    b = [lv.b.members[0] for r in data.matched("adamw/muon") for lv in r.comparison.levels]
+
+    def ratio(xs, kx, ys, ky):
+        return sum(x[kx] for x in xs) / sum(y[ky] for y in ys)
+
+    n, m = "paired_nds_adamw_hidden", "paired_nds_muon_hidden"
+    assert entries[("direction_term_adamw_w", "hidden")].value == pytest.approx(ratio(a, n, a, m))
+    assert entries[("direction_term_muon_w", "hidden")].value == pytest.approx(ratio(b, n, b, m))
+    assert entries[("landscape_term", "hidden")].value == pytest.approx(ratio(a, m, b, m))
+    assert all(e.verdict == st.DESCRIPTIVE for e in entries.values())
+    older = _experiment(np.random.default_rng(12), 3, paired=False)
+    assert not [e for e in headline(older)[0] if e.name.startswith(("direction_term", "landscape"))]
