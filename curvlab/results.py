@@ -667,9 +667,9 @@ def _usable(records: list[ComparisonRecord]) -> list[ComparisonRecord]:
     return [r for r in records if r.comparison is not None and r.comparison.headline_levels]
 
 
-def _own(side, quantity: str, scope: str) -> str:
-    """The paired-direction key of a side's own step (``paired_cos_adamw_hidden`` on AdamW's side)."""
-    return f"paired_{quantity}_{side.optimizer}_{scope}"
+def _own(arm: str, quantity: str, scope: str) -> str:
+    """The paired-direction key of an arm's own step (``paired_cos_adamw_hidden`` on AdamW's side)."""
+    return f"paired_{quantity}_{arm}_{scope}"
 
 
 def _sign_note(values: list[float], what: str) -> str:
@@ -679,16 +679,18 @@ def _sign_note(values: list[float], what: str) -> str:
 
 def _between(records: list[ComparisonRecord], key_of) -> _SeedValues | str:
     """Per seed (record), the mean over its levels off the plateau of the numerator side's and the
-    denominator side's window means of ``key_of(side)``; a string says what is missing."""
+    denominator side's window means of ``key_of(arm)`` (the arms as the record's name gives them,
+    numerator first: ``"adamw/muon"``, or ``"adamw/adamw"`` for an A/A record); a string says what is
+    missing."""
     usable = _usable(records)
     if not usable:
         return "no matched comparison with a level off the unigram plateau"
     seeds, num, den, units, raw = [], [], [], [], []
     for r in usable:
         xs, ys = [], []
+        ka, kb = (key_of(arm) for arm in r.name.split("/"))
         for lv in r.comparison.headline_levels:
             a, b = _sides(r.comparison, lv)
-            ka, kb = key_of(a), key_of(b)
             ma, mb = a.mean, b.mean  # (a property that averages every key)
             if ka not in ma or kb not in mb:
                 return f"no {ka if ka not in ma else kb} in the matched windows (older runs)"
@@ -808,9 +810,9 @@ def _claim_inputs(claim: PrimaryClaim, data: LevelData, records: list[Comparison
     if claim.name == "paired_direction_ratio":
         return _paired(records, claim.scope)
     if claim.name == "between_nds_ratio":
-        return _between(records, lambda side: _key("nds", claim.scope))
+        return _between(records, lambda arm: _key("nds", claim.scope))
     if claim.name == "alignment_ratio":
-        return _between(records, lambda side: _own(side, "cos", claim.scope))
+        return _between(records, lambda arm: _own(arm, "cos", claim.scope))
     if claim.name == "zipf_gap_change":
         return _zipf_gap(data, claim.scope)
     if claim.name == "rho_within_change_gap":
