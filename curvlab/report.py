@@ -354,6 +354,8 @@ def render_readme_results(summary: Summary, figures_dir: str = "docs/results", n
         "Primary family (pre-registered; the only claims judged):",
         "",
         *primary_section(summary, forest),
+        "Where the primary family disagrees with the paper:",
+        "",
         *_disagreements(summary),
         "",
         *(f"- {n}" for n in summary.notes),

@@ -749,7 +749,8 @@ def _trajectory_mean(t: TrackRecord, key: str) -> float:
 
 def _zipf_gap(data: LevelData, scope: str) -> _SeedValues | str:
     """Per seed (present in all four runs), the change of the AdamW − Muon trajectory-mean NDS gap from
-    the first s to the last, a1 − m1 − a0 + m0, over Muon's at the first s, m0 (a normalized difference)."""
+    the first s to the last, (a1 − m1 − a0 + m0) / m0, normalized by that seed's Muon at the first s.
+    A seed whose baseline m0 is not positive cannot be normalized: it is left out, and the note says so."""
     if len(data.s_values) < 2:
         return "one value of s only"
     s0, s1 = data.s_values[0], data.s_values[-1]
@@ -758,19 +759,24 @@ def _zipf_gap(data: LevelData, scope: str) -> _SeedValues | str:
     common = sorted(set.intersection(*(set(v) for v in runs.values())))
     if not common:
         return f"no seed with trajectories of both arms at s = {s0:g} and s = {s1:g}"
-    seeds, num, den, units, notes = [], [], [], [], []
+    seeds, values, units, notes = [], [], [], []
     for seed in common:
         m = {k: _trajectory_mean(v[seed], key) for k, v in runs.items()}
         if not all(np.isfinite(x) for x in m.values()):
             notes.append(f"seed {seed}: a trajectory without a checkpoint after warmup off the plateau, left out")
             continue
+        if not m[("muon", s0)] > 0:
+            notes.append(
+                f"seed {seed}: Muon's trajectory-mean NDS at s = {s0:g} is {m[('muon', s0)]:.3g} (<= 0), left out"
+            )
+            continue
         seeds.append(seed)
-        num.append(m[("adamw", s1)] - m[("muon", s1)] - m[("adamw", s0)] + m[("muon", s0)])
-        den.append(m[("muon", s0)])
+        change = m[("adamw", s1)] - m[("muon", s1)] - m[("adamw", s0)] + m[("muon", s0)]
+        values.append(change / m[("muon", s0)])
         units.append(sum(len(v[seed].after_warmup()) for v in runs.values()))
     if not seeds:
         return "; ".join(notes)
-    return _SeedValues(seeds, num, den, units, notes)
+    return _SeedValues(seeds, values, None, units, notes)
 
 
 def _rho_gap(data: LevelData, scope: str) -> _SeedValues | str:

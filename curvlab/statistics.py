@@ -193,6 +193,8 @@ def ratio_inference(
         return SeedInference("ratio", FIELLER, float(a.mean() / b.mean()), ci, p, null, n, per_seed)
     d = mean_inference(a - null * b, 0.0, confidence)
     note = DIFFERENCE_NOTE if null == 1 else f"{DIFFERENCE_NOTE} (here numerator − {null:g} × denominator)"
+    if null == 0:
+        note = DIFFERENCE_NOTE.replace("the difference numerator − denominator", "the numerator alone")
     return SeedInference("difference", DIFFERENCE_T, d.value, d.ci95, d.p, 0.0, n, d.per_seed, note)
 
 
