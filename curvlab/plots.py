@@ -345,9 +345,11 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
     missing = [e for e in entries if e.value is None]
     panels = [(ratios, "log", 1.0, "AdamW / Muon (log scale)"), (differences, "linear", 0.0, "difference")]
     panels = [p for p in panels if p[0]]
-    height = 1.2 + 0.55 * max([len(p[0]) for p in panels] + [1])
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6.2 * max(1, len(panels)), height), squeeze=False)
-    for ax, (rows, scale, null, label) in zip(axes[0], panels):
+    sizes = [len(p[0]) for p in panels] or [1]
+    fig, axes = plt.subplots(
+        len(sizes), 1, figsize=(8.5, 1.4 + 0.6 * sum(sizes)), squeeze=False, gridspec_kw={"height_ratios": sizes}
+    )
+    for ax, (rows, scale, null, label) in zip(axes[:, 0], panels):
         y = np.arange(len(rows))[::-1]
         for yi, e in zip(y, rows):
             if e.ci95 is not None:
@@ -360,9 +362,10 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
         if scale == "log":  # plain numbers (2, 3, 5), not 2 x 10^0
             ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
             ax.xaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        names = [
-            f"{e.name} ({e.scope}, {e.n_seeds} seeds)\n{e.direction}; magnitude {e.magnitude or '—'}" for e in rows
-        ]
+        names = []
+        for e in rows:
+            verdicts = e.direction if e.magnitude in (None, e.direction) else f"{e.direction}; magnitude {e.magnitude}"
+            names.append(f"{e.name} ({e.scope}, {e.n_seeds} seeds)\n{verdicts}")
         ax.set_yticks(y, names, fontsize=7)
         ax.set_ylim(-0.7, len(rows) - 0.3)
         ax.set(xlabel=label)
@@ -372,6 +375,7 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
     if missing:
         title += "\nnot measured: " + ", ".join(e.name for e in missing)
     fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
     return save_figure(fig, stem)
 
 
@@ -384,8 +388,11 @@ def reproduction_figures(data, summary, tuning: dict[str, Any], quadratic: dict[
     s0 = data.s_values[0]
     arms = {}
     for r in data.comparisons:
+        first, second = r.name.split("/")
+        if first == second:
+            continue  # an A/A calibration record (two seeds of one arm) is no arm of its own
         if r.comparison is not None and r.comparison.headline_levels:
-            arms.setdefault(r.name.split("/")[1], []).append(r.comparison)
+            arms.setdefault(second, []).append(r.comparison)
     entries = {e.name + ("" if e.scope == "all" else "_hidden"): e for e in summary.headline}
     written = {"tuning": tuning_grids(tuning, out / "tuning_grids")}
     if summary.primary:

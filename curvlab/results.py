@@ -633,9 +633,9 @@ def taylor_counts(data: LevelData) -> dict[str, dict[str, int]]:
     check judged, and how many it failed."""
     seen: dict[str, dict[tuple, bool]] = {}
     for r in data.comparisons:
-        if r.comparison is None:
-            continue
-        arm = r.name.split("/")[1]
+        first, arm = r.name.split("/")
+        if r.comparison is None or first == arm:
+            continue  # (an A/A calibration record's runs are keyed by pair, not by seed: not counted here)
         for lv in r.comparison.levels:
             for side_arm, side in zip(("adamw", arm), _sides(r.comparison, lv)):
                 for m in side.members:

@@ -49,7 +49,7 @@ def track(arm: str, s: float, seed: int, nds: np.ndarray, within: np.ndarray | N
     n = len(nds)
     within = np.zeros(n) if within is None else within
     rows = [
-        {"step": 10 * (k + 1), "on_plateau": False, "phase": "stable", "nds": float(nds[k]), "hidden_nds": float(nds[k]),
+        {"step": 10 * (k + 1), "on_plateau": False, "phase": "stable", "taylor_ok": True, "nds": float(nds[k]), "hidden_nds": float(nds[k]),
          "within": float(within[k]), "nds_layers": float(nds[k]), "within_layers": float(within[k])}
         for k in range(n)
     ]  # fmt: skip

@@ -273,3 +273,25 @@ def test_descriptive_decomposition_of_the_between_run_ratio():
     assert all(e.verdict == st.DESCRIPTIVE for e in entries.values())
     older = _experiment(np.random.default_rng(12), 3, paired=False)
     assert not [e for e in headline(older)[0] if e.name.startswith(("direction_term", "landscape"))]
+
+
+def test_aa_records_are_no_arm_of_their_own_in_the_headline_figures_or_taylor_counts(monkeypatch, tmp_path):
+    from curvlab import plots
+    from curvlab.results import taylor_counts
+
+    data = _experiment(np.random.default_rng(13), 3)
+    plain = taylor_counts(data)
+    data.comparisons.extend(_aa_records(np.random.default_rng(14), 3, name="muon/muon"))
+    assert taylor_counts(data) == plain
+    summary = _summary(primary_family(data), calibration(data.comparisons))
+    assert summary.calibration.n_tests == 2
+    drawn = {}
+    for name in ("taylor_split_vs_loss", "block_heatmaps", "within_gap_by_layer", "zipf_nds", "tuning_grids",
+                 "layer_split_over_training", "quadratic_trajectories", "quadratic_phase"):  # fmt: skip
+        monkeypatch.setattr(plots, name, lambda *a, **k: [])
+    monkeypatch.setattr(plots, "nds_and_norm_vs_loss", lambda arms, *a, **k: drawn.update(arms) or [])
+    monkeypatch.setattr("curvlab.studies.within_layer_gap", lambda c: ([], [], []))
+    monkeypatch.setattr("curvlab.studies.pair_reports", lambda level: {})
+    written = plots.reproduction_figures(data, summary, {}, {}, tmp_path)
+    assert list(drawn) == ["muon"] and len(drawn["muon"]) == 3  # the A/A records are not Muon's comparisons
+    assert (tmp_path / "fig0_primary_forest.png").is_file() and written["primary"]
