@@ -1,21 +1,26 @@
-"""The paper's claims and numbers, in one table (SCIENCE.md section 4).
+"""The paper's claims and numbers, in one table (SCIENCE.md section 4), and the pre-registered primary family.
 
 "Why Muon Outperforms Adam: A Curvature Perspective" (124M NanoGPT on FineWeb, and a ~9M model on the
 Zipf-PCFG language). Report text, figures and notebooks read the paper's side of every comparison
-from :data:`CLAIMS`; nothing else in curvlab writes the paper's numbers down.
+from here; nothing else in curvlab writes the paper's numbers down.
 
-Each claim names the headline quantity it is about (the ``name`` of a ``summary.json`` headline entry),
-the paper's number where it gives one, and the direction the claim asserts, against which
-:func:`curvlab.statistics.verdict` judges our interval:
+:data:`PRIMARY` is the primary family: at most six claims fixed before any data are seen, each with
+its quantity, scope, null, claimed direction and the paper's number where there is one. Only these
+get verdicts (a direction verdict from Holm-adjusted two-sided seed-level tests, and a magnitude
+verdict against the paper's number; :mod:`curvlab.statistics`).
+
+:data:`CLAIMS` names every *descriptive* headline quantity (the ``name`` of a ``summary.json``
+headline entry): the paper's number where it gives one and the direction the paper asserts, printed
+beside ours but never judged (correlated cells, many of them claims the paper never made, would
+otherwise be tallied without multiplicity control):
 
 * ``"greater"`` / ``"less"`` than ``null`` (1 for a ratio, 0 for a difference);
 * ``"about"``: inside ``band``, what we count as "about equal" ([0.8, 1.25] for ratios, the usual
   equivalence margin: a 25% difference either way);
-* ``None``: a number to set beside ours, with no direction to judge (e.g. the early value of a trend
-  whose claim is its change).
+* ``None``: a number to set beside ours, with no direction.
 
-The paper's numbers are for all parameters; the hidden-matrix scope is judged against the same
-direction (the paper does not report it).
+The paper's numbers are for all parameters; the hidden-matrix scope is set beside the same numbers
+(the paper does not report it).
 """
 
 from __future__ import annotations
@@ -88,6 +93,12 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in [
                 "Muon's within-layer share grows, 14% → 44%", 0.30, "+0.30"),
     _difference("rho_within_change_gap", "rise of rho_within, Muon's minus AdamW's",
                 "Muon's share grows more than Adam's (+0.30 vs +0.07)", 0.23, "+0.23"),
+    Claim("direction_term_adamw_w", "NDS of AdamW's direction / Muon's at AdamW's W (same batch), ratio of means",
+          "(not reported: the paper compares runs)", None, "—", None),
+    Claim("direction_term_muon_w", "NDS of AdamW's direction / Muon's at Muon's W (same batch), ratio of means",
+          "(not reported: the paper compares runs)", None, "—", None),
+    Claim("landscape_term", "NDS of Muon's direction at AdamW's W / at Muon's W (matched loss), ratio of means",
+          "(not reported)", None, "—", None),
     Claim("embed_head_share_adamw", "AdamW: share of ||Z||² in embedding + head at matched loss",
           "(not reported)", None, "—", None),
     Claim("embed_head_share_muon", "Muon: share of ||Z||² in embedding + head at matched loss",
@@ -96,6 +107,65 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in [
           "(not reported)", None, "—", None),
 ]}
 # fmt: on
+
+
+@dataclass(frozen=True)
+class PrimaryClaim:
+    """One pre-registered claim of the primary family.
+
+    ``kind`` is ``"ratio"`` (AdamW over Muon; null 1, log scale) or ``"difference"`` (null 0).
+    ``direction`` is ``"greater"``/``"less"`` than ``null``, or ``"about"`` ``null`` (within ``band``).
+    ``between_runs``: the claim compares the two sides of a matched comparison (AdamW's run against
+    Muon's), so it is also well defined for two runs of one arm, where its null holds: the A/A
+    calibration puts exactly these claims through the same pipeline."""
+
+    name: str
+    scope: str
+    quantity: str
+    statement: str
+    kind: str
+    direction: str
+    null: float
+    paper: float | None
+    paper_text: str
+    band: tuple[float, float] | None = None
+    between_runs: bool = False
+    data: str = ""  # what it needs, for the entry's note when that is missing
+
+
+# fmt: off
+PRIMARY: tuple[PrimaryClaim, ...] = (
+    PrimaryClaim(
+        "paired_direction_ratio", "hidden",
+        "NDS of AdamW's next-step direction over Muon's at the same W and batch (matched levels, both arms' points)",
+        "the mechanism: at the same point, Adam's direction is sharper than Muon's", "ratio", "greater", 1.0,
+        None, "> 1", data="paired-direction scalars (paired_nds_*) at the matched levels",
+    ),
+    PrimaryClaim(
+        "between_nds_ratio", "hidden", "AdamW/Muon NDS at matched validation loss (each run's own step)",
+        "Adam's NDS is about 1.76x Muon's", "ratio", "greater", 1.0, 1.76, "1.76", between_runs=True,
+        data="matched comparisons of AdamW and Muon",
+    ),
+    PrimaryClaim(
+        "alignment_ratio", "hidden", "AdamW/Muon alignment cos(G, Z) at matched validation loss (each run's own step)",
+        "I1 about equal (here: the alignment with the gradient, free of step size)", "ratio", "about", 1.0,
+        None, "≈ 1", band=ABOUT_EQUAL, between_runs=True,
+        data="paired-direction scalars (paired_cos_*) at the matched levels",
+    ),
+    PrimaryClaim(
+        "zipf_gap_change", "hidden",
+        "change of the AdamW − Muon trajectory-NDS gap from the first to the last s, over Muon's at the first s",
+        "the gap grows with imbalance, 0.63 → 1.13", "difference", "greater", 0.0, 0.50, "+0.50",
+        data="trajectories of both arms at the first and the last s (standard preset)",
+    ),
+    PrimaryClaim(
+        "rho_within_change_gap", "all", "rise of rho_within (first to last third of training), Muon's minus AdamW's",
+        "Muon's within-layer share grows more than Adam's (+0.30 vs +0.07)", "difference", "greater", 0.0, 0.23,
+        "+0.23", data="trajectories of both arms at the first s with checkpoints in both thirds (standard preset)",
+    ),
+)
+# fmt: on
+
 
 # The paper's reference training (SCIENCE.md section 4), for the paper preset's FineWeb runs.
 REFERENCE_TRAINING = {

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # headless: figures go to files
 import matplotlib.pyplot as plt
@@ -170,7 +171,7 @@ def nds_and_norm_vs_loss(arms: dict[str, list], stem: str | Path, ratios: dict[s
             f"AdamW/Muon NDS: ratio of means {_ci_text(ratios.get('nds_ratio'))}, median of ratios "
             f"{_ci_text(ratios.get('nds_ratio_median'))} (hidden {_ci_text(ratios.get('nds_ratio_median_hidden'))}; "
             f"paper {CLAIMS['nds_ratio'].paper_text}); update norm {_ci_text(ratios.get('update_norm_ratio'))}; "
-            "95% bootstrap intervals",
+            "95% seed-level intervals",
             fontsize=9,
         )
     return save_figure(fig, stem)
@@ -178,7 +179,7 @@ def nds_and_norm_vs_loss(arms: dict[str, list], stem: str | Path, ratios: dict[s
 
 def zipf_nds(points: list, stem: str | Path, gap=None) -> list[Path]:
     """Paper figure 3: trajectory-mean NDS normalized by Muon's at the first s, against the Zipf
-    exponent s, with 95% bootstrap intervals (the baseline's own uncertainty included); one panel per scope."""
+    exponent s, with 95% seed-level intervals (the baseline's own uncertainty included); one panel per scope."""
     scopes = sorted({p.scope for p in points})
     fig, axes = plt.subplots(1, len(scopes), figsize=(4.8 * len(scopes), 3.6), squeeze=False)
     for ax, scope in zip(axes[0], scopes):
@@ -332,6 +333,52 @@ def curvature_during_training(tracks: dict[str, list[dict[str, Any]]], stem: str
     return save_figure(fig, stem)
 
 
+def primary_forest(entries: list, stem: str | Path) -> list[Path]:
+    """The primary family as a forest plot (:class:`curvlab.results.PrimaryEntry` records): each claim's
+    value and 95% seed-level interval, ratios on a log axis (left, no effect at 1) and differences on a
+    linear one (right, no effect at 0), the paper's number as an open diamond, and each row labelled
+    with its direction and magnitude verdicts. Unmeasured claims are listed, not drawn; an interval
+    that is not positive throughout cannot go on the log axis and is drawn with the differences."""
+    ratios = [e for e in entries if e.value is not None and e.kind == "ratio" and e.value > 0]
+    ratios = [e for e in ratios if e.ci95 is None or e.ci95[0] > 0]
+    differences = [e for e in entries if e.value is not None and e not in ratios]
+    missing = [e for e in entries if e.value is None]
+    panels = [(ratios, "log", 1.0, "AdamW / Muon (log scale)"), (differences, "linear", 0.0, "difference")]
+    panels = [p for p in panels if p[0]]
+    sizes = [len(p[0]) for p in panels] or [1]
+    fig, axes = plt.subplots(
+        len(sizes), 1, figsize=(8.5, 1.4 + 0.6 * sum(sizes)), squeeze=False, gridspec_kw={"height_ratios": sizes}
+    )
+    for ax, (rows, scale, null, label) in zip(axes[:, 0], panels):
+        y = np.arange(len(rows))[::-1]
+        for yi, e in zip(y, rows):
+            if e.ci95 is not None:
+                ax.plot(e.ci95, [yi, yi], color="k", lw=1.5)
+            ax.plot([e.value], [yi], "o", color="tab:blue", ms=6)
+            if e.paper is not None:
+                ax.plot([e.paper], [yi], "D", mfc="none", color="tab:red", ms=7)
+        ax.axvline(null, color="gray", lw=0.8, ls="--")
+        ax.set_xscale(scale)
+        if scale == "log":  # plain numbers (2, 3, 5), not 2 x 10^0
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        names = []
+        for e in rows:
+            verdicts = e.direction if e.magnitude in (None, e.direction) else f"{e.direction}; magnitude {e.magnitude}"
+            names.append(f"{e.name} ({e.scope}, {e.n_seeds} seeds)\n{verdicts}")
+        ax.set_yticks(y, names, fontsize=7)
+        ax.set_ylim(-0.7, len(rows) - 0.3)
+        ax.set(xlabel=label)
+    if not panels:
+        axes[0][0].set_axis_off()
+    title = "Primary family: value (blue) and 95% seed-level interval; the paper's number: red diamond"
+    if missing:
+        title += "\nnot measured: " + ", ".join(e.name for e in missing)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, stem)
+
+
 def reproduction_figures(data, summary, tuning: dict[str, Any], quadratic: dict[str, Any], out: str | Path):
     """Every figure of a reproduction, from its per-level data (:class:`curvlab.results.LevelData`),
     summary, tuning and quadratic results; returns ``{figure family: paths}``."""
@@ -342,6 +389,8 @@ def reproduction_figures(data, summary, tuning: dict[str, Any], quadratic: dict[
     arms = data.against_adamw()
     entries = {e.name + ("" if e.scope == "all" else "_hidden"): e for e in summary.headline}
     written = {"tuning": tuning_grids(tuning, out / "tuning_grids")}
+    if summary.primary:
+        written["primary"] = primary_forest(summary.primary, out / "fig0_primary_forest")
     if "muon" in arms:
         written["taylor_split"] = taylor_split_vs_loss(arms["muon"], out / "fig1_taylor_split")
         written["nds_norm"] = nds_and_norm_vs_loss(arms, out / "fig2_nds_update_norm", entries)
@@ -362,7 +411,7 @@ def reproduction_figures(data, summary, tuning: dict[str, Any], quadratic: dict[
 
 def finetune_ratios(result, stem: str | Path) -> list[Path]:
     """The fine-tuning comparison (:class:`curvlab.finetune.FinetuneResult`): left, AdamW over each
-    Muon variant of NDS, I1 and I2 at matched validation loss, with 95% bootstrap intervals as bars;
+    Muon variant of NDS, I1 and I2 at matched validation loss, with 95% seed-level intervals as bars;
     right, each level's NDS of both sides against the matched loss (one marker per seed)."""
     from curvlab.finetune import RATIO_KEYS
 
@@ -388,7 +437,7 @@ def finetune_ratios(result, stem: str | Path) -> list[Path]:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(np.arange(len(keys)), ["NDS", "I1", "I2"])
     ax.set_yscale("symlog", linthresh=0.1)
-    ax.set(ylabel="AdamW / variant at matched loss", title="ratio of sums, 95% bootstrap CI")
+    ax.set(ylabel="AdamW / variant at matched loss", title="ratio of sums, 95% seed-level CI")
     ax.legend(fontsize=7)
     bx.set(
         xlabel="matched validation loss (s = 1)", ylabel="adapter NDS (window mean)", title="per level (black: AdamW)"

@@ -51,7 +51,16 @@ from curvlab.match import PLATEAU_FRACTION, plateau_ceiling
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim import default_muon_rule, matrix_shape, muon_scale
 from curvlab.paper import REFERENCE_TRAINING
-from curvlab.results import ComparisonRecord, LevelData, Summary, TrackRecord, headline, taylor_counts
+from curvlab.results import (
+    ComparisonRecord,
+    LevelData,
+    Summary,
+    TrackRecord,
+    calibration,
+    headline,
+    primary_family,
+    taylor_counts,
+)
 from curvlab.studies import compare_runs, track_run
 from curvlab.train import TrainConfig, TrainingDiverged, train
 from curvlab.tuning import TUNING_SCHEMA_VERSION, LrSearch, log2_grid, search_lr
@@ -182,7 +191,7 @@ PRESETS = {
         steps=20,
         batch_size=8,
         warmup_steps=2,
-        seeds=3,
+        seeds=4,  # 3 A/A pairs per arm: the fewest that calibrate
         ckpt_every=2,
         sweep_ckpt_every=5,
         val_windows=16,
@@ -817,6 +826,7 @@ class Reproduction:
             quadratic = self.quadratic()
         with self.clock("summary"):
             entries, zipf = headline(levels, p.n_boot)
+            primary, calibrated = primary_family(levels), calibration(levels.comparisons)
         final = {}
         for (s, arm, _), run in runs.items():
             index = read_index(run)
@@ -826,6 +836,7 @@ class Reproduction:
         summary = Summary(
             p.name, entries, zipf, taylor_counts(levels), tuning, notes, final,
             {k: closed[k] for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")}, fineweb=fineweb,
+            primary=primary, calibration=calibrated,
         )  # fmt: skip
         with self.clock("figures"):
             summary.figures = self.figures(levels, summary, tuning, quadratic)

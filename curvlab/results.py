@@ -20,12 +20,29 @@ re-derived from ``levels.json``, and the tests do so), with the statistics of
 * the equal-step NDS ratio: tracked checkpoints at equal steps, both in the stable phase and off
   the plateau;
 * the Zipf sweep: trajectory-mean NDS (all tracked checkpoints after warmup, unfiltered) divided by
-  Muon's at the first s, pooled over seeds; the Muon baseline is resampled in the bootstrap, so its
+  Muon's at the first s, pooled over seeds; the Muon baseline is part of each seed's statistic, so its
   uncertainty is carried;
 * rho_within in the first and last third of training (s = first s): sum(within) / sum(NDS) over the
   tracked checkpoints there; the hidden scope uses the transformer-layer blocks only.
 
-Intervals are two-stage bootstrap intervals over seeds and units (levels or checkpoints).
+Headline intervals are seed-level (:func:`curvlab.statistics.estimate`): every headline entry is
+*descriptive* (no verdict, no tally).
+
+``summary.json`` also holds the pre-registered **primary family** (:func:`primary_family`, a list of
+:class:`PrimaryEntry`, one per :data:`curvlab.paper.PRIMARY` claim)::
+
+    name, scope, quantity, statement, claimed, kind, method, value, ci95, n_seeds, n_units, paper,
+    paper_text, direction, magnitude, p, p_holm, per_seed [{seed, ...}], note
+
+Per seed, each claim aggregates that seed's units (the mean over its matched levels, or over its
+trajectory), then infers across seeds (:func:`curvlab.statistics.ratio_inference` or
+:func:`curvlab.statistics.mean_inference`); Holm's correction runs over the claims that got a test
+(3 seeds or more). And the **A/A calibration** (:func:`calibration`, a :class:`Calibration`)::
+
+    false_verdict_rate, n_tests, per_test [{comparison, claim, n_seeds, p_holm, direction}]
+
+from same-arm comparisons (``"adamw/adamw"``, ``"muon/muon"``: two disjoint seeds of one arm per
+record), put through the same pipeline for the claims that compare the two sides of a comparison.
 """
 
 from __future__ import annotations
@@ -41,11 +58,11 @@ import numpy as np
 from curvlab import statistics as st
 from curvlab.atomic import atomic_write_text
 from curvlab.errors import CurvlabError
-from curvlab.paper import CLAIMS, Claim
+from curvlab.paper import CLAIMS, PRIMARY, Claim, PrimaryClaim
 from curvlab.studies import Comparison, load_typed
 
 LEVELS_SCHEMA_VERSION = 1
-SUMMARY_SCHEMA_VERSION = 1
+SUMMARY_SCHEMA_VERSION = 2  # 2: the primary family and the A/A calibration; headline descriptive
 SCOPES = ("all", "hidden")
 MATCHED = {"muon": "adamw/muon", "muon-moonlight": "adamw/muon-moonlight"}  # Muon arm -> comparison name
 RATIO_NAMES = {
@@ -165,7 +182,8 @@ class LevelData:
 
 @dataclass
 class HeadlineEntry:
-    """One headline number with its interval, its units, the paper's number and the verdict."""
+    """One descriptive headline number with its seed-level interval, its units and the paper's number
+    (``verdict`` is always ``"descriptive"``: only the primary family is judged)."""
 
     name: str
     scope: str
@@ -198,6 +216,61 @@ class ZipfPoint:
     per_seed: list[float]  # each seed's trajectory mean (not normalized)
 
 
+@dataclass(frozen=True)
+class PrimaryEntry:
+    """One claim of the primary family, judged (module docstring; :mod:`curvlab.statistics`).
+
+    ``direction``: supported / contradicted / inconclusive, ``"descriptive: fewer than 3 seeds"`` or
+    ``"not measured"``; ``magnitude``: consistent / larger / smaller / uninformative against ``paper``
+    (``None`` without a paper number); ``p`` the unadjusted two-sided p-value, ``p_holm`` Holm's over
+    the family (``None`` when not tested); ``kind`` what was judged (``"ratio"``, or ``"difference"``,
+    also when a ratio's denominator had no settled sign: then ``note`` says so)."""
+
+    name: str
+    scope: str
+    quantity: str
+    statement: str
+    claimed: str  # e.g. "greater than 1"
+    kind: str
+    method: str
+    value: float | None
+    ci95: list[float] | None
+    n_seeds: int
+    n_units: int
+    paper: float | None
+    paper_text: str
+    direction: str
+    magnitude: str | None
+    p: float | None
+    p_holm: float | None
+    per_seed: list[dict[str, Any]] = field(default_factory=list)
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrimaryEntry:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The A/A calibration: the share of same-arm tests whose direction verdict asserted a difference
+    (NaN when there were no tests), over ``n_tests`` tests with 3 seeds or more, and each test."""
+
+    false_verdict_rate: float = float("nan")
+    n_tests: int = 0
+    per_test: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        return cls(d["false_verdict_rate"], d["n_tests"], d.get("per_test", []))
+
+
 @dataclass
 class Summary:
     """``summary.json``: the headline, the Taylor check, tuning, caveats, timings and figures."""
@@ -216,6 +289,8 @@ class Summary:
     figures: dict[str, list[str]] = field(default_factory=dict)
     fineweb: dict[str, Any] | None = None
     disk_bytes: int = 0  # what the job leaves in its output directory
+    primary: list[PrimaryEntry] = field(default_factory=list)  # the primary family (primary_family)
+    calibration: Calibration = field(default_factory=Calibration)  # the A/A calibration (calibration)
     schema_version: int = SUMMARY_SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -228,6 +303,8 @@ class Summary:
         d = dict(d)
         d["headline"] = [HeadlineEntry(**e) for e in d["headline"]]
         d["zipf"] = [ZipfPoint(**e) for e in d["zipf"]]
+        d["primary"] = [PrimaryEntry.from_dict(e) for e in d["primary"]]
+        d["calibration"] = Calibration.from_dict(d["calibration"])
         return cls(**d)
 
     @classmethod
@@ -239,6 +316,12 @@ class Summary:
             if e.name == name and e.scope == scope:
                 return e
         raise CurvlabError(f"no headline entry {name!r} ({scope})")
+
+    def primary_entry(self, name: str) -> PrimaryEntry:
+        for e in self.primary:
+            if e.name == name:
+                return e
+        raise CurvlabError(f"no primary entry {name!r}")
 
 
 # -- the headline -------------------------------------------------------------------------------
@@ -266,7 +349,7 @@ def claim_for(name: str) -> Claim:
 
 
 def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict], note: str = "") -> HeadlineEntry:
-    """A headline entry from an estimate (``None``: nothing to estimate from, ``note`` says why)."""
+    """A descriptive headline entry from an estimate (``None``: nothing to estimate from, ``note`` says why)."""
     claim = claim_for(name)
     ci = None if est is None or est.ci95 is None else list(est.ci95)
     notes = [note] if note else []
@@ -274,12 +357,10 @@ def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict]
         notes.append(f"{est.n_seeds} seed(s): no interval")
     if est is not None and not np.isfinite(est.value):
         notes.append("no finite value (e.g. no checkpoint off the unigram plateau where one is needed)")
-    if est is not None and est.n_boot and est.failed_replicates > 0.01 * est.n_boot:
-        notes.append(f"{est.failed_replicates} of {est.n_boot} resamples gave no finite value")
-    verdict = st.verdict(claim.direction, ci, claim.null, claim.band)
+    if est is not None and est.failed_replicates:
+        notes.append(f"{est.failed_replicates} seed(s) without a finite value of their own: no interval")
     if est is not None and est.denominator_spans_zero:
         notes.append(st.DENOMINATOR_NOTE)
-        verdict = st.INCONCLUSIVE if verdict != st.NO_CLAIM else verdict
     return HeadlineEntry(
         name=name,
         scope=scope,
@@ -291,7 +372,7 @@ def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict]
         per_level=per_level,
         paper=claim.paper,
         paper_text=claim.paper_text,
-        verdict=verdict,
+        verdict=st.DESCRIPTIVE,  # only the primary family is judged
         note="; ".join(notes),
     )
 
@@ -439,7 +520,9 @@ def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], li
         for arm, s in sorted(groups):
             x = "m0" if (arm, s) == ("muon", s0) else "x"  # the baseline over itself is 1 in every resample
             g = {x: groups[(arm, s)], "m0": groups[("muon", s0)]}
-            est = st.estimate(g, lambda g, x=x: _mean(g[x]) / _mean(g["m0"]), n_boot)
+            est = st.estimate(
+                g, lambda g, x=x: _mean(g[x]) / _mean(g["m0"]), n_boot, denominator=lambda g: _mean(g["m0"])
+            )
             per_seed = [float(x[:, 0].mean()) for x in groups[(arm, s)]]
             per_s.append(
                 ZipfPoint(
@@ -508,12 +591,51 @@ def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
     return out
 
 
+DECOMPOSITION = {
+    # name -> (side the numerator is read at, its direction, side the denominator is read at, its direction)
+    "direction_term_adamw_w": (0, "adamw", 0, "muon"),
+    "direction_term_muon_w": (1, "adamw", 1, "muon"),
+    "landscape_term": (0, "muon", 1, "muon"),
+}
+
+
+def _decomposition_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
+    """The between-run NDS ratio split at each matched level (descriptive): the direction term
+    NDS(AdamW's direction) / NDS(Muon's direction) at one W (AdamW's, or Muon's), and the landscape
+    term NDS(Muon's direction at AdamW's W) / NDS(Muon's direction at Muon's W); direction term at
+    AdamW's W x landscape term = the between-run ratio, level by level. A scope without paired
+    scalars (older runs) has no such entries."""
+    usable = _usable(data.matched(PRIMARY_COMPARISON))
+    out = []
+    for scope in SCOPES:
+        for name, (i, num_dir, j, den_dir) in DECOMPOSITION.items():
+            kn, kd = f"paired_nds_{num_dir}_{scope}", f"paired_nds_{den_dir}_{scope}"
+            groups, per_level = {"levels": []}, []
+            for r in usable:
+                rows = []
+                for lv in r.comparison.headline_levels:
+                    sides = _sides(r.comparison, lv)
+                    mn, md = sides[i].mean, sides[j].mean
+                    if kn in mn and kd in md:
+                        rows.append([mn[kn], md[kd]])
+                        per_level.append(
+                            {"seed": r.seed, "target": lv.target, "numerator": mn[kn], "denominator": md[kd]}
+                        )
+                if rows:
+                    groups["levels"].append(np.array(rows))
+            complete = len(per_level) == sum(len(r.comparison.headline_levels) for r in usable)
+            if usable and per_level and complete:
+                out += _ratio_entries(name, "", scope, groups, per_level, n_boot, "")
+    return out
+
+
 def headline(data: LevelData, n_boot: int = st.N_BOOT) -> tuple[list[HeadlineEntry], list[ZipfPoint]]:
     """Every headline entry (module docstring) and the per-s normalized NDS, from the per-level data alone."""
     entries = []
     for arm in MATCHED:
         if data.matched(MATCHED[arm]):
             entries += _matched_entries(data, arm, n_boot)
+    entries += _decomposition_entries(data, n_boot)
     entries += _equal_step_entries(data, n_boot)
     zipf, per_s = _zipf_entries(data, n_boot)
     entries += zipf + _rho_entries(data, n_boot)
@@ -525,9 +647,9 @@ def taylor_counts(data: LevelData) -> dict[str, dict[str, int]]:
     check judged, and how many it failed."""
     seen: dict[str, dict[tuple, bool]] = {}
     for r in data.comparisons:
-        if r.comparison is None:
-            continue
-        arm = r.name.split("/")[1]
+        first, arm = r.name.split("/")
+        if r.comparison is None or first == arm:
+            continue  # (an A/A calibration record's runs are keyed by pair, not by seed: not counted here)
         for lv in r.comparison.levels:
             for side_arm, side in zip(("adamw", arm), _sides(r.comparison, lv)):
                 for m in side.members:
@@ -536,3 +658,315 @@ def taylor_counts(data: LevelData) -> dict[str, dict[str, int]]:
         for row in t.rows:
             seen.setdefault(t.arm, {})[(t.s, t.seed, row["step"])] = row["taylor_ok"]
     return {arm: {"checked": len(v), "failed": sum(not ok for ok in v.values())} for arm, v in sorted(seen.items())}
+
+
+# -- the primary family -------------------------------------------------------------------------
+
+PRIMARY_COMPARISON = "adamw/muon"
+
+
+@dataclass(frozen=True)
+class _SeedValues:
+    """What one claim infers from: per-seed aggregates (numerator and denominator for a ratio or a
+    normalized difference, values alone for a difference), with per-seed details and notes."""
+
+    seeds: list[int]
+    numerator: list[float]
+    denominator: list[float] | None
+    units: list[int]
+    notes: list[str] = field(default_factory=list)
+
+
+def _usable(records: list[ComparisonRecord]) -> list[ComparisonRecord]:
+    return [r for r in records if r.comparison is not None and r.comparison.headline_levels]
+
+
+def _own(arm: str, quantity: str, scope: str) -> str:
+    """The paired-direction key of an arm's own step (``paired_cos_adamw_hidden`` on AdamW's side)."""
+    return f"paired_{quantity}_{arm}_{scope}"
+
+
+def _sign_note(values: list[float], what: str) -> str:
+    bad = sum(1 for v in values if not v > 0)
+    return f"{bad} of {len(values)} {what} <= 0 (kept in the per-seed means)" if bad else ""
+
+
+def _between(records: list[ComparisonRecord], key_of) -> _SeedValues | str:
+    """Per seed (record), the mean over its levels off the plateau of the numerator side's and the
+    denominator side's window means of ``key_of(arm)`` (the arms as the record's name gives them,
+    numerator first: ``"adamw/muon"``, or ``"adamw/adamw"`` for an A/A record); a string says what is
+    missing."""
+    usable = _usable(records)
+    if not usable:
+        return "no matched comparison with a level off the unigram plateau"
+    seeds, num, den, units, raw = [], [], [], [], []
+    for r in usable:
+        xs, ys = [], []
+        ka, kb = (key_of(arm) for arm in r.name.split("/"))
+        for lv in r.comparison.headline_levels:
+            a, b = _sides(r.comparison, lv)
+            ma, mb = a.mean, b.mean  # (a property that averages every key)
+            if ka not in ma or kb not in mb:
+                return f"no {ka if ka not in ma else kb} in the matched windows (older runs)"
+            xs.append(ma[ka])
+            ys.append(mb[kb])
+        seeds.append(r.seed)
+        num.append(float(np.mean(xs)))
+        den.append(float(np.mean(ys)))
+        units.append(len(xs))
+        raw += xs + ys
+    notes = [n for n in [_sign_note(raw, "window means")] if n]
+    return _SeedValues(seeds, num, den, units, notes)
+
+
+def _paired(records: list[ComparisonRecord], scope: str) -> _SeedValues | str:
+    """Per seed, the mean over every matched point (both sides of every level off the plateau) of the
+    NDS of AdamW's and of Muon's next-step direction at that point."""
+    usable = _usable(records)
+    if not usable:
+        return "no matched comparison with a level off the unigram plateau"
+    ka, km = f"paired_nds_adamw_{scope}", f"paired_nds_muon_{scope}"
+    seeds, num, den, units, xs_all, ys_all = [], [], [], [], [], []
+    agree = 0
+    for r in usable:
+        xs, ys = [], []
+        for lv in r.comparison.headline_levels:
+            for side in (lv.a, lv.b):
+                mean = side.mean  # (a property that averages every key)
+                if ka not in mean or km not in mean:
+                    return f"no {ka} / {km} in the matched windows (older runs)"
+                xs.append(mean[ka])
+                ys.append(mean[km])
+                agree += (mean[ka] > 0) == (mean[km] > 0)
+        seeds.append(r.seed)
+        num.append(float(np.mean(xs)))
+        den.append(float(np.mean(ys)))
+        units.append(len(xs))
+        xs_all += xs
+        ys_all += ys
+    notes = [
+        n
+        for n in (
+            _sign_note(xs_all, "points along AdamW's direction have NDS"),
+            _sign_note(ys_all, "along Muon's"),
+            f"both directions take the same sign at {agree} of {len(xs_all)} points",
+        )
+        if n
+    ]
+    return _SeedValues(seeds, num, den, units, notes)
+
+
+def _trajectory_mean(t: TrackRecord, key: str) -> float:
+    rows = t.after_warmup()
+    return float(np.mean([r[key] for r in rows])) if rows and all(key in r for r in rows) else float("nan")
+
+
+def _zipf_gap(data: LevelData, scope: str) -> _SeedValues | str:
+    """Per seed (present in all four runs), the change of the AdamW − Muon trajectory-mean NDS gap from
+    the first s to the last, (a1 − m1 − a0 + m0) / m0, normalized by that seed's Muon at the first s.
+    A seed whose baseline m0 is not positive cannot be normalized: it is left out, and the note says so."""
+    if len(data.s_values) < 2:
+        return "one value of s only"
+    s0, s1 = data.s_values[0], data.s_values[-1]
+    key = _key("nds", scope)
+    runs = {(arm, s): {t.seed: t for t in data.track(arm, s)} for arm in ("adamw", "muon") for s in (s0, s1)}
+    common = sorted(set.intersection(*(set(v) for v in runs.values())))
+    if not common:
+        return f"no seed with trajectories of both arms at s = {s0:g} and s = {s1:g}"
+    seeds, values, units, notes = [], [], [], []
+    for seed in common:
+        m = {k: _trajectory_mean(v[seed], key) for k, v in runs.items()}
+        if not all(np.isfinite(x) for x in m.values()):
+            notes.append(f"seed {seed}: a trajectory without a checkpoint after warmup off the plateau, left out")
+            continue
+        if not m[("muon", s0)] > 0:
+            notes.append(
+                f"seed {seed}: Muon's trajectory-mean NDS at s = {s0:g} is {m[('muon', s0)]:.3g} (<= 0), left out"
+            )
+            continue
+        seeds.append(seed)
+        change = m[("adamw", s1)] - m[("muon", s1)] - m[("adamw", s0)] + m[("muon", s0)]
+        values.append(change / m[("muon", s0)])
+        units.append(sum(len(v[seed].after_warmup()) for v in runs.values()))
+    if not seeds:
+        return "; ".join(notes)
+    return _SeedValues(seeds, values, None, units, notes)
+
+
+def _rho_gap(data: LevelData, scope: str) -> _SeedValues | str:
+    """Per seed (present in both arms at the first s), the rise of rho_within from the first third of
+    training to the last, Muon's minus AdamW's (rho over a third = sum within / sum NDS there)."""
+    s0 = data.s_values[0]
+    within, total = ("within", "nds") if scope == "all" else ("within_layers", "nds_layers")
+    runs = {arm: {t.seed: t for t in data.track(arm, s0)} for arm in ("muon", "adamw")}
+    common = sorted(set(runs["muon"]) & set(runs["adamw"]))
+    if not common:
+        return f"no seed with trajectories of both arms at s = {s0:g}"
+
+    def rise(t: TrackRecord) -> tuple[float, int]:
+        rows = t.off_plateau()
+        thirds = []
+        for pick in (lambda r: r["step"] <= t.steps / 3, lambda r: r["step"] > 2 * t.steps / 3):
+            chosen = [r for r in rows if pick(r)]
+            den = sum(r[total] for r in chosen)
+            thirds.append(sum(r[within] for r in chosen) / den if chosen and den else float("nan"))
+        return thirds[1] - thirds[0], len(rows)
+
+    seeds, values, units, notes = [], [], [], []
+    for seed in common:
+        (m, nm), (a, na) = rise(runs["muon"][seed]), rise(runs["adamw"][seed])
+        if not (np.isfinite(m) and np.isfinite(a)):
+            notes.append(f"seed {seed}: no checkpoint off the plateau in the first or the last third, left out")
+            continue
+        seeds.append(seed)
+        values.append(m - a)
+        units.append(nm + na)
+    if not seeds:
+        return "; ".join(notes)
+    return _SeedValues(seeds, values, None, units, notes)
+
+
+def _claim_inputs(claim: PrimaryClaim, data: LevelData, records: list[ComparisonRecord]) -> _SeedValues | str:
+    if claim.name == "paired_direction_ratio":
+        return _paired(records, claim.scope)
+    if claim.name == "between_nds_ratio":
+        return _between(records, lambda arm: _key("nds", claim.scope))
+    if claim.name == "alignment_ratio":
+        return _between(records, lambda arm: _own(arm, "cos", claim.scope))
+    if claim.name == "zipf_gap_change":
+        return _zipf_gap(data, claim.scope)
+    if claim.name == "rho_within_change_gap":
+        return _rho_gap(data, claim.scope)
+    raise CurvlabError(f"no data rule for primary claim {claim.name!r}")
+
+
+def _claimed(claim: PrimaryClaim) -> str:
+    if claim.direction == "about":
+        lo, hi = claim.band
+        return f"about {claim.null:g} (within [{lo:g}, {hi:g}])"
+    return f"{claim.direction} than {claim.null:g}"
+
+
+def _infer(claim: PrimaryClaim, values: _SeedValues, confidence: float) -> st.SeedInference:
+    if values.denominator is None:
+        return st.mean_inference(values.numerator, claim.null, confidence)
+    return st.ratio_inference(values.numerator, values.denominator, claim.null, confidence)
+
+
+def _judge(
+    claims: tuple[PrimaryClaim, ...], data: LevelData, records: list[ComparisonRecord], confidence: float
+) -> list[PrimaryEntry]:
+    """Every claim's entry: per-seed inference, Holm over the claims tested (3 seeds or more), verdicts."""
+    inputs = [_claim_inputs(c, data, records) for c in claims]
+    inferences = [None if isinstance(v, str) else _infer(c, v, confidence) for c, v in zip(claims, inputs)]
+    tested = [i for i, inf in enumerate(inferences) if inf is not None and inf.p is not None and inf.n_seeds >= 3]
+    adjusted = dict(zip(tested, st.holm([inferences[i].p for i in tested])))
+    entries = []
+    for i, (claim, values, inf) in enumerate(zip(claims, inputs, inferences)):
+        common = dict(
+            name=claim.name, scope=claim.scope, quantity=claim.quantity, statement=claim.statement,
+            claimed=_claimed(claim), paper=claim.paper, paper_text=claim.paper_text,
+        )  # fmt: skip
+        if inf is None:
+            entries.append(
+                PrimaryEntry(
+                    **common,
+                    kind=claim.kind,
+                    method="",
+                    value=None,
+                    ci95=None,
+                    n_seeds=0,
+                    n_units=0,
+                    direction=st.NOT_MEASURED,
+                    magnitude=None,
+                    p=None,
+                    p_holm=None,
+                    note=f"not measured: {values}; needs {claim.data}",
+                )
+            )
+            continue
+        p_holm = adjusted.get(i)
+        band = None if inf.method == st.DIFFERENCE_T else claim.band  # a fallen-back difference has no band
+        direction = st.direction_verdict(claim.direction, inf, p_holm, band)
+        # the paper's number is on the claim's scale: a quantity that fell back to a difference (its
+        # denominator's sign not settled) cannot be set beside it
+        fell_back = inf.method == st.DIFFERENCE_T
+        kind = "difference" if fell_back else claim.kind
+        ci = None if inf.ci95 is None else list(inf.ci95)
+        if claim.paper is None:
+            magnitude = None
+        elif fell_back:
+            magnitude = st.FEW_SEEDS if inf.n_seeds < st.MIN_SEEDS else st.UNINFORMATIVE
+        else:
+            magnitude = st.magnitude_verdict(ci, claim.paper, inf.n_seeds)
+        notes = ([inf.note] if inf.note else []) + values.notes
+        if inf.n_seeds < 2:
+            notes.append(f"{inf.n_seeds} seed: no interval")
+        per_seed = [
+            {"seed": seed, "numerator": x, "units": u}
+            | ({} if values.denominator is None else {"denominator": values.denominator[k]})
+            | {"value": inf.per_seed[k]}
+            for k, (seed, x, u) in enumerate(zip(values.seeds, values.numerator, values.units))
+        ]
+        entries.append(
+            PrimaryEntry(
+                **common,
+                kind=kind,
+                method=inf.method,
+                value=inf.value,
+                ci95=ci,
+                n_seeds=inf.n_seeds,
+                n_units=sum(values.units),
+                direction=direction,
+                magnitude=magnitude,
+                p=inf.p,
+                p_holm=p_holm,
+                per_seed=per_seed,
+                note="; ".join(notes),
+            )
+        )
+    return entries
+
+
+def primary_family(data: LevelData, confidence: float = st.CONFIDENCE) -> list[PrimaryEntry]:
+    """The primary family (:data:`curvlab.paper.PRIMARY`), judged from the per-level data alone: the
+    matched comparisons of AdamW and Muon (``"adamw/muon"``) and the trajectories. A claim whose data
+    are missing (e.g. older runs without paired-direction scalars, or one value of s) is an entry marked
+    not measured, never a verdict."""
+    return _judge(PRIMARY, data, data.matched(PRIMARY_COMPARISON), confidence)
+
+
+def _false(direction: str, claim: PrimaryClaim) -> bool:
+    """Whether an A/A verdict asserts a difference between two runs of one arm: any verdict on a
+    greater/less claim, and "contradicted" on an about-equal claim ("supported" is right there)."""
+    if direction in (st.SUPPORTED, st.CONTRADICTED):
+        return not (claim.direction == "about" and direction == st.SUPPORTED)
+    return False
+
+
+def calibration(records: list[ComparisonRecord], confidence: float = st.CONFIDENCE) -> Calibration:
+    """The A/A calibration from same-arm comparisons (records named ``"x/x"``, e.g. ``"adamw/adamw"``;
+    each record two seeds of one arm). The reproduction pairs neighbouring seeds (k - 1, k), so that 5
+    seeds give 4 records: neighbouring records share a seed, and their log ratios correlate by -0.5,
+    which makes the t interval over records wider than it needs to be (conservative: about 2.2x the
+    width in this design), never narrower. Each
+    same-arm family goes through the primary pipeline for the claims comparing the two sides of a
+    comparison (``between_runs``), with Holm over those claims. A test is a claim with 3 or more
+    records; the false-verdict rate is the share of tests whose direction verdict asserted a
+    difference (:func:`_false`). NaN when there is no test."""
+    names = sorted({r.name for r in records if r.name.split("/")[0] == r.name.split("/")[-1] and "/" in r.name})
+    claims = tuple(c for c in PRIMARY if c.between_runs)
+    empty = LevelData([], [], None, [0.0])
+    per_test = []
+    for name in names:
+        group = sorted((r for r in records if r.name == name), key=lambda r: r.seed)
+        for claim, e in zip(claims, _judge(claims, empty, group, confidence)):
+            if e.p_holm is None:
+                continue
+            per_test.append(
+                {"comparison": name, "claim": claim.name, "n_seeds": e.n_seeds, "p_holm": e.p_holm,
+                 "direction": e.direction, "false": _false(e.direction, claim)}
+            )  # fmt: skip
+    n = len(per_test)
+    rate = sum(t["false"] for t in per_test) / n if n else float("nan")
+    return Calibration(rate, n, per_test)

@@ -1,0 +1,297 @@
+"""The primary family, the A/A calibration, their schema, report rows and figure, on synthetic records."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from curvlab import statistics as st
+from curvlab.paper import PRIMARY
+from curvlab.plots import primary_forest
+from curvlab.report import render_readme_results, render_report
+from curvlab.results import Calibration, PrimaryEntry, Summary, calibration, headline, primary_family
+from tests.synthetic import ar1, level_data, record, track
+
+LEVELS = 6
+
+
+def _levels(rng, n, nds, cos_adamw, cos_muon, paired=True):
+    """One side's window means at ``n`` levels: its own NDS (AR(1) in log around ``nds``) and, when
+    ``paired``, the NDS and cos of AdamW's and Muon's directions at its W."""
+    noise = np.exp(ar1(rng, n, 0.7, 0.3)[0])
+    out = []
+    for k in range(n):
+        x = {"hidden_nds": nds * noise[k], "nds": nds * noise[k]}
+        if paired:
+            x |= {
+                "paired_nds_adamw_hidden": 6.0 * noise[k] * np.exp(rng.normal(0, 0.2)),
+                "paired_nds_muon_hidden": noise[k],
+                "paired_cos_adamw_hidden": cos_adamw + rng.normal(0, 0.01),
+                "paired_cos_muon_hidden": cos_muon + rng.normal(0, 0.01),
+            }
+        out.append(x)
+    return out
+
+
+def _experiment(rng, n_seeds, paired=True, s_values=(0.0, 1.0), tracks=True):
+    comparisons, runs = [], []
+    for seed in range(n_seeds):
+        u = np.exp(rng.normal(0, 0.2))  # a seed effect
+        a = _levels(rng, LEVELS, 3.0 * u, 0.30, 0.10, paired)
+        b = _levels(rng, LEVELS, 1.0, 0.31, 0.30, paired)
+        comparisons.append(record("adamw/muon", seed, a, b))
+        if not tracks:
+            continue
+        for arm, level0, level1 in (("adamw", 1.6, 2.4), ("muon", 1.0, 1.25)):
+            within = np.linspace(0.1, 0.5, 9) * (1.0 if arm == "muon" else 0.3) * np.exp(rng.normal(0, 0.1))
+            runs.append(track(arm, s_values[0], seed, level0 * np.exp(rng.normal(0, 0.05, 9)), within * level0))
+            if len(s_values) > 1:
+                runs.append(track(arm, s_values[-1], seed, level1 * np.exp(rng.normal(0, 0.05, 9))))
+    return level_data(comparisons, runs, s_values)
+
+
+def _by_name(entries):
+    return {e.name: e for e in entries}
+
+
+def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
+    data = _experiment(np.random.default_rng(0), 4)
+    e = _by_name(primary_family(data))
+    assert [x.name for x in primary_family(data)] == [c.name for c in PRIMARY] and len(PRIMARY) <= 6
+
+    def level_means(key_a, key_b, both=False):
+        num, den = [], []
+        for r in data.matched("adamw/muon"):
+            sides = [(lv.a, lv.b) for lv in r.comparison.levels]
+            if both:  # every point: both sides of every level, two directions at each
+                pts = [s for pair in sides for s in pair]
+                num.append(np.mean([s.members[0][key_a] for s in pts]))
+                den.append(np.mean([s.members[0][key_b] for s in pts]))
+            else:
+                num.append(np.mean([a.members[0][key_a] for a, _ in sides]))
+                den.append(np.mean([b.members[0][key_b] for _, b in sides]))
+        return np.array(num), np.array(den)
+
+    p = {}
+    for name, (ka, kb, both) in {
+        "between_nds_ratio": ("hidden_nds", "hidden_nds", False),
+        "paired_direction_ratio": ("paired_nds_adamw_hidden", "paired_nds_muon_hidden", True),
+        "alignment_ratio": ("paired_cos_adamw_hidden", "paired_cos_muon_hidden", False),
+    }.items():
+        num, den = level_means(ka, kb, both)
+        ref = scipy_stats.ttest_1samp(np.log(num / den), 0.0)
+        assert e[name].method == st.LOG_T and e[name].n_seeds == 4
+        assert e[name].value == pytest.approx(np.exp(np.log(num / den).mean()))
+        assert e[name].ci95 == pytest.approx(list(np.exp(ref.confidence_interval(0.95))))
+        assert e[name].p == pytest.approx(ref.pvalue)
+        p[name] = ref.pvalue
+    assert e["between_nds_ratio"].n_units == 4 * LEVELS and e["paired_direction_ratio"].n_units == 8 * LEVELS
+
+    # the Zipf gap change: per seed (a1 - m1 - a0 + m0) / m0 of trajectory means, a t interval over seeds
+    def traj(arm, s):
+        return np.array([np.mean([r["hidden_nds"] for r in t.rows]) for t in data.track(arm, s)])
+
+    m0 = traj("muon", 0.0)
+    g = (traj("adamw", 1.0) - traj("muon", 1.0) - traj("adamw", 0.0) + m0) / m0
+    ref = scipy_stats.ttest_1samp(g, 0.0)
+    z = e["zipf_gap_change"]
+    assert z.method == st.MEAN_T and z.value == pytest.approx(g.mean())
+    assert z.ci95 == pytest.approx(list(ref.confidence_interval(0.95)))
+    p["zipf_gap_change"] = ref.pvalue
+    assert z.p == pytest.approx(p["zipf_gap_change"])
+
+    # rho_within: per seed, (late - early) of Muon minus AdamW's, thirds of the 90-step runs
+    def rise(t):
+        early = [r for r in t.rows if r["step"] <= 30]
+        late = [r for r in t.rows if r["step"] > 60]
+        return sum(r["within"] for r in late) / sum(r["nds"] for r in late) - sum(r["within"] for r in early) / sum(
+            r["nds"] for r in early
+        )
+
+    gaps = np.array([rise(m) - rise(a) for m, a in zip(data.track("muon", 0.0), data.track("adamw", 0.0))])
+    ref = scipy_stats.ttest_1samp(gaps, 0.0)
+    assert e["rho_within_change_gap"].value == pytest.approx(gaps.mean())
+    assert e["rho_within_change_gap"].ci95 == pytest.approx(list(ref.confidence_interval(0.95)))
+    p["rho_within_change_gap"] = ref.pvalue
+
+    # Holm over the five tests, by hand
+    names = [c.name for c in PRIMARY]
+    order = sorted(names, key=lambda n: p[n])
+    running = 0.0
+    for k, n in enumerate(order):
+        running = max(running, min(1.0, (len(names) - k) * p[n]))
+        assert e[n].p_holm == pytest.approx(running)
+    # verdicts: AdamW's own NDS 3x Muon's (paper 1.76: larger), its direction 6x at the same point,
+    # alignment 0.30 vs 0.31 of each run's own step (about equal)
+    assert e["between_nds_ratio"].direction == st.SUPPORTED and e["between_nds_ratio"].magnitude == st.LARGER
+    assert e["paired_direction_ratio"].direction == st.SUPPORTED and e["paired_direction_ratio"].magnitude is None
+    assert e["alignment_ratio"].direction == st.SUPPORTED
+    assert e["rho_within_change_gap"].direction == st.SUPPORTED
+
+
+def test_missing_data_is_not_measured_never_a_verdict_or_a_crash():
+    """Older runs without paired-direction scalars, one value of s, no trajectories: those entries are
+    marked not measured (and out of Holm's family); the rest is still judged."""
+    data = _experiment(np.random.default_rng(1), 3, paired=False, s_values=(0.0,), tracks=False)
+    e = _by_name(primary_family(data))
+    for name in ("paired_direction_ratio", "alignment_ratio", "zipf_gap_change", "rho_within_change_gap"):
+        assert e[name].direction == st.NOT_MEASURED and e[name].value is None and e[name].p_holm is None
+        assert e[name].note.startswith("not measured")
+    assert "paired_nds_adamw_hidden" in e["paired_direction_ratio"].note
+    assert e["between_nds_ratio"].p_holm == pytest.approx(e["between_nds_ratio"].p)  # a family of one
+    empty = _by_name(primary_family(level_data()))
+    assert all(x.direction == st.NOT_MEASURED for x in empty.values())
+
+
+def test_two_seeds_are_descriptive_with_their_interval():
+    e = _by_name(primary_family(_experiment(np.random.default_rng(2), 2)))
+    for x in e.values():
+        assert x.direction == st.FEW_SEEDS and x.p_holm is None and x.ci95 is not None and x.n_seeds == 2
+        assert x.magnitude in (None, st.FEW_SEEDS)
+    one = _by_name(primary_family(_experiment(np.random.default_rng(2), 1)))
+    assert one["between_nds_ratio"].ci95 is None and one["between_nds_ratio"].direction == st.FEW_SEEDS
+
+
+def test_a_denominator_of_unsettled_sign_becomes_a_difference_and_says_so():
+    """Muon's alignment crossing 0 between seeds: the alignment ratio is judged as a difference, with
+    no band (it can only be contradicted or inconclusive) and a note."""
+    rng = np.random.default_rng(3)
+    recs = []
+    for seed, cos_muon in enumerate([0.2, -0.25, 0.15, -0.1]):
+        a = _levels(rng, LEVELS, 3.0, 0.3, cos_muon)
+        b = _levels(rng, LEVELS, 1.0, 0.3, cos_muon)
+        recs.append(record("adamw/muon", seed, a, b))
+    e = _by_name(primary_family(level_data(recs, [], (0.0,))))["alignment_ratio"]
+    assert e.kind == "difference" and e.method == st.DIFFERENCE_T and "not settled" in e.note
+    assert e.direction in (st.INCONCLUSIVE, st.CONTRADICTED)
+
+
+def _aa_records(rng, n_records, effect=1.0, name="adamw/adamw"):
+    """Same-arm comparisons: two seeds of one arm per record, no true difference (``effect`` 1)."""
+    out = []
+    for k in range(n_records):
+        sides = []
+        for factor in (effect, 1.0):
+            u = np.exp(rng.normal(0, 0.3))  # each run's seed effect
+            lv = _levels(rng, LEVELS, 2.0 * u * factor, 0.3, 0.3)
+            for x in lv:
+                x["paired_cos_adamw_hidden"] = 0.3 * np.exp(rng.normal(0, 0.1)) * u**0.2
+            sides.append(lv)
+        out.append(record(name, k, *sides))
+    return out
+
+
+def test_aa_calibration_false_verdict_rate_under_no_effect():
+    """300 simulated A/A families (3 to 6 seed pairs each, AR(1) levels, seed effects) through the same
+    pipeline: the share of tests with a verdict asserting a difference is at most 5% plus three binomial
+    standard errors of the 600 tests (3 * sqrt(0.05 * 0.95 / 600) = 0.027); Holm only lowers it."""
+    rng = np.random.default_rng(5)
+    false = tests = 0
+    for k in range(300):
+        c = calibration(_aa_records(rng, 3 + k % 4))
+        assert c.n_tests == 2 and {t["claim"] for t in c.per_test} == {"between_nds_ratio", "alignment_ratio"}
+        false += round(c.false_verdict_rate * c.n_tests)
+        tests += c.n_tests
+    assert false / tests <= 0.05 + 3 * np.sqrt(0.05 * 0.95 / tests)
+    # a real difference between the two "same-arm" runs is caught: the rate can fail
+    c = calibration(_aa_records(np.random.default_rng(6), 5, effect=4.0))
+    assert any(t["claim"] == "between_nds_ratio" and t["false"] for t in c.per_test)
+    # only same-arm records count; fewer than 3 pairs is no test
+    mixed = _aa_records(rng, 2) + _aa_records(rng, 4, name="adamw/muon")
+    none = calibration(mixed)
+    assert none.n_tests == 0 and math.isnan(none.false_verdict_rate)
+
+
+def _summary(primary, cal):
+    return Summary(
+        "micro", [], [], {"adamw": {"checked": 3, "failed": 1}},
+        {"tuned_on_s": 0.0, "horizon_steps": 10, "seeds": [0], "searches": {}}, ["a note"], {"0": {"adamw": [4.0]}},
+        {"muon_nds": 10.0, "muon_contraction": 0.669421, "gd_two_step_contraction": 0.922913},
+        figures={"primary": ["figures/fig0_primary_forest.png"]}, primary=primary, calibration=cal,
+    )  # fmt: skip
+
+
+def test_summary_schema_round_trips_the_primary_family_and_calibration():
+    primary = primary_family(_experiment(np.random.default_rng(7), 3))
+    cal = calibration(_aa_records(np.random.default_rng(8), 3))
+    summary = _summary(primary, cal)
+    d = json.loads(json.dumps(summary.to_dict()))
+    assert d["schema_version"] == 2 and set(d["calibration"]) >= {"false_verdict_rate", "n_tests"}
+    for entry in d["primary"]:
+        keys = {"name", "scope", "value", "ci95", "n_seeds", "n_units", "paper", "direction", "magnitude", "p_holm"}
+        assert keys <= set(entry)
+    back = Summary.from_dict(d)
+    assert back.primary == primary and back.calibration == cal
+    assert isinstance(back.primary[0], PrimaryEntry) and isinstance(back.calibration, Calibration)
+    assert back.primary_entry("between_nds_ratio").paper == 1.76
+    with pytest.raises(ValueError, match="schema 1 is not 2"):
+        Summary.from_dict({**d, "schema_version": 1})
+
+
+def test_report_and_readme_open_with_the_primary_family_then_calibration_then_the_rest():
+    primary = primary_family(_experiment(np.random.default_rng(9), 3))
+    summary = _summary(primary, calibration(_aa_records(np.random.default_rng(10), 4)))
+    for text in (render_report(summary), render_readme_results(summary, "docs/results")):
+        table = text.index("| claim | scope | curvlab [95% CI] | seeds, units | paper | direction | magnitude |")
+        calib = text.index("A/A calibration")
+        assert table < text.index("fig0_primary_forest") < calib < text.index("| quantity | scope |")
+        rows = [line for line in text[table:calib].splitlines() if line.startswith("| ") and "claim |" not in line]
+        assert len(rows) == len(PRIMARY) <= 8
+        for e in primary:
+            assert f"| {e.quantity}: {e.claimed} | {e.scope} |" in text
+        assert "Over the full headline" not in text  # no tally of descriptive cells
+    assert "(false-verdict rate" in render_report(summary)
+    bare = _summary([], Calibration())
+    assert "no same-arm comparison" in render_report(bare)
+
+
+def test_forest_plot_of_measured_unmeasured_and_fallen_back_entries(tmp_path):
+    rng = np.random.default_rng(11)
+    entries = primary_family(_experiment(rng, 3, s_values=(0.0,)))  # the Zipf entry is not measured
+    paths = primary_forest(entries, tmp_path / "forest")
+    assert [p.suffix for p in paths] == [".png", ".pdf"] and all(p.stat().st_size > 1000 for p in paths)
+    assert primary_forest(primary_family(level_data()), tmp_path / "empty")[0].stat().st_size > 1000
+
+
+def test_descriptive_decomposition_of_the_between_run_ratio():
+    """Headline (descriptive) entries from the paired scalars: the direction term at each arm's W and
+    the landscape term, each a ratio of sums over seeds and levels; absent without paired scalars."""
+    data = _experiment(np.random.default_rng(12), 3)
+    entries = {(e.name, e.scope): e for e in headline(data)[0]}
+    a = [lv.a.members[0] for r in data.matched("adamw/muon") for lv in r.comparison.levels]
+    b = [lv.b.members[0] for r in data.matched("adamw/muon") for lv in r.comparison.levels]
+
+    def ratio(xs, kx, ys, ky):
+        return sum(x[kx] for x in xs) / sum(y[ky] for y in ys)
+
+    n, m = "paired_nds_adamw_hidden", "paired_nds_muon_hidden"
+    assert entries[("direction_term_adamw_w", "hidden")].value == pytest.approx(ratio(a, n, a, m))
+    assert entries[("direction_term_muon_w", "hidden")].value == pytest.approx(ratio(b, n, b, m))
+    assert entries[("landscape_term", "hidden")].value == pytest.approx(ratio(a, m, b, m))
+    assert all(e.verdict == st.DESCRIPTIVE for e in entries.values())
+    older = _experiment(np.random.default_rng(12), 3, paired=False)
+    assert not [e for e in headline(older)[0] if e.name.startswith(("direction_term", "landscape"))]
+
+
+def test_aa_records_are_no_arm_of_their_own_in_the_headline_figures_or_taylor_counts(monkeypatch, tmp_path):
+    from curvlab import plots
+    from curvlab.results import taylor_counts
+
+    data = _experiment(np.random.default_rng(13), 3)
+    plain = taylor_counts(data)
+    data.comparisons.extend(_aa_records(np.random.default_rng(14), 3, name="muon/muon"))
+    assert taylor_counts(data) == plain
+    summary = _summary(primary_family(data), calibration(data.comparisons))
+    assert summary.calibration.n_tests == 2
+    drawn = {}
+    for name in ("taylor_split_vs_loss", "block_heatmaps", "within_gap_by_layer", "zipf_nds", "tuning_grids",
+                 "layer_split_over_training", "quadratic_trajectories", "quadratic_phase"):  # fmt: skip
+        monkeypatch.setattr(plots, name, lambda *a, **k: [])
+    monkeypatch.setattr(plots, "nds_and_norm_vs_loss", lambda arms, *a, **k: drawn.update(arms) or [])
+    monkeypatch.setattr("curvlab.studies.within_layer_gap", lambda c: ([], [], []))
+    monkeypatch.setattr("curvlab.studies.pair_reports", lambda level: {})
+    written = plots.reproduction_figures(data, summary, {}, {}, tmp_path)
+    assert list(drawn) == ["muon"] and len(drawn["muon"]) == 3  # the A/A records are not Muon's comparisons
+    assert (tmp_path / "fig0_primary_forest.png").is_file() and written["primary"]
