@@ -6,6 +6,9 @@ and ``tests/test_exact_ops.py`` measure each case against double backward):
 * flash and memory-efficient attention have neither forward-mode AD nor double backward, so
   ``scaled_dot_product_attention`` must run on the math backend (every method);
 * dropout makes the loss random, so the "Hessian" would change between two HVPs (every method);
+* ``F.embedding``'s ``padding_idx`` zeroes part of the padding row's gradient without changing the
+  function, which makes the gradient's derivative asymmetric, so the HVP methods disagree on a batch
+  holding the padding token (every method: the mode drops it, see :func:`_without_padding_idx`);
 * batch and instance norms in training mode update their running statistics in place: curvature
   must never change the model, and under ``torch.func`` transforms the update even crashes (every
   method);
@@ -191,6 +194,8 @@ class _ExactSecondOrderMode(TorchFunctionMode):
             return self._statistics_norm(func, args, kwargs)
         elif func is F.layer_norm and self.composite_norms:
             return composite_layer_norm(*args, **kwargs)
+        elif func is F.embedding:
+            args, kwargs = _without_padding_idx(args, kwargs)
         out = func(*args, **kwargs)
         if self.watch_dtype is not None:
             self._watch(func, args, kwargs, out)
@@ -225,6 +230,26 @@ class _ExactSecondOrderMode(TorchFunctionMode):
         site = _caller(include_curvlab=True)
         if not site.startswith(_CURVLAB_SITE):
             self.random_draws.setdefault(f"{getattr(func, '__name__', str(func))}() at {site}")
+
+
+_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+
+def _without_padding_idx(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    r"""``F.embedding``'s arguments without ``padding_idx``: the same values, and the derivatives of the function.
+
+    ``padding_idx`` changes no value: it only zeroes the padding row's part of the gradient, while
+    the row's value still reaches the loss (and a tied head trains it). The derivative of that
+    gradient, :math:`J = M H` (M zeroes the padding row's lookup part), is not symmetric: double
+    backward (:math:`J^\top v`) and forward-over-reverse (:math:`J v`) disagree whenever the batch
+    holds the padding token (by 100% on a tiny OPT). Without it, every method gives the Hessian H of
+    the loss, and G its gradient; they differ from torch's ``.grad`` only in the padding row.
+    """
+    b = dict(zip(_EMBEDDING_ARGS, args), **kwargs)
+    if b.get("padding_idx") is None:
+        return args, kwargs
+    b["padding_idx"] = None
+    return (), b
 
 
 def _model_marks_wrapped(t: Tensor) -> bool:

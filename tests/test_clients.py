@@ -74,6 +74,14 @@ def t5() -> nn.Module:
     return transformers.T5ForConditionalGeneration(config)
 
 
+def bart() -> nn.Module:
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=8, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+                                     decoder_ffn_dim=16, max_position_embeddings=16, pad_token_id=1, bos_token_id=0,
+                                     eos_token_id=2, decoder_start_token_id=2)  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
 def neox() -> nn.Module:
     config = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
                                         intermediate_size=16, max_position_embeddings=16)  # fmt: skip
@@ -105,9 +113,11 @@ def vit() -> nn.Module:
     return transformers.ViTForImageClassification(config)
 
 
-def token_batch(seed: int, rows: int = 2, length: int = 6, low: int = 2) -> dict:
-    """Causal-LM tokens (from ``low`` up: OPT's padding token 1 stays out) with the second row padded."""
-    ids = torch.randint(low, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+def token_batch(seed: int, rows: int = 2, length: int = 6) -> dict:
+    """Causal-LM tokens with the second row padded; the first holds OPT's padding token 1 (its
+    embedding's padding_idx)."""
+    ids = torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+    ids[0, 1] = 1
     mask = torch.ones_like(ids)
     mask[1, length - 2 :] = 0
     return {"input_ids": ids, "attention_mask": mask, "labels": torch.where(mask.bool(), ids, -100)}
@@ -134,6 +144,9 @@ class ReferenceLoss:
     def __init__(self, model: nn.Module, kind: str, prefix: int = 0):
         self.model = copy.deepcopy(model).double().eval()
         self.kind, self.prefix = kind, prefix
+        for m in self.model.modules():  # (padding_idx changes torch's gradient, not the function: the Hessian is L's)
+            if isinstance(m, nn.Embedding):
+                m.padding_idx = None
 
     def __call__(self, params, batch):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -315,12 +328,14 @@ def float64_t5_norm(monkeypatch):
 
 
 @pytest.mark.filterwarnings("error::UserWarning")  # (and no precision warning once the norm is float64)
-def test_t5_is_a_sequence_to_sequence_model(float64_t5_norm):
+@pytest.mark.parametrize("build", [t5, bart])
+def test_encoder_decoders_are_sequence_to_sequence_models(float64_t5_norm, build):
     """The batch a Hugging Face user passes (input_ids, attention_mask, labels with -100): decoder
     inputs from the labels, unshifted token CE; Hugging Face's own .loss, and every path against
-    the reference with the decoder inputs written out here."""
+    the reference with the decoder inputs written out here. (BART's decoder inputs hold its padding
+    token, where the -100s were: its embedding's padding_idx is in play.)"""
     torch.manual_seed(0)
-    model = t5().double().train()
+    model = build().double().train()
     batch = seq2seq_batch(5)
     loss_fn, params = make_loss_fn(model), float64_params(model)
     with torch.no_grad():
@@ -378,7 +393,7 @@ def test_prompt_tuning_gives_hugging_faces_own_loss():
     torch.manual_seed(0)
     base = gpt2()
     model = peft.get_peft_model(base, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
-    batch = token_batch(9, low=0)
+    batch = token_batch(9)
     loss_fn = make_loss_fn(model)
     params = {k: t.detach() for k, t in model.named_parameters() if t.requires_grad}
     assert list(params) == ["prompt_encoder.default.embedding.weight"]
