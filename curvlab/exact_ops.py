@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -66,7 +65,10 @@ MODES = ("rev_rev", "fwd_rev", "fwd_fwd")
 # what each method needs rerouted beyond attention, dropout and running statistics
 REROUTES = {"rev_rev": frozenset(), "fwd_rev": frozenset(), "fwd_fwd": frozenset({"norms"}), None: frozenset({"norms"})}
 
-_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+_DROPOUTS = {
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,  # (called directly)
+}  # fmt: skip
 _PRECISION = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1}
 # the ops that draw from a random stream (dropout's are made the identity before they get here)
 _RANDOM = {
@@ -298,13 +300,15 @@ def _caller(include_curvlab: bool = False) -> str:
     With ``include_curvlab``, only this module's frames are passed over, and a frame in the rest of
     curvlab is named ``curvlab/file:line`` (curvlab's own call, not the model's)."""
     package = str(Path(__file__).parent)
-    skip = (str(Path(torch.__file__).parent), __file__ if include_curvlab else package)
-    for frame in reversed(traceback.extract_stack()):
-        if frame.filename.startswith(skip):
-            continue
-        if frame.filename.startswith(package):
-            return f"{_CURVLAB_SITE}{Path(frame.filename).name}:{frame.lineno}"
-        return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
+    skip = (_TORCH_DIR, __file__ if include_curvlab else package)
+    frame = sys._getframe(1)  # (frames, not traceback.extract_stack: no source lines are read)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(skip):
+            if filename.startswith(package):
+                return f"{_CURVLAB_SITE}{Path(filename).name}:{frame.f_lineno}"
+            return f"{Path(filename).name}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
     return "an unknown place"
 
 

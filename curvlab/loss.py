@@ -146,6 +146,12 @@ class ModuleLoss:
         shift: whether position t's logits predict label t + 1 (``None`` at construction: a causal LM).
         tie_weights: passed to ``functional_call``: a parameter given for one of several tied names
             stands for all of them.
+        task: how the model's own loss is computed (:func:`hf_task`; ``None`` for a plain module).
+        virtual_tokens: positions a peft prompt-tuning model prepends (their labels are -100).
+
+    Inside :func:`~curvlab.exact_ops.exact_second_order` the forward runs as in eval mode
+    (:func:`~curvlab.exact_ops.eval_forward`); elsewhere (the real gradient of ``next_update``) the
+    model runs in its own mode.
     """
 
     def __init__(

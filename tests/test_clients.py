@@ -496,6 +496,21 @@ def test_a_random_draw_left_inside_the_exact_mode_is_reported():
     with pytest.warns(UserWarning, match=r"draws random numbers.*randn_like\(\) at test_clients\.py:\d+ in forward"):
         hvp(make_loss_fn(model, F.cross_entropy), params, batch, direction(params, 1))
 
+    class DirectDropout(Noisy):  # torch.dropout called directly, always in training form: the identity inside
+        def forward(self, x):
+            return self.lin(torch.dropout(torch.tanh(x), 0.5, True))
+
+    model = DirectDropout().double()
+    params, v = float64_params(model), direction(float64_params(model), 2)
+
+    def plain(p, b):
+        return F.cross_entropy(functional_call(model.lin, {k[4:]: t for k, t in p.items()}, (torch.tanh(b[0]),)), b[1])
+
+    _, (hv,) = double_backward(plain, params, batch, [v])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert rel_error(hvp(make_loss_fn(model, F.cross_entropy), params, batch, v), hv) < 1e-12
+
 
 # --- item 14: roles and kinds by structure --------------------------------------------------------
 
