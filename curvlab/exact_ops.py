@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.batchnorm import _NormBase
@@ -357,6 +358,40 @@ def eval_forward(model: nn.Module | None) -> Iterator[None]:
             setattr(m, f, True)
 
 
+class _NoCheckpoint:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction``: runs the function, keeps its graph."""
+
+    @staticmethod
+    def apply(function, preserve_rng_state, *args):
+        return function(*args)
+
+
+def _no_checkpoint_generator(*args, **kwargs):
+    """Stands in for torch's non-reentrant checkpoint context: nothing before the forward, nothing after."""
+    yield
+
+
+@contextlib.contextmanager
+def _torch_checkpoint_off() -> Iterator[None]:
+    """``torch.utils.checkpoint.checkpoint`` (and ``checkpoint_sequential``) called by a model that no
+    flag controls run their function plainly: a recompute would run during the backward pass, outside
+    ``functional_call`` (on the module's own weights) and outside this mode, and ``torch.func``
+    refuses checkpointing's saved-tensor hooks. The curvature is the same without checkpointing.
+    (Patched where ``checkpoint`` looks them up, so every way of importing it is covered; process-wide
+    while the outermost exact mode lasts.)"""
+    names = ("CheckpointFunction", "_checkpoint_without_reentrant_generator")
+    stand_ins = (_NoCheckpoint, _no_checkpoint_generator)
+    saved = {n: getattr(torch_checkpoint, n) for n in names if hasattr(torch_checkpoint, n)}
+    try:
+        for name, stand_in in zip(names, stand_ins):
+            if name in saved:
+                setattr(torch_checkpoint, name, stand_in)
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(torch_checkpoint, name, original)
+
+
 @contextlib.contextmanager
 def exact_second_order(
     method: str | None = None,
@@ -370,9 +405,10 @@ def exact_second_order(
     dropouts are the identity, batch and instance norms never update their running statistics, and
     in-place operations on the tensors in ``keep`` (pass :func:`running_statistics` of the model) are
     skipped. A model's forward runs as in eval mode (see :func:`eval_forward`: no LayerDrop, DropPath
-    or activation checkpointing): :class:`~curvlab.loss.ModuleLoss` does this by itself; pass
-    ``model`` for a loss function of your own over a module. A random draw by the model that is still
-    left is reported with a warning naming the place.
+    or activation checkpointing; :class:`~curvlab.loss.ModuleLoss` does this by itself, pass ``model``
+    for a loss function of your own over a module), and ``torch.utils.checkpoint`` called regardless
+    of any flag runs its function plainly (:func:`_torch_checkpoint_off`). A random draw by the model
+    that is still left is reported with a warning naming the place.
     For ``method`` ``"fwd_fwd"`` or ``None`` (any transform, ``torch.func.hessian`` included),
     ``F.layer_norm``, ``F.batch_norm`` with batch statistics and ``F.instance_norm`` also run as
     composites (:func:`composite_layer_norm`, ...). Re-entrant.
@@ -393,7 +429,8 @@ def exact_second_order(
     frozen = frozenset(_storage(t) for t in [*keep, *running_statistics(model)])
     mode = _ExactSecondOrderMode("norms" in REROUTES[method], watch, frozen)
     modes = _ACTIVE.__dict__.setdefault("modes", [])
-    with sdpa_kernel(SDPBackend.MATH), mode:
+    checkpoint_off = contextlib.nullcontext() if modes else _torch_checkpoint_off()
+    with sdpa_kernel(SDPBackend.MATH), mode, checkpoint_off:
         modes.append(mode)
         try:
             with eval_forward(model):

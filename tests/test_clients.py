@@ -258,6 +258,45 @@ def test_activation_checkpointing_is_off_inside_the_exact_mode(reentrant):
     assert model.training and model.is_activation_checkpointing
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_called_by_the_model_itself_runs_plainly_inside(reentrant):
+    """A model calling ``torch.utils.checkpoint.checkpoint`` with no flag to turn off: every path, in
+    float32 and float64, equals the reference without checkpointing (the recompute would have run on
+    the module's own weights, outside the mode); outside the mode it checkpoints as before."""
+    from torch.utils.checkpoint import checkpoint  # (bound here: the patch must reach it anyway)
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.b(checkpoint(lambda y: torch.tanh(self.a(y)), x, use_reentrant=reentrant))
+
+        def plain(self, p, x):
+            return functional_call(self.b, {"weight": p["b.weight"], "bias": p["b.bias"]}, (torch.tanh(
+                functional_call(self.a, {"weight": p["a.weight"], "bias": p["a.bias"]}, (x,))),))  # fmt: skip
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    x, y = torch.randn(6, 4, requires_grad=reentrant), torch.randint(0, 3, (6,))
+    params = float64_params(model)
+    v = direction(params, 3)
+    _, (hv,) = double_backward(lambda p, b: F.cross_entropy(model.plain(p, b[0].double()), b[1]), params, (x, y), [v])
+    loss_fn = make_loss_fn(model, F.cross_entropy)
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        for method in ("rev_rev", "fwd_rev"):
+            got = hvp(loss_fn, P.cast(params, dtype), (x, y), v, method=method)
+            assert rel_error({k: t.double() for k, t in got.items()}, hv) < tolerance, (dtype, method)
+    calls = []
+    model.a.register_forward_hook(lambda *_: calls.append(1))
+    hvp(loss_fn, params, (x, y), v)
+    assert len(calls) == 1  # one forward, no recompute
+    calls.clear()
+    F.cross_entropy(model(x), y).backward()
+    assert len(calls) == 2  # outside the mode torch checkpoints again: the forward and its recompute
+
+
 class TokenDataset(torch.utils.data.Dataset):
     def __init__(self, rows: int, length: int, seed: int):
         self.ids = torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
