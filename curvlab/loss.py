@@ -17,7 +17,17 @@ Every curvature function takes a pure function of a parameter dict, exactly like
   sequence classification is cross-entropy, MSE (one label) or BCE (multi-label), as Hugging Face
   decides; any other ``nn.Module`` compares logits and targets position by position. Labels equal to
   ``ignore_index`` (-100, as in torch and Hugging Face) are left out, and the loss is the mean over
-  the rest.
+  the rest;
+* an encoder-decoder (``config.is_encoder_decoder``: T5, BART, Whisper, ...) is a sequence-to-sequence
+  model: a batch without ``decoder_input_ids`` gets them from the labels as the model itself makes
+  them (``prepare_decoder_input_ids_from_labels``: the labels shifted right behind the decoder start
+  token, -100 replaced by the pad token), and the loss is the unshifted token cross-entropy of the
+  decoder's logits against the labels, -100 ignored: Hugging Face's ``.loss``;
+* a peft prompt-tuning model (prompt tuning, p-tuning, multitask prompt tuning) prepends its virtual
+  tokens to the inputs, so its logits are that many positions longer than the labels: the labels get
+  as many -100 in front, as peft does, and the loss is Hugging Face's ``.loss`` of the peft model;
+* the model runs as in eval mode inside curvlab's exact mode (:func:`~curvlab.exact_ops.eval_forward`:
+  no dropout, LayerDrop, DropPath or activation checkpointing), as it is in its own mode elsewhere.
 
 Several batches are passed as a ``list`` (or a :class:`Batches`, to give weights explicitly); the
 loss they stand for is the mean over *all* their loss terms, so each batch is weighted by the
@@ -39,16 +49,18 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from curvlab.errors import CurvlabError
+from curvlab.exact_ops import eval_forward
 
 LossFn = Callable[[Mapping[str, Tensor], Any], Tensor]
 IGNORE_INDEX = -100
 _INTEGER = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 # Hugging Face's loss_type -> how curvlab computes the same loss (None is treated as a causal LM, as HF does)
-_CAUSAL, _TOKENS, _SEQUENCE = "causal_lm", "tokens", "sequence_classification"
+_CAUSAL, _TOKENS, _SEQUENCE, _SEQ2SEQ = "causal_lm", "tokens", "sequence_classification", "seq2seq"
 _HF_TASKS = {
     None: _CAUSAL,
     "ForCausalLM": _CAUSAL,
+    "ForConditionalGeneration": _CAUSAL,  # (as Hugging Face's loss mapping has it; an encoder-decoder is seq2seq)
     "ForMaskedLM": _TOKENS,
     "ForTokenClassification": _TOKENS,
     "ForSequenceClassification": _SEQUENCE,
@@ -85,14 +97,37 @@ def logits_of(output: Any) -> Tensor:
     raise CurvlabError(f"can't find logits in the model's output of type {type(output).__name__}")
 
 
+def _base(model: nn.Module) -> nn.Module:
+    """The model under a peft wrapper (the model itself otherwise)."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
 def hf_task(model: nn.Module) -> str | None:
     """How a Hugging Face model's own loss is computed: ``"causal_lm"``, ``"tokens"`` (masked LM, token
-    classification), ``"sequence_classification"``, ``"unknown"`` (another ``loss_type``), or ``None``
-    for a model that isn't a Hugging Face model (a peft wrapper is looked through)."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    classification), ``"sequence_classification"``, ``"seq2seq"`` (an encoder-decoder generating from
+    its labels), ``"unknown"`` (another ``loss_type``), or ``None`` for a model that isn't a Hugging
+    Face model (a peft wrapper is looked through)."""
+    base = _base(model)
     if not hasattr(base, "loss_type") or not hasattr(base, "config"):
         return None
-    return _HF_TASKS.get(base.loss_type, "unknown")
+    task = _HF_TASKS.get(base.loss_type, "unknown")
+    if task in (_CAUSAL, "unknown") and getattr(base.config, "is_encoder_decoder", False):
+        return _SEQ2SEQ
+    return task
+
+
+# peft's prompt-learning methods that prepend virtual tokens to the inputs (prefix tuning extends the
+# attention's keys and values instead: its logits are as long as the inputs)
+_PREPENDING = ("PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING")
+
+
+def virtual_tokens(model: nn.Module) -> int:
+    """How many positions a peft prompt-tuning model prepends to its inputs (0 for any other model)."""
+    config = getattr(model, "active_peft_config", None)
+    if config is None or not getattr(config, "is_prompt_learning", False):
+        return 0
+    kind = getattr(config.peft_type, "value", config.peft_type)
+    return int(config.num_virtual_tokens) if kind in _PREPENDING else 0
 
 
 class ModuleLoss:
@@ -111,6 +146,12 @@ class ModuleLoss:
         shift: whether position t's logits predict label t + 1 (``None`` at construction: a causal LM).
         tie_weights: passed to ``functional_call``: a parameter given for one of several tied names
             stands for all of them.
+        task: how the model's own loss is computed (:func:`hf_task`; ``None`` for a plain module).
+        virtual_tokens: positions a peft prompt-tuning model prepends (their labels are -100).
+
+    Inside :func:`~curvlab.exact_ops.exact_second_order` the forward runs as in eval mode
+    (:func:`~curvlab.exact_ops.eval_forward`); elsewhere (the real gradient of ``next_update``) the
+    model runs in its own mode.
     """
 
     def __init__(
@@ -132,6 +173,13 @@ class ModuleLoss:
         self.shift = (task == _CAUSAL) if shift is None else bool(shift)
         self.tie_weights = tie_weights
         self.label_key = label_key
+        # (token tasks only: a sequence classifier's logits don't grow with the prompt)
+        self.virtual_tokens = virtual_tokens(model) if task in (_CAUSAL, _TOKENS) else 0
+        if task == _SEQ2SEQ and not callable(getattr(_base(model), "prepare_decoder_input_ids_from_labels", None)):
+            raise CurvlabError(
+                f"the encoder-decoder {type(_base(model)).__name__} can't make decoder inputs from labels "
+                "(no prepare_decoder_input_ids_from_labels): pass decoder_input_ids in the batch and criterion="
+            )
 
     def split(self, batch: Any) -> tuple[tuple, dict[str, Any], Any]:
         """``(args, kwargs, targets)`` of a tuple ``(inputs, targets)`` or a dict batch."""
@@ -142,16 +190,35 @@ class ModuleLoss:
                     "curvlab computes the loss from the labels"
                 )
             kwargs = {k: v for k, v in batch.items() if k != self.label_key}
-            return (), kwargs, batch[self.label_key]
+            return (), self._decoder_inputs(kwargs, batch[self.label_key]), batch[self.label_key]
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
-            return (batch[0],), {}, batch[1]
+            return (batch[0],), self._decoder_inputs({}, batch[1]), batch[1]
         raise CurvlabError(
             f"a batch is (inputs, targets) or a dict with {self.label_key!r}, got {type(batch).__name__}"
             + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
         )
 
+    def _decoder_inputs(self, kwargs: dict[str, Any], labels: Any) -> dict[str, Any]:
+        """An encoder-decoder's keyword inputs with ``decoder_input_ids`` made from the labels, as the
+        model makes them when given labels (unless the batch brings its own decoder inputs)."""
+        if self.task != _SEQ2SEQ or "decoder_input_ids" in kwargs or "decoder_inputs_embeds" in kwargs:
+            return kwargs
+        if not isinstance(labels, Tensor):
+            raise CurvlabError(f"a sequence-to-sequence batch's labels must be a tensor, got {type(labels).__name__}")
+        make = _base(self.model).prepare_decoder_input_ids_from_labels
+        return {**kwargs, "decoder_input_ids": make(labels=labels)}
+
+    def _prompted(self, targets: Any) -> Any:
+        """Token labels with ``ignore_index`` in front for a prompt-tuning model's virtual tokens, as peft does."""
+        if not (self.virtual_tokens and isinstance(targets, Tensor) and targets.dim() >= 2):
+            return targets
+        prefix = targets.new_full((*targets.shape[:-1], self.virtual_tokens), self.ignore_index)
+        return torch.cat([prefix, targets], dim=-1)
+
     def targets(self, targets: Tensor) -> Tensor:
-        """The targets the loss compares with: shifted one position left for a causal LM."""
+        """The targets the loss compares with: behind the virtual tokens of a prompt-tuning model, and
+        shifted one position left for a causal LM."""
+        targets = self._prompted(targets)
         return targets[..., 1:] if self.shift else targets
 
     def loss_terms(self, batch: Any) -> int:
@@ -163,17 +230,27 @@ class ModuleLoss:
 
     def loss_from_logits(self, logits: Tensor, targets: Any) -> Tensor:
         """The loss given the model's logits and the batch's targets (the model's own semantics)."""
+        targets = self._prompted(targets)
         if self.shift:
             logits, targets = logits[..., :-1, :], targets[..., 1:]
         if self.criterion is not None:
             return self.criterion(logits, targets)
         if self.task == _SEQUENCE:
             return self._sequence_loss(logits, targets)
+        if (
+            isinstance(targets, Tensor)
+            and logits.dim() >= 1
+            and logits.numel() // max(logits.size(-1), 1) != targets.numel()
+        ):
+            raise CurvlabError(
+                f"the model's logits {tuple(logits.shape)} don't match its labels {tuple(targets.shape)} position "
+                "for position (the model adds or drops positions curvlab doesn't know of): pass criterion="
+            )
         return token_cross_entropy(logits, targets, self.ignore_index)
 
     def _sequence_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Hugging Face's sequence-classification loss, chosen as it chooses (without mutating the config)."""
-        config = (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model).config
+        config = _base(self.model).config
         num_labels = config.num_labels
         problem = config.problem_type
         if problem is None:
@@ -199,7 +276,8 @@ class ModuleLoss:
         if dtype is not None:
             args = tuple(_cast(a, dtype) for a in args)
             kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
-        output = functional_call(self.model, tensors, args, kwargs, tie_weights=self.tie_weights, strict=False)
+        with eval_forward(self.model):  # (inside the exact mode only: no LayerDrop, DropPath, checkpointing)
+            output = functional_call(self.model, tensors, args, kwargs, tie_weights=self.tie_weights, strict=False)
         return self.loss_from_logits(logits_of(output), targets)
 
     def _module_tensors(self, params: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:

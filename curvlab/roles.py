@@ -2,7 +2,10 @@ r"""What each parameter of a model does, read from the model's structure rather 
 
 :func:`parameter_roles` gives every parameter one role:
 
-* ``embedding``: the parameters of an ``nn.Embedding`` (or ``nn.EmbeddingBag``);
+* ``embedding``: the parameters of an ``nn.Embedding`` (or ``nn.EmbeddingBag``), and those of an
+  input patch embedding: the model's first linear map or convolution, when it is a convolution whose
+  stride equals its kernel size (ViT's, Swin's and ConvNext's patchify stem: a linear embedding of
+  non-overlapping patches, the image model's token embedding; a ResNet's overlapping 7x7 stem is not);
 * ``head``: the parameters of the module that produces the logits: the model's output embeddings
   when it declares them (Hugging Face's ``get_output_embeddings()``), else the last module, in
   registration order (the order ``named_modules`` lists, which is the order of the forward pass in
@@ -14,7 +17,11 @@ r"""What each parameter of a model does, read from the model's structure rather 
 * ``bias``: a vector registered as the ``bias`` of any other module;
 * ``hidden``: every other matrix: 2-D weights (``nn.Linear``, Hugging Face's ``Conv1D``, peft's
   LoRA factors, a bare 2-D ``nn.Parameter``) and the kernels of convolutions;
-* ``other``: anything else (scalars, gates, learned position tables of 3 or more dimensions).
+* ``other``: anything else (scalars, gates, learned position tables of 3 or more dimensions), and
+  vectors stored as matrices: a bare (n, 1) or (1, n) parameter, not the weight of a linear map or
+  convolution (peft IA3's scaling vectors ``ia3_l``, which multiply activations elementwise; Muon's
+  orthogonalization of one would only normalize it). A linear map with one input or output (an
+  ``nn.Linear(1, n)``, a rank-1 LoRA factor) stays ``hidden``.
 
 The mathematical shape of a hidden matrix, :math:`d_\text{out} \times d_\text{in}`, is what
 :func:`matrix_shapes` gives: ``nn.Linear`` stores (out, in), Hugging Face's ``Conv1D`` stores
@@ -22,9 +29,11 @@ The mathematical shape of a hidden matrix, :math:`d_\text{out} \times d_\text{in
 out x (in/groups * prod k). A bare 2-D parameter is taken as stored (out, in).
 
 Overrides ``{name or glob: role}`` settle what structure can't (a head registered before the body,
-say). The roles drive Muon's parameter split (:func:`~curvlab.optim.build_optimizer`), the hidden
-subset of :func:`~curvlab.curvature.taylor_split` and the ``"layer"``/``"kind"`` groupings of
-:mod:`curvlab.blocks`.
+say), and reverse any of the rules above: ``parameter_roles(model, {"*.ia3_l.*": "hidden"})``, then
+``build_optimizer("muon", model, muon_rule=lambda n, p: roles[n] == "hidden")`` and
+``taylor_split(..., subset=[n for n, r in roles.items() if r == "hidden"])``. The roles drive Muon's
+parameter split (:func:`~curvlab.optim.build_optimizer`), the hidden subset of
+:func:`~curvlab.curvature.taylor_split` and the ``"layer"``/``"kind"`` groupings of :mod:`curvlab.blocks`.
 """
 
 from __future__ import annotations
@@ -80,6 +89,21 @@ def head_module(model: nn.Module) -> nn.Module | None:
     return last
 
 
+def _linear_types() -> tuple[type, ...]:
+    """The modules whose 2-D weight is a linear map (a size-1 side included)."""
+    return (nn.Linear, *_CONVS, *_conv1d_types())
+
+
+def patch_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's input patch embedding: its first linear map or convolution (in registration order),
+    when that is a convolution with stride equal to its kernel size; ``None`` otherwise. (Tables
+    such as ViT's class token and position embeddings are not linear maps, and are passed over.)"""
+    first = next((m for m in model.modules() if isinstance(m, _linear_types())), None)
+    if isinstance(first, _CONVS) and tuple(first.stride) == tuple(first.kernel_size):
+        return first
+    return None
+
+
 def parameter_roles(model: nn.Module, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     """The role of every parameter of ``model``, keyed by name (see the module docstring).
 
@@ -104,16 +128,22 @@ def parameter_roles(model: nn.Module, overrides: Mapping[str, str] | None = None
     for module in model.modules():
         if isinstance(module, _EMBEDDINGS):
             claim(module.parameters(recurse=False), "embedding")
+    patches = patch_embedding(model)
+    if patches is not None:
+        claim(patches.parameters(recurse=False), "embedding")
     for module in model.modules():
         if is_norm(module):
             claim(module.parameters(recurse=False), "norm")
     convs = _CONVS + _conv1d_types()
+    linear = _linear_types()
     for module in model.modules():
         bias = getattr(module, "bias", None)
         if isinstance(bias, nn.Parameter) and bias.dim() == 1:
             claim([bias], "bias")
         for p in module.parameters(recurse=False):
-            if p.dim() == 2 or (p.dim() > 2 and isinstance(module, convs)):
+            if p.dim() == 2 and 1 in p.shape and not isinstance(module, linear):
+                claim([p], "other")  # a vector stored as a matrix (IA3's)
+            elif p.dim() == 2 or (p.dim() > 2 and isinstance(module, convs)):
                 claim([p], "hidden")
     roles = {name: role_of.get(id(p), "other") for name, p in model.named_parameters(remove_duplicate=False)}
     for pattern, role in (overrides or {}).items():
