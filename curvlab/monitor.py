@@ -249,7 +249,9 @@ class CurvatureMonitor:
         every: measure at steps k with ``k % every == 0`` (:meth:`due`).
         blocks: a block grouping (``"layer"``, ``"tensor"``, ``"kind"`` or ``{block: [globs]}``) for
             the within/cross split, or ``None`` (no split: 2 HVPs per row instead of L + 1).
-        subset: the second scope's parameter names (default: the hidden 2-D matrices; ``[]``: none).
+        subset: the second scope's parameter names (default: the hidden matrices by the model's
+            structure, :func:`~curvlab.blocks.hidden_matrices` with the model, as
+            :func:`~curvlab.curvature.taylor_split` chooses them; ``[]``: none).
         max_grad_norm: gradient clipping of the run, for :meth:`measure_next`.
         dtype: computation dtype (default float32, float64 for float64 parameters).
         on_row: called with every row as it is made (to write it somewhere).
@@ -281,7 +283,8 @@ class CurvatureMonitor:
         self.dtype = working_dtype(params, dtype)
         if blocks is not None:
             group_parameters(params, blocks)  # a bad grouping fails here, not mid-run
-        self.subset = hidden_matrices(params) if subset is None else list(subset)
+        # by structure, as taylor_split's default (a ViT's classifier is not hidden, its patch conv may be)
+        self.subset = hidden_matrices(params, model) if subset is None else list(subset)
         unknown = [n for n in self.subset if n not in params]
         if unknown:
             raise CurvlabError(f"subset names unknown parameters: {unknown[:3]}")
