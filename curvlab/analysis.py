@@ -18,12 +18,13 @@ Two choices, stated because they differ from a literal replay of the run:
 
 Report JSON (``REPORT_SCHEMA_VERSION`` = 2)::
 
-    schema_version, checkpoint, step, val_loss, optimizer, settings{blocks, batch, batches, dtype,
-    block_method, hvp_method, spectrum_top}, loss, nds, first_order, curvature_penalty, predicted, realized,
-    update_norm, grad_norm, cosine, hidden{the same eight, over the hidden 2-D matrices, or null},
-    blocks{grouping, names, matrix, within, cross, nds (the total, = sum(matrix)), rho_within, first_order[],
-    norm[], block_nds[] (each block's own NDS), asymmetry, members}, spectrum, next_batch{source, seed,
-    micro_batches, rows}, timing{seconds, hvp_seconds}
+    schema_version, checkpoint, step, val_loss (null where the checkpoint has none), optimizer,
+    settings{blocks, batch, batches, dtype, block_method, hvp_method, spectrum_top}, loss, nds,
+    first_order, curvature_penalty, predicted, realized, update_norm, grad_norm, cosine,
+    hidden{the same eight, over the hidden 2-D matrices, or null}, blocks{grouping, names, matrix,
+    within, cross, nds (the total, = sum(matrix)), rho_within, first_order[], norm[], block_nds[] (each
+    block's own NDS), asymmetry, members}, spectrum, next_batch{source, seed, micro_batches, rows},
+    timing{seconds, hvp_seconds}
 
 Identities that always hold: sum(blocks.matrix) = blocks.nds = nds, within + cross = nds,
 predicted = first_order - curvature_penalty.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -249,7 +251,8 @@ class CurvatureReport:
             "schema_version": REPORT_SCHEMA_VERSION,
             "checkpoint": self.checkpoint,
             "step": self.step,
-            "val_loss": self.val_loss,
+            # nanoGPT and Trainer checkpoints record no validation loss: null, not NaN (strict JSON)
+            "val_loss": self.val_loss if math.isfinite(self.val_loss) else None,
             "optimizer": self.optimizer,
             "settings": asdict(self.settings),
             **split,

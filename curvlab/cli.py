@@ -15,6 +15,7 @@ import numpy as np
 import typer
 
 import curvlab
+from curvlab.atomic import check_output
 from curvlab.distributed import distributed_context
 from curvlab.errors import CurvlabError
 from curvlab.hvp import DEFAULT_METHOD
@@ -30,13 +31,14 @@ app.add_typer(pcfg_app, name="pcfg")
 
 
 def one_line_errors(fn):
-    """Turn the library's :class:`CurvlabError` (and missing files) into ``error: ...`` and exit status 2."""
+    """Turn the library's :class:`CurvlabError` (and missing or unwritable files) into ``error: ...`` and
+    exit status 2."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (CurvlabError, FileNotFoundError, NotADirectoryError) as e:
+        except (CurvlabError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
             # torchrun's environment, not the process group: that is torn down before we get here
             world = int(os.environ.get("WORLD_SIZE", "1"))
             where = f"rank {os.environ.get('RANK', '0')}/{world}: " if world > 1 else ""
@@ -208,6 +210,7 @@ def train(
         if not fields.get(required):
             raise CurvlabError(f"--{required} is required (or give it in --config)")
     cfg = TrainConfig.from_dict(fields)
+    check_output(cfg.out, directory=True)
     monitor = None
     if curvature_every:
         monitor = MonitorSettings(curvature_every, curvature_batches, curvature_windows, blocks, curvature_stop)
@@ -266,6 +269,8 @@ def nds(
     """
     from curvlab.analysis import analyze_checkpoint
 
+    if out:
+        check_output(out)  # before the analysis, not after it
     with distributed_context() as (rank, _):
         report = analyze_checkpoint(
             checkpoint, _settings(blocks, batch, batches, dtype, block_method, hvp_method), data, device
@@ -273,7 +278,8 @@ def nds(
     if rank != 0:
         return
     d = report.to_dict()
-    typer.echo(f"{checkpoint}: step {d['step']}, optimizer {d['optimizer']}, val loss {d['val_loss']:.4f}")
+    val = "none recorded" if d["val_loss"] is None else f"{d['val_loss']:.4f}"
+    typer.echo(f"{checkpoint}: step {d['step']}, optimizer {d['optimizer']}, val loss {val}")
     keys = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "grad_norm", "cosine")
     hidden = d["hidden"] or {}
     print_table([(k, d[k], hidden.get(k, "")) for k in keys], ("quantity", "all parameters", "hidden matrices"))
@@ -324,6 +330,7 @@ def compare(
     from curvlab.studies import RATIO_KEYS, compare_runs
 
     settings = _settings(blocks, batch, batches, dtype, "hvp", hvp_method)
+    check_output(out, directory=True)
     with distributed_context() as (rank, _):
         result = compare_runs(
             run_a, run_b, out, levels, tolerance, settings, device, not quiet and rank == 0, phase, window
@@ -364,6 +371,7 @@ def track(
     from curvlab.studies import track_run, track_source
 
     out = out or run / "track"
+    check_output(out, directory=True)
     if track_source(run, source) == "monitor":
         _track_monitor(run, out, every)
         return
@@ -425,6 +433,8 @@ def spectrum(
     from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
 
     settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype)
+    if out:
+        check_output(out, directory=True)
     budget = None if memory is None else int(memory * 1e9)
     result = checkpoint_spectrum(
         checkpoint, top, bottom, trace, density, blocks, preconditioned, settings, data, device, max_iter,
@@ -475,6 +485,7 @@ def quadratic(
     from curvlab.plots import quadratic_phase, quadratic_trajectories
     from curvlab.quadratic import TwoLevelSpec, quadratic_study
 
+    check_output(out, directory=True)
     spec = TwoLevelSpec(d, d, q, m, w_high, w_low, sigma_high, sigma_low)
     result = quadratic_study(spec, steps=steps, sweep_steps=sweep_steps, outside_theorem=outside_theorem)
     atomic_write_text(out / "quadratic.json", json.dumps(result))
@@ -512,6 +523,7 @@ def reproduce(
     if preset not in PRESETS:
         raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     out = out or Path("results") / preset
+    check_output(out, directory=True)
     summary = Reproduction(PRESETS[preset], out, fineweb, progress=not quiet).run()
     for name in ("nds_ratio", "update_norm_ratio", "nds_ratio_moonlight"):
         for scope in ("all", "hidden"):
@@ -548,6 +560,7 @@ def finetune(
         raise CurvlabError(f"--rank must be >= 1, got {rank}")
     chosen = with_preset(preset, rank=rank, seeds=seeds)
     out = out or Path("results") / f"finetune-{preset}"
+    check_output(out, directory=True)
     result = Finetune(chosen, out, base, data, progress=not quiet).run()
     for line in finetune_table(result):
         typer.echo(line)
