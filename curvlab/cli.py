@@ -142,7 +142,9 @@ def train(
     batch_size: int = typer.Option(None, help="Sequences per step. [default: 16]"),
     seq_len: int = typer.Option(None, help="Tokens per sequence. [default: the model's block size]"),
     warmup_steps: int = typer.Option(None, help="Linear warmup steps. [default: 20]"),
-    schedule: str = typer.Option(None, help="cosine, wsd or constant. [default: cosine]"),
+    schedule: str = typer.Option(
+        None, help="wsd (warmup-stable-decay, which compare pairs in), cosine or constant. [default: wsd]"
+    ),
     cooldown_frac: float = typer.Option(None, help="Decaying share of steps for wsd. [default: 0.2]"),
     min_lr_frac: float = typer.Option(None, help="Schedule floor as a fraction of the peak. [default: 0.1]"),
     grad_clip: float = typer.Option(None, help="Gradient-norm clip; 0 disables. [default: 1.0]"),
@@ -165,6 +167,11 @@ def train(
         None, help="Also the within/cross split of this grouping: layer, tensor or kind (about 3x a row's cost)."
     ),
     curvature_stop: bool = typer.Option(False, help="Stop at a non-finite curvature row (else record it, go on)."),
+    tensorboard: Path = typer.Option(
+        None,
+        help="Also write TensorBoard scalars here: train/val loss, lr, and the curvature rows "
+        "(pip install 'curvlab[tensorboard]').",
+    ),
 ) -> None:
     """Train a GPT with one optimizer, keeping checkpoints ready for curvature analysis.
 
@@ -211,11 +218,13 @@ def train(
             raise CurvlabError(f"--{required} is required (or give it in --config)")
     cfg = TrainConfig.from_dict(fields)
     check_output(cfg.out, directory=True)
+    if tensorboard is not None:
+        check_output(tensorboard, directory=True)
     monitor = None
     if curvature_every:
         monitor = MonitorSettings(curvature_every, curvature_batches, curvature_windows, blocks, curvature_stop)
     with distributed_context() as (rank, world):
-        result = run_training(cfg, progress=not quiet, rank=rank, world=world, monitor=monitor)
+        result = run_training(cfg, progress=not quiet, rank=rank, world=world, monitor=monitor, tensorboard=tensorboard)
     if rank == 0:
         resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
         ranks = f" on {world} ranks" if world > 1 else ""
