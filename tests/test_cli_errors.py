@@ -31,6 +31,7 @@ def trainer_checkpoint(tmp_path_factory):
     ids = torch.randint(1, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, save_steps=2,
+        lr_scheduler_type="constant",
         report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
     )  # fmt: skip
     config = GPT2Config(vocab_size=VOCAB, n_positions=8, n_embd=16, n_layer=1, n_head=2)
@@ -137,3 +138,19 @@ def test_a_bad_out_is_refused_before_computing(trainer_checkpoint, tmp_path, rea
     assert_refused(["compare", tmp_path, tmp_path, "--out", read_only_dir / "cmp"], "can't write")
     data_arg = ["--data", data, "--steps", "1", "--quiet"]
     assert_refused(["train", "--out", read_only_dir / "run", *data_arg], "can't write")
+
+
+def test_a_trainer_report_is_strict_json(trainer_checkpoint, tmp_path):
+    import json
+
+    path, data = trainer_checkpoint
+    out = tmp_path / "report.json"
+    r = runner.invoke(app, ["nds", str(path), "--data", str(data), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "val loss none recorded" in r.output  # a Trainer checkpoint records no validation loss
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    report = json.loads(out.read_text(), parse_constant=refuse)
+    assert report["val_loss"] is None and report["step"] == 2
