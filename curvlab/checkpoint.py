@@ -87,7 +87,9 @@ def read_file(path: str | Path, what: str = "checkpoint", map_location: str | to
     with open(path, "rb") as f:
         head = f.read(len(_LEGACY_TORCH))
     if not zipfile.is_zipfile(path) and head != _LEGACY_TORCH:
-        raise CurvlabError(f"{path}: unreadable {what}: not a whole file torch.save wrote (cut short, or other bytes)")
+        raise CurvlabError(
+            f"{path}: corrupt or unreadable {what}: not a whole file torch.save wrote (cut short, or other bytes)"
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except _CORRUPT as e:

@@ -60,7 +60,7 @@ from curvlab.errors import CurvlabError
 from curvlab.exact_ops import exact_second_order
 from curvlab.hvp import working_dtype
 from curvlab.loss import LossFn, count_loss_terms, make_loss_fn, weighted_batches
-from curvlab.optim import next_update
+from curvlab.optim import Optimizers, next_update
 
 MONITOR_SCHEMA_VERSION = 1
 ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training rows have none
@@ -254,7 +254,8 @@ class CurvatureMonitor:
 
     Args:
         model: the model being trained; its trainable parameters (``requires_grad``) are W.
-        optimizer: its optimizer (needed only by :meth:`measure_next`).
+        optimizer: its optimizer, or a list of them (needed only by :meth:`measure_next`; any
+            optimizer :func:`~curvlab.optim.next_update` takes).
         loss_fn: ``loss_fn(params, batch) -> scalar``, e.g. :func:`~curvlab.loss.make_loss_fn`.
         batches: the held-out batch set D (a batch or a list of batches, accumulated with loss-term
             weights), fixed for the whole run. Move it to the model's device yourself.
@@ -275,7 +276,7 @@ class CurvatureMonitor:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: Optimizers | None,
         loss_fn: LossFn,
         batches: Any,
         every: int = 50,

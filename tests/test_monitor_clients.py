@@ -206,3 +206,25 @@ def test_lightning_callback_measures_the_steps_lightning_takes(tmp_path):
     assert [int(r["step"]) for r in logged] == [0, 2]
     for r, row in zip(logged, monitor.rows):
         assert {k: float(r[k]) for k in row.scalars()} == row.scalars()  # (CSV keeps Python's float repr)
+
+
+def test_the_step_a_users_optimizer_pair_would_take_is_the_step_it_takes():
+    from curvlab.models.gpt import GPT, get_config
+
+    torch.manual_seed(0)
+    model = GPT(get_config("tiny", vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n and "lm_head" not in n]
+    rest = [p for p in model.parameters() if all(p is not q for q in matrices)]
+    optimizers = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=3e-3)]
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 32, (6, 9), generator=g)
+    step_batch, held = (idx[:4, :-1], idx[:4, 1:]), (idx[4:, :-1], idx[4:, 1:])
+    loss_fn = make_loss_fn(model)
+    monitor = CurvatureMonitor(model, optimizers, loss_fn, held, every=1)
+    would = monitor.measure_next(0, step_batch)
+    before = monitor.snapshot()
+    loss_fn(dict(model.named_parameters()), step_batch).backward()
+    for o in optimizers:
+        o.step()
+    took = monitor.measure_taken(0, before)
+    assert would.ok and would.split == took.split and would.hidden == took.hidden
