@@ -531,7 +531,8 @@ def next_update(
 
     An optimizer whose step needs a closure (``torch.optim.LBFGS``; SAM, which asks for it) gets
     one: it sets every trainable parameter's ``.grad`` to the (clipped) gradient of ``loss_fn`` on
-    ``batch`` at the point it is called, and returns the loss; G is the gradient at W, taken first.
+    ``batch`` at the point it is called, and returns the loss. G is the gradient at W, taken first,
+    and left in ``.grad`` for the step, as in a loop that runs ``backward()`` then ``step(closure)``.
 
     A list of micro-batches (or :class:`~curvlab.loss.Batches`) is one step with gradient
     accumulation: :math:`G = \sum_j w_j \nabla L_j` with :math:`w_j` each micro-batch's share of
@@ -599,6 +600,7 @@ def next_update(
         with forked_rng(moved):
             gradient()
             G = {n: p.grad.detach().to(_result_dtype(p, dtype)).clone() for n, p in zip(names, params)}
+            at_w = [p.grad.clone() for p in params]  # for a second try with a closure
             for p in others:
                 p.grad = None  # a frozen parameter an optimizer holds takes no step
             for k, o in enumerate(optimizers):
@@ -607,11 +609,13 @@ def next_update(
                 except Exception as e:
                     if _needs_closure(o) or not _asks_for_closure(e):
                         raise
-                    # it wanted a closure (SAM asserts one): again from W, on a fresh copy, with one
+                    # it wanted a closure (SAM asserts one): again from W and G, on a fresh copy, with
+                    # one (G not recomputed: no random draws between the gradient and the step)
                     with torch.no_grad():
                         for p, b in zip(moved, before):
                             p.copy_(b)
-                    gradient()
+                    for p, g in zip(params, at_w):
+                        p.grad = g.clone()
                     _step(_scaled(copy_optimizer(o), lr_scale), gradient, True)
         Z = {
             n: (b.double() - p.detach().double()).to(_result_dtype(p, dtype)) for n, b, p in zip(names, before, params)

@@ -213,10 +213,11 @@ def build_after_the_same_steps():
 
 
 def test_closure_optimizers_lbfgs_and_sam():
-    model = tiny_gpt()
+    # dropout on: the closure's evaluations draw after the gradient's, as in backward() then step(closure)
+    model = tiny_gpt(dropout=0.1).train()
     lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3, history_size=4)
     assert check_next_update_is_the_real_step(model, [lbfgs], closure=True, steps=2) == 0.0
-    model = tiny_gpt()
+    model = tiny_gpt(dropout=0.1).train()
     sam = SAM(model.parameters(), torch.optim.SGD, rho=0.05, lr=0.1, momentum=0.9)
     assert check_next_update_is_the_real_step(model, [sam], closure=True) == 0.0
 
