@@ -32,13 +32,19 @@ def line_interval() -> float:
 
 
 def progress(
-    iterable: Iterable, desc: str, disable: bool = False, total: int | None = None, stream: IO[str] | None = None
+    iterable: Iterable,
+    desc: str,
+    disable: bool = False,
+    total: int | None = None,
+    stream: IO[str] | None = None,
+    leave: bool = True,
 ) -> Any:
     """``iterable`` with progress shown on ``stream`` (default stderr): a tqdm bar when ``stream`` is a
-    terminal, else :class:`LineProgress`. Both take ``set_postfix(**values)`` and ``close()``."""
+    terminal (``leave=False``: erased when done), else :class:`LineProgress`. Both take
+    ``set_postfix(**values)`` and ``close()``."""
     stream = sys.stderr if stream is None else stream
     if disable or _is_terminal(stream):
-        return tqdm(iterable, desc=desc, total=total, disable=disable, file=stream)
+        return tqdm(iterable, desc=desc, total=total, disable=disable, file=stream, leave=leave)
     return LineProgress(iterable, desc, total, line_interval(), stream)
 
 
