@@ -48,6 +48,12 @@ def progress(
     return LineProgress(iterable, desc, total, line_interval(), stream)
 
 
+def refresh_interval(stream: IO[str] | None = None) -> float:
+    """``mininterval`` for a tqdm bar driven by ``update()``: tqdm's 0.1 s on a terminal, else the
+    plain-line interval (a bar written to a log then redraws every 30 s, not ten times a second)."""
+    return 0.1 if _is_terminal(sys.stderr if stream is None else stream) else line_interval()
+
+
 def _is_terminal(stream: IO[str]) -> bool:
     try:
         return stream.isatty()
