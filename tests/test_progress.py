@@ -34,3 +34,12 @@ def test_a_terminal_gets_a_bar_anything_else_plain_lines(monkeypatch):
     for _ in progress(range(3), desc="work", disable=True, stream=quiet):
         pass
     assert quiet.getvalue() == ""
+
+
+def test_an_update_driven_bar_redraws_at_the_line_interval_off_a_terminal(monkeypatch):
+    from curvlab.progress import refresh_interval
+
+    monkeypatch.setenv("CURVLAB_PROGRESS_INTERVAL", "7")
+    assert refresh_interval(Terminal()) == 0.1 and refresh_interval(io.StringIO()) == 7.0
+    monkeypatch.delenv("CURVLAB_PROGRESS_INTERVAL")
+    assert refresh_interval(io.StringIO()) == 30.0
