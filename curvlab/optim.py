@@ -225,7 +225,14 @@ class JointState(MutableMapping):
         raise KeyError(p)
 
     def __getitem__(self, p: Any) -> Any:
-        return self._owner(p).state[p]
+        return self._owner(p).state[p]  # (a child's defaultdict makes a missing entry, as torch's own)
+
+    def __contains__(self, p: Any) -> bool:
+        return any(p in o.state for o in self._optimizers)
+
+    def get(self, p: Any, default: Any = None) -> Any:
+        """The state of ``p``, or ``default`` where there is none yet (nothing is made, as ``dict.get``)."""
+        return next((o.state[p] for o in self._optimizers if p in o.state), default)
 
     def __setitem__(self, p: Any, value: Any) -> None:
         self._owner(p).state[p] = value

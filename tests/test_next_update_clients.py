@@ -232,3 +232,15 @@ def test_g_and_z_come_in_the_parameters_dtype():
     G32, Z32 = next_update(model, opt, loss_fn, batch_for(model), dtype=torch.float32)
     assert {t.dtype for t in [*G32.values(), *Z32.values()]} == {torch.float32}
     assert all(torch.equal(Z32[n], Z[n].float()) for n in Z)
+
+
+def test_the_combined_state_reads_like_a_dict():
+    model = tiny_gpt()
+    opt = build_optimizer("muon", model)
+    p = model.lm_head.weight
+    assert p not in opt.state and opt.state.get(p) is None and len(opt.state) == 0  # nothing made by reading
+    real_step(model, [opt], make_loss_fn(model), batch_for(model))
+    assert p in opt.state and opt.state.get(p) is opt.optimizers["adamw"].state[p]
+    assert len(opt.state) == len(list(model.parameters())) == len(dict(opt.state.items()))
+    opt.state[p]["extra"] = 1  # writes reach the child holding p
+    assert opt.optimizers["adamw"].state[p]["extra"] == 1
