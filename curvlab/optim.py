@@ -618,9 +618,11 @@ def next_update(
                         raise
                     # it wanted a closure (SAM asserts one): again from W and G, on a fresh copy, with
                     # one (G not recomputed: no random draws between the gradient and the step)
+                    own = {id(p) for g in o.param_groups for p in g["params"]}
                     with torch.no_grad():
                         for p, b in zip(moved, before):
-                            p.copy_(b)
+                            if id(p) in own:  # (the optimizers before it in the list have stepped)
+                                p.copy_(b)
                     for p, g in zip(params, at_w):
                         p.grad = g.clone()
                     _step(_scaled(copy_optimizer(o), lr_scale), gradient, True)

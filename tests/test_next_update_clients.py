@@ -244,3 +244,12 @@ def test_the_combined_state_reads_like_a_dict():
     assert len(opt.state) == len(list(model.parameters())) == len(dict(opt.state.items()))
     opt.state[p]["extra"] = 1  # writes reach the child holding p
     assert opt.optimizers["adamw"].state[p]["extra"] == 1
+
+
+def test_a_closure_optimizer_after_another_in_a_list():
+    model = tiny_gpt()
+    matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n and "lm_head" not in n]
+    rest = [p for p in model.parameters() if all(p is not q for q in matrices)]
+    pair = [torch.optim.SGD(matrices, lr=0.1, momentum=0.9), SAM(rest, torch.optim.SGD, rho=0.05, lr=0.1)]
+    # (deterministic model: the SGD's own evaluation of the closure in the real loop changes nothing)
+    assert check_next_update_is_the_real_step(model, pair, closure=True) == 0.0
