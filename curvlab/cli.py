@@ -143,7 +143,7 @@ def train(
     seq_len: int = typer.Option(None, help="Tokens per sequence. [default: the model's block size]"),
     warmup_steps: int = typer.Option(None, help="Linear warmup steps. [default: 20]"),
     schedule: str = typer.Option(
-        None, help="wsd (warmup-stable-decay, which compare pairs in), cosine or constant. [default: wsd]"
+        None, help="wsd (warmup-stable-decay, which compare pairs in), cosine or constant (default: wsd)."
     ),
     cooldown_frac: float = typer.Option(None, help="Decaying share of steps for wsd. [default: 0.2]"),
     min_lr_frac: float = typer.Option(None, help="Schedule floor as a fraction of the peak. [default: 0.1]"),
@@ -170,7 +170,7 @@ def train(
     tensorboard: Path = typer.Option(
         None,
         help="Also write TensorBoard scalars here: train/val loss, lr, and the curvature rows "
-        "(pip install 'curvlab[tensorboard]').",
+        "(needs the tensorboard package: the curvlab extra of that name).",
     ),
 ) -> None:
     """Train a GPT with one optimizer, keeping checkpoints ready for curvature analysis.

@@ -228,3 +228,28 @@ def test_the_step_a_users_optimizer_pair_would_take_is_the_step_it_takes():
         o.step()
     took = monitor.measure_taken(0, before)
     assert would.ok and would.split == took.split and would.hidden == took.hidden
+
+
+def test_without_the_optional_packages_one_line_says_which(pcfg_data, tmp_path, monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from curvlab.cli import app
+    from curvlab.errors import CurvlabError
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard weren't installed
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    run = tmp_path / "run"
+    args = ["train", "--data", str(pcfg_data), "--out", str(run), "--steps", "1", "--tensorboard", str(tmp_path / "tb")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "error: --tensorboard needs the tensorboard package: pip install 'curvlab[tensorboard]'"
+    ]
+    assert not run.exists() and not (tmp_path / "tb").exists()
+    with pytest.raises(CurvlabError, match=r"pip install 'curvlab\[lightning\]'"):
+        net = Net()
+        batch = (torch.randn(2, 6), torch.tensor([0, 1]))
+        curvature_lightning_callback(
+            CurvatureMonitor(net, None, make_loss_fn(net, torch.nn.functional.cross_entropy), batch)
+        )
