@@ -16,7 +16,7 @@ Two choices, stated because they differ from a literal replay of the run:
   from ``--data``, seeded with the checkpoint's step; the report's ``next_batch`` records the seed
   and the (shard, offset) of every row. A curvlab checkpoint resumes its own loader.
 
-Report JSON (``REPORT_SCHEMA_VERSION`` = 2)::
+Report JSON (``REPORT_SCHEMA_VERSION`` = 3)::
 
     schema_version, checkpoint, step, val_loss (null where the checkpoint has none), optimizer,
     settings{blocks, batch, batches, dtype, block_method, hvp_method, spectrum_top}, loss, nds,
@@ -24,7 +24,12 @@ Report JSON (``REPORT_SCHEMA_VERSION`` = 2)::
     hidden{the same eight, over the hidden 2-D matrices, or null}, blocks{grouping, names, matrix,
     within, cross, nds (the total, = sum(matrix)), rho_within, first_order[], norm[], block_nds[] (each
     block's own NDS), asymmetry, members}, spectrum, next_batch{source, seed, micro_batches, rows},
-    timing{seconds, hvp_seconds}
+    paired (or null), timing{seconds, hvp_seconds}
+
+``paired``: at a checkpoint whose run keeps a shadow state of the other arm (:mod:`curvlab.shadow`),
+the AdamW and Muon directions at the same W, on the same batch D, under the same H
+(:class:`curvlab.directions.PairedDirections`: the run's real step and the shadow's step, each with
+NDS, cos(G, Z) and q = cos²/NDS over all parameters and the hidden matrices); null without a shadow.
 
 Identities that always hold: sum(blocks.matrix) = blocks.nds = nds, within + cross = nds,
 predicted = first_order - curvature_penalty.
@@ -45,15 +50,18 @@ import torch
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import check_device, read_checkpoint
 from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split, taylor_split_and_block_matrix
+from curvlab.directions import PAIRED, PairedDirections, directions_table, paired_directions, parse_directions
 from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
 from curvlab.hvp import DEFAULT_METHOD, check_method
 from curvlab.loss import ModuleLoss, make_loss_fn
 from curvlab.models.nanogpt import load_nanogpt
 from curvlab.optim import next_update
+from curvlab.shadow import ShadowState
 from curvlab.spectral import CheckpointSpectrum, UpdateSpectrum
 
-REPORT_SCHEMA_VERSION = 2  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own
+REPORT_SCHEMA_VERSION = 3  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own; 3: paired
+DIRECTIONS_SCHEMA_VERSION = 1
 BATCHES = ("train", "val")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 SCALAR_KEYS = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "grad_norm", "cosine")
@@ -70,6 +78,7 @@ class AnalysisSettings:
     block_method: str = "hvp"
     hvp_method: str = "rev_rev"  # rev_rev (double backward) or fwd_rev (jvp of grad): equal to rounding
     spectrum_top: int = 0  # > 0: also λ_max, the top-k eigenvalues, Z's overlap with them and the trace
+    paired: bool = True  # with a shadow state in the checkpoint: the AdamW and Muon directions at the same point
 
     def validate(self) -> None:
         if self.batch not in BATCHES:
@@ -124,6 +133,7 @@ class Target:
     val_loss: float
     optimizer_name: str
     draw: BatchDraw = BatchDraw("checkpoint")
+    shadow: ShadowState | None = None  # the run's shadow of the other arm, if it keeps one
 
 
 def open_checkpoint(path: str | Path, data: str | Path | None = None, device: str = "cpu", batches: int = 1) -> Target:
@@ -201,6 +211,7 @@ def _curvlab_target(path: Path, ckpt: dict, data, device: str, batches: int) -> 
         run.step,
         float(ckpt.get("val_loss", float("nan"))),
         cfg.optimizer,
+        shadow=run.shadow,
     )
 
 
@@ -242,6 +253,7 @@ class CurvatureReport:
     hvp_seconds: float
     spectrum: UpdateSpectrum | None = None
     next_batch: BatchDraw | None = None
+    paired: PairedDirections | None = None
 
     def to_dict(self) -> dict[str, Any]:
         split = self.split.to_dict()
@@ -260,6 +272,7 @@ class CurvatureReport:
             "blocks": {"grouping": self.settings.blocks, **self.blocks.to_dict()},
             "spectrum": None if self.spectrum is None else self.spectrum.to_dict(),
             "next_batch": None if self.next_batch is None else self.next_batch.to_dict(),
+            "paired": None if self.paired is None else self.paired.to_dict(),
             "timing": {"seconds": self.seconds, "hvp_seconds": self.hvp_seconds},
         }
 
@@ -295,7 +308,7 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
     model.eval()
     loss_fn: ModuleLoss = make_loss_fn(model)
     step_batch = target.train_batches[0]  # (a list of micro-batches when the run accumulates gradients)
-    _, Z = next_update(model, target.optimizer, loss_fn, step_batch, max_grad_norm=target.grad_clip)
+    G, Z = next_update(model, target.optimizer, loss_fn, step_batch, max_grad_norm=target.grad_clip)
     D = evaluation_batches(target, settings)
     params = {n: p.detach() for n, p in model.named_parameters()}
     dtype = DTYPES[settings.dtype]
@@ -313,6 +326,11 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
     spectrum = None
     if settings.spectrum_top:
         spectrum = update_spectrum(loss_fn, params, D, Z, split.nds, settings.spectrum_top, dtype)
+    paired = None
+    if settings.paired and target.shadow is not None:
+        paired = paired_directions(
+            model, target.optimizer, loss_fn, params, D, G, Z, PAIRED, target.shadow, dtype, method
+        )
     hvp_seconds = time.perf_counter() - hvp_start
     return CurvatureReport(
         checkpoint=checkpoint,
@@ -326,7 +344,113 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
         hvp_seconds=hvp_seconds,
         spectrum=spectrum,
         next_batch=target.draw,
+        paired=paired,
     )
+
+
+@dataclass(frozen=True)
+class DirectionReport:
+    """Counterfactual directions at one checkpoint (``curvlab nds CKPT --directions ...``): each
+    direction's NDS, cos(G, Z) and q over all parameters and the hidden matrices, at the same W, on the
+    same batch D, under the same H (:mod:`curvlab.directions`).
+
+    JSON (``DIRECTIONS_SCHEMA_VERSION`` = 1)::
+
+        schema_version, checkpoint, step, val_loss (or null), optimizer, settings{...}, paired{base, real, multiplier,
+        hidden_names, shadow (its settings, or null), directions[{name, source, scaling, all{nds,
+        first_order, curvature_penalty, update_norm, grad_norm, cosine, q}, hidden{...}}]}, seconds
+    """
+
+    checkpoint: str
+    step: int
+    val_loss: float
+    optimizer: str
+    settings: AnalysisSettings
+    paired: PairedDirections
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": DIRECTIONS_SCHEMA_VERSION,
+            "checkpoint": self.checkpoint,
+            "step": self.step,
+            "val_loss": self.val_loss if math.isfinite(self.val_loss) else None,  # (strict JSON: no NaN)
+            "optimizer": self.optimizer,
+            "settings": asdict(self.settings),
+            "paired": self.paired.to_dict(),
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DirectionReport:
+        if d.get("schema_version") != DIRECTIONS_SCHEMA_VERSION:
+            raise CurvlabError(f"directions schema {d.get('schema_version')} is not {DIRECTIONS_SCHEMA_VERSION}")
+        return cls(
+            d["checkpoint"],
+            d["step"],
+            math.nan if d["val_loss"] is None else d["val_loss"],
+            d["optimizer"],
+            AnalysisSettings(**d["settings"]),
+            PairedDirections.from_dict(d["paired"]),
+            d["seconds"],
+        )
+
+    def text(self) -> str:
+        """The report as printed: a header line and :func:`~curvlab.directions.directions_table`."""
+        val = f"{self.val_loss:.4f}" if math.isfinite(self.val_loss) else "none recorded"
+        head = f"{self.checkpoint}: step {self.step}, optimizer {self.optimizer}, val loss {val}"
+        return head + "\n" + directions_table(self.paired)
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+
+
+def analyze_directions(target: Target, names, settings: AnalysisSettings, checkpoint: str = "") -> DirectionReport:
+    """The directions ``names`` (``"adamw,muon,sgd,sign"`` or a list; :data:`curvlab.directions.DIRECTIONS`)
+    at ``target``'s W, with G and H on the evaluation batch D of ``settings``, and the real step and the
+    optimizer state from the next step's batch, as :func:`analyze` takes them (dropout off).
+
+    Raises:
+        CurvlabError: an unknown direction, a state the directions can't be formed from (see
+            :func:`curvlab.directions.counterfactual_directions`), bad settings.
+    """
+    settings.validate()
+    names = parse_directions(names)
+    start = time.perf_counter()
+    model = target.model
+    model.eval()  # dropout off, as in analyze
+    loss_fn = make_loss_fn(model)
+    G, Z = next_update(model, target.optimizer, loss_fn, target.train_batches[0], max_grad_norm=target.grad_clip)
+    D = evaluation_batches(target, settings)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    paired = paired_directions(
+        model, target.optimizer, loss_fn, params, D, G, Z, names, target.shadow, DTYPES[settings.dtype],
+        settings.hvp_method,
+    )  # fmt: skip
+    return DirectionReport(
+        checkpoint,
+        target.step,
+        target.val_loss,
+        target.optimizer_name,
+        settings,
+        paired,
+        time.perf_counter() - start,
+    )
+
+
+def checkpoint_directions(
+    path: str | Path,
+    names,
+    settings: AnalysisSettings | None = None,
+    data: str | Path | None = None,
+    device: str = "cpu",
+) -> DirectionReport:
+    """Open a checkpoint (any format :func:`open_checkpoint` reads) and compare the directions ``names``
+    at it (see :func:`analyze_directions`)."""
+    settings = settings or AnalysisSettings()
+    settings.validate()
+    names = parse_directions(names)  # (bad names fail before the checkpoint is opened)
+    return analyze_directions(open_checkpoint(path, data, device, settings.batches), names, settings, str(path))
 
 
 def update_spectrum(

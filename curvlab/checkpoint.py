@@ -13,6 +13,7 @@ data       the train loader's state (its generator), positioned at the next batc
 rng        torch's RNG state (dropout)
 val_loss   validation loss at this step (NaN if not evaluated)
 train_loss the last training loss
+shadow     (runs with ``shadow`` on) the other arm's shadow state: :mod:`curvlab.shadow`
 ========== =====================================================================
 
 Writes go to a temporary file that is renamed into place, so a crash mid-write leaves the previous

@@ -154,6 +154,9 @@ def train(
     val_windows: int = typer.Option(None, help="Fixed validation windows. [default: 64]"),
     device: str = typer.Option(None, help="auto, cpu, cuda, cuda:1, ... [default: auto]"),
     compile: bool = typer.Option(None, "--compile/--no-compile", help="torch.compile the model. [default: off]"),
+    shadow: bool = typer.Option(
+        None, "--shadow/--no-shadow", help="Keep a shadow state of the other arm (adamw <-> muon). [default: off]"
+    ),
     config: Path = typer.Option(None, help="A JSON file of these fields; options given here override it."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     curvature_every: int = typer.Option(
@@ -204,6 +207,7 @@ def train(
         "val_windows": val_windows,
         "device": device,
         "compile": compile,
+        "shadow": shadow,
     }
     fields.update({k: v for k, v in given.items() if v is not None})
     if grad_clip == 0:  # 0 means "no clipping", which None can't say on a command line
@@ -255,6 +259,12 @@ CHECKPOINT_HELP = (
 )
 BATCH_HELP = "Evaluate G, H and the decrease on the next step's batch (train) or on validation windows (val)."
 BATCHES_HELP = "Batches accumulated: train: the step's batch and the N-1 after it; val: the first N."
+DIRECTIONS_HELP = (
+    "Compare directions at the checkpoint instead (comma-separated: adamw, muon, sgd, sign): each one's NDS, "
+    "cos(G,Z) and q = cos²/NDS at the same W, batch and H; they differ on the hidden matrices only. From an "
+    "Adam state, muon is msign of Adam's first moment (an approximation) unless the run kept a shadow Muon; "
+    "from a Muon state, adamw needs a shadow Adam. --out writes this record's JSON."
+)
 HVP_METHOD_HELP = "HVP method: rev_rev (double backward, fastest) or fwd_rev (jvp of grad, for ops without it)."
 
 
@@ -271,19 +281,28 @@ def nds(
     block_method: str = typer.Option("hvp", help="hvp (one HVP per block) or alpha (Hessian in alpha)."),
     hvp_method: str = typer.Option("rev_rev", help=HVP_METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
+    directions: str = typer.Option(None, help=DIRECTIONS_HELP),
 ) -> None:
     """NDS, Taylor split and block interaction matrix of a checkpoint's next update.
 
     Z is the optimizer's next step, with dropout off as for G and H (see --data for its batch).
     """
-    from curvlab.analysis import analyze_checkpoint
+    from curvlab.analysis import analyze_checkpoint, checkpoint_directions
 
     if out:
         check_output(out)  # before the analysis, not after it
+    settings = _settings(blocks, batch, batches, dtype, block_method, hvp_method)
+    if directions is not None:
+        with distributed_context() as (rank, _):
+            compared = checkpoint_directions(checkpoint, directions, settings, data, device)
+        if rank == 0:
+            typer.echo(compared.text())
+            if out:
+                compared.save(out)
+                typer.echo(f"wrote {out}")
+        return
     with distributed_context() as (rank, _):
-        report = analyze_checkpoint(
-            checkpoint, _settings(blocks, batch, batches, dtype, block_method, hvp_method), data, device
-        )
+        report = analyze_checkpoint(checkpoint, settings, data, device)
     if rank != 0:
         return
     d = report.to_dict()

@@ -24,7 +24,9 @@ default :func:`plateau_ceiling`: within 5% of the unigram entropy of the validat
 aggregates leave such levels out (they stay in the results).
 
 Each side of a pair carries a *window*: the matched checkpoint and up to ``window`` neighbours on each
-side in the same phase, over which the analysis averages (a single step's NDS is noisy).
+side in the same phase, over which the analysis averages (a single step's NDS is noisy). The windows of
+one run's levels share no checkpoint, so that no checkpoint counts in two levels (levels are then
+closer to independent, and a single noisy step cannot sway two of them).
 """
 
 from __future__ import annotations
@@ -251,11 +253,15 @@ def match_runs(
         targets = np.asarray(levels, dtype=float)
         reach = [tolerance * t for t in targets]
     pairs, refused, used_a, used_b = [], [], set(), set()
+
+    def free(used: set[int], i: int) -> bool:
+        # windows share no checkpoint: a level's window must not touch another level's window
+        return used.isdisjoint(range(i - window_width, i + window_width + 1))
+
     for t, r in zip(targets, reach):
         order = np.argsort(np.abs(centres - t) + 1e-9 * mismatch[ii, jj])
-        # each checkpoint is the centre of one level at most, so that no window counts twice
-        free = (k for k in order if ii[k] not in used_a and jj[k] not in used_b)
-        pick = next((k for k in free if abs(centres[k] - t) <= r), None)
+        candidates = (k for k in order if free(used_a, int(ii[k])) and free(used_b, int(jj[k])))
+        pick = next((k for k in candidates if abs(centres[k] - t) <= r), None)
         if pick is None:
             refused.append(
                 f"level {t:.4f}: no pair of checkpoints{where} within {tolerance:.1%} of each other near it; "
@@ -263,8 +269,8 @@ def match_runs(
             )
             continue
         i, j = int(ii[pick]), int(jj[pick])
-        used_a.add(i)
-        used_b.add(j)
+        used_a.update(range(i - window_width, i + window_width + 1))
+        used_b.update(range(j - window_width, j + window_width + 1))
         target = float((la[i] + lb[j]) / 2)
         pairs.append(
             MatchedPair(

@@ -339,10 +339,7 @@ def reproduction_figures(data, summary, tuning: dict[str, Any], quadratic: dict[
 
     out = Path(out)
     s0 = data.s_values[0]
-    arms = {}
-    for r in data.comparisons:
-        if r.comparison is not None and r.comparison.headline_levels:
-            arms.setdefault(r.name.split("/")[1], []).append(r.comparison)
+    arms = data.against_adamw()
     entries = {e.name + ("" if e.scope == "all" else "_hidden"): e for e in summary.headline}
     written = {"tuning": tuning_grids(tuning, out / "tuning_grids")}
     if "muon" in arms:

@@ -3,30 +3,31 @@
 Stages, each skipped when its output already exists with the same settings (so an interrupted run,
 started again, continues from what is done), each timed (``timing.json``):
 
-1. data: Zipf-PCFG at each s (training at s, validation at s = 0);
-2. tune: at the first s, each optimizer arm's learning rate on a log2 grid of short runs with the
-   same schedule shape, several seeds per point, the grid extended while its best point sits at an
-   edge (:mod:`curvlab.tuning`). The arms are AdamW, Muon (the hybrid: Muon on the hidden matrices,
-   AdamW on the rest) and the step-size control Muon with RMS-matched scaling (``scale="moonlight"``),
-   all tuned alike. The hybrids' Adam-side learning rate is tied to AdamW's tuned value, or tuned on
-   its own grid (``adam_side``); ``tuning.json`` holds every grid;
-3. train: every arm and seed at the first s (dense checkpoints, for matched levels), AdamW and Muon
-   at the other s (for trajectories), all with a warmup-stable-decay schedule;
-4. compare: per seed, AdamW against each Muon arm at matched validation loss inside the stable
-   phase (:mod:`curvlab.match`), each level averaged over a window of neighbouring checkpoints;
-5. track: AdamW and Muon along their trajectories at every s (the Zipf sweep, rho_within over
-   training, the equal-step comparison);
-6. ``analysis/levels.json``, everything measured (:class:`curvlab.results.LevelData`), and from it
-   alone the headline with bootstrap intervals and verdicts (:func:`curvlab.results.headline`);
-7. with a fine-tuning preset (``micro``, ``standard``, ``paper``): LoRA adaptation of the first seed's
-   AdamW model to s = 1 under the adapter optimizers (:mod:`curvlab.finetune`, in ``finetune/``; its
-   section closes ``report.md``);
-8. the quadratic model; 9. figures; 10. ``summary.json`` and ``report.md``.
+1. data: Zipf-PCFG at each s (training at s, validation at s = 0), and each s's unigram plateau: the
+   validation loss of a model that learned only that s's training frequencies;
+2. tune, at the first s, on tuning seeds disjoint from the measured ones and at the compared horizon:
+   AdamW's and Muon's learning rates, either from the committed table (``lr_source="table"``, made by
+   the full search, :func:`search_lr_table`) and checked on a 3-point grid, or by the full search here
+   (log2 grids extended while the best point sits at an edge, :mod:`curvlab.tuning`). Muon's AdamW
+   side is tied to AdamW's lr, or tuned on its own grid (``adam_side``). The step-size control arm
+   (Muon with RMS-matched scaling, ``scale="moonlight"``) is not tuned: its lr is *set* so that its
+   hidden ||Z|| equals AdamW's at the first seed's matched levels (:meth:`Reproduction.control_lr`);
+3. per measurement seed (``analysis/seed<k>.json``): every arm's run at the first s and AdamW and Muon
+   at the other s, all under a warmup-stable-decay schedule; AdamW against each Muon arm at matched
+   validation loss inside the stable phase (:mod:`curvlab.match`, each level averaged over a window
+   of checkpoints that no other level shares); the trajectories; and, from the second seed on, the A/A
+   comparisons of this seed with the one before (AdamW vs AdamW, Muon vs Muon), which calibrate the
+   verdicts. Then the previous seed's checkpoints that no analysis read are deleted (``prune``);
+4. ``analysis/levels.json``, everything measured (:class:`curvlab.results.LevelData`), and from it
+   alone the headline with its intervals and verdicts (:func:`curvlab.results.headline`);
+5. with a fine-tuning preset: LoRA adaptation of the first seed's AdamW model to s = 1 under the
+   adapter optimizers (:mod:`curvlab.finetune`, in ``finetune/``; its section closes ``report.md``);
+6. the quadratic model; 7. figures; 8. ``summary.json`` and ``report.md``.
 
 Presets: ``micro`` (the test suite's, seconds), ``quick`` (the CPU default, ten minutes on two cores:
-everything at reduced size), ``standard`` (CPU, within an hour: three seeds, the paper's 4412-token
-grammar) and ``paper`` (a GPU: ``pcfg-9m`` on the s sweep, and ``gpt2-124m`` on FineWeb shards the
-user provides).
+AdamW and Muon, 5 seeds, s = 0, the paired design), ``standard`` (CPU, within an hour: 5 seeds, the
+paper's 4412-token grammar, the Zipf sweep and the control arm) and ``paper`` (a GPU: ``pcfg-9m`` on the
+s sweep, and ``gpt2-124m`` on FineWeb shards the user provides).
 """
 
 from __future__ import annotations
@@ -37,14 +38,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from curvlab.analysis import AnalysisSettings
+import numpy as np
+from scipy.stats import t as t_dist
+
+from curvlab.analysis import AnalysisSettings, load_report
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
-from curvlab.data.dataset import generate_pcfg_dataset, read_stats
+from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
 from curvlab.errors import CurvlabError
 from curvlab.jobs import StageClock, guard_config, record_invocation
 from curvlab.match import PLATEAU_FRACTION, plateau_ceiling
-from curvlab.models.gpt import MICRO_OVERRIDES, get_config
+from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
+from curvlab.optim import default_muon_rule, matrix_shape, muon_scale
 from curvlab.paper import REFERENCE_TRAINING
 from curvlab.results import ComparisonRecord, LevelData, Summary, TrackRecord, headline, taylor_counts
 from curvlab.studies import compare_runs, track_run
@@ -52,6 +57,10 @@ from curvlab.train import TrainConfig, TrainingDiverged, train
 from curvlab.tuning import TUNING_SCHEMA_VERSION, LrSearch, log2_grid, search_lr
 
 ADAM_SIDES = ("tied", "tuned")
+LR_SOURCES = ("table", "search")
+CONTROL_ARM = "muon-moonlight"
+LR_TABLE = Path(__file__).with_name("lr_table.json")
+LR_TABLE_SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -90,21 +99,26 @@ class Preset:
     warmup_steps: int = 10
     schedule: str = "wsd"
     cooldown_frac: float = 0.2
-    seeds: int = 3  # per arm, for the headline
+    seeds: int = 5  # per arm, measurement seeds 0 .. seeds - 1
     arms: tuple[str, ...] = ("adamw", "muon", "muon-moonlight")  # at the first s
     sweep_arms: tuple[str, ...] = ("adamw", "muon")  # at every s
     ckpt_every: int = 2  # at the first s: matched levels at a 1% tolerance need dense checkpoints
     sweep_ckpt_every: int = 10  # at the other s (trajectories only)
     val_windows: int = 64
-    # tuning (at the first s)
-    lr_centers: dict[str, float] = field(
-        default_factory=lambda: {"adamw": 0.004, "muon": 0.02, "muon-moonlight": 0.004}
-    )
+    # tuning (at the first s), on seeds tune_seed_base, tune_seed_base + 1, ... (disjoint from the measured ones)
+    lr_centers: dict[str, float] = field(default_factory=lambda: {"adamw": 0.004, "muon": 0.02})
     grid_points: int = 5
     tune_seeds: int = 2
-    tune_steps: int = 100
+    tune_seed_base: int = 1000
+    tune_steps: int | None = None  # None: the compared horizon (``steps``), so the lr is tuned for the runs compared
     max_extensions: int = 3
     adam_side: str = "tied"  # the hybrids' Adam-side lr: tied to AdamW's tuned lr, or tuned on its own grid
+    # "table": the learning rates of the committed table (curvlab/lr_table.json, made by the full search
+    # under this preset's name), checked on a 3-point grid around each; "search": the full search here
+    lr_source: str = "table"
+    check_points: int = 3
+    calibration: bool = True  # A/A comparisons: AdamW vs AdamW and Muon vs Muon on neighbouring seeds
+    prune: bool = True  # delete the checkpoints no analysis read, once a seed's analysis is done
     # matched comparison
     phase: str = "stable"
     plateau_fraction: float = PLATEAU_FRACTION  # levels within this fraction of the unigram entropy are flagged
@@ -127,7 +141,21 @@ class Preset:
     fineweb_ckpt_every: int = 250  # a gpt2-124m checkpoint with AdamW state is ~1.5 GB
     device: str = "auto"
 
+    @property
+    def tuning_steps(self) -> int:
+        return self.steps if self.tune_steps is None else self.tune_steps
+
+    def tuning_seeds(self) -> list[int]:
+        return [self.tune_seed_base + i for i in range(self.tune_seeds)]
+
     def validate(self) -> None:
+        if self.lr_source not in LR_SOURCES:
+            raise CurvlabError(f"lr_source must be one of {', '.join(LR_SOURCES)}, got {self.lr_source!r}")
+        if set(self.tuning_seeds()) & set(range(self.seeds)):
+            raise CurvlabError(
+                f"tuning seeds {self.tuning_seeds()} overlap the measurement seeds 0..{self.seeds - 1}: "
+                "raise tune_seed_base"
+            )
         if self.adam_side not in ADAM_SIDES:
             raise CurvlabError(f"adam_side must be one of {', '.join(ADAM_SIDES)}, got {self.adam_side!r}")
         unknown = sorted(set(self.arms) - set(ARMS))
@@ -154,15 +182,16 @@ PRESETS = {
         steps=20,
         batch_size=8,
         warmup_steps=2,
-        seeds=2,
+        seeds=3,
         ckpt_every=2,
         sweep_ckpt_every=5,
         val_windows=16,
         plateau_fraction=-0.2,  # its toy runs never leave the unigram plateau: flag only far above it
-        lr_centers={"adamw": 0.008, "muon": 0.04, "muon-moonlight": 0.008},
+        lr_centers={"adamw": 0.008, "muon": 0.04},
         grid_points=2,
         tune_seeds=1,
         tune_steps=4,
+        lr_source="search",
         max_extensions=1,
         compare_levels=2,
         tolerance=0.05,
@@ -182,42 +211,44 @@ PRESETS = {
         },
         device="cpu",
     ),
-    # A 1024-token version of the grammar: with the paper's 4412 tokens, 70% of `tiny` is embedding and
-    # head, and two CPUs for a few minutes don't get it past unigram statistics. Reduced sizes
-    # throughout (2 seeds, s = 0 and 1, short tuning runs, 1 evaluation batch per checkpoint): the
-    # report says so, and `standard` runs the full design.
+    # The paired design with power, on a CPU in ten minutes: AdamW and Muon, 5 seeds each, at s = 0 on a
+    # 1024-token version of the grammar (with the paper's 4412 tokens, 70% of `tiny` is embedding and
+    # head, and two CPUs for a few minutes don't get it past unigram statistics). The learning rates come
+    # from the committed table (made by the full search at this size and horizon), checked on a
+    # 3-point grid with one tuning seed. The Zipf sweep and the step-size control arm are `standard`'s.
+    # Sized from a pilot of the per-run spread (docs/science.md, the pilot): the paired log ratio's SD
+    # between seeds is about 0.1, so 5 seeds resolve a factor of 1.2; the between-run ratio's is 10x that.
     "quick": Preset(
         "quick",
         model_overrides={"vocab_size": 1088},
         grammar={"n_tokens": 1024},
-        s_values=(0.0, 1.0),
+        s_values=(0.0,),
+        arms=("adamw", "muon"),
         steps=200,
-        seeds=2,
-        tune_steps=100,
+        seeds=5,
+        tune_seeds=1,
+        ckpt_every=4,
         analysis_batches=1,
         track_interval=20,
         track_batches=1,
         device="cpu",
     ),
-    # The full design on the paper's 4412-token grammar (three seeds, s = 0, 0.5, 1, four evaluation
-    # batches per checkpoint), on a CPU within an hour.
+    # The full design on the paper's 4412-token grammar (5 seeds, s = 0, 0.5, 1, the step-size control
+    # arm, four evaluation batches per matched checkpoint), on a CPU within an hour.
     "standard": Preset(
         "standard",
         model_overrides={"vocab_size": 4416},
         tokens="4M",
         val_tokens="200k",
         steps=400,
-        seeds=3,
+        seeds=5,
+        tune_seeds=1,
         ckpt_every=4,
         sweep_ckpt_every=20,
         val_windows=64,
-        tune_steps=150,
         analysis_batches=4,
         track_interval=40,
-        track_batches=1,  # a trajectory mean already averages 10 checkpoints
-        # the quick-sized adaptation (about 6 minutes) keeps the preset within the hour; the full
-        # fine-tuning design is `curvlab finetune --preset standard` (about half an hour on its own)
-        finetune="quick",
+        track_batches=1,  # a trajectory mean already averages the stable phase's checkpoints
         device="cpu",
     ),
     "paper": Preset(
@@ -233,8 +264,8 @@ PRESETS = {
         sweep_ckpt_every=250,
         val_windows=512,
         # the paper's learning rates; the RMS-matched Muon's steps are AdamW-sized, so it starts from AdamW's
-        lr_centers={"adamw": _PAPER_LR["adamw"], "muon": _PAPER_LR["muon"], "muon-moonlight": _PAPER_LR["adamw"]},
-        tune_steps=1000,
+        lr_centers={"adamw": _PAPER_LR["adamw"], "muon": _PAPER_LR["muon"]},
+        lr_source="search",
         adam_side="tuned",
         compare_levels=10,
         window=2,
@@ -250,10 +281,88 @@ def _s_name(s: float) -> str:
     return f"s{s:g}"
 
 
-def unigram_entropy_nats(data_dir: str | Path) -> float:
-    """The unigram entropy of a Zipf-PCFG data directory's validation tokens, in nats: the loss of a
-    model that has learned only token frequencies (the unigram plateau)."""
-    return read_stats(data_dir)["val"]["entropy_bits"] * math.log(2)
+def final_loss_note(final: dict[str, dict[str, list]], steps: int) -> str:
+    """Each arm's final validation loss at equal steps, mean and 95% t interval over seeds, at each s:
+    whether Muon beats AdamW here at all, the premise the curvature is to explain."""
+    parts = []
+    for s, arms in final.items():
+        for arm, values in sorted(arms.items()):
+            x = np.array([v for v in values if v is not None], dtype=float)
+            if len(x) >= 2:
+                half = t_dist.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))
+                m = x.mean()
+                parts.append(f"{arm} at s = {s}: {m:.4f} [{m - half:.4f}, {m + half:.4f}] (n = {len(x)})")
+            elif len(x):
+                parts.append(f"{arm} at s = {s}: {x.mean():.4f} (n = 1)")
+    return f"Final validation loss at step {steps}, mean [95% t interval over seeds]: " + "; ".join(parts) + "."
+
+
+def read_lr_table(path: Path = LR_TABLE) -> dict[str, Any]:
+    """The committed learning-rate table: preset name -> the full search's ``chosen`` and its grids."""
+    if not path.is_file():
+        return {}
+    table = json.loads(path.read_text())
+    if table.get("schema_version") != LR_TABLE_SCHEMA_VERSION:
+        raise CurvlabError(f"{path}: schema {table.get('schema_version')} is not {LR_TABLE_SCHEMA_VERSION}")
+    return table["presets"]
+
+
+def search_lr_table(preset: Preset, out: str | Path, progress: bool = True) -> dict[str, Any]:
+    """The committed table's entry for ``preset``, made by the full protocol: ``grid_points``-point log2
+    grids extended at their edges, 2 tuning seeds per point (disjoint from the measured ones), runs at the
+    compared horizon. Writes it into :data:`LR_TABLE` (other presets' entries are kept)."""
+    full = replace(preset, lr_source="search", tune_seeds=max(2, preset.tune_seeds))
+    job = Reproduction(full, out, progress=progress)
+    job._check_config()
+    tuning = job.tune(job.data()[full.s_values[0]])
+    entry = {
+        "chosen": {arm: tuning["chosen"][arm] for arm in ("adamw", "muon")},
+        "seeds": tuning["seeds"],
+        "horizon_steps": tuning["horizon_steps"],
+        "adam_side": tuning["adam_side"],
+        "searches": tuning["searches"],
+    }
+    table = {"schema_version": LR_TABLE_SCHEMA_VERSION, "presets": {**read_lr_table(), preset.name: entry}}
+    atomic_write_text(LR_TABLE, json.dumps(table, indent=1) + "\n")
+    return entry
+
+
+def muon_shapes(model: str, overrides: dict[str, Any]) -> list[tuple[int, int]]:
+    """The (rows, cols) of every matrix Muon updates in a curvlab GPT (by structural role)."""
+    net = GPT(get_config(model, **overrides))
+    use_muon = default_muon_rule(net)
+    return [matrix_shape(q) for n, q in net.named_parameters() if use_muon(n, q)]
+
+
+def muon_norm_per_lr(shapes: list[tuple[int, int]], scale: str) -> float:
+    r""":math:`\|Z\|_F / \eta` of a Muon step with an exactly orthogonal factor: each matrix
+    contributes :math:`s_i^2 \min(m_i, n_i)` (its polar factor has that many unit singular values)."""
+    return math.sqrt(sum(muon_scale(shape, scale) ** 2 * min(shape) for shape in shapes))
+
+
+def window_checkpoints(records: list[ComparisonRecord]) -> set[Path]:
+    """Every checkpoint a matched comparison read: the members of its windows (read back from their
+    reports)."""
+    keep = set()
+    for r in records:
+        for level in r.comparison.levels if r.comparison else []:
+            for side in (level.a, level.b):
+                keep.update(Path(load_report(path)["checkpoint"]).resolve() for path in side.reports)
+    return keep
+
+
+def prune_run(run: Path, keep: set[Path], keep_steps: set[int]) -> int:
+    """Delete the checkpoints of ``run`` outside ``keep`` and ``keep_steps`` (the tracked ones), except
+    its last (a finished run resumes from it as finished); the index keeps every entry (validation
+    losses stay). Returns the bytes freed."""
+    index = read_index(run)
+    freed = 0
+    for entry in index[:-1]:
+        path = (run / entry["path"]).resolve()
+        if path not in keep and entry["step"] not in keep_steps and path.is_file():
+            freed += path.stat().st_size
+            path.unlink()
+    return freed
 
 
 class Reproduction:
@@ -321,11 +430,10 @@ class Reproduction:
         if diverged.is_file():
             return math.inf
         index = read_index(run)
-        if index and index[-1]["step"] == p.tune_steps and not (run / index[-1]["path"]).exists():
+        steps = p.tuning_steps
+        if index and index[-1]["step"] == steps and not (run / index[-1]["path"]).exists():
             return float(index[-1]["val_loss"])  # finished before; its checkpoints were cleaned up
-        cfg = self._train_config(
-            data, run, arm, options, seed, steps=p.tune_steps, eval_every=p.tune_steps, ckpt_every=p.tune_steps
-        )
+        cfg = self._train_config(data, run, arm, options, seed, steps=steps, eval_every=steps, ckpt_every=steps)
         try:
             loss = train(cfg, progress=self.progress).val_loss
         except TrainingDiverged as e:
@@ -335,109 +443,208 @@ class Reproduction:
             ckpt.unlink()
         return loss if math.isfinite(loss) else math.inf
 
+    def _search(self, data: Path, arm: str, knob: str, grid: list[float], fixed: dict, extensions: int) -> LrSearch:
+        p = self.preset
+        result = search_lr(
+            lambda lr, seed: self._tuning_loss(data, arm, {**fixed, knob: lr}, seed),
+            grid, p.tuning_seeds(), f"{arm}.{knob}", extensions, fixed,
+        )  # fmt: skip
+        grid = ", ".join(f"{x:g}" for x in sorted(result.grid))
+        self._say(f"{arm} {knob}: best {result.chosen:g} on the grid {grid}")
+        return result
+
     def tune(self, data: Path) -> dict[str, Any]:
-        """Every arm's learning rate on an extended log2 grid at the first s (module docstring)."""
+        """AdamW's and Muon's learning rates at the first s (module docstring): the full search
+        (``lr_source="search"``, or a preset the table lacks) or the committed table's values, checked
+        on a ``check_points`` grid around each. The step-size control arm is not tuned: its lr is set
+        later (:meth:`control_lr`)."""
         p = self.preset
         path = self.out / "tuning.json"
         if path.is_file():
             return json.loads(path.read_text())
-        seeds = list(range(p.tune_seeds))
+        table = read_lr_table().get(p.name) if p.lr_source == "table" else None
         searches: dict[str, LrSearch] = {}
-        chosen: dict[str, dict[str, float]] = {}
-
-        def search(arm: str, knob: str, centre: float, fixed: dict[str, float]) -> LrSearch:
-            result = search_lr(
-                lambda lr, seed: self._tuning_loss(data, arm, {**fixed, knob: lr}, seed),
-                log2_grid(centre, p.grid_points), seeds, f"{arm}.{knob}", p.max_extensions, fixed,
+        if table is None:
+            mode = "search"
+            searches["adamw.lr"] = self._search(
+                data, "adamw", "lr", log2_grid(p.lr_centers["adamw"], p.grid_points), {}, p.max_extensions
+            )
+            chosen = {"adamw": {"lr": searches["adamw.lr"].chosen}}
+            adam_lr = chosen["adamw"]["lr"]
+            s = searches["muon.lr"] = self._search(
+                data, "muon", "lr", log2_grid(p.lr_centers["muon"], p.grid_points), {"adam_lr": adam_lr},
+                p.max_extensions,
             )  # fmt: skip
-            grid = ", ".join(f"{x:g}" for x in sorted(result.grid))
-            self._say(f"tuned {arm} {knob}: {result.chosen:g} (grid {grid})")
-            return result
-
-        searches["adamw.lr"] = search("adamw", "lr", p.lr_centers["adamw"], {})
-        adam_lr = searches["adamw.lr"].chosen
-        chosen["adamw"] = {"lr": adam_lr}
-        for arm in (a for a in p.arms if ARMS[a].hybrid):
-            s = searches[f"{arm}.lr"] = search(arm, "lr", p.lr_centers[arm], {"adam_lr": adam_lr})
-            chosen[arm] = {"lr": s.chosen, "adam_lr": adam_lr}
+            chosen["muon"] = {"lr": s.chosen, "adam_lr": adam_lr}
             if p.adam_side == "tuned":  # a second, one-dimensional search at the chosen Muon lr
-                s = searches[f"{arm}.adam_lr"] = search(arm, "adam_lr", adam_lr, {"lr": chosen[arm]["lr"]})
-                chosen[arm]["adam_lr"] = s.chosen
+                s = searches["muon.adam_lr"] = self._search(
+                    data, "muon", "adam_lr", log2_grid(adam_lr, p.grid_points), {"lr": chosen["muon"]["lr"]},
+                    p.max_extensions,
+                )  # fmt: skip
+                chosen["muon"]["adam_lr"] = s.chosen
+            moved = {}
+        else:  # the pre-registered values, and a check that the optimum has not moved
+            mode = "table"
+            chosen = {arm: dict(table["chosen"][arm]) for arm in ("adamw", "muon")}
+            moved = {}
+            for arm in ("adamw", "muon"):
+                fixed = {k: v for k, v in chosen[arm].items() if k != "lr"}
+                s = searches[f"{arm}.lr"] = self._search(
+                    data, arm, "lr", log2_grid(chosen[arm]["lr"], p.check_points), fixed, 0
+                )
+                moved[arm] = s.chosen != chosen[arm]["lr"] and chosen[arm]["lr"] not in s.ties
+                if moved[arm]:
+                    self._say(f"{arm}: the check's best lr {s.chosen:g} is not the table's {chosen[arm]['lr']:g}")
         tuning = {
             "schema_version": TUNING_SCHEMA_VERSION,
+            "mode": mode,
             "tuned_on_s": p.s_values[0],
-            "horizon_steps": p.tune_steps,
-            "seeds": seeds,
+            "horizon_steps": p.tuning_steps,
+            "seeds": p.tuning_seeds(),
             "adam_side": p.adam_side,
             "searches": {k: v.to_dict() for k, v in searches.items()},
             "chosen": chosen,
+            "table": table,
+            "moved": moved,
         }
         atomic_write_text(path, json.dumps(tuning, indent=1))
         return tuning
 
-    def _runs(self) -> list[tuple[float, str, int]]:
-        p = self.preset
-        return [
-            (s, arm, seed)
-            for s in p.s_values
-            for arm in (p.arms if s == p.s_values[0] else p.sweep_arms)
-            for seed in range(p.seeds)
-        ]
+    def control_lr(self, record: ComparisonRecord, chosen: dict[str, dict[str, float]]) -> dict[str, float]:
+        r"""The step-size control arm's learning rate, *set* (not tuned) so that its hidden-matrix
+        :math:`\|Z\|` equals AdamW's at the matched levels of ``record`` (AdamW against Muon, the first
+        seed). Muon's hidden :math:`\|Z\|` is its lr times a constant of the shapes and the scale rule
+        (:math:`\sum_i s_i^2 \min(m_i, n_i)` under the square root, the Newton–Schulz factor having
+        near-unit singular values), so the ratio AdamW/Muon measured at lr :math:`\eta_M` gives
+        :math:`\eta_C = \eta_M \cdot (\|Z_A\| / \|Z_M\|) \cdot c_\text{original} / c_\text{moonlight}`."""
+        c = record.comparison
+        if c is None or not c.headline_levels:
+            raise CurvlabError(f"no matched level of {record.name} seed {record.seed} to set the control arm's lr from")
+        z_a = np.mean([lv.a.mean["hidden_update_norm"] for lv in c.headline_levels])
+        z_m = np.mean([lv.b.mean["hidden_update_norm"] for lv in c.headline_levels])
+        shapes = muon_shapes(self.preset.model, self.preset.model_overrides)
+        ratio = muon_norm_per_lr(shapes, "original") / muon_norm_per_lr(shapes, "moonlight")
+        lr = float(f"{chosen['muon']['lr'] * (z_a / z_m) * ratio:.4g}")
+        return {"lr": lr, "adam_lr": chosen["muon"]["adam_lr"], "set_from_seed": record.seed,
+                "adamw_hidden_update_norm": float(z_a), "muon_hidden_update_norm": float(z_m)}  # fmt: skip
+
+    def _run_dir(self, s: float, arm: str, seed: int) -> Path:
+        return self.out / "runs" / _s_name(s) / arm / f"seed{seed}"
+
+    def _arms_at(self, s: float) -> tuple[str, ...]:
+        return self.preset.arms if s == self.preset.s_values[0] else self.preset.sweep_arms
 
     def _ckpt_every(self, s: float) -> int:
         return self.preset.ckpt_every if s == self.preset.s_values[0] else self.preset.sweep_ckpt_every
 
-    def train_all(self, data: dict[float, Path], chosen: dict[str, dict[str, float]]) -> dict[tuple, Path]:
-        runs = {}
-        for s, arm, seed in self._runs():
-            run = self.out / "runs" / _s_name(s) / arm / f"seed{seed}"
-            every = self._ckpt_every(s)
-            cfg = self._train_config(data[s], run, arm, chosen[arm], seed, eval_every=every, ckpt_every=every)
+    def _train(self, data: dict[float, Path], s: float, arm: str, seed: int, chosen: dict[str, dict]) -> Path:
+        """Train one measured run. It carries a shadow of the other arm (docs/science.md section 11): an
+        AdamW run a Muon momentum at Muon's chosen lr, a Muon run Adam's moments at AdamW's."""
+        run = self._run_dir(s, arm, seed)
+        every = self._ckpt_every(s)
+        options = {k: v for k, v in chosen[arm].items() if k in ("lr", "adam_lr")}
+        other = "muon" if ARMS[arm].optimizer == "adamw" else "adamw"
+        cfg = self._train_config(
+            data[s], run, arm, options, seed, eval_every=every, ckpt_every=every, shadow=True,
+            shadow_options={"lr": chosen[other]["lr"]},
+        )  # fmt: skip
+        with self.clock("train"):
             train(cfg, progress=self.progress)
-            runs[(s, arm, seed)] = run
-        self._say(f"trained {len(runs)} runs")
-        return runs
+        return run
 
     def _settings(self, batches: int) -> AnalysisSettings:
         return AnalysisSettings(blocks="layer", batch="train", batches=batches)
 
-    def compare(self, runs: dict[tuple, Path], plateau: float) -> list[ComparisonRecord]:
+    def _compare(self, name: str, seed: int, run_a: Path, run_b: Path, plateau: float, out: str) -> ComparisonRecord:
+        """One matched comparison at the first s (``name`` "adamw/<arm>", or "<arm>/<arm>" for an A/A
+        pair of two seeds), or the reason there is none."""
         p = self.preset
         s0 = p.s_values[0]
-        records = []
-        for seed in range(p.seeds):
-            for arm in (a for a in p.arms if a != "adamw"):
-                name = f"adamw/{arm}"
-                try:
-                    c = compare_runs(
-                        runs[(s0, "adamw", seed)], runs[(s0, arm, seed)],
-                        self.out / "analysis" / f"compare-{arm}-seed{seed}", p.compare_levels, p.tolerance,
-                        self._settings(p.analysis_batches), progress=self.progress, phase=p.phase, window=p.window,
-                        plateau_ceiling=plateau, cache=self.out / "analysis" / "reports",
-                    )  # fmt: skip
-                    records.append(ComparisonRecord(name, seed, s0, c))
-                except CurvlabError as e:  # no stable phase, no overlap, no level within tolerance
-                    records.append(ComparisonRecord(name, seed, s0, None, str(e)))
-                    self._say(f"{name} seed {seed}: no comparison ({e})")
-        n = sum(len(r.comparison.headline_levels) for r in records if r.comparison)
-        self._say(f"compared {len(records)} run pairs at {n} matched levels off the plateau")
-        return records
+        try:
+            with self.clock("compare"):
+                c = compare_runs(
+                    run_a, run_b, self.out / "analysis" / out, p.compare_levels, p.tolerance,
+                    self._settings(p.analysis_batches), progress=self.progress, phase=p.phase, window=p.window,
+                    plateau_ceiling=plateau, cache=self.out / "analysis" / "reports",
+                )  # fmt: skip
+            return ComparisonRecord(name, seed, s0, c)
+        except CurvlabError as e:  # no stable phase, no overlap, no level within tolerance
+            self._say(f"{name} seed {seed}: no comparison ({e})")
+            return ComparisonRecord(name, seed, s0, None, str(e))
 
-    def track(self, runs: dict[tuple, Path], plateau: float) -> list[TrackRecord]:
+    def _track_steps(self) -> list[int]:
         p = self.preset
-        records = []
-        for s, arm, seed in self._runs():
-            if arm not in p.sweep_arms:
-                continue
-            steps = list(range(p.track_interval, p.steps + 1, p.track_interval))
+        return list(range(p.track_interval, p.steps + 1, p.track_interval))
+
+    def _track(self, s: float, arm: str, seed: int, plateau: float) -> TrackRecord:
+        p = self.preset
+        with self.clock("track"):
             rows = track_run(
-                runs[(s, arm, seed)], self.out / "analysis" / f"track-{_s_name(s)}-{arm}-seed{seed}",
+                self._run_dir(s, arm, seed), self.out / "analysis" / f"track-{_s_name(s)}-{arm}-seed{seed}",
                 settings=self._settings(p.track_batches), progress=self.progress, plateau_ceiling=plateau,
-                cache=self.out / "analysis" / "reports", steps=steps,
+                cache=self.out / "analysis" / "reports", steps=self._track_steps(),
             )  # fmt: skip
-            records.append(TrackRecord(arm, s, seed, p.steps, p.warmup_steps, rows))
-        self._say(f"tracked {len(records)} runs")
-        return records
+        return TrackRecord(arm, s, seed, p.steps, p.warmup_steps, rows)
+
+    def seed(
+        self, seed: int, data: dict[float, Path], tuning: dict[str, Any], plateaus: dict[float, float]
+    ) -> LevelData:
+        """Everything measured on one measurement seed (``analysis/seed<k>.json``; a re-run reads it):
+        its runs at every s, AdamW against each Muon arm at matched loss, the trajectories, and (from
+        the second seed on) the A/A comparisons of this seed with the one before."""
+        p = self.preset
+        path = self.out / "analysis" / f"seed{seed}.json"
+        if path.is_file():
+            return LevelData.load(path)
+        s0 = p.s_values[0]
+        chosen = tuning["chosen"]
+        for s in p.s_values:
+            for arm in self._arms_at(s):
+                if arm != CONTROL_ARM:
+                    self._train(data, s, arm, seed, chosen)
+        adamw = self._run_dir(s0, "adamw", seed)
+        records = [self._compare("adamw/muon", seed, adamw, self._run_dir(s0, "muon", seed), plateaus[s0],
+                                 f"compare-muon-seed{seed}")]  # fmt: skip
+        if CONTROL_ARM in p.arms:
+            if CONTROL_ARM not in chosen:  # the first seed sets it; later seeds and re-runs read it back
+                chosen[CONTROL_ARM] = self.control_lr(records[0], chosen)
+                atomic_write_text(self.out / "tuning.json", json.dumps(tuning, indent=1))
+                self._say(f"{CONTROL_ARM}: lr set to {chosen[CONTROL_ARM]['lr']:g} (AdamW's hidden ||Z||)")
+            for s in (s for s in p.s_values if CONTROL_ARM in self._arms_at(s)):
+                self._train(data, s, CONTROL_ARM, seed, chosen)
+            records.append(self._compare(f"adamw/{CONTROL_ARM}", seed, adamw, self._run_dir(s0, CONTROL_ARM, seed),
+                                         plateaus[s0], f"compare-{CONTROL_ARM}-seed{seed}"))  # fmt: skip
+        tracks = [self._track(s, arm, seed, plateaus[s]) for s in p.s_values for arm in p.sweep_arms]
+        if p.calibration and seed > 0:
+            for arm in ("adamw", "muon"):
+                records.append(
+                    self._compare(
+                        f"{arm}/{arm}",
+                        seed,
+                        self._run_dir(s0, arm, seed - 1),
+                        self._run_dir(s0, arm, seed),
+                        plateaus[s0],
+                        f"aa-{arm}-seed{seed - 1}-{seed}",
+                    )
+                )
+        result = LevelData(records, tracks, plateaus[s0], list(p.s_values))
+        result.save(path)
+        return result
+
+    def prune(self, seed: int, levels: list[LevelData]) -> None:
+        """Delete the checkpoints of ``seed``'s runs that no analysis read (all its analyses, the A/A
+        ones with its neighbours included, are in ``levels``)."""
+        if not self.preset.prune:
+            return
+        keep = window_checkpoints([r for lv in levels for r in lv.comparisons])
+        freed = 0
+        for s in self.preset.s_values:
+            for arm in self._arms_at(s):
+                run = self._run_dir(s, arm, seed)
+                if run.is_dir():
+                    freed += prune_run(run, keep, set(self._track_steps()))
+        if freed:
+            self._say(f"seed {seed}: deleted {freed / 2**20:.0f} MB of checkpoints no analysis read")
 
     def fineweb_comparison(self) -> dict[str, Any] | None:
         """Muon vs AdamW at the paper's learning rates on the user's FineWeb shards, compared at
@@ -501,43 +708,71 @@ class Reproduction:
         written = plots.reproduction_figures(data, summary, tuning, quadratic, fig)
         return {k: [str(p.relative_to(self.out)) for p in v] for k, v in written.items()}
 
-    def notes(self, tuning: dict[str, Any], levels: LevelData | None = None) -> list[str]:
+    def notes(
+        self,
+        tuning: dict[str, Any],
+        levels: LevelData | None = None,
+        plateaus: dict[float, float] | None = None,
+        final: dict[str, dict[str, list]] | None = None,
+    ) -> list[str]:
         """The caveats the report states up front (what this preset reduced, what it tied, what the
         trajectory means leave out)."""
         p = self.preset
         tokens = f"{p.batch_size}x{get_config(p.model, **p.model_overrides).block_size}"
         notes = []
         if p.seeds < 3:
-            notes.append(
-                f"{p.seeds} seeds per optimizer (fewer than the 3 of the standard preset): the intervals "
-                "resample few seeds and are rough."
-            )
+            notes.append(f"{p.seeds} seeds per optimizer: fewer than 3, so every entry is descriptive (no verdict).")
         if p.adam_side == "tied":
             notes.append(
-                "The hybrid Muon arms' AdamW side (embeddings, head, norms) runs at AdamW's tuned learning rate "
-                f"({tuning['chosen']['adamw']['lr']:g}); it is not tuned on its own."
+                "Muon's AdamW side (embeddings, head, norms) runs at AdamW's learning rate "
+                f"({tuning['chosen']['adamw']['lr']:g}): it is tied, not tuned on its own."
+            )
+        seeds = ", ".join(str(x) for x in tuning["seeds"])
+        if tuning.get("mode") == "table":
+            moved = [arm for arm, m in tuning.get("moved", {}).items() if m]
+            notes.append(
+                "Learning rates from the committed table (the full search at this preset's size: "
+                f"{p.grid_points}-point log2 grids, tuning seeds {tuning['table'].get('seeds')}, "
+                f"{tuning['horizon_steps']}-step runs), "
+                f"checked here on {p.check_points} points with tuning seed(s) {seeds}: "
+                + ("the optimum moved for " + ", ".join(moved) + "." if moved else "the optimum did not move.")
+            )
+        else:
+            notes.append(
+                f"Learning rates searched at s = {p.s_values[0]:g} on {tuning['horizon_steps']}-step runs (the "
+                f"compared horizon) with tuning seeds {seeds}, disjoint from the measurement seeds 0..{p.seeds - 1}."
+            )
+        control = tuning["chosen"].get(CONTROL_ARM)
+        if control:
+            notes.append(
+                f"The step-size control arm ({CONTROL_ARM}) is not tuned: its lr {control['lr']:g} is set so that "
+                f"its hidden ||Z|| equals AdamW's ({control['adamw_hidden_update_norm']:.3g}) at seed "
+                f"{control['set_from_seed']}'s matched levels."
             )
         notes.append(
-            f"Learning rates were tuned at s = {p.s_values[0]:g} on {p.tune_steps}-step runs with the same "
-            f"schedule shape ({p.tune_seeds} seeds per grid point); the compared runs train {p.steps} steps."
-        )
-        notes.append(
             f"Matched levels: {p.compare_levels} targets in the {p.phase} phase, tolerance {p.tolerance:.0%}, each "
-            f"averaged over a window of up to {2 * p.window + 1} checkpoints {p.ckpt_every} steps apart, each "
-            f"analysed on {p.analysis_batches} batch(es) of {tokens} tokens; trajectories on {p.track_batches}."
+            f"averaged over a window of up to {2 * p.window + 1} checkpoints {p.ckpt_every} steps apart (windows share "
+            f"no checkpoint), each analysed on {p.analysis_batches} batch(es) of {tokens} tokens; trajectories on "
+            f"{p.track_batches}, stable phase only."
         )
+        if plateaus:
+            notes.append(
+                "Unigram plateau ceilings (a level or checkpoint at or above is left out of aggregates), per training "
+                "s: " + ", ".join(f"s = {s:g}: {c:.3f}" for s, c in plateaus.items()) + " nats."
+            )
         if levels is not None and levels.tracks:
             counts = {}
             for t in levels.tracks:
                 n = counts.setdefault(t.arm, [0, 0])
-                n[0] += len(t.rows) - len(t.off_plateau())
+                n[0] += len(t.rows) - len(t.after_warmup())
                 n[1] += len(t.rows)
             notes.append(
-                "Trajectory means (the Zipf sweep, rho_within by thirds) leave out checkpoints on the unigram "
-                "plateau, as the matched levels do: "
+                "Trajectory means leave out checkpoints on the unigram plateau or outside the stable phase: "
                 + ", ".join(f"{arm} {off} of {total}" for arm, (off, total) in sorted(counts.items()))
                 + "."
             )
+        if final:
+            notes.append(final_loss_note(final, p.steps))
         if p.analysis_batches < 4:
             notes.append(f"{p.analysis_batches} evaluation batch(es) per checkpoint (the standard preset uses 4).")
         if len(p.s_values) < 3:
@@ -556,17 +791,24 @@ class Reproduction:
         p = self.preset
         with self.clock("data"):
             data = self.data()
-        plateau = plateau_ceiling(unigram_entropy_nats(data[p.s_values[0]]), p.plateau_fraction)
+        s0 = p.s_values[0]
+        # a model that has learned only its training frequencies scores this on the s = 0 validation data
+        plateaus = {s: plateau_ceiling(unigram_plateau_nats(data[s]), p.plateau_fraction) for s in p.s_values}
         with self.clock("tune"):
-            tuning = self.tune(data[p.s_values[0]])
-        with self.clock("train"):
-            runs = self.train_all(data, tuning["chosen"])
-        with self.clock("compare"):
-            comparisons = self.compare(runs, plateau)
-        with self.clock("track"):
-            tracks = self.track(runs, plateau)
-        levels = LevelData(comparisons, tracks, plateau, list(p.s_values))
+            tuning = self.tune(data[s0])
+        per_seed: list[LevelData] = []
+        for seed in range(p.seeds):
+            per_seed.append(self.seed(seed, data, tuning, plateaus))
+            if seed > 0:  # the previous seed's last analysis (its A/A with this one) is done
+                self.prune(seed - 1, per_seed[-2:])
+        self.prune(p.seeds - 1, per_seed[-1:])
+        levels = LevelData(
+            [r for lv in per_seed for r in lv.comparisons], [t for lv in per_seed for t in lv.tracks],
+            plateaus[s0], list(p.s_values),
+        )  # fmt: skip
         levels.save(self.out / "analysis" / "levels.json")
+        runs = {(s, arm, seed): self._run_dir(s, arm, seed) for s in p.s_values for arm in self._arms_at(s)
+                for seed in range(p.seeds)}  # fmt: skip
         with self.clock("finetune"):
             finetune = self.finetune(runs)
         with self.clock("fineweb"):
@@ -580,8 +822,9 @@ class Reproduction:
             index = read_index(run)
             final.setdefault(f"{s:g}", {}).setdefault(arm, []).append(index[-1]["val_loss"] if index else None)
         closed = quadratic["example"]["closed_forms"]
+        notes = self.notes(tuning, levels, plateaus, final)
         summary = Summary(
-            p.name, entries, zipf, taylor_counts(levels), tuning, self.notes(tuning, levels), final,
+            p.name, entries, zipf, taylor_counts(levels), tuning, notes, final,
             {k: closed[k] for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")}, fineweb=fineweb,
         )  # fmt: skip
         with self.clock("figures"):
@@ -589,10 +832,12 @@ class Reproduction:
         summary.timing = record_invocation(self.out / "timing.json", self.clock.invocation())
         summary.seconds = summary.timing["total"]  # over every invocation, when a run was interrupted and resumed
         summary.invocations = int(summary.timing["invocations"])
+        summary.disk_bytes = sum(f.stat().st_size for f in self.out.rglob("*") if f.is_file())
         atomic_write_text(self.out / "summary.json", json.dumps(summary.to_dict(), indent=1))
         text = report.render_report(summary, levels)
         if finetune is not None:
             text += "\n" + "\n".join(report.finetune_section(finetune)) + "\n"
         atomic_write_text(self.out / "report.md", text)
-        self._say(f"done in {summary.seconds:.0f} s: {self.out / 'report.md'}")
+        mb = summary.disk_bytes / 2**20
+        self._say(f"done in {summary.seconds:.0f} s, {mb:.0f} MB left on disk: {self.out / 'report.md'}")
         return summary

@@ -97,8 +97,11 @@ class TrackRecord:
     rows: list[dict[str, Any]]
 
     def after_warmup(self) -> list[dict[str, Any]]:
-        """The checkpoints after warmup and off the unigram plateau: what trajectory means average."""
-        return [r for r in self.off_plateau() if r["step"] >= self.warmup_steps]
+        """The checkpoints in the stable phase (after warmup, before the decay) and off the unigram plateau:
+        what trajectory means average. The decay phase is left out: there Z shrinks with the multiplier,
+        and the arms spend it at different losses."""
+        stable = [r for r in self.off_plateau() if r.get("phase", "stable") == "stable"]
+        return [r for r in stable if r["step"] >= self.warmup_steps]
 
     def off_plateau(self) -> list[dict[str, Any]]:
         """The checkpoints off the unigram plateau (kept out of the headline, like matched levels there:
@@ -148,6 +151,16 @@ class LevelData:
 
     def matched(self, name: str) -> list[ComparisonRecord]:
         return sorted((c for c in self.comparisons if c.name == name), key=lambda c: c.seed)
+
+    def against_adamw(self) -> dict[str, list[Comparison]]:
+        """Muon arm -> its comparisons with AdamW that have levels off the plateau, in seed order (the A/A
+        calibration comparisons, "adamw/adamw" and "muon/muon", are not among them)."""
+        arms: dict[str, list[Comparison]] = {}
+        for r in sorted(self.comparisons, key=lambda c: c.seed):
+            first, second = r.name.split("/")
+            if first == "adamw" != second and r.comparison is not None and r.comparison.headline_levels:
+                arms.setdefault(second, []).append(r.comparison)
+        return arms
 
 
 @dataclass
@@ -202,6 +215,7 @@ class Summary:
     invocations: int = 1
     figures: dict[str, list[str]] = field(default_factory=dict)
     fineweb: dict[str, Any] | None = None
+    disk_bytes: int = 0  # what the job leaves in its output directory
     schema_version: int = SUMMARY_SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

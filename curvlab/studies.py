@@ -25,6 +25,7 @@ import numpy as np
 from curvlab.analysis import AnalysisSettings, cached_report, load_report, report_cache_path
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
+from curvlab.directions import PAIRED, SCOPES, DirectionLandscape, PairedDirections
 from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
 from curvlab.match import Checkpoint, match_runs, run_checkpoints
@@ -78,10 +79,16 @@ def layer_blocks_split(report: dict[str, Any]) -> tuple[float, float]:
 
 
 def checkpoint_scalars(report: dict[str, Any]) -> dict[str, Any]:
-    """The scalars of a report that tables, figures and aggregates use (both scopes)."""
+    """The scalars of a report that tables, figures and aggregates use (both scopes).
+
+    A report with paired directions (a run that keeps a shadow state; :mod:`curvlab.directions`) adds
+    ``paired_{nds,cos,q,norm}_{adamw,muon}_{all,hidden}``: both arms' directions at this checkpoint's W,
+    on its batch, under its H. Without them (no shadow, an older report) the keys are absent.
+    """
     b = report["blocks"]
     hidden = report["hidden"] or {}
     within_layers, nds_layers = layer_blocks_split(report)
+    paired = PairedDirections.from_dict(report["paired"]).scalars() if report.get("paired") else {}
     return {
         "step": report["step"],
         "val_loss": report["val_loss"],
@@ -97,12 +104,14 @@ def checkpoint_scalars(report: dict[str, Any]) -> dict[str, Any]:
         "embed_head_share": embed_head_share(report),
         "taylor_error": taylor_error(report),
         "taylor_ok": taylor_holds(report),
+        **paired,
     }
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]) if rows else [])
+    fieldnames = list(dict.fromkeys(k for r in rows for k in r))  # (a level without paired terms leaves them blank)
+    writer = csv.DictWriter(buffer, fieldnames=fieldnames)
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(path, buffer.getvalue())
@@ -123,7 +132,9 @@ class WindowSide:
 
     @property
     def mean(self) -> dict[str, float]:
+        # the float scalars every member has (paired ones only where every checkpoint carries them)
         keys = [k for k, v in self.members[0].items() if isinstance(v, float) and k != "taylor_ok"]
+        keys = [k for k in keys if all(k in m for m in self.members)]
         return {k: float(np.mean([m[k] for m in self.members])) for k in keys}
 
     @property
@@ -163,13 +174,45 @@ class Level:
     a: WindowSide
     b: WindowSide
 
+    @property
+    def paired_terms(self) -> dict[str, DirectionLandscape] | None:
+        """Per scope, the split of the between-run NDS ratio (AdamW over Muon) into a direction and a
+        landscape term (:class:`~curvlab.directions.DirectionLandscape`), from the window means of the
+        paired NDS of both arms' directions at both runs' checkpoints; ``None`` unless the level pairs an
+        AdamW with a Muon run whose checkpoints carry shadow states."""
+        values = self.paired_nds
+        return None if values is None else {s: DirectionLandscape.of(*v) for s, v in values.items()}
+
+    @property
+    def paired_nds(self) -> dict[str, tuple[float, float, float, float]] | None:
+        """Per scope, the window means (adamw at the AdamW run, muon at the AdamW run, adamw at the Muon
+        run, muon at the Muon run) of the paired NDS; ``None`` as for :attr:`paired_terms`."""
+        sides = {self.a.optimizer: self.a, self.b.optimizer: self.b}
+        if set(sides) != set(PAIRED):
+            return None
+        a, m = sides["adamw"].mean, sides["muon"].mean
+        keys = [f"paired_nds_{x}_{s}" for x in PAIRED for s in SCOPES]
+        if not all(k in a and k in m for k in keys):
+            return None
+        return {
+            s: (
+                a[f"paired_nds_adamw_{s}"],
+                a[f"paired_nds_muon_{s}"],
+                m[f"paired_nds_adamw_{s}"],
+                m[f"paired_nds_muon_{s}"],
+            )
+            for s in SCOPES
+        }
+
     def to_dict(self) -> dict[str, Any]:
+        terms = self.paired_terms
         return {
             "target": self.target,
             "mismatch": self.mismatch,
             "on_plateau": self.on_plateau,
             "a": self.a.to_dict(),
             "b": self.b.to_dict(),
+            "paired": None if terms is None else {s: t.to_dict() for s, t in terms.items()},
         }
 
     @classmethod
@@ -234,6 +277,16 @@ class Comparison:
         return out
 
     @property
+    def paired_ratio_of_means(self) -> dict[str, DirectionLandscape] | None:
+        """Per scope, the direction/landscape split of the ratio of sums over the levels off the plateau
+        (each of the four paired NDS summed over levels: the identity holds for the sums too); ``None``
+        unless every such level has paired terms."""
+        values = [lv.paired_nds for lv in self.headline_levels]
+        if not values or any(v is None for v in values):
+            return None
+        return {s: DirectionLandscape.of(*np.sum([v[s] for v in values], axis=0).tolist()) for s in SCOPES}
+
+    @property
     def rows(self) -> list[dict[str, Any]]:
         """One flat row per level (the CSV): window means of both sides and their ratios."""
         rows = []
@@ -253,10 +306,13 @@ class Comparison:
                 row.update({f"{k}_{tag}": v for k, v in side.mean.items()})
             num, den = self._sides(lv)
             row.update({f"ratio_{k}": num.mean[k] / den.mean[k] if den.mean[k] else float("nan") for k in RATIO_KEYS})
+            for scope, terms in (lv.paired_terms or {}).items():
+                row.update({f"{k}_{scope}": v for k, v in terms.to_dict().items()})
             rows.append(row)
         return rows
 
     def to_dict(self) -> dict[str, Any]:
+        paired = self.paired_ratio_of_means
         return {
             "schema_version": COMPARE_SCHEMA_VERSION,
             "ratio": self.ratio_label,
@@ -269,6 +325,7 @@ class Comparison:
             "mean_ratios": self.mean_ratios,
             "median_ratios": self.median_ratios,
             "ratio_of_means": self.ratio_of_means,
+            "paired_ratio_of_means": None if paired is None else {s: t.to_dict() for s, t in paired.items()},
             "pairs": [lv.to_dict() for lv in self.levels],  # one per matched level
             "refused": self.refused,
         }

@@ -12,7 +12,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from curvlab.models.gpt import GPT, get_config
 from curvlab.monitor import MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
 from curvlab.optim import build_optimizer
 from curvlab.progress import progress as progress_bar
+from curvlab.shadow import ShadowState, build_shadow
 
 SCHEDULES = ("cosine", "wsd", "constant")
 # Fields that may change between a run and its resumption: they don't change the math of a step.
@@ -59,6 +60,9 @@ class TrainConfig:
     val_windows: int = 64
     device: str = "auto"
     compile: bool = False
+    # A shadow state of the other arm on the hidden matrices (curvlab.shadow): updated, never applied.
+    shadow: bool = False
+    shadow_options: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(asdict(self)))  # plain JSON types (tuples become lists)
@@ -132,6 +136,7 @@ class Run:
     val_batches: list
     device: torch.device
     step: int = 0
+    shadow: ShadowState | None = None
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -160,7 +165,8 @@ def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     loader = TrainBatches(data.train, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world=world)
     val = validation_batches(data.val, cfg.batch_size, seq_len, cfg.val_windows)
-    return Run(cfg, model, optimizer, scheduler, loader, val, device)
+    shadow = build_shadow(cfg.optimizer, model, **cfg.shadow_options) if cfg.shadow else None
+    return Run(cfg, model, optimizer, scheduler, loader, val, device, shadow=shadow)
 
 
 def restore(run: Run, ckpt: dict[str, Any]) -> None:
@@ -171,12 +177,28 @@ def restore(run: Run, ckpt: dict[str, Any]) -> None:
     run.loader.load_state_dict(ckpt["data"])
     torch.set_rng_state(ckpt["rng"])
     run.step = int(ckpt["step"])
+    if run.shadow is not None:
+        if "shadow" not in ckpt:
+            raise CurvlabError(f"the checkpoint of step {run.step} holds no shadow state, which this run keeps")
+        run.shadow.load_state_dict(ckpt["shadow"])
+        run.shadow.to(run.device)
 
 
 def config_difference(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Fields whose values differ (ignoring those a resume may change)."""
     keys = sorted((set(saved) | set(new)) - RESUMABLE_CHANGES)
+    saved = {**_config_defaults(), **saved}  # a field added since the run was saved has its default there
     return [f"{k}: {saved.get(k)!r} -> {new.get(k)!r}" for k in keys if saved.get(k) != new.get(k)]
+
+
+def _config_defaults() -> dict[str, Any]:
+    out = {}
+    for f in fields(TrainConfig):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return json.loads(json.dumps(out))
 
 
 @torch.no_grad()
@@ -209,6 +231,7 @@ def checkpoint_payload(run: Run, val_loss: float, train_loss: float) -> dict[str
         "rng": torch.get_rng_state(),
         "val_loss": val_loss,
         "train_loss": train_loss,
+        **({"shadow": run.shadow.state_dict()} if run.shadow is not None else {}),
     }
 
 
@@ -365,6 +388,8 @@ def _train(cfg: TrainConfig, progress: bool, rank: int, world: int, monitor, ten
             loss.backward()
             if cfg.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+            if run.shadow is not None:  # the gradient the optimizer sees (clipped); reads it, changes nothing
+                run.shadow.update_from(run.model)
             lr = run.optimizer.param_groups[0]["lr"]
             before = curvature.snapshot() if curvature is not None and curvature.due(run.step) else None
             run.optimizer.step()

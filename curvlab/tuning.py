@@ -49,6 +49,7 @@ class LrSearch:
     extended: list[float] = field(default_factory=list)  # points added because the best sat at an edge
     at_edge: bool = False  # the winner still sits at an edge after the last allowed extension
     fixed: dict[str, float] = field(default_factory=dict)  # the other settings held fixed (e.g. a tied lr)
+    seeds: list[int] = field(default_factory=list)  # the tuning seeds (disjoint from the measured ones)
 
     def mean(self, lr: float) -> float:
         return float(np.mean(self.grid[lr]))
@@ -83,12 +84,16 @@ class LrSearch:
             "extended": self.extended,
             "at_edge": self.at_edge,
             "fixed": self.fixed,
+            "seeds": self.seeds,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> LrSearch:
         grid = {float(k): [float(x) for x in v] for k, v in d["grid"].items()}
-        return cls(d["name"], grid, float(d["chosen"]), d["initial"], d["extended"], d["at_edge"], d.get("fixed", {}))
+        return cls(
+            d["name"], grid, float(d["chosen"]), d["initial"], d["extended"], d["at_edge"], d.get("fixed", {}),
+            list(d.get("seeds", [])),
+        )  # fmt: skip
 
 
 def search_lr(
@@ -137,4 +142,4 @@ def search_lr(
         run(new)
         extended.append(new)
     b, lrs = best(), sorted(results)
-    return LrSearch(name, results, b, grid, extended, b in (lrs[0], lrs[-1]), dict(fixed or {}))
+    return LrSearch(name, results, b, grid, extended, b in (lrs[0], lrs[-1]), dict(fixed or {}), list(seeds))

@@ -43,7 +43,7 @@ def runs(pcfg_data, tmp_path_factory):
 def test_report_identities_and_schema(runs):
     report = analyze_checkpoint(runs / "muon" / "ckpt_000008.pt", AnalysisSettings(blocks="layer")).to_dict()
     b = report["blocks"]
-    assert report["schema_version"] == 2 and report["step"] == 8 and report["optimizer"] == "muon"
+    assert report["schema_version"] == 3 and report["step"] == 8 and report["optimizer"] == "muon"
     assert sum(map(sum, b["matrix"])) == pytest.approx(report["nds"], rel=1e-5)
     assert b["within"] + b["cross"] == pytest.approx(report["nds"], rel=1e-5)
     assert b["nds"] == pytest.approx(report["nds"], rel=1e-5)  # the total under its own name

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from curvlab.data.dataset import generate_pcfg_dataset, parse_count, read_stats
+from curvlab.data.dataset import generate_pcfg_dataset, parse_count, read_stats, unigram_plateau_nats
 from curvlab.data.pcfg import Grammar, make_grammar, zipf_exponent_fit
 
 
@@ -139,3 +139,17 @@ def test_bad_inputs(tmp_path):
         rhs[:] = [min(used)] * len(rhs)
     with pytest.raises(ValueError, match="unreachable"):
         Grammar.from_dict(unreachable)
+
+
+def test_unigram_plateau_is_the_cross_entropy_under_training_frequencies(tmp_path):
+    opts = {"n_tokens": 200}
+    same = generate_pcfg_dataset(tmp_path / "s0", s=0.0, tokens="40k", val_tokens="20k", val_s=0.0,
+                                 grammar_options=opts, progress=False)  # fmt: skip
+    generate_pcfg_dataset(tmp_path / "s1", s=1.0, tokens="40k", val_tokens="20k", val_s=0.0,
+                          grammar_options=opts, progress=False)  # fmt: skip
+    h_val = same["val"]["entropy_bits"] * np.log(2)
+    at0, at1 = unigram_plateau_nats(tmp_path / "s0"), unigram_plateau_nats(tmp_path / "s1")
+    # Gibbs: a cross-entropy is at least the entropy; with the same distribution it is close to it
+    assert h_val <= at0 < h_val + 0.02
+    # trained on skewed frequencies, the plateau on balanced validation data sits well above
+    assert at1 > at0 + 0.2

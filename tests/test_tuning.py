@@ -76,3 +76,37 @@ def test_bad_grids_are_refused():
     with pytest.raises(ValueError, match="at least 2 grid points"):
         search_lr(objective, [0.001], seeds=[0])
     assert np.isnan(search_lr(objective, [0.001, 0.002], seeds=[0]).stderr(0.001))
+
+
+def _table_tuning(tmp_path, monkeypatch, best):
+    """The micro preset's tuning stage in table mode, on a fake objective with its optimum at ``best``
+    (arm -> lr): what the check trains, and what it concludes."""
+    import dataclasses
+
+    import curvlab.reproduce as reproduce
+
+    table = {
+        "micro": {"chosen": {"adamw": {"lr": 0.004}, "muon": {"lr": 0.02, "adam_lr": 0.004}}, "seeds": [1000, 1001]}
+    }
+    monkeypatch.setattr(reproduce, "read_lr_table", lambda: table)
+    calls = []
+
+    def fake_loss(self, data, arm, options, seed):
+        calls.append((arm, options["lr"], seed))
+        return 3.0 + 0.1 * (math.log2(options["lr"]) - math.log2(best[arm])) ** 2
+
+    monkeypatch.setattr(reproduce.Reproduction, "_tuning_loss", fake_loss)
+    preset = dataclasses.replace(reproduce.PRESETS["micro"], lr_source="table", tune_seeds=1)
+    return reproduce.Reproduction(preset, tmp_path, progress=False).tune(tmp_path / "data"), calls
+
+
+def test_table_learning_rates_are_checked_on_three_points_with_tuning_seeds(tmp_path, monkeypatch):
+    tuning, calls = _table_tuning(tmp_path / "a", monkeypatch, {"adamw": 0.004, "muon": 0.02})
+    assert tuning["mode"] == "table" and tuning["moved"] == {"adamw": False, "muon": False}
+    assert tuning["chosen"]["adamw"] == {"lr": 0.004} and tuning["chosen"]["muon"]["lr"] == 0.02
+    assert sorted(lr for arm, lr, _ in calls if arm == "adamw") == [0.002, 0.004, 0.008]
+    assert sorted(lr for arm, lr, _ in calls if arm == "muon") == [0.01, 0.02, 0.04]
+    assert {seed for *_, seed in calls} == {1000}  # never a measurement seed
+    # an optimum that moved is said, and the pre-registered value is still the one used
+    tuning, _ = _table_tuning(tmp_path / "b", monkeypatch, {"adamw": 0.016, "muon": 0.02})
+    assert tuning["moved"] == {"adamw": True, "muon": False} and tuning["chosen"]["adamw"] == {"lr": 0.004}
