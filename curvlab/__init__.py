@@ -22,7 +22,13 @@ from curvlab.hvp import (
     quadratic_forms,
 )
 from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
-from curvlab.monitor import CurvatureMonitor, MonitorRow, curvature_callback
+from curvlab.monitor import (
+    CurvatureMonitor,
+    MonitorRow,
+    add_curvature_callback,
+    curvature_callback,
+    curvature_lightning_callback,
+)
 from curvlab.operator import Operator, hessian_operator, preconditioned_operator
 from curvlab.optim import build_optimizer, next_update, trainable_parameters
 from curvlab.polar import msign
@@ -40,10 +46,12 @@ __all__ = [
     "Operator",
     "TaylorScope",
     "TaylorSplit",
+    "add_curvature_callback",
     "block_matrix",
     "block_matrix_at",
     "build_optimizer",
     "curvature_callback",
+    "curvature_lightning_callback",
     "evaluate_loss",
     "exact_second_order",
     "gradient_and_hvps",

@@ -18,12 +18,13 @@ Two choices, stated because they differ from a literal replay of the run:
 
 Report JSON (``REPORT_SCHEMA_VERSION`` = 3)::
 
-    schema_version, checkpoint, step, val_loss, optimizer, settings{blocks, batch, batches, dtype,
-    block_method, hvp_method, spectrum_top}, loss, nds, first_order, curvature_penalty, predicted, realized,
-    update_norm, grad_norm, cosine, hidden{the same eight, over the hidden 2-D matrices, or null},
-    blocks{grouping, names, matrix, within, cross, nds (the total, = sum(matrix)), rho_within, first_order[],
-    norm[], block_nds[] (each block's own NDS), asymmetry, members}, spectrum, next_batch{source, seed,
-    micro_batches, rows}, paired (or null), timing{seconds, hvp_seconds}
+    schema_version, checkpoint, step, val_loss (null where the checkpoint has none), optimizer,
+    settings{blocks, batch, batches, dtype, block_method, hvp_method, spectrum_top}, loss, nds,
+    first_order, curvature_penalty, predicted, realized, update_norm, grad_norm, cosine,
+    hidden{the same eight, over the hidden 2-D matrices, or null}, blocks{grouping, names, matrix,
+    within, cross, nds (the total, = sum(matrix)), rho_within, first_order[], norm[], block_nds[] (each
+    block's own NDS), asymmetry, members}, spectrum, next_batch{source, seed, micro_batches, rows},
+    paired (or null), timing{seconds, hvp_seconds}
 
 ``paired``: at a checkpoint whose run keeps a shadow state of the other arm (:mod:`curvlab.shadow`),
 the AdamW and Muon directions at the same W, on the same batch D, under the same H
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -261,7 +263,8 @@ class CurvatureReport:
             "schema_version": REPORT_SCHEMA_VERSION,
             "checkpoint": self.checkpoint,
             "step": self.step,
-            "val_loss": self.val_loss,
+            # nanoGPT and Trainer checkpoints record no validation loss: null, not NaN (strict JSON)
+            "val_loss": self.val_loss if math.isfinite(self.val_loss) else None,
             "optimizer": self.optimizer,
             "settings": asdict(self.settings),
             **split,
@@ -353,7 +356,7 @@ class DirectionReport:
 
     JSON (``DIRECTIONS_SCHEMA_VERSION`` = 1)::
 
-        schema_version, checkpoint, step, val_loss, optimizer, settings{...}, paired{base, real, multiplier,
+        schema_version, checkpoint, step, val_loss (or null), optimizer, settings{...}, paired{base, real, multiplier,
         hidden_names, shadow (its settings, or null), directions[{name, source, scaling, all{nds,
         first_order, curvature_penalty, update_norm, grad_norm, cosine, q}, hidden{...}}]}, seconds
     """
@@ -371,7 +374,7 @@ class DirectionReport:
             "schema_version": DIRECTIONS_SCHEMA_VERSION,
             "checkpoint": self.checkpoint,
             "step": self.step,
-            "val_loss": self.val_loss,
+            "val_loss": self.val_loss if math.isfinite(self.val_loss) else None,  # (strict JSON: no NaN)
             "optimizer": self.optimizer,
             "settings": asdict(self.settings),
             "paired": self.paired.to_dict(),
@@ -385,7 +388,7 @@ class DirectionReport:
         return cls(
             d["checkpoint"],
             d["step"],
-            d["val_loss"],
+            math.nan if d["val_loss"] is None else d["val_loss"],
             d["optimizer"],
             AnalysisSettings(**d["settings"]),
             PairedDirections.from_dict(d["paired"]),
@@ -394,7 +397,8 @@ class DirectionReport:
 
     def text(self) -> str:
         """The report as printed: a header line and :func:`~curvlab.directions.directions_table`."""
-        head = f"{self.checkpoint}: step {self.step}, optimizer {self.optimizer}, val loss {self.val_loss:.4f}"
+        val = f"{self.val_loss:.4f}" if math.isfinite(self.val_loss) else "none recorded"
+        head = f"{self.checkpoint}: step {self.step}, optimizer {self.optimizer}, val loss {val}"
         return head + "\n" + directions_table(self.paired)
 
     def save(self, path: str | Path) -> None:

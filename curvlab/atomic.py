@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
+from curvlab.errors import CurvlabError
+
 
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
@@ -52,3 +54,26 @@ def _umask() -> int:
 def make_public(directory: str | Path) -> None:
     """Give a directory made by ``tempfile.mkdtemp`` (0700) the usual permissions."""
     os.chmod(directory, 0o777 & ~_umask())
+
+
+def check_output(path: str | Path, directory: bool = False) -> None:
+    """Raise ``CurvlabError`` unless ``path`` can be written: a file (``directory=False``) that is not an
+    existing directory, or a directory that is not an existing file, under a folder this process can
+    really create files in (tried, not guessed from permission bits, which don't bind root). Commands
+    call it before computing, so that a bad ``--out`` costs nothing."""
+    path = Path(path)
+    if directory and path.exists() and not path.is_dir():
+        raise CurvlabError(f"{path}: exists and is not a directory")
+    if not directory and path.is_dir():
+        raise CurvlabError(f"{path}: is an existing directory; give a file name")
+    folder = path if directory else path.parent
+    while not folder.exists():  # the nearest folder that exists is where the new ones are made
+        folder = folder.parent
+    if not folder.is_dir():
+        raise CurvlabError(f"{path}: {folder} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".curvlab-write-test.", dir=folder)
+    except OSError as e:
+        raise CurvlabError(f"{path}: can't write in {folder} ({e.strerror or type(e).__name__})") from e
+    os.close(fd)
+    os.unlink(probe)

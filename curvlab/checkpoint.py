@@ -23,8 +23,9 @@ checkpoint, so matching by validation loss never has to open checkpoints.
 This is also the one place where checkpoints of every format are read, with one set of errors
 (:func:`read_checkpoint`): curvlab's own, nanoGPT's ``ckpt.pt``, and a Hugging Face ``Trainer``
 checkpoint directory (with :mod:`curvlab.hf`, which imports transformers, for what only it knows).
-A missing path, an unreadable or corrupt file, a file of no known format, and a device this torch
-can't use each raise one :class:`~curvlab.errors.CurvlabError`.
+A missing path, an unreadable, truncated or corrupt file (random bytes, text, a Git LFS pointer), a
+file of no known format, and a device this torch can't use each raise one
+:class:`~curvlab.errors.CurvlabError`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,16 +60,63 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> None:
         torch.save({"format": FORMAT, "version": CHECKPOINT_VERSION, **payload}, f)
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # what a Git LFS file is before `git lfs pull`
+# torch.save's legacy (pre-zip) format opens with the pickled magic number 0x1950a86a20f9469cfc6c
+_LEGACY_TORCH = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+# what torch.load raises on bytes that are no torch file (random bytes reach IndexError, KeyError, ...)
+_CORRUPT = (
+    RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, IndexError, KeyError, ValueError,
+    struct.error, OverflowError,
+)  # fmt: skip
+
+
+def check_not_lfs_pointer(path: str | Path, what: str) -> None:
+    """Raise ``CurvlabError`` if ``path`` is a Git LFS pointer file (the real content was never fetched)."""
+    with open(path, "rb") as f:
+        if f.read(len(LFS_POINTER)) == LFS_POINTER:
+            raise CurvlabError(f"{path}: a Git LFS pointer, not the {what} itself (fetch it: git lfs pull)")
+
+
 def read_file(path: str | Path, what: str = "checkpoint", map_location: str | torch.device = "cpu") -> Any:
     """``torch.load`` of one file (tensors only, ``weights_only=True``), with curvlab's errors: a
-    missing file, and a corrupt or unreadable one, each a one-line ``CurvlabError`` naming ``path``."""
+    missing file, a Git LFS pointer, a file ``torch.save`` didn't write (text, random bytes), and a
+    corrupt or unreadable one, each a one-line ``CurvlabError`` naming ``path``."""
     path = Path(path)
     if not path.is_file():
         raise CurvlabError(f"{path}: no such {what}")
+    check_not_lfs_pointer(path, what)
+    with open(path, "rb") as f:
+        head = f.read(len(_LEGACY_TORCH))
+    if not zipfile.is_zipfile(path) and head != _LEGACY_TORCH:
+        raise CurvlabError(
+            f"{path}: corrupt or unreadable {what}: not a whole file torch.save wrote (cut short, or other bytes)"
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as e:
+    except _CORRUPT as e:
         raise CurvlabError(f"{path}: corrupt or unreadable {what} ({type(e).__name__})") from e
+
+
+def check_safetensors(path: str | Path) -> None:
+    """Raise ``CurvlabError`` unless ``path`` is a whole safetensors file: an 8-byte header length, a
+    JSON header, and every tensor's bytes present (a truncated download, a Git LFS pointer, and other
+    bytes each get one line naming the file)."""
+    path = Path(path)
+    check_not_lfs_pointer(path, "weights file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        start = f.read(8)
+        n = int.from_bytes(start, "little") if len(start) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise CurvlabError(f"{path}: not a safetensors file, or cut short ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise CurvlabError(f"{path}: not a safetensors file (its header is unreadable)") from e
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        raise CurvlabError(f"{path}: truncated: {size} bytes where its header needs {need}")
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -126,12 +175,18 @@ def _read_trainer_directory(path: Path):
     from curvlab import hf
 
     hf.check_trainer_directory(path)
+    weights = path / "model.safetensors"
+    if weights.is_file():
+        check_safetensors(weights)
+    elif (path / "pytorch_model.bin").is_file():
+        check_not_lfs_pointer(path / "pytorch_model.bin", "weights file")
     args_file, scheduler = path / "training_args.bin", path / "scheduler.pt"
     with torch.serialization.safe_globals(hf.training_args_classes(args_file)):
         args = hf.check_training_args(read_file(args_file, "training arguments"), args_file)
+    optimizer_state = read_file(path / "optimizer.pt", "optimizer state")  # (cheap checks before the model)
     return hf.TrainerCheckpoint(
         model=hf.load_model(path),
-        optimizer_state=read_file(path / "optimizer.pt", "optimizer state"),
+        optimizer_state=optimizer_state,
         scheduler_state=read_file(scheduler, "scheduler state") if scheduler.is_file() else None,
         step=hf.global_step(path),
         args=args,

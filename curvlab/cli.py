@@ -15,6 +15,7 @@ import numpy as np
 import typer
 
 import curvlab
+from curvlab.atomic import check_output
 from curvlab.distributed import distributed_context
 from curvlab.errors import CurvlabError
 from curvlab.hvp import DEFAULT_METHOD
@@ -30,13 +31,14 @@ app.add_typer(pcfg_app, name="pcfg")
 
 
 def one_line_errors(fn):
-    """Turn the library's :class:`CurvlabError` (and missing files) into ``error: ...`` and exit status 2."""
+    """Turn the library's :class:`CurvlabError` (and missing or unwritable files) into ``error: ...`` and
+    exit status 2."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (CurvlabError, FileNotFoundError, NotADirectoryError) as e:
+        except (CurvlabError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
             # torchrun's environment, not the process group: that is torn down before we get here
             world = int(os.environ.get("WORLD_SIZE", "1"))
             where = f"rank {os.environ.get('RANK', '0')}/{world}: " if world > 1 else ""
@@ -140,7 +142,9 @@ def train(
     batch_size: int = typer.Option(None, help="Sequences per step. [default: 16]"),
     seq_len: int = typer.Option(None, help="Tokens per sequence. [default: the model's block size]"),
     warmup_steps: int = typer.Option(None, help="Linear warmup steps. [default: 20]"),
-    schedule: str = typer.Option(None, help="cosine, wsd or constant. [default: cosine]"),
+    schedule: str = typer.Option(
+        None, help="wsd (warmup-stable-decay, which compare pairs in), cosine or constant (default: wsd)."
+    ),
     cooldown_frac: float = typer.Option(None, help="Decaying share of steps for wsd. [default: 0.2]"),
     min_lr_frac: float = typer.Option(None, help="Schedule floor as a fraction of the peak. [default: 0.1]"),
     grad_clip: float = typer.Option(None, help="Gradient-norm clip; 0 disables. [default: 1.0]"),
@@ -166,6 +170,11 @@ def train(
         None, help="Also the within/cross split of this grouping: layer, tensor or kind (about 3x a row's cost)."
     ),
     curvature_stop: bool = typer.Option(False, help="Stop at a non-finite curvature row (else record it, go on)."),
+    tensorboard: Path = typer.Option(
+        None,
+        help="Also write TensorBoard scalars here: train/val loss, lr, and the curvature rows "
+        "(needs the tensorboard package: the curvlab extra of that name).",
+    ),
 ) -> None:
     """Train a GPT with one optimizer, keeping checkpoints ready for curvature analysis.
 
@@ -212,11 +221,14 @@ def train(
         if not fields.get(required):
             raise CurvlabError(f"--{required} is required (or give it in --config)")
     cfg = TrainConfig.from_dict(fields)
+    check_output(cfg.out, directory=True)
+    if tensorboard is not None:
+        check_output(tensorboard, directory=True)
     monitor = None
     if curvature_every:
         monitor = MonitorSettings(curvature_every, curvature_batches, curvature_windows, blocks, curvature_stop)
     with distributed_context() as (rank, world):
-        result = run_training(cfg, progress=not quiet, rank=rank, world=world, monitor=monitor)
+        result = run_training(cfg, progress=not quiet, rank=rank, world=world, monitor=monitor, tensorboard=tensorboard)
     if rank == 0:
         resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
         ranks = f" on {world} ranks" if world > 1 else ""
@@ -277,6 +289,8 @@ def nds(
     """
     from curvlab.analysis import analyze_checkpoint, checkpoint_directions
 
+    if out:
+        check_output(out)  # before the analysis, not after it
     settings = _settings(blocks, batch, batches, dtype, block_method, hvp_method)
     if directions is not None:
         with distributed_context() as (rank, _):
@@ -292,7 +306,8 @@ def nds(
     if rank != 0:
         return
     d = report.to_dict()
-    typer.echo(f"{checkpoint}: step {d['step']}, optimizer {d['optimizer']}, val loss {d['val_loss']:.4f}")
+    val = "none recorded" if d["val_loss"] is None else f"{d['val_loss']:.4f}"
+    typer.echo(f"{checkpoint}: step {d['step']}, optimizer {d['optimizer']}, val loss {val}")
     keys = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "grad_norm", "cosine")
     hidden = d["hidden"] or {}
     print_table([(k, d[k], hidden.get(k, "")) for k in keys], ("quantity", "all parameters", "hidden matrices"))
@@ -343,6 +358,7 @@ def compare(
     from curvlab.studies import RATIO_KEYS, compare_runs
 
     settings = _settings(blocks, batch, batches, dtype, "hvp", hvp_method)
+    check_output(out, directory=True)
     with distributed_context() as (rank, _):
         result = compare_runs(
             run_a, run_b, out, levels, tolerance, settings, device, not quiet and rank == 0, phase, window
@@ -383,6 +399,7 @@ def track(
     from curvlab.studies import track_run, track_source
 
     out = out or run / "track"
+    check_output(out, directory=True)
     if track_source(run, source) == "monitor":
         _track_monitor(run, out, every)
         return
@@ -444,6 +461,8 @@ def spectrum(
     from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
 
     settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype)
+    if out:
+        check_output(out, directory=True)
     budget = None if memory is None else int(memory * 1e9)
     result = checkpoint_spectrum(
         checkpoint, top, bottom, trace, density, blocks, preconditioned, settings, data, device, max_iter,
@@ -494,6 +513,7 @@ def quadratic(
     from curvlab.plots import quadratic_phase, quadratic_trajectories
     from curvlab.quadratic import TwoLevelSpec, quadratic_study
 
+    check_output(out, directory=True)
     spec = TwoLevelSpec(d, d, q, m, w_high, w_low, sigma_high, sigma_low)
     result = quadratic_study(spec, steps=steps, sweep_steps=sweep_steps, outside_theorem=outside_theorem)
     atomic_write_text(out / "quadratic.json", json.dumps(result))
@@ -531,6 +551,7 @@ def reproduce(
     if preset not in PRESETS:
         raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     out = out or Path("results") / preset
+    check_output(out, directory=True)
     summary = Reproduction(PRESETS[preset], out, fineweb, progress=not quiet).run()
     for name in ("nds_ratio", "update_norm_ratio", "nds_ratio_moonlight"):
         for scope in ("all", "hidden"):
@@ -567,6 +588,7 @@ def finetune(
         raise CurvlabError(f"--rank must be >= 1, got {rank}")
     chosen = with_preset(preset, rank=rank, seeds=seeds)
     out = out or Path("results") / f"finetune-{preset}"
+    check_output(out, directory=True)
     result = Finetune(chosen, out, base, data, progress=not quiet).run()
     for line in finetune_table(result):
         typer.echo(line)

@@ -45,7 +45,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from curvlab import statistics as st
 from curvlab.atomic import atomic_write_text
@@ -59,6 +58,7 @@ from curvlab.match import match_runs
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
 from curvlab.optim import build_optimizer
+from curvlab.progress import progress as progress_bar
 from curvlab.studies import RATIO_KEYS, load_typed
 from curvlab.train import (
     Run,
@@ -336,7 +336,7 @@ def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | 
     save(evaluate(run))
     model.train()
     with open(out / "metrics.jsonl", "a") as log:
-        for _ in tqdm(range(cfg.steps), desc=f"adapt {cfg.optimizer}", disable=not progress, leave=False):
+        for _ in progress_bar(range(cfg.steps), desc=f"adapt {cfg.optimizer}", disable=not progress, leave=False):
             x, y = (t.to(device) for t in loader.next())
             loss = token_cross_entropy(model(x), y)
             if not torch.isfinite(loss):

@@ -20,7 +20,9 @@ forward-over-forward, ``jvp`` of ``jvp``, with no backward pass at all.
 
 Every computation runs inside :func:`~curvlab.exact_ops.exact_second_order` with just the reroutings
 its method needs (math attention, no dropout, running statistics untouched; composite norms for
-forward-over-forward), so it is exact on any model. Computation is in float32 unless ``dtype`` (or
+forward-over-forward), so it is exact on any model, and with torch's compiler stance
+``"force_eager"``, so that a ``torch.compile``'d model (whose compiled graphs have no double
+backward) works with every method. Computation is in float32 unless ``dtype`` (or
 float64 parameters) say otherwise; bf16 and fp16 parameters and directions are upcast. The functions
 :func:`hvp`, :func:`hvps`, :func:`gradient_and_hvps` and :func:`evaluate_loss` are one-point
 shortcuts over :class:`CurvaturePoint`.
@@ -162,7 +164,9 @@ class CurvaturePoint:
         """This process's ``(p -> loss, weight)`` pairs, inside the exact mode for ``method``, with the
         running statistics of the loss's model (if it has one) left untouched: the one batch loop."""
         keep = running_statistics(getattr(self.loss_fn, "model", None))
-        with exact_second_order(method, self.dtype, keep):
+        # a torch.compile'd model runs eagerly here: AOTAutograd's graphs have no double backward,
+        # and the curvature is that of the same function either way
+        with exact_second_order(method, self.dtype, keep), torch.compiler.set_stance("force_eager"):
             for b, w in self._pairs:
                 yield _bound(self.loss_fn, b), w
 

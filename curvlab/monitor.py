@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
@@ -59,7 +60,7 @@ from curvlab.errors import CurvlabError
 from curvlab.exact_ops import exact_second_order
 from curvlab.hvp import working_dtype
 from curvlab.loss import LossFn, count_loss_terms, make_loss_fn, weighted_batches
-from curvlab.optim import next_update
+from curvlab.optim import Optimizers, next_update
 
 MONITOR_SCHEMA_VERSION = 1
 ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training rows have none
@@ -207,6 +208,17 @@ class MonitorRow:
             hidden_names=tuple(hidden["names"]) if hidden else (),
         )
 
+    def scalars(self, prefix: str = "curvature/") -> dict[str, float]:
+        """The row's finite scalars for a metrics logger (TensorBoard, W&B, the Trainer's log):
+        ``{prefix}nds``, ..., ``{prefix}hidden_nds``, ..., ``{prefix}within``, ``{prefix}cross``,
+        ``{prefix}rho_within``, and ``{prefix}ok`` (1.0 or 0.0). Values that are not finite are left out."""
+        values = {"loss": self.loss, **self.split.to_dict(), "ok": float(self.ok)}
+        if self.hidden is not None:
+            values |= {f"hidden_{k}": v for k, v in self.hidden.to_dict().items()}
+        if self.blocks is not None:
+            values |= {"within": self.blocks.within, "cross": self.blocks.cross, "rho_within": self.blocks.rho_within}
+        return {f"{prefix}{k}": float(v) for k, v in values.items() if math.isfinite(v)}
+
     def summary(self) -> dict[str, Any]:
         """The scalars that tables and figures use (the names of :func:`curvlab.studies.track_run`'s rows)."""
         hidden = self.hidden
@@ -242,14 +254,17 @@ class CurvatureMonitor:
 
     Args:
         model: the model being trained; its trainable parameters (``requires_grad``) are W.
-        optimizer: its optimizer (needed only by :meth:`measure_next`).
+        optimizer: its optimizer, or a list of them (needed only by :meth:`measure_next`; any
+            optimizer :func:`~curvlab.optim.next_update` takes).
         loss_fn: ``loss_fn(params, batch) -> scalar``, e.g. :func:`~curvlab.loss.make_loss_fn`.
         batches: the held-out batch set D (a batch or a list of batches, accumulated with loss-term
             weights), fixed for the whole run. Move it to the model's device yourself.
         every: measure at steps k with ``k % every == 0`` (:meth:`due`).
         blocks: a block grouping (``"layer"``, ``"tensor"``, ``"kind"`` or ``{block: [globs]}``) for
             the within/cross split, or ``None`` (no split: 2 HVPs per row instead of L + 1).
-        subset: the second scope's parameter names (default: the hidden 2-D matrices; ``[]``: none).
+        subset: the second scope's parameter names (default: the hidden matrices by the model's
+            structure, :func:`~curvlab.blocks.hidden_matrices` with the model, as
+            :func:`~curvlab.curvature.taylor_split` chooses them; ``[]``: none).
         max_grad_norm: gradient clipping of the run, for :meth:`measure_next`.
         dtype: computation dtype (default float32, float64 for float64 parameters).
         on_row: called with every row as it is made (to write it somewhere).
@@ -261,7 +276,7 @@ class CurvatureMonitor:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: Optimizers | None,
         loss_fn: LossFn,
         batches: Any,
         every: int = 50,
@@ -281,7 +296,8 @@ class CurvatureMonitor:
         self.dtype = working_dtype(params, dtype)
         if blocks is not None:
             group_parameters(params, blocks)  # a bad grouping fails here, not mid-run
-        self.subset = hidden_matrices(params) if subset is None else list(subset)
+        # by structure, as taylor_split's default (a ViT's classifier is not hidden, its patch conv may be)
+        self.subset = hidden_matrices(params, model) if subset is None else list(subset)
         unknown = [n for n in self.subset if n not in params]
         if unknown:
             raise CurvlabError(f"subset names unknown parameters: {unknown[:3]}")
@@ -453,7 +469,7 @@ def training_monitor(
     )
 
 
-def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = False):
+def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = False, trainer: Any = None):
     """A ``transformers.TrainerCallback`` that measures ``monitor``'s rows during ``Trainer.train()``.
 
     Before each due optimizer step (``on_pre_optimizer_step``, after clipping) it snapshots W; after it
@@ -461,13 +477,36 @@ def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = Fals
     is ``state.global_step`` before the step. Rows land in ``monitor.rows`` (and ``monitor.on_row``).
     A non-finite row stops training only with ``stop_on_nonfinite``. transformers is imported here,
     not by ``import curvlab``.
+
+    With the ``trainer`` (given here, by ``callback.attach(trainer)``, or by
+    :func:`add_curvature_callback`), each row also goes into the Trainer's own logs at the end of its
+    step: ``trainer.log(row.scalars())``, so ``curvature/nds``, ... reach ``state.log_history`` and
+    every ``report_to`` integration (TensorBoard, W&B, ...) as the loss does, at the Trainer's
+    ``global_step`` after the measured step. (A callback is handed no trainer by transformers, and
+    one added to a Trainer runs after the integrations, so it needs the trainer to log through.)
     """
     from transformers import TrainerCallback
 
     class CurvatureCallback(TrainerCallback):
         def __init__(self):
             self.monitor = monitor
+            self.trainer = trainer
             self._before: dict[str, Tensor] | None = None
+            self._row: MonitorRow | None = None
+
+        def attach(self, trainer):
+            """Log the rows through ``trainer.log`` (returns the callback)."""
+            self.trainer = trainer
+            return self
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            integrations = [r for r in (args.report_to or []) if r not in ("none", None)]
+            if self.trainer is None and integrations:
+                warnings.warn(
+                    f"curvature_callback has no trainer: its rows stay in monitor.rows and don't reach "
+                    f"report_to {integrations}; pass trainer= or use curvlab.monitor.add_curvature_callback",
+                    stacklevel=2,
+                )
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             if monitor.due(state.global_step):
@@ -478,8 +517,69 @@ def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = Fals
                 return
             before, self._before = self._before, None
             row = monitor.measure_taken(state.global_step, before)
+            self._row = row
             if stop_on_nonfinite and row.status == "non-finite":
                 control.should_training_stop = True
             return control
 
+        def on_step_end(self, args, state, control, **kwargs):
+            row, self._row = self._row, None
+            if row is not None and self.trainer is not None:
+                # Trainer.log's on_log clears should_log: keep the Trainer's own logging of this step
+                should_log = control.should_log
+                self.trainer.log(row.scalars())
+                control.should_log = should_log
+                return control
+
     return CurvatureCallback()
+
+
+def add_curvature_callback(trainer: Any, monitor: CurvatureMonitor, stop_on_nonfinite: bool = False):
+    """Add :func:`curvature_callback` to a ``transformers.Trainer``, logging its rows through the
+    Trainer (its ``log_history`` and ``report_to``); returns the callback."""
+    callback = curvature_callback(monitor, stop_on_nonfinite, trainer)
+    trainer.add_callback(callback)
+    return callback
+
+
+def curvature_lightning_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = False):
+    """A ``lightning.pytorch.Callback`` that measures ``monitor``'s rows during ``Trainer.fit``.
+
+    Before each due optimizer step (``on_before_optimizer_step``: after the backward passes of the
+    step, and before the optimizer moves anything, which it does after the closure returns) it
+    snapshots W; at ``on_train_batch_end`` it measures the step taken, so Z is the step Lightning
+    took (accumulation, clipping, precision and all). The row's step is ``trainer.global_step``
+    before the step. Rows land in ``monitor.rows`` and go to every logger of the Trainer
+    (``logger.log_metrics``) as ``curvature/nds``, ... (:meth:`MonitorRow.scalars`), at the row's
+    step, where Lightning logs the training loss of the same batch. A
+    non-finite row stops training only with ``stop_on_nonfinite``. Lightning is imported here
+    (``pip install 'curvlab[lightning]'``), not by ``import curvlab``.
+    """
+    try:
+        from lightning.pytorch import Callback  # optional: only this callback needs Lightning
+    except ImportError as e:
+        raise CurvlabError("the Lightning callback needs lightning: pip install 'curvlab[lightning]'") from e
+
+    class CurvatureLightningCallback(Callback):
+        def __init__(self):
+            self.monitor = monitor
+            self._before: tuple[int, dict[str, Tensor]] | None = None
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            # (a closure optimizer evaluates its closure again: keep the first snapshot, of W itself)
+            if self._before is None and monitor.due(trainer.global_step):
+                self._before = (trainer.global_step, monitor.snapshot())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self._before is None or trainer.global_step == self._before[0]:
+                return  # no step taken yet (gradient accumulation)
+            (step, before), self._before = self._before, None
+            row = monitor.measure_taken(step, before)
+            # straight to the loggers: pl_module.log_dict would round to float32 and log a value again
+            # at the next step; at the row's step, where Lightning logs the same batch's training loss
+            for logger in trainer.loggers:
+                logger.log_metrics(row.scalars(), step=row.step)
+            if stop_on_nonfinite and row.status == "non-finite":
+                trainer.should_stop = True
+
+    return CurvatureLightningCallback()

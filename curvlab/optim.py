@@ -16,9 +16,12 @@ optimizer *would* take on a batch, leaving model, gradients and optimizer state 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -208,12 +211,49 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
+class JointState(MutableMapping):
+    """The per-parameter state of several optimizers over disjoint parameters, read and written as one
+    mapping: ``state[p]`` is the state of ``p`` in the optimizer that holds it."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+        self._optimizers = list(optimizers)
+
+    def _owner(self, p: Any) -> torch.optim.Optimizer:
+        for o in self._optimizers:
+            if any(q is p for g in o.param_groups for q in g["params"]):
+                return o
+        raise KeyError(p)
+
+    def __getitem__(self, p: Any) -> Any:
+        return self._owner(p).state[p]  # (a child's defaultdict makes a missing entry, as torch's own)
+
+    def __contains__(self, p: Any) -> bool:
+        return any(p in o.state for o in self._optimizers)
+
+    def get(self, p: Any, default: Any = None) -> Any:
+        """The state of ``p``, or ``default`` where there is none yet (nothing is made, as ``dict.get``)."""
+        return next((o.state[p] for o in self._optimizers if p in o.state), default)
+
+    def __setitem__(self, p: Any, value: Any) -> None:
+        self._owner(p).state[p] = value
+
+    def __delitem__(self, p: Any) -> None:
+        del self._owner(p).state[p]
+
+    def __iter__(self) -> Iterator[Any]:
+        return (p for o in self._optimizers for p in o.state)
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self._optimizers)
+
+
 class CombinedOptimizer(torch.optim.Optimizer):
     """Several optimizers over disjoint parameters, driven as one.
 
     ``param_groups`` is the concatenation of the children's groups (the same dicts, so an LR scheduler
-    on this object drives the children) and all children share one ``state`` dict, so ``state_dict``
-    and ``load_state_dict`` cover everything in the layout torch uses for a single optimizer.
+    on this object drives the children) and ``state`` is the children's states read as one
+    (:class:`JointState`; each child keeps its own, so a child's ``state_dict()`` works too), so
+    ``state_dict`` and ``load_state_dict`` cover everything in the layout torch uses for a single optimizer.
     """
 
     def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]):
@@ -224,24 +264,36 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if len({id(p) for p in params}) != len(params):
             raise CurvlabError("the combined optimizers share a parameter")
         super().__init__(params, {})
-        for o in self.optimizers.values():
-            self.state.update(o.state)
         self._share([g for o in self.optimizers.values() for g in o.param_groups])
 
+    @property
+    def state(self) -> JointState:
+        return JointState(list(self.optimizers.values()))
+
+    @state.setter
+    def state(self, value: Mapping) -> None:
+        """Hand each entry to the child holding its parameter (``Optimizer.__init__`` sets an empty one)."""
+        joint = self.state
+        for p, entry in value.items():
+            joint[p] = entry
+
     def _share(self, groups: list[dict]) -> None:
-        """Make ``groups`` (in children's order) both this optimizer's and the children's, and give
-        every child this optimizer's state dict."""
+        """Make ``groups`` (in children's order) both this optimizer's and the children's."""
         start = 0
         for o in self.optimizers.values():
             n = len(o.param_groups)
             o.param_groups = groups[start : start + n]
-            o.state = self.state
             start += n
         self.param_groups = groups
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # builds new group dicts and a new state dict
         self._share(self.param_groups)
+        # torch's __setstate__ put the new state in __dict__, where the property hides it: hand it out
+        loaded = vars(self).pop("state", {})
+        for o in self.optimizers.values():
+            o.state = defaultdict(dict)
+        self.state = loaded
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -362,42 +414,132 @@ def _reject_unknown(name: str, leftover: dict[str, Any]) -> None:
         raise CurvlabError(f"unknown option(s) for {name}: {', '.join(sorted(leftover))}")
 
 
-def _copy_state(optimizer: torch.optim.Optimizer) -> dict:
-    """A deep copy of each parameter's state (tensors cloned), keyed by the same parameter objects."""
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+
+
+def as_optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    """``optimizer`` as a list: one optimizer, or a list/tuple of optimizers over disjoint parameters
+    (a user's own ``torch.optim.Muon`` on the matrices and ``AdamW`` on the rest, say)."""
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not optimizers:
+        raise CurvlabError("no optimizer given")
+    bad = [type(o).__name__ for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
+    if bad:
+        raise CurvlabError(f"not a torch.optim.Optimizer: {', '.join(bad)}")
+    seen: set[int] = set()
+    for o in optimizers:
+        ids = {id(p) for g in o.param_groups for p in g["params"]}
+        if ids & seen:
+            raise CurvlabError("the optimizers given share a parameter: each parameter must have one optimizer")
+        seen |= ids
+    return optimizers
+
+
+def _reachable_optimizers(root: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """``root`` and every optimizer it holds, at any depth of its attributes' dicts, lists and tuples
+    (Lookahead's inner optimizer, SAM's base optimizer, CombinedOptimizer's children)."""
+    found: dict[int, torch.optim.Optimizer] = {}
+    stack: list[Any] = [root]
+    seen: set[int] = set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen or isinstance(x, Tensor):
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.optim.Optimizer):
+            found[id(x)] = x
+            stack.extend(vars(x).values())
+        elif isinstance(x, Mapping):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set)):
+            stack.extend(x)
+    return list(found.values())
+
+
+def copy_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A deep copy of ``optimizer`` and of every optimizer it holds, over the same parameter objects.
+
+    Everything a step can mutate is copied: per-parameter state, param groups, and every other
+    attribute (a wrapper's inner optimizer and its state, step counters), not only ``state``.
+    (``copy.deepcopy`` alone won't do: ``torch.optim.Optimizer.__getstate__`` keeps only
+    ``defaults``, ``state`` and ``param_groups``.) An LR scheduler's ``step`` wrapper, which would
+    call the original's step, is left out of the copy.
+
+    Raises:
+        CurvlabError: some part of the state can't be copied.
+    """
+    memo: dict[int, Any] = {}
+    for o in _reachable_optimizers(optimizer):
+        for group in o.param_groups:
+            for p in group["params"]:
+                memo[id(p)] = p  # the same parameters: only the optimizer's own data is copied
+    pairs = [(o, object.__new__(type(o))) for o in _reachable_optimizers(optimizer)]
+    memo.update({id(o): shell for o, shell in pairs})
     try:
-        return {
-            p: {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
-            for p, s in optimizer.state.items()
-        }
+        for o, shell in pairs:
+            attrs = {k: v for k, v in vars(o).items() if not (k == "step" and hasattr(v, "_wrapped_by_lr_sched"))}
+            vars(shell).update(copy.deepcopy(attrs, memo))
     except Exception as e:  # any failure here means the state can't be copied
         raise CurvlabError(f"the state of {type(optimizer).__name__} can't be copied: {e}") from e
+    return memo[id(optimizer)]
 
 
-def _copy_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
-    return [
-        {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in g.items() if k != "params"}
-        for g in optimizer.param_groups
-    ]
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (``LBFGS.step(closure)``: no default)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _asks_for_closure(error: Exception) -> bool:
+    """Whether ``step()`` failed because it wanted a closure (SAM's ``assert closure is not None``)."""
+    return isinstance(error, (AssertionError, TypeError, RuntimeError, ValueError)) and "closure" in str(error).lower()
+
+
+@contextlib.contextmanager
+def forked_rng(tensors: Sequence[Tensor]) -> Iterator[None]:
+    """Fork the CPU's random stream and those of the devices ``tensors`` live on; put back on exit."""
+    devices = {t.device for t in tensors if t.device.type not in ("cpu", "meta")}
+    kinds = {d.type for d in devices}
+    if len(kinds) > 1:
+        raise CurvlabError(f"parameters on several device types ({sorted(kinds)}): can't fork their RNGs")
+    kind = kinds.pop() if kinds else "cuda"
+    with torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices}), device_type=kind):
+        yield
 
 
 def next_update(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizers,
     loss_fn: Callable[[Mapping[str, Tensor], Any], Tensor],
     batch: Any,
     lr_scale: float = 1.0,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     max_grad_norm: float | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     r"""The gradient G and the step :math:`Z = W - W_\text{next}` that ``optimizer`` would take on ``batch``.
 
     G is computed as a training step computes it (autograd through ``loss_fn`` on the model's own
     parameters, in the model's current mode: dropout is live in train mode), optionally clipped to
-    ``max_grad_norm`` as the training loop does; then the optimizer really steps, on cloned state,
-    and everything is put back: parameters, their ``.grad`` (the same objects), the optimizer's
-    per-parameter state (the same tensor objects), its param groups, and torch's global RNG state
-    (so dropout here doesn't change the masks of the user's later steps). Z includes learning rate,
+    ``max_grad_norm`` as the training loop does; then a copy of the optimizer
+    (:func:`copy_optimizer`: its state, groups, inner optimizers, counters) really steps, and the
+    parameters and their ``.grad`` (the same objects) are put back. The optimizer itself is never
+    touched. Gradient and step run under one fork of torch's RNG (CPU and the parameters' devices):
+    an optimizer that draws random numbers (SGLD, PSGD) takes the very draws its real step then
+    takes after the same gradient, and the user's RNG is where it was. Z includes learning rate,
     schedule, momentum, bias correction and weight decay.
+
+    ``optimizer`` may be a list or tuple of optimizers over disjoint parameters (a user's own
+    ``torch.optim.Muon`` + ``AdamW`` pair): each steps, as a loop calling each ``step()`` would. A
+    trainable parameter that no optimizer holds is refused by name (its Z would silently be 0):
+    give every optimizer, or freeze it (``requires_grad=False``).
+
+    An optimizer whose step needs a closure (``torch.optim.LBFGS``; SAM, which asks for it) gets
+    one: it sets every trainable parameter's ``.grad`` to the (clipped) gradient of ``loss_fn`` on
+    ``batch`` at the point it is called, and returns the loss. G is the gradient at W, taken first,
+    and left in ``.grad`` for the step, as in a loop that runs ``backward()`` then ``step(closure)``.
 
     A list of micro-batches (or :class:`~curvlab.loss.Batches`) is one step with gradient
     accumulation: :math:`G = \sum_j w_j \nabla L_j` with :math:`w_j` each micro-batch's share of
@@ -409,53 +551,107 @@ def next_update(
 
     Args:
         lr_scale: multiply every group's learning rate by this for the step (Z for a scaled lr).
-        dtype: dtype of the returned G and Z (float32 default; differences are taken in float64 first,
-            so a bf16 Newton–Schulz step comes back exact).
+        dtype: dtype of the returned G and Z; default each parameter's own (float32 for half
+            precision, where a difference of two values needs more bits). Differences are taken in
+            float64 first, so a bf16 Newton–Schulz step comes back exact.
 
     Returns:
         ``(G, Z)``, dicts keyed by parameter name (trainable parameters only).
+
+    Raises:
+        CurvlabError: no trainable parameters, a non-finite loss, a trainable parameter no optimizer
+            holds, optimizers sharing a parameter, or a state that can't be copied.
     """
     named = _named_trainable(model)
     if not named:
         raise CurvlabError("the model has no trainable parameters: there is no update")
+    optimizers = as_optimizer_list(optimizer)
     names = [n for n, _ in named]
     params = [p for _, p in named]
+    held = {id(p): p for o in optimizers for g in o.param_groups for p in g["params"]}
+    orphans = [n for n, p in named if id(p) not in held]
+    if orphans:
+        shown = ", ".join(orphans[:3]) + (f" and {len(orphans) - 3} more" if len(orphans) > 3 else "")
+        raise CurvlabError(
+            f"no optimizer holds the trainable parameter(s) {shown}: their Z would be 0; pass every optimizer "
+            "(a list) or set requires_grad=False on them"
+        )
+    trainable = {id(p) for p in params}
+    others = [p for i, p in held.items() if i not in trainable]  # held but frozen: must not move either
+    moved = params + others
     pairs = weighted_batches(batch, loss_fn) if isinstance(batch, (list, Batches)) else [(batch, 1.0)]
-    saved_state = dict(optimizer.state)  # the original per-parameter dicts, put back untouched
-    cloned_state = _copy_state(optimizer)
-    saved_groups = _copy_groups(optimizer)
-    saved_grads = [p.grad for p in params]
-    before = [p.detach().clone() for p in params]
-    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-    try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            grads = [torch.zeros_like(p) for p in params]
+    copies = [_scaled(copy_optimizer(o), lr_scale) for o in optimizers]
+    saved_grads = [p.grad for p in moved]
+    before = [p.detach().clone() for p in moved]
+    calls = {"n": 0}
+
+    def gradient() -> Tensor:
+        """Set every trainable parameter's ``.grad`` to the (clipped) gradient on ``batch``; the loss."""
+        with torch.enable_grad():
+            total, grads = None, [torch.zeros_like(p) for p in params]
             for b, w in pairs:
                 loss = loss_fn(dict(named), b)
-                if not torch.isfinite(loss):
+                if calls["n"] == 0 and not torch.isfinite(loss):
                     raise CurvlabError("the loss is not finite: no update direction")
                 parts = torch.autograd.grad(loss * w, params, allow_unused=True, materialize_grads=True)
                 grads = [g + part for g, part in zip(grads, parts)] if len(pairs) > 1 else list(parts)
+                total = loss.detach() * w if total is None else total + loss.detach() * w
+        calls["n"] += 1
         for p, g in zip(params, grads):
             p.grad = g.detach().clone()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        G = {n: p.grad.detach().to(dtype).clone() for n, p in zip(names, params)}
-        optimizer.state.clear()
-        optimizer.state.update(cloned_state)
-        for g in optimizer.param_groups:
-            g["lr"] = g["lr"] * lr_scale
-        optimizer.step()
-        Z = {n: (b.double() - p.detach().double()).to(dtype) for n, b, p in zip(names, before, params)}
+        return total
+
+    try:
+        with forked_rng(moved):
+            gradient()
+            G = {n: p.grad.detach().to(_result_dtype(p, dtype)).clone() for n, p in zip(names, params)}
+            at_w = [p.grad.clone() for p in params]  # for a second try with a closure
+            for p in others:
+                p.grad = None  # a frozen parameter an optimizer holds takes no step
+            for k, o in enumerate(optimizers):
+                try:
+                    _step(copies[k], gradient, _needs_closure(o))
+                except Exception as e:
+                    if _needs_closure(o) or not _asks_for_closure(e):
+                        raise
+                    # it wanted a closure (SAM asserts one): again from W and G, on a fresh copy, with
+                    # one (G not recomputed: no random draws between the gradient and the step)
+                    own = {id(p) for g in o.param_groups for p in g["params"]}
+                    with torch.no_grad():
+                        for p, b in zip(moved, before):
+                            if id(p) in own:  # (the optimizers before it in the list have stepped)
+                                p.copy_(b)
+                    for p, g in zip(params, at_w):
+                        p.grad = g.clone()
+                    _step(_scaled(copy_optimizer(o), lr_scale), gradient, True)
+        Z = {
+            n: (b.double() - p.detach().double()).to(_result_dtype(p, dtype)) for n, b, p in zip(names, before, params)
+        }
     finally:
         with torch.no_grad():
-            for p, b, g in zip(params, before, saved_grads):
+            for p, b, g in zip(moved, before, saved_grads):
                 p.copy_(b)
                 p.grad = g
-        optimizer.state.clear()
-        optimizer.state.update(saved_state)
-        for group, saved in zip(optimizer.param_groups, saved_groups):
-            for k in [k for k in group if k != "params"]:
-                del group[k]
-            group.update(saved)
     return G, Z
+
+
+def _result_dtype(p: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None else torch.promote_types(p.dtype, torch.float32)
+
+
+def _scaled(optimizer: torch.optim.Optimizer, lr_scale: float) -> torch.optim.Optimizer:
+    """``optimizer`` (a copy) with every group's learning rate multiplied by ``lr_scale``."""
+    if lr_scale != 1.0:
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * lr_scale
+    return optimizer
+
+
+def _step(optimizer: torch.optim.Optimizer, gradient: Callable[[], Tensor], closure: bool) -> None:
+    """One ``step()`` of ``optimizer``, given ``gradient`` as its closure if ``closure``."""
+    if closure:
+        optimizer.step(gradient)
+    else:
+        optimizer.step()

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from curvlab.analysis import AnalysisSettings, cached_report, load_report, report_cache_path
 from curvlab.atomic import atomic_write_text
@@ -31,6 +30,7 @@ from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
 from curvlab.match import Checkpoint, match_runs, run_checkpoints
 from curvlab.monitor import ROW_KIND, MonitorRow
+from curvlab.progress import progress as progress_bar
 
 COMPARE_SCHEMA_VERSION = 2  # 2: window means per level, plateau flags, schedule per side, no Taylor filter
 RATIO_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm")
@@ -419,7 +419,7 @@ def compare_runs(
     if not matching.pairs:
         raise CurvlabError("no matched pair within tolerance: " + "; ".join(matching.refused))
     result_levels = []
-    for pair in tqdm(matching.pairs, desc="compare", disable=not progress):
+    for pair in progress_bar(matching.pairs, desc="compare", disable=not progress):
         a = _window_side(pair.window_a, pair.step_a, cache, settings, device)
         b = _window_side(pair.window_b, pair.step_b, cache, settings, device)
         result_levels.append(Level(pair.target, pair.mismatch, pair.on_plateau, a, b))
@@ -474,7 +474,7 @@ def track_run(
         raise CurvlabError(f"{run}: no checkpoint after step 0 to track")
     ceiling = plateau_ceiling
     rows = []
-    for c in tqdm(checkpoints, desc=f"track {run.name}", disable=not progress):
+    for c in progress_bar(checkpoints, desc=f"track {run.name}", disable=not progress):
         report = cached_report(cache, c.path, settings, device=device)
         row = {
             **checkpoint_scalars(report),

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from tqdm.auto import tqdm
 
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
@@ -29,6 +28,7 @@ from curvlab.loss import count_loss_terms, token_cross_entropy
 from curvlab.models.gpt import GPT, get_config
 from curvlab.monitor import MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
 from curvlab.optim import build_optimizer
+from curvlab.progress import progress as progress_bar
 from curvlab.shadow import ShadowState, build_shadow
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -50,7 +50,7 @@ class TrainConfig:
     seq_len: int | None = None  # default: the model's block size
     steps: int = 600
     warmup_steps: int = 20
-    schedule: str = "cosine"
+    schedule: str = "wsd"  # has a stable phase, which `curvlab compare` pairs in by default; cosine has none
     cooldown_frac: float = 0.2  # the final share of steps that decays, for "wsd"
     min_lr_frac: float = 0.1  # the schedule's floor, as a fraction of the peak lr
     grad_clip: float | None = 1.0
@@ -279,18 +279,44 @@ def _record_curvature(row: MonitorRow, log, stop: bool) -> None:
         raise NonFiniteCurvature(f"non-finite curvature at step {row.step} ({row.message}); stopped as asked")
 
 
+def summary_writer_class() -> type:
+    """``torch.utils.tensorboard.SummaryWriter``; a ``CurvlabError`` without the optional
+    ``tensorboard`` package (``pip install 'curvlab[tensorboard]'``)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # optional: only --tensorboard needs it
+    except ImportError as e:
+        raise CurvlabError("--tensorboard needs the tensorboard package: pip install 'curvlab[tensorboard]'") from e
+    return SummaryWriter
+
+
+def _write_scalars(writer, step: int, scalars: dict[str, float]) -> None:
+    if writer is not None:
+        for tag, value in scalars.items():
+            if math.isfinite(value):
+                writer.add_scalar(tag, value, step)
+
+
 def train(
     cfg: TrainConfig,
     progress: bool = True,
     rank: int | None = None,
     world: int | None = None,
     monitor: MonitorSettings | None = None,
+    tensorboard: str | Path | None = None,
 ) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; see the module docstring.
 
     With ``monitor``, every ``monitor.every`` steps the curvature of the step taken (NDS, Taylor split,
     within/cross split; :mod:`curvlab.monitor`) goes into ``metrics.jsonl`` as a row of kind
     ``"curvature"``. The run itself is the same, bit for bit, with or without it.
+
+    With ``tensorboard`` (a directory), rank 0 also writes TensorBoard scalars there: ``train/loss``
+    and ``train/lr`` at every step, ``val/loss`` when evaluated, and each curvature row's
+    :meth:`~curvlab.monitor.MonitorRow.scalars` (``curvature/nds``, ...) at the step it measured, the
+    step index being the steps done (as in ``metrics.jsonl``).
+
+    The progress display is a bar on a terminal and a plain line every 30 s elsewhere
+    (:func:`curvlab.progress.progress`).
 
     Under torch.distributed (``torchrun``), the model is wrapped in DistributedDataParallel, each rank
     trains on rows ``rank::world`` of the same global batch (so results don't depend on the number of
@@ -303,10 +329,17 @@ def train(
     """
     if rank is None or world is None:
         rank, world = rank_and_world()
-    out = Path(cfg.out)
-    is_main = rank == 0
     if world > 1:
         cfg = replace(cfg, device=device_for_rank(cfg.device))
+    if tensorboard is not None:
+        summary_writer_class()  # a missing package is refused before anything runs
+    with contextlib.ExitStack() as stack:
+        return _train(cfg, progress, rank, world, monitor, tensorboard, stack)
+
+
+def _train(cfg: TrainConfig, progress: bool, rank: int, world: int, monitor, tensorboard, stack) -> TrainResult:
+    out = Path(cfg.out)
+    is_main = rank == 0
     run = build_run(cfg, rank, world)
     index = read_index(out)
     barrier()  # every rank has decided whether to resume before rank 0 writes anything
@@ -327,6 +360,9 @@ def train(
     if not index:
         val_loss = evaluate(run)
         _save(run, out, val_loss, float("nan"), is_main)
+    writer = None
+    if tensorboard is not None and is_main:  # (made once the run is known good: no empty event files)
+        writer = stack.enter_context(contextlib.closing(summary_writer_class()(log_dir=str(tensorboard))))
     forward = DistributedDataParallel(run.model) if world > 1 else run.model  # averages the gradients
     forward = torch.compile(forward) if cfg.compile else forward
     curvature = None
@@ -336,7 +372,7 @@ def train(
     tokens_per_step = cfg.batch_size * run.loader.seq_len
     val_loss, elapsed, steps_done = float("nan"), 0.0, 0
     shown_val = float("nan")
-    bar = tqdm(range(run.step, cfg.steps), desc=f"train {cfg.optimizer}", disable=not (progress and is_main))
+    bar = progress_bar(range(run.step, cfg.steps), desc=f"train {cfg.optimizer}", disable=not (progress and is_main))
     with open(metrics_path, "a") if is_main else contextlib.nullcontext() as log:
         for _ in bar:
             start = time.perf_counter()
@@ -372,8 +408,12 @@ def train(
             if log is not None:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
+            scalars = {"train/loss": train_loss, "train/lr": lr} | ({"val/loss": val_loss} if evaluate_now else {})
+            _write_scalars(writer, run.step, scalars)
             if before is not None:  # every rank measures (the held-out batches are shared out); rank 0 writes
-                _record_curvature(curvature.measure_taken(run.step - 1, before), log, monitor.stop_on_nonfinite)
+                row = curvature.measure_taken(run.step - 1, before)
+                _write_scalars(writer, row.step, row.scalars())
+                _record_curvature(row, log, monitor.stop_on_nonfinite)
             if checkpoint_now:
                 _save(run, out, val_loss, train_loss, is_main)
             tps = tokens_per_step * steps_done / max(elapsed, 1e-9)

@@ -20,6 +20,7 @@ from curvlab.atomic import atomic_write_text, make_public
 from curvlab.data.pcfg import Grammar, count_stats, make_grammar
 from curvlab.data.shards import find_shards, read_shard, write_shard
 from curvlab.errors import CurvlabError
+from curvlab.progress import refresh_interval
 
 STATS_VERSION = 1
 
@@ -93,7 +94,8 @@ def generate_pcfg_dataset(
             counts = np.zeros(grammar.vocab_size, dtype=np.int64)
             pending, shard = np.empty(0, dtype=np.int64), 0
             desc = f"pcfg {split} (s={exponent:g})"
-            bar = tqdm(total=n, desc=desc, unit="tok", unit_scale=True, disable=not progress)
+            every = refresh_interval()  # (a log, not a terminal: a redraw every 30 s)
+            bar = tqdm(total=n, desc=desc, unit="tok", unit_scale=True, disable=not progress, mininterval=every)
             for chunk in grammar.stream(n, exponent, stream_seed):
                 counts += np.bincount(chunk, minlength=grammar.vocab_size)
                 pending = np.concatenate([pending, chunk])
