@@ -75,7 +75,7 @@ def is_hidden_matrix(name: str, tensor: Tensor) -> bool:
 def hidden_matrices(params: Mapping[str, Tensor], model: nn.Module | None = None) -> list[str]:
     """Names of the hidden matrices among ``params``, in order: role ``hidden`` given the model
     (:func:`~curvlab.roles.parameter_roles`), else 2-D tensors whose names say neither embedding nor
-    head. These are what Muon updates (SCIENCE.md section 5)."""
+    head. These are what Muon updates (docs/science.md section 5)."""
     if model is None:
         return [n for n, t in params.items() if is_hidden_matrix(n, t)]
     roles = parameter_roles(model)

@@ -1,4 +1,4 @@
-r"""NDS, the second-order Taylor split and the layer-block interaction matrix (SCIENCE.md sections 1-2).
+r"""NDS, the second-order Taylor split and the layer-block interaction matrix (docs/science.md sections 1-2).
 
 For parameters W, a step Z (so that :math:`W_\text{next} = W - Z`), gradient G and Hessian H on a batch:
 

@@ -1,7 +1,7 @@
 r"""A mode under which any PyTorch model can be differentiated twice, exactly, without side effects.
 
-What breaks second derivatives of ordinary models on torch 2.13 (``shared/repro/layernorm_hessian.py``
-and ``tests/test_exact_ops.py`` measure each case against double backward):
+What breaks second derivatives of ordinary models on torch 2.13 (docs/science.md section 1; the tests
+in ``tests/test_exact_ops.py`` measure each case against double backward):
 
 * flash and memory-efficient attention have neither forward-mode AD nor double backward, so
   ``scaled_dot_product_attention`` must run on the math backend (every method);

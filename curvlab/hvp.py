@@ -1,6 +1,6 @@
 r"""Exact Hessian-vector products of ``loss_fn(params, batch)``, from one object per point.
 
-Notation (SCIENCE.md): parameters W as a dict of tensors, gradient :math:`G = \nabla L(W)`, and the
+Notation (docs/science.md): parameters W as a dict of tensors, gradient :math:`G = \nabla L(W)`, and the
 Hessian operator :math:`H[v] = \frac{d}{d\epsilon} \nabla L(W + \epsilon v)\big|_{\epsilon=0}`.
 
 :class:`CurvaturePoint` is the engine: built for a loss, parameters and batches (one or many,

@@ -19,7 +19,7 @@ The same formulas hold for LoRA on embeddings (``lora_embedding_A/B``, the map i
 and on convolutions (the factors flattened to :math:`r\times(d_\text{in} k)` and
 :math:`d_\text{out}\times r`).
 
-* :class:`SMuon` (Anson, Houghton, Milsom 2026; SCIENCE.md section 8) steps the factors so that the
+* :class:`SMuon` (Anson, Houghton, Milsom 2026; docs/science.md section 8) steps the factors so that the
   first-order change of W is :math:`-\eta\,c\,\operatorname{proj}_T(\operatorname{msign}(H))`,
   the least-squares fit (over :math:`\delta B A + B\,\delta A`) to the Muon step of the
   *first-order-equivalent* gradient H. This is **not** :math:`\operatorname{proj}_T(\operatorname{msign}(G))`:

@@ -1,4 +1,4 @@
-"""Matched validation loss, in a chosen schedule phase: pairing two runs' checkpoints (SCIENCE.md
+"""Matched validation loss, in a chosen schedule phase: pairing two runs' checkpoints (docs/science.md
 sections 3 and 10).
 
 Optimizers are compared at equal validation loss, not at equal step. But the step Z contains the

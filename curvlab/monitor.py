@@ -2,7 +2,7 @@ r"""Curvature while training runs: every K steps, the NDS and Taylor split of th
 
 A :class:`CurvatureMonitor` holds a model, its optimizer, a loss function and a fixed held-out batch
 set D, chosen once. Called at step k, it measures the step :math:`Z_k = W_k - W_{k+1}` on D
-(SCIENCE.md sections 1-2):
+(docs/science.md sections 1-2):
 
 .. math::
     I_1 = \langle G_D, Z\rangle,\quad I_2 = \tfrac12\langle Z, H_D[Z]\rangle,\quad

@@ -330,7 +330,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """One torch optimizer for ``model`` by name (``"muon"``, ``"adamw"``, ``"sgd"``, ``"lion"``).
 
-    Defaults (SCIENCE.md sections 4-5): Muon lr 0.02, momentum 0.95, Nesterov, 5 Newton–Schulz
+    Defaults (docs/science.md sections 4-5): Muon lr 0.02, momentum 0.95, Nesterov, 5 Newton–Schulz
     steps, weight decay 0, with its AdamW side at lr 0.0036 and betas (0.9, 0.95); AdamW lr 0.0018,
     betas (0.9, 0.95), weight decay 0; SGD lr 0.1, momentum 0.9; Lion lr 1e-4, betas (0.9, 0.99).
 

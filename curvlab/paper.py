@@ -1,4 +1,4 @@
-"""The paper's claims and numbers, in one table (SCIENCE.md section 4), and the pre-registered primary family.
+"""The paper's claims and numbers, in one table (docs/science.md section 4), and the pre-registered primary family.
 
 "Why Muon Outperforms Adam: A Curvature Perspective" (124M NanoGPT on FineWeb, and a ~9M model on the
 Zipf-PCFG language). Report text, figures and notebooks read the paper's side of every comparison
@@ -167,12 +167,12 @@ PRIMARY: tuple[PrimaryClaim, ...] = (
 # fmt: on
 
 
-# The paper's reference training (SCIENCE.md section 4), for the paper preset's FineWeb runs.
+# The paper's reference training (docs/science.md section 4), for the paper preset's FineWeb runs.
 REFERENCE_TRAINING = {
     "muon": {"lr": 0.02, "momentum": 0.95, "val_loss": 3.276},
     "adamw": {"lr": 0.0018, "betas": (0.9, 0.95), "val_loss": 3.341},
     "steps": 5100,
     "tokens_per_step": 524_288,
 }
-# The stylized quadratic's closed forms on the worked example (SCIENCE.md section 7).
+# The stylized quadratic's closed forms on the worked example (docs/science.md section 7).
 QUADRATIC_EXAMPLE = {"muon_nds": 10.0, "muon_contraction": 0.669421, "gd_two_step_contraction": 0.922913}

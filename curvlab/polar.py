@@ -7,7 +7,7 @@ Muon orthogonalizes its momentum with a few steps of an odd matrix polynomial,
 * ``"svd"``: the exact polar factor (computed in float64); on a rank-deficient matrix, the partial
   isometry :math:`U_r V_r^\top` of its nonzero singular values.
 * ``"newton_schulz"``: Keller Jordan's quintic (3.4445, -4.7750, 2.0315), 5 steps, after dividing by
-  the Frobenius norm; singular values land in roughly [0.7, 1.1], not at 1 (SCIENCE.md section 9).
+  the Frobenius norm; singular values land in roughly [0.7, 1.1], not at 1 (docs/science.md section 9).
 * ``"polar_express"``: Amsel et al. (2025): a different minimax-optimal quintic at every step, for a
   composition that lands closer to 1 in the same number of steps; input divided by 1.02·||X||_F.
 

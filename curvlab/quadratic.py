@@ -1,4 +1,4 @@
-r"""The stylized Kronecker quadratic model of the paper's Section 5 (SCIENCE.md section 7).
+r"""The stylized Kronecker quadratic model of the paper's Section 5 (docs/science.md section 7).
 
 .. math::
     Q(Y) = L_0 - \langle G, Y\rangle + \tfrac12 \langle Y, H[Y]\rangle,\qquad
@@ -335,7 +335,7 @@ def muon_contraction(spec: TwoLevelSpec) -> float:
 
 def gd_contraction(spec: TwoLevelSpec, P: float) -> float:
     """C(P) = (w_H - w_L)² P (1 - P) / (w_L + (w_H - w_L) P)², with P the high-curvature share of
-    ||G||²: GD's suboptimality contracts by C(P) C(1 - P) every two steps (SCIENCE.md section 7).
+    ||G||²: GD's suboptimality contracts by C(P) C(1 - P) every two steps (docs/science.md section 7).
 
     C(P) alone is not a one-step ratio (it can exceed 1); each single step contracts by
     (w_H - w_L)² P(1 - P) / ((w_L + (w_H - w_L) P)(w_H - (w_H - w_L) P)) (Kantorovich), which is the

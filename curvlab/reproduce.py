@@ -89,7 +89,7 @@ class Arm:
 ARMS = {
     "adamw": Arm("adamw", "adamw"),
     "muon": Arm("muon", "muon"),
-    # the step-size control: RMS-matched scaling 0.2 sqrt(max(rows, cols)) (SCIENCE.md section 10, width)
+    # the step-size control: RMS-matched scaling 0.2 sqrt(max(rows, cols)) (docs/science.md section 10, width)
     "muon-moonlight": Arm("muon-moonlight", "muon", {"scale": "moonlight"}),
 }
 
@@ -144,7 +144,7 @@ class Preset:
     fineweb: bool = False  # the paper preset also trains gpt2-124m on FineWeb shards
     fineweb_model: str = "gpt2-124m"
     fineweb_model_overrides: dict[str, Any] = field(default_factory=dict)
-    fineweb_steps: int = REFERENCE_TRAINING["steps"]  # SCIENCE.md section 4: the modded-nanogpt comparison
+    fineweb_steps: int = REFERENCE_TRAINING["steps"]  # docs/science.md section 4: the modded-nanogpt comparison
     fineweb_batch_size: int = 512  # x 1024 tokens = 524k tokens per step
     fineweb_lr: dict[str, float] = field(default_factory=lambda: dict(_PAPER_LR))
     fineweb_ckpt_every: int = 250  # a gpt2-124m checkpoint with AdamW state is ~1.5 GB
@@ -225,7 +225,7 @@ PRESETS = {
     # head, and two CPUs for a few minutes don't get it past unigram statistics). The learning rates come
     # from the committed table (made by the full search at this size and horizon), checked on a
     # 3-point grid with one tuning seed. The Zipf sweep and the step-size control arm are `standard`'s.
-    # Sized from a pilot of the per-run spread (docs/science.md, the pilot): the paired log ratio's SD
+    # Sized from a pilot of the per-run spread (docs/science.md section 11): the paired log ratio's SD
     # between seeds is about 0.1, so 5 seeds resolve a factor of 1.2; the between-run ratio's is 10x that.
     "quick": Preset(
         "quick",

@@ -2,7 +2,7 @@
 
     python experiments/quadratic.py [OUT_DIR]
 
-Same as `curvlab quadratic --out OUT_DIR` with the defaults of SCIENCE.md section 7.
+Same as `curvlab quadratic --out OUT_DIR` with the defaults of docs/science.md section 7.
 """
 
 import json

@@ -218,7 +218,7 @@ def test_curvature_matches_double_backward(problems, name, exact_rms_norm):
 
 
 def test_lora_adapter_curvature_against_the_dense_hessian(problems):
-    """Adapter-only curvature (SCIENCE.md section 8): params are the trainable adapters, Z the next
+    """Adapter-only curvature (docs/science.md section 8): params are the trainable adapters, Z the next
     step of the adapters' own optimizer; the dense float64 Hessian over the 256 adapter entries."""
     model, batch, _ = problems["lora"]
     adapters = trainable_parameters(model)

@@ -228,7 +228,7 @@ def test_smuon_with_newton_schulz_keeps_H_singular_vectors_and_lands_in_the_band
     U, S, Vh = torch.linalg.svd(H, full_matrices=False)
     U, S, Vh = U[:, : 2 * r], S[: 2 * r], Vh[: 2 * r]
     expected = _scalar_polynomial_images(S, method)
-    assert band[0] <= expected.min() and expected.max() <= band[1]  # SCIENCE.md section 9's bands
+    assert band[0] <= expected.min() and expected.max() <= band[1]  # docs/science.md section 9's bands
     # float64 iteration: the low-rank route is Newton–Schulz on H itself
     from curvlab.lora import smuon_direction
 

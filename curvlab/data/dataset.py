@@ -133,7 +133,7 @@ def read_stats(data_dir: str | Path) -> dict:
 
 def unigram_plateau_nats(data_dir: str | Path) -> float:
     r"""The validation loss, in nats, of a model that has learned only the *training* token frequencies:
-    the cross-entropy :math:`-\sum_t p_\text{val}(t) \log p_\text{train}(t)` (docs/science.md, plateaus).
+    the cross-entropy :math:`-\sum_t p_\text{val}(t) \log p_\text{train}(t)` (docs/science.md section 3).
 
     The unigram plateau of a run depends on its training data: with validation fixed at s = 0 and
     training at s > 0, the frequencies learned are the skewed ones, and the plateau lies above the

@@ -1,4 +1,4 @@
-r"""The Zipf-PCFG synthetic language (SCIENCE.md section 6): a layered probabilistic context-free
+r"""The Zipf-PCFG synthetic language (docs/science.md section 6): a layered probabilistic context-free
 grammar whose token frequencies inside each word class follow a Zipf law with exponent ``s``.
 
 Structure (in the style of the cfg3 grammars of "Physics of Language Models"): a root, then ``depth - 1``
@@ -256,7 +256,7 @@ def make_grammar(
     max_rhs: int = 3,
     rule_s: float = 0.0,
 ) -> Grammar:
-    """A random layered grammar, deterministic in ``seed`` (defaults: SCIENCE.md section 6).
+    """A random layered grammar, deterministic in ``seed`` (defaults: docs/science.md section 6).
 
     Every next-level symbol is used by some rule (no unreachable symbols): after drawing the rules,
     any symbol left out replaces a random entry of a rule of the level above, at a place that is
