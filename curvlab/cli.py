@@ -602,12 +602,14 @@ def readme_results(
     readme: Path = typer.Option(Path("README.md"), help="The README whose results section is rewritten."),
     figures: Path = typer.Option(Path("docs/results"), help="Where the figures the README shows are copied."),
     note: str = typer.Option("", help="A sentence to add after the timing line (e.g. how the machine was shared)."),
+    page: Path = typer.Option(Path("docs/results.md"), help="The whole results page (rewritten)."),
 ) -> None:
-    """Regenerate the README's results section (table, caveats, figures) from a reproduction's summary.json."""
+    """Regenerate the README's results section (the primary family) and the whole results page (caveats,
+    descriptive quantities, figures) from a reproduction's summary.json."""
     from curvlab.report import update_readme
 
-    update_readme(results, readme, figures, note)
-    typer.echo(f"rewrote the results section of {readme}; figures in {figures}")
+    update_readme(results, readme, figures, note, page)
+    typer.echo(f"rewrote the results section of {readme} and {page}; figures in {figures}")
 
 
 def main() -> None:

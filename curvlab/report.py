@@ -12,6 +12,7 @@ the figures it shows into ``docs/results/``.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -371,16 +372,34 @@ def render_readme_results(summary: Summary, figures_dir: str = "docs/results", n
     return "\n".join(lines) + "\n"
 
 
+def render_readme_teaser(summary: Summary, figures_dir: str = "docs/results", page: str = "docs/results.md") -> str:
+    """The README's short results section: the run's conditions, the primary family (table, forest plot,
+    A/A calibration) and a link to the whole results ``page``."""
+    forest = f"{figures_dir}/fig0_primary_forest.png" if _figure(summary, "fig0_primary_forest") else None
+    lines = [
+        f"`curvlab reproduce --preset {summary.preset}`: {summary.seconds / 60:.0f} minutes ({_conditions(summary)}).",
+        "",
+        *primary_section(summary, forest),
+        f"Conditions, caveats, the descriptive quantities and every figure: [{page}]({page}).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def update_readme(
-    results: str | Path, readme: str | Path = "README.md", figures: str | Path = "docs/results", note: str = ""
+    results: str | Path,
+    readme: str | Path = "README.md",
+    figures: str | Path = "docs/results",
+    note: str = "",
+    page: str | Path = "docs/results.md",
 ) -> None:
-    """Rewrite the README's results section (between ``README_BEGIN`` and ``README_END``) from
-    ``results/summary.json``, and copy the figures it shows into ``figures``.
+    """From ``results/summary.json``: rewrite the README's results section (between ``README_BEGIN`` and
+    ``README_END``: the primary family), write the whole results ``page``, and copy the figures they
+    show into ``figures``. Links are relative to the file that holds them.
 
     Raises:
         CurvlabError: no summary, or a README without the markers.
     """
-    results, readme, figures = Path(results), Path(readme), Path(figures)
+    results, readme, figures, page = Path(results), Path(readme), Path(figures), Path(page)
     summary = Summary.load(results / "summary.json")
     text = readme.read_text()
     if README_BEGIN not in text or README_END not in text:
@@ -393,8 +412,14 @@ def update_readme(
         if source.is_file():
             with open(source, "rb") as f:
                 atomic_write_with(figures / f"{name}.png", lambda out, f=f: shutil.copyfileobj(f, out))
-    section = render_readme_results(summary, figures.as_posix(), note)
-    atomic_write_text(readme, head + README_BEGIN + "\n\n" + section + "\n" + README_END + tail)
+
+    def relative(target: Path, holder: Path) -> str:
+        return Path(os.path.relpath(target.resolve(), holder.resolve().parent)).as_posix()
+
+    whole = render_readme_results(summary, relative(figures, page), note)
+    atomic_write_text(page, f"# Results: the {summary.preset} preset\n\n{whole}")
+    teaser = render_readme_teaser(summary, relative(figures, readme), relative(page, readme))
+    atomic_write_text(readme, head + README_BEGIN + "\n\n" + teaser + "\n" + README_END + tail)
 
 
 FINETUNE_ROWS = ("nds_ratio", "nds_ratio_median", "first_order_ratio", "curvature_penalty_ratio",

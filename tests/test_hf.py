@@ -501,9 +501,11 @@ def test_nds_command_on_a_trainer_checkpoint(trainer_run, tmp_path):
 
 
 def readme_examples() -> list[str]:
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text.split("## curvlab on your own model", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    """The runnable examples: the README's library example and every block of docs/own-model.md."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text().split("## The library in ten lines", 1)[1].split("\n## ", 1)[0]
+    text = readme + (root / "docs" / "own-model.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
 
 
 @pytest.mark.parametrize("index", range(len(readme_examples())))

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from nbclient import NotebookClient
 
-from curvlab.report import README_BEGIN, README_END, render_readme_results, update_readme, value_cell
+from curvlab.report import (
+    README_BEGIN,
+    README_END,
+    render_readme_results,
+    render_readme_teaser,
+    update_readme,
+    value_cell,
+)
 from curvlab.reproduce import PRESETS, Reproduction
 from curvlab.results import ComparisonRecord, LevelData, Summary, headline
 from curvlab.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
@@ -235,12 +242,17 @@ def test_report_and_readme_render_the_summary(micro, tmp_path):
                 assert f"({p})" in report
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n## Results\n\n{README_BEGIN}\nold table\n{README_END}\n\n## Next\n")
-    update_readme(out, readme, tmp_path / "docs" / "results")
+    page = tmp_path / "docs" / "results.md"
+    update_readme(out, readme, tmp_path / "docs" / "results", page=page)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\n") and text.endswith("## Next\n")
-    assert render_readme_results(Summary.load(out / "summary.json"), (tmp_path / "docs" / "results").as_posix()) in text
-    shown = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
-    assert shown and all(Path(p).is_file() for p in shown)  # every image the README shows exists
+    loaded = Summary.load(out / "summary.json")
+    assert render_readme_teaser(loaded, "docs/results", "docs/results.md") in text  # links relative to the README
+    assert render_readme_results(loaded, "results") in page.read_text()  # ... and to the page
+    assert "(docs/results.md)" in text
+    for holder in (readme, page):  # every image shown exists, seen from the file that shows it
+        shown = [line.split("(")[1].rstrip(")") for line in holder.read_text().splitlines() if line.startswith("![")]
+        assert shown and all((holder.parent / p).is_file() for p in shown), holder
     plain = tmp_path / "plain.md"
     plain.write_text("# no markers\n")
     with pytest.raises(ValueError, match="no results markers"):
