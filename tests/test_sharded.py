@@ -1,0 +1,168 @@
+"""Sharded parameters (FSDP2 and plain DTensors) on 2 and 4 gloo processes on the CPU, spawned by the test:
+HVPs, quadratic forms, NDS, the Taylor split (both scopes) and the block matrix equal the one-process
+results on the same global batch, the finite-difference HVP lies within its stated error, and bad input
+gets one-line errors."""
+
+import datetime
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from curvlab import block_matrix, hvp, make_loss_fn, nds, quadratic_forms, taylor_split
+from curvlab.dtensors import full, shard_like
+from curvlab.errors import CurvlabError
+from curvlab.finite_difference import finite_difference_hvp
+from curvlab.hvp import CurvaturePoint
+from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
+from tests.conftest import random_direction
+
+REL = 1e-10
+# vocabulary 322 and block size 30: row counts that 4 ranks don't divide (uneven shards)
+MODEL = {**MICRO_OVERRIDES, "vocab_size": 322, "block_size": 30}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, tmp_path, world, *args):
+    (tmp_path / "port").write_text(str(_free_port()))
+    mp.spawn(fn, args=(str(tmp_path), world, *args), nprocs=world, join=True)
+
+
+def _init(rank, tmp, world, timeout=60):
+    port = Path(tmp, "port").read_text()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )  # fmt: skip
+    return init_device_mesh("cpu", (world,))
+
+
+def _leave():
+    dist.barrier()  # gloo aborts a rank whose peer tore the group down first
+    dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    model = GPT(get_config("tiny", **MODEL)).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name:  # LayerNorm gains away from 1, so that their curvature is not special
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _problem():
+    model = _model()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, MODEL["vocab_size"], (2, 12), generator=g) for _ in range(4)]
+    batches = [(x, x.clone()) for x in batches]
+    batches[1][1][0, :4] = -100  # uneven loss terms (ignored labels); the shared batch keeps its own labels
+    return model, params, batches, random_direction(params, 3), random_direction(params, 4)
+
+
+def _measure(loss_fn, params, batch, v, z):
+    """Every curvature quantity the suite compares, as plain (gathered) tensors and floats."""
+    out = {}
+    with CurvaturePoint(loss_fn, params, batch) as point:
+        out["loss"] = point.loss
+        out["gradient"] = full(point.gradient)
+        out["hvp"] = full(point.hvp(v))
+        stacked = {n: torch.stack([v[n], z[n]]) for n in v}
+        out["hvps"] = full(point.hvps(stacked))
+        out["point_qf"] = point.quadratic_forms(stacked)
+    out["qf"] = quadratic_forms(loss_fn, params, batch, stacked)
+    out["hvp_fn"] = full(hvp(loss_fn, params, batch, v))
+    out["nds"] = nds(loss_fn, params, batch, z)
+    out["split"] = taylor_split(loss_fn, params, batch, z).to_dict()
+    out["blocks"] = block_matrix(loss_fn, params, batch, z).to_dict()
+    fd = finite_difference_hvp(loss_fn, params, batch, v)
+    out["fd"] = (full(fd.hvp), fd.to_dict())
+    return out
+
+
+def _sharded_worker(rank, tmp, world, how):
+    mesh = _init(rank, tmp, world)
+    model, params, batches, v, z = _problem()
+    if how == "fsdp":
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sharded = {k: p.detach() for k, p in model.named_parameters()}
+    else:  # plain DTensor parameters, rows split over the ranks
+        sharded = {k: distribute_tensor(p, mesh, [Shard(0)]) for k, p in params.items()}
+    loss_fn = make_loss_fn(model)
+    vs, zs = shard_like(v, sharded), shard_like(z, sharded)
+    results = {
+        "shared": _measure(loss_fn, sharded, batches, vs, zs),
+        "one": _measure(loss_fn, sharded, batches[1], vs, zs),
+    }
+    results["local_rows"] = sharded["lm_head.weight"].to_local().shape[0]
+    errors = {}
+    try:
+        hvp(loss_fn, sharded, batches, vs, method="fwd_rev")
+    except CurvlabError as e:
+        errors["fwd_rev"] = str(e)
+    try:
+        hvp(loss_fn, sharded, batches, v)  # plain directions for sharded parameters
+    except CurvlabError as e:
+        errors["plain"] = str(e)
+    _leave()
+    try:
+        hvp(loss_fn, sharded, batches, vs)  # the process group is gone
+    except CurvlabError as e:
+        errors["no_group"] = str(e)
+    if rank == 0:
+        torch.save({"results": results, "errors": errors}, f"{tmp}/out.pt")
+
+
+def _close(a, b, what):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            _close(a[k], b[k], f"{what}[{k}]")
+    elif isinstance(a, (tuple, list)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _close(x, y, f"{what}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        scale = b.abs().max()
+        assert float((a - b).abs().max()) <= REL * float(scale), what
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=REL, abs=1e-14), what
+    else:
+        assert a == b, what
+
+
+@pytest.mark.parametrize("world,how", [(2, "fsdp"), (4, "dtensor")])
+def test_sharded_curvature_equals_one_process(tmp_path, world, how):
+    _spawn(_sharded_worker, tmp_path, world, how)
+    saved = torch.load(tmp_path / "out.pt", weights_only=False)
+    model, params, batches, v, z = _problem()
+    loss_fn = make_loss_fn(model)
+    results = saved["results"]
+    assert results["local_rows"] == -(-MODEL["vocab_size"] // world)  # rank 0's shard: sharded for real
+    for name, batch in (("shared", batches), ("one", batches[1])):
+        got, want = results[name], _measure(loss_fn, params, batch, v, z)
+        fd_got, fd_want = got.pop("fd"), want.pop("fd")
+        _close(got, want, name)
+        # the finite-difference HVP lies within its stated error of the exact one, and that error is small
+        diff = max(float((fd_got[0][n] - want["hvp"][n]).norm()) for n in params)
+        norm = sum(float(t.norm()) ** 2 for t in want["hvp"].values()) ** 0.5
+        assert diff <= fd_got[1]["error"] and fd_got[1]["error"] <= 1e-7 * norm, name
+        assert fd_got[1]["error"] == pytest.approx(fd_want[1]["error"], rel=0.5)
+    errors = saved["errors"]
+    assert "fwd_rev" in errors["fwd_rev"] and "refused" in errors["fwd_rev"] and "\n" not in errors["fwd_rev"]
+    assert "plain tensor but the parameter is sharded" in errors["plain"]
+    assert "no torch.distributed process group" in errors["no_group"]
