@@ -21,6 +21,7 @@ from curvlab.errors import CurvlabError
 from curvlab.finite_difference import finite_difference_hvp
 from curvlab.hvp import CurvaturePoint
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
+from curvlab.optim import build_optimizer, next_update
 from tests.conftest import random_direction
 
 REL = 1e-10
@@ -171,3 +172,43 @@ def test_sharded_curvature_equals_one_process(tmp_path, world, how):
     assert "fwd_rev" in errors["fwd_rev"] and "refused" in errors["fwd_rev"] and "\n" not in errors["fwd_rev"]
     assert "plain tensor but the parameter is sharded" in errors["plain"]
     assert "no torch.distributed process group" in errors["no_group"]
+
+
+def _updates(model, loss_fn, optimizer, batches):
+    """Z at a fresh optimizer, one real step with that G, then G and Z at the next point: gathered."""
+    options = {"polar_dtype": "float32"} if optimizer == "muon" else {}
+    opt = build_optimizer(optimizer, model, **options)
+    g1, z1 = next_update(model, opt, loss_fn, batches[:2], dtype=torch.float64)
+    named = dict(model.named_parameters())
+    for n, g in g1.items():
+        named[n].grad = g.clone()
+    opt.step()
+    g2, z2 = next_update(model, opt, loss_fn, batches[2:], dtype=torch.float64)
+    return {"z1": full(z1), "g2": full(g2), "z2": full(z2)}
+
+
+def _update_worker(rank, tmp, world, optimizer):
+    mesh = _init(rank, tmp, world)
+    model, _, batches, _, _ = _problem()
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    out = _updates(model, make_loss_fn(model), optimizer, batches)
+    placements = {tuple(p.placements) for p in model.parameters()}
+    _leave()
+    if rank == 0:
+        torch.save({"out": out, "placements": placements}, f"{tmp}/update.pt")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_next_update_under_fsdp2_equals_one_process(tmp_path, optimizer):
+    _spawn(_update_worker, tmp_path, 2, optimizer)
+    saved = torch.load(tmp_path / "update.pt", weights_only=False)
+    assert saved["placements"] == {(Shard(0),)}  # the parameters stayed sharded through the steps
+    model, _, batches, _, _ = _problem()
+    want = _updates(model, make_loss_fn(model), optimizer, batches)
+    rel = 1e-10 if optimizer == "adamw" else 1e-6  # Muon: float32 Newton-Schulz
+    for key, tensors in want.items():
+        for n, t in tensors.items():
+            got = saved["out"][key][n]
+            assert float((got - t).abs().max()) <= rel * float(t.abs().max()), (key, n)
