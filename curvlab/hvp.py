@@ -180,6 +180,7 @@ class CurvaturePoint:
 
     # -- first order -------------------------------------------------------------------------
 
+    @S.names_rank_on_collective_failure
     def _first_order(self, create_graph: bool) -> list[_Graph]:
         """Forward and backward for every batch of this process; loss and gradient accumulated."""
         names = list(self.params)
@@ -221,6 +222,7 @@ class CurvaturePoint:
             self._first_order(create_graph=False)
         return self._gradient
 
+    @S.names_rank_on_collective_failure
     def loss_at(self, params: Mapping[str, Tensor]) -> float:
         """:math:`L` at other parameters (e.g. :math:`W - Z`) on the same batches, in the same dtype and
         mode, so that differences of losses and Taylor predictions are comparable."""
@@ -235,6 +237,7 @@ class CurvaturePoint:
 
     # -- second order ------------------------------------------------------------------------
 
+    @S.names_rank_on_collective_failure
     def hvps(self, vs: Mapping[str, Tensor]) -> P.Params:
         r""":math:`H[v_k]` for K directions stacked along dim 0, a dict over *all* parameters.
 

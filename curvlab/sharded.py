@@ -32,15 +32,17 @@ its whole weight), so the graph costs what FSDP2 with ``reshard_after_forward=Fa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from curvlab.distributed import all_reduce_sum
+from curvlab.distributed import all_reduce_sum, rank_and_world
 from curvlab.dtensors import any_dtensor, require_process_group
+from curvlab.errors import CurvlabError
 
 FWD_REV_REFUSED = (
     "method 'fwd_rev' is refused on sharded parameters: torch.func.jvp does not run through FSDP2 or "
@@ -153,3 +155,31 @@ def sum_replicated(values: dict[str, Tensor]) -> dict[str, Tensor]:
     if plain:
         all_reduce_sum(plain)
     return values
+
+
+# what gloo and NCCL say when a peer died or stalled past the process group's timeout
+_COLLECTIVE_FAILURES = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "nccl")
+
+
+def names_rank_on_collective_failure(method: Callable) -> Callable:
+    """Decorate a method of an object with a ``sharded`` flag: when sharded, a collective that fails
+    because another rank died or stalled past the process group's timeout becomes a one-line
+    :class:`CurvlabError` naming this rank (the cause stays chained); anything else passes through."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if not getattr(self, "sharded", False):
+            return method(self, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if isinstance(e, CurvlabError) or not any(k in first.lower() for k in _COLLECTIVE_FAILURES):
+                raise
+            rank, world = rank_and_world()
+            raise CurvlabError(
+                f"rank {rank} of {world}: a collective of {method.__name__} failed: another rank died or stalled "
+                f"past the process group's timeout ({first})"
+            ) from e
+
+    return wrapper

@@ -5,6 +5,7 @@ gets one-line errors."""
 
 import datetime
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,20 @@ def test_next_update_under_fsdp2_equals_one_process(tmp_path, optimizer):
         for n, t in tensors.items():
             got = saved["out"][key][n]
             assert float((got - t).abs().max()) <= rel * float(t.abs().max()), (key, n)
+
+
+def _stalling_worker(rank, tmp, world):
+    mesh = _init(rank, tmp, world, timeout=5)
+    model, params, batches, v, _ = _problem()
+    sharded = {k: distribute_tensor(p, mesh, [Shard(0)]) for k, p in params.items()}
+    point, vs = CurvaturePoint(make_loss_fn(model), sharded, batches), shard_like(v, sharded)
+    if rank == 1:
+        time.sleep(60)  # stalls mid-run (the spawn ends it once rank 0 has failed)
+    point.hvp(vs)
+
+
+def test_a_stalled_rank_ends_the_hvp_with_an_error_naming_the_rank(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match=r"CurvlabError: rank 0 of 2: a collective of hvps failed"):
+        _spawn(_stalling_worker, tmp_path, 2)
+    assert time.monotonic() - start < 50
