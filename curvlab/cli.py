@@ -259,17 +259,20 @@ def nds(
     block_method: str = typer.Option("hvp", help="hvp (one HVP per block) or alpha (Hessian in alpha)."),
     hvp_method: str = typer.Option("rev_rev", help=HVP_METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
+    fsdp: bool = typer.Option(False, "--fsdp", help="CHECKPOINT is a sharded (DCP) directory: run sharded."),
 ) -> None:
     """NDS, Taylor split and block interaction matrix of a checkpoint's next update.
 
     Z is the optimizer's next step, with dropout off as for G and H (see --data for its batch).
+    With --fsdp, under torchrun, the model is sharded by FSDP2 over the ranks (curvlab.dcp).
     """
     from curvlab.analysis import analyze_checkpoint
+    from curvlab.dcp import analyze_sharded_checkpoint
 
+    analyze_fn = analyze_sharded_checkpoint if fsdp else analyze_checkpoint
     with distributed_context() as (rank, _):
-        report = analyze_checkpoint(
-            checkpoint, _settings(blocks, batch, batches, dtype, block_method, hvp_method), data, device
-        )
+        settings = _settings(blocks, batch, batches, dtype, block_method, hvp_method)
+        report = analyze_fn(checkpoint, settings, data, device)
     if rank != 0:
         return
     d = report.to_dict()

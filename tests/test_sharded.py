@@ -4,7 +4,11 @@ results on the same global batch, the finite-difference HVP lies within its stat
 gets one-line errors."""
 
 import datetime
+import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,13 +21,16 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from curvlab import block_matrix, hvp, make_loss_fn, nds, quadratic_forms, taylor_split
+from curvlab.checkpoint import load_checkpoint
+from curvlab.dcp import convert_to_sharded, open_sharded_checkpoint
 from curvlab.dtensors import full, shard_like
 from curvlab.errors import CurvlabError
 from curvlab.finite_difference import finite_difference_hvp
 from curvlab.hvp import CurvaturePoint
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim import build_optimizer, next_update
-from tests.conftest import random_direction
+from curvlab.train import TrainConfig, train
+from tests.conftest import SMALL_MODEL, random_direction
 
 REL = 1e-10
 # vocabulary 322 and block size 30: row counts that 4 ranks don't divide (uneven shards)
@@ -230,3 +237,46 @@ def test_a_stalled_rank_ends_the_hvp_with_an_error_naming_the_rank(tmp_path):
     with pytest.raises(mp.ProcessRaisedException, match=r"CurvlabError: rank 0 of 2: a collective of hvps failed"):
         _spawn(_stalling_worker, tmp_path, 2)
     assert time.monotonic() - start < 50
+
+
+def _convert_worker(rank, tmp, world, ckpt):
+    _init(rank, tmp, world)
+    convert_to_sharded(load_checkpoint(ckpt), Path(tmp, "sharded"))
+    _leave()
+
+
+def test_nds_on_a_sharded_checkpoint_under_torchrun_equals_the_unsharded_run(pcfg_data, tmp_path):
+    cfg = TrainConfig(
+        data=str(pcfg_data), out=str(tmp_path / "run"), model_overrides=SMALL_MODEL, optimizer="muon",
+        optimizer_options={"polar_dtype": "float32"}, batch_size=4, steps=2, warmup_steps=1, eval_every=2,
+        ckpt_every=2, val_windows=8, device="cpu",
+    )  # fmt: skip
+    train(cfg, progress=False)
+    ckpt = tmp_path / "run" / "ckpt_000002.pt"
+    _spawn(_convert_worker, tmp_path, 2, str(ckpt))
+    sharded = tmp_path / "sharded"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    options = ["--dtype", "float64", "--batches", "2", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "curvlab"]
+    r = subprocess.run(
+        [*cmd, "nds", str(sharded), "--fsdp", "--out", str(tmp_path / "sharded.json"), *options],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = subprocess.run(
+        [sys.executable, "-m", "curvlab", "nds", str(ckpt), "--out", str(tmp_path / "one.json"), *options],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    got, want = (json.loads((tmp_path / f).read_text()) for f in ("sharded.json", "one.json"))
+    for d in (got, want):
+        d.pop("checkpoint"), d.pop("timing")
+    _close(got, want, "report")
+    # another world size, another model config: one line each
+    with pytest.raises(CurvlabError, match=r"written by 2 ranks, opened on 1"):
+        open_sharded_checkpoint(sharded)
+    meta = torch.load(sharded / "curvlab.pt", weights_only=False)
+    meta["config"]["model_overrides"]["n_embd"] = 48
+    torch.save(meta, sharded / "curvlab.pt")
+    with pytest.raises(CurvlabError, match=r"from another model config"):
+        open_sharded_checkpoint(sharded)

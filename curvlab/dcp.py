@@ -1,0 +1,185 @@
+"""Sharded checkpoints (``torch.distributed.checkpoint``, DCP) of FSDP2 runs, and their analysis.
+
+A sharded checkpoint is a directory: DCP's files (each rank writes its shards of the model and of
+the optimizer state, taken by ``get_model_state_dict`` / ``get_optimizer_state_dict``) and
+``curvlab.pt``, written by rank 0, with what isn't sharded: the format and world size, the training
+config, the step, the schedule's, loader's and RNG states and the validation loss.
+
+:func:`open_sharded_checkpoint` rebuilds the run of such a checkpoint under the same world size, with
+its model sharded by FSDP2 (``fully_shard`` per transformer block and at the root) and its optimizer
+on the sharded parameters, as the :class:`~curvlab.analysis.Target` the analysis takes, so that
+``curvlab nds --fsdp`` under ``torchrun`` gives the report of the unsharded run. A checkpoint from
+another world size, or whose tensors don't match the model its config builds, is refused in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
+
+from curvlab.analysis import AnalysisSettings, CurvatureReport, Target, analyze
+from curvlab.distributed import barrier, rank_and_world
+from curvlab.dtensors import require_process_group
+from curvlab.errors import CurvlabError
+from curvlab.optim import build_optimizer
+from curvlab.train import Run, TrainConfig, build_run, lr_multiplier, restore
+
+FORMAT = "curvlab-dcp"
+SCHEMA_VERSION = 1
+META = "curvlab.pt"
+
+
+def shard_run(run: Run) -> None:
+    """Shard ``run``'s model with FSDP2 over all ranks (each transformer block, then the root) and
+    rebuild its optimizer and schedule on the sharded parameters (at their step-0 state)."""
+    require_process_group()
+    mesh = init_device_mesh(run.device.type, (dist.get_world_size(),))
+    for block in run.model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(run.model, mesh=mesh)
+    run.optimizer = build_optimizer(run.cfg.optimizer, run.model, **run.cfg.optimizer_options)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: lr_multiplier(step, run.cfg))
+
+
+def _state(run: Run) -> dict[str, Any]:
+    return {"model": get_model_state_dict(run.model), "optimizer": get_optimizer_state_dict(run.model, run.optimizer)}
+
+
+def save_sharded_checkpoint(run: Run, path: str | Path, val_loss: float, train_loss: float = float("nan")) -> Path:
+    """Write ``run`` (model sharded by :func:`shard_run`) as a sharded checkpoint directory; every rank calls it."""
+    path = Path(path)
+    rank, world = rank_and_world()
+    dcp.save(_state(run), checkpoint_id=str(path))
+    if rank == 0:
+        meta = {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "world_size": world,
+            "step": run.step,
+            "config": run.cfg.to_dict(),
+            "model_config": run.model.config.to_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "data": run.loader.state_dict(),
+            "rng": torch.get_rng_state(),
+            "val_loss": val_loss,
+            "train_loss": train_loss,
+        }
+        tmp = path / (META + ".tmp")
+        torch.save(meta, tmp)
+        tmp.replace(path / META)  # (atomic: a reader never sees half a file)
+    barrier()
+    return path
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The ``curvlab.pt`` of a sharded checkpoint, checked for its format and schema."""
+    path = Path(path)
+    if not (path / META).is_file():
+        raise CurvlabError(f"{path}: not a curvlab sharded checkpoint (no {META})")
+    meta = torch.load(path / META, weights_only=False)
+    if meta.get("format") != FORMAT or meta.get("schema_version") != SCHEMA_VERSION:
+        raise CurvlabError(f"{path}: sharded checkpoint format {meta.get('format')!r} v{meta.get('schema_version')}")
+    return meta
+
+
+def convert_to_sharded(checkpoint: dict[str, Any], path: str | Path, data: str | Path | None = None) -> Path:
+    """Write a curvlab (unsharded) checkpoint payload as a sharded checkpoint of the current world size."""
+    cfg = TrainConfig.from_dict({**checkpoint["config"], **({"data": str(data)} if data else {})})
+    run = build_run(replace(cfg, device="cpu"))
+    restore(run, checkpoint)
+    model_state, optim_state = run.model.state_dict(), run.optimizer.state_dict()
+    shard_run(run)
+    # every rank holds the whole payload and keeps its shards of it
+    set_model_state_dict(run.model, model_state, options=StateDictOptions(full_state_dict=True))
+    params = [p for g in run.optimizer.param_groups for p in g["params"]]  # (the order of the state's indices)
+    for i, entry in optim_state["state"].items():
+        p = params[i]
+        for k, t in entry.items():
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and tuple(t.shape) == tuple(p.shape):
+                entry[k] = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+    run.optimizer.load_state_dict(optim_state)
+    run.scheduler.load_state_dict(checkpoint["scheduler"])
+    return save_sharded_checkpoint(run, path, float(checkpoint.get("val_loss", float("nan"))))
+
+
+def _check_shapes(path: Path, run: Run) -> None:
+    """The checkpoint's model tensors against the model its config builds (a different config: refused)."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, p in run.model.named_parameters():
+        key = f"model.{name}"
+        meta = stored.get(key)
+        if meta is None:
+            raise CurvlabError(f"{path}: the checkpoint holds no {name!r}: it is from another model config")
+        if tuple(meta.size) != tuple(p.shape):
+            raise CurvlabError(
+                f"{path}: {name!r} is {tuple(meta.size)} in the checkpoint but {tuple(p.shape)} in the model: "
+                "the checkpoint is from another model config"
+            )
+
+
+def open_sharded_checkpoint(
+    path: str | Path, data: str | Path | None = None, device: str = "cpu", batches: int = 1
+) -> Target:
+    """The sharded run of ``path`` (under the world size that wrote it) as an analysis target."""
+    path = Path(path)
+    meta = read_meta(path)
+    fields = dict(meta["config"])
+    if data is not None:
+        fields["data"] = str(data)
+    fields["device"] = device
+    cfg = TrainConfig.from_dict(fields)
+    cfg = replace(cfg, val_windows=max(cfg.val_windows, batches * cfg.batch_size))
+    if not Path(cfg.data).is_dir():
+        raise CurvlabError(f"{path}: its data directory {cfg.data} is gone; pass --data DIR")
+    run = build_run(cfg)
+    _check_shapes(path, run)
+    world = rank_and_world()[1]
+    if meta["world_size"] != world:
+        raise CurvlabError(
+            f"{path}: written by {meta['world_size']} ranks, opened on {world}: run under "
+            f"torchrun --nproc_per_node {meta['world_size']}"
+        )
+    shard_run(run)
+    state = _state(run)
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(run.model, state["model"])
+    set_optimizer_state_dict(run.model, run.optimizer, state["optimizer"])
+    run.scheduler.load_state_dict(meta["scheduler"])
+    run.loader.load_state_dict(meta["data"])
+    torch.set_rng_state(meta["rng"])
+    run.step = int(meta["step"])
+    return Target(
+        run.model,
+        run.optimizer,
+        [tuple(t.to(run.device) for t in run.loader.next()) for _ in range(batches)],
+        [tuple(t.to(run.device) for t in b) for b in run.val_batches],
+        cfg.grad_clip,
+        run.step,
+        float(meta.get("val_loss", float("nan"))),
+        cfg.optimizer,
+    )
+
+
+def analyze_sharded_checkpoint(
+    path: str | Path, settings: AnalysisSettings | None = None, data: str | Path | None = None, device: str = "cpu"
+) -> CurvatureReport:
+    """:func:`~curvlab.analysis.analyze` of a sharded checkpoint's next step, on every rank (the
+    curvature of its sharded parameters, see :mod:`curvlab.sharded`)."""
+    settings = settings or AnalysisSettings()
+    settings.validate()
+    return analyze(open_sharded_checkpoint(path, data, device, settings.batches), settings, str(path))
