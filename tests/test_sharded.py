@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from curvlab import block_matrix, hvp, make_loss_fn, nds, quadratic_forms, taylor_split
+from curvlab import params as P
 from curvlab.checkpoint import load_checkpoint
 from curvlab.dcp import convert_to_sharded, open_sharded_checkpoint
 from curvlab.dtensors import full, shard_like
@@ -28,7 +30,11 @@ from curvlab.errors import CurvlabError
 from curvlab.finite_difference import finite_difference_hvp
 from curvlab.hvp import CurvaturePoint
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
+from curvlab.operator import hessian_operator
 from curvlab.optim import build_optimizer, next_update
+from curvlab.sharded_spectral import random_direction as sharded_random_direction
+from curvlab.sharded_spectral import sharded_hutchinson, sharded_lanczos
+from curvlab.spectral import lanczos
 from curvlab.train import TrainConfig, train
 from tests.conftest import SMALL_MODEL, random_direction
 
@@ -280,3 +286,40 @@ def test_nds_on_a_sharded_checkpoint_under_torchrun_equals_the_unsharded_run(pcf
     torch.save(meta, sharded / "curvlab.pt")
     with pytest.raises(CurvlabError, match=r"from another model config"):
         open_sharded_checkpoint(sharded)
+
+
+def _spectral(loss_fn, params, batches):
+    with CurvaturePoint(loss_fn, params, batches) as point:
+        top = sharded_lanczos(point, k=1, max_iter=60, tol=1e-7)
+        trace = sharded_hutchinson(point, samples=3, seed=7)
+        return top.to_dict(), full(top.eigenvectors[0]), trace.to_dict()
+
+
+def _spectral_worker(rank, tmp, world):
+    mesh = _init(rank, tmp, world)
+    model, params, batches, _, _ = _problem()
+    sharded = {k: distribute_tensor(p, mesh, [Shard(0)]) for k, p in params.items()}
+    out = _spectral(make_loss_fn(model), sharded, batches)
+    _leave()
+    if rank == 0:
+        torch.save(out, f"{tmp}/spectral.pt")
+
+
+def test_lanczos_and_hutchinson_on_sharded_parameters_equal_one_process(tmp_path):
+    _spawn(_spectral_worker, tmp_path, 2)
+    (top, u, trace) = torch.load(tmp_path / "spectral.pt", weights_only=False)
+    model, params, batches, _, _ = _problem()
+    loss_fn = make_loss_fn(model)
+    ref = lanczos(hessian_operator(loss_fn, params, batches), k=1, max_iter=80, tol=1e-9)
+    assert top["converged"] and ref.converged, (top, ref.iterations)
+    assert np.allclose(top["eigenvalues"], ref.eigenvalues, rtol=1e-7, atol=0)
+    flat = torch.cat([u[n].reshape(-1) for n in params])
+    assert abs(float(flat @ ref.eigenvectors[:, 0])) == pytest.approx(1.0, abs=1e-6)  # the same top eigenvector
+    # Hutchinson: the same Rademacher vectors in one process, by exact HVPs
+    values = []
+    for i in range(3):
+        z = sharded_random_direction(params, 7 + i, "rademacher")
+        assert set(torch.unique(torch.cat([t.reshape(-1) for t in z.values()])).tolist()) == {-1.0, 1.0}
+        values.append(P.dot(z, hvp(loss_fn, params, batches, z)))
+    assert trace["trace"] == pytest.approx(float(np.mean(values)), rel=1e-10)
+    assert trace["std_error"] == pytest.approx(float(np.std(values, ddof=1) / np.sqrt(3)), rel=1e-8)
