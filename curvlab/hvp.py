@@ -134,6 +134,10 @@ class CurvaturePoint:
     Memory: ``"rev_rev"`` keeps one first-order graph per batch of this process (about the activation
     memory of a training step with ``create_graph``, per batch) until :meth:`close` or the end of a
     ``with`` block.
+
+    Sharded parameters (DTensors, e.g. an FSDP2 model's): the loss runs on gathered parameters, the
+    gradient, directions and HVPs stay sharded like the parameters, ``"fwd_rev"`` is refused
+    (:mod:`curvlab.sharded`).
     """
 
     def __init__(
@@ -325,6 +329,8 @@ class CurvaturePoint:
         return total
 
     def _zeros(self, k: int) -> P.Params:
+        if self.sharded:  # (stacked zeros laid out like the parameters, sharded one dim later)
+            return {n: torch.stack([torch.zeros_like(t)] * k) for n, t in self.params.items()}
         return {n: torch.zeros((k, *t.shape), dtype=t.dtype, device=t.device) for n, t in self.params.items()}
 
     def _check_stacked(self, vs: Mapping[str, Tensor]) -> tuple[list[str], int]:

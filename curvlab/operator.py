@@ -171,7 +171,7 @@ def hessian_operator(
     if any_dtensor(params.values()):
         raise CurvlabError(
             "hessian_operator works on flat vectors of unsharded parameters; for sharded ones use "
-            "CurvaturePoint.hvps with directions sharded like the parameters"
+            "CurvaturePoint.hvps, or curvlab.sharded_spectral's sharded_lanczos and sharded_hutchinson"
         )
     devices = {t.device for t in params.values()}
     if len(devices) != 1:

@@ -138,6 +138,14 @@ def _sharded_worker(rank, tmp, world, how):
         hvp(loss_fn, sharded, batches, v)  # plain directions for sharded parameters
     except CurvlabError as e:
         errors["plain"] = str(e)
+    try:
+        block_matrix(loss_fn, sharded, batches, zs, via="alpha")
+    except CurvlabError as e:
+        errors["alpha"] = str(e)
+    try:
+        hessian_operator(loss_fn, sharded, batches)
+    except CurvlabError as e:
+        errors["operator"] = str(e)
     _leave()
     try:
         hvp(loss_fn, sharded, batches, vs)  # the process group is gone
@@ -186,6 +194,8 @@ def test_sharded_curvature_equals_one_process(tmp_path, world, how):
     assert "fwd_rev" in errors["fwd_rev"] and "refused" in errors["fwd_rev"] and "\n" not in errors["fwd_rev"]
     assert "plain tensor but the parameter is sharded" in errors["plain"]
     assert "no torch.distributed process group" in errors["no_group"]
+    assert "via='hvp'" in errors["alpha"] and "sharded_lanczos" in errors["operator"]
+    assert all("\n" not in m for m in errors.values())
 
 
 def _updates(model, loss_fn, optimizer, batches):
