@@ -163,6 +163,7 @@ def train(
         None, help="Also the within/cross split of this grouping: layer, tensor or kind (about 3x a row's cost)."
     ),
     curvature_stop: bool = typer.Option(False, help="Stop at a non-finite curvature row (else record it, go on)."),
+    fsdp: bool = typer.Option(False, "--fsdp", help="Shard parameters and optimizer state with FSDP2 (torchrun)."),
 ) -> None:
     """Train a GPT with one optimizer, keeping checkpoints ready for curvature analysis.
 
@@ -211,8 +212,15 @@ def train(
     monitor = None
     if curvature_every:
         monitor = MonitorSettings(curvature_every, curvature_batches, curvature_windows, blocks, curvature_stop)
+    if fsdp and monitor is not None:
+        raise CurvlabError("--curvature-every is not available with --fsdp yet")
     with distributed_context() as (rank, world):
-        result = run_training(cfg, progress=not quiet, rank=rank, world=world, monitor=monitor)
+        if fsdp:
+            from curvlab.sharded_train import train_sharded
+
+            result = train_sharded(cfg, progress=not quiet)
+        else:
+            result = run_training(cfg, progress=not quiet, rank=rank, world=world, monitor=monitor)
     if rank == 0:
         resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
         ranks = f" on {world} ranks" if world > 1 else ""

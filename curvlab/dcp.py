@@ -56,18 +56,26 @@ def shard_run(run: Run) -> None:
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: lr_multiplier(step, run.cfg))
 
 
-def _state(run: Run) -> dict[str, Any]:
-    return {"model": get_model_state_dict(run.model), "optimizer": get_optimizer_state_dict(run.model, run.optimizer)}
+def _state(run: Run, optimizer: bool) -> dict[str, Any]:
+    """The DCP state dict of ``run``; ``optimizer=False`` leaves the optimizer out (an optimizer with no
+    state yet: ``get_optimizer_state_dict`` would create it by a zero step, which counts as a step for
+    Adam's bias correction and would change the run)."""
+    state = {"model": get_model_state_dict(run.model)}
+    if optimizer:
+        state["optimizer"] = get_optimizer_state_dict(run.model, run.optimizer)
+    return state
 
 
 def save_sharded_checkpoint(run: Run, path: str | Path, val_loss: float, train_loss: float = float("nan")) -> Path:
     """Write ``run`` (model sharded by :func:`shard_run`) as a sharded checkpoint directory; every rank calls it."""
     path = Path(path)
     rank, world = rank_and_world()
-    dcp.save(_state(run), checkpoint_id=str(path))
+    has_state = bool(run.optimizer.state)  # (the same on every rank: all step together)
+    dcp.save(_state(run, has_state), checkpoint_id=str(path))
     if rank == 0:
         meta = {
             "format": FORMAT,
+            "optimizer_state": has_state,
             "schema_version": SCHEMA_VERSION,
             "world_size": world,
             "step": run.step,
@@ -132,6 +140,30 @@ def _check_shapes(path: Path, run: Run) -> None:
             )
 
 
+def load_sharded_into(run: Run, path: str | Path, meta: dict[str, Any] | None = None) -> None:
+    """Put a sharded checkpoint's model, optimizer, schedule, loader and RNG states into ``run`` (sharded
+    by :func:`shard_run`, under the world size that wrote it)."""
+    path = Path(path)
+    meta = read_meta(path) if meta is None else meta
+    world = rank_and_world()[1]
+    if meta["world_size"] != world:
+        raise CurvlabError(
+            f"{path}: written by {meta['world_size']} ranks, opened on {world}: run under "
+            f"torchrun --nproc_per_node {meta['world_size']}"
+        )
+    _check_shapes(path, run)
+    has_state = bool(meta.get("optimizer_state", True))
+    state = _state(run, has_state)  # (the optimizer's is a template here: every value is loaded over it)
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(run.model, state["model"])
+    if has_state:
+        set_optimizer_state_dict(run.model, run.optimizer, state["optimizer"])
+    run.scheduler.load_state_dict(meta["scheduler"])
+    run.loader.load_state_dict(meta["data"])
+    torch.set_rng_state(meta["rng"])
+    run.step = int(meta["step"])
+
+
 def open_sharded_checkpoint(
     path: str | Path, data: str | Path | None = None, device: str = "cpu", batches: int = 1
 ) -> Target:
@@ -155,14 +187,7 @@ def open_sharded_checkpoint(
             f"torchrun --nproc_per_node {meta['world_size']}"
         )
     shard_run(run)
-    state = _state(run)
-    dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(run.model, state["model"])
-    set_optimizer_state_dict(run.model, run.optimizer, state["optimizer"])
-    run.scheduler.load_state_dict(meta["scheduler"])
-    run.loader.load_state_dict(meta["data"])
-    torch.set_rng_state(meta["rng"])
-    run.step = int(meta["step"])
+    load_sharded_into(run, path, meta)
     return Target(
         run.model,
         run.optimizer,

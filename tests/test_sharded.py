@@ -3,6 +3,7 @@ HVPs, quadratic forms, NDS, the Taylor split (both scopes) and the block matrix 
 results on the same global batch, the finite-difference HVP lies within its stated error, and bad input
 gets one-line errors."""
 
+import contextlib
 import datetime
 import json
 import os
@@ -23,7 +24,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from curvlab import block_matrix, hvp, make_loss_fn, nds, quadratic_forms, taylor_split
 from curvlab import params as P
-from curvlab.checkpoint import load_checkpoint
+from curvlab.checkpoint import load_checkpoint, read_index
 from curvlab.dcp import convert_to_sharded, open_sharded_checkpoint
 from curvlab.dtensors import full, shard_like
 from curvlab.errors import CurvlabError
@@ -34,6 +35,7 @@ from curvlab.operator import hessian_operator
 from curvlab.optim import build_optimizer, next_update
 from curvlab.sharded_spectral import random_direction as sharded_random_direction
 from curvlab.sharded_spectral import sharded_hutchinson, sharded_lanczos
+from curvlab.sharded_train import train_sharded
 from curvlab.spectral import lanczos
 from curvlab.train import TrainConfig, train
 from tests.conftest import SMALL_MODEL, random_direction
@@ -288,6 +290,19 @@ def test_nds_on_a_sharded_checkpoint_under_torchrun_equals_the_unsharded_run(pcf
     for d in (got, want):
         d.pop("checkpoint"), d.pop("timing")
     _close(got, want, "report")
+    # curvlab train --fsdp writes sharded checkpoints that nds --fsdp reads
+    fsdp_run = tmp_path / "fsdp-run"
+    trained = subprocess.run(
+        [*cmd, "train", "--fsdp", "--data", str(pcfg_data), "--out", str(fsdp_run), "--optimizer", "muon",
+         "--opt", "polar_dtype=float32", "--steps", "2", "--ckpt-every", "2", "--batch-size", "4",
+         "--warmup-steps", "1", "--val-windows", "8", "--device", "cpu", "--quiet",
+         *[x for kv in SMALL_MODEL.items() for x in ("--model-opt", f"{kv[0]}={kv[1]}")]],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "trained muon to step 2 on 2 ranks" in trained.stdout
+    assert [e["path"] for e in read_index(fsdp_run)] == ["ckpt_000000", "ckpt_000002"]
+    assert (fsdp_run / "ckpt_000002" / "curvlab.pt").is_file()
     # another world size, another model config: one line each
     with pytest.raises(CurvlabError, match=r"written by 2 ranks, opened on 1"):
         open_sharded_checkpoint(sharded)
@@ -333,3 +348,57 @@ def test_lanczos_and_hutchinson_on_sharded_parameters_equal_one_process(tmp_path
         values.append(P.dot(z, hvp(loss_fn, params, batches, z)))
     assert trace["trace"] == pytest.approx(float(np.mean(values)), rel=1e-10)
     assert trace["std_error"] == pytest.approx(float(np.std(values, ddof=1) / np.sqrt(3)), rel=1e-8)
+
+
+def _train_config(data, out, optimizer, steps=4):
+    options = {"polar_dtype": "float32"} if optimizer == "muon" else {}
+    return TrainConfig(
+        data=str(data), out=str(out), model_overrides=SMALL_MODEL, optimizer=optimizer, optimizer_options=options,
+        batch_size=4, steps=steps, warmup_steps=1, eval_every=2, ckpt_every=2, val_windows=8, device="cpu",
+    )  # fmt: skip
+
+
+def _final_params(out):
+    """The last sharded checkpoint's parameters, gathered (every rank calls it)."""
+    target = open_sharded_checkpoint(Path(out) / read_index(out)[-1]["path"])
+    return {n: p.detach().full_tensor() for n, p in target.model.named_parameters()}
+
+
+def _fsdp_train_worker(rank, tmp, world, data, optimizer):
+    from curvlab.data.shards import TrainBatches
+
+    _init(rank, tmp, world)
+    whole = train_sharded(_train_config(data, f"{tmp}/whole", optimizer), progress=False)
+    original, calls = TrainBatches.next, {"n": 0}
+
+    def crashing_next(self):  # the run is cut after 3 steps, then resumed from its step-2 checkpoint
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return original(self)
+
+    TrainBatches.next = crashing_next
+    with contextlib.suppress(KeyboardInterrupt):
+        train_sharded(_train_config(data, f"{tmp}/cut", optimizer), progress=False)
+    TrainBatches.next = original
+    resumed = train_sharded(_train_config(data, f"{tmp}/cut", optimizer), progress=False)
+    a, b = _final_params(f"{tmp}/whole"), _final_params(f"{tmp}/cut")
+    _leave()
+    if rank == 0:
+        torch.save({"whole": a, "cut": b, "val": whole.val_loss, "resumed_from": resumed.resumed_from}, f"{tmp}/t.pt")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp_training_equals_one_process_and_resumes_exactly(pcfg_data, tmp_path, optimizer):
+    _spawn(_fsdp_train_worker, tmp_path, 2, str(pcfg_data), optimizer)
+    saved = torch.load(tmp_path / "t.pt", weights_only=False)
+    assert saved["resumed_from"] == 2
+    one = train(_train_config(pcfg_data, tmp_path / "one", optimizer), progress=False)
+    single = load_checkpoint(tmp_path / "one" / "ckpt_000004.pt")["model"]
+    for name, tensor in single.items():
+        assert torch.equal(saved["cut"][name], saved["whole"][name]), name  # the resumed run, bit for bit
+        diff = (saved["whole"][name] - tensor).abs()
+        # the gradients are summed in another order over the ranks (as under DDP, test_distributed.py)
+        assert (diff > 1e-6 + 1e-4 * tensor.abs()).float().mean() <= 1e-2, name
+        assert diff.max() <= 1e-4, name
+    assert saved["val"] == pytest.approx(one.val_loss, rel=1e-5)
