@@ -272,10 +272,10 @@ def nds(
     """NDS, Taylor split and block interaction matrix of a checkpoint's next update.
 
     Z is the optimizer's next step, with dropout off as for G and H (see --data for its batch).
-    With --fsdp, under torchrun, the model is sharded by FSDP2 over the ranks (curvlab.dcp).
+    With --fsdp, under torchrun, the model is sharded by FSDP2 over the ranks (curvlab.sharded_analysis).
     """
     from curvlab.analysis import analyze_checkpoint
-    from curvlab.dcp import analyze_sharded_checkpoint
+    from curvlab.sharded_analysis import analyze_sharded_checkpoint
 
     analyze_fn = analyze_sharded_checkpoint if fsdp else analyze_checkpoint
     with distributed_context() as (rank, _):

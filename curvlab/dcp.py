@@ -5,11 +5,11 @@ the optimizer state, taken by ``get_model_state_dict`` / ``get_optimizer_state_d
 ``curvlab.pt``, written by rank 0, with what isn't sharded: the format and world size, the training
 config, the step, the schedule's, loader's and RNG states and the validation loss.
 
-:func:`open_sharded_checkpoint` rebuilds the run of such a checkpoint under the same world size, with
-its model sharded by FSDP2 (``fully_shard`` per transformer block and at the root) and its optimizer
-on the sharded parameters, as the :class:`~curvlab.analysis.Target` the analysis takes, so that
-``curvlab nds --fsdp`` under ``torchrun`` gives the report of the unsharded run. A checkpoint from
-another world size, or whose tensors don't match the model its config builds, is refused in one line.
+:func:`load_sharded_into` puts such a checkpoint into a run sharded by :func:`shard_run` (FSDP2,
+``fully_shard`` per transformer block and at the root, the optimizer on the sharded parameters),
+under the world size that wrote it; :mod:`curvlab.sharded_analysis` opens one for the analysis. A
+checkpoint from another world size, or whose tensors don't match the model its config builds, is
+refused in one line.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from curvlab.analysis import AnalysisSettings, CurvatureReport, Target, analyze
 from curvlab.distributed import barrier, rank_and_world
 from curvlab.dtensors import require_process_group
 from curvlab.errors import CurvlabError
@@ -125,7 +124,7 @@ def convert_to_sharded(checkpoint: dict[str, Any], path: str | Path, data: str |
     return save_sharded_checkpoint(run, path, float(checkpoint.get("val_loss", float("nan"))))
 
 
-def _check_shapes(path: Path, run: Run) -> None:
+def check_shapes(path: Path, run: Run) -> None:
     """The checkpoint's model tensors against the model its config builds (a different config: refused)."""
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     for name, p in run.model.named_parameters():
@@ -151,7 +150,7 @@ def load_sharded_into(run: Run, path: str | Path, meta: dict[str, Any] | None = 
             f"{path}: written by {meta['world_size']} ranks, opened on {world}: run under "
             f"torchrun --nproc_per_node {meta['world_size']}"
         )
-    _check_shapes(path, run)
+    check_shapes(path, run)
     has_state = bool(meta.get("optimizer_state", True))
     state = _state(run, has_state)  # (the optimizer's is a template here: every value is loaded over it)
     dcp.load(state, checkpoint_id=str(path))
@@ -162,49 +161,3 @@ def load_sharded_into(run: Run, path: str | Path, meta: dict[str, Any] | None = 
     run.loader.load_state_dict(meta["data"])
     torch.set_rng_state(meta["rng"])
     run.step = int(meta["step"])
-
-
-def open_sharded_checkpoint(
-    path: str | Path, data: str | Path | None = None, device: str = "cpu", batches: int = 1
-) -> Target:
-    """The sharded run of ``path`` (under the world size that wrote it) as an analysis target."""
-    path = Path(path)
-    meta = read_meta(path)
-    fields = dict(meta["config"])
-    if data is not None:
-        fields["data"] = str(data)
-    fields["device"] = device
-    cfg = TrainConfig.from_dict(fields)
-    cfg = replace(cfg, val_windows=max(cfg.val_windows, batches * cfg.batch_size))
-    if not Path(cfg.data).is_dir():
-        raise CurvlabError(f"{path}: its data directory {cfg.data} is gone; pass --data DIR")
-    run = build_run(cfg)
-    _check_shapes(path, run)
-    world = rank_and_world()[1]
-    if meta["world_size"] != world:
-        raise CurvlabError(
-            f"{path}: written by {meta['world_size']} ranks, opened on {world}: run under "
-            f"torchrun --nproc_per_node {meta['world_size']}"
-        )
-    shard_run(run)
-    load_sharded_into(run, path, meta)
-    return Target(
-        run.model,
-        run.optimizer,
-        [tuple(t.to(run.device) for t in run.loader.next()) for _ in range(batches)],
-        [tuple(t.to(run.device) for t in b) for b in run.val_batches],
-        cfg.grad_clip,
-        run.step,
-        float(meta.get("val_loss", float("nan"))),
-        cfg.optimizer,
-    )
-
-
-def analyze_sharded_checkpoint(
-    path: str | Path, settings: AnalysisSettings | None = None, data: str | Path | None = None, device: str = "cpu"
-) -> CurvatureReport:
-    """:func:`~curvlab.analysis.analyze` of a sharded checkpoint's next step, on every rank (the
-    curvature of its sharded parameters, see :mod:`curvlab.sharded`)."""
-    settings = settings or AnalysisSettings()
-    settings.validate()
-    return analyze(open_sharded_checkpoint(path, data, device, settings.batches), settings, str(path))

@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from curvlab import block_matrix, hvp, make_loss_fn, nds, quadratic_forms, taylor_split
 from curvlab import params as P
 from curvlab.checkpoint import load_checkpoint, read_index
-from curvlab.dcp import convert_to_sharded, open_sharded_checkpoint
+from curvlab.dcp import convert_to_sharded
 from curvlab.dtensors import full, shard_like
 from curvlab.errors import CurvlabError
 from curvlab.finite_difference import finite_difference_hvp
@@ -33,6 +33,7 @@ from curvlab.hvp import CurvaturePoint
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.operator import hessian_operator
 from curvlab.optim import build_optimizer, next_update
+from curvlab.sharded_analysis import open_sharded_checkpoint
 from curvlab.sharded_spectral import random_direction as sharded_random_direction
 from curvlab.sharded_spectral import sharded_hutchinson, sharded_lanczos
 from curvlab.sharded_train import train_sharded
