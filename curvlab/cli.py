@@ -175,6 +175,7 @@ def train(
         help="Also write TensorBoard scalars here: train/val loss, lr, and the curvature rows "
         "(needs the tensorboard package: the curvlab extra of that name).",
     ),
+    fsdp: bool = typer.Option(False, "--fsdp", help="Shard parameters and optimizer state with FSDP2 (torchrun)."),
 ) -> None:
     """Train a GPT with one optimizer, keeping checkpoints ready for curvature analysis.
 
@@ -227,8 +228,17 @@ def train(
     monitor = None
     if curvature_every:
         monitor = MonitorSettings(curvature_every, curvature_batches, curvature_windows, blocks, curvature_stop)
+    if fsdp and (monitor is not None or tensorboard is not None):
+        raise CurvlabError("--curvature-every and --tensorboard are not available with --fsdp yet")
     with distributed_context() as (rank, world):
-        result = run_training(cfg, progress=not quiet, rank=rank, world=world, monitor=monitor, tensorboard=tensorboard)
+        if fsdp:
+            from curvlab.sharded_train import train_sharded
+
+            result = train_sharded(cfg, progress=not quiet)
+        else:
+            result = run_training(
+                cfg, progress=not quiet, rank=rank, world=world, monitor=monitor, tensorboard=tensorboard
+            )
     if rank == 0:
         resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
         ranks = f" on {world} ranks" if world > 1 else ""
@@ -282,17 +292,22 @@ def nds(
     hvp_method: str = typer.Option("rev_rev", help=HVP_METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
     directions: str = typer.Option(None, help=DIRECTIONS_HELP),
+    fsdp: bool = typer.Option(False, "--fsdp", help="CHECKPOINT is a sharded (DCP) directory: run sharded."),
 ) -> None:
     """NDS, Taylor split and block interaction matrix of a checkpoint's next update.
 
     Z is the optimizer's next step, with dropout off as for G and H (see --data for its batch).
+    With --fsdp, under torchrun, the model is sharded by FSDP2 over the ranks (curvlab.sharded_analysis).
     """
     from curvlab.analysis import analyze_checkpoint, checkpoint_directions
+    from curvlab.sharded_analysis import analyze_sharded_checkpoint
 
     if out:
         check_output(out)  # before the analysis, not after it
     settings = _settings(blocks, batch, batches, dtype, block_method, hvp_method)
     if directions is not None:
+        if fsdp:
+            raise CurvlabError("--directions is not available with --fsdp yet")
         with distributed_context() as (rank, _):
             compared = checkpoint_directions(checkpoint, directions, settings, data, device)
         if rank == 0:
@@ -301,8 +316,9 @@ def nds(
                 compared.save(out)
                 typer.echo(f"wrote {out}")
         return
+    analyze_fn = analyze_sharded_checkpoint if fsdp else analyze_checkpoint
     with distributed_context() as (rank, _):
-        report = analyze_checkpoint(checkpoint, settings, data, device)
+        report = analyze_fn(checkpoint, settings, data, device)
     if rank != 0:
         return
     d = report.to_dict()

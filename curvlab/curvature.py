@@ -25,6 +25,7 @@ from torch import Tensor
 
 from curvlab import params as P
 from curvlab.blocks import group_parameters, hidden_matrices, model_of
+from curvlab.dtensors import any_dtensor
 from curvlab.errors import CurvlabError
 from curvlab.hvp import DEFAULT_METHOD, CurvaturePoint, working_dtype
 from curvlab.loss import LossFn
@@ -318,6 +319,8 @@ def block_matrix(
     if via == "hvp":
         with CurvaturePoint(loss_fn, params, batch, method, dtype, chunk_size) as point:
             return block_matrix_at(point, z, blocks)
+    if any_dtensor(params.values()):
+        raise CurvlabError("block matrix via 'alpha' takes unsharded parameters; on sharded ones use via='hvp'")
     members = group_parameters(params.keys(), blocks, model_of(loss_fn))
     dt = working_dtype(params, dtype)
     p, zc = P.cast(params, dt), P.cast(z, dt)

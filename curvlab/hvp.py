@@ -40,7 +40,9 @@ from torch.func import grad_and_value, jvp, vmap
 from torch.utils._pytree import tree_map
 
 from curvlab import params as P
+from curvlab import sharded as S
 from curvlab.distributed import all_reduce_sum, my_share, rank_and_world
+from curvlab.dtensors import all_finite, check_layout
 from curvlab.errors import CurvlabError
 from curvlab.exact_ops import exact_second_order, running_statistics
 from curvlab.loss import LossFn, weighted_batches
@@ -98,9 +100,9 @@ def _detached_error() -> CurvlabError:
 
 
 def _check_finite_hvp(hv: Mapping[str, Tensor]) -> None:
-    if bool(torch.stack([torch.isfinite(t).all() for t in hv.values()]).all()):
+    if all_finite(hv.values()):
         return  # (one synchronization in the common case)
-    bad = [n for n, t in hv.items() if not torch.isfinite(t).all()]
+    bad = [n for n, t in hv.items() if not all_finite([t])]
     if bad:
         raise CurvlabError(f"the Hessian-vector product is not finite (NaN or inf) in {P.names_text(bad)}")
 
@@ -134,6 +136,10 @@ class CurvaturePoint:
     Memory: ``"rev_rev"`` keeps one first-order graph per batch of this process (about the activation
     memory of a training step with ``create_graph``, per batch) until :meth:`close` or the end of a
     ``with`` block.
+
+    Sharded parameters (DTensors, e.g. an FSDP2 model's): the loss runs on gathered parameters, the
+    gradient, directions and HVPs stay sharded like the parameters, ``"fwd_rev"`` is refused
+    (:mod:`curvlab.sharded`).
     """
 
     def __init__(
@@ -146,12 +152,16 @@ class CurvaturePoint:
         chunk_size: int | None = None,
     ):
         check_method(method)
+        S.check_process_group(params)
         self.loss_fn, self.method, self.chunk_size = loss_fn, method, chunk_size
         self.dtype = working_dtype(params, dtype)
         self.params = P.cast(params, self.dtype)
         if not self.params:
             raise CurvlabError("no parameters given")
         self._pairs, self._reduce = shared_batches(batch, loss_fn)
+        # sharded (DTensor) parameters: the loss runs on gathered ones, and results stay sharded (curvlab.sharded)
+        self.sharded = S.is_sharded(self.params)
+        self.loss_fn = S.gathering_loss(loss_fn, self.params, partial=self._reduce)
         self._graphs: list[_Graph] | None = None
         self._loss: float | None = None
         self._gradient: P.Params | None = None
@@ -172,10 +182,13 @@ class CurvaturePoint:
 
     def _sum(self, value):
         """A token-weighted sum over this process's batches, summed across ranks when they share them."""
+        if self._reduce and self.sharded and isinstance(value, dict):
+            return S.sum_replicated(value)
         return all_reduce_sum(value) if self._reduce else value
 
     # -- first order -------------------------------------------------------------------------
 
+    @S.names_rank_on_collective_failure
     def _first_order(self, create_graph: bool) -> list[_Graph]:
         """Forward and backward for every batch of this process; loss and gradient accumulated."""
         names = list(self.params)
@@ -187,13 +200,19 @@ class CurvaturePoint:
                 _check_finite_loss(loss)
                 if not loss.requires_grad:
                     raise _detached_error()
+                # sharded: the backward sums the gradient over ranks, so each rank's weight goes in first
+                w_in, w_out = (w, 1.0) if self.sharded else (1.0, w)
                 grads = torch.autograd.grad(
-                    loss, leaves, create_graph=create_graph, allow_unused=True, materialize_grads=True
+                    loss * w_in if w_in != 1.0 else loss,
+                    leaves,
+                    create_graph=create_graph,
+                    allow_unused=True,
+                    materialize_grads=True,
                 )
                 loss_total += w * float(loss.detach())
-                g_total = _accumulate(g_total, [t.detach() for t in grads], w)
+                g_total = _accumulate(g_total, [t.detach() for t in grads], w_out)
                 if create_graph:
-                    graphs.append(_Graph(w, leaves, list(grads)))
+                    graphs.append(_Graph(w_out, leaves, list(grads)))
         self._loss, self._gradient = self._sum(loss_total), self._sum(dict(zip(names, g_total)))
         return graphs
 
@@ -211,6 +230,7 @@ class CurvaturePoint:
             self._first_order(create_graph=False)
         return self._gradient
 
+    @S.names_rank_on_collective_failure
     def loss_at(self, params: Mapping[str, Tensor]) -> float:
         """:math:`L` at other parameters (e.g. :math:`W - Z`) on the same batches, in the same dtype and
         mode, so that differences of losses and Taylor predictions are comparable."""
@@ -225,6 +245,7 @@ class CurvaturePoint:
 
     # -- second order ------------------------------------------------------------------------
 
+    @S.names_rank_on_collective_failure
     def hvps(self, vs: Mapping[str, Tensor]) -> P.Params:
         r""":math:`H[v_k]` for K directions stacked along dim 0, a dict over *all* parameters.
 
@@ -232,6 +253,8 @@ class CurvaturePoint:
             vs: ``{name: tensor (K, *param.shape)}`` for the parameters the directions touch; the
                 names left out are zero in every direction, and cost nothing.
         """
+        if self.sharded and self.method == "fwd_rev":
+            raise CurvlabError(S.FWD_REV_REFUSED)
         names, k = self._check_stacked(vs)
         vs = P.cast({n: vs[n] for n in names}, self.dtype)
         step = k if self.chunk_size is None else max(1, self.chunk_size)
@@ -310,6 +333,8 @@ class CurvaturePoint:
         return total
 
     def _zeros(self, k: int) -> P.Params:
+        if self.sharded:  # (stacked zeros laid out like the parameters, sharded one dim later)
+            return {n: torch.stack([torch.zeros_like(t)] * k) for n, t in self.params.items()}
         return {n: torch.zeros((k, *t.shape), dtype=t.dtype, device=t.device) for n, t in self.params.items()}
 
     def _check_stacked(self, vs: Mapping[str, Tensor]) -> tuple[list[str], int]:
@@ -329,7 +354,8 @@ class CurvaturePoint:
                 raise CurvlabError(
                     f"directions[{n!r}] has shape {tuple(t.shape)}, expected ({k}, *{tuple(self.params[n].shape)})"
                 )
-            if not torch.isfinite(t).all():
+            check_layout(self.params[n], t, f"directions[{n!r}]", stacked=True)
+            if not all_finite([t]):
                 raise CurvlabError(f"directions[{n!r}] holds non-finite values (NaN or inf)")
         return list(vs), k
 
@@ -465,6 +491,10 @@ def quadratic_forms(
         ``(loss, gz, zhz)`` with ``gz`` and ``zhz`` float64 tensors of shape ``(K,)``.
     """
     _check_full(params, zs)
+    if S.is_sharded(params):  # (forward mode doesn't run through the collectives: by double backward)
+        with CurvaturePoint(loss_fn, params, batch, dtype=dtype, chunk_size=chunk_size) as point:
+            gz, zhz = point.quadratic_forms(zs)
+            return point.loss, gz, zhz
     point = CurvaturePoint(loss_fn, params, batch, method="fwd_rev", dtype=dtype, chunk_size=chunk_size)
     _, k = point._check_stacked(zs)
     p, zs = point.params, P.cast(zs, point.dtype)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from curvlab import params as P
+from curvlab.dtensors import any_dtensor
 from curvlab.errors import CurvlabError
 from curvlab.hvp import DEFAULT_METHOD, CurvaturePoint, check_method
 from curvlab.loss import LossFn
@@ -166,6 +167,11 @@ def hessian_operator(
             f"the block names unknown parameters: {P.names_text(unknown)}"
             if unknown
             else "the block names no parameter"
+        )
+    if any_dtensor(params.values()):
+        raise CurvlabError(
+            "hessian_operator works on flat vectors of unsharded parameters; for sharded ones use "
+            "CurvaturePoint.hvps, or curvlab.sharded_spectral's sharded_lanczos and sharded_hutchinson"
         )
     devices = {t.device for t in params.values()}
     if len(devices) != 1:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from curvlab.distributed import rank_and_world
 from curvlab.errors import CurvlabError
@@ -34,6 +35,8 @@ from curvlab.loss import Batches, weighted_batches
 from curvlab.polar import METHODS as POLAR_METHODS
 from curvlab.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
 from curvlab.roles import parameter_roles, stored_transposed
+from curvlab.sharded import gathering_loss
+from curvlab.sharded_optim import sharded_polar_factors
 
 SCALES = ("original", "moonlight", "spectral")
 OPTIMIZERS = ("muon", "adamw", "sgd", "lion")
@@ -150,34 +153,47 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 work.append((group, p, p.grad.lerp(buf, mu) if group["nesterov"] else buf))
-        rank, world = rank_and_world()
-        order = sorted(range(len(work)), key=lambda i: -work[i][1].numel())
-        owner = {i: k % world for k, i in enumerate(order)}  # round-robin by size
-        orthos = []
-        for i, (group, p, update) in enumerate(work):
-            if owner[i] == rank:
-                ortho = msign(
-                    update.reshape(update.shape[0], -1),  # a convolution kernel as out x (in * prod k)
-                    method=group["polar"],
-                    steps=group["ns_steps"],
-                    dtype=group["polar_dtype"],
-                    coefficients=tuple(group["ns_coefficients"]),
-                    eps=group["eps"],
-                ).to(p.dtype)
-                # (a tall matrix's factor is a transposed view; collectives need memory order)
-                ortho = ortho.contiguous().view(p.shape)
-            else:
-                ortho = torch.empty_like(p)
-            orthos.append(ortho)
-        if world > 1:
-            for i, ortho in enumerate(orthos):
-                dist.broadcast(ortho, src=owner[i])
+        if any(isinstance(u, DTensor) for _, _, u in work):  # FSDP2: each whole matrix on one rank
+            orthos = sharded_polar_factors(work, _polar_factor)
+        else:
+            orthos = self._replicated_polar_factors(work)
         for (group, p, _), ortho in zip(work, orthos):
             lr = group["lr"]
             p.mul_(1 - lr * group["weight_decay"])
             shape = matrix_shape(p, group.get("transposed", False))  # (a state dict from before had no flag)
             p.add_(ortho, alpha=-(lr * muon_scale(shape, group["scale"])))
         return loss
+
+    @staticmethod
+    def _replicated_polar_factors(work: list) -> list[Tensor]:
+        """Polar factors of replicated updates: round robin by size, each broadcast by its owner."""
+        rank, world = rank_and_world()
+        order = sorted(range(len(work)), key=lambda i: -work[i][1].numel())
+        owner = {i: k % world for k, i in enumerate(order)}  # round-robin by size
+        orthos = []
+        for i, (group, p, update) in enumerate(work):
+            if owner[i] == rank:
+                # (a tall matrix's factor is a transposed view; collectives need memory order)
+                ortho = _polar_factor(group, update).to(p.dtype).contiguous().view(p.shape)
+            else:
+                ortho = torch.empty_like(p)
+            orthos.append(ortho)
+        if world > 1:
+            for i, ortho in enumerate(orthos):
+                dist.broadcast(ortho, src=owner[i])
+        return orthos
+
+
+def _polar_factor(group: dict, update: Tensor) -> Tensor:
+    """msign of one whole update with its group's polar settings, shaped like the update."""
+    return msign(
+        update.reshape(update.shape[0], -1),  # a convolution kernel as out x (in * prod k)
+        method=group["polar"],
+        steps=group["ns_steps"],
+        dtype=group["polar_dtype"],
+        coefficients=tuple(group["ns_coefficients"]),
+        eps=group["eps"],
+    ).reshape(update.shape)
 
 
 class Lion(torch.optim.Optimizer):
@@ -580,6 +596,8 @@ def next_update(
     others = [p for i, p in held.items() if i not in trainable]  # held but frozen: must not move either
     moved = params + others
     pairs = weighted_batches(batch, loss_fn) if isinstance(batch, (list, Batches)) else [(batch, 1.0)]
+    # sharded (FSDP2) parameters: every rank runs the whole batch on gathered weights, keeps its gradient shard
+    loss_fn = gathering_loss(loss_fn, dict(named), partial=False)
     copies = [_scaled(copy_optimizer(o), lr_scale) for o in optimizers]
     saved_grads = [p.grad for p in moved]
     before = [p.detach().clone() for p in moved]

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
+from curvlab.dtensors import all_finite, check_layout, resolved, sum_terms
 from curvlab.errors import CurvlabError
 
 Params = dict[str, Tensor]
@@ -26,8 +27,9 @@ def dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str] | 
     keys = list(a.keys() if keys is None else keys)
     if not keys:
         return 0.0
-    # on the tensors' own device, one float64 sum per tensor, and a single transfer at the end
-    return float(torch.stack([torch.sum(a[k].double() * b[k].double()) for k in keys]).sum())
+    # on the tensors' own device, one float64 sum per tensor, and a single transfer at the end (for
+    # sharded tensors, one all-reduce of the per-rank partial sums)
+    return float(sum_terms([torch.sum(a[k].double() * b[k].double()) for k in keys]))
 
 
 def stacked_dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str]) -> Tensor:
@@ -39,10 +41,14 @@ def stacked_dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable
     total = None
     for k in keys:
         x, y = a[k].double(), b[k].double()
-        x, y = torch.broadcast_tensors(x, y)
-        part = (x * y).reshape(x.shape[0], -1).sum(1)
+        if x.dim() < y.dim():  # (unsqueeze rather than broadcast_tensors: it keeps a DTensor's sharding)
+            x = x.unsqueeze(0)
+        elif y.dim() < x.dim():
+            y = y.unsqueeze(0)
+        xy = x * y
+        part = xy.sum(dim=tuple(range(1, xy.dim()))) if xy.dim() > 1 else xy
         total = part if total is None else total + part
-    return total.cpu()
+    return resolved(total).cpu()
 
 
 def norm(a: Mapping[str, Tensor], keys: Iterable[str] | None = None) -> float:
@@ -104,7 +110,8 @@ def check_like(params: Mapping[str, Tensor], direction: Mapping[str, Tensor], wh
         d = direction[k]
         if tuple(d.shape) != tuple(p.shape):
             raise CurvlabError(f"{what}[{k!r}] has shape {tuple(d.shape)}, parameter has {tuple(p.shape)}")
-        if not torch.isfinite(d).all():
+        check_layout(p, d, f"{what}[{k!r}]")
+        if not all_finite([d]):
             raise CurvlabError(f"{what}[{k!r}] holds non-finite values (NaN or inf)")
 
 

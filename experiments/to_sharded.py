@@ -1,0 +1,21 @@
+"""Write a curvlab checkpoint as a sharded (DCP) checkpoint for N ranks, under torchrun:
+
+    torchrun --standalone --nproc_per_node 2 experiments/to_sharded.py runs/muon/ckpt_000300.pt runs/muon-dcp
+
+Then ``torchrun --standalone --nproc_per_node 2 -m curvlab nds runs/muon-dcp --fsdp`` analyses it.
+"""
+
+import argparse
+
+from curvlab.checkpoint import load_checkpoint
+from curvlab.dcp import convert_to_sharded
+from curvlab.distributed import distributed_context
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("--data", default=None, help="the data directory, if it moved")
+    args = ap.parse_args()
+    with distributed_context():
+        convert_to_sharded(load_checkpoint(args.checkpoint), args.out, args.data)

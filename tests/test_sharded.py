@@ -1,0 +1,405 @@
+"""Sharded parameters (FSDP2 and plain DTensors) on 2 and 4 gloo processes on the CPU, spawned by the test:
+HVPs, quadratic forms, NDS, the Taylor split (both scopes) and the block matrix equal the one-process
+results on the same global batch, the finite-difference HVP lies within its stated error, and bad input
+gets one-line errors."""
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from curvlab import block_matrix, hvp, make_loss_fn, nds, quadratic_forms, taylor_split
+from curvlab import params as P
+from curvlab.checkpoint import load_checkpoint, read_index
+from curvlab.dcp import convert_to_sharded
+from curvlab.dtensors import full, shard_like
+from curvlab.errors import CurvlabError
+from curvlab.finite_difference import finite_difference_hvp
+from curvlab.hvp import CurvaturePoint
+from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
+from curvlab.operator import hessian_operator
+from curvlab.optim import build_optimizer, next_update
+from curvlab.sharded_analysis import open_sharded_checkpoint
+from curvlab.sharded_spectral import random_direction as sharded_random_direction
+from curvlab.sharded_spectral import sharded_hutchinson, sharded_lanczos
+from curvlab.sharded_train import train_sharded
+from curvlab.spectral import lanczos
+from curvlab.train import TrainConfig, train
+from tests.conftest import SMALL_MODEL, random_direction
+
+REL = 1e-10
+# vocabulary 322 and block size 30: row counts that 4 ranks don't divide (uneven shards)
+MODEL = {**MICRO_OVERRIDES, "vocab_size": 322, "block_size": 30}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, tmp_path, world, *args):
+    (tmp_path / "port").write_text(str(_free_port()))
+    mp.spawn(fn, args=(str(tmp_path), world, *args), nprocs=world, join=True)
+
+
+def _init(rank, tmp, world, timeout=60):
+    port = Path(tmp, "port").read_text()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )  # fmt: skip
+    return init_device_mesh("cpu", (world,))
+
+
+def _leave():
+    dist.barrier()  # gloo aborts a rank whose peer tore the group down first
+    dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    model = GPT(get_config("tiny", **MODEL)).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name:  # LayerNorm gains away from 1, so that their curvature is not special
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _problem():
+    model = _model()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, MODEL["vocab_size"], (2, 12), generator=g) for _ in range(4)]
+    batches = [(x, x.clone()) for x in batches]
+    batches[1][1][0, :4] = -100  # uneven loss terms (ignored labels); the shared batch keeps its own labels
+    return model, params, batches, random_direction(params, 3), random_direction(params, 4)
+
+
+def _measure(loss_fn, params, batch, v, z, everything=True):
+    """The curvature quantities the suite compares, as plain (gathered) tensors and floats: at one point,
+    the Taylor split and the block matrix, and with ``everything`` the one-point shortcuts and the
+    finite-difference HVP too."""
+    out = {}
+    stacked = {n: torch.stack([v[n], z[n]]) for n in v}
+    with CurvaturePoint(loss_fn, params, batch) as point:
+        out["loss"] = point.loss
+        out["gradient"] = full(point.gradient)
+        out["hvp"] = full(point.hvp(v))
+        out["hvps"] = full(point.hvps(stacked))
+        out["point_qf"] = point.quadratic_forms(stacked)
+    out["split"] = taylor_split(loss_fn, params, batch, z).to_dict()
+    out["blocks"] = block_matrix(loss_fn, params, batch, z).to_dict()
+    if everything:
+        out["qf"] = quadratic_forms(loss_fn, params, batch, stacked)
+        out["hvp_fn"] = full(hvp(loss_fn, params, batch, v))
+        out["nds"] = nds(loss_fn, params, batch, z)
+        fd = finite_difference_hvp(loss_fn, params, batch, v)
+        out["fd"] = (full(fd.hvp), fd.to_dict())
+    return out
+
+
+def _sharded_worker(rank, tmp, world, how):
+    mesh = _init(rank, tmp, world)
+    model, params, batches, v, z = _problem()
+    if how == "fsdp":
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sharded = {k: p.detach() for k, p in model.named_parameters()}
+    else:  # plain DTensor parameters, rows split over the ranks
+        sharded = {k: distribute_tensor(p, mesh, [Shard(0)]) for k, p in params.items()}
+    loss_fn = make_loss_fn(model)
+    vs, zs = shard_like(v, sharded), shard_like(z, sharded)
+    # 2 ranks: every quantity, on batches shared out over the ranks and on one batch that each rank
+    # computes whole; 4 ranks (slow on CI's 2 cores): the point, the split and the block matrix, shared out
+    results = {"shared": _measure(loss_fn, sharded, batches, vs, zs, everything=world == 2)}
+    if world == 2:
+        results["one"] = _measure(loss_fn, sharded, batches[1], vs, zs)
+    results["local_rows"] = sharded["lm_head.weight"].to_local().shape[0]
+    errors = {}
+    try:
+        hvp(loss_fn, sharded, batches, vs, method="fwd_rev")
+    except CurvlabError as e:
+        errors["fwd_rev"] = str(e)
+    try:
+        hvp(loss_fn, sharded, batches, v)  # plain directions for sharded parameters
+    except CurvlabError as e:
+        errors["plain"] = str(e)
+    try:
+        block_matrix(loss_fn, sharded, batches, zs, via="alpha")
+    except CurvlabError as e:
+        errors["alpha"] = str(e)
+    try:
+        hessian_operator(loss_fn, sharded, batches)
+    except CurvlabError as e:
+        errors["operator"] = str(e)
+    _leave()
+    try:
+        hvp(loss_fn, sharded, batches, vs)  # the process group is gone
+    except CurvlabError as e:
+        errors["no_group"] = str(e)
+    if rank == 0:
+        torch.save({"results": results, "errors": errors}, f"{tmp}/out.pt")
+
+
+def _close(a, b, what):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            _close(a[k], b[k], f"{what}[{k}]")
+    elif isinstance(a, (tuple, list)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _close(x, y, f"{what}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        scale = b.abs().max()
+        assert float((a - b).abs().max()) <= REL * float(scale), what
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=REL, abs=1e-14), what
+    else:
+        assert a == b, what
+
+
+@pytest.mark.parametrize("world,how", [(2, "fsdp"), (4, "dtensor")])
+def test_sharded_curvature_equals_one_process(tmp_path, world, how):
+    _spawn(_sharded_worker, tmp_path, world, how)
+    saved = torch.load(tmp_path / "out.pt", weights_only=False)
+    model, params, batches, v, z = _problem()
+    loss_fn = make_loss_fn(model)
+    results = saved["results"]
+    assert results["local_rows"] == -(-MODEL["vocab_size"] // world)  # rank 0's shard: sharded for real
+    for name, batch in (("shared", batches), ("one", batches[1]))[: len(results) - 1]:
+        got, want = results[name], _measure(loss_fn, params, batch, v, z, everything=world == 2)
+        if world == 2:
+            # the finite-difference HVP lies within its stated error of the exact one, and that error is small
+            (fd, record), (_, record_one) = got.pop("fd"), want.pop("fd")
+            diff = sum(float((fd[n] - want["hvp"][n]).norm()) ** 2 for n in params) ** 0.5
+            norm = sum(float(t.norm()) ** 2 for t in want["hvp"].values()) ** 0.5
+            assert diff <= record["error"] <= 1e-7 * norm, name
+            assert record["error"] == pytest.approx(record_one["error"], rel=0.5)
+        _close(got, want, name)
+    errors = saved["errors"]
+    assert "fwd_rev" in errors["fwd_rev"] and "refused" in errors["fwd_rev"] and "\n" not in errors["fwd_rev"]
+    assert "plain tensor but the parameter is sharded" in errors["plain"]
+    assert "no torch.distributed process group" in errors["no_group"]
+    assert "via='hvp'" in errors["alpha"] and "sharded_lanczos" in errors["operator"]
+    assert all("\n" not in m for m in errors.values())
+
+
+def _updates(model, loss_fn, optimizer, batches):
+    """Z at a fresh optimizer, one real step with that G, then G and Z at the next point: gathered."""
+    options = {"polar_dtype": "float32"} if optimizer == "muon" else {}
+    opt = build_optimizer(optimizer, model, **options)
+    g1, z1 = next_update(model, opt, loss_fn, batches[:2], dtype=torch.float64)
+    named = dict(model.named_parameters())
+    for n, g in g1.items():
+        named[n].grad = g.clone()
+    opt.step()
+    g2, z2 = next_update(model, opt, loss_fn, batches[2:], dtype=torch.float64)
+    return {"z1": full(z1), "g2": full(g2), "z2": full(z2)}
+
+
+def _update_worker(rank, tmp, world, optimizer):
+    mesh = _init(rank, tmp, world)
+    model, _, batches, _, _ = _problem()
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    out = _updates(model, make_loss_fn(model), optimizer, batches)
+    placements = {tuple(p.placements) for p in model.parameters()}
+    _leave()
+    if rank == 0:
+        torch.save({"out": out, "placements": placements}, f"{tmp}/update.pt")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_next_update_under_fsdp2_equals_one_process(tmp_path, optimizer):
+    _spawn(_update_worker, tmp_path, 2, optimizer)
+    saved = torch.load(tmp_path / "update.pt", weights_only=False)
+    assert saved["placements"] == {(Shard(0),)}  # the parameters stayed sharded through the steps
+    model, _, batches, _, _ = _problem()
+    want = _updates(model, make_loss_fn(model), optimizer, batches)
+    rel = 1e-10 if optimizer == "adamw" else 1e-6  # Muon: float32 Newton-Schulz
+    for key, tensors in want.items():
+        for n, t in tensors.items():
+            got = saved["out"][key][n]
+            assert float((got - t).abs().max()) <= rel * float(t.abs().max()), (key, n)
+
+
+def _stalling_worker(rank, tmp, world):
+    mesh = _init(rank, tmp, world, timeout=5)
+    model, params, batches, v, _ = _problem()
+    sharded = {k: distribute_tensor(p, mesh, [Shard(0)]) for k, p in params.items()}
+    point, vs = CurvaturePoint(make_loss_fn(model), sharded, batches), shard_like(v, sharded)
+    if rank == 1:
+        time.sleep(60)  # stalls mid-run (the spawn ends it once rank 0 has failed)
+    point.hvp(vs)
+
+
+def test_a_stalled_rank_ends_the_hvp_with_an_error_naming_the_rank(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match=r"CurvlabError: rank 0 of 2: a collective of hvps failed"):
+        _spawn(_stalling_worker, tmp_path, 2)
+    assert time.monotonic() - start < 50
+
+
+def _convert_worker(rank, tmp, world, ckpt):
+    _init(rank, tmp, world)
+    convert_to_sharded(load_checkpoint(ckpt), Path(tmp, "sharded"))
+    _leave()
+
+
+def test_nds_on_a_sharded_checkpoint_under_torchrun_equals_the_unsharded_run(pcfg_data, tmp_path):
+    cfg = TrainConfig(
+        data=str(pcfg_data), out=str(tmp_path / "run"), model_overrides=SMALL_MODEL, optimizer="muon",
+        optimizer_options={"polar_dtype": "float32"}, batch_size=4, steps=2, warmup_steps=1, eval_every=2,
+        ckpt_every=2, val_windows=8, device="cpu",
+    )  # fmt: skip
+    train(cfg, progress=False)
+    ckpt = tmp_path / "run" / "ckpt_000002.pt"
+    _spawn(_convert_worker, tmp_path, 2, str(ckpt))
+    sharded = tmp_path / "sharded"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    options = ["--dtype", "float64", "--batches", "2", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "curvlab"]
+    r = subprocess.run(
+        [*cmd, "nds", str(sharded), "--fsdp", "--out", str(tmp_path / "sharded.json"), *options],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = subprocess.run(
+        [sys.executable, "-m", "curvlab", "nds", str(ckpt), "--out", str(tmp_path / "one.json"), *options],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    got, want = (json.loads((tmp_path / f).read_text()) for f in ("sharded.json", "one.json"))
+    for d in (got, want):
+        d.pop("checkpoint"), d.pop("timing")
+    _close(got, want, "report")
+    # curvlab train --fsdp writes sharded checkpoints that nds --fsdp reads
+    fsdp_run = tmp_path / "fsdp-run"
+    trained = subprocess.run(
+        [*cmd, "train", "--fsdp", "--data", str(pcfg_data), "--out", str(fsdp_run), "--optimizer", "muon",
+         "--opt", "polar_dtype=float32", "--steps", "2", "--ckpt-every", "2", "--batch-size", "4",
+         "--warmup-steps", "1", "--val-windows", "8", "--device", "cpu", "--quiet",
+         *[x for kv in SMALL_MODEL.items() for x in ("--model-opt", f"{kv[0]}={kv[1]}")]],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "trained muon to step 2 on 2 ranks" in trained.stdout
+    assert [e["path"] for e in read_index(fsdp_run)] == ["ckpt_000000", "ckpt_000002"]
+    assert (fsdp_run / "ckpt_000002" / "curvlab.pt").is_file()
+    # another world size, another model config: one line each
+    with pytest.raises(CurvlabError, match=r"written by 2 ranks, opened on 1"):
+        open_sharded_checkpoint(sharded)
+    meta = torch.load(sharded / "curvlab.pt", weights_only=False)
+    meta["config"]["model_overrides"]["n_embd"] = 48
+    torch.save(meta, sharded / "curvlab.pt")
+    with pytest.raises(CurvlabError, match=r"from another model config"):
+        open_sharded_checkpoint(sharded)
+
+
+def _spectral(loss_fn, params, batches):
+    with CurvaturePoint(loss_fn, params, batches) as point:
+        top = sharded_lanczos(point, k=1, max_iter=60, tol=1e-7)
+        trace = sharded_hutchinson(point, samples=3, seed=7)
+        return top.to_dict(), full(top.eigenvectors[0]), trace.to_dict()
+
+
+def _spectral_worker(rank, tmp, world):
+    mesh = _init(rank, tmp, world)
+    model, params, batches, _, _ = _problem()
+    sharded = {k: distribute_tensor(p, mesh, [Shard(0)]) for k, p in params.items()}
+    out = _spectral(make_loss_fn(model), sharded, batches)
+    _leave()
+    if rank == 0:
+        torch.save(out, f"{tmp}/spectral.pt")
+
+
+def test_lanczos_and_hutchinson_on_sharded_parameters_equal_one_process(tmp_path):
+    _spawn(_spectral_worker, tmp_path, 2)
+    (top, u, trace) = torch.load(tmp_path / "spectral.pt", weights_only=False)
+    model, params, batches, _, _ = _problem()
+    loss_fn = make_loss_fn(model)
+    ref = lanczos(hessian_operator(loss_fn, params, batches), k=1, max_iter=80, tol=1e-9)
+    assert top["converged"] and ref.converged, (top, ref.iterations)
+    assert np.allclose(top["eigenvalues"], ref.eigenvalues, rtol=1e-7, atol=0)
+    flat = torch.cat([u[n].reshape(-1) for n in params])
+    assert abs(float(flat @ ref.eigenvectors[:, 0])) == pytest.approx(1.0, abs=1e-6)  # the same top eigenvector
+    # Hutchinson: the same Rademacher vectors in one process, by exact HVPs
+    values = []
+    for i in range(3):
+        z = sharded_random_direction(params, 7 + i, "rademacher")
+        assert set(torch.unique(torch.cat([t.reshape(-1) for t in z.values()])).tolist()) == {-1.0, 1.0}
+        values.append(P.dot(z, hvp(loss_fn, params, batches, z)))
+    assert trace["trace"] == pytest.approx(float(np.mean(values)), rel=1e-10)
+    assert trace["std_error"] == pytest.approx(float(np.std(values, ddof=1) / np.sqrt(3)), rel=1e-8)
+
+
+def _train_config(data, out, optimizer, steps=4):
+    options = {"polar_dtype": "float32"} if optimizer == "muon" else {}
+    return TrainConfig(
+        data=str(data), out=str(out), model_overrides=SMALL_MODEL, optimizer=optimizer, optimizer_options=options,
+        batch_size=4, steps=steps, warmup_steps=1, eval_every=2, ckpt_every=2, val_windows=8, device="cpu",
+    )  # fmt: skip
+
+
+def _final_params(out):
+    """The last sharded checkpoint's parameters, gathered (every rank calls it)."""
+    target = open_sharded_checkpoint(Path(out) / read_index(out)[-1]["path"])
+    return {n: p.detach().full_tensor() for n, p in target.model.named_parameters()}
+
+
+def _fsdp_train_worker(rank, tmp, world, data, optimizer):
+    from curvlab.data.shards import TrainBatches
+
+    _init(rank, tmp, world)
+    whole = train_sharded(_train_config(data, f"{tmp}/whole", optimizer), progress=False)
+    original, calls = TrainBatches.next, {"n": 0}
+
+    def crashing_next(self):  # the run is cut after 3 steps, then resumed from its step-2 checkpoint
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return original(self)
+
+    TrainBatches.next = crashing_next
+    with contextlib.suppress(KeyboardInterrupt):
+        train_sharded(_train_config(data, f"{tmp}/cut", optimizer), progress=False)
+    TrainBatches.next = original
+    resumed = train_sharded(_train_config(data, f"{tmp}/cut", optimizer), progress=False)
+    a, b = _final_params(f"{tmp}/whole"), _final_params(f"{tmp}/cut")
+    _leave()
+    if rank == 0:
+        torch.save({"whole": a, "cut": b, "val": whole.val_loss, "resumed_from": resumed.resumed_from}, f"{tmp}/t.pt")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp_training_equals_one_process_and_resumes_exactly(pcfg_data, tmp_path, optimizer):
+    _spawn(_fsdp_train_worker, tmp_path, 2, str(pcfg_data), optimizer)
+    saved = torch.load(tmp_path / "t.pt", weights_only=False)
+    assert saved["resumed_from"] == 2
+    one = train(_train_config(pcfg_data, tmp_path / "one", optimizer), progress=False)
+    single = load_checkpoint(tmp_path / "one" / "ckpt_000004.pt")["model"]
+    for name, tensor in single.items():
+        assert torch.equal(saved["cut"][name], saved["whole"][name]), name  # the resumed run, bit for bit
+        diff = (saved["whole"][name] - tensor).abs()
+        # the gradients are summed in another order over the ranks (as under DDP, test_distributed.py)
+        assert (diff > 1e-6 + 1e-4 * tensor.abs()).float().mean() <= 1e-2, name
+        assert diff.max() <= 1e-4, name
+    assert saved["val"] == pytest.approx(one.val_loss, rel=1e-5)
