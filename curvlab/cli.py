@@ -554,14 +554,16 @@ def quadratic(
 def reproduce(
     preset: str = typer.Option(
         "quick",
-        help="micro (seconds), quick (CPU, < 10 min), standard (CPU, < 1 h: 3 seeds, 4412 tokens) or paper (GPU).",
+        help="micro (seconds), quick (CPU, ~10 min: AdamW and Muon, 5 seeds, s = 0), standard (CPU, < 1 h: "
+        "5 seeds, 4412 tokens, the Zipf sweep, the control arm) or paper (GPU).",
     ),
     out: Path = typer.Option(None, help="Output directory [default: results/<preset>]; a re-run continues it."),
     fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),
     quiet: bool = typer.Option(False, help="No progress bars."),
 ) -> None:
-    """The whole reproduction: data, tuning, training, matched-loss analysis, quadratic model, figures, report.md."""
-    from curvlab.report import value_cell
+    """The whole reproduction: data, tuning, training, paired directions and matched-loss analysis, A/A
+    calibration, quadratic model, figures, report.md; prints the primary family."""
+    from curvlab.report import calibration_line, primary_table
     from curvlab.reproduce import PRESETS, Reproduction
 
     if preset not in PRESETS:
@@ -569,11 +571,9 @@ def reproduce(
     out = out or Path("results") / preset
     check_output(out, directory=True)
     summary = Reproduction(PRESETS[preset], out, fineweb, progress=not quiet).run()
-    for name in ("nds_ratio", "update_norm_ratio", "nds_ratio_moonlight"):
-        for scope in ("all", "hidden"):
-            e = next((e for e in summary.headline if e.name == name and e.scope == scope), None)
-            if e is not None:
-                typer.echo(f"{e.quantity} ({scope}): {value_cell(e)}, paper {e.paper_text}: {e.verdict}")
+    for line in primary_table(summary.primary):
+        typer.echo(line)
+    typer.echo(calibration_line(summary.calibration))
     typer.echo(f"finished in {summary.seconds:.0f} s; report: {out / 'report.md'}")
 
 

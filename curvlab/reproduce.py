@@ -360,15 +360,14 @@ def window_checkpoints(records: list[ComparisonRecord]) -> set[Path]:
     return keep
 
 
-def prune_run(run: Path, keep: set[Path], keep_steps: set[int]) -> int:
-    """Delete the checkpoints of ``run`` outside ``keep`` and ``keep_steps`` (the tracked ones), except
-    its last (a finished run resumes from it as finished); the index keeps every entry (validation
-    losses stay). Returns the bytes freed."""
+def prune_run(run: Path, keep: set[Path]) -> int:
+    """Delete the checkpoints of ``run`` outside ``keep``, except its last (a finished run resumes from it
+    as finished); the index keeps every entry (validation losses stay). Returns the bytes freed."""
     index = read_index(run)
     freed = 0
     for entry in index[:-1]:
         path = (run / entry["path"]).resolve()
-        if path not in keep and entry["step"] not in keep_steps and path.is_file():
+        if path not in keep and path.is_file():
             freed += path.stat().st_size
             path.unlink()
     return freed
@@ -641,8 +640,10 @@ class Reproduction:
         return result
 
     def prune(self, seed: int, levels: list[LevelData]) -> None:
-        """Delete the checkpoints of ``seed``'s runs that no analysis read (all its analyses, the A/A
-        ones with its neighbours included, are in ``levels``)."""
+        """Delete the checkpoints of ``seed``'s runs outside the matched windows, once all its analyses
+        (the A/A ones with its neighbours included, in ``levels``) are done and saved: every number is
+        then in ``analysis/seed<k>.json``, and the windows stay for a look at the levels themselves (the
+        tracked checkpoints' reports are in ``analysis/reports``)."""
         if not self.preset.prune:
             return
         keep = window_checkpoints([r for lv in levels for r in lv.comparisons])
@@ -651,9 +652,9 @@ class Reproduction:
             for arm in self._arms_at(s):
                 run = self._run_dir(s, arm, seed)
                 if run.is_dir():
-                    freed += prune_run(run, keep, set(self._track_steps()))
+                    freed += prune_run(run, keep)
         if freed:
-            self._say(f"seed {seed}: deleted {freed / 2**20:.0f} MB of checkpoints no analysis read")
+            self._say(f"seed {seed}: deleted {freed / 2**20:.0f} MB of checkpoints outside the matched windows")
 
     def fineweb_comparison(self) -> dict[str, Any] | None:
         """Muon vs AdamW at the paper's learning rates on the user's FineWeb shards, compared at

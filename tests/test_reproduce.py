@@ -75,14 +75,13 @@ def test_micro_preset_writes_every_output(micro):
     assert "Curvature of adapter steps" in (out / "report.md").read_text()
 
 
-def test_only_the_checkpoints_an_analysis_read_are_kept(micro):
+def test_only_the_matched_windows_and_the_last_checkpoint_are_kept(micro):
     from curvlab.checkpoint import read_index
     from curvlab.reproduce import window_checkpoints
 
     out, summary = micro
     levels = LevelData.load(out / "analysis" / "levels.json")
     read = window_checkpoints(levels.comparisons)
-    tracked = set(range(PRESETS["micro"].track_interval, PRESETS["micro"].steps + 1, PRESETS["micro"].track_interval))
     runs = [p.parent for p in (out / "runs").glob("s*/*/seed*/index.json")]
     assert len(runs) == 5 * PRESETS["micro"].seeds  # 3 arms at s = 0, 2 at s = 1
     deleted = 0
@@ -91,7 +90,7 @@ def test_only_the_checkpoints_an_analysis_read_are_kept(micro):
         for entry in index:
             path = (run / entry["path"]).resolve()
             if path.is_file():
-                assert entry is index[-1] or path in read or entry["step"] in tracked, path
+                assert entry is index[-1] or path in read, path
             else:
                 deleted += 1
         assert (run / index[-1]["path"]).is_file()  # a finished run keeps its last checkpoint
