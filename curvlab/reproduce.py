@@ -306,6 +306,24 @@ def final_loss_note(final: dict[str, dict[str, list]], steps: int) -> str:
     return f"Final validation loss at step {steps}, mean [95% t interval over seeds]: " + "; ".join(parts) + "."
 
 
+def optimum_moved(check: LrSearch, table_lr: float, table_search: dict[str, Any] | None) -> bool:
+    """Whether the check's grid says the table's learning rate is no longer the optimum: its best point
+    is another lr and beats the table's by more than one standard error. The check may run on one
+    seed, which has no standard error of its own, so the error is the table search's (two seeds per
+    point), combined over the two points: sqrt(se_table² + se_best²). Without it (a point the table
+    did not train), any other winner counts as a move."""
+    if check.chosen == table_lr:
+        return False
+    if table_lr in check.ties:
+        return False
+    gap = check.mean(table_lr) - check.mean(check.chosen)
+    full = LrSearch.from_dict(table_search) if table_search else None
+    if full is None or table_lr not in full.grid or check.chosen not in full.grid:
+        return True
+    se = math.hypot(full.stderr(table_lr), full.stderr(check.chosen))
+    return not gap <= se  # a NaN error (a diverged point) counts as a move
+
+
 def read_lr_table(path: Path = LR_TABLE) -> dict[str, Any]:
     """The committed learning-rate table: preset name -> the full search's ``chosen`` and its grids."""
     if not path.is_file():
@@ -500,9 +518,9 @@ class Reproduction:
                 s = searches[f"{arm}.lr"] = self._search(
                     data, arm, "lr", log2_grid(chosen[arm]["lr"], p.check_points), fixed, 0
                 )
-                moved[arm] = s.chosen != chosen[arm]["lr"] and chosen[arm]["lr"] not in s.ties
+                moved[arm] = optimum_moved(s, chosen[arm]["lr"], table["searches"].get(f"{arm}.lr"))
                 if moved[arm]:
-                    self._say(f"{arm}: the check's best lr {s.chosen:g} is not the table's {chosen[arm]['lr']:g}")
+                    self._say(f"{arm}: the check's best lr {s.chosen:g} beats the table's {chosen[arm]['lr']:g}")
         tuning = {
             "schema_version": TUNING_SCHEMA_VERSION,
             "mode": mode,

@@ -78,16 +78,15 @@ def test_bad_grids_are_refused():
     assert np.isnan(search_lr(objective, [0.001, 0.002], seeds=[0]).stderr(0.001))
 
 
-def _table_tuning(tmp_path, monkeypatch, best):
+def _table_tuning(tmp_path, monkeypatch, best, searches=None):
     """The micro preset's tuning stage in table mode, on a fake objective with its optimum at ``best``
     (arm -> lr): what the check trains, and what it concludes."""
     import dataclasses
 
     import curvlab.reproduce as reproduce
 
-    table = {
-        "micro": {"chosen": {"adamw": {"lr": 0.004}, "muon": {"lr": 0.02, "adam_lr": 0.004}}, "seeds": [1000, 1001]}
-    }
+    chosen = {"adamw": {"lr": 0.004}, "muon": {"lr": 0.02, "adam_lr": 0.004}}
+    table = {"micro": {"chosen": chosen, "seeds": [1000, 1001], "searches": searches or {}}}
     monkeypatch.setattr(reproduce, "read_lr_table", lambda: table)
     calls = []
 
@@ -110,3 +109,14 @@ def test_table_learning_rates_are_checked_on_three_points_with_tuning_seeds(tmp_
     # an optimum that moved is said, and the pre-registered value is still the one used
     tuning, _ = _table_tuning(tmp_path / "b", monkeypatch, {"adamw": 0.016, "muon": 0.02})
     assert tuning["moved"] == {"adamw": True, "muon": False} and tuning["chosen"]["adamw"] == {"lr": 0.004}
+
+
+def test_a_winner_within_the_table_searchs_standard_error_is_no_move(tmp_path, monkeypatch):
+    # with its optimum at 0.016, the fake bowl puts the check's best, 0.008, ahead of the table's 0.004 by
+    # 0.1 * (2² - 1²) = 0.3 nats; the table's own search had standard errors of 0.5 at both points: no move
+    noisy = LrSearch("adamw.lr", {0.004: [2.5, 3.5], 0.008: [2.5, 3.5]}, 0.004, [0.004, 0.008]).to_dict()
+    tuning, _ = _table_tuning(tmp_path / "c", monkeypatch, {"adamw": 0.016, "muon": 0.02}, {"adamw.lr": noisy})
+    assert tuning["moved"]["adamw"] is False
+    sure = LrSearch("adamw.lr", {0.004: [3.0, 3.0001], 0.008: [3.0, 3.0001]}, 0.004, [0.004, 0.008]).to_dict()
+    tuning, _ = _table_tuning(tmp_path / "d", monkeypatch, {"adamw": 0.016, "muon": 0.02}, {"adamw.lr": sure})
+    assert tuning["moved"]["adamw"] is True
