@@ -6,6 +6,8 @@ A crash or a full disk mid-write leaves the previous file (or none) in place, ne
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -77,3 +79,20 @@ def check_output(path: str | Path, directory: bool = False) -> None:
         raise CurvlabError(f"{path}: can't write in {folder} ({e.strerror or type(e).__name__})") from e
     os.close(fd)
     os.unlink(probe)
+
+
+def strict_json(obj):
+    """``obj`` with every non-finite float replaced by None, so that ``json.dumps(..., allow_nan=False)``
+    writes JSON every parser reads (``NaN`` is not JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
+def atomic_write_json(path: str | Path, obj, indent: int = 1) -> None:
+    """Write ``obj`` as strict JSON (non-finite floats as null), atomically."""
+    atomic_write_text(path, json.dumps(strict_json(obj), indent=indent, allow_nan=False) + "\n")

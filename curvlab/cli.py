@@ -228,8 +228,8 @@ def train(
     monitor = None
     if curvature_every:
         monitor = MonitorSettings(curvature_every, curvature_batches, curvature_windows, blocks, curvature_stop)
-    if fsdp and (monitor is not None or tensorboard is not None):
-        raise CurvlabError("--curvature-every and --tensorboard are not available with --fsdp yet")
+    if fsdp and (monitor is not None or tensorboard is not None or cfg.shadow):
+        raise CurvlabError("--curvature-every, --tensorboard and --shadow are not available with --fsdp yet")
     with distributed_context() as (rank, world):
         if fsdp:
             from curvlab.sharded_train import train_sharded

@@ -34,7 +34,8 @@ From a Muon state (B, the momentum after G):
 
 **Scale.** On the hidden matrices NDS, cos and q don't depend on a direction's length; over all
 parameters they do. ``adamw`` and ``muon`` take their arm's lr (the real step's own; a shadow's or the
-approximation's: the other arm's default peak lr times the run's current schedule multiplier, Muon's
+approximation's: the shadow's peak lr (the other arm's default, or the lr the run set) times the run's
+current schedule multiplier, Muon's
 shape scale included). Momentum SGD and sign descent have no lr in these runs: ``sgd`` and ``sign`` are
 scaled to the Frobenius norm of the real step on the hidden matrices (``scaling = "matched"``).
 

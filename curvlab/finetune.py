@@ -27,7 +27,7 @@ The job (``curvlab finetune``), each stage skipped when its output exists with t
    phase (:func:`curvlab.match.match_runs`), each side averaged over a window of neighbouring
    checkpoints; every level is kept (no filter on NDS, ever);
 6. ``finetune.json`` (:class:`FinetuneResult`): the per-level data and, derived from it alone
-   (:func:`estimates`), each ratio of means with its two-stage bootstrap interval over seeds and
+   (:func:`estimates`), each ratio of means with its seed-level interval (:mod:`curvlab.statistics`) over seeds and
    levels (:func:`curvlab.statistics.estimate`); ``tuning.json``; a figure; ``report.md``.
 
 Ratios are AdamW over the Muon variant (sum over seeds and levels of AdamW's window means over the
@@ -418,7 +418,7 @@ class AdapterComparison:
 
 @dataclass(frozen=True)
 class FinetuneEntry:
-    """One summary number: a ratio of sums over seeds and levels, its 95% bootstrap interval (``None``
+    """One summary number: a ratio of sums over seeds and levels, its 95% seed-level interval (``None``
     with one seed), the numbers of seeds and levels, and the per-level values it comes from."""
 
     name: str  # e.g. "nds_ratio", "rho_within_adamw"
@@ -494,7 +494,7 @@ ENTRY_SPECS = (
 def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> list[FinetuneEntry]:
     """Every summary entry, from the per-level data alone: for each comparison and each of
     :data:`ENTRY_SPECS`, the ratio of sums over seeds and levels of the window means, and the median
-    of the per-level ratios (``_median``), each with its two-stage bootstrap interval
+    of the per-level ratios (``_median``), each with its seed-level interval
     (:func:`curvlab.statistics.ratio_estimates`). No level is dropped."""
     entries = []
     for c in comparisons:

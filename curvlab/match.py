@@ -44,6 +44,12 @@ PHASES = ("stable", "multiplier", "any")
 PLATEAU_FRACTION = 0.05  # a loss within 5% of the unigram entropy sits on the unigram plateau
 
 
+class NoMatchedLevel(CurvlabError):
+    """Two runs that can't be compared at matched loss: no stable phase, losses that never overlap, or no
+    pair of checkpoints within the tolerance. A fact about the runs, not a broken file: a study records it
+    and goes on."""
+
+
 def plateau_ceiling(unigram_entropy: float, fraction: float = PLATEAU_FRACTION) -> float:
     """The loss at and above which a model sits on the unigram plateau: ``(1 - fraction) * H_unigram``
     (a model that has learned only token frequencies has loss H_unigram, in nats)."""
@@ -169,7 +175,7 @@ def in_phase(checkpoints: list[Checkpoint], phase: str, run: str | Path, min_ste
     if phase == "stable":
         kept = [c for c in kept if c.phase == "stable"]
         if not kept:
-            raise CurvlabError(
+            raise NoMatchedLevel(
                 f"{run} never reaches a stable phase with a checkpoint (a cosine schedule has none): train with "
                 "--schedule wsd (or constant), or match with phase 'multiplier' or 'any'"
             )
@@ -216,7 +222,7 @@ def match_runs(
     low, high = max(la.min(), lb.min()), min(la.max(), lb.max())
     where = "" if phase == "any" else f" in the {phase} phase" if phase == "stable" else " at equal multipliers"
     if low > high:
-        raise CurvlabError(
+        raise NoMatchedLevel(
             f"the validation losses never overlap{where}: {run_a} spans [{la.min():.4f}, {la.max():.4f}], "
             f"{run_b} spans [{lb.min():.4f}, {lb.max():.4f}]"
         )

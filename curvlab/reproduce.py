@@ -42,12 +42,12 @@ import numpy as np
 from scipy.stats import t as t_dist
 
 from curvlab.analysis import AnalysisSettings, load_report
-from curvlab.atomic import atomic_write_text
+from curvlab.atomic import atomic_write_json, atomic_write_text
 from curvlab.checkpoint import read_index
 from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
 from curvlab.errors import CurvlabError
 from curvlab.jobs import StageClock, guard_config, record_invocation
-from curvlab.match import PLATEAU_FRACTION, plateau_ceiling
+from curvlab.match import PLATEAU_FRACTION, NoMatchedLevel, plateau_ceiling
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim import default_muon_rule, matrix_shape, muon_scale
 from curvlab.paper import REFERENCE_TRAINING
@@ -126,6 +126,8 @@ class Preset:
     # under this preset's name), checked on a 3-point grid around each; "search": the full search here
     lr_source: str = "table"
     check_points: int = 3
+    check_seeds: int = 1  # the table check's seeds: check_seed_base, ... (disjoint from the table's and the measured)
+    check_seed_base: int = 2000
     calibration: bool = True  # A/A comparisons: AdamW vs AdamW and Muon vs Muon on neighbouring seeds
     prune: bool = True  # delete the checkpoints no analysis read, once a seed's analysis is done
     # matched comparison
@@ -138,7 +140,7 @@ class Preset:
     # trajectories
     track_interval: int = 20  # steps between tracked checkpoints
     track_batches: int = 2
-    n_boot: int = 2000  # bootstrap replicates per interval
+    n_boot: int = 2000  # kept for the headline's signature; the seed-level intervals draw no replicates
     quadratic: dict[str, Any] = field(default_factory=dict)
     finetune: str | None = None  # a `curvlab finetune` preset, run on the first seed's AdamW model at the first s
     fineweb: bool = False  # the paper preset also trains gpt2-124m on FineWeb shards
@@ -157,14 +159,26 @@ class Preset:
     def tuning_seeds(self) -> list[int]:
         return [self.tune_seed_base + i for i in range(self.tune_seeds)]
 
+    def check_seed_list(self) -> list[int]:
+        return [self.check_seed_base + i for i in range(self.check_seeds)]
+
+    def tuning_fingerprint(self) -> dict[str, Any]:
+        """What a tuned learning rate depends on: a table entry made under other values is not used."""
+        fields = ("model", "model_overrides", "grammar", "tokens", "val_tokens", "batch_size", "warmup_steps",
+                  "schedule", "cooldown_frac", "val_windows", "adam_side")  # fmt: skip
+        return json.loads(json.dumps(
+            {**{k: getattr(self, k) for k in fields}, "horizon_steps": self.tuning_steps, "s": self.s_values[0]}
+        ))  # fmt: skip
+
     def validate(self) -> None:
         if self.lr_source not in LR_SOURCES:
             raise CurvlabError(f"lr_source must be one of {', '.join(LR_SOURCES)}, got {self.lr_source!r}")
-        if set(self.tuning_seeds()) & set(range(self.seeds)):
-            raise CurvlabError(
-                f"tuning seeds {self.tuning_seeds()} overlap the measurement seeds 0..{self.seeds - 1}: "
-                "raise tune_seed_base"
-            )
+        measured = set(range(self.seeds))
+        for what, seeds in (("tuning", self.tuning_seeds()), ("check", self.check_seed_list())):
+            if set(seeds) & measured:
+                raise CurvlabError(
+                    f"{what} seeds {seeds} overlap the measurement seeds 0..{self.seeds - 1}: raise {what}_seed_base"
+                )
         if self.adam_side not in ADAM_SIDES:
             raise CurvlabError(f"adam_side must be one of {', '.join(ADAM_SIDES)}, got {self.adam_side!r}")
         unknown = sorted(set(self.arms) - set(ARMS))
@@ -235,7 +249,6 @@ PRESETS = {
         arms=("adamw", "muon"),
         steps=200,
         seeds=5,
-        tune_seeds=1,
         ckpt_every=4,
         analysis_batches=1,
         track_interval=20,
@@ -251,7 +264,6 @@ PRESETS = {
         val_tokens="200k",
         steps=400,
         seeds=5,
-        tune_seeds=1,
         ckpt_every=4,
         sweep_ckpt_every=20,
         val_windows=64,
@@ -328,9 +340,13 @@ def read_lr_table(path: Path = LR_TABLE) -> dict[str, Any]:
     """The committed learning-rate table: preset name -> the full search's ``chosen`` and its grids."""
     if not path.is_file():
         return {}
-    table = json.loads(path.read_text())
-    if table.get("schema_version") != LR_TABLE_SCHEMA_VERSION:
-        raise CurvlabError(f"{path}: schema {table.get('schema_version')} is not {LR_TABLE_SCHEMA_VERSION}")
+    try:
+        table = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
+    if not isinstance(table, dict) or table.get("schema_version") != LR_TABLE_SCHEMA_VERSION or "presets" not in table:
+        version = table.get("schema_version") if isinstance(table, dict) else None
+        raise CurvlabError(f"{path}: not a learning-rate table of schema {LR_TABLE_SCHEMA_VERSION} (got {version})")
     return table["presets"]
 
 
@@ -339,10 +355,13 @@ def search_lr_table(preset: Preset, out: str | Path, progress: bool = True) -> d
     grids extended at their edges, 2 tuning seeds per point (disjoint from the measured ones), runs at the
     compared horizon. Writes it into :data:`LR_TABLE` (other presets' entries are kept)."""
     full = replace(preset, lr_source="search", tune_seeds=max(2, preset.tune_seeds))
+    if set(full.tuning_seeds()) & set(full.check_seed_list()):
+        raise CurvlabError(f"the table's seeds {full.tuning_seeds()} overlap the check's {full.check_seed_list()}")
     job = Reproduction(full, out, progress=progress)
     job._check_config()
     tuning = job.tune(job.data()[full.s_values[0]])
     entry = {
+        "fingerprint": preset.tuning_fingerprint(),
         "chosen": {arm: tuning["chosen"][arm] for arm in ("adamw", "muon")},
         "seeds": tuning["seeds"],
         "horizon_steps": tuning["horizon_steps"],
@@ -469,11 +488,12 @@ class Reproduction:
             ckpt.unlink()
         return loss if math.isfinite(loss) else math.inf
 
-    def _search(self, data: Path, arm: str, knob: str, grid: list[float], fixed: dict, extensions: int) -> LrSearch:
-        p = self.preset
+    def _search(
+        self, data: Path, arm: str, knob: str, grid: list[float], fixed: dict, extensions: int, seeds: list[int]
+    ) -> LrSearch:
         result = search_lr(
             lambda lr, seed: self._tuning_loss(data, arm, {**fixed, knob: lr}, seed),
-            grid, p.tuning_seeds(), f"{arm}.{knob}", extensions, fixed,
+            grid, seeds, f"{arm}.{knob}", extensions, fixed,
         )  # fmt: skip
         grid = ", ".join(f"{x:g}" for x in sorted(result.grid))
         self._say(f"{arm} {knob}: best {result.chosen:g} on the grid {grid}")
@@ -487,38 +507,51 @@ class Reproduction:
         p = self.preset
         path = self.out / "tuning.json"
         if path.is_file():
-            return json.loads(path.read_text())
+            tuning = json.loads(path.read_text())
+            if tuning.get("schema_version") != TUNING_SCHEMA_VERSION:
+                raise CurvlabError(f"{path}: schema {tuning.get('schema_version')} is not {TUNING_SCHEMA_VERSION}")
+            return tuning
         table = read_lr_table().get(p.name) if p.lr_source == "table" else None
+        fallback = None
+        if table is not None and table.get("fingerprint") != p.tuning_fingerprint():
+            table, fallback = None, "the committed table's entry was made under other settings"
+        elif table is None and p.lr_source == "table":
+            fallback = "the committed table has no entry for this preset"
+        if fallback:
+            self._say(f"{fallback}: the full search runs here")
         searches: dict[str, LrSearch] = {}
+        seeds = p.tuning_seeds() if table is None else p.check_seed_list()
         if table is None:
             mode = "search"
             searches["adamw.lr"] = self._search(
-                data, "adamw", "lr", log2_grid(p.lr_centers["adamw"], p.grid_points), {}, p.max_extensions
+                data, "adamw", "lr", log2_grid(p.lr_centers["adamw"], p.grid_points), {}, p.max_extensions, seeds
             )
             chosen = {"adamw": {"lr": searches["adamw.lr"].chosen}}
             adam_lr = chosen["adamw"]["lr"]
             s = searches["muon.lr"] = self._search(
                 data, "muon", "lr", log2_grid(p.lr_centers["muon"], p.grid_points), {"adam_lr": adam_lr},
-                p.max_extensions,
+                p.max_extensions, seeds,
             )  # fmt: skip
             chosen["muon"] = {"lr": s.chosen, "adam_lr": adam_lr}
             if p.adam_side == "tuned":  # a second, one-dimensional search at the chosen Muon lr
                 s = searches["muon.adam_lr"] = self._search(
                     data, "muon", "adam_lr", log2_grid(adam_lr, p.grid_points), {"lr": chosen["muon"]["lr"]},
-                    p.max_extensions,
+                    p.max_extensions, seeds,
                 )  # fmt: skip
                 chosen["muon"]["adam_lr"] = s.chosen
             moved = {}
         else:  # the pre-registered values, and a check that the optimum has not moved
             mode = "table"
+            if set(seeds) & set(table["seeds"]):
+                raise CurvlabError(f"check seeds {seeds} overlap the table's {table['seeds']}: raise check_seed_base")
             chosen = {arm: dict(table["chosen"][arm]) for arm in ("adamw", "muon")}
             moved = {}
             for arm in ("adamw", "muon"):
                 fixed = {k: v for k, v in chosen[arm].items() if k != "lr"}
                 s = searches[f"{arm}.lr"] = self._search(
-                    data, arm, "lr", log2_grid(chosen[arm]["lr"], p.check_points), fixed, 0
+                    data, arm, "lr", log2_grid(chosen[arm]["lr"], p.check_points), fixed, 0, seeds
                 )
-                moved[arm] = optimum_moved(s, chosen[arm]["lr"], table["searches"].get(f"{arm}.lr"))
+                moved[arm] = optimum_moved(s, chosen[arm]["lr"], table.get("searches", {}).get(f"{arm}.lr"))
                 if moved[arm]:
                     self._say(f"{arm}: the check's best lr {s.chosen:g} beats the table's {chosen[arm]['lr']:g}")
         tuning = {
@@ -526,8 +559,9 @@ class Reproduction:
             "mode": mode,
             "tuned_on_s": p.s_values[0],
             "horizon_steps": p.tuning_steps,
-            "seeds": p.tuning_seeds(),
+            "seeds": seeds,
             "adam_side": p.adam_side,
+            "fallback": fallback,
             "searches": {k: v.to_dict() for k, v in searches.items()},
             "chosen": chosen,
             "table": table,
@@ -594,7 +628,7 @@ class Reproduction:
                     plateau_ceiling=plateau, cache=self.out / "analysis" / "reports",
                 )  # fmt: skip
             return ComparisonRecord(name, seed, s0, c)
-        except CurvlabError as e:  # no stable phase, no overlap, no level within tolerance
+        except NoMatchedLevel as e:  # no stable phase, no overlap, no level within tolerance (a broken file raises)
             self._say(f"{name} seed {seed}: no comparison ({e})")
             return ComparisonRecord(name, seed, s0, None, str(e))
 
@@ -757,18 +791,26 @@ class Reproduction:
             )
         seeds = ", ".join(str(x) for x in tuning["seeds"])
         if tuning.get("mode") == "table":
+            table = tuning["table"]
             moved = [arm for arm, m in tuning.get("moved", {}).items() if m]
+            ties = []
+            for arm in ("adamw", "muon"):
+                search = table.get("searches", {}).get(f"{arm}.lr")
+                if search and search["ties"]:
+                    tied = ", ".join(f"{x:g}" for x in search["ties"])
+                    ties.append(f"{arm}'s {search['chosen']:g} is within one standard error of {tied}")
             notes.append(
-                "Learning rates from the committed table (the full search at this preset's size: "
-                f"{p.grid_points}-point log2 grids, tuning seeds {tuning['table'].get('seeds')}, "
-                f"{tuning['horizon_steps']}-step runs), "
-                f"checked here on {p.check_points} points with tuning seed(s) {seeds}: "
+                f"Learning rates from the committed table (the full search at this preset's settings: log2 grids, "
+                f"tuning seeds {table.get('seeds')}, {table.get('horizon_steps')}-step runs"
+                + (f"; {'; '.join(ties)}" if ties else "")
+                + f"), checked here on {p.check_points} points with check seed(s) {seeds}: "
                 + ("the optimum moved for " + ", ".join(moved) + "." if moved else "the optimum did not move.")
             )
         else:
             notes.append(
                 f"Learning rates searched at s = {p.s_values[0]:g} on {tuning['horizon_steps']}-step runs (the "
-                f"compared horizon) with tuning seeds {seeds}, disjoint from the measurement seeds 0..{p.seeds - 1}."
+                f"compared horizon) with tuning seeds {seeds}, disjoint from the measurement seeds 0..{p.seeds - 1}"
+                + (f" ({tuning['fallback']})." if tuning.get("fallback") else ".")
             )
         control = tuning["chosen"].get(CONTROL_ARM)
         if control:
@@ -863,7 +905,7 @@ class Reproduction:
         summary.seconds = summary.timing["total"]  # over every invocation, when a run was interrupted and resumed
         summary.invocations = int(summary.timing["invocations"])
         summary.disk_bytes = sum(f.stat().st_size for f in self.out.rglob("*") if f.is_file())
-        atomic_write_text(self.out / "summary.json", json.dumps(summary.to_dict(), indent=1))
+        atomic_write_json(self.out / "summary.json", summary.to_dict())  # NaN as null: strict JSON
         text = report.render_report(summary, levels)
         if finetune is not None:
             text += "\n" + "\n".join(report.finetune_section(finetune)) + "\n"

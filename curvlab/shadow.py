@@ -25,9 +25,10 @@ W, which pairs with the real step (:mod:`curvlab.directions`):
       Z = \eta\lambda W + \eta\, \hat m / (\sqrt{\hat v} + \epsilon),\quad
       \hat m = m / (1-\beta_1^t),\ \sqrt{\hat v} = \sqrt{v} / (1-\beta_2^t)^{1/2}.
 
-The learning rate :math:`\eta` of a shadow step is the other arm's default peak lr (Muon 0.02,
-AdamW 0.0018, as :func:`curvlab.optim.build_optimizer` has them) times the run's current schedule
-multiplier. NDS and the cosine on the hidden matrices don't depend on it; ||Z|| does, and so does
+The learning rate :math:`\eta` of a shadow step is a peak lr (``ShadowSettings.lr``: by default the
+other arm's default, Muon 0.02 and AdamW 0.0018 as :func:`curvlab.optim.build_optimizer` has them; the
+reproduction passes the other arm's chosen lr) times the run's current schedule multiplier. NDS and
+the cosine on the hidden matrices don't depend on it; ||Z|| does, and so does
 everything over all parameters, where the shadow's step on the hidden matrices is joined to the run's
 own step on the rest.
 

@@ -28,7 +28,7 @@ from curvlab.checkpoint import read_index
 from curvlab.directions import PAIRED, SCOPES, DirectionLandscape, PairedDirections
 from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
-from curvlab.match import Checkpoint, match_runs, run_checkpoints
+from curvlab.match import Checkpoint, NoMatchedLevel, match_runs, run_checkpoints
 from curvlab.monitor import ROW_KIND, MonitorRow
 from curvlab.progress import progress as progress_bar
 
@@ -417,7 +417,7 @@ def compare_runs(
         window_width=window,
     )
     if not matching.pairs:
-        raise CurvlabError("no matched pair within tolerance: " + "; ".join(matching.refused))
+        raise NoMatchedLevel("no matched pair within tolerance: " + "; ".join(matching.refused))
     result_levels = []
     for pair in progress_bar(matching.pairs, desc="compare", disable=not progress):
         a = _window_side(pair.window_a, pair.step_a, cache, settings, device)

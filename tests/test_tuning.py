@@ -86,7 +86,9 @@ def _table_tuning(tmp_path, monkeypatch, best, searches=None):
     import curvlab.reproduce as reproduce
 
     chosen = {"adamw": {"lr": 0.004}, "muon": {"lr": 0.02, "adam_lr": 0.004}}
-    table = {"micro": {"chosen": chosen, "seeds": [1000, 1001], "searches": searches or {}}}
+    preset = dataclasses.replace(reproduce.PRESETS["micro"], lr_source="table", tune_seeds=1)
+    entry = {"chosen": chosen, "seeds": [1000, 1001], "searches": searches or {}}
+    table = {"micro": {**entry, "fingerprint": preset.tuning_fingerprint()}}
     monkeypatch.setattr(reproduce, "read_lr_table", lambda: table)
     calls = []
 
@@ -95,7 +97,6 @@ def _table_tuning(tmp_path, monkeypatch, best, searches=None):
         return 3.0 + 0.1 * (math.log2(options["lr"]) - math.log2(best[arm])) ** 2
 
     monkeypatch.setattr(reproduce.Reproduction, "_tuning_loss", fake_loss)
-    preset = dataclasses.replace(reproduce.PRESETS["micro"], lr_source="table", tune_seeds=1)
     return reproduce.Reproduction(preset, tmp_path, progress=False).tune(tmp_path / "data"), calls
 
 
@@ -105,7 +106,7 @@ def test_table_learning_rates_are_checked_on_three_points_with_tuning_seeds(tmp_
     assert tuning["chosen"]["adamw"] == {"lr": 0.004} and tuning["chosen"]["muon"]["lr"] == 0.02
     assert sorted(lr for arm, lr, _ in calls if arm == "adamw") == [0.002, 0.004, 0.008]
     assert sorted(lr for arm, lr, _ in calls if arm == "muon") == [0.01, 0.02, 0.04]
-    assert {seed for *_, seed in calls} == {1000}  # never a measurement seed
+    assert {seed for *_, seed in calls} == {2000}  # neither a measurement seed nor one of the table's
     # an optimum that moved is said, and the pre-registered value is still the one used
     tuning, _ = _table_tuning(tmp_path / "b", monkeypatch, {"adamw": 0.016, "muon": 0.02})
     assert tuning["moved"] == {"adamw": True, "muon": False} and tuning["chosen"]["adamw"] == {"lr": 0.004}
@@ -120,3 +121,30 @@ def test_a_winner_within_the_table_searchs_standard_error_is_no_move(tmp_path, m
     sure = LrSearch("adamw.lr", {0.004: [3.0, 3.0001], 0.008: [3.0, 3.0001]}, 0.004, [0.004, 0.008]).to_dict()
     tuning, _ = _table_tuning(tmp_path / "d", monkeypatch, {"adamw": 0.016, "muon": 0.02}, {"adamw.lr": sure})
     assert tuning["moved"]["adamw"] is True
+
+
+def test_a_table_entry_made_under_other_settings_is_not_used(tmp_path, monkeypatch):
+    import dataclasses
+
+    import curvlab.reproduce as reproduce
+
+    preset = dataclasses.replace(reproduce.PRESETS["micro"], lr_source="table", tune_seeds=1)
+    other = dataclasses.replace(preset, batch_size=preset.batch_size * 2).tuning_fingerprint()  # other batches
+    entry = {"chosen": {"adamw": {"lr": 0.004}, "muon": {"lr": 0.02, "adam_lr": 0.004}}, "seeds": [1000, 1001]}
+    monkeypatch.setattr(reproduce, "read_lr_table", lambda: {"micro": {**entry, "fingerprint": other}})
+    monkeypatch.setattr(reproduce.Reproduction, "_tuning_loss", lambda self, data, arm, options, seed: 3.0)
+    tuning = reproduce.Reproduction(preset, tmp_path, progress=False).tune(tmp_path / "data")
+    assert tuning["mode"] == "search" and "other settings" in tuning["fallback"]
+    assert tuning["seeds"] == preset.tuning_seeds()
+
+
+def test_a_corrupt_table_is_a_one_line_error(tmp_path):
+    from curvlab.reproduce import read_lr_table
+
+    bad = tmp_path / "lr_table.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt JSON"):
+        read_lr_table(bad)
+    bad.write_text('{"schema_version": 1}')
+    with pytest.raises(ValueError, match="not a learning-rate table"):
+        read_lr_table(bad)
