@@ -137,9 +137,9 @@ class PrimaryClaim:
 PRIMARY: tuple[PrimaryClaim, ...] = (
     PrimaryClaim(
         "paired_direction_ratio", "hidden",
-        "NDS of AdamW's next-step direction over Muon's at the same W and batch (matched levels, both arms' points)",
+        "NDS of AdamW's next-step direction over Muon's at the same W and batch (every analysed stable-phase point)",
         "the mechanism: at the same point, Adam's direction is sharper than Muon's", "ratio", "greater", 1.0,
-        None, "> 1", data="paired-direction scalars (paired_nds_*) at the matched levels",
+        None, "> 1", data="paired-direction scalars (paired_nds_*) at the matched windows and the trajectory",
     ),
     PrimaryClaim(
         "between_nds_ratio", "hidden", "AdamW/Muon NDS at matched validation loss (each run's own step)",

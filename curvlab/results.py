@@ -719,25 +719,35 @@ def _between(records: list[ComparisonRecord], key_of) -> _SeedValues | str:
     return _SeedValues(seeds, num, den, units, notes)
 
 
-def _paired(records: list[ComparisonRecord], scope: str) -> _SeedValues | str:
-    """Per seed, the mean over every matched point (both sides of every level off the plateau) of the
-    NDS of AdamW's and of Muon's next-step direction at that point."""
+def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> _SeedValues | str:
+    """Per seed, the mean over every distinct analysed checkpoint of both arms at the first s, in the
+    stable phase and off the plateau (the members of the matched windows and the tracked trajectory),
+    of the NDS of AdamW's and of Muon's next-step direction at that checkpoint. Both directions are at
+    the same W and batch, so any analysed point counts; pooling the trajectory with the windows gives
+    each seed a dozen points or more instead of the few the matched levels hold."""
     usable = _usable(records)
     if not usable:
         return "no matched comparison with a level off the unigram plateau"
     ka, km = f"paired_nds_adamw_{scope}", f"paired_nds_muon_{scope}"
+    s0 = data.s_values[0]
     seeds, num, den, units, xs_all, ys_all = [], [], [], [], [], []
     agree = 0
     for r in usable:
-        xs, ys = [], []
+        points: dict[tuple[str, int], dict[str, Any]] = {}
         for lv in r.comparison.headline_levels:
             for side in (lv.a, lv.b):
-                mean = side.mean  # (a property that averages every key)
-                if ka not in mean or km not in mean:
-                    return f"no {ka} / {km} in the matched windows (older runs)"
-                xs.append(mean[ka])
-                ys.append(mean[km])
-                agree += (mean[ka] > 0) == (mean[km] > 0)
+                for m in side.members:
+                    points[(side.optimizer, int(m["step"]))] = m
+        if any(ka not in p or km not in p for p in points.values()):
+            return f"no {ka} / {km} in the matched windows (older runs)"
+        for arm in ("adamw", "muon"):
+            for t in (t for t in data.track(arm, s0) if t.seed == r.seed):
+                for row in t.after_warmup():
+                    if ka in row and km in row:  # a trajectory analysed without shadows adds nothing
+                        points.setdefault((row.get("optimizer", arm), int(row["step"])), row)
+        xs = [p[ka] for p in points.values()]
+        ys = [p[km] for p in points.values()]
+        agree += sum((x > 0) == (y > 0) for x, y in zip(xs, ys))
         seeds.append(r.seed)
         num.append(float(np.mean(xs)))
         den.append(float(np.mean(ys)))
@@ -828,7 +838,7 @@ def _rho_gap(data: LevelData, scope: str) -> _SeedValues | str:
 
 def _claim_inputs(claim: PrimaryClaim, data: LevelData, records: list[ComparisonRecord]) -> _SeedValues | str:
     if claim.name == "paired_direction_ratio":
-        return _paired(records, claim.scope)
+        return _paired(records, data, claim.scope)
     if claim.name == "between_nds_ratio":
         return _between(records, lambda arm: _key("nds", claim.scope))
     if claim.name == "alignment_ratio":

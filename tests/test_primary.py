@@ -295,3 +295,36 @@ def test_aa_records_are_no_arm_of_their_own_in_the_headline_figures_or_taylor_co
     written = plots.reproduction_figures(data, summary, {}, {}, tmp_path)
     assert list(drawn) == ["muon"] and len(drawn["muon"]) == 3  # the A/A records are not Muon's comparisons
     assert (tmp_path / "fig0_primary_forest.png").is_file() and written["primary"]
+
+
+def test_the_paired_ratio_pools_the_trajectory_with_the_windows_once_per_checkpoint():
+    """Every distinct analysed checkpoint of a seed counts once: the window members, and the stable-phase
+    trajectory points off the plateau (a tracked step that is also a window member is not counted twice;
+    plateau, decay and shadow-less rows add nothing)."""
+    rng = np.random.default_rng(3)
+    data = _experiment(rng, 3, tracks=False)
+    for seed in range(3):
+        for arm in ("adamw", "muon"):
+            t = track(arm, 0.0, seed, np.ones(6))
+            for k, row in enumerate(t.rows):
+                row |= {"optimizer": arm, "paired_nds_adamw_hidden": 5.0 + k, "paired_nds_muon_hidden": 1.0 + seed}
+            t.rows[0]["step"] = 10 if arm == "adamw" else 20  # AdamW's / Muon's first window member: a duplicate
+            t.rows[1]["on_plateau"] = True
+            t.rows[2]["phase"] = "decay"
+            del t.rows[3]["paired_nds_adamw_hidden"]  # analysed without a shadow
+            data.tracks.append(t)
+    e = _by_name(primary_family(data))["paired_direction_ratio"]
+    logs = []
+    for r in data.matched("adamw/muon"):
+        points = {(s.optimizer, m["step"]): m for lv in r.comparison.levels for s in (lv.a, lv.b) for m in s.members}
+        for t in (t for t in data.tracks if t.seed == r.seed):
+            for row in t.rows[4:]:  # the two clean rows of each track
+                points[(t.arm, row["step"])] = row
+        xs = [p["paired_nds_adamw_hidden"] for p in points.values()]
+        ys = [p["paired_nds_muon_hidden"] for p in points.values()]
+        logs.append(np.log(np.mean(xs) / np.mean(ys)))
+        assert len(points) == 2 * LEVELS + 4
+    assert e.n_units == 3 * (2 * LEVELS + 4)
+    assert e.value == pytest.approx(np.exp(np.mean(logs)))
+    ref = scipy_stats.ttest_1samp(logs, 0.0)
+    assert e.ci95 == pytest.approx(list(np.exp(ref.confidence_interval(0.95))))
