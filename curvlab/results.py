@@ -214,6 +214,7 @@ class ZipfPoint:
     n_seeds: int
     n_checkpoints: int
     per_seed: list[float]  # each seed's trajectory mean (not normalized)
+    seeds: list[int] = field(default_factory=list)  # the seed of each per_seed value (older summaries: none)
 
 
 @dataclass(frozen=True)
@@ -465,13 +466,26 @@ def _equal_step_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
     return out
 
 
-def _trajectory_groups(data: LevelData, key: str) -> dict[tuple[str, float], list[np.ndarray]]:
+def _trajectory_groups(data: LevelData, key: str) -> dict[tuple[str, float], dict[int, np.ndarray]]:
+    """(arm, s) -> {seed: its trajectory's rows after warmup}; a track without such rows is left out
+    (keyed by seed, so the other seeds keep their own ids)."""
     groups = {}
     for t in data.tracks:
         rows = t.after_warmup()
         if rows:
-            groups.setdefault((t.arm, t.s), []).append(np.array([[r[key]] for r in rows]))
+            groups.setdefault((t.arm, t.s), {})[t.seed] = np.array([[r[key]] for r in rows])
     return groups
+
+
+def _unshared(groups: Mapping[str, Mapping[int, np.ndarray]], labels: Mapping[str, str]) -> str:
+    """A note naming the seeds some group has but another lacks (left out of a paired estimate)."""
+    shared = set(st.shared_seeds(groups))
+    out = []
+    for k, v in groups.items():
+        extra = sorted(set(v) - shared)
+        if extra:
+            out.append(f"{labels.get(k, k)} seed(s) {', '.join(map(str, extra))}")
+    return f"left out, not in every group: {'; '.join(out)}" if out else ""
 
 
 def _mean(x: np.ndarray) -> float:
@@ -508,13 +522,17 @@ def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], li
                 headline.append(_entry(name, scope, None, [], f"no trajectory for {', '.join(missing)}"))
                 continue
             g = {k: groups[named[k]] for k in needs}
+            seeds = st.shared_seeds(g)  # paired by seed id: seed k of every (arm, s) together
             per_level = [
-                {"arm": named[k][0], "s": named[k][1], "seed": i, "mean": float(x[:, 0].mean())}
+                {"arm": named[k][0], "s": named[k][1], "seed": seed, "mean": float(g[k][seed][:, 0].mean())}
                 for k in needs
-                for i, x in enumerate(g[k])
+                for seed in seeds
             ]
+            labels = {k: f"{named[k][0]} at s = {named[k][1]:g}" for k in needs}
+            note = _unshared(g, labels) if seeds else "no seed has a trajectory in every group"
             muon_s0 = lambda g: _mean(g["m0"])  # noqa: E731 (every Zipf statistic divides by it)
-            headline.append(_entry(name, scope, st.estimate(g, stat, n_boot, denominator=muon_s0), per_level))
+            est = st.estimate(g, stat, n_boot, denominator=muon_s0)
+            headline.append(_entry(name, scope, est, per_level, note))
         if ("muon", s0) not in groups:
             continue
         for arm, s in sorted(groups):
@@ -523,7 +541,8 @@ def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], li
             est = st.estimate(
                 g, lambda g, x=x: _mean(g[x]) / _mean(g["m0"]), n_boot, denominator=lambda g: _mean(g["m0"])
             )
-            per_seed = [float(x[:, 0].mean()) for x in groups[(arm, s)]]
+            seeds = st.shared_seeds(g)
+            per_seed = [float(groups[(arm, s)][seed][:, 0].mean()) for seed in seeds]
             per_s.append(
                 ZipfPoint(
                     arm,
@@ -534,6 +553,7 @@ def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], li
                     est.n_seeds,
                     est.n_units,
                     per_seed,
+                    seeds,
                 )
             )
     return headline, per_s
@@ -543,13 +563,21 @@ def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
     s0 = data.s_values[0]
     out = []
 
-    def rows_of(arm: str, scope: str) -> list[np.ndarray]:
+    def rows_of(arm: str, scope: str, notes: list[str]) -> dict[int, np.ndarray]:
+        """{seed: rows (within, total, in the first third, in the last third)} of the tracks with a
+        checkpoint off the plateau; the others are left out, with a note."""
         within, total = ("within", "nds") if scope == "all" else ("within_layers", "nds_layers")
-        seeds = []
+        seeds = {}
         for t in data.track(arm, s0):
             third = t.steps / 3
             rows = t.off_plateau()
-            seeds.append(np.array([[r[within], r[total], r["step"] <= third, r["step"] > 2 * third] for r in rows]))
+            x = np.array(
+                [[r[within], r[total], r["step"] <= third, r["step"] > 2 * third] for r in rows], dtype=float
+            ).reshape(-1, 4)  # (0, 4) for a track wholly on the plateau, not (0,)
+            if len(x):
+                seeds[t.seed] = x
+            else:
+                notes.append(f"{arm} seed {t.seed}: every checkpoint on the unigram plateau, left out")
         return seeds
 
     def rho(rows: np.ndarray, col: int) -> float:
@@ -558,10 +586,11 @@ def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
         return float(rows[pick, 0].sum() / den) if pick.any() and den else float("nan")
 
     for scope in SCOPES:
-        groups = {arm: rows_of(arm, scope) for arm in ("muon", "adamw")}
+        notes: list[str] = []
+        groups = {arm: rows_of(arm, scope, notes) for arm in ("muon", "adamw")}
         if not all(groups[a] for a in groups):
             out += [
-                _entry(n, scope, None, [], "no trajectory at the first s")
+                _entry(n, scope, None, [], "; ".join(["no trajectory off the plateau at the first s", *notes]))
                 for n in (
                     "rho_within_muon_early",
                     "rho_within_muon_late",
@@ -574,20 +603,23 @@ def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
             ]
             continue
         for arm in ("muon", "adamw"):
-            per_seed = [{"seed": i, "early": rho(x, 2), "late": rho(x, 3)} for i, x in enumerate(groups[arm])]
+            per_seed = [{"seed": k, "early": rho(x, 2), "late": rho(x, 3)} for k, x in groups[arm].items()]
             g = {"x": groups[arm]}
-            out.append(
-                _entry(f"rho_within_{arm}_early", scope, st.estimate(g, lambda g: rho(g["x"], 2), n_boot), per_seed)
-            )
-            out.append(
-                _entry(f"rho_within_{arm}_late", scope, st.estimate(g, lambda g: rho(g["x"], 3), n_boot), per_seed)
-            )
+            note = "; ".join(n for n in notes if n.startswith(f"{arm} "))
+            early = st.estimate(g, lambda g: rho(g["x"], 2), n_boot)
+            out.append(_entry(f"rho_within_{arm}_early", scope, early, per_seed, note))
+            late = st.estimate(g, lambda g: rho(g["x"], 3), n_boot)
+            out.append(_entry(f"rho_within_{arm}_late", scope, late, per_seed, note))
             change = st.estimate(g, lambda g: rho(g["x"], 3) - rho(g["x"], 2), n_boot)
-            out.append(_entry(f"rho_within_{arm}_change", scope, change, per_seed))
-        gap = st.estimate(
-            groups, lambda g: rho(g["muon"], 3) - rho(g["muon"], 2) - rho(g["adamw"], 3) + rho(g["adamw"], 2), n_boot
-        )
-        out.append(_entry("rho_within_change_gap", scope, gap, []))
+            out.append(_entry(f"rho_within_{arm}_change", scope, change, per_seed, note))
+
+        def gap_of(g: Mapping[str, np.ndarray]) -> float:
+            return rho(g["muon"], 3) - rho(g["muon"], 2) - rho(g["adamw"], 3) + rho(g["adamw"], 2)
+
+        gap = st.estimate(groups, gap_of, n_boot)  # paired by seed id: the seeds both arms have
+        per_seed = [{"seed": k, "value": gap_of({a: groups[a][k] for a in groups})} for k in gap.seeds]
+        gap_note = "; ".join(n for n in [*notes, _unshared(groups, {})] if n)
+        out.append(_entry("rho_within_change_gap", scope, gap, per_seed, gap_note))
     return out
 
 
@@ -869,7 +901,9 @@ def _judge(
     """Every claim's entry: per-seed inference, Holm over the claims tested (3 seeds or more), verdicts."""
     inputs = [_claim_inputs(c, data, records) for c in claims]
     inferences = [None if isinstance(v, str) else _infer(c, v, confidence) for c, v in zip(claims, inputs)]
-    tested = [i for i, inf in enumerate(inferences) if inf is not None and inf.p is not None and inf.n_seeds >= 3]
+    tested = [
+        i for i, inf in enumerate(inferences) if inf is not None and inf.p is not None and inf.n_seeds >= st.MIN_SEEDS
+    ]
     adjusted = dict(zip(tested, st.holm([inferences[i].p for i in tested])))
     entries = []
     for i, (claim, values, inf) in enumerate(zip(claims, inputs, inferences)):

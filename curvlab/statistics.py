@@ -39,8 +39,8 @@ Verdicts (:func:`direction_verdict`, :func:`magnitude_verdict`):
   difference, how many-fold its magnitude is pinned down), and infinite when the interval touches or
   contains 0 (it cannot tell the paper's effect from none) or is unbounded.
 
-:func:`estimate` keeps its older interface for the descriptive tables: the statistic on all the data
-pooled, with a seed-level interval (seeds paired by index across groups).
+:func:`estimate` keeps its older interface for the descriptive tables: the statistic on the data of the
+seeds every group has, pooled, with a seed-level interval (seeds paired by seed id across groups).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ MIN_SEEDS = 3  # fewer seeds: no direction verdict (the entry is descriptive)
 MAGNITUDE_SPAN = 4.0  # an interval spanning more than x4 that contains the paper's number says little
 SUPPORTED, CONTRADICTED, INCONCLUSIVE, NO_CLAIM = "supported", "contradicted", "inconclusive", "no claim"
 DESCRIPTIVE = "descriptive"
-FEW_SEEDS = "descriptive: fewer than 3 seeds"
+FEW_SEEDS = f"descriptive: fewer than {MIN_SEEDS} seeds"
 NOT_MEASURED = "not measured"
 CONSISTENT, LARGER, SMALLER, UNINFORMATIVE = "consistent", "larger", "smaller", "uninformative"
 DIRECTIONS = ("greater", "less", "about")
@@ -73,7 +73,9 @@ DIFFERENCE_NOTE = (
     "numerator − denominator, not the ratio"
 )
 
-Groups = Mapping[str, Sequence[np.ndarray]]
+# a group's rows per seed: {seed: rows}, or a list (its positions are the seeds)
+SeedRows = Mapping[int, np.ndarray] | Sequence[np.ndarray]
+Groups = Mapping[str, SeedRows]
 Statistic = Callable[[Mapping[str, np.ndarray]], float]
 
 
@@ -281,9 +283,9 @@ def magnitude_verdict(ci: Sequence[float] | None, paper: float | None, n_seeds: 
 
 @dataclass(frozen=True)
 class Estimate:
-    """A statistic on all the data pooled, with its seed-level 95% interval (``None`` with fewer than
-    two seeds, a non-finite per-seed value, or a ratio whose denominator's sign is not settled), the
-    number of seeds (the smallest over groups) and of units (levels or checkpoints, summed)."""
+    """A statistic on the shared seeds' data pooled, with its seed-level 95% interval (``None`` with
+    fewer than two seeds, a non-finite per-seed value, or a ratio whose denominator's sign is not
+    settled), the number of seeds (those every group has) and of units (levels or checkpoints, summed)."""
 
     value: float
     ci95: tuple[float, float] | None
@@ -294,6 +296,7 @@ class Estimate:
     # the statistic is a ratio whose denominator's own t interval over seeds contains 0
     denominator_spans_zero: bool = False
     method: str = ""  # how the interval was made (LOG_T, FIELLER, MEAN_T), "" without one
+    seeds: tuple[int, ...] = ()  # the seeds it was computed from (those every group has rows for)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -301,12 +304,26 @@ class Estimate:
         return d
 
 
-def _check(groups: Groups) -> None:
+def by_seed(rows: SeedRows) -> dict[int, np.ndarray]:
+    """One group's rows keyed by seed (a list's positions are its seeds), seeds without rows left out."""
+    items = rows.items() if isinstance(rows, Mapping) else enumerate(rows)
+    return {k: np.atleast_2d(np.asarray(r, dtype=float)) for k, r in items if len(r)}
+
+
+def shared_seeds(groups: Groups) -> list[int]:
+    """The seeds (sorted) that every group has rows for: the only ones a paired statistic can use."""
+    keyed = [set(by_seed(v)) for v in groups.values()]
+    return sorted(set.intersection(*keyed)) if keyed else []
+
+
+def _check(groups: Groups) -> dict[str, dict[int, np.ndarray]]:
     if not groups:
         raise CurvlabError("no data to estimate from")
-    for name, seeds in groups.items():
-        if not seeds or not any(len(r) for r in seeds):
+    keyed = {name: by_seed(seeds) for name, seeds in groups.items()}
+    for name, seeds in keyed.items():
+        if not seeds:
             raise CurvlabError(f"group {name!r} has no data (no seed with a level or checkpoint)")
+    return keyed
 
 
 def _stack(rows: Sequence[np.ndarray]) -> np.ndarray:
@@ -321,46 +338,53 @@ def estimate(
     confidence: float = CONFIDENCE,
     denominator: Statistic | None = None,
 ) -> Estimate:
-    """The statistic on all the data pooled, and a seed-level interval for it.
+    """The statistic on the shared seeds' data pooled, and a seed-level interval for it.
 
-    The statistic is also evaluated on each seed alone (seed i of every group together: seeds are
-    paired by index, and a group's seeds beyond the smallest group's count enter the value only).
+    Only the seeds every group has rows for enter (:func:`shared_seeds`: seeds are paired by id, so a
+    seed missing from one group, or without rows there, is left out of every group, never replaced by
+    the next one). The statistic is also evaluated on each shared seed alone (that seed of every group).
     Without ``denominator`` the interval is the t interval of those per-seed values
     (:func:`mean_inference`); with it (the statistic is a ratio, ``denominator`` its denominator) it is
     :func:`ratio_inference` of (per-seed statistic x per-seed denominator, per-seed denominator), and
     no interval when the denominator's sign is not settled (``denominator_spans_zero``).
 
     Args:
-        groups: ``{group: [rows of seed 0, rows of seed 1, ...]}``, each an array ``(units, columns)``.
-            Seeds without rows are dropped.
+        groups: ``{group: {seed: rows}}`` (or ``{group: [rows of seed 0, rows of seed 1, ...]}``), each
+            rows an array ``(units, columns)``. Seeds without rows are dropped.
         statistic: ``{group: stacked rows} -> float``.
         n_boot, seed: unused (kept for callers of the former bootstrap).
         denominator: for a ratio, its denominator on the same data.
 
     Raises:
         CurvlabError: a group with no data at all.
+
+    No shared seed: the value is NaN (nothing is paired), with no interval.
     """
-    _check(groups)
-    data = {k: [np.atleast_2d(np.asarray(r, dtype=float)) for r in v if len(r)] for k, v in groups.items()}
-    value = float(statistic({k: _stack(v) for k, v in data.items()}))
-    n_seeds = min(len(v) for v in data.values())
+    keyed = _check(groups)
+    seeds = shared_seeds(keyed)
+    if not seeds:
+        return Estimate(float("nan"), None, 0, 0)
+    data = {k: [v[s] for s in seeds] for k, v in keyed.items()}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        value = float(statistic({k: _stack(v) for k, v in data.items()}))
+    n_seeds, ids = len(seeds), tuple(seeds)
     n_units = sum(len(r) for v in data.values() for r in v)
     if n_seeds < 2:
-        return Estimate(value, None, n_seeds, n_units)
+        return Estimate(value, None, n_seeds, n_units, seeds=ids)
     per_seed = [{k: v[i] for k, v in data.items()} for i in range(n_seeds)]
     with np.errstate(divide="ignore", invalid="ignore"):
         values = np.array([statistic(g) for g in per_seed], dtype=float)
         dens = np.array([denominator(g) for g in per_seed], dtype=float) if denominator is not None else None
     failed = int((~np.isfinite(values)).sum() + (0 if dens is None else (~np.isfinite(dens)).sum()))
     if failed:
-        return Estimate(value, None, n_seeds, n_units, 0, failed)
+        return Estimate(value, None, n_seeds, n_units, 0, failed, seeds=ids)
     if dens is None:
         inf = mean_inference(values, 0.0, confidence)
-        return Estimate(value, inf.ci95, n_seeds, n_units, method=MEAN_T)
+        return Estimate(value, inf.ci95, n_seeds, n_units, method=MEAN_T, seeds=ids)
     inf = ratio_inference(values * dens, dens, 1.0, confidence)
     if inf.method == DIFFERENCE_T:
-        return Estimate(value, None, n_seeds, n_units, denominator_spans_zero=True)
-    return Estimate(value, inf.ci95, n_seeds, n_units, method=inf.method)
+        return Estimate(value, None, n_seeds, n_units, denominator_spans_zero=True, seeds=ids)
+    return Estimate(value, inf.ci95, n_seeds, n_units, method=inf.method, seeds=ids)
 
 
 def ratio_of_means(rows: np.ndarray) -> float:
@@ -380,8 +404,9 @@ def median_ratio(rows: np.ndarray) -> float:
         return float(np.nanmedian(rows[:, 0] / rows[:, 1]))
 
 
-def ratio_estimates(seeds: Sequence[np.ndarray], n_boot: int = N_BOOT) -> dict[str, Estimate]:
-    """Both estimates of one ratio from the same (numerator, denominator) rows, one array per seed:
+def ratio_estimates(seeds: SeedRows, n_boot: int = N_BOOT) -> dict[str, Estimate]:
+    """Both estimates of one ratio from the same (numerator, denominator) rows, one array per seed
+    (``{seed: rows}``, or a list whose positions are the seeds):
     ``""`` the ratio of means (the paper's kind of average; its denominator checked for 0) and
     ``"_median"`` the median of the per-unit ratios, which one unit outside the quadratic regime (a
     loss spike, NDS of either sign and hundreds of times the usual size) cannot swing. No unit is

@@ -166,21 +166,13 @@ def test_values_at_or_below_zero_are_never_logged_or_dropped():
     assert len(inf.per_seed) == 4 and inf.per_seed[1] < 0
 
 
-def test_holm_against_a_hand_computation_and_statsmodels_when_installed():
+def test_holm_against_a_hand_computation():
     """p = (0.01, 0.04, 0.03, 0.005): sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03,
     0.06, 0.04, made monotone: 0.02, 0.03, 0.06, 0.06; in the input order 0.03, 0.06, 0.06, 0.02."""
     p = [0.01, 0.04, 0.03, 0.005]
     assert st.holm(p) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert st.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0]) and st.holm([]) == []
     assert st.holm([0.2]) == [0.2]
-    try:
-        from statsmodels.stats.multitest import multipletests  # optional: not a dependency
-    except ImportError:
-        multipletests = None
-    if multipletests is not None:
-        rng = np.random.default_rng(4)
-        q = rng.random(9) ** 3
-        assert st.holm(q) == pytest.approx(multipletests(q, method="holm")[1].tolist())
     with pytest.raises(ValueError, match="p-values"):
         st.holm([0.1, 1.5])
 
@@ -250,6 +242,30 @@ def test_estimate_pools_the_value_and_gives_a_seed_level_interval():
     ref = scipy_stats.ttest_1samp(np.log(per_seed), 0.0).confidence_interval(0.95)
     assert ratio[""].value == pytest.approx(12.0 / 5.0) and ratio[""].method == st.LOG_T
     assert ratio[""].ci95 == pytest.approx(tuple(np.exp(ref)))
+
+
+def test_estimate_pairs_seeds_by_id_and_uses_only_the_shared_ones():
+    """Group x lacks seed 1 (absent from a mapping, or without rows in a list): seeds 0, 2, 3 of both
+    groups are paired, x's seed 2 with base's seed 2 (not base's seed 1), against a t interval on the
+    per-seed ratios by hand; the pooled value is over those seeds alone."""
+    x = {0: np.array([[2.0], [4.0]]), 2: np.array([[9.0]]), 3: np.array([[8.0]])}
+    base = {0: np.array([[1.0]]), 1: np.array([[100.0]]), 2: np.array([[3.0]]), 3: np.array([[2.0]])}
+    per_seed = np.array([3.0 / 1.0, 9.0 / 3.0, 8.0 / 2.0])
+    ref = scipy_stats.ttest_1samp(per_seed, 0.0).confidence_interval(0.95)
+    stat = lambda g: st.mean(g["x"]) / st.mean(g["base"])  # noqa: E731
+    as_list = {"x": [x[0], np.empty((0, 1)), x[2], x[3]], "base": [base[k] for k in range(4)]}
+    for groups in ({"x": x, "base": base}, as_list):
+        est = st.estimate(groups, stat)
+        assert est.seeds == (0, 2, 3) and est.n_seeds == 3 and est.n_units == 4 + 3
+        assert est.value == pytest.approx((23.0 / 4.0) / 2.0)  # x rows 2, 4, 9, 8 over base rows 1, 3, 2
+        assert est.ci95 == pytest.approx(tuple(ref))
+    assert st.shared_seeds({"x": x, "base": base}) == [0, 2, 3]
+    # no seed in common: no value, no interval (nothing is paired)
+    none = st.estimate({"x": {0: x[0]}, "base": {1: base[1]}}, stat)
+    assert np.isnan(none.value) and none.ci95 is None and none.n_seeds == 0
+    # ratio_estimates (the fine-tuning summary's caller) takes either form too
+    rows = {3: np.array([[2.0, 1.0]]), 5: np.array([[6.0, 2.0]])}
+    assert st.ratio_estimates(rows)[""].seeds == (3, 5) and st.ratio_estimates(list(rows.values()))[""].seeds == (0, 1)
 
 
 def test_median_of_ratios_is_not_swung_by_one_extreme_unit():
