@@ -15,7 +15,7 @@ import torch
 from curvlab.data.dataset import generate_pcfg_dataset
 from curvlab.loss import token_cross_entropy
 from curvlab.models.gpt import GPT, get_config
-from curvlab.optim import build_optimizer
+from curvlab.optimizers import build_optimizer
 from curvlab.train import TrainConfig, build_run
 
 

@@ -30,7 +30,8 @@ from curvlab.monitor import (
     curvature_lightning_callback,
 )
 from curvlab.operator import Operator, hessian_operator, preconditioned_operator
-from curvlab.optim import build_optimizer, next_update, trainable_parameters
+from curvlab.optim import next_update, trainable_parameters
+from curvlab.optimizers import build_optimizer
 from curvlab.polar import msign
 from curvlab.roles import parameter_roles
 from curvlab.spectral import hutch_plus_plus, hutchinson, lanczos, spectral_density

@@ -35,7 +35,7 @@ from torch.distributed.tensor import distribute_tensor
 from curvlab.distributed import barrier, rank_and_world
 from curvlab.dtensors import require_process_group
 from curvlab.errors import CurvlabError
-from curvlab.optim import build_optimizer
+from curvlab.optimizers import build_optimizer
 from curvlab.train import Run, TrainConfig, build_run, lr_multiplier, restore
 
 FORMAT = "curvlab-dcp"

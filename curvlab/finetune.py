@@ -57,7 +57,7 @@ from curvlab.loss import make_loss_fn, token_cross_entropy
 from curvlab.match import match_runs
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
-from curvlab.optim import build_optimizer
+from curvlab.optimizers import build_optimizer
 from curvlab.progress import progress as progress_bar
 from curvlab.studies import RATIO_KEYS, load_typed
 from curvlab.train import (

@@ -1,6 +1,6 @@
 r"""Optimizers whose steps curvlab measures, and the side-effect-free next update of any optimizer.
 
-:func:`build_optimizer` gives one ``torch.optim.Optimizer`` per name:
+:func:`build_model_optimizer` gives one ``torch.optim.Optimizer`` per name:
 
 * ``"muon"``: :class:`Muon` (``torch.optim.Muon`` with more polar methods and scales) on the hidden
   matrices, ``torch.optim.AdamW`` on embeddings, head, norms and biases, as in modded-nanogpt
@@ -338,13 +338,15 @@ def default_muon_rule(model: nn.Module) -> Callable[[str, Tensor], bool]:
     return lambda name, p: roles.get(name) == "hidden"
 
 
-def build_optimizer(
+def build_model_optimizer(
     name: str,
     model: nn.Module,
     muon_rule: Callable[[str, Tensor], bool] | None = None,
     **hyperparameters: Any,
 ) -> torch.optim.Optimizer:
-    """One torch optimizer for ``model`` by name (``"muon"``, ``"adamw"``, ``"sgd"``, ``"lion"``).
+    """One torch optimizer for all of ``model``'s trainable parameters by name (``"muon"``, ``"adamw"``,
+    ``"sgd"``, ``"lion"``); :func:`curvlab.optimizers.build_optimizer` dispatches here and to the LoRA
+    optimizers.
 
     Defaults (docs/science.md sections 4-5): Muon lr 0.02, momentum 0.95, Nesterov, 5 Newton–Schulz
     steps, weight decay 0, with its AdamW side at lr 0.0036 and betas (0.9, 0.95); AdamW lr 0.0018,
@@ -358,18 +360,11 @@ def build_optimizer(
     out x (in * prod k) (see :class:`Muon`); Hugging Face ``Conv1D`` weights go in a group marked
     ``transposed``, so that Muon's shape scale reads them as (out, in).
 
-    ``"smuon"``, ``"lora-muon"`` and ``"per-factor-muon"`` train the factors of a peft LoRA model
-    (:func:`curvlab.lora.build_lora_optimizer`); ``"adamw"`` on such a model is their baseline.
-
     Raises:
         CurvlabError: an unknown name or option, or a model with no 2-D weights for Muon.
     """
     if name in LORA_OPTIMIZERS:
-        from curvlab.lora import build_lora_optimizer  # imported here: curvlab.lora builds on this module
-
-        if muon_rule is not None:
-            raise CurvlabError(f"muon_rule applies to muon only, not to {name}")
-        return build_lora_optimizer(name, model, **hyperparameters)
+        raise CurvlabError(f"{name} trains LoRA factors: build it with curvlab.build_optimizer")
     named = _named_trainable(model)
     if not named:
         raise CurvlabError("the model has no trainable parameters")

@@ -19,6 +19,7 @@ import numpy as np
 
 from curvlab.atomic import atomic_write_with
 from curvlab.paper import CLAIMS
+from curvlab.studies import RATIO_KEYS, pair_reports, within_layer_gap
 
 COLORS = {
     "muon": "tab:blue",
@@ -382,7 +383,6 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
 def reproduction_figures(data, summary, tuning: dict[str, Any], quadratic: dict[str, Any], out: str | Path):
     """Every figure of a reproduction, from its per-level data (:class:`curvlab.results.LevelData`),
     summary, tuning and quadratic results; returns ``{figure family: paths}``."""
-    from curvlab.studies import pair_reports, within_layer_gap
 
     out = Path(out)
     s0 = data.s_values[0]
@@ -413,7 +413,6 @@ def finetune_ratios(result, stem: str | Path) -> list[Path]:
     """The fine-tuning comparison (:class:`curvlab.finetune.FinetuneResult`): left, AdamW over each
     Muon variant of NDS, I1 and I2 at matched validation loss, with 95% seed-level intervals as bars;
     right, each level's NDS of both sides against the matched loss (one marker per seed)."""
-    from curvlab.finetune import RATIO_KEYS
 
     keys = [k for k in RATIO_KEYS if k != "update_norm"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))

@@ -32,7 +32,7 @@ Overrides ``{name or glob: role}`` settle what structure can't (a head registere
 say), and reverse any of the rules above: ``parameter_roles(model, {"*.ia3_l.*": "hidden"})``, then
 ``build_optimizer("muon", model, muon_rule=lambda n, p: roles[n] == "hidden")`` and
 ``taylor_split(..., subset=[n for n, r in roles.items() if r == "hidden"])``. The roles drive Muon's
-parameter split (:func:`~curvlab.optim.build_optimizer`), the hidden subset of
+parameter split (:func:`~curvlab.optimizers.build_optimizer`), the hidden subset of
 :func:`~curvlab.curvature.taylor_split` and the ``"layer"``/``"kind"`` groupings of :mod:`curvlab.blocks`.
 """
 

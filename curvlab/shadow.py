@@ -26,7 +26,7 @@ W, which pairs with the real step (:mod:`curvlab.directions`):
       \hat m = m / (1-\beta_1^t),\ \sqrt{\hat v} = \sqrt{v} / (1-\beta_2^t)^{1/2}.
 
 The learning rate :math:`\eta` of a shadow step is a peak lr (``ShadowSettings.lr``: by default the
-other arm's default, Muon 0.02 and AdamW 0.0018 as :func:`curvlab.optim.build_optimizer` has them; the
+other arm's default, Muon 0.02 and AdamW 0.0018 as :func:`curvlab.optim.build_model_optimizer` has them; the
 reproduction passes the other arm's chosen lr) times the run's current schedule multiplier. NDS and
 the cosine on the hidden matrices don't depend on it; ||Z|| does, and so does
 everything over all parameters, where the shadow's step on the hidden matrices is joined to the run's
@@ -60,13 +60,13 @@ SHADOW_OF = {"adamw": "muon", "muon": "adamw"}  # the run's optimizer -> the arm
 _MUON_FIELDS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_eps")
 _MUON_FIELDS += ("polar", "polar_dtype", "scale")
 _ADAM_FIELDS = ("lr", "weight_decay", "betas", "eps")
-DEFAULT_LR = {"muon": 0.02, "adamw": 0.0018}  # the arms' defaults in curvlab.optim.build_optimizer
+DEFAULT_LR = {"muon": 0.02, "adamw": 0.0018}  # the arms' defaults in curvlab.optim.build_model_optimizer
 
 
 @dataclass(frozen=True)
 class ShadowSettings:
     """The shadow arm's hyperparameters (defaults: the other arm's defaults in
-    :func:`curvlab.optim.build_optimizer`). ``kind`` is ``"muon"`` or ``"adamw"``; the fields of the
+    :func:`curvlab.optim.build_model_optimizer`). ``kind`` is ``"muon"`` or ``"adamw"``; the fields of the
     other kind are unused."""
 
     kind: str

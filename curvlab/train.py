@@ -27,7 +27,7 @@ from curvlab.errors import CurvlabError
 from curvlab.loss import count_loss_terms, token_cross_entropy
 from curvlab.models.gpt import GPT, get_config
 from curvlab.monitor import MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
-from curvlab.optim import build_optimizer
+from curvlab.optimizers import build_optimizer
 from curvlab.progress import progress as progress_bar
 from curvlab.shadow import ShadowState, build_shadow
 

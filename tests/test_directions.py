@@ -23,7 +23,8 @@ from curvlab.directions import (
 from curvlab.errors import CurvlabError
 from curvlab.hvp import CurvaturePoint
 from curvlab.loss import make_loss_fn
-from curvlab.optim import build_optimizer, next_update
+from curvlab.optim import next_update
+from curvlab.optimizers import build_optimizer
 from curvlab.shadow import ShadowSettings, ShadowState
 from curvlab.studies import checkpoint_scalars, compare_runs
 from curvlab.train import TrainConfig, train

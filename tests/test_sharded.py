@@ -32,7 +32,8 @@ from curvlab.finite_difference import finite_difference_hvp
 from curvlab.hvp import CurvaturePoint
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.operator import hessian_operator
-from curvlab.optim import build_optimizer, next_update
+from curvlab.optim import next_update
+from curvlab.optimizers import build_optimizer
 from curvlab.sharded_analysis import open_sharded_checkpoint
 from curvlab.sharded_spectral import random_direction as sharded_random_direction
 from curvlab.sharded_spectral import sharded_hutchinson, sharded_lanczos
