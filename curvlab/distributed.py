@@ -95,6 +95,15 @@ def device_for_rank(requested: str = "auto") -> str:
     return requested
 
 
+def from_main(obj: T) -> T:
+    """Rank 0's ``obj`` on every rank (a picklable object; ``obj`` itself in one process)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     """Wait for every rank (no-op in one process)."""
     if is_distributed():

@@ -24,6 +24,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from curvlab import block_matrix, hvp, make_loss_fn, nds, quadratic_forms, taylor_split
 from curvlab import params as P
+from curvlab.analysis import AnalysisSettings
 from curvlab.checkpoint import load_checkpoint, read_index
 from curvlab.dcp import convert_to_sharded
 from curvlab.dtensors import full, shard_like
@@ -38,6 +39,7 @@ from curvlab.sharded_spectral import random_direction as sharded_random_directio
 from curvlab.sharded_spectral import sharded_hutchinson, sharded_lanczos
 from curvlab.sharded_train import train_sharded
 from curvlab.spectral import lanczos
+from curvlab.studies import compare_runs, track_run
 from curvlab.train import TrainConfig, train
 from tests.conftest import SMALL_MODEL, random_direction
 
@@ -170,7 +172,7 @@ def _close(a, b, what):
         scale = b.abs().max()
         assert float((a - b).abs().max()) <= REL * float(scale), what
     elif isinstance(a, float):
-        assert a == pytest.approx(b, rel=REL, abs=1e-14), what
+        assert a == pytest.approx(b, rel=REL, abs=1e-14, nan_ok=True), what  # (a NaN where both have one)
     else:
         assert a == b, what
 
@@ -403,3 +405,65 @@ def test_fsdp_training_equals_one_process_and_resumes_exactly(pcfg_data, tmp_pat
         assert (diff > 1e-6 + 1e-4 * tensor.abs()).float().mean() <= 1e-2, name
         assert diff.max() <= 1e-4, name
     assert saved["val"] == pytest.approx(one.val_loss, rel=1e-5)
+
+
+def _convert_run_worker(rank, tmp, world, runs):
+    """Every checkpoint of each unsharded run as a sharded one, in a sharded run directory beside it."""
+    _init(rank, tmp, world)
+    for run in runs:
+        for entry in read_index(run):
+            convert_to_sharded(load_checkpoint(Path(run, entry["path"])), Path(f"{run}-dcp", Path(entry["path"]).stem))
+    _leave()
+
+
+def _without_paths(study: dict) -> dict:
+    """A compare.json or track.json without what names files (the runs, the cached reports)."""
+    study = json.loads(json.dumps(study))
+    study.pop("runs", None), study.pop("run", None)
+    for level in study.get("pairs", []):
+        level["a"].pop("reports"), level["b"].pop("reports")
+    return study
+
+
+def test_compare_and_track_on_sharded_runs_under_torchrun_equal_the_unsharded_ones(pcfg_data, tmp_path):
+    runs = {}
+    for optimizer in ("adamw", "muon"):  # two tiny runs, then each as a sharded (DCP) run directory
+        run = tmp_path / optimizer
+        train(_train_config(pcfg_data, run, optimizer), progress=False)
+        runs[optimizer] = run
+    _spawn(_convert_run_worker, tmp_path, 2, [str(r) for r in runs.values()])
+    for run in runs.values():
+        sharded = Path(f"{run}-dcp")
+        (sharded / "config.json").write_text((run / "config.json").read_text())
+        index = [{**e, "path": Path(e["path"]).stem} for e in read_index(run)]
+        (sharded / "index.json").write_text(json.dumps(index))
+    a, b = (str(runs[o]) for o in ("adamw", "muon"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "curvlab"]
+    options = ["--dtype", "float64", "--batches", "2", "--device", "cpu", "--quiet", "--fsdp"]
+    studies = (
+        ["compare", f"{a}-dcp", f"{b}-dcp", "--levels", "2", "--tolerance", "1", "--phase", "any"],
+        ["track", f"{b}-dcp"],
+    )
+    for study in studies:  # one output directory: track finds the report of compare's Muon checkpoint cached
+        r = subprocess.run(
+            [*cmd, *study, "--out", str(tmp_path / "sharded"), *options],
+            capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.count("wrote") == 1  # rank 0 alone reports (and writes)
+    # the same studies on the unsharded runs, in this process
+    settings = AnalysisSettings(dtype="float64", batches=2)
+    compared = compare_runs(a, b, tmp_path / "one", 2, 1.0, settings, progress=False, phase="any")
+    tracked = track_run(b, tmp_path / "one", settings=settings, progress=False)
+    assert len(compared.levels) == 1 and [r["step"] for r in tracked] == [2, 4]
+    assert compared.levels[0].b.step in (2, 4)
+    assert all(np.isfinite(r[k]) and r[k] != 0 for r in tracked for k in ("nds", "within", "cross", "update_norm"))
+    for name in ("compare", "track"):
+        got = json.loads((tmp_path / "sharded" / f"{name}.json").read_text())
+        want = json.loads((tmp_path / "one" / f"{name}.json").read_text())
+        assert got.get("runs", [got.get("run")])[-1] == f"{b}-dcp"
+        _close(_without_paths(got), _without_paths(want), name)
+    # rank 0 cached each sharded report once (the Muon one compare made served track), under the unsharded key
+    cached = list((tmp_path / "sharded" / "reports").glob("*.json"))
+    assert len(cached) == 3 and all(settings.key() in p.name for p in cached)
