@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from curvlab.analysis import AnalysisSettings, analyze_checkpoint, cached_report, load_report, report_cache_path
+from curvlab.analysis import AnalysisSettings, cached_report, load_report, report_cache_path
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
 from curvlab.directions import PAIRED, SCOPES, DirectionLandscape, PairedDirections
@@ -362,9 +362,10 @@ def load_comparison(path: str | Path) -> Comparison:
     return load_typed(path, Comparison.from_dict, "comparison")
 
 
-def _analyzer(fsdp: bool) -> Callable:
-    """The analysis of one checkpoint: sharded (a DCP directory, every rank under torchrun) or not."""
-    return analyze_sharded_checkpoint if fsdp else analyze_checkpoint
+def _analyzer(fsdp: bool) -> Callable | None:
+    """The analysis of one checkpoint: sharded (a DCP directory, every rank under torchrun), or
+    ``None`` for :func:`~curvlab.analysis.cached_report`'s own (the unsharded one)."""
+    return analyze_sharded_checkpoint if fsdp else None
 
 
 def _window_side(
