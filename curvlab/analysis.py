@@ -41,6 +41,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,9 @@ import torch
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import check_device, read_checkpoint
 from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split, taylor_split_and_block_matrix
+from curvlab.dcp import META as SHARDED_META
 from curvlab.directions import PAIRED, PairedDirections, directions_table, paired_directions, parse_directions
-from curvlab.distributed import is_main
+from curvlab.distributed import from_main, is_distributed, is_main
 from curvlab.errors import CurvlabError
 from curvlab.hvp import DEFAULT_METHOD, check_method
 from curvlab.loss import ModuleLoss, make_loss_fn
@@ -506,23 +508,43 @@ def load_report(path: str | Path) -> dict[str, Any]:
 
 def report_cache_path(cache_dir: str | Path, checkpoint: str | Path, settings: AnalysisSettings) -> Path:
     """Where the report of ``checkpoint`` under ``settings`` is cached: the name hashes the settings
-    and the checkpoint file's identity (path, size, modification time)."""
+    and the checkpoint file's identity (path, size, modification time; of a sharded checkpoint
+    directory, those of its ``curvlab.pt``, which its writer puts last).
+
+    A sharded analysis of a checkpoint gives the same report as the unsharded one (to rounding), so
+    the key doesn't say which of the two made it."""
     checkpoint = Path(checkpoint).resolve()
-    stat = checkpoint.stat() if checkpoint.is_file() else None
+    stamped = checkpoint / SHARDED_META if (checkpoint / SHARDED_META).is_file() else checkpoint
+    stat = stamped.stat() if stamped.is_file() else None
     ident = f"{checkpoint}:{stat.st_size if stat else 0}:{stat.st_mtime_ns if stat else 0}"
     digest = hashlib.sha256(ident.encode()).hexdigest()[:8]
     return Path(cache_dir) / f"{checkpoint.parent.name}-{checkpoint.stem}-{settings.key()}-{digest}.json"
 
 
 def cached_report(
-    cache_dir: str | Path, checkpoint: str | Path, settings: AnalysisSettings, data=None, device="cpu"
+    cache_dir: str | Path,
+    checkpoint: str | Path,
+    settings: AnalysisSettings,
+    data=None,
+    device="cpu",
+    analyze_fn: Callable[..., CurvatureReport] | None = None,
 ) -> dict[str, Any]:
     """The report of ``checkpoint`` under ``settings``: read from ``cache_dir`` when it was made
-    before, else computed and saved there (see :func:`report_cache_path`)."""
+    before, else computed by ``analyze_fn`` (default :func:`analyze_checkpoint`; the sharded
+    analysis passes its own) and saved there (see :func:`report_cache_path`).
+
+    Under torch.distributed rank 0 decides whether the report is cached and hands the cached one to
+    the others: every rank then analyses, or none does (a rank that saw rank 0's fresh file while
+    another didn't would leave it alone in the analysis's collectives)."""
+    analyze_fn = analyze_fn or analyze_checkpoint
     path = report_cache_path(cache_dir, checkpoint, settings)
-    if path.is_file():
+    if is_distributed():
+        cached = from_main(load_report(path) if is_main() and path.is_file() else None)
+        if cached is not None:
+            return cached
+    elif path.is_file():
         return load_report(path)
-    report = analyze_checkpoint(Path(checkpoint).resolve(), settings, data, device)
+    report = analyze_fn(Path(checkpoint).resolve(), settings, data, device)
     if is_main():  # under torch.distributed every rank computed it; one writes it
         report.save(path)
     return report.to_dict()

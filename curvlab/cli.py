@@ -369,15 +369,21 @@ def compare(
     hvp_method: str = typer.Option("rev_rev", help=HVP_METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
     quiet: bool = typer.Option(False, help="No progress bar."),
+    fsdp: bool = typer.Option(
+        False, "--fsdp", help="The runs' checkpoints are sharded (DCP, train --fsdp): analyse them sharded (torchrun)."
+    ),
 ) -> None:
-    """Compare two runs at matched validation loss: NDS, first-order gain, curvature penalty, update norm."""
+    """Compare two runs at matched validation loss: NDS, first-order gain, curvature penalty, update norm.
+
+    With --fsdp, under torchrun on as many ranks as wrote the checkpoints, each is analysed sharded.
+    """
     from curvlab.studies import RATIO_KEYS, compare_runs
 
     settings = _settings(blocks, batch, batches, dtype, "hvp", hvp_method)
     check_output(out, directory=True)
     with distributed_context() as (rank, _):
         result = compare_runs(
-            run_a, run_b, out, levels, tolerance, settings, device, not quiet and rank == 0, phase, window
+            run_a, run_b, out, levels, tolerance, settings, device, not quiet and rank == 0, phase, window, fsdp=fsdp
         )
     if rank != 0:
         return
@@ -409,19 +415,29 @@ def track(
         help="monitor: draw the rows `train --curvature-every` recorded (no checkpoint needed, nothing "
         "recomputed); checkpoints: analyse the checkpoints; auto: monitor rows when the run has any.",
     ),
+    fsdp: bool = typer.Option(
+        False, "--fsdp", help="The run's checkpoints are sharded (DCP, train --fsdp): analyse them sharded (torchrun)."
+    ),
 ) -> None:
-    """Curvature along a run's trajectory: NDS, within- and cross-layer NDS, rho_within (and λ_max)."""
+    """Curvature along a run's trajectory: NDS, within- and cross-layer NDS, rho_within (and λ_max).
+
+    With --fsdp, under torchrun on as many ranks as wrote the checkpoints, each is analysed sharded.
+    """
     from curvlab.analysis import AnalysisSettings
     from curvlab.studies import track_run, track_source
 
     out = out or run / "track"
     check_output(out, directory=True)
+    if fsdp and spectrum:
+        raise CurvlabError(
+            "--spectrum is not available with --fsdp yet (from Python: curvlab.sharded_spectral.sharded_lanczos)"
+        )
     if track_source(run, source) == "monitor":
         _track_monitor(run, out, every)
         return
     settings = AnalysisSettings(blocks, batch, batches, dtype, "hvp", hvp_method, spectrum_top=spectrum)
     with distributed_context() as (rank, _):
-        rows = track_run(run, out, every, settings, device, progress=not quiet and rank == 0)
+        rows = track_run(run, out, every, settings, device, progress=not quiet and rank == 0, fsdp=fsdp)
     if rank != 0:
         return
     keys = ("step", "val_loss", "nds", "within", "cross", "rho_within", "update_norm")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -50,6 +51,7 @@ def distributed_context(timeout_s: float | None = None) -> Iterator[tuple[int, i
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     try:
+        watch_ranks()
         yield dist.get_rank(), dist.get_world_size()
         dist.barrier()  # on success, leave together: gloo aborts a rank whose peer tore down first
     finally:
@@ -95,7 +97,80 @@ def device_for_rank(requested: str = "auto") -> str:
     return requested
 
 
+def from_main(obj: T) -> T:
+    """Rank 0's ``obj`` on every rank (a picklable object; ``obj`` itself in one process)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     """Wait for every rank (no-op in one process)."""
     if is_distributed():
         dist.barrier()
+
+
+# the roll-call group of the default process group: (default group, gloo group, its timeout in seconds)
+_ROLL_CALL: tuple[Any, Any, float] | None = None
+_ROLL_CALL_TAG = 0x6C6C  # (point-to-point messages of the roll call, apart from everything else)
+
+
+def _group_timeout() -> float:
+    """The default process group's timeout, in seconds."""
+    try:  # (no public accessor: the CPU backend's options hold it; NCCL-only groups have none)
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return float(os.environ.get("CURVLAB_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def watch_ranks() -> None:
+    """Set up the roll call that :func:`unanswered_ranks` takes after a collective failed: a gloo group
+    over all ranks, apart from the default group (whose state a failed collective leaves broken), with
+    its timeout. Every rank calls it, at the same point (it creates a group); once per process group.
+    :func:`distributed_context` calls it, and so does the sharded curvature's first call."""
+    global _ROLL_CALL
+    if not is_distributed() or (_ROLL_CALL is not None and _ROLL_CALL[0] is dist.group.WORLD):
+        return
+    timeout = _group_timeout()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    _ROLL_CALL = (dist.group.WORLD, group, timeout)
+
+
+def unanswered_ranks() -> list[int] | None:
+    r"""After a collective failed on this rank: the ranks that died or stalled, by a roll call.
+
+    Each rank that gets here sends its number to every other rank, point to point on the roll-call
+    group, and waits for theirs; a rank that died answers at once with a closed connection, one that
+    stalls (or hangs in a collective of its own) doesn't answer in time. The wait is the process
+    group's timeout and a quarter: a surviving rank that hangs in the failed collective leaves it
+    within one timeout of this rank's failure and answers then. So every surviving rank names the
+    same ranks, within twice the timeout of the failure, whichever rank died (``torch.distributed``'s
+    ``monitored_barrier`` names the missing ranks on rank 0 alone: the others hear only that rank 0
+    didn't answer them). ``None`` where no roll call was set up (:func:`watch_ranks`).
+    """
+    if _ROLL_CALL is None or _ROLL_CALL[0] is not dist.group.WORLD:
+        return None
+    _, group, timeout = _ROLL_CALL
+    rank, world = rank_and_world()
+    peers = [q for q in range(world) if q != rank]
+    sends, recvs, missing = [], {}, set()
+    for q in peers:  # (posting to a peer whose process is gone fails at once)
+        try:
+            sends.append(dist.isend(torch.tensor([rank]), q, group=group, tag=_ROLL_CALL_TAG))
+            recvs[q] = (dist.irecv(buf := torch.tensor([-1]), q, group=group, tag=_ROLL_CALL_TAG), buf)
+        except RuntimeError:
+            missing.add(q)
+    deadline = time.monotonic() + 1.25 * timeout
+    for q, (work, buf) in recvs.items():
+        try:
+            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+            if int(buf) != q:
+                missing.add(q)
+        except RuntimeError:
+            missing.add(q)
+    for work in sends:  # (a send to a rank that didn't answer may fail too: it is counted already)
+        with contextlib.suppress(RuntimeError):
+            work.wait(datetime.timedelta(seconds=0.01))
+    return sorted(missing)

@@ -60,17 +60,23 @@ def working_dtype(params: Mapping[str, Tensor], dtype: torch.dtype | None = None
     return torch.float64 if any(p.dtype == torch.float64 for p in params.values()) else torch.float32
 
 
-def shared_batches(batch: Any, loss_fn: Any = None) -> tuple[list[tuple[Any, float]], bool]:
+def shared_batches(batch: Any, loss_fn: Any = None, even: bool = False) -> tuple[list[tuple[Any, float]], bool]:
     """This process's ``(batch, weight)`` pairs and whether results must be summed across ranks.
 
     Weights are normalized over *all* batches (every rank knows them all), so under torch.distributed
     each rank takes its share and the token-weighted sums are all-reduced: exactly the one-process
     result. With fewer batches than ranks, every rank computes everything and nothing is reduced.
+    ``even``: every rank gets as many pairs (a short share is filled up with one of its batches at
+    weight 0), as sharded parameters need: each forward all-gathers them, so every rank must run as
+    many forwards and backwards as the others.
     """
     pairs = weighted_batches(batch, loss_fn)
     world = rank_and_world()[1]
     if world > 1 and len(pairs) >= world:
-        return my_share(pairs), True
+        share = my_share(pairs)
+        if even:
+            share += [(pairs[0][0], 0.0)] * (-(-len(pairs) // world) - len(share))
+        return share, True
     return pairs, False
 
 
@@ -158,9 +164,9 @@ class CurvaturePoint:
         self.params = P.cast(params, self.dtype)
         if not self.params:
             raise CurvlabError("no parameters given")
-        self._pairs, self._reduce = shared_batches(batch, loss_fn)
         # sharded (DTensor) parameters: the loss runs on gathered ones, and results stay sharded (curvlab.sharded)
         self.sharded = S.is_sharded(self.params)
+        self._pairs, self._reduce = shared_batches(batch, loss_fn, even=self.sharded)
         self.loss_fn = S.gathering_loss(loss_fn, self.params, partial=self._reduce)
         self._graphs: list[_Graph] | None = None
         self._loss: float | None = None

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from curvlab.distributed import all_reduce_sum, rank_and_world
+from curvlab.distributed import all_reduce_sum, rank_and_world, unanswered_ranks, watch_ranks
 from curvlab.dtensors import any_dtensor, require_process_group
 from curvlab.errors import CurvlabError
 
@@ -144,6 +144,7 @@ def gathering_loss(loss_fn: Any, params: Mapping[str, Tensor], partial: bool) ->
     if not is_sharded(params):
         return loss_fn
     check_process_group(params)
+    watch_ranks()  # (every rank is here together: the roll call that names a rank that dies later)
     inner = loss_fn.inner if isinstance(loss_fn, GatheringLoss) else loss_fn
     return GatheringLoss(inner, partial)
 
@@ -164,7 +165,9 @@ _COLLECTIVE_FAILURES = ("timed out", "timeout", "connection closed", "connection
 def names_rank_on_collective_failure(method: Callable) -> Callable:
     """Decorate a method of an object with a ``sharded`` flag: when sharded, a collective that fails
     because another rank died or stalled past the process group's timeout becomes a one-line
-    :class:`CurvlabError` naming this rank (the cause stays chained); anything else passes through."""
+    :class:`CurvlabError` naming the rank(s) that died or stalled, found by a roll call of the ranks
+    (:func:`curvlab.distributed.unanswered_ranks`; the cause stays chained); anything else passes
+    through."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -177,9 +180,19 @@ def names_rank_on_collective_failure(method: Callable) -> Callable:
             if isinstance(e, CurvlabError) or not any(k in first.lower() for k in _COLLECTIVE_FAILURES):
                 raise
             rank, world = rank_and_world()
-            raise CurvlabError(
-                f"rank {rank} of {world}: a collective of {method.__name__} failed: another rank died or stalled "
-                f"past the process group's timeout ({first})"
-            ) from e
+            missing = unanswered_ranks()
+            if missing:
+                who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {world}"
+                raise CurvlabError(
+                    f"{who} died or stalled during {method.__name__}: a collective failed on rank {rank} and "
+                    f"{'they' if len(missing) > 1 else 'it'} did not answer its roll call within the process "
+                    f"group's timeout ({first})"
+                ) from e
+            if missing == []:
+                why = "every rank answered a roll call after it (a stall that ended, or collectives out of step)"
+            else:
+                why = "another rank died or stalled past the process group's timeout (no roll call: watch_ranks)"
+            message = f"rank {rank} of {world}: a collective of {method.__name__} failed: {why} ({first})"
+            raise CurvlabError(message) from e
 
     return wrapper

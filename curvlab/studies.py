@@ -31,6 +31,7 @@ from curvlab.errors import CurvlabError
 from curvlab.match import Checkpoint, NoMatchedLevel, match_runs, run_checkpoints
 from curvlab.monitor import ROW_KIND, MonitorRow
 from curvlab.progress import progress as progress_bar
+from curvlab.sharded_analysis import analyze_sharded_checkpoint
 
 COMPARE_SCHEMA_VERSION = 2  # 2: window means per level, plateau flags, schedule per side, no Taylor filter
 RATIO_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm")
@@ -361,8 +362,16 @@ def load_comparison(path: str | Path) -> Comparison:
     return load_typed(path, Comparison.from_dict, "comparison")
 
 
-def _window_side(window: Sequence[Checkpoint], centre_step: int, cache: Path, settings, device) -> WindowSide:
-    reports = [cached_report(cache, c.path, settings, device=device) for c in window]
+def _analyzer(fsdp: bool) -> Callable | None:
+    """The analysis of one checkpoint: sharded (a DCP directory, every rank under torchrun), or
+    ``None`` for :func:`~curvlab.analysis.cached_report`'s own (the unsharded one)."""
+    return analyze_sharded_checkpoint if fsdp else None
+
+
+def _window_side(
+    window: Sequence[Checkpoint], centre_step: int, cache: Path, settings, device, fsdp: bool = False
+) -> WindowSide:
+    reports = [cached_report(cache, c.path, settings, device=device, analyze_fn=_analyzer(fsdp)) for c in window]
     centre = next(c for c in window if c.step == centre_step)
     paths = [str(report_cache_path(cache, c.path, settings)) for c in window]
     return WindowSide(
@@ -389,6 +398,7 @@ def compare_runs(
     window: int = 0,
     plateau_ceiling: float | None = None,
     cache: str | Path | None = None,
+    fsdp: bool = False,
 ) -> Comparison:
     """Analyse every matched level of two runs (each side averaged over its window of ``2 window + 1``
     checkpoints at most); write ``compare.json`` and ``compare.csv`` to ``out``.
@@ -399,6 +409,9 @@ def compare_runs(
             :func:`curvlab.match.plateau_ceiling`): flagged, and left out of the aggregates.
         cache: where reports are cached (default ``out/reports``); share one between studies to
             analyse a checkpoint once.
+        fsdp: the runs' checkpoints are sharded (DCP directories, ``curvlab train --fsdp``): every
+            rank under torchrun analyses each one sharded (:mod:`curvlab.sharded_analysis`); the
+            reports equal the unsharded ones, rank 0 writes the outputs.
 
     Raises:
         CurvlabError: bad runs (see :func:`curvlab.match.match_runs`), or no level within tolerance.
@@ -420,8 +433,8 @@ def compare_runs(
         raise NoMatchedLevel("no matched pair within tolerance: " + "; ".join(matching.refused))
     result_levels = []
     for pair in progress_bar(matching.pairs, desc="compare", disable=not progress):
-        a = _window_side(pair.window_a, pair.step_a, cache, settings, device)
-        b = _window_side(pair.window_b, pair.step_b, cache, settings, device)
+        a = _window_side(pair.window_a, pair.step_a, cache, settings, device, fsdp)
+        b = _window_side(pair.window_b, pair.step_b, cache, settings, device, fsdp)
         result_levels.append(Level(pair.target, pair.mismatch, pair.on_plateau, a, b))
     names = (result_levels[0].a.optimizer, result_levels[0].b.optimizer)
     label = "adamw/muon" if set(names) == {"muon", "adamw"} else f"B/A ({names[1]}/{names[0]})"
@@ -452,11 +465,13 @@ def track_run(
     plateau_ceiling: float | None = None,
     cache: str | Path | None = None,
     steps: Sequence[int] | None = None,
+    fsdp: bool = False,
 ) -> list[dict[str, Any]]:
     """Analyse every ``every``-th checkpoint of a run (step 0 excluded: there is no trajectory yet),
     or those at ``steps``; write ``track.json`` and ``track.csv`` to ``out``. Returns the
     per-checkpoint scalars, with the schedule (multiplier, phase) of each step and whether it sits on
-    the unigram plateau (at or above ``plateau_ceiling``)."""
+    the unigram plateau (at or above ``plateau_ceiling``). ``fsdp``: sharded checkpoints, analysed
+    sharded on every rank (as in :func:`compare_runs`)."""
     settings = settings or AnalysisSettings()
     settings.validate()
     if every < 1:
@@ -475,7 +490,7 @@ def track_run(
     ceiling = plateau_ceiling
     rows = []
     for c in progress_bar(checkpoints, desc=f"track {run.name}", disable=not progress):
-        report = cached_report(cache, c.path, settings, device=device)
+        report = cached_report(cache, c.path, settings, device=device, analyze_fn=_analyzer(fsdp))
         row = {
             **checkpoint_scalars(report),
             "optimizer": report["optimizer"],
