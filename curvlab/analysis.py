@@ -66,7 +66,6 @@ REPORT_SCHEMA_VERSION = 3  # 2: blocks.nds is the total NDS, blocks.block_nds ea
 DIRECTIONS_SCHEMA_VERSION = 1
 BATCHES = ("train", "val")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-SCALAR_KEYS = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "grad_norm", "cosine")
 
 
 @dataclass(frozen=True)

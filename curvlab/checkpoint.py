@@ -224,9 +224,3 @@ def add_to_index(run_dir: str | Path, step: int, val_loss: float, name: str) -> 
     entries = [e for e in read_index(run_dir) if e["step"] != step]
     entries.append({"step": step, "val_loss": None if math.isnan(val_loss) else val_loss, "path": name})
     atomic_write_text(Path(run_dir) / INDEX, json.dumps(sorted(entries, key=lambda e: e["step"]), indent=1))
-
-
-def truncate_index(run_dir: str | Path, last_step: int) -> None:
-    """Drop index entries after ``last_step`` (their checkpoints are about to be rewritten)."""
-    entries = [e for e in read_index(run_dir) if e["step"] <= last_step]
-    atomic_write_text(Path(run_dir) / INDEX, json.dumps(entries, indent=1))

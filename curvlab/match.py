@@ -155,11 +155,6 @@ def run_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     return out
 
 
-def run_losses(run_dir: str | Path) -> list[tuple[int, float, str]]:
-    """``(step, val_loss, checkpoint path)`` of every checkpoint of a run with a validation loss."""
-    return [(c.step, c.val_loss, c.path) for c in run_checkpoints(run_dir)]
-
-
 def in_phase(checkpoints: list[Checkpoint], phase: str, run: str | Path, min_step: int = 1) -> list[Checkpoint]:
     """The checkpoints (at step >= ``min_step``) that may pair under ``phase``.
 

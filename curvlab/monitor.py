@@ -64,7 +64,6 @@ from curvlab.optim import Optimizers, next_update
 
 MONITOR_SCHEMA_VERSION = 1
 ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training rows have none
-STATUSES = ("ok", "non-finite", "undefined")
 SCOPE_KEYS = tuple(f.name for f in fields(TaylorScope))
 
 

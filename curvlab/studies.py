@@ -357,11 +357,6 @@ def load_typed(path: str | Path, parse: Callable[[dict[str, Any]], T], what: str
         raise CurvlabError(f"{path}: unreadable {what} ({type(e).__name__}: {e})") from e
 
 
-def load_comparison(path: str | Path) -> Comparison:
-    """A saved ``compare.json``, checked for its schema version."""
-    return load_typed(path, Comparison.from_dict, "comparison")
-
-
 def _analyzer(fsdp: bool) -> Callable | None:
     """The analysis of one checkpoint: sharded (a DCP directory, every rank under torchrun), or
     ``None`` for :func:`~curvlab.analysis.cached_report`'s own (the unsharded one)."""

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from curvlab.atomic import atomic_write_text, make_public
-from curvlab.data.pcfg import Grammar, count_stats, make_grammar
+from curvlab.data.pcfg import count_stats, make_grammar
 from curvlab.data.shards import find_shards, read_shard, write_shard
 from curvlab.errors import CurvlabError
 from curvlab.progress import refresh_interval
@@ -150,7 +150,3 @@ def unigram_plateau_nats(data_dir: str | Path) -> float:
     p_val = counts["val"] / counts["val"].sum()
     p_train = (counts["train"] + 1) / (counts["train"].sum() + vocab)
     return float(-(p_val * np.log(p_train)).sum())
-
-
-def load_grammar(data_dir: str | Path) -> Grammar:
-    return Grammar.load(Path(data_dir) / "grammar.json")
