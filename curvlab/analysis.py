@@ -48,19 +48,36 @@ from typing import Any
 
 import torch
 
+from curvlab import params as P
 from curvlab.atomic import atomic_write_text
+from curvlab.blocks import group_parameters
 from curvlab.checkpoint import check_device, read_checkpoint
 from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split, taylor_split_and_block_matrix
+from curvlab.data.shards import TokenData, TrainBatches, validation_batches
 from curvlab.dcp import META as SHARDED_META
 from curvlab.directions import PAIRED, PairedDirections, directions_table, paired_directions, parse_directions
 from curvlab.distributed import from_main, is_distributed, is_main
 from curvlab.errors import CurvlabError
+from curvlab.hf import token_batch, trainer_optimizer
 from curvlab.hvp import DEFAULT_METHOD, check_method
 from curvlab.loss import ModuleLoss, make_loss_fn
 from curvlab.models.nanogpt import load_nanogpt
+from curvlab.operator import hessian_operator, preconditioned_operator
 from curvlab.optim import next_update
 from curvlab.shadow import ShadowState
-from curvlab.spectral import CheckpointSpectrum, UpdateSpectrum
+from curvlab.spectral import (
+    CheckpointSpectrum,
+    PreconditionedSharpness,
+    UpdateSpectrum,
+    adam_preconditioner,
+    adam_step_settings,
+    hutch_plus_plus,
+    hutchinson,
+    lanczos,
+    overlap_with,
+    spectral_density,
+)
+from curvlab.train import TrainConfig, build_run, restore
 
 REPORT_SCHEMA_VERSION = 3  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own; 3: paired
 DIRECTIONS_SCHEMA_VERSION = 1
@@ -174,7 +191,6 @@ def open_checkpoint(path: str | Path, data: str | Path | None = None, device: st
         )
         val_loss = float(ckpt.payload.get("best_val_loss", float("nan")))
         return Target(model, optimizer, train, val, conf.get("grad_clip", 1.0) or None, step, val_loss, "adamw", draw)
-    from curvlab.hf import token_batch, trainer_optimizer
 
     hf = ckpt.payload
     hf.model.to(dev)
@@ -188,8 +204,6 @@ def open_checkpoint(path: str | Path, data: str | Path | None = None, device: st
 
 
 def _curvlab_target(path: Path, ckpt: dict, data, device: str, batches: int) -> Target:
-    from curvlab.train import TrainConfig, build_run, restore
-
     if not ckpt.get("optimizer"):  # (an empty "state" is fine: a step-0 optimizer has none yet)
         raise CurvlabError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
     fields = dict(ckpt["config"])
@@ -220,8 +234,6 @@ def _seeded_draw(data, vocab_size: int, batch_size: int, seq_len: int, step: int
     """Training batches for ``steps`` steps of ``micro`` micro-batches, drawn from the data with the
     checkpoint's step as seed (the sampler of nanoGPT and the Trainer isn't saved), and validation
     batches: at least 64 windows, and enough for ``steps`` batches where the data hold them."""
-    from curvlab.data.shards import TokenData, TrainBatches, validation_batches
-
     if micro < 1:
         raise CurvlabError(f"gradient_accumulation_steps must be >= 1, got {micro}")
     tokens = TokenData.open(data, vocab_size)
@@ -469,10 +481,6 @@ def update_spectrum(
     r"""λ_max and the top-k eigenpairs of H (Lanczos, its basis within ``memory`` bytes), the share of
     :math:`\|Z\|^2` in their span, and the trace (Hutchinson): is NDS low because the landscape is flat, or
     because Z steers around the sharp directions? Checks NDS <= λ_max (a Rayleigh quotient can't exceed it)."""
-    from curvlab import params as P
-    from curvlab.operator import hessian_operator
-    from curvlab.spectral import hutchinson, lanczos, overlap_with
-
     op = hessian_operator(loss_fn, params, batch, dtype=dtype, method=method)
     top = lanczos(op, k=k, max_iter=max(60, 4 * k), tol=1e-4, memory=memory)
     lam = float(top.eigenvalues[0])
@@ -569,18 +577,6 @@ def checkpoint_spectrum(
     preconditioned sharpness :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` beside its edge of stability
     :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)`. HVPs by ``method``; every Lanczos basis (and SLQ's)
     within ``memory`` bytes (``None``: unbounded)."""
-    from curvlab.blocks import group_parameters
-    from curvlab.operator import hessian_operator, preconditioned_operator
-    from curvlab.spectral import (
-        PreconditionedSharpness,
-        adam_preconditioner,
-        adam_step_settings,
-        hutch_plus_plus,
-        hutchinson,
-        lanczos,
-        spectral_density,
-    )
-
     settings = settings or AnalysisSettings()
     settings.validate()
     target = open_checkpoint(path, data, device, settings.batches)

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from curvlab import hf
 from curvlab.atomic import atomic_open, atomic_write_text
 from curvlab.errors import CurvlabError
 from curvlab.models.nanogpt import is_nanogpt_checkpoint
@@ -172,8 +173,6 @@ def read_checkpoint(path: str | Path) -> ReadCheckpoint:
 
 def _read_trainer_directory(path: Path):
     """A Hugging Face Trainer checkpoint directory as a :class:`curvlab.hf.TrainerCheckpoint`."""
-    from curvlab import hf
-
     hf.check_trainer_directory(path)
     weights = path / "model.safetensors"
     if weights.is_file():

@@ -46,20 +46,23 @@ import numpy as np
 import torch
 from torch import nn
 
+from curvlab import plots, report
 from curvlab import statistics as st
 from curvlab.atomic import atomic_write_text
+from curvlab.blocks import hidden_matrices
 from curvlab.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
 from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, validation_batches
 from curvlab.errors import CurvlabError
 from curvlab.jobs import StageClock, guard_config, record_invocation
+from curvlab.lora import adapter_blocks
 from curvlab.loss import make_loss_fn, token_cross_entropy
 from curvlab.match import match_runs
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
 from curvlab.optimizers import build_optimizer
 from curvlab.progress import progress as progress_bar
-from curvlab.studies import RATIO_KEYS, load_typed
+from curvlab.studies import RATIO_KEYS, load_typed, monitor_rows
 from curvlab.train import (
     Run,
     TrainConfig,
@@ -194,8 +197,6 @@ def adapter_targets(model: nn.Module) -> list[str]:
     Raises:
         CurvlabError: the model has no such linear layer (nothing for LoRA to adapt).
     """
-    from curvlab.blocks import hidden_matrices
-
     params = dict(model.named_parameters())
     hidden = set(hidden_matrices(params, model))
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and f"{n}.weight" in hidden]
@@ -297,8 +298,6 @@ def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | 
         CurvlabError: a bad base, data or rank; :class:`~curvlab.train.TrainingDiverged` on a
             non-finite training loss.
     """
-    from curvlab.lora import adapter_blocks
-
     out = Path(cfg.out)
     index = read_index(out)
     if index and index[-1]["step"] == cfg.steps:
@@ -363,8 +362,6 @@ def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | 
 
 def curvature_rows(run: str | Path) -> dict[int, MonitorRow]:
     """Step -> the curvature row of the step taken from that checkpoint, from ``RUN/metrics.jsonl``."""
-    from curvlab.studies import monitor_rows
-
     return {r.step: r for r in monitor_rows(run)}
 
 
@@ -755,8 +752,6 @@ class Finetune:
         return notes
 
     def run(self) -> FinetuneResult:
-        from curvlab import plots, report
-
         self.clock = StageClock()
         self._check_config()
         with self.clock("prepare"):

@@ -39,6 +39,7 @@ import numpy as np
 
 from curvlab.checkpoint import read_index
 from curvlab.errors import CurvlabError
+from curvlab.train import TrainConfig, lr_multiplier, schedule_phase
 
 PHASES = ("stable", "multiplier", "any")
 PLATEAU_FRACTION = 0.05  # a loss within 5% of the unigram entropy sits on the unigram plateau
@@ -110,8 +111,6 @@ class Matching:
 
 
 def _run_config(run_dir: Path):
-    from curvlab.train import TrainConfig
-
     path = run_dir / "config.json"
     if not path.is_file():
         return None
@@ -128,8 +127,6 @@ def run_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     Raises:
         CurvlabError: no checkpoints, or none with a validation loss.
     """
-    from curvlab.train import lr_multiplier, schedule_phase
-
     run_dir = Path(run_dir)
     entries = read_index(run_dir)
     if not entries:

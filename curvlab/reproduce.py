@@ -41,16 +41,20 @@ from typing import Any
 import numpy as np
 from scipy.stats import t as t_dist
 
+from curvlab import plots, report
 from curvlab.analysis import AnalysisSettings, load_report
 from curvlab.atomic import atomic_write_json, atomic_write_text
 from curvlab.checkpoint import read_index
 from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
+from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError
+from curvlab.finetune import Finetune, with_preset
 from curvlab.jobs import StageClock, guard_config, record_invocation
 from curvlab.match import PLATEAU_FRACTION, NoMatchedLevel, plateau_ceiling
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim import default_muon_rule, matrix_shape, muon_scale
 from curvlab.paper import REFERENCE_TRAINING
+from curvlab.quadratic import quadratic_study
 from curvlab.results import (
     ComparisonRecord,
     LevelData,
@@ -420,7 +424,6 @@ class Reproduction:
         if preset.fineweb:
             if self.fineweb is None:
                 raise CurvlabError("the paper preset trains gpt2-124m on FineWeb: pass --fineweb DIR with its shards")
-            from curvlab.data.shards import find_shards
 
             for split in ("train", "val"):  # fail now, not after hours of training
                 find_shards(self.fineweb, split)
@@ -741,8 +744,6 @@ class Reproduction:
     def finetune(self, runs: dict[tuple, Path]):
         """The fine-tuning comparison (:mod:`curvlab.finetune`) in ``OUT/finetune``, adapting the first
         seed's AdamW model at the first s to s = 1; ``None`` when the preset has none."""
-        from curvlab.finetune import Finetune, with_preset
-
         p = self.preset
         if p.finetune is None:
             return None
@@ -753,8 +754,6 @@ class Reproduction:
         return result.run()
 
     def quadratic(self) -> dict[str, Any]:
-        from curvlab.quadratic import quadratic_study
-
         path = self.out / "quadratic" / "quadratic.json"
         if path.is_file():
             return json.loads(path.read_text())
@@ -764,8 +763,6 @@ class Reproduction:
         return result
 
     def figures(self, data: LevelData, summary: Summary, tuning: dict[str, Any], quadratic: dict[str, Any]):
-        from curvlab import plots
-
         fig = self.out / "figures"
         written = plots.reproduction_figures(data, summary, tuning, quadratic, fig)
         return {k: [str(p.relative_to(self.out)) for p in v] for k, v in written.items()}
@@ -854,8 +851,6 @@ class Reproduction:
     # -- the whole job ----------------------------------------------------------------------
 
     def run(self) -> Summary:
-        from curvlab import report
-
         self.clock = StageClock()
         self._check_config()
         p = self.preset
