@@ -334,6 +334,14 @@ def curvature_during_training(tracks: dict[str, list[dict[str, Any]]], stem: str
     return save_figure(fig, stem)
 
 
+def _two_and_five(x: float, _pos) -> str:
+    """A log axis's minor label: the value at mantissas 2 and 5, nothing elsewhere."""
+    if x <= 0:
+        return ""
+    mantissa = x / 10 ** np.floor(np.log10(x))
+    return f"{x:g}" if min(abs(mantissa - 2), abs(mantissa - 5)) < 1e-6 else ""
+
+
 def primary_forest(entries: list, stem: str | Path) -> list[Path]:
     """The primary family as a forest plot (:class:`curvlab.results.PrimaryEntry` records): each claim's
     value and 95% seed-level interval, ratios on a log axis (left, no effect at 1) and differences on a
@@ -360,9 +368,9 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
                 ax.plot([e.paper], [yi], "D", mfc="none", color="tab:red", ms=7)
         ax.axvline(null, color="gray", lw=0.8, ls="--")
         ax.set_xscale(scale)
-        if scale == "log":  # plain numbers (2, 3, 5), not 2 x 10^0
+        if scale == "log":  # plain numbers (0.2, 1, 5), not 2 x 10^-1; minor labels at 2 and 5 only
             ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(_two_and_five))
         names = []
         for e in rows:
             verdicts = e.direction if e.magnitude in (None, e.direction) else f"{e.direction}; magnitude {e.magnitude}"
