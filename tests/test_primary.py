@@ -291,8 +291,8 @@ def test_aa_records_are_no_arm_of_their_own_in_the_headline_figures_or_taylor_co
                  "layer_split_over_training", "quadratic_trajectories", "quadratic_phase"):  # fmt: skip
         monkeypatch.setattr(plots, name, lambda *a, **k: [])
     monkeypatch.setattr(plots, "nds_and_norm_vs_loss", lambda arms, *a, **k: drawn.update(arms) or [])
-    monkeypatch.setattr("curvlab.studies.within_layer_gap", lambda c: ([], [], []))
-    monkeypatch.setattr("curvlab.studies.pair_reports", lambda level: {})
+    monkeypatch.setattr(plots, "within_layer_gap", lambda c: ([], [], []))
+    monkeypatch.setattr(plots, "pair_reports", lambda level: {})
     written = plots.reproduction_figures(data, summary, {}, {}, tmp_path)
     assert list(drawn) == ["muon"] and len(drawn["muon"]) == 3  # the A/A records are not Muon's comparisons
     assert (tmp_path / "fig0_primary_forest.png").is_file() and written["primary"]
