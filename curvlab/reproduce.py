@@ -390,25 +390,34 @@ def muon_norm_per_lr(shapes: list[tuple[int, int]], scale: str) -> float:
     return math.sqrt(sum(muon_scale(shape, scale) ** 2 * min(shape) for shape in shapes))
 
 
-def window_checkpoints(records: list[ComparisonRecord]) -> set[Path]:
-    """Every checkpoint a matched comparison read: the members of its windows (read back from their
-    reports)."""
+def _run_key(path: str | Path) -> Path:
+    """A checkpoint's place inside a reproduction (``s0/adamw/seed0/ckpt_000100.pt``): the same after the
+    output directory is moved, which the absolute paths in the records are not."""
+    return Path(*Path(path).parts[-4:])
+
+
+def window_checkpoints(records: list[ComparisonRecord], reports: Path | None = None) -> set[Path]:
+    """Every checkpoint a matched comparison read, as :func:`_run_key`: the members of its windows, read
+    back from their reports (looked up by name in ``reports`` when the recorded path is gone)."""
     keep = set()
     for r in records:
         for level in r.comparison.levels if r.comparison else []:
             for side in (level.a, level.b):
-                keep.update(Path(load_report(path)["checkpoint"]).resolve() for path in side.reports)
+                for path in map(Path, side.reports):
+                    found = path if path.is_file() or reports is None else reports / path.name
+                    keep.add(_run_key(load_report(found)["checkpoint"]))
     return keep
 
 
 def prune_run(run: Path, keep: set[Path]) -> int:
-    """Delete the checkpoints of ``run`` outside ``keep``, except its last (a finished run resumes from it
-    as finished); the index keeps every entry (validation losses stay). Returns the bytes freed."""
+    """Delete the checkpoints of ``run`` outside ``keep`` (:func:`_run_key` s), except its last (a finished
+    run resumes from it as finished); the index keeps every entry (validation losses stay). Returns the
+    bytes freed."""
     index = read_index(run)
     freed = 0
     for entry in index[:-1]:
-        path = (run / entry["path"]).resolve()
-        if path not in keep and path.is_file():
+        path = run / entry["path"]
+        if _run_key(path.resolve()) not in keep and path.is_file():
             freed += path.stat().st_size
             path.unlink()
     return freed
@@ -701,7 +710,7 @@ class Reproduction:
         tracked checkpoints' reports are in ``analysis/reports``)."""
         if not self.preset.prune:
             return
-        keep = window_checkpoints([r for lv in levels for r in lv.comparisons])
+        keep = window_checkpoints([r for lv in levels for r in lv.comparisons], self.out / "analysis" / "reports")
         freed = 0
         for s in self.preset.s_values:
             for arm in self._arms_at(s):

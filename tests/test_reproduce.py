@@ -76,7 +76,7 @@ def test_micro_preset_writes_every_output(micro):
 
 def test_only_the_matched_windows_and_the_last_checkpoint_are_kept(micro):
     from curvlab.checkpoint import read_index
-    from curvlab.reproduce import window_checkpoints
+    from curvlab.reproduce import _run_key, window_checkpoints
 
     out, summary = micro
     levels = LevelData.load(out / "analysis" / "levels.json")
@@ -89,11 +89,29 @@ def test_only_the_matched_windows_and_the_last_checkpoint_are_kept(micro):
         for entry in index:
             path = (run / entry["path"]).resolve()
             if path.is_file():
-                assert entry is index[-1] or path in read, path
+                assert entry is index[-1] or _run_key(path) in read, path
             else:
                 deleted += 1
         assert (run / index[-1]["path"]).is_file()  # a finished run keeps its last checkpoint
     assert deleted > 0 and summary.disk_bytes > 0
+
+
+def test_a_moved_output_directory_reruns_and_keeps_its_windows(micro, tmp_path):
+    import shutil
+
+    from curvlab.reproduce import window_checkpoints
+
+    out, _ = micro
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)  # the records inside still name the old place
+    shutil.rmtree(moved / "finetune")  # its config names the base run by its old path, and would be refused
+    before = sorted(p.relative_to(moved) for p in (moved / "runs").rglob("ckpt_*.pt"))
+    Reproduction(PRESETS["micro"], moved, progress=False).run()
+    assert sorted(p.relative_to(moved) for p in (moved / "runs").rglob("ckpt_*.pt")) == before
+    levels = LevelData.load(moved / "analysis" / "levels.json")
+    assert window_checkpoints(levels.comparisons, moved / "analysis" / "reports")  # read by name in its new place
+    headline = json.loads((moved / "summary.json").read_text())["headline"]
+    assert headline == json.loads((out / "summary.json").read_text())["headline"]  # (NaN is null there)
 
 
 def test_summary_schema(micro):
