@@ -203,31 +203,42 @@ def open_checkpoint(path: str | Path, data: str | Path | None = None, device: st
     return Target(hf.model, optimizer, train, val, hf.max_grad_norm, hf.step, float("nan"), "adamw", draw)
 
 
-def _curvlab_target(path: Path, ckpt: dict, data, device: str, batches: int) -> Target:
-    if not ckpt.get("optimizer"):  # (an empty "state" is fine: a step-0 optimizer has none yet)
-        raise CurvlabError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
-    fields = dict(ckpt["config"])
+def analysis_config(path: Path, saved: dict, data, device: str, batches: int) -> TrainConfig:
+    """A curvlab run's config as saved, on ``device`` and (when given) other ``data``, with enough
+    validation windows for ``batches`` batches where the data hold them (the run's own come first)."""
+    fields = dict(saved)
     if data is not None:
         fields["data"] = str(data)
     fields["device"] = device
     cfg = TrainConfig.from_dict(fields)
-    # enough validation windows for `batches` batches where the data hold them (the run's own come first)
     cfg = replace(cfg, val_windows=max(cfg.val_windows, batches * cfg.batch_size))
     if not Path(cfg.data).is_dir():
         raise CurvlabError(f"{path}: its data directory {cfg.data} is gone; pass --data DIR")
-    run = build_run(cfg)
-    restore(run, ckpt)
+    return cfg
+
+
+def run_target(run, batches: int, val_loss: float) -> Target:
+    """A restored curvlab run (:class:`curvlab.train.Run`) as an analysis target: its next ``batches``
+    training batches and its validation batches, on the run's device."""
     return Target(
         run.model,
         run.optimizer,
         [tuple(t.to(run.device) for t in run.loader.next()) for _ in range(batches)],
         [tuple(t.to(run.device) for t in b) for b in run.val_batches],
-        cfg.grad_clip,
+        run.cfg.grad_clip,
         run.step,
-        float(ckpt.get("val_loss", float("nan"))),
-        cfg.optimizer,
+        val_loss,
+        run.cfg.optimizer,
         shadow=run.shadow,
     )
+
+
+def _curvlab_target(path: Path, ckpt: dict, data, device: str, batches: int) -> Target:
+    if not ckpt.get("optimizer"):  # (an empty "state" is fine: a step-0 optimizer has none yet)
+        raise CurvlabError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
+    run = build_run(analysis_config(path, ckpt["config"], data, device, batches))
+    restore(run, ckpt)
+    return run_target(run, batches, float(ckpt.get("val_loss", float("nan"))))
 
 
 def _seeded_draw(data, vocab_size: int, batch_size: int, seq_len: int, step: int, micro: int, steps: int, device):

@@ -8,14 +8,13 @@ unsharded run's.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
-from curvlab.analysis import AnalysisSettings, CurvatureReport, Target, analyze
+from curvlab.analysis import AnalysisSettings, CurvatureReport, Target, analysis_config, analyze, run_target
 from curvlab.dcp import check_shapes, load_sharded_into, read_meta, shard_run
 from curvlab.distributed import rank_and_world
 from curvlab.errors import CurvlabError
-from curvlab.train import TrainConfig, build_run
+from curvlab.train import build_run
 
 
 def open_sharded_checkpoint(
@@ -24,15 +23,7 @@ def open_sharded_checkpoint(
     """The sharded run of ``path`` (under the world size that wrote it) as an analysis target."""
     path = Path(path)
     meta = read_meta(path)
-    fields = dict(meta["config"])
-    if data is not None:
-        fields["data"] = str(data)
-    fields["device"] = device
-    cfg = TrainConfig.from_dict(fields)
-    cfg = replace(cfg, val_windows=max(cfg.val_windows, batches * cfg.batch_size))
-    if not Path(cfg.data).is_dir():
-        raise CurvlabError(f"{path}: its data directory {cfg.data} is gone; pass --data DIR")
-    run = build_run(cfg)
+    run = build_run(analysis_config(path, meta["config"], data, device, batches))
     check_shapes(path, run)
     world = rank_and_world()[1]
     if meta["world_size"] != world:
@@ -42,16 +33,8 @@ def open_sharded_checkpoint(
         )
     shard_run(run)
     load_sharded_into(run, path, meta)
-    return Target(
-        run.model,
-        run.optimizer,
-        [tuple(t.to(run.device) for t in run.loader.next()) for _ in range(batches)],
-        [tuple(t.to(run.device) for t in b) for b in run.val_batches],
-        cfg.grad_clip,
-        run.step,
-        float(meta.get("val_loss", float("nan"))),
-        cfg.optimizer,
-    )
+    run.shadow = None  # a DCP checkpoint holds no shadow state: no paired directions from an empty one
+    return run_target(run, batches, float(meta.get("val_loss", float("nan"))))
 
 
 def analyze_sharded_checkpoint(

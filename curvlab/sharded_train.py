@@ -29,7 +29,7 @@ from curvlab.distributed import all_reduce_sum, barrier, device_for_rank, rank_a
 from curvlab.dtensors import require_process_group
 from curvlab.errors import CurvlabError
 from curvlab.loss import count_loss_terms, token_cross_entropy
-from curvlab.train import Run, TrainConfig, TrainingDiverged, TrainResult, build_run, config_difference
+from curvlab.train import Run, TrainConfig, TrainingDiverged, TrainResult, build_run, check_resume
 
 
 def sharded_checkpoint_name(step: int) -> str:
@@ -77,10 +77,7 @@ def train_sharded(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     barrier()  # every rank has decided whether to resume before rank 0 writes anything
     resumed_from = 0
     if index:
-        saved = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
-        diff = config_difference(saved, cfg.to_dict())
-        if diff:
-            raise CurvlabError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
+        check_resume(out, cfg)
         last = out / index[-1]["path"]
         if not last.is_dir():
             raise CurvlabError(f"{last}: not a sharded checkpoint; resume this run without --fsdp")

@@ -337,6 +337,18 @@ def train(
         return _train(cfg, progress, rank, world, monitor, tensorboard, stack)
 
 
+def check_resume(out: Path, cfg: TrainConfig) -> None:
+    """Refuse to resume the run in ``out`` under a config other than the one it was started with.
+
+    Raises:
+        CurvlabError: the saved ``config.json`` differs from ``cfg`` (the differences are named).
+    """
+    saved = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    diff = config_difference(saved, cfg.to_dict())
+    if diff:
+        raise CurvlabError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
+
+
 def _train(cfg: TrainConfig, progress: bool, rank: int, world: int, monitor, tensorboard, stack) -> TrainResult:
     out = Path(cfg.out)
     is_main = rank == 0
@@ -345,10 +357,7 @@ def _train(cfg: TrainConfig, progress: bool, rank: int, world: int, monitor, ten
     barrier()  # every rank has decided whether to resume before rank 0 writes anything
     resumed_from = 0
     if index:
-        saved = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
-        diff = config_difference(saved, cfg.to_dict())
-        if diff:
-            raise CurvlabError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
+        check_resume(out, cfg)
         restore(run, load_checkpoint(out / index[-1]["path"], map_location=run.device))
         resumed_from = run.step
     elif is_main:

@@ -147,3 +147,17 @@ def assert_same(a, b) -> None:
             assert_same(x, y)
     else:
         assert a == b or (isinstance(a, float) and a != a and b != b)
+
+
+def double_backward(f, params, batch, directions):
+    """(L, G, [H v for v in directions]) by plain autograd double backward, in float64, math attention:
+    the reference for a loss ``f(params, batch)`` written from the logits."""
+    leaves = {k: t.detach().double().clone().requires_grad_() for k, t in params.items()}
+    with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
+        loss = f(leaves, batch)
+        g = torch.autograd.grad(loss, list(leaves.values()), create_graph=True)
+        hvs = []
+        for v in directions:
+            gv = sum((gi * v[k]).sum() for gi, k in zip(g, leaves))
+            hvs.append(dict(zip(leaves, torch.autograd.grad(gv, list(leaves.values()), retain_graph=True))))
+    return float(loss.detach()), {k: t.detach() for k, t in zip(leaves, g)}, hvs

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from torch.func import functional_call
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from curvlab import (
     CurvatureMonitor,
@@ -43,6 +42,7 @@ from curvlab import params as P
 from curvlab.errors import CurvlabError
 from curvlab.loss import token_cross_entropy
 from curvlab.monitor import curvature_callback
+from tests.reference import double_backward
 
 transformers.logging.set_verbosity_error()
 VOCAB = 30
@@ -164,19 +164,6 @@ class ReferenceLoss:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
-def double_backward(f, params, batch, directions):
-    """(L, [H v for v in directions]) by plain autograd double backward, in float64, math attention."""
-    leaves = {k: t.detach().double().clone().requires_grad_() for k, t in params.items()}
-    with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
-        loss = f(leaves, batch)
-        g = torch.autograd.grad(loss, list(leaves.values()), create_graph=True)
-        hvs = []
-        for v in directions:
-            gv = sum((gi * v[k]).sum() for gi, k in zip(g, leaves))
-            hvs.append(dict(zip(leaves, torch.autograd.grad(gv, list(leaves.values()), retain_graph=True))))
-    return float(loss.detach()), hvs
-
-
 def rel_error(a, b) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in b) / max(float(b[k].abs().max()) for k in b)
 
@@ -216,7 +203,7 @@ def test_stochastic_layers_are_off_inside_the_exact_mode(name):
     flags = training_flags(model)
     loss_fn, params = make_loss_fn(model), float64_params(model)
     v = direction(params, 2)
-    loss, (hv,) = double_backward(ReferenceLoss(model, kind), params, batch, [v])
+    loss, _, (hv,) = double_backward(ReferenceLoss(model, kind), params, batch, [v])
     for method in ("rev_rev", "fwd_rev"):
         first, second = hvp(loss_fn, params, batch, v, method=method), hvp(loss_fn, params, batch, v, method=method)
         assert all(torch.equal(first[k], second[k]) for k in first), method
@@ -250,7 +237,7 @@ def test_activation_checkpointing_is_off_inside_the_exact_mode(reentrant):
     loss_fn, params = make_loss_fn(model), float64_params(model)
     v = direction(params, 4)
     ref = ReferenceLoss(model, "causal")
-    _, (hv,) = double_backward(ref, params, batch, [v])
+    _, _, (hv,) = double_backward(ref, params, batch, [v])
     for method in ("rev_rev", "fwd_rev"):
         assert rel_error(hvp(loss_fn, params, batch, v, method=method), hv) < 1e-12, method
     _, zhz = quadratic_form(loss_fn, params, batch, v)
@@ -282,7 +269,9 @@ def test_torch_checkpoint_called_by_the_model_itself_runs_plainly_inside(reentra
     x, y = torch.randn(6, 4, requires_grad=reentrant), torch.randint(0, 3, (6,))
     params = float64_params(model)
     v = direction(params, 3)
-    _, (hv,) = double_backward(lambda p, b: F.cross_entropy(model.plain(p, b[0].double()), b[1]), params, (x, y), [v])
+    _, _, (hv,) = double_backward(
+        lambda p, b: F.cross_entropy(model.plain(p, b[0].double()), b[1]), params, (x, y), [v]
+    )
     loss_fn = make_loss_fn(model, F.cross_entropy)
     for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
         for method in ("rev_rev", "fwd_rev"):
@@ -346,7 +335,7 @@ def test_gradient_checkpointing_inside_a_real_trainer_run(tmp_path):
     ref = ReferenceLoss(model, "causal")
     for row, (before, after) in zip(monitor.rows, recorder.steps):
         z = {n: before[n] - after[n] for n in before}
-        _, (hz,) = double_backward(ref, before, held_batch, [z])
+        _, _, (hz,) = double_backward(ref, before, held_batch, [z])
         assert row.nds == pytest.approx(P.dot(z, hz) / P.dot(z, z), rel=1e-10)
     assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
 
@@ -384,7 +373,7 @@ def test_encoder_decoders_are_sequence_to_sequence_models(float64_t5_norm, build
     assert evaluate_loss(make_loss_fn(model, criterion=token_cross_entropy), params, batch) == pytest.approx(own)
     v = direction(params, 6)
     ref = ReferenceLoss(model, "seq2seq")
-    loss, (hv,) = double_backward(ref, params, batch, [v])
+    loss, _, (hv,) = double_backward(ref, params, batch, [v])
     assert loss == pytest.approx(own, rel=1e-13)
     for method in ("rev_rev", "fwd_rev"):
         assert rel_error(hvp(loss_fn, params, batch, v, method=method), hv) < 1e-12, method
@@ -417,7 +406,7 @@ def test_encoder_and_decoder_layers_are_separate_blocks(float64_t5_norm):
     z = direction(params, 8)
     bm = block_matrix(make_loss_fn(model), params, batch, z, blocks="layer")
     members = list(bm.members.values())
-    _, hvs = double_backward(ReferenceLoss(model, "seq2seq"), params, batch, [P.restrict(z, b) for b in members])
+    _, _, hvs = double_backward(ReferenceLoss(model, "seq2seq"), params, batch, [P.restrict(z, b) for b in members])
     expected = torch.tensor([[P.dot(z, hm, b) / P.dot(z, z) for hm in hvs] for b in members], dtype=torch.float64)
     got = torch.tensor(bm.matrix, dtype=torch.float64)
     assert float((got - expected).abs().max()) <= 1e-12 * float(expected.abs().max())
@@ -445,7 +434,7 @@ def test_prompt_tuning_gives_hugging_faces_own_loss():
     assert loss_fn.loss_terms(batch) == int((batch["labels"] != -100).sum())
     p64 = {k: t.double() for k, t in params.items()}
     v = direction(p64, 10)
-    _, (hv,) = double_backward(ReferenceLoss(model, "causal", prefix=3), p64, batch, [v])
+    _, _, (hv,) = double_backward(ReferenceLoss(model, "causal", prefix=3), p64, batch, [v])
     for method in ("rev_rev", "fwd_rev"):
         assert rel_error(hvp(loss_fn, p64, batch, v, method=method), hv) < 1e-12, method
 
@@ -487,7 +476,7 @@ def test_precision_warning_names_only_parameter_dependent_casts_and_every_site(m
     model = neox().double()
     params = float64_params(model)
     v = direction(params, 12)
-    _, (hv,) = double_backward(ReferenceLoss(model, "causal"), params, batch, [v])
+    _, _, (hv,) = double_backward(ReferenceLoss(model, "causal"), params, batch, [v])
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         for method in ("rev_rev", "fwd_rev"):
@@ -514,7 +503,7 @@ def test_precision_warning_names_only_parameter_dependent_casts_and_every_site(m
     monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", float64_rms_norm)
     model = qwen2("sdpa").double()
     params = float64_params(model)
-    _, (hv,) = double_backward(ReferenceLoss(model, "causal"), params, batch, [v])
+    _, _, (hv,) = double_backward(ReferenceLoss(model, "causal"), params, batch, [v])
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         assert rel_error(hvp(make_loss_fn(model), params, batch, v), hv) < 1e-12
@@ -545,7 +534,7 @@ def test_a_random_draw_left_inside_the_exact_mode_is_reported():
     def plain(p, b):
         return F.cross_entropy(functional_call(model.lin, {k[4:]: t for k, t in p.items()}, (torch.tanh(b[0]),)), b[1])
 
-    _, (hv,) = double_backward(plain, params, batch, [v])
+    _, _, (hv,) = double_backward(plain, params, batch, [v])
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         assert rel_error(hvp(make_loss_fn(model, F.cross_entropy), params, batch, v), hv) < 1e-12

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from torch.func import functional_call
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -51,7 +50,7 @@ from curvlab import (
 from curvlab import params as P
 from curvlab.loss import count_loss_terms, weighted_batches
 from curvlab.polar import msign
-from tests.reference import dense_hessian
+from tests.reference import dense_hessian, double_backward
 
 transformers.logging.set_verbosity_error()
 VOCAB = 50
@@ -131,19 +130,6 @@ class ReferenceLoss:
         if self.causal:
             logits, labels = logits[..., :-1, :], labels[..., 1:]
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-
-
-def double_backward(f, params, batch, directions):
-    """(L, G, [H v for v in directions]) by plain autograd double backward, in float64."""
-    leaves = {k: t.detach().double().clone().requires_grad_() for k, t in params.items()}
-    with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
-        loss = f(leaves, batch)
-        g = torch.autograd.grad(loss, list(leaves.values()), create_graph=True)
-        hvs = []
-        for v in directions:
-            gv = sum((gi * v[k]).sum() for gi, k in zip(g, leaves))
-            hvs.append(dict(zip(leaves, torch.autograd.grad(gv, list(leaves.values()), retain_graph=True))))
-    return float(loss.detach()), {k: t.detach() for k, t in zip(leaves, g)}, hvs
 
 
 def rel_error(a, b) -> float:
