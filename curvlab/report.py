@@ -110,7 +110,8 @@ PRIMARY_METHOD = (
     "difference; differences by a t interval. p: two-sided t tests of no effect, Holm-adjusted over the "
     "claims tested. Direction: *supported* / *contradicted* when p (Holm) < 0.05 on / against the claimed "
     "side (an 'about equal' claim is supported when its interval lies within ±25%), else *inconclusive*; no "
-    "verdict below 3 seeds. Magnitude against the paper's number: *larger* / *smaller* when the interval "
+    "verdict below 3 seeds, nor on a claim the preset does not judge (*descriptive*: shown with its interval, "
+    "outside Holm). Magnitude against the paper's number: *larger* / *smaller* when the interval "
     "excludes it, *consistent* when it contains it, *uninformative* when it contains it but spans more than "
     "×4 (max/min of |bounds|; infinite when it contains 0)."
 )

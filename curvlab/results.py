@@ -896,13 +896,21 @@ def _infer(claim: PrimaryClaim, values: _SeedValues, confidence: float) -> st.Se
 
 
 def _judge(
-    claims: tuple[PrimaryClaim, ...], data: LevelData, records: list[ComparisonRecord], confidence: float
+    claims: tuple[PrimaryClaim, ...],
+    data: LevelData,
+    records: list[ComparisonRecord],
+    confidence: float,
+    judged: frozenset[str] | None = None,
 ) -> list[PrimaryEntry]:
-    """Every claim's entry: per-seed inference, Holm over the claims tested (3 seeds or more), verdicts."""
+    """Every claim's entry: per-seed inference, Holm over the claims tested (3 seeds or more, and named
+    in ``judged`` when given: the others are estimated but descriptive, outside the correction), verdicts."""
     inputs = [_claim_inputs(c, data, records) for c in claims]
     inferences = [None if isinstance(v, str) else _infer(c, v, confidence) for c, v in zip(claims, inputs)]
+    is_judged = [judged is None or c.name in judged for c in claims]
     tested = [
-        i for i, inf in enumerate(inferences) if inf is not None and inf.p is not None and inf.n_seeds >= st.MIN_SEEDS
+        i
+        for i, inf in enumerate(inferences)
+        if is_judged[i] and inf is not None and inf.p is not None and inf.n_seeds >= st.MIN_SEEDS
     ]
     adjusted = dict(zip(tested, st.holm([inferences[i].p for i in tested])))
     entries = []
@@ -931,19 +939,21 @@ def _judge(
             continue
         p_holm = adjusted.get(i)
         band = None if inf.method == st.DIFFERENCE_T else claim.band  # a fallen-back difference has no band
-        direction = st.direction_verdict(claim.direction, inf, p_holm, band)
+        direction = st.direction_verdict(claim.direction, inf, p_holm, band) if is_judged[i] else st.DESCRIPTIVE
         # the paper's number is on the claim's scale: a quantity that fell back to a difference (its
         # denominator's sign not settled) cannot be set beside it
         fell_back = inf.method == st.DIFFERENCE_T
         kind = "difference" if fell_back else claim.kind
         ci = None if inf.ci95 is None else list(inf.ci95)
-        if claim.paper is None:
+        if claim.paper is None or not is_judged[i]:
             magnitude = None
         elif fell_back:
             magnitude = st.FEW_SEEDS if inf.n_seeds < st.MIN_SEEDS else st.UNINFORMATIVE
         else:
             magnitude = st.magnitude_verdict(ci, claim.paper, inf.n_seeds)
         notes = ([inf.note] if inf.note else []) + values.notes
+        if not is_judged[i]:
+            notes.append(f"descriptive in this design: {DESCRIPTIVE_NOTE}")
         if inf.n_seeds < 2:
             notes.append(f"{inf.n_seeds} seed: no interval")
         per_seed = [
@@ -972,12 +982,22 @@ def _judge(
     return entries
 
 
-def primary_family(data: LevelData, confidence: float = st.CONFIDENCE) -> list[PrimaryEntry]:
+DESCRIPTIVE_NOTE = "the preset judges only its own primary claims (docs/science.md section 12): no verdict, no Holm"
+
+
+def primary_family(
+    data: LevelData, confidence: float = st.CONFIDENCE, judged: tuple[str, ...] | None = None
+) -> list[PrimaryEntry]:
     """The primary family (:data:`curvlab.paper.PRIMARY`), judged from the per-level data alone: the
     matched comparisons of AdamW and Muon (``"adamw/muon"``) and the trajectories. A claim whose data
     are missing (e.g. older runs without paired-direction scalars, or one value of s) is an entry marked
-    not measured, never a verdict."""
-    return _judge(PRIMARY, data, data.matched(PRIMARY_COMPARISON), confidence)
+    not measured, never a verdict. ``judged`` names the claims a design has the power to judge (a
+    preset's ``primary``; None: all): the others keep their estimate and interval, as descriptive
+    entries outside Holm's correction."""
+    if judged is not None and (unknown := set(judged) - {c.name for c in PRIMARY}):
+        raise CurvlabError(f"unknown primary claims: {', '.join(sorted(unknown))}")
+    chosen = None if judged is None else frozenset(judged)
+    return _judge(PRIMARY, data, data.matched(PRIMARY_COMPARISON), confidence, chosen)
 
 
 def _false(direction: str, claim: PrimaryClaim) -> bool:

@@ -2,15 +2,18 @@
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
 from curvlab import statistics as st
+from curvlab.errors import CurvlabError
 from curvlab.paper import PRIMARY
 from curvlab.plots import primary_forest
 from curvlab.report import render_readme_results, render_report
+from curvlab.reproduce import PRESETS
 from curvlab.results import Calibration, PrimaryEntry, Summary, calibration, headline, primary_family
 from tests.synthetic import ar1, level_data, record, track
 
@@ -143,6 +146,31 @@ def test_missing_data_is_not_measured_never_a_verdict_or_a_crash():
     assert e["between_nds_ratio"].p_holm == pytest.approx(e["between_nds_ratio"].p)  # a family of one
     empty = _by_name(primary_family(level_data()))
     assert all(x.direction == st.NOT_MEASURED for x in empty.values())
+
+
+def test_a_design_judges_only_its_own_claims_and_holm_runs_over_those():
+    """quick judges the two paired claims: the others keep their estimate and interval, but no verdict
+    (direction nor magnitude) and no place in Holm's correction, which then runs over two tests."""
+    data = _experiment(np.random.default_rng(0), 4)
+    full = _by_name(primary_family(data))
+    judged = ("paired_direction_ratio", "alignment_ratio")
+    e = _by_name(primary_family(data, judged=judged))
+    for name, x in e.items():
+        assert x.value == pytest.approx(full[name].value) and x.ci95 == pytest.approx(full[name].ci95)
+        if name in judged:
+            continue
+        assert x.direction == st.DESCRIPTIVE and x.magnitude is None and x.p_holm is None
+        assert "descriptive in this design" in x.note
+    p = sorted((e[n].p, n) for n in judged)
+    assert e[p[0][1]].p_holm == pytest.approx(min(1.0, 2 * p[0][0]))
+    assert e[p[1][1]].p_holm == pytest.approx(max(min(1.0, 2 * p[0][0]), p[1][0]))
+    assert e["paired_direction_ratio"].direction == st.SUPPORTED
+    assert full["between_nds_ratio"].direction == st.SUPPORTED  # the same data, judged in the full family
+    with pytest.raises(CurvlabError, match="unknown primary claims: nds_ratio"):
+        primary_family(data, judged=("nds_ratio",))
+    with pytest.raises(CurvlabError, match="primary names unknown claims"):
+        replace(PRESETS["quick"], primary=("paired", "alignment_ratio")).validate()
+    PRESETS["quick"].validate()
 
 
 def test_two_seeds_are_descriptive_with_their_interval():
