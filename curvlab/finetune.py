@@ -11,7 +11,8 @@ The job (``curvlab finetune``), each stage skipped when its output exists with t
    and the same short horizon, extended at its edges (:func:`curvlab.tuning.search_lr`);
 4. adapt: every optimizer and seed, the same steps, batches and warmup-stable-decay schedule; peft
    LoRA (``LoraConfig``/``get_peft_model``) on every ``nn.Linear`` inside the transformer blocks
-   (found from the module structure: :func:`curvlab.blocks.layer_stacks`), rank r, alpha 2r. At
+   (found from the module structure: :func:`curvlab.blocks.layer_stacks`), rank r, alpha 2r, trained
+   by the loop of full-model runs (:func:`curvlab.train.train_loop`: a cut run resumes bit for bit). At
    every checkpoint in the stable phase a :class:`curvlab.monitor.CurvatureMonitor` measures the
    step taken, :math:`Z_k = W_k - W_{k+1}` over the adapter parameters, on a fixed held-out batch D:
 
