@@ -11,7 +11,8 @@ The job (``curvlab finetune``), each stage skipped when its output exists with t
    and the same short horizon, extended at its edges (:func:`curvlab.tuning.search_lr`);
 4. adapt: every optimizer and seed, the same steps, batches and warmup-stable-decay schedule; peft
    LoRA (``LoraConfig``/``get_peft_model``) on every ``nn.Linear`` inside the transformer blocks
-   (found from the module structure: :func:`curvlab.blocks.layer_stacks`), rank r, alpha 2r. At
+   (found from the module structure: :func:`curvlab.blocks.layer_stacks`), rank r, alpha 2r, trained
+   by the loop of full-model runs (:func:`curvlab.train.train_loop`: a cut run resumes bit for bit). At
    every checkpoint in the stable phase a :class:`curvlab.monitor.CurvatureMonitor` measures the
    step taken, :math:`Z_k = W_k - W_{k+1}` over the adapter parameters, on a fixed held-out batch D:
 
@@ -50,29 +51,28 @@ from curvlab import plots, report
 from curvlab import statistics as st
 from curvlab.atomic import atomic_write_text
 from curvlab.blocks import hidden_matrices
-from curvlab.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
+from curvlab.checkpoint import load_checkpoint, read_index
 from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, validation_batches
 from curvlab.errors import CurvlabError
 from curvlab.jobs import StageClock, guard_config, record_invocation
 from curvlab.lora import adapter_blocks
-from curvlab.loss import make_loss_fn, token_cross_entropy
+from curvlab.loss import make_loss_fn
 from curvlab.match import match_runs
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
 from curvlab.optimizers import build_optimizer
-from curvlab.progress import progress as progress_bar
 from curvlab.studies import RATIO_KEYS, load_typed, monitor_rows
 from curvlab.train import (
     Run,
     TrainConfig,
     TrainingDiverged,
     config_difference,
-    evaluate,
     lr_multiplier,
     pick_device,
     schedule_phase,
     train,
+    train_loop,
 )
 from curvlab.tuning import TUNING_SCHEMA_VERSION, LrSearch, log2_grid, search_lr
 
@@ -267,42 +267,43 @@ def check_vocab(data: str | Path, model: GPT) -> None:
         )
 
 
-def _adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+def adapter_reference(base: str | Path, rank: int) -> dict[str, Any]:
+    """What an adaptation run's frozen part is: the base checkpoint or run, and the LoRA settings
+    (saved as ``adapter.json`` and in every checkpoint, beside the adapter weights)."""
+    return {"base": str(base), "rank": rank, "alpha": 2 * rank}
+
+
+def _adapter_difference(out: Path, reference: dict[str, Any]) -> list[str]:
+    try:
+        adapter = json.loads((out / ADAPTER_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CurvlabError(f"{out}: an adaptation run without readable settings ({type(e).__name__})") from None
+    if adapter.get("rank") != reference["rank"] or adapter.get("base") != reference["base"]:
+        return [f"adapter: {adapter} -> base {reference['base']!r}, rank {reference['rank']}"]
+    return []
 
 
 def _check_finished_run(out: Path, cfg: TrainConfig, base: Path, rank: int) -> None:
     """Refuse to reuse a finished run made with other settings (its directory does not name them)."""
     try:
         saved = json.loads((out / "config.json").read_text())
-        adapter = json.loads((out / ADAPTER_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CurvlabError(f"{out}: a finished run without readable settings ({type(e).__name__})") from None
     changed = config_difference(saved, json.loads(json.dumps(cfg.to_dict())))
-    if adapter.get("rank") != rank or adapter.get("base") != str(base):
-        changed.append(f"adapter: {adapter} -> base {str(base)!r}, rank {rank}")
+    changed += _adapter_difference(out, adapter_reference(base, rank))
     if changed:
         raise CurvlabError(f"{out} holds a finished run with other settings ({'; '.join(changed)}): use a fresh --out")
 
 
-def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | None, progress: bool = True) -> float:
-    """Fine-tune the base checkpoint with LoRA (:func:`lora_model`) as ``cfg`` says (optimizer, lr,
-    steps, schedule, batches, seed; ``cfg.model`` is ignored: the base's model is used).
-
-    With ``heldout_windows``, every checkpoint in the stable phase also gets a curvature row of the
-    step taken from it (:class:`~curvlab.monitor.CurvatureMonitor`, blocks :func:`~curvlab.lora.adapter_blocks`,
-    on the first ``heldout_windows`` validation windows) in ``metrics.jsonl``. Checkpoints hold the
-    adapter parameters only. A finished run is not run again. Returns the final validation loss.
+def build_adapter_run(cfg: TrainConfig, base: str | Path, rank: int) -> Run:
+    """The :class:`~curvlab.train.Run` of an adaptation, at step 0: the base checkpoint's GPT wrapped
+    by LoRA (:func:`lora_model`, A drawn from seed ``cfg.seed``), the optimizer ``cfg.optimizer`` of
+    its adapters (:func:`curvlab.optimizers.build_optimizer`), the schedule and loaders of ``cfg``
+    (``cfg.model`` is ignored: the base's model is used).
 
     Raises:
-        CurvlabError: a bad base, data or rank; :class:`~curvlab.train.TrainingDiverged` on a
-            non-finite training loss.
+        CurvlabError: a bad config, base, data or rank.
     """
-    out = Path(cfg.out)
-    index = read_index(out)
-    if index and index[-1]["step"] == cfg.steps:
-        _check_finished_run(out, cfg, base, rank)
-        return float(index[-1]["val_loss"])
     cfg.validate()
     device = pick_device(cfg.device)
     model, _ = load_base(base, device)
@@ -315,49 +316,55 @@ def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | 
     seq_len = cfg.seq_len or model.config.block_size
     loader = TrainBatches(data.train, cfg.batch_size, seq_len, seed=cfg.seed)
     val = validation_batches(data.val, cfg.batch_size, seq_len, cfg.val_windows)
-    run = Run(cfg, model, optimizer, scheduler, loader, val, device)
-    monitor = None
+    return Run(cfg, model, optimizer, scheduler, loader, val, device, base=adapter_reference(base, rank))
+
+
+def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | None, progress: bool = True) -> float:
+    """Fine-tune the base checkpoint with LoRA (:func:`build_adapter_run`) as ``cfg`` says (optimizer,
+    lr, steps, schedule, batches, seed), in the training loop of full-model runs
+    (:func:`curvlab.train.train_loop`); an interrupted run resumes from its last checkpoint, bit for bit.
+
+    With ``heldout_windows``, every checkpoint in the stable phase also gets a curvature row of the
+    step taken from it (:class:`~curvlab.monitor.CurvatureMonitor`, blocks :func:`~curvlab.lora.adapter_blocks`,
+    on the first ``heldout_windows`` validation windows) in ``metrics.jsonl``. Checkpoints hold the
+    adapter parameters, the base's reference (:func:`adapter_reference`) and the optimizer, schedule,
+    loader and RNG states. A finished run is not run again. Returns the final validation loss.
+
+    Raises:
+        CurvlabError: a bad base, data or rank; a finished or interrupted run in ``cfg.out`` with other
+            settings; :class:`~curvlab.train.TrainingDiverged` on a non-finite training loss.
+    """
+    out = Path(cfg.out)
+    index = read_index(out)
+    if index and index[-1]["step"] == cfg.steps:
+        _check_finished_run(out, cfg, base, rank)
+        return float(index[-1]["val_loss"])
+    reference = adapter_reference(base, rank)
+    if index and "optimizer" not in load_checkpoint(out / index[-1]["path"]):
+        # cut short before adapter runs could resume (no optimizer state): it starts over, as it did then
+        (out / "index.json").unlink()
+        index = []
+    if index:
+        changed = _adapter_difference(out, reference)
+        if changed:
+            raise CurvlabError(f"{out} holds a run with other settings; refusing to resume ({'; '.join(changed)})")
+    run = build_adapter_run(cfg, base, rank)
+    monitor, due = None, None
     if heldout_windows:
-        x, y = (torch.cat([b[i] for b in val])[:heldout_windows].to(device) for i in (0, 1))
-        blocks = adapter_blocks(model)
-        monitor = CurvatureMonitor(model, optimizer, make_loss_fn(model), [(x, y)], cfg.ckpt_every, blocks, subset=[])
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in (out / "metrics.jsonl", out / "index.json"):  # an interrupted run starts over
-        stale.unlink(missing_ok=True)
-    atomic_write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
-    atomic_write_text(out / ADAPTER_FILE, json.dumps({"base": str(base), "rank": rank, "alpha": 2 * rank}))
+        x, y = (torch.cat([b[i] for b in run.val_batches])[:heldout_windows].to(run.device) for i in (0, 1))
+        blocks = adapter_blocks(run.model)
+        monitor = CurvatureMonitor(
+            run.model, run.optimizer, make_loss_fn(run.model), [(x, y)], cfg.ckpt_every, blocks, subset=[]
+        )
 
-    def save(val_loss: float) -> None:
-        name = checkpoint_name(run.step)
-        save_checkpoint(out / name, {"step": run.step, "adapter": _adapter_state(model), "val_loss": val_loss})
-        add_to_index(out, run.step, val_loss, name)
+        def due(step: int) -> bool:  # the checkpoints of the stable phase, where runs are matched
+            return monitor.due(step) and schedule_phase(step, cfg) == "stable"
 
-    save(evaluate(run))
-    model.train()
-    with open(out / "metrics.jsonl", "a") as log:
-        for _ in progress_bar(range(cfg.steps), desc=f"adapt {cfg.optimizer}", disable=not progress, leave=False):
-            x, y = (t.to(device) for t in loader.next())
-            loss = token_cross_entropy(model(x), y)
-            if not torch.isfinite(loss):
-                raise TrainingDiverged(f"non-finite training loss at step {run.step + 1}")
-            loss.backward()
-            if cfg.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
-            measure = monitor is not None and monitor.due(run.step) and schedule_phase(run.step, cfg) == "stable"
-            before = monitor.snapshot() if measure else None
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.step += 1
-            record: dict[str, Any] = {"step": run.step, "train_loss": float(loss.detach())}
-            if before is not None:
-                row = monitor.measure_taken(run.step - 1, before)
-                log.write(json.dumps(row.to_dict()) + "\n")
-            if run.step % cfg.ckpt_every == 0 or run.step == cfg.steps:
-                record["val_loss"] = evaluate(run)
-                save(record["val_loss"])
-            log.write(json.dumps(record) + "\n")
-    return float(read_index(out)[-1]["val_loss"])
+    if not index:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / ADAPTER_FILE, json.dumps(reference))
+    result = train_loop(run, progress, curvature=monitor, measure_at=due, desc=f"adapt {cfg.optimizer}", leave=False)
+    return result.val_loss
 
 
 def curvature_rows(run: str | Path) -> dict[int, MonitorRow]:

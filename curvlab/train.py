@@ -2,8 +2,12 @@
 state the curvature analysis needs to reproduce the next step exactly.
 
 Read it top to bottom: config, setup (data, model, optimizer, schedule, loaders), resume, then the
-loop, which evaluates the validation loss on fixed windows and writes a checkpoint (atomically) every
-``ckpt_every`` steps, plus one at step 0. Metrics go to ``metrics.jsonl``.
+loop (:func:`train_loop`), which evaluates the validation loss on fixed windows and writes a checkpoint
+(atomically) every ``ckpt_every`` steps, plus one at step 0. Metrics go to ``metrics.jsonl``.
+
+The loop is the same for a full-model run (:func:`train`) and an adapter run (peft LoRA,
+:func:`curvlab.finetune.adapt`): it trains the model's trainable parameters with the run's optimizer;
+a run on a frozen base (``Run.base``) checkpoints those parameters and the base's reference only.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from curvlab.atomic import atomic_write_text
@@ -26,7 +32,7 @@ from curvlab.distributed import all_reduce_sum, barrier, device_for_rank, my_sha
 from curvlab.errors import CurvlabError
 from curvlab.loss import count_loss_terms, token_cross_entropy
 from curvlab.models.gpt import GPT, get_config
-from curvlab.monitor import MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
+from curvlab.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
 from curvlab.optimizers import build_optimizer
 from curvlab.progress import progress as progress_bar
 from curvlab.shadow import ShadowState, build_shadow
@@ -126,10 +132,15 @@ def pick_device(name: str) -> torch.device:
 
 @dataclass
 class Run:
-    """A training run's live objects, built from a config (and, on resume, a checkpoint)."""
+    """A training run's live objects, built from a config (and, on resume, a checkpoint).
+
+    ``base``: for a run that trains adapters on a frozen base model (JSON: where the base comes from
+    and how it is adapted), ``None`` for a full-model run. Its checkpoints hold the trainable
+    parameters (``"adapter"``) and this reference instead of the whole model (``"model"``).
+    """
 
     cfg: TrainConfig
-    model: GPT
+    model: nn.Module  # a GPT, or a peft model around one
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loader: TrainBatches
@@ -137,6 +148,7 @@ class Run:
     device: torch.device
     step: int = 0
     shadow: ShadowState | None = None
+    base: dict[str, Any] | None = None
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -170,8 +182,11 @@ def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1) -> Run:
 
 
 def restore(run: Run, ckpt: dict[str, Any]) -> None:
-    """Put a checkpoint's model, optimizer, scheduler, loader and RNG states into ``run``."""
-    run.model.load_state_dict(ckpt["model"])
+    """Put a checkpoint's model (or adapter), optimizer, scheduler, loader and RNG states into ``run``."""
+    if run.base is None:
+        run.model.load_state_dict(ckpt["model"])
+    else:
+        load_trainable_state(run.model, ckpt["adapter"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     run.scheduler.load_state_dict(ckpt["scheduler"])
     run.loader.load_state_dict(ckpt["data"])
@@ -219,12 +234,35 @@ def evaluate(run: Run) -> float:
     return float(sums[0] / sums[1])
 
 
+def trainable_state(model: nn.Module) -> dict[str, Tensor]:
+    """The trainable parameters (``requires_grad``) by name: an adapter run's checkpointed weights."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy ``state`` (from :func:`trainable_state`) into the model's trainable parameters.
+
+    Raises:
+        CurvlabError: the names differ from the model's trainable parameters (another adapter).
+    """
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(params) != set(state):
+        odd = sorted(set(params) ^ set(state))
+        raise CurvlabError(f"the checkpoint's adapter does not fit the model's trainable parameters ({odd[0]}, ...)")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(state[n])
+
+
 def checkpoint_payload(run: Run, val_loss: float, train_loss: float) -> dict[str, Any]:
+    if run.base is None:
+        weights = {"model_config": run.model.config.to_dict(), "model": run.model.state_dict()}
+    else:
+        weights = {"base": run.base, "adapter": trainable_state(run.model)}
     return {
         "step": run.step,
         "config": run.cfg.to_dict(),
-        "model_config": run.model.config.to_dict(),
-        "model": run.model.state_dict(),
+        **weights,
         "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "data": run.loader.state_dict(),
@@ -333,8 +371,12 @@ def train(
         cfg = replace(cfg, device=device_for_rank(cfg.device))
     if tensorboard is not None:
         summary_writer_class()  # a missing package is refused before anything runs
-    with contextlib.ExitStack() as stack:
-        return _train(cfg, progress, rank, world, monitor, tensorboard, stack)
+    run = build_run(cfg, rank, world)
+    curvature = None
+    if monitor is not None:
+        curvature = training_monitor(run.model, run.optimizer, run.val_batches, monitor, cfg.grad_clip)
+    stop = monitor is not None and monitor.stop_on_nonfinite
+    return train_loop(run, progress, rank, world, curvature, stop_on_nonfinite=stop, tensorboard=tensorboard)
 
 
 def check_resume(out: Path, cfg: TrainConfig) -> None:
@@ -349,10 +391,45 @@ def check_resume(out: Path, cfg: TrainConfig) -> None:
         raise CurvlabError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
 
 
-def _train(cfg: TrainConfig, progress: bool, rank: int, world: int, monitor, tensorboard, stack) -> TrainResult:
+def train_loop(
+    run: Run,
+    progress: bool = True,
+    rank: int = 0,
+    world: int = 1,
+    curvature: CurvatureMonitor | None = None,
+    measure_at: Callable[[int], bool] | None = None,
+    stop_on_nonfinite: bool = False,
+    tensorboard: str | Path | None = None,
+    desc: str | None = None,
+    leave: bool = True,
+) -> TrainResult:
+    """Train (or resume) ``run`` (from :func:`build_run`, or an adapter run) in ``run.cfg.out`` to
+    ``run.cfg.steps``: the loop of :func:`train`, which describes it.
+
+    A step: next batch, loss, a non-finite check, backward, gradient clipping over the trainable
+    parameters (``grad_clip``), optimizer step, schedule step; the validation loss every
+    ``eval_every`` steps and a checkpoint every ``ckpt_every`` steps (and at the end). An existing
+    run in ``out`` is resumed from its last checkpoint under the same config (:func:`check_resume`),
+    bit for bit: weights, optimizer, schedule, loader and RNG states are all checkpointed.
+
+    With ``curvature``, the step taken from step k is measured when ``measure_at(k)`` (default
+    ``curvature.due``) and written to ``metrics.jsonl`` as a row of kind ``"curvature"``.
+
+    Raises:
+        CurvlabError: a resume with a different config, a corrupt checkpoint.
+        TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
+        NonFiniteCurvature: a non-finite curvature row, with ``stop_on_nonfinite``.
+    """
+    with contextlib.ExitStack() as stack:  # (holds the TensorBoard writer)
+        return _loop(
+            run, progress, rank, world, curvature, measure_at, stop_on_nonfinite, tensorboard, desc, leave, stack
+        )
+
+
+def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorboard, desc, leave, stack) -> TrainResult:
+    cfg = run.cfg
     out = Path(cfg.out)
     is_main = rank == 0
-    run = build_run(cfg, rank, world)
     index = read_index(out)
     barrier()  # every rank has decided whether to resume before rank 0 writes anything
     resumed_from = 0
@@ -374,14 +451,14 @@ def _train(cfg: TrainConfig, progress: bool, rank: int, world: int, monitor, ten
         writer = stack.enter_context(contextlib.closing(summary_writer_class()(log_dir=str(tensorboard))))
     forward = DistributedDataParallel(run.model) if world > 1 else run.model  # averages the gradients
     forward = torch.compile(forward) if cfg.compile else forward
-    curvature = None
-    if monitor is not None:
-        curvature = training_monitor(run.model, run.optimizer, run.val_batches, monitor, cfg.grad_clip)
+    due = measure_at if measure_at is not None else curvature.due if curvature is not None else None
     run.model.train()
+    trainable = [p for p in run.model.parameters() if p.requires_grad]  # (an adapter run: the adapters)
     tokens_per_step = cfg.batch_size * run.loader.seq_len
     val_loss, elapsed, steps_done = float("nan"), 0.0, 0
     shown_val = float("nan")
-    bar = progress_bar(range(run.step, cfg.steps), desc=f"train {cfg.optimizer}", disable=not (progress and is_main))
+    desc = desc or f"train {cfg.optimizer}"
+    bar = progress_bar(range(run.step, cfg.steps), desc=desc, disable=not (progress and is_main), leave=leave)
     with open(metrics_path, "a") if is_main else contextlib.nullcontext() as log:
         for _ in bar:
             start = time.perf_counter()
@@ -396,11 +473,11 @@ def _train(cfg: TrainConfig, progress: bool, rank: int, world: int, monitor, ten
                 raise TrainingDiverged(f"non-finite training loss at step {run.step + 1}; last good checkpoint: {last}")
             loss.backward()
             if cfg.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+                torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
             if run.shadow is not None:  # the gradient the optimizer sees (clipped); reads it, changes nothing
                 run.shadow.update_from(run.model)
             lr = run.optimizer.param_groups[0]["lr"]
-            before = curvature.snapshot() if curvature is not None and curvature.due(run.step) else None
+            before = curvature.snapshot() if due is not None and due(run.step) else None
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
@@ -422,7 +499,7 @@ def _train(cfg: TrainConfig, progress: bool, rank: int, world: int, monitor, ten
             if before is not None:  # every rank measures (the held-out batches are shared out); rank 0 writes
                 row = curvature.measure_taken(run.step - 1, before)
                 _write_scalars(writer, row.step, row.scalars())
-                _record_curvature(row, log, monitor.stop_on_nonfinite)
+                _record_curvature(row, log, stop)
             if checkpoint_now:
                 _save(run, out, val_loss, train_loss, is_main)
             tps = tokens_per_step * steps_done / max(elapsed, 1e-9)
