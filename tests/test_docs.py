@@ -16,12 +16,15 @@ code cites the development-only SCIENCE.md/ARCHITECTURE.md or a path outside the
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 import typer.main
 from typer.core import TyperArgument, TyperGroup, TyperOption
 from typer.testing import CliRunner
@@ -35,7 +38,8 @@ CODE_SUFFIXES = {".py", ".ipynb", ".md", ".json", ".toml", ".txt"}
 MAX_NOT_RUN = 3  # marks must stay rare: raise this only with a reason in the mark itself
 
 FENCE = re.compile(r"^```([\w-]*)[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
-NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->\s*\Z", re.DOTALL)
+NOT_RUN = re.compile(r"<!--\s*not run:\s*([^>]*?)\s*-->\s*\Z")
+TORCHRUN = re.compile(r"<!--\s*run as one torchrun process\b[^>]*-->\s*\Z")
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 CITATION = re.compile(
     r"science\.md[\s\"'#*,]*(?:\\n[\s\"',]*)?(?:§|sections?)\s*(\d+(?:\s*(?:-|–|,|and)\s*\d+)*)", re.IGNORECASE
@@ -49,6 +53,7 @@ class Block:
     lang: str
     code: str
     not_run: str | None  # the reason given in the mark, or None when the block must run
+    torchrun: bool = False  # run as the one process of ``torchrun --nproc_per_node 1`` would
 
     @property
     def where(self) -> str:
@@ -59,9 +64,11 @@ def blocks(page: Path) -> list[Block]:
     text = page.read_text()
     out = []
     for m in FENCE.finditer(text):
-        mark = NOT_RUN.search(text[max(0, m.start() - 300) : m.start()])
+        before = text[max(0, m.start() - 300) : m.start()]
+        mark = NOT_RUN.search(before)
         line = text.count("\n", 0, m.start()) + 1
-        out.append(Block(page, line, m.group(1).lower(), m.group(2), mark.group(1) if mark else None))
+        lang, code = m.group(1).lower(), m.group(2)
+        out.append(Block(page, line, lang, code, mark.group(1) if mark else None, bool(TORCHRUN.search(before))))
     return out
 
 
@@ -77,6 +84,23 @@ def page_id(page: Path) -> str:
 # --- python examples ------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def one_process_torchrun(monkeypatch):
+    """The environment ``torchrun --standalone --nproc_per_node 1`` gives its one process; the process
+    group a block sets up in it is torn down after."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    for key, value in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("page", PYTHON_PAGES, ids=page_id)
 def test_python_examples_run(page, tmp_path, monkeypatch):
     """The page's python blocks, in order, in one namespace and a scratch working directory."""
@@ -84,7 +108,12 @@ def test_python_examples_run(page, tmp_path, monkeypatch):
     namespace: dict = {"__name__": "__docs__"}
     for block in (b for b in blocks(page) if b.lang == "python"):
         code = compile(block.code, block.where, "exec")  # every block, marked or not, is valid Python
-        if block.not_run is None:
+        if block.not_run is not None:
+            continue
+        if block.torchrun:
+            with one_process_torchrun(monkeypatch):
+                exec(code, namespace)
+        else:
             exec(code, namespace)
 
 
