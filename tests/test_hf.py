@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 from pathlib import Path
 
 import numpy as np
@@ -481,19 +480,3 @@ def test_nds_command_on_a_trainer_checkpoint(trainer_run, tmp_path):
     torch.save({"args": Path("elsewhere")}, broken / "training_args.bin")  # a pickle naming a foreign class
     r = runner.invoke(app, ["nds", str(broken), "--data", str(data)])
     assert r.exit_code == 2 and "refusing to unpickle" in r.output
-
-
-# --- README ----------------------------------------------------------------------------------------
-
-
-def readme_examples() -> list[str]:
-    """The runnable examples: the README's library example and every block of docs/own-model.md."""
-    root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text().split("## The library in ten lines", 1)[1].split("\n## ", 1)[0]
-    text = readme + (root / "docs" / "own-model.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
-
-
-@pytest.mark.parametrize("index", range(len(readme_examples())))
-def test_readme_examples_run(index):
-    exec(compile(readme_examples()[index], f"README example {index}", "exec"), {})
