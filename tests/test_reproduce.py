@@ -9,8 +9,7 @@ import pytest
 from nbclient import NotebookClient
 
 from curvlab.report import (
-    README_BEGIN,
-    README_END,
+    readme_markers,
     render_readme_results,
     render_readme_teaser,
     update_readme,
@@ -258,11 +257,13 @@ def test_report_and_readme_render_the_summary(micro, tmp_path):
             if p.endswith(".png"):
                 assert f"({p})" in report
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n## Results\n\n{README_BEGIN}\nold table\n{README_END}\n\n## Next\n")
+    begin, end = readme_markers(summary.preset)
+    other = "\n".join(readme_markers("standard"))  # another preset's section is left alone
+    readme.write_text(f"# x\n\n## Results\n\n{begin}\nold table\n{end}\n\n{other}\n\n## Next\n")
     page = tmp_path / "docs" / "results.md"
     update_readme(out, readme, tmp_path / "docs" / "results", page=page)
     text = readme.read_text()
-    assert "old table" not in text and text.startswith("# x\n") and text.endswith("## Next\n")
+    assert "old table" not in text and text.startswith("# x\n") and text.endswith(f"{other}\n\n## Next\n")
     loaded = Summary.load(out / "summary.json")
     assert render_readme_teaser(loaded, "docs/results", "docs/results.md") in text  # links relative to the README
     assert render_readme_results(loaded, "results") in page.read_text()  # ... and to the page
