@@ -57,7 +57,7 @@ from curvlab.errors import CurvlabError
 from curvlab.jobs import Job
 from curvlab.lora import adapter_blocks
 from curvlab.loss import make_loss_fn, token_cross_entropy
-from curvlab.match import match_runs
+from curvlab.match import MatchSettings, match_runs
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
 from curvlab.optimizers import build_optimizer
@@ -123,10 +123,11 @@ class FinetunePreset:
 
     @property
     def tuning_settings(self) -> TuningSettings:
-        return TuningSettings(
-            dict(self.lr_centers), self.grid_points, self.tune_seeds, self.tune_seed_base, self.tune_steps,
-            self.max_extensions,
-        )  # fmt: skip
+        return TuningSettings.of(self, self.tune_steps)
+
+    @property
+    def matching(self) -> MatchSettings:
+        return MatchSettings(self.levels, self.tolerance, self.window)  # in the stable phase, as the main comparison
 
     def validate(self) -> None:
         if self.seeds < 1:
@@ -548,19 +549,19 @@ def compare_adapters(
 ) -> list[AdapterComparison]:
     """Per seed, AdamW's run against each Muon variant's at matched validation loss in the stable
     phase, each side averaged over its window (:func:`curvlab.match.match_runs`)."""
-    comparisons = []
+    comparisons, m = [], preset.matching
     for variant in MUON_VARIANTS:
         levels, refused = [], []
         for seed in seeds:
             a, b = runs[("adamw", seed)], runs[(variant, seed)]
             try:
-                m = match_runs(a, b, preset.levels, preset.tolerance, phase="stable", window_width=preset.window)
+                matched = match_runs(a, b, m.levels, m.tolerance, phase=m.phase, window_width=m.window)
             except CurvlabError as e:
                 refused.append(f"seed {seed}: {e}")
                 continue
-            refused += [f"seed {seed}: {r}" for r in m.refused]
+            refused += [f"seed {seed}: {r}" for r in matched.refused]
             rows_a, rows_b = curvature_rows(a), curvature_rows(b)
-            for pair in m.pairs:
+            for pair in matched.pairs:
                 wa, wb = [c.step for c in pair.window_a], [c.step for c in pair.window_b]
                 levels.append(
                     AdapterLevel(

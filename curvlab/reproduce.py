@@ -50,7 +50,7 @@ from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError
 from curvlab.finetune import Finetune, with_preset
 from curvlab.jobs import Job
-from curvlab.match import PLATEAU_FRACTION, NoMatchedLevel, plateau_ceiling
+from curvlab.match import PLATEAU_FRACTION, MatchSettings, NoMatchedLevel, plateau_ceiling
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim import default_muon_rule, matrix_shape, muon_scale
 from curvlab.paper import PRIMARY, REFERENCE_TRAINING
@@ -167,13 +167,14 @@ class Preset:
 
     @property
     def tuning_settings(self) -> TuningSettings:
-        return TuningSettings(
-            dict(self.lr_centers), self.grid_points, self.tune_seeds, self.tune_seed_base, self.tuning_steps,
-            self.max_extensions,
-        )  # fmt: skip
+        return TuningSettings.of(self, self.tuning_steps)
 
     def tuning_seeds(self) -> list[int]:
         return self.tuning_settings.seeds()
+
+    @property
+    def matching(self) -> MatchSettings:
+        return MatchSettings(self.compare_levels, self.tolerance, self.window, self.phase)
 
     def check_seed_list(self) -> list[int]:
         return [self.check_seed_base + i for i in range(self.check_seeds)]
@@ -618,13 +619,13 @@ class Reproduction(Job):
     def _compare(self, name: str, seed: int, run_a: Path, run_b: Path, plateau: float, out: str) -> ComparisonRecord:
         """One matched comparison at the first s (``name`` "adamw/<arm>", or "<arm>/<arm>" for an A/A
         pair of two seeds), or the reason there is none."""
-        p = self.preset
+        p, m = self.preset, self.preset.matching
         s0 = p.s_values[0]
         try:
             with self.clock("compare"):
                 c = compare_runs(
-                    run_a, run_b, self.out / "analysis" / out, p.compare_levels, p.tolerance,
-                    self._settings(p.analysis_batches), progress=self.progress, phase=p.phase, window=p.window,
+                    run_a, run_b, self.out / "analysis" / out, m.levels, m.tolerance,
+                    self._settings(p.analysis_batches), progress=self.progress, phase=m.phase, window=m.window,
                     plateau_ceiling=plateau, cache=self.out / "analysis" / "reports",
                 )  # fmt: skip
             return ComparisonRecord(name, seed, s0, c)
@@ -724,9 +725,10 @@ class Reproduction(Job):
             )  # fmt: skip
             train(cfg, progress=self.progress)
             runs[arm] = run
+        m = p.matching
         compare = compare_runs(
-            runs["adamw"], runs["muon"], self.out / "analysis" / "compare-fineweb", p.compare_levels, p.tolerance,
-            self._settings(p.analysis_batches), progress=self.progress, phase=p.phase, window=p.window,
+            runs["adamw"], runs["muon"], self.out / "analysis" / "compare-fineweb", m.levels, m.tolerance,
+            self._settings(p.analysis_batches), progress=self.progress, phase=m.phase, window=m.window,
             cache=self.out / "analysis" / "reports",
         )  # fmt: skip
         self._say(f"FineWeb: compared at {len(compare.levels)} matched levels")

@@ -162,6 +162,12 @@ class TuningSettings:
     horizon_steps: int
     max_extensions: int
 
+    @classmethod
+    def of(cls, preset: Any, horizon_steps: int) -> TuningSettings:
+        """The settings of a job preset with same-named fields (``lr_centers``, ``grid_points``, ...)."""
+        names = ("grid_points", "tune_seeds", "tune_seed_base")
+        return cls(dict(preset.lr_centers), *(getattr(preset, k) for k in names), horizon_steps, preset.max_extensions)
+
     def seeds(self) -> list[int]:
         return [self.tune_seed_base + i for i in range(self.tune_seeds)]
 
