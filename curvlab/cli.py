@@ -514,9 +514,9 @@ def spectrum(
     for name, t in result.traces().items():
         typer.echo(f"trace ({name}): {t.trace:.6g} ± {t.std_error:.2g} ({t.num_matvecs} HVPs)")
     if out:
-        from curvlab.atomic import atomic_write_text
+        from curvlab import schema
 
-        atomic_write_text(out / "spectrum.json", json.dumps(result.to_dict(), indent=1))
+        schema.save(out / "spectrum.json", result)
         written = [out / "spectrum.json"]
         if result.density is not None:
             from curvlab.plots import spectral_density_plot

@@ -41,13 +41,13 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from curvlab import plots, report
+from curvlab import plots, report, schema
 from curvlab import statistics as st
 from curvlab.atomic import atomic_write_text
 from curvlab.blocks import hidden_matrices
@@ -55,18 +55,17 @@ from curvlab.checkpoint import load_checkpoint, read_index
 from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, validation_batches
 from curvlab.errors import CurvlabError
-from curvlab.jobs import StageClock, guard_config, record_invocation
+from curvlab.jobs import Job
 from curvlab.lora import adapter_blocks
 from curvlab.loss import make_loss_fn
-from curvlab.match import match_runs
+from curvlab.match import MatchSettings, match_runs
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
 from curvlab.optimizers import build_optimizer
-from curvlab.studies import RATIO_KEYS, load_typed, monitor_rows
+from curvlab.studies import RATIO_KEYS, monitor_rows
 from curvlab.train import (
     Run,
     TrainConfig,
-    TrainingDiverged,
     config_difference,
     lr_multiplier,
     pick_device,
@@ -74,7 +73,7 @@ from curvlab.train import (
     train,
     train_loop,
 )
-from curvlab.tuning import TUNING_SCHEMA_VERSION, LrSearch, log2_grid, search_lr
+from curvlab.tuning import TuningRecord, TuningSettings
 
 FINETUNE_SCHEMA_VERSION = 1
 ADAPTER_ARMS = ("adamw", "smuon", "lora-muon", "per-factor-muon")
@@ -109,6 +108,7 @@ class FinetunePreset:
     )
     grid_points: int = 5
     tune_seeds: int = 2
+    tune_seed_base: int = 1000  # tuning seeds tune_seed_base, ... (disjoint from the measured ones)
     tune_steps: int = 60
     max_extensions: int = 2
     ckpt_every: int = 4
@@ -120,9 +120,18 @@ class FinetunePreset:
     n_boot: int = 2000
     device: str = "cpu"
 
+    @property
+    def tuning_settings(self) -> TuningSettings:
+        return TuningSettings.of(self, self.tune_steps)
+
+    @property
+    def matching(self) -> MatchSettings:
+        return MatchSettings(self.levels, self.tolerance, self.window)  # in the stable phase, as the main comparison
+
     def validate(self) -> None:
-        if self.seeds < 1 or self.tune_seeds < 1 or self.grid_points < 2:
-            raise CurvlabError("a fine-tuning preset needs seeds >= 1, tune_seeds >= 1 and grid_points >= 2")
+        if self.seeds < 1:
+            raise CurvlabError("a fine-tuning preset needs seeds >= 1")
+        self.tuning_settings.validate(self.seeds)
         missing = sorted(set(ADAPTER_ARMS) - set(self.lr_centers))
         if missing:
             raise CurvlabError(f"lr_centers lacks {', '.join(missing)}")
@@ -444,6 +453,9 @@ class FinetuneEntry:
 class FinetuneResult:
     """Everything ``curvlab finetune`` measured (``finetune.json``, ``FINETUNE_SCHEMA_VERSION``)."""
 
+    SCHEMA_VERSION: ClassVar[int] = FINETUNE_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "fine-tuning results"
+
     preset: dict[str, Any]
     base: str
     chosen_lr: dict[str, float]
@@ -464,8 +476,7 @@ class FinetuneResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FinetuneResult:
-        if d.get("schema_version") != FINETUNE_SCHEMA_VERSION:
-            raise CurvlabError(f"fine-tuning results schema {d.get('schema_version')} is not {FINETUNE_SCHEMA_VERSION}")
+        schema.check(d, cls)
         return cls(
             d["preset"],
             d["base"],
@@ -482,7 +493,7 @@ class FinetuneResult:
 
     @classmethod
     def load(cls, path: str | Path) -> FinetuneResult:
-        return load_typed(path, cls.from_dict, "fine-tuning results")
+        return schema.load(path, cls)
 
 
 # (name, quantity, numerator (arm, key), denominator (arm, key)): every summary number is a ratio
@@ -544,19 +555,19 @@ def compare_adapters(
 ) -> list[AdapterComparison]:
     """Per seed, AdamW's run against each Muon variant's at matched validation loss in the stable
     phase, each side averaged over its window (:func:`curvlab.match.match_runs`)."""
-    comparisons = []
+    comparisons, m = [], preset.matching
     for variant in MUON_VARIANTS:
         levels, refused = [], []
         for seed in seeds:
             a, b = runs[("adamw", seed)], runs[(variant, seed)]
             try:
-                m = match_runs(a, b, preset.levels, preset.tolerance, phase="stable", window_width=preset.window)
+                matched = match_runs(a, b, m.levels, m.tolerance, phase=m.phase, window_width=m.window)
             except CurvlabError as e:
                 refused.append(f"seed {seed}: {e}")
                 continue
-            refused += [f"seed {seed}: {r}" for r in m.refused]
+            refused += [f"seed {seed}: {r}" for r in matched.refused]
             rows_a, rows_b = curvature_rows(a), curvature_rows(b)
-            for pair in m.pairs:
+            for pair in matched.pairs:
                 wa, wb = [c.step for c in pair.window_a], [c.step for c in pair.window_b]
                 levels.append(
                     AdapterLevel(
@@ -575,8 +586,12 @@ def compare_adapters(
 # -- the job ----------------------------------------------------------------------------------------
 
 
-class Finetune:
+class Finetune(Job):
     """One fine-tuning comparison in one output directory (see the module docstring)."""
+
+    TAG = "finetune"
+    CONFIG_FILE = "finetune-config.json"
+    WHAT = "a fine-tuning comparison"
 
     def __init__(
         self,
@@ -587,10 +602,11 @@ class Finetune:
         progress: bool = True,
     ):
         preset.validate()
-        self.preset, self.out, self.progress = preset, Path(out), progress
+        super().__init__(out, progress)
+        self.preset = preset
         self.base = Path(base) if base else None
         self.data_dir = Path(data) if data else None
-        self.clock = StageClock()
+        self._tuning_base: Path | None = None  # the base checkpoint or run the tuning runs adapt (tune())
         # a missing or incompatible base, or a rank that does not fit, fails now, not after the data
         model = (
             load_base(self.base)[0]
@@ -601,13 +617,11 @@ class Finetune:
         if self.data_dir is not None:
             check_vocab(self.data_dir, model)
 
-    def _say(self, message: str) -> None:
-        if self.progress:
-            print(f"[finetune] {message}", flush=True)
+    def config(self) -> dict[str, Any]:
+        return {"preset": asdict(self.preset), "base": str(self.base), "data": str(self.data_dir)}
 
-    def _check_config(self) -> None:
-        config = {"preset": asdict(self.preset), "base": str(self.base), "data": str(self.data_dir)}
-        guard_config(self.out / "finetune-config.json", config, "a fine-tuning comparison")
+    def tuning_settings(self) -> TuningSettings:
+        return self.preset.tuning_settings
 
     def prepare(self) -> tuple[Path, Path]:
         """(the s = 1 adaptation data, the base checkpoint or run): made here unless given."""
@@ -687,45 +701,23 @@ class Finetune:
             device=p.device,
         )
 
-    def _tuning_loss(self, data: Path, base: Path, arm: str, lr: float, seed: int) -> float:
-        p = self.preset
-        run = self.out / "runs" / "tune" / arm / f"lr{lr:g}-seed{seed}"
-        cfg = self._config(data, run, arm, lr, seed, p.tune_steps, p.tune_steps)
-        try:
-            loss = adapt(cfg, base, p.rank, None, progress=self.progress)
-        except TrainingDiverged:
-            return math.inf
-        for ckpt in run.glob("ckpt_*.pt"):
-            ckpt.unlink()
-        return loss if math.isfinite(loss) else math.inf
+    def _short_run(self, data: Path, run: Path, arm: str, options: dict[str, float], seed: int, steps: int) -> float:
+        cfg = self._config(data, run, arm, options["lr"], seed, steps, steps)
+        return adapt(cfg, self._tuning_base, self.preset.rank, None, progress=self.progress)
 
-    def tune(self, data: Path, base: Path) -> dict[str, Any]:
-        """Every arm's learning rate: the same grid shape, seeds, horizon and extension rule."""
-        p = self.preset
-        path = self.out / "tuning.json"
-        if path.is_file():
-            return json.loads(path.read_text())
-        seeds = list(range(p.tune_seeds))
-        searches: dict[str, LrSearch] = {}
-        for arm in ADAPTER_ARMS:
-            searches[f"{arm}.lr"] = search_lr(
-                lambda lr, seed, arm=arm: self._tuning_loss(data, base, arm, lr, seed),
-                log2_grid(p.lr_centers[arm], p.grid_points),
-                seeds,
-                f"{arm}.lr",
-                p.max_extensions,
-            )
-            self._say(f"tuned {arm}: lr {searches[f'{arm}.lr'].chosen:g}")
-        tuning = {
-            "schema_version": TUNING_SCHEMA_VERSION,
-            "tuned_on_s": 1.0,
-            "horizon_steps": p.tune_steps,
-            "seeds": seeds,
-            "searches": {k: v.to_dict() for k, v in searches.items()},
-            "chosen": {arm: {"lr": searches[f"{arm}.lr"].chosen} for arm in ADAPTER_ARMS},
-        }
-        atomic_write_text(path, json.dumps(tuning, indent=1))
-        return tuning
+    def tune(self, data: Path, base: Path) -> TuningRecord:
+        """Every arm's learning rate: the same grid shape, seeds, horizon and extension rule
+        (:meth:`curvlab.jobs.Job._search`)."""
+        saved = self.saved_tuning()
+        if saved is not None:
+            return saved
+        self._tuning_base = base
+        t = self.tuning_settings()
+        seeds = t.seeds()
+        searches = {f"{arm}.lr": self._search(data, arm, "lr", t.grid(arm), {}, t.max_extensions, seeds)
+                    for arm in ADAPTER_ARMS}  # fmt: skip
+        chosen = {arm: {"lr": searches[f"{arm}.lr"].chosen} for arm in ADAPTER_ARMS}
+        return self.save_tuning(TuningRecord("search", 1.0, t.horizon_steps, seeds, searches, chosen))
 
     def adapt_all(self, data: Path, base: Path, chosen: dict[str, dict[str, float]]) -> dict[tuple[str, int], Path]:
         p = self.preset
@@ -759,14 +751,13 @@ class Finetune:
         return notes
 
     def run(self) -> FinetuneResult:
-        self.clock = StageClock()
-        self._check_config()
+        self.start()
         with self.clock("prepare"):
             data, base = self.prepare()
         with self.clock("tune"):
             tuning = self.tune(data, base)
         with self.clock("adapt"):
-            runs = self.adapt_all(data, base, tuning["chosen"])
+            runs = self.adapt_all(data, base, tuning.chosen)
         with self.clock("compare"):
             comparisons = compare_adapters(runs, list(range(self.preset.seeds)), self.preset)
             entries = estimates(comparisons, self.preset.n_boot)
@@ -774,11 +765,11 @@ class Finetune:
             arm: [float(read_index(runs[(arm, s)])[-1]["val_loss"]) for s in range(self.preset.seeds)]
             for arm in ADAPTER_ARMS
         }
-        timing = record_invocation(self.out / "timing.json", self.clock.invocation())
+        timing = self.timing()
         result = FinetuneResult(
             asdict(self.preset),
             str(base),
-            {a: v["lr"] for a, v in tuning["chosen"].items()},
+            {a: v["lr"] for a, v in tuning.chosen.items()},
             comparisons,
             entries,
             final,

@@ -1,5 +1,9 @@
 """A resumable job in one output directory: what ``curvlab reproduce`` and ``curvlab finetune`` share.
 
+* :class:`Job`: the base of both jobs (:class:`curvlab.reproduce.Reproduction`,
+  :class:`curvlab.finetune.Finetune`): the output directory and its config guard, the stage clock
+  and the invocation times, progress lines, and the learning-rate tuning machinery, with one
+  short-run objective and one policy for a run that diverges (:meth:`Job._tuning_loss`).
 * :func:`guard_config`: the directory belongs to one configuration; a re-run with the same one
   continues it, any other is refused (results of two configurations are never mixed).
 * :class:`StageClock`: wall and CPU seconds per stage, and the machine's load at the end of each.
@@ -12,16 +16,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from curvlab.atomic import atomic_write_text
+from curvlab import schema
+from curvlab.atomic import atomic_write_json, atomic_write_text
+from curvlab.checkpoint import read_index
 from curvlab.errors import CurvlabError
+from curvlab.train import TrainingDiverged
+from curvlab.tuning import LrSearch, TuningRecord, TuningSettings, search_lr
 
 CONDITIONS = ("load", "threads", "cpus")
 
@@ -86,3 +95,112 @@ def record_invocation(path: Path, invocation: dict[str, float]) -> dict[str, flo
     timing.update({k: float(longest[k]) for k in CONDITIONS if k in longest})
     timing["invocations"] = len(invocations)
     return timing
+
+
+DIVERGED = "diverged.json"  # in a tuning run that diverged: a re-run scores it +inf without training it again
+
+
+class Job:
+    """One job in one output directory ``out``: a subclass names its progress tag (``TAG``), its config
+    file (``CONFIG_FILE``) and what its results are (``WHAT``), and gives its configuration
+    (:meth:`config`), its tuning settings (:meth:`tuning_settings`) and one short training run
+    (:meth:`_short_run`). The base keeps the rest: the guard that one directory holds one
+    configuration, the stage clock, the invocation times (``timing.json``), progress lines, and the
+    learning-rate searches on the short-run objective (:meth:`_tuning_loss`, :meth:`_search`)."""
+
+    TAG: ClassVar[str] = "job"
+    CONFIG_FILE: ClassVar[str] = "job.json"
+    WHAT: ClassVar[str] = "a job"
+
+    def __init__(self, out: str | Path, progress: bool = True):
+        self.out, self.progress = Path(out), progress
+        self.log: list[str] = []
+        self.clock = StageClock()
+
+    # -- what a subclass gives ----------------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        """Everything the directory's results depend on (JSON-able)."""
+        raise NotImplementedError
+
+    def tuning_settings(self) -> TuningSettings:
+        raise NotImplementedError
+
+    def _short_run(self, data: Path, run: Path, arm: str, options: dict[str, float], seed: int, steps: int) -> float:
+        """Train one tuning run of ``steps`` steps into ``run``; its final validation loss. May raise
+        :class:`~curvlab.train.TrainingDiverged`."""
+        raise NotImplementedError
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def what(self) -> str:
+        """What the directory holds, for the guard's message."""
+        return self.WHAT
+
+    def _check_config(self) -> None:
+        guard_config(self.out / self.CONFIG_FILE, self.config(), self.what())
+
+    def _say(self, message: str) -> None:
+        self.log.append(message)
+        if self.progress:
+            print(f"[{self.TAG}] {message}", flush=True)
+
+    def start(self) -> None:
+        """A fresh invocation: its clock starts, and the directory's configuration is checked."""
+        self.clock = StageClock()
+        self._check_config()
+
+    def timing(self) -> dict[str, float]:
+        """Record this invocation's times in ``timing.json``; the job's, over every invocation."""
+        return record_invocation(self.out / "timing.json", self.clock.invocation())
+
+    # -- tuning -------------------------------------------------------------------------------
+
+    @property
+    def tuning_path(self) -> Path:
+        return self.out / "tuning.json"
+
+    def saved_tuning(self) -> TuningRecord | None:
+        """The tuning a previous invocation finished (``tuning.json``), or ``None``."""
+        return schema.load(self.tuning_path, TuningRecord) if self.tuning_path.is_file() else None
+
+    def save_tuning(self, record: TuningRecord) -> TuningRecord:
+        schema.save(self.tuning_path, record)
+        return record
+
+    def _tuning_loss(self, data: Path, arm: str, options: dict[str, float], seed: int) -> float:
+        """The final validation loss of one short tuning run (``runs/tune/<arm>/<options>-seed<k>``).
+
+        A run that diverges scores +inf and leaves ``diverged.json`` (its error), so that a re-run
+        scores it again without training it; a finished run is read back from its index. Either way
+        its checkpoints are deleted once it is done (the index, config and metrics stay): a search
+        trains many runs and keeps only their losses."""
+        tag = "-".join(f"{k}{v:g}" for k, v in sorted(options.items()))
+        run = self.out / "runs" / "tune" / arm / f"{tag}-seed{seed}"
+        if (run / DIVERGED).is_file():
+            return math.inf
+        steps = self.tuning_settings().horizon_steps
+        index = read_index(run)
+        if index and index[-1]["step"] == steps and not (run / index[-1]["path"]).exists():
+            return float(index[-1]["val_loss"])  # finished before; its checkpoints were cleaned up
+        try:
+            loss = self._short_run(data, run, arm, options, seed, steps)
+        except TrainingDiverged as e:
+            atomic_write_json(run / DIVERGED, {"error": str(e)})
+            loss = math.inf
+        for ckpt in run.glob("ckpt_*.pt"):
+            ckpt.unlink()
+        return loss if math.isfinite(loss) else math.inf
+
+    def _search(
+        self, data: Path, arm: str, knob: str, grid: list[float], fixed: dict, extensions: int, seeds: list[int]
+    ) -> LrSearch:
+        """:func:`~curvlab.tuning.search_lr` of ``arm``'s option ``knob`` (the others ``fixed``) on
+        :meth:`_tuning_loss`."""
+        result = search_lr(
+            lambda lr, seed: self._tuning_loss(data, arm, {**fixed, knob: lr}, seed),
+            grid, seeds, f"{arm}.{knob}", extensions, fixed,
+        )  # fmt: skip
+        grid = ", ".join(f"{x:g}" for x in sorted(result.grid))
+        self._say(f"{arm} {knob}: best {result.chosen:g} on the grid {grid}")
+        return result

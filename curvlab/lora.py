@@ -67,7 +67,14 @@ import torch
 from torch import Tensor, nn
 
 from curvlab.errors import CurvlabError
-from curvlab.optim import LORA_OPTIMIZERS, CombinedOptimizer, _evaluate, _reject_unknown, muon_scale
+from curvlab.optim import (
+    ADAM_SIDE_DEFAULTS,
+    LORA_OPTIMIZERS,
+    CombinedOptimizer,
+    _evaluate,
+    _reject_unknown,
+    muon_scale,
+)
 from curvlab.polar import METHODS as POLAR_METHODS
 from curvlab.polar import msign
 
@@ -499,7 +506,7 @@ def build_lora_optimizer(name: str, model: nn.Module, **hyperparameters: Any) ->
     Options: ``lr`` (0.02), ``momentum`` (0.95), ``nesterov`` (True), ``weight_decay`` (0, split),
     ``ns_steps`` (5), ``scale`` ("original"), ``polar`` ("newton_schulz"), ``polar_dtype`` (bfloat16),
     ``eps``; and ``adam_lr`` (0.0018), ``adam_betas`` ((0.9, 0.95)), ``adam_eps`` (1e-8),
-    ``adam_weight_decay`` (0) for the AdamW side.
+    ``adam_weight_decay`` (0) for the AdamW side (:data:`curvlab.optim.ADAM_SIDE_DEFAULTS`, as Muon's).
 
     Raises:
         CurvlabError: an unknown name or option; a model without trainable LoRA layers; a rank larger
@@ -508,8 +515,7 @@ def build_lora_optimizer(name: str, model: nn.Module, **hyperparameters: Any) ->
     if name not in _CLASSES:
         raise CurvlabError(f"unknown adapter optimizer {name!r}; choose one of {', '.join(LORA_OPTIMIZERS)}")
     hp = dict(hyperparameters)
-    adam = {k: hp.pop(k, v) for k, v in {"adam_lr": 0.0018, "adam_betas": (0.9, 0.95)}.items()}
-    adam |= {k: hp.pop(k, v) for k, v in {"adam_eps": 1e-8, "adam_weight_decay": 0.0}.items()}
+    adam = {k: hp.pop(k, v) for k, v in ADAM_SIDE_DEFAULTS.items()}
     known = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "scale", "polar", "polar_dtype", "eps")
     _reject_unknown(name, {k: v for k, v in hp.items() if k not in known})
     layers = lora_layers(model)

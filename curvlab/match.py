@@ -45,6 +45,18 @@ PHASES = ("stable", "multiplier", "any")
 PLATEAU_FRACTION = 0.05  # a loss within 5% of the unigram entropy sits on the unigram plateau
 
 
+@dataclass(frozen=True)
+class MatchSettings:
+    """How a job pairs two runs (:func:`match_runs`): ``levels`` target losses in the schedule ``phase``,
+    each matched within ``tolerance`` (relative) and averaged over a window of up to ``2 window + 1``
+    checkpoints."""
+
+    levels: int
+    tolerance: float
+    window: int
+    phase: str = "stable"
+
+
 class NoMatchedLevel(CurvlabError):
     """Two runs that can't be compared at matched loss: no stable phase, losses that never overlap, or no
     pair of checkpoints within the tolerance. A fact about the runs, not a broken file: a study records it

@@ -38,6 +38,11 @@ from curvlab.roles import parameter_roles, stored_transposed
 from curvlab.sharded import gathering_loss
 from curvlab.sharded_optim import sharded_polar_factors
 
+# AdamW's defaults (docs/science.md section 4: the paper's reference AdamW), and those of the AdamW side of
+# every hybrid (Muon's, and the LoRA optimizers' in curvlab.lora): the same, the side tied to AdamW's lr
+ADAMW_DEFAULTS = {"lr": 0.0018, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+ADAM_SIDE_DEFAULTS = {f"adam_{k}": v for k, v in ADAMW_DEFAULTS.items()}
+
 SCALES = ("original", "moonlight", "spectral")
 OPTIMIZERS = ("muon", "adamw", "sgd", "lion")
 LORA_OPTIMIZERS = ("smuon", "lora-muon", "per-factor-muon")  # for peft LoRA models: curvlab.lora
@@ -349,8 +354,9 @@ def build_model_optimizer(
     optimizers.
 
     Defaults (docs/science.md sections 4-5): Muon lr 0.02, momentum 0.95, Nesterov, 5 Newton–Schulz
-    steps, weight decay 0, with its AdamW side at lr 0.0036 and betas (0.9, 0.95); AdamW lr 0.0018,
-    betas (0.9, 0.95), weight decay 0; SGD lr 0.1, momentum 0.9; Lion lr 1e-4, betas (0.9, 0.99).
+    steps, weight decay 0, with its AdamW side at AdamW's defaults (:data:`ADAM_SIDE_DEFAULTS`); AdamW
+    (:data:`ADAMW_DEFAULTS`) lr 0.0018, betas (0.9, 0.95), weight decay 0; SGD lr 0.1, momentum 0.9;
+    Lion lr 1e-4, betas (0.9, 0.99).
 
     For ``"muon"``, the options ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``,
     ``scale``, ``polar`` and ``polar_dtype`` go to Muon, and ``adam_lr``, ``adam_betas``,
@@ -378,7 +384,7 @@ def build_model_optimizer(
             {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.0, "ns_steps": 5}
             | {"scale": "original", "polar": "newton_schulz", "polar_dtype": torch.bfloat16}
         )
-        adam_hp = take({"adam_lr": 0.0036, "adam_betas": (0.9, 0.95), "adam_eps": 1e-8, "adam_weight_decay": 0.0})
+        adam_hp = take(ADAM_SIDE_DEFAULTS)
         _reject_unknown(name, hp)
         rule = muon_rule or default_muon_rule(model)
         chosen = [(n, p) for n, p in named if rule(n, p)]
@@ -406,7 +412,7 @@ def build_model_optimizer(
         return CombinedOptimizer(parts)
     params = [p for _, p in named]
     if name == "adamw":
-        opt = take({"lr": 0.0018, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0})
+        opt = take(ADAMW_DEFAULTS)
         _reject_unknown(name, hp)
         return torch.optim.AdamW(params, **{**opt, "betas": tuple(opt["betas"])})
     if name == "sgd":

@@ -20,6 +20,7 @@ import numpy as np
 from curvlab.atomic import atomic_write_with
 from curvlab.paper import CLAIMS
 from curvlab.studies import RATIO_KEYS, pair_reports, within_layer_gap
+from curvlab.tuning import TuningRecord
 
 COLORS = {
     "muon": "tab:blue",
@@ -225,22 +226,22 @@ def layer_split_over_training(tracks: dict[str, list], stem: str | Path) -> list
     return save_figure(fig, stem)
 
 
-def tuning_grids(tuning: dict[str, Any], stem: str | Path) -> list[Path]:
+def tuning_grids(tuning: TuningRecord, stem: str | Path) -> list[Path]:
     """Final validation loss against the learning rate for every tuned grid, with the standard error
     over seeds as bars and the chosen point ringed."""
-    searches = tuning["searches"]
+    searches = tuning.searches
     fig, axes = plt.subplots(1, len(searches), figsize=(3.6 * len(searches), 3.2), squeeze=False)
     for ax, (name, s) in zip(axes[0], searches.items()):
-        lrs = [float(k) for k in s["grid"]]
-        mean = np.array([s["mean"][k] for k in s["grid"]])
-        se = np.array([0.0 if not np.isfinite(s["stderr"][k]) else s["stderr"][k] for k in s["grid"]])
+        lrs = sorted(s.grid)
+        mean = np.array([s.mean(lr) for lr in lrs])
+        se = np.array([0.0 if not np.isfinite(s.stderr(lr)) else s.stderr(lr) for lr in lrs])
         finite = np.isfinite(mean)
         color = _color(name.split(".")[0])
         ax.errorbar(np.array(lrs)[finite], mean[finite], yerr=se[finite], fmt="o-", capsize=3, color=color)
-        ax.plot([s["chosen"]], [s["mean"][f"{s['chosen']:g}"]], "o", ms=12, mfc="none", color="k")
+        ax.plot([s.chosen], [s.mean(s.chosen)], "o", ms=12, mfc="none", color="k")
         ax.set_xscale("log", base=2)
         ax.set(xlabel=name, ylabel="final validation loss")
-    fig.suptitle(f"learning-rate grids ({tuning['horizon_steps']}-step runs, seeds {tuning['seeds']})", fontsize=9)
+    fig.suptitle(f"learning-rate grids ({tuning.horizon_steps}-step runs, seeds {tuning.seeds})", fontsize=9)
     return save_figure(fig, stem)
 
 
@@ -388,7 +389,7 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
     return save_figure(fig, stem)
 
 
-def reproduction_figures(data, summary, tuning: dict[str, Any], quadratic: dict[str, Any], out: str | Path):
+def reproduction_figures(data, summary, tuning: TuningRecord, quadratic: dict[str, Any], out: str | Path):
     """Every figure of a reproduction, from its per-level data (:class:`curvlab.results.LevelData`),
     summary, tuning and quadratic results; returns ``{figure family: paths}``."""
 

@@ -21,6 +21,7 @@ from curvlab.atomic import atomic_write_text, atomic_write_with
 from curvlab.errors import CurvlabError
 from curvlab.paper import QUADRATIC_EXAMPLE
 from curvlab.results import Calibration, HeadlineEntry, LevelData, PrimaryEntry, Summary
+from curvlab.tuning import TuningRecord
 
 
 def readme_markers(preset: str) -> tuple[str, str]:
@@ -239,29 +240,29 @@ def _zipf_table(summary: Summary) -> list[str]:
     return lines
 
 
-def _tuning_lines(tuning: dict) -> list[str]:
+def _tuning_lines(tuning: TuningRecord) -> list[str]:
     lines = [
-        f"Tuned at s = {tuning['tuned_on_s']:g} on {tuning['horizon_steps']}-step runs, seeds {tuning['seeds']}; "
+        f"Tuned at s = {tuning.tuned_on_s:g} on {tuning.horizon_steps}-step runs, seeds {tuning.seeds}; "
         "the lowest mean final validation loss wins; a grid whose best point sits at an edge is extended.",
         "",
         "| learning rate | grid: final validation loss per seed (mean ± standard error) | chosen | "
         "within one standard error of the best |",
         "|---|---|---:|---|",
     ]
-    for name, s in tuning["searches"].items():
+    for name, s in tuning.searches.items():
         cells = []
-        for lr, values in s["grid"].items():
-            per_seed = ", ".join("diverged" if not math.isfinite(v) else f"{v:.4f}" for v in values)
-            cells.append(f"{lr}: {per_seed} ({s['mean'][lr]:.4f} ± {s['stderr'][lr]:.4f})")
+        for lr in sorted(s.grid):
+            per_seed = ", ".join("diverged" if not math.isfinite(v) else f"{v:.4f}" for v in s.grid[lr])
+            cells.append(f"{lr:g}: {per_seed} ({s.mean(lr):.4f} ± {s.stderr(lr):.4f})")
         flags = []
-        if s["extended"]:
-            flags.append(f"extended by {', '.join(f'{x:g}' for x in s['extended'])}")
-        if s["at_edge"]:
+        if s.extended:
+            flags.append(f"extended by {', '.join(f'{x:g}' for x in s.extended)}")
+        if s.at_edge:
             flags.append("**still at an edge**")
-        fixed = ", ".join(f"{k} {v:g}" for k, v in s["fixed"].items())
-        chosen = f"{s['chosen']:g}" + (f" ({'; '.join(flags)})" if flags else "") + (f"; {fixed}" if fixed else "")
-        known = math.isfinite(s["stderr"][f"{s['chosen']:g}"])
-        ties = ", ".join(f"{x:g}" for x in s["ties"]) or ("none" if known else "unknown (one seed per point)")
+        fixed = ", ".join(f"{k} {v:g}" for k, v in s.fixed.items())
+        chosen = f"{s.chosen:g}" + (f" ({'; '.join(flags)})" if flags else "") + (f"; {fixed}" if fixed else "")
+        known = math.isfinite(s.stderr(s.chosen))
+        ties = ", ".join(f"{x:g}" for x in s.ties) or ("none" if known else "unknown (one seed per point)")
         lines.append(f"| {name} | {'<br>'.join(cells)} | {chosen} | {ties} |")
     return lines
 
@@ -314,11 +315,11 @@ def render_report(summary: Summary, levels: LevelData | None = None) -> str:
     ]
     if summary.fineweb:
         f = summary.fineweb
-        rom = f["ratio_of_means"]
+        rom = f.ratio_of_means
         lines += [
             "## FineWeb (the paper's own setting)",
             "",
-            f"AdamW/Muon at matched validation loss in the stable phase ({f['levels']} levels, {f['note']}): NDS "
+            f"AdamW/Muon at matched validation loss in the stable phase ({f.levels} levels, {f.note}): NDS "
             f"{fmt(rom['nds'])}, first-order gain {fmt(rom['first_order'])}, curvature penalty "
             f"{fmt(rom['curvature_penalty'])}, update norm {fmt(rom['update_norm'])}.",
             "",
@@ -340,8 +341,8 @@ def render_report(summary: Summary, levels: LevelData | None = None) -> str:
     closed = ", ".join(f"{QUADRATIC_EXAMPLE[k]:g}" for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction"))
     lines += [
         "",
-        f"Quadratic model: Muon NDS {q['muon_nds']:.3g}, Γ² {q['muon_contraction']:.6f}, GD two-step ratio "
-        f"{q['gd_two_step_contraction']:.6f} (closed forms: {closed}).",
+        f"Quadratic model: Muon NDS {q.muon_nds:.3g}, Γ² {q.muon_contraction:.6f}, GD two-step ratio "
+        f"{q.gd_two_step_contraction:.6f} (closed forms: {closed}).",
         "",
         "## Figures",
         "",

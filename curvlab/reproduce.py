@@ -36,12 +36,12 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from scipy.stats import t as t_dist
 
-from curvlab import plots, report
+from curvlab import plots, report, schema
 from curvlab.analysis import AnalysisSettings, load_report
 from curvlab.atomic import atomic_write_json, atomic_write_text
 from curvlab.checkpoint import read_index
@@ -49,15 +49,17 @@ from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
 from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError
 from curvlab.finetune import Finetune, with_preset
-from curvlab.jobs import StageClock, guard_config, record_invocation
-from curvlab.match import PLATEAU_FRACTION, NoMatchedLevel, plateau_ceiling
+from curvlab.jobs import Job
+from curvlab.match import PLATEAU_FRACTION, MatchSettings, NoMatchedLevel, plateau_ceiling
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim import default_muon_rule, matrix_shape, muon_scale
 from curvlab.paper import PRIMARY, REFERENCE_TRAINING
 from curvlab.quadratic import quadratic_study
 from curvlab.results import (
     ComparisonRecord,
+    FinewebRecord,
     LevelData,
+    QuadraticRecord,
     Summary,
     TrackRecord,
     calibration,
@@ -66,8 +68,8 @@ from curvlab.results import (
     taylor_counts,
 )
 from curvlab.studies import compare_runs, track_run
-from curvlab.train import TrainConfig, TrainingDiverged, train
-from curvlab.tuning import TUNING_SCHEMA_VERSION, LrSearch, log2_grid, search_lr
+from curvlab.train import TrainConfig, train
+from curvlab.tuning import LrSearch, TuningRecord, TuningSettings, log2_grid
 
 ADAM_SIDES = ("tied", "tuned")
 LR_SOURCES = ("table", "search")
@@ -163,8 +165,16 @@ class Preset:
     def tuning_steps(self) -> int:
         return self.steps if self.tune_steps is None else self.tune_steps
 
+    @property
+    def tuning_settings(self) -> TuningSettings:
+        return TuningSettings.of(self, self.tuning_steps)
+
     def tuning_seeds(self) -> list[int]:
-        return [self.tune_seed_base + i for i in range(self.tune_seeds)]
+        return self.tuning_settings.seeds()
+
+    @property
+    def matching(self) -> MatchSettings:
+        return MatchSettings(self.compare_levels, self.tolerance, self.window, self.phase)
 
     def check_seed_list(self) -> list[int]:
         return [self.check_seed_base + i for i in range(self.check_seeds)]
@@ -180,12 +190,14 @@ class Preset:
     def validate(self) -> None:
         if self.lr_source not in LR_SOURCES:
             raise CurvlabError(f"lr_source must be one of {', '.join(LR_SOURCES)}, got {self.lr_source!r}")
-        measured = set(range(self.seeds))
-        for what, seeds in (("tuning", self.tuning_seeds()), ("check", self.check_seed_list())):
-            if set(seeds) & measured:
-                raise CurvlabError(
-                    f"{what} seeds {seeds} overlap the measurement seeds 0..{self.seeds - 1}: raise {what}_seed_base"
-                )
+        if self.seeds < 1:
+            raise CurvlabError("a preset needs seeds >= 1")
+        self.tuning_settings.validate(self.seeds)
+        if set(self.check_seed_list()) & set(range(self.seeds)):
+            raise CurvlabError(
+                f"check seeds {self.check_seed_list()} overlap the measurement seeds 0..{self.seeds - 1}: "
+                "raise check_seed_base"
+            )
         if self.adam_side not in ADAM_SIDES:
             raise CurvlabError(f"adam_side must be one of {', '.join(ADAM_SIDES)}, got {self.adam_side!r}")
         unknown = sorted(set(self.arms) - set(ARMS))
@@ -198,8 +210,6 @@ class Preset:
                 raise CurvlabError(f"track_interval {self.track_interval} is not a multiple of {name} {every}")
         if self.primary is not None and (unknown := sorted(set(self.primary) - {c.name for c in PRIMARY})):
             raise CurvlabError(f"primary names unknown claims {unknown}; the family is curvlab.paper.PRIMARY")
-        if self.seeds < 1 or self.tune_seeds < 1 or self.grid_points < 2:
-            raise CurvlabError("a preset needs seeds >= 1, tune_seeds >= 1 and grid_points >= 2")
 
 
 _PAPER_LR = {arm: REFERENCE_TRAINING[arm]["lr"] for arm in ("muon", "adamw")}
@@ -351,18 +361,29 @@ def optimum_moved(check: LrSearch, table_lr: float, table_search: dict[str, Any]
     return not gap <= se  # a NaN error (a diverged point) counts as a move
 
 
+@dataclass(frozen=True)
+class LrTable:
+    """The committed learning-rate table (:data:`LR_TABLE`): preset name -> the full search's entry
+    (``fingerprint``, ``chosen``, ``seeds``, ``horizon_steps``, ``adam_side``, ``searches``)."""
+
+    SCHEMA_VERSION: ClassVar[int] = LR_TABLE_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "learning-rate table"
+
+    presets: dict[str, dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": self.SCHEMA_VERSION, "presets": self.presets}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LrTable:
+        if not isinstance(d["presets"], dict):
+            raise TypeError("presets is not an object")
+        return cls(d["presets"])
+
+
 def read_lr_table(path: Path = LR_TABLE) -> dict[str, Any]:
-    """The committed learning-rate table: preset name -> the full search's ``chosen`` and its grids."""
-    if not path.is_file():
-        return {}
-    try:
-        table = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
-    if not isinstance(table, dict) or table.get("schema_version") != LR_TABLE_SCHEMA_VERSION or "presets" not in table:
-        version = table.get("schema_version") if isinstance(table, dict) else None
-        raise CurvlabError(f"{path}: not a learning-rate table of schema {LR_TABLE_SCHEMA_VERSION} (got {version})")
-    return table["presets"]
+    """The committed learning-rate table's entries by preset name (none when there is no table)."""
+    return schema.load(path, LrTable).presets if path.is_file() else {}
 
 
 def search_lr_table(preset: Preset, out: str | Path, progress: bool = True) -> dict[str, Any]:
@@ -377,14 +398,13 @@ def search_lr_table(preset: Preset, out: str | Path, progress: bool = True) -> d
     tuning = job.tune(job.data()[full.s_values[0]])
     entry = {
         "fingerprint": preset.tuning_fingerprint(),
-        "chosen": {arm: tuning["chosen"][arm] for arm in ("adamw", "muon")},
-        "seeds": tuning["seeds"],
-        "horizon_steps": tuning["horizon_steps"],
-        "adam_side": tuning["adam_side"],
-        "searches": tuning["searches"],
+        "chosen": {arm: tuning.chosen[arm] for arm in ("adamw", "muon")},
+        "seeds": tuning.seeds,
+        "horizon_steps": tuning.horizon_steps,
+        "adam_side": tuning.adam_side,
+        "searches": {k: v.to_dict() for k, v in tuning.searches.items()},
     }
-    table = {"schema_version": LR_TABLE_SCHEMA_VERSION, "presets": {**read_lr_table(), preset.name: entry}}
-    atomic_write_text(LR_TABLE, json.dumps(table, indent=1) + "\n")
+    schema.save(LR_TABLE, LrTable({**read_lr_table(), preset.name: entry}))
     return entry
 
 
@@ -434,12 +454,16 @@ def prune_run(run: Path, keep: set[Path]) -> int:
     return freed
 
 
-class Reproduction:
+class Reproduction(Job):
     """One reproduction in one output directory (see the module docstring)."""
+
+    TAG = "reproduce"
+    CONFIG_FILE = "reproduce.json"
 
     def __init__(self, preset: Preset, out: str | Path, fineweb: str | Path | None = None, progress: bool = True):
         preset.validate()
-        self.preset, self.out, self.progress = preset, Path(out), progress
+        super().__init__(out, progress)
+        self.preset = preset
         self.fineweb = Path(fineweb) if fineweb else None
         if preset.fineweb:
             if self.fineweb is None:
@@ -447,19 +471,18 @@ class Reproduction:
 
             for split in ("train", "val"):  # fail now, not after hours of training
                 find_shards(self.fineweb, split)
-        self.log: list[str] = []
-        self.clock = StageClock()
+        self.tuning: TuningRecord | None = None  # set by tune(); the first seed adds the control arm's lr
 
     # -- bookkeeping ------------------------------------------------------------------------
 
-    def _check_config(self) -> None:
-        config = {"preset": asdict(self.preset), "fineweb": str(self.fineweb) if self.fineweb else None}
-        guard_config(self.out / "reproduce.json", config, f"the results of preset {self.preset.name!r}")
+    def config(self) -> dict[str, Any]:
+        return {"preset": asdict(self.preset), "fineweb": str(self.fineweb) if self.fineweb else None}
 
-    def _say(self, message: str) -> None:
-        self.log.append(message)
-        if self.progress:
-            print(f"[reproduce] {message}", flush=True)
+    def what(self) -> str:
+        return f"the results of preset {self.preset.name!r}"
+
+    def tuning_settings(self) -> TuningSettings:
+        return self.preset.tuning_settings
 
     def _train_config(self, data: Path, out: Path, arm: str, options: dict[str, Any], seed: int, **overrides):
         p = self.preset
@@ -488,52 +511,19 @@ class Reproduction:
         self._say(f"data ready: s = {', '.join(f'{s:g}' for s in p.s_values)}")
         return dirs
 
-    def _tuning_loss(self, data: Path, arm: str, options: dict[str, float], seed: int) -> float:
-        """The final validation loss of one short tuning run (+inf if it diverges); its checkpoints
-        are deleted once it is done (the index, config and metrics stay)."""
-        p = self.preset
-        tag = "-".join(f"{k}{v:g}" for k, v in sorted(options.items()))
-        run = self.out / "runs" / "tune" / arm / f"{tag}-seed{seed}"
-        diverged = run / "diverged.json"
-        if diverged.is_file():
-            return math.inf
-        index = read_index(run)
-        steps = p.tuning_steps
-        if index and index[-1]["step"] == steps and not (run / index[-1]["path"]).exists():
-            return float(index[-1]["val_loss"])  # finished before; its checkpoints were cleaned up
+    def _short_run(self, data: Path, run: Path, arm: str, options: dict[str, float], seed: int, steps: int) -> float:
         cfg = self._train_config(data, run, arm, options, seed, steps=steps, eval_every=steps, ckpt_every=steps)
-        try:
-            loss = train(cfg, progress=self.progress).val_loss
-        except TrainingDiverged as e:
-            atomic_write_text(diverged, json.dumps({"error": str(e)}))
-            loss = math.inf
-        for ckpt in run.glob("ckpt_*.pt"):
-            ckpt.unlink()
-        return loss if math.isfinite(loss) else math.inf
+        return train(cfg, progress=self.progress).val_loss
 
-    def _search(
-        self, data: Path, arm: str, knob: str, grid: list[float], fixed: dict, extensions: int, seeds: list[int]
-    ) -> LrSearch:
-        result = search_lr(
-            lambda lr, seed: self._tuning_loss(data, arm, {**fixed, knob: lr}, seed),
-            grid, seeds, f"{arm}.{knob}", extensions, fixed,
-        )  # fmt: skip
-        grid = ", ".join(f"{x:g}" for x in sorted(result.grid))
-        self._say(f"{arm} {knob}: best {result.chosen:g} on the grid {grid}")
-        return result
-
-    def tune(self, data: Path) -> dict[str, Any]:
+    def tune(self, data: Path) -> TuningRecord:
         """AdamW's and Muon's learning rates at the first s (module docstring): the full search
         (``lr_source="search"``, or a preset the table lacks) or the committed table's values, checked
         on a ``check_points`` grid around each. The step-size control arm is not tuned: its lr is set
         later (:meth:`control_lr`)."""
         p = self.preset
-        path = self.out / "tuning.json"
-        if path.is_file():
-            tuning = json.loads(path.read_text())
-            if tuning.get("schema_version") != TUNING_SCHEMA_VERSION:
-                raise CurvlabError(f"{path}: schema {tuning.get('schema_version')} is not {TUNING_SCHEMA_VERSION}")
-            return tuning
+        self.tuning = self.saved_tuning()
+        if self.tuning is not None:
+            return self.tuning
         table = read_lr_table().get(p.name) if p.lr_source == "table" else None
         fallback = None
         if table is not None and table.get("fingerprint") != p.tuning_fingerprint():
@@ -577,21 +567,11 @@ class Reproduction:
                 moved[arm] = optimum_moved(s, chosen[arm]["lr"], table.get("searches", {}).get(f"{arm}.lr"))
                 if moved[arm]:
                     self._say(f"{arm}: the check's best lr {s.chosen:g} beats the table's {chosen[arm]['lr']:g}")
-        tuning = {
-            "schema_version": TUNING_SCHEMA_VERSION,
-            "mode": mode,
-            "tuned_on_s": p.s_values[0],
-            "horizon_steps": p.tuning_steps,
-            "seeds": seeds,
-            "adam_side": p.adam_side,
-            "fallback": fallback,
-            "searches": {k: v.to_dict() for k, v in searches.items()},
-            "chosen": chosen,
-            "table": table,
-            "moved": moved,
-        }
-        atomic_write_text(path, json.dumps(tuning, indent=1))
-        return tuning
+        record = TuningRecord(
+            mode, p.s_values[0], p.tuning_steps, seeds, searches, chosen, p.adam_side, fallback, table, moved
+        )
+        self.tuning = self.save_tuning(record)
+        return self.tuning
 
     def control_lr(self, record: ComparisonRecord, chosen: dict[str, dict[str, float]]) -> dict[str, float]:
         r"""The step-size control arm's learning rate, *set* (not tuned) so that its hidden-matrix
@@ -641,13 +621,13 @@ class Reproduction:
     def _compare(self, name: str, seed: int, run_a: Path, run_b: Path, plateau: float, out: str) -> ComparisonRecord:
         """One matched comparison at the first s (``name`` "adamw/<arm>", or "<arm>/<arm>" for an A/A
         pair of two seeds), or the reason there is none."""
-        p = self.preset
+        p, m = self.preset, self.preset.matching
         s0 = p.s_values[0]
         try:
             with self.clock("compare"):
                 c = compare_runs(
-                    run_a, run_b, self.out / "analysis" / out, p.compare_levels, p.tolerance,
-                    self._settings(p.analysis_batches), progress=self.progress, phase=p.phase, window=p.window,
+                    run_a, run_b, self.out / "analysis" / out, m.levels, m.tolerance,
+                    self._settings(p.analysis_batches), progress=self.progress, phase=m.phase, window=m.window,
                     plateau_ceiling=plateau, cache=self.out / "analysis" / "reports",
                 )  # fmt: skip
             return ComparisonRecord(name, seed, s0, c)
@@ -669,18 +649,17 @@ class Reproduction:
             )  # fmt: skip
         return TrackRecord(arm, s, seed, p.steps, p.warmup_steps, rows)
 
-    def seed(
-        self, seed: int, data: dict[float, Path], tuning: dict[str, Any], plateaus: dict[float, float]
-    ) -> LevelData:
+    def seed(self, seed: int, data: dict[float, Path], tuning: TuningRecord, plateaus: dict[float, float]) -> LevelData:
         """Everything measured on one measurement seed (``analysis/seed<k>.json``; a re-run reads it):
         its runs at every s, AdamW against each Muon arm at matched loss, the trajectories, and (from
-        the second seed on) the A/A comparisons of this seed with the one before."""
+        the second seed on) the A/A comparisons of this seed with the one before. The first seed also
+        sets the control arm's lr (:meth:`control_lr`), into ``tuning.json`` and :attr:`tuning`."""
         p = self.preset
         path = self.out / "analysis" / f"seed{seed}.json"
         if path.is_file():
             return LevelData.load(path)
         s0 = p.s_values[0]
-        chosen = tuning["chosen"]
+        chosen = tuning.chosen
         for s in p.s_values:
             for arm in self._arms_at(s):
                 if arm != CONTROL_ARM:
@@ -690,8 +669,8 @@ class Reproduction:
                                  f"compare-muon-seed{seed}")]  # fmt: skip
         if CONTROL_ARM in p.arms:
             if CONTROL_ARM not in chosen:  # the first seed sets it; later seeds and re-runs read it back
-                chosen[CONTROL_ARM] = self.control_lr(records[0], chosen)
-                atomic_write_text(self.out / "tuning.json", json.dumps(tuning, indent=1))
+                chosen = {**chosen, CONTROL_ARM: self.control_lr(records[0], chosen)}
+                self.tuning = self.save_tuning(replace(tuning, chosen=chosen))
                 self._say(f"{CONTROL_ARM}: lr set to {chosen[CONTROL_ARM]['lr']:g} (AdamW's hidden ||Z||)")
             for s in (s for s in p.s_values if CONTROL_ARM in self._arms_at(s)):
                 self._train(data, s, CONTROL_ARM, seed, chosen)
@@ -731,7 +710,7 @@ class Reproduction:
         if freed:
             self._say(f"seed {seed}: deleted {freed / 2**20:.0f} MB of checkpoints outside the matched windows")
 
-    def fineweb_comparison(self) -> dict[str, Any] | None:
+    def fineweb_comparison(self) -> FinewebRecord | None:
         """Muon vs AdamW at the paper's learning rates on the user's FineWeb shards, compared at
         matched validation loss in the stable phase (the paper's figures 1 and 2 on its own data;
         one seed, so no interval)."""
@@ -748,18 +727,14 @@ class Reproduction:
             )  # fmt: skip
             train(cfg, progress=self.progress)
             runs[arm] = run
+        m = p.matching
         compare = compare_runs(
-            runs["adamw"], runs["muon"], self.out / "analysis" / "compare-fineweb", p.compare_levels, p.tolerance,
-            self._settings(p.analysis_batches), progress=self.progress, phase=p.phase, window=p.window,
+            runs["adamw"], runs["muon"], self.out / "analysis" / "compare-fineweb", m.levels, m.tolerance,
+            self._settings(p.analysis_batches), progress=self.progress, phase=m.phase, window=m.window,
             cache=self.out / "analysis" / "reports",
         )  # fmt: skip
         self._say(f"FineWeb: compared at {len(compare.levels)} matched levels")
-        return {
-            "ratio_of_means": compare.ratio_of_means,
-            "levels": len(compare.headline_levels),
-            "seeds": 1,
-            "note": "one seed: no interval",
-        }
+        return FinewebRecord(dict(compare.ratio_of_means), len(compare.headline_levels))
 
     def finetune(self, runs: dict[tuple, Path]):
         """The fine-tuning comparison (:mod:`curvlab.finetune`) in ``OUT/finetune``, adapting the first
@@ -782,14 +757,14 @@ class Reproduction:
         self._say("quadratic model done")
         return result
 
-    def figures(self, data: LevelData, summary: Summary, tuning: dict[str, Any], quadratic: dict[str, Any]):
+    def figures(self, data: LevelData, summary: Summary, tuning: TuningRecord, quadratic: dict[str, Any]):
         fig = self.out / "figures"
         written = plots.reproduction_figures(data, summary, tuning, quadratic, fig)
         return {k: [str(p.relative_to(self.out)) for p in v] for k, v in written.items()}
 
     def notes(
         self,
-        tuning: dict[str, Any],
+        tuning: TuningRecord,
         levels: LevelData | None = None,
         plateaus: dict[float, float] | None = None,
         final: dict[str, dict[str, list]] | None = None,
@@ -804,12 +779,12 @@ class Reproduction:
         if p.adam_side == "tied":
             notes.append(
                 "Muon's AdamW side (embeddings, head, norms) runs at AdamW's learning rate "
-                f"({tuning['chosen']['adamw']['lr']:g}): it is tied, not tuned on its own."
+                f"({tuning.lr('adamw'):g}): it is tied, not tuned on its own."
             )
-        seeds = ", ".join(str(x) for x in tuning["seeds"])
-        if tuning.get("mode") == "table":
-            table = tuning["table"]
-            moved = [arm for arm, m in tuning.get("moved", {}).items() if m]
+        seeds = ", ".join(str(x) for x in tuning.seeds)
+        if tuning.mode == "table":
+            table = tuning.table
+            moved = [arm for arm, m in tuning.moved.items() if m]
             ties = []
             for arm in ("adamw", "muon"):
                 search = table.get("searches", {}).get(f"{arm}.lr")
@@ -825,11 +800,11 @@ class Reproduction:
             )
         else:
             notes.append(
-                f"Learning rates searched at s = {p.s_values[0]:g} on {tuning['horizon_steps']}-step runs (the "
+                f"Learning rates searched at s = {p.s_values[0]:g} on {tuning.horizon_steps}-step runs (the "
                 f"compared horizon) with tuning seeds {seeds}, disjoint from the measurement seeds 0..{p.seeds - 1}"
-                + (f" ({tuning['fallback']})." if tuning.get("fallback") else ".")
+                + (f" ({tuning.fallback})." if tuning.fallback else ".")
             )
-        control = tuning["chosen"].get(CONTROL_ARM)
+        control = tuning.chosen.get(CONTROL_ARM)
         if control:
             notes.append(
                 f"The step-size control arm ({CONTROL_ARM}) is not tuned: its lr {control['lr']:g} is set so that "
@@ -871,8 +846,7 @@ class Reproduction:
     # -- the whole job ----------------------------------------------------------------------
 
     def run(self) -> Summary:
-        self.clock = StageClock()
-        self._check_config()
+        self.start()
         p = self.preset
         with self.clock("data"):
             data = self.data()
@@ -883,7 +857,7 @@ class Reproduction:
             tuning = self.tune(data[s0])
         per_seed: list[LevelData] = []
         for seed in range(p.seeds):
-            per_seed.append(self.seed(seed, data, tuning, plateaus))
+            per_seed.append(self.seed(seed, data, self.tuning, plateaus))
             if seed > 0:  # the previous seed's last analysis (its A/A with this one) is done
                 self.prune(seed - 1, per_seed[-2:])
         self.prune(p.seeds - 1, per_seed[-1:])
@@ -907,16 +881,15 @@ class Reproduction:
         for (s, arm, _), run in runs.items():
             index = read_index(run)
             final.setdefault(f"{s:g}", {}).setdefault(arm, []).append(index[-1]["val_loss"] if index else None)
-        closed = quadratic["example"]["closed_forms"]
+        tuning = self.tuning  # with the control arm's lr, once the first seed set it
         notes = self.notes(tuning, levels, plateaus, final)
         summary = Summary(
-            p.name, entries, zipf, taylor_counts(levels), tuning, notes, final,
-            {k: closed[k] for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")}, fineweb=fineweb,
-            primary=primary, calibration=calibrated,
+            p.name, entries, zipf, taylor_counts(levels), tuning, notes, final, QuadraticRecord.from_study(quadratic),
+            fineweb=fineweb, primary=primary, calibration=calibrated,
         )  # fmt: skip
         with self.clock("figures"):
             summary.figures = self.figures(levels, summary, tuning, quadratic)
-        summary.timing = record_invocation(self.out / "timing.json", self.clock.invocation())
+        summary.timing = self.timing()
         summary.seconds = summary.timing["total"]  # over every invocation, when a run was interrupted and resumed
         summary.invocations = int(summary.timing["invocations"])
         summary.disk_bytes = sum(f.stat().st_size for f in self.out.rglob("*") if f.is_file())

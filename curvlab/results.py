@@ -51,15 +51,17 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from curvlab import schema
 from curvlab import statistics as st
 from curvlab.atomic import atomic_write_text
 from curvlab.errors import CurvlabError
 from curvlab.paper import CLAIMS, PRIMARY, Claim, PrimaryClaim
-from curvlab.studies import Comparison, load_typed
+from curvlab.studies import Comparison
+from curvlab.tuning import TuningRecord
 
 LEVELS_SCHEMA_VERSION = 1
 SUMMARY_SCHEMA_VERSION = 2  # 2: the primary family and the A/A calibration; headline descriptive
@@ -135,6 +137,8 @@ class LevelData:
     plateau_ceiling: float | None
     s_values: list[float]
     schema_version: int = LEVELS_SCHEMA_VERSION
+    SCHEMA_VERSION: ClassVar[int] = LEVELS_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "levels.json"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,8 +151,7 @@ class LevelData:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LevelData:
-        if d.get("schema_version") != LEVELS_SCHEMA_VERSION:
-            raise CurvlabError(f"levels.json schema {d.get('schema_version')} is not {LEVELS_SCHEMA_VERSION}")
+        schema.check(d, cls)
         return cls(
             [ComparisonRecord.from_dict(c) for c in d["comparisons"]],
             [TrackRecord(**t) for t in d["tracks"]],
@@ -161,7 +164,7 @@ class LevelData:
 
     @classmethod
     def load(cls, path: str | Path) -> LevelData:
-        return load_typed(path, cls.from_dict, "per-level results")
+        return schema.load(path, cls)
 
     def track(self, arm: str, s: float) -> list[TrackRecord]:
         return sorted((t for t in self.tracks if t.arm == arm and t.s == s), key=lambda t: t.seed)
@@ -272,6 +275,40 @@ class Calibration:
         return cls(d["false_verdict_rate"], d["n_tests"], d.get("per_test", []))
 
 
+@dataclass(frozen=True)
+class QuadraticRecord:
+    """The quadratic model's closed-form checks in ``summary.json`` (:func:`curvlab.quadratic.quadratic_study`'s
+    example): Muon's NDS, its contraction Γ² and gradient descent's two-step contraction."""
+
+    muon_nds: float
+    muon_contraction: float
+    gd_two_step_contraction: float
+
+    @classmethod
+    def from_study(cls, study: Mapping[str, Any]) -> QuadraticRecord:
+        closed = study["example"]["closed_forms"]
+        return cls(*(float(closed[k]) for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QuadraticRecord:
+        return cls(d["muon_nds"], d["muon_contraction"], d["gd_two_step_contraction"])
+
+
+@dataclass(frozen=True)
+class FinewebRecord:
+    """Muon against AdamW on FineWeb at the paper's learning rates (one seed: no interval):
+    AdamW/Muon ratios of means per quantity over ``levels`` matched levels."""
+
+    ratio_of_means: dict[str, float]
+    levels: int
+    seeds: int = 1
+    note: str = "one seed: no interval"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FinewebRecord:
+        return cls(dict(d["ratio_of_means"]), d["levels"], d["seeds"], d["note"])
+
+
 @dataclass
 class Summary:
     """``summary.json``: the headline, the Taylor check, tuning, caveats, timings and figures."""
@@ -280,37 +317,41 @@ class Summary:
     headline: list[HeadlineEntry]
     zipf: list[ZipfPoint]  # normalized NDS per (optimizer, s), for the figure and the report
     taylor: dict[str, dict[str, int]]  # arm -> {"checked", "failed"}
-    tuning: dict[str, Any]
+    tuning: TuningRecord
     notes: list[str]
     final_val_loss: dict[str, dict[str, list[float]]]  # s -> arm -> per seed
-    quadratic: dict[str, float]
+    quadratic: QuadraticRecord
     timing: dict[str, float] = field(default_factory=dict)  # stage -> seconds, over every invocation
     seconds: float = 0.0
     invocations: int = 1
     figures: dict[str, list[str]] = field(default_factory=dict)
-    fineweb: dict[str, Any] | None = None
+    fineweb: FinewebRecord | None = None
     disk_bytes: int = 0  # what the job leaves in its output directory
     primary: list[PrimaryEntry] = field(default_factory=list)  # the primary family (primary_family)
     calibration: Calibration = field(default_factory=Calibration)  # the A/A calibration (calibration)
     schema_version: int = SUMMARY_SCHEMA_VERSION
+    SCHEMA_VERSION: ClassVar[int] = SUMMARY_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "summary.json"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "tuning": self.tuning.to_dict()}  # tuning.json's form: grids keyed by "lr:g"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Summary:
-        if d.get("schema_version") != SUMMARY_SCHEMA_VERSION:
-            raise CurvlabError(f"summary.json schema {d.get('schema_version')} is not {SUMMARY_SCHEMA_VERSION}")
+        schema.check(d, cls)
         d = dict(d)
         d["headline"] = [HeadlineEntry(**e) for e in d["headline"]]
         d["zipf"] = [ZipfPoint(**e) for e in d["zipf"]]
         d["primary"] = [PrimaryEntry.from_dict(e) for e in d["primary"]]
         d["calibration"] = Calibration.from_dict(d["calibration"])
+        d["tuning"] = TuningRecord.from_dict(d["tuning"])
+        d["quadratic"] = QuadraticRecord.from_dict(d["quadratic"])
+        d["fineweb"] = None if d.get("fineweb") is None else FinewebRecord.from_dict(d["fineweb"])
         return cls(**d)
 
     @classmethod
     def load(cls, path: str | Path) -> Summary:
-        return load_typed(path, cls.from_dict, "summary")
+        return schema.load(path, cls)
 
     def entry(self, name: str, scope: str = "all") -> HeadlineEntry:
         for e in self.headline:

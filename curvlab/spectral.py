@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -573,6 +573,8 @@ class CheckpointSpectrum:
     """The Hessian spectrum at one checkpoint (:func:`curvlab.analysis.checkpoint_spectrum`); every
     part is ``None`` when it wasn't asked for. JSON: ``SPECTRUM_SCHEMA_VERSION``."""
 
+    SCHEMA_VERSION: ClassVar[int] = SPECTRUM_SCHEMA_VERSION
+
     checkpoint: str
     step: int
     optimizer: str
@@ -593,7 +595,7 @@ class CheckpointSpectrum:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema_version": SPECTRUM_SCHEMA_VERSION,
+            "schema_version": self.SCHEMA_VERSION,
             "checkpoint": self.checkpoint,
             "step": self.step,
             "optimizer": self.optimizer,

@@ -18,10 +18,11 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar
 
 import numpy as np
 
+from curvlab import schema
 from curvlab.analysis import AnalysisSettings, cached_report, load_report, report_cache_path
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
@@ -38,7 +39,6 @@ RATIO_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm")
 SCOPED_KEYS = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm")
 TAYLOR_TOLERANCE = 0.5
 _LAYER_BLOCK = re.compile(r"^layer\d+$")
-T = TypeVar("T")
 
 
 def taylor_error(report: dict[str, Any]) -> float:
@@ -229,6 +229,9 @@ class Comparison:
     the runs are AdamW and Muon, else B/A). The aggregates run over the levels off the unigram
     plateau; every level stays in ``levels``."""
 
+    SCHEMA_VERSION: ClassVar[int] = COMPARE_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "comparison"
+
     levels: list[Level]
     ratio_label: str
     refused: list[str]
@@ -333,8 +336,7 @@ class Comparison:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Comparison:
-        if d.get("schema_version") != COMPARE_SCHEMA_VERSION:
-            raise CurvlabError(f"comparison schema {d.get('schema_version')} is not {COMPARE_SCHEMA_VERSION}")
+        schema.check(d, cls)
         return cls(
             [Level.from_dict(lv) for lv in d["pairs"]],
             d["ratio"],
@@ -346,15 +348,6 @@ class Comparison:
             tuple(d["runs"]),
             d["settings"],
         )
-
-
-def load_typed(path: str | Path, parse: Callable[[dict[str, Any]], T], what: str) -> T:
-    """``parse`` of a JSON file; a missing, corrupt or malformed file is a one-line ``CurvlabError``."""
-    path = Path(path)
-    try:
-        return parse(json.loads(path.read_text()))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CurvlabError(f"{path}: unreadable {what} ({type(e).__name__}: {e})") from e
 
 
 def _analyzer(fsdp: bool) -> Callable | None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
+from curvlab import schema
 from curvlab.errors import CurvlabError
 from curvlab.statistics import standard_error
 
@@ -89,7 +91,8 @@ class LrSearch:
 
     @classmethod
     def from_dict(cls, d: dict) -> LrSearch:
-        grid = {float(k): [float(x) for x in v] for k, v in d["grid"].items()}
+        # strict JSON writes a diverged run's +inf as null
+        grid = {float(k): [math.inf if x is None else float(x) for x in v] for k, v in d["grid"].items()}
         return cls(
             d["name"], grid, float(d["chosen"]), d["initial"], d["extended"], d["at_edge"], d.get("fixed", {}),
             list(d.get("seeds", [])),
@@ -143,3 +146,91 @@ def search_lr(
         extended.append(new)
     b, lrs = best(), sorted(results)
     return LrSearch(name, results, b, grid, extended, b in (lrs[0], lrs[-1]), dict(fixed or {}), list(seeds))
+
+
+@dataclass(frozen=True)
+class TuningSettings:
+    """How a job tunes its learning rates (the same rule for every optimizer it compares): a
+    ``grid_points``-point log2 grid around each centre, extended up to ``max_extensions`` times at an
+    edge, ``tune_seeds`` seeds from ``tune_seed_base`` on (disjoint from the measured seeds), runs of
+    ``horizon_steps`` steps."""
+
+    lr_centers: dict[str, float]
+    grid_points: int
+    tune_seeds: int
+    tune_seed_base: int
+    horizon_steps: int
+    max_extensions: int
+
+    @classmethod
+    def of(cls, preset: Any, horizon_steps: int) -> TuningSettings:
+        """The settings of a job preset with same-named fields (``lr_centers``, ``grid_points``, ...)."""
+        names = ("grid_points", "tune_seeds", "tune_seed_base")
+        return cls(dict(preset.lr_centers), *(getattr(preset, k) for k in names), horizon_steps, preset.max_extensions)
+
+    def seeds(self) -> list[int]:
+        return [self.tune_seed_base + i for i in range(self.tune_seeds)]
+
+    def grid(self, arm: str) -> list[float]:
+        return log2_grid(self.lr_centers[arm], self.grid_points)
+
+    def validate(self, measured: int) -> None:
+        """Raises ``CurvlabError`` for too small a search, or tuning seeds among ``0 .. measured - 1``."""
+        if self.tune_seeds < 1 or self.grid_points < 2:
+            raise CurvlabError("a preset needs tune_seeds >= 1 and grid_points >= 2")
+        if set(self.seeds()) & set(range(measured)):
+            raise CurvlabError(
+                f"tuning seeds {self.seeds()} overlap the measurement seeds 0..{measured - 1}: raise tune_seed_base"
+            )
+
+
+@dataclass(frozen=True)
+class TuningRecord:
+    """``tuning.json``: how a job's learning rates were chosen, and what they are.
+
+    ``mode`` is ``"search"`` (every lr searched here, :func:`search_lr`) or ``"table"`` (a committed
+    table's values, ``table`` its entry, checked on a small grid: ``moved[arm]`` says whether the
+    check's optimum moved away from it). ``chosen`` maps an arm to its optimizer options (``lr``, and
+    a hybrid's ``adam_lr``; a set, untuned arm also says how it was set). ``fallback`` says why a
+    table was not used, ``adam_side`` how a hybrid's AdamW side was treated (``None``: no hybrid)."""
+
+    SCHEMA_VERSION: ClassVar[int] = TUNING_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "tuning"
+
+    mode: str
+    tuned_on_s: float
+    horizon_steps: int
+    seeds: list[int]
+    searches: dict[str, LrSearch]
+    chosen: dict[str, dict[str, Any]]
+    adam_side: str | None = None
+    fallback: str | None = None
+    table: dict[str, Any] | None = None
+    moved: dict[str, bool] = field(default_factory=dict)
+
+    def lr(self, arm: str) -> float:
+        return float(self.chosen[arm]["lr"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.SCHEMA_VERSION,
+            "mode": self.mode,
+            "tuned_on_s": self.tuned_on_s,
+            "horizon_steps": self.horizon_steps,
+            "seeds": list(self.seeds),
+            "adam_side": self.adam_side,
+            "fallback": self.fallback,
+            "searches": {k: v.to_dict() for k, v in self.searches.items()},
+            "chosen": self.chosen,
+            "table": self.table,
+            "moved": self.moved,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TuningRecord:
+        schema.check(d, cls)
+        return cls(
+            d["mode"], d["tuned_on_s"], d["horizon_steps"], list(d["seeds"]),
+            {k: LrSearch.from_dict(v) for k, v in d["searches"].items()}, d["chosen"], d.get("adam_side"),
+            d.get("fallback"), d.get("table"), d.get("moved", {}),
+        )  # fmt: skip

@@ -1,11 +1,15 @@
 """The bookkeeping ``curvlab reproduce`` and ``curvlab finetune`` share: config guard and invocation times."""
 
 import json
+import math
 
 import pytest
 
+from curvlab.checkpoint import add_to_index, read_index
 from curvlab.errors import CurvlabError
-from curvlab.jobs import StageClock, guard_config, record_invocation
+from curvlab.jobs import DIVERGED, Job, StageClock, guard_config, record_invocation
+from curvlab.train import TrainingDiverged
+from curvlab.tuning import TuningRecord, TuningSettings
 
 
 def test_a_directory_keeps_one_configuration(tmp_path):
@@ -37,3 +41,84 @@ def test_stage_clock_adds_up_a_stage_entered_twice():
             sum(range(10000))
     t = clock.invocation()
     assert 0 < t["tune"] <= t["total"] and t["tune_cpu"] > 0 and len(clock.loads) == 2
+
+
+class _BowlJob(Job):
+    """A job whose short runs are a fake: lr -> (log2 lr - log2 0.01)², diverging above 0.05."""
+
+    TAG, CONFIG_FILE, WHAT = "bowl", "bowl.json", "a bowl"
+
+    def __init__(self, out):
+        super().__init__(out, progress=False)
+        self.trained = []
+
+    def config(self):
+        return {"bowl": 1}
+
+    def tuning_settings(self):
+        return TuningSettings({"sgd": 0.01}, 3, 1, 1000, horizon_steps=5, max_extensions=2)
+
+    def _short_run(self, data, run, arm, options, seed, steps):
+        self.trained.append(options["lr"])
+        run.mkdir(parents=True, exist_ok=True)
+        if options["lr"] > 0.05:
+            (run / "ckpt_000002.pt").write_bytes(b"x")  # the last good checkpoint a diverged run leaves
+            raise TrainingDiverged("non-finite training loss at step 3")
+        (run / "ckpt_000005.pt").write_bytes(b"x")
+        loss = 3.0 + (math.log2(options["lr"]) - math.log2(0.01)) ** 2
+        add_to_index(run, steps, loss, "ckpt_000005.pt")
+        return loss
+
+
+def test_a_diverged_tuning_run_scores_inf_is_recorded_and_is_not_trained_again(tmp_path):
+    job = _BowlJob(tmp_path)
+    assert job._tuning_loss(tmp_path / "data", "sgd", {"lr": 0.08}, 1000) == math.inf
+    run = tmp_path / "runs" / "tune" / "sgd" / "lr0.08-seed1000"
+    assert "step 3" in json.loads((run / DIVERGED).read_text())["error"] and not list(run.glob("ckpt_*.pt"))
+    assert job._tuning_loss(tmp_path / "data", "sgd", {"lr": 0.08}, 1000) == math.inf
+    assert job.trained == [0.08]  # the re-run read the record instead of training again
+
+
+def test_a_finished_tuning_run_is_read_back_without_its_checkpoints(tmp_path):
+    job = _BowlJob(tmp_path)
+    first = job._tuning_loss(tmp_path / "data", "sgd", {"lr": 0.02}, 1000)
+    run = tmp_path / "runs" / "tune" / "sgd" / "lr0.02-seed1000"
+    assert first == 4.0 and not list(run.glob("ckpt_*.pt")) and read_index(run)[-1]["val_loss"] == 4.0
+    assert _BowlJob(tmp_path)._tuning_loss(tmp_path / "data", "sgd", {"lr": 0.02}, 1000) == 4.0
+    assert job.trained == [0.02]
+
+
+def test_the_job_search_finds_the_bowls_minimum_and_saves_a_typed_record(tmp_path):
+    job = _BowlJob(tmp_path)
+    t = job.tuning_settings()
+    search = job._search(tmp_path / "data", "sgd", "lr", [0.04, 0.08], {}, t.max_extensions, t.seeds())
+    assert search.chosen == 0.01 and search.grid[0.08] == [math.inf] and search.extended == [0.02, 0.01]
+    record = TuningRecord("search", 0.0, t.horizon_steps, t.seeds(), {"sgd.lr": search}, {"sgd": {"lr": 0.01}})
+    job.save_tuning(record)
+    assert json.loads(job.tuning_path.read_text())["searches"]["sgd.lr"]["grid"]["0.08"] == [None]  # strict JSON
+    assert _BowlJob(tmp_path).saved_tuning() == record  # +inf comes back from null
+
+
+def test_a_job_guards_its_directory_and_sums_its_invocations(tmp_path):
+    job = _BowlJob(tmp_path)
+    job.start()
+    assert json.loads((tmp_path / "bowl.json").read_text()) == {"bowl": 1}
+    with job.clock("tune"):
+        pass
+    assert job.timing()["invocations"] == 1
+    other = _BowlJob(tmp_path)
+    other.config = lambda: {"bowl": 2}
+    with pytest.raises(CurvlabError, match="holds a bowl of another configuration"):
+        other.start()
+    job.start()
+    assert job.timing()["invocations"] == 2
+
+
+def test_tuning_seeds_are_disjoint_from_the_measured_ones_in_both_jobs():
+    from curvlab.finetune import FINETUNE_PRESETS
+    from curvlab.reproduce import PRESETS
+
+    for preset in (*PRESETS.values(), *FINETUNE_PRESETS.values()):
+        assert not set(preset.tuning_settings.seeds()) & set(range(preset.seeds)), preset.name
+    with pytest.raises(CurvlabError, match="overlap the measurement seeds"):
+        TuningSettings({"adamw": 0.01}, 3, 2, 1, horizon_steps=5, max_extensions=0).validate(measured=3)

@@ -471,3 +471,14 @@ def test_bad_input_is_a_clear_error(name):
     with pytest.raises(CurvlabError, match="split decay needs < 1"):
         train_step(model, opt, loss_fn, batch_for(model.base_model.model))
     assert_same(model.state_dict(), before)  # checked before anything moved
+
+
+def test_the_adapter_optimizers_adamw_side_has_the_full_models_defaults():
+    """One AdamW-side default: an adapter optimizer's AdamW side (here lm_head's trainable copy) and Muon's
+    on a full model both run at plain AdamW's default lr and betas."""
+    adapter_side = build_optimizer("smuon", peft_gpt(modules_to_save=["lm_head"])).optimizers["adamw"].param_groups[0]
+    full = GPT(get_config("tiny", vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    muon_side = build_optimizer("muon", full).optimizers["adamw"].param_groups[0]
+    adamw = build_optimizer("adamw", full).param_groups[0]
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        assert adapter_side[key] == muon_side[key] == adamw[key], key

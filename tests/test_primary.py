@@ -14,7 +14,16 @@ from curvlab.paper import PRIMARY
 from curvlab.plots import primary_forest
 from curvlab.report import render_readme_results, render_report
 from curvlab.reproduce import PRESETS
-from curvlab.results import Calibration, PrimaryEntry, Summary, calibration, headline, primary_family
+from curvlab.results import (
+    Calibration,
+    PrimaryEntry,
+    QuadraticRecord,
+    Summary,
+    calibration,
+    headline,
+    primary_family,
+)
+from curvlab.tuning import TuningRecord
 from tests.synthetic import ar1, level_data, record, track
 
 LEVELS = 6
@@ -236,8 +245,8 @@ def test_aa_calibration_false_verdict_rate_under_no_effect():
 def _summary(primary, cal):
     return Summary(
         "micro", [], [], {"adamw": {"checked": 3, "failed": 1}},
-        {"tuned_on_s": 0.0, "horizon_steps": 10, "seeds": [0], "searches": {}}, ["a note"], {"0": {"adamw": [4.0]}},
-        {"muon_nds": 10.0, "muon_contraction": 0.669421, "gd_two_step_contraction": 0.922913},
+        TuningRecord("search", 0.0, 10, [0], {}, {}), ["a note"], {"0": {"adamw": [4.0]}},
+        QuadraticRecord(10.0, 0.669421, 0.922913),
         figures={"primary": ["figures/fig0_primary_forest.png"]}, primary=primary, calibration=cal,
     )  # fmt: skip
 

@@ -102,14 +102,14 @@ def _table_tuning(tmp_path, monkeypatch, best, searches=None):
 
 def test_table_learning_rates_are_checked_on_three_points_with_tuning_seeds(tmp_path, monkeypatch):
     tuning, calls = _table_tuning(tmp_path / "a", monkeypatch, {"adamw": 0.004, "muon": 0.02})
-    assert tuning["mode"] == "table" and tuning["moved"] == {"adamw": False, "muon": False}
-    assert tuning["chosen"]["adamw"] == {"lr": 0.004} and tuning["chosen"]["muon"]["lr"] == 0.02
+    assert tuning.mode == "table" and tuning.moved == {"adamw": False, "muon": False}
+    assert tuning.chosen["adamw"] == {"lr": 0.004} and tuning.chosen["muon"]["lr"] == 0.02
     assert sorted(lr for arm, lr, _ in calls if arm == "adamw") == [0.002, 0.004, 0.008]
     assert sorted(lr for arm, lr, _ in calls if arm == "muon") == [0.01, 0.02, 0.04]
     assert {seed for *_, seed in calls} == {2000}  # neither a measurement seed nor one of the table's
     # an optimum that moved is said, and the pre-registered value is still the one used
     tuning, _ = _table_tuning(tmp_path / "b", monkeypatch, {"adamw": 0.016, "muon": 0.02})
-    assert tuning["moved"] == {"adamw": True, "muon": False} and tuning["chosen"]["adamw"] == {"lr": 0.004}
+    assert tuning.moved == {"adamw": True, "muon": False} and tuning.chosen["adamw"] == {"lr": 0.004}
 
 
 def test_a_winner_within_the_table_searchs_standard_error_is_no_move(tmp_path, monkeypatch):
@@ -117,10 +117,10 @@ def test_a_winner_within_the_table_searchs_standard_error_is_no_move(tmp_path, m
     # 0.1 * (2² - 1²) = 0.3 nats; the table's own search had standard errors of 0.5 at both points: no move
     noisy = LrSearch("adamw.lr", {0.004: [2.5, 3.5], 0.008: [2.5, 3.5]}, 0.004, [0.004, 0.008]).to_dict()
     tuning, _ = _table_tuning(tmp_path / "c", monkeypatch, {"adamw": 0.016, "muon": 0.02}, {"adamw.lr": noisy})
-    assert tuning["moved"]["adamw"] is False
+    assert tuning.moved["adamw"] is False
     sure = LrSearch("adamw.lr", {0.004: [3.0, 3.0001], 0.008: [3.0, 3.0001]}, 0.004, [0.004, 0.008]).to_dict()
     tuning, _ = _table_tuning(tmp_path / "d", monkeypatch, {"adamw": 0.016, "muon": 0.02}, {"adamw.lr": sure})
-    assert tuning["moved"]["adamw"] is True
+    assert tuning.moved["adamw"] is True
 
 
 def test_a_table_entry_made_under_other_settings_is_not_used(tmp_path, monkeypatch):
@@ -134,8 +134,8 @@ def test_a_table_entry_made_under_other_settings_is_not_used(tmp_path, monkeypat
     monkeypatch.setattr(reproduce, "read_lr_table", lambda: {"micro": {**entry, "fingerprint": other}})
     monkeypatch.setattr(reproduce.Reproduction, "_tuning_loss", lambda self, data, arm, options, seed: 3.0)
     tuning = reproduce.Reproduction(preset, tmp_path, progress=False).tune(tmp_path / "data")
-    assert tuning["mode"] == "search" and "other settings" in tuning["fallback"]
-    assert tuning["seeds"] == preset.tuning_seeds()
+    assert tuning.mode == "search" and "other settings" in tuning.fallback
+    assert tuning.seeds == preset.tuning_seeds()
 
 
 def test_a_corrupt_table_is_a_one_line_error(tmp_path):

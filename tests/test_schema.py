@@ -1,0 +1,56 @@
+"""One writer and one reader for versioned records (curvlab.schema)."""
+
+import json
+import math
+
+import pytest
+
+from curvlab import schema
+from curvlab.errors import CurvlabError
+from curvlab.tuning import LrSearch, TuningRecord
+
+
+def _record():
+    search = LrSearch(
+        "adamw.lr", {0.004: [3.1, 3.3], 0.008: [math.inf, 3.0]}, 0.004, [0.004, 0.008], seeds=[1000, 1001]
+    )
+    return TuningRecord("search", 0.0, 20, [1000, 1001], {"adamw.lr": search}, {"adamw": {"lr": 0.004}}, "tied")
+
+
+def test_a_record_round_trips_through_strict_json(tmp_path):
+    path = tmp_path / "sub" / "tuning.json"
+    schema.save(path, _record())
+    text = path.read_text()
+    assert "Infinity" not in text and "NaN" not in text  # parsers other than Python's read it
+    d = json.loads(text)
+    assert d["schema_version"] == TuningRecord.SCHEMA_VERSION and d["searches"]["adamw.lr"]["grid"]["0.008"][0] is None
+    back = schema.load(path, TuningRecord)
+    assert back == _record() and back.searches["adamw.lr"].grid[0.008][0] == math.inf
+    assert back.searches["adamw.lr"].ties == []  # 0.008's mean is +inf: no tie
+    assert [p.name for p in path.parent.iterdir()] == ["tuning.json"]  # no temporary left behind
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (None, "no such file"),
+        ("{not json", "corrupt JSON"),
+        ('{"schema_version": 99, "mode": "search"}', "tuning schema 99 is not 1"),
+        ("[1, 2]", "tuning schema None is not 1"),
+        ('{"schema_version": 1, "mode": "search"}', "not a tuning record .KeyError"),
+    ],
+)
+def test_bad_files_are_one_line_errors_naming_the_file(tmp_path, text, match):
+    path = tmp_path / "tuning.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(CurvlabError, match=match) as e:
+        schema.load(path, TuningRecord)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_check_refuses_another_version_without_a_file():
+    d = _record().to_dict()
+    assert schema.check(d, TuningRecord) is d
+    with pytest.raises(CurvlabError, match="tuning schema 0 is not 1"):
+        TuningRecord.from_dict({**d, "schema_version": 0})
