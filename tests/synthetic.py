@@ -20,7 +20,7 @@ def ar1(rng: np.random.Generator, n: int, rho: float, sd: float, size: int = 1) 
     return out
 
 
-# what every window member holds besides the scalars a test sets (checkpoint_scalars' other keys)
+# what every window member holds besides the scalars a test sets (CheckpointScalars' other fields)
 FILLER = {
     **{f"{p}{k}": 1.0 for p in ("", "hidden_") for k in ("nds", "first_order", "curvature_penalty", "update_norm")},
     "embed_head_share": 0.5,
