@@ -52,7 +52,14 @@ from curvlab import params as P
 from curvlab.atomic import atomic_write_text
 from curvlab.blocks import group_parameters
 from curvlab.checkpoint import check_device, read_checkpoint
-from curvlab.curvature import BlockMatrix, TaylorSplit, block_matrix, taylor_split, taylor_split_and_block_matrix
+from curvlab.curvature import (
+    BlockMatrix,
+    TaylorScope,
+    TaylorSplit,
+    block_matrix,
+    taylor_split,
+    taylor_split_and_block_matrix,
+)
 from curvlab.data.shards import TokenData, TrainBatches, validation_batches
 from curvlab.dcp import META as SHARDED_META
 from curvlab.directions import PAIRED, PairedDirections, directions_table, paired_directions, parse_directions
@@ -64,6 +71,14 @@ from curvlab.loss import ModuleLoss, make_loss_fn
 from curvlab.models.nanogpt import load_nanogpt
 from curvlab.operator import hessian_operator, preconditioned_operator
 from curvlab.optim import next_update
+from curvlab.scalars import (
+    NAN_SCOPE,
+    CheckpointScalars,
+    embed_head_share,
+    layer_blocks_split,
+    taylor_error,
+    taylor_holds,
+)
 from curvlab.shadow import ShadowState
 from curvlab.spectral import (
     CheckpointSpectrum,
@@ -136,6 +151,10 @@ class BatchDraw:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "rows": [list(r) for r in self.rows]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BatchDraw:
+        return cls(d["source"], d["seed"], d["micro_batches"], tuple(tuple(r) for r in d["rows"]))
 
 
 @dataclass
@@ -299,6 +318,58 @@ class CurvatureReport:
             "paired": None if self.paired is None else self.paired.to_dict(),
             "timing": {"seconds": self.seconds, "hvp_seconds": self.hvp_seconds},
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CurvatureReport:
+        """The report of :meth:`to_dict`'s JSON (see :meth:`UpdateSpectrum.from_dict
+        <curvlab.spectral.UpdateSpectrum.from_dict>` for what a saved spectrum keeps).
+
+        Raises:
+            CurvlabError: another schema version.
+        """
+        if d.get("schema_version") != REPORT_SCHEMA_VERSION:
+            raise CurvlabError(f"report schema {d.get('schema_version')} is not {REPORT_SCHEMA_VERSION}")
+        hidden = d["hidden"]
+        split = TaylorSplit.from_dict(
+            {**d, "subset": hidden, "subset_names": () if hidden is None else hidden["names"]}
+        )
+        blocks = {k: v for k, v in d["blocks"].items() if k != "grouping"}
+        return cls(
+            checkpoint=d["checkpoint"],
+            step=d["step"],
+            val_loss=math.nan if d["val_loss"] is None else d["val_loss"],
+            optimizer=d["optimizer"],
+            settings=AnalysisSettings(**d["settings"]),
+            split=split,
+            blocks=BlockMatrix.from_dict(blocks),
+            seconds=d["timing"]["seconds"],
+            hvp_seconds=d["timing"]["hvp_seconds"],
+            spectrum=None if d["spectrum"] is None else UpdateSpectrum.from_dict(d["spectrum"], split.nds),
+            next_batch=None if d["next_batch"] is None else BatchDraw.from_dict(d["next_batch"]),
+            paired=None if d.get("paired") is None else PairedDirections.from_dict(d["paired"]),
+        )
+
+    def scalars(self) -> CheckpointScalars:
+        """The scalars that tables, figures and aggregates use (both scopes; the paired directions'
+        where the run keeps a shadow state, :mod:`curvlab.directions`): both arms' directions at this
+        checkpoint's W, on its batch, under its H."""
+        split = self.split
+        within_layers, nds_layers = layer_blocks_split(self.blocks.names, self.blocks.matrix)
+        return CheckpointScalars(
+            step=self.step,
+            val_loss=self.val_loss,
+            all=TaylorScope.from_dict(split.to_dict()),
+            hidden=NAN_SCOPE if split.subset is None else split.subset,
+            within=self.blocks.within,
+            cross=self.blocks.cross,
+            rho_within=self.blocks.rho_within,
+            within_layers=within_layers,
+            nds_layers=nds_layers,
+            embed_head_share=embed_head_share(self.blocks, self.settings.blocks, split.update_norm),
+            taylor_error=taylor_error(split),
+            taylor_ok=taylor_holds(split),
+            paired={} if self.paired is None else self.paired.scalars(),
+        )
 
     def save(self, path: str | Path) -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
@@ -512,16 +583,20 @@ def analyze_checkpoint(
     return analyze(open_checkpoint(path, data, device, settings.batches), settings, str(path))
 
 
-def load_report(path: str | Path) -> dict[str, Any]:
-    """A saved report's JSON, checked for its schema version."""
+def load_report(path: str | Path) -> CurvatureReport:
+    """A saved report, checked for its schema version; an unreadable or malformed file is a one-line
+    ``CurvlabError``."""
     path = Path(path)
     try:
-        report = json.loads(path.read_text())
+        d = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CurvlabError(f"{path}: unreadable report ({e})") from e
-    if report.get("schema_version") != REPORT_SCHEMA_VERSION:
-        raise CurvlabError(f"{path}: report schema {report.get('schema_version')} is not {REPORT_SCHEMA_VERSION}")
-    return report
+    try:
+        return CurvatureReport.from_dict(d)
+    except CurvlabError as e:
+        raise CurvlabError(f"{path}: {e}") from e
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CurvlabError(f"{path}: malformed report ({type(e).__name__}: {e})") from e
 
 
 def report_cache_path(cache_dir: str | Path, checkpoint: str | Path, settings: AnalysisSettings) -> Path:
@@ -546,7 +621,7 @@ def cached_report(
     data=None,
     device="cpu",
     analyze_fn: Callable[..., CurvatureReport] | None = None,
-) -> dict[str, Any]:
+) -> CurvatureReport:
     """The report of ``checkpoint`` under ``settings``: read from ``cache_dir`` when it was made
     before, else computed by ``analyze_fn`` (default :func:`analyze_checkpoint`; the sharded
     analysis passes its own) and saved there (see :func:`report_cache_path`).
@@ -565,7 +640,7 @@ def cached_report(
     report = analyze_fn(Path(checkpoint).resolve(), settings, data, device)
     if is_main():  # under torch.distributed every rank computed it; one writes it
         report.save(path)
-    return report.to_dict()
+    return report
 
 
 def checkpoint_spectrum(

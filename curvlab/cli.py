@@ -300,6 +300,7 @@ def nds(
     With --fsdp, under torchrun, the model is sharded by FSDP2 over the ranks (curvlab.sharded_analysis).
     """
     from curvlab.analysis import analyze_checkpoint, checkpoint_directions
+    from curvlab.scalars import SCOPE_KEYS
     from curvlab.sharded_analysis import analyze_sharded_checkpoint
 
     if out:
@@ -324,7 +325,7 @@ def nds(
     d = report.to_dict()
     val = "none recorded" if d["val_loss"] is None else f"{d['val_loss']:.4f}"
     typer.echo(f"{checkpoint}: step {d['step']}, optimizer {d['optimizer']}, val loss {val}")
-    keys = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "grad_norm", "cosine")
+    keys = ("nds", *(k for k in SCOPE_KEYS if k != "nds"))
     hidden = d["hidden"] or {}
     print_table([(k, d[k], hidden.get(k, "")) for k in keys], ("quantity", "all parameters", "hidden matrices"))
     b = d["blocks"]
@@ -377,7 +378,8 @@ def compare(
 
     With --fsdp, under torchrun on as many ranks as wrote the checkpoints, each is analysed sharded.
     """
-    from curvlab.studies import RATIO_KEYS, compare_runs
+    from curvlab.scalars import RATIO_KEYS
+    from curvlab.studies import compare_runs
 
     settings = _settings(blocks, batch, batches, dtype, "hvp", hvp_method)
     check_output(out, directory=True)
@@ -442,12 +444,12 @@ def track(
         return
     keys = ("step", "val_loss", "nds", "within", "cross", "rho_within", "update_norm")
     keys += ("lambda_max", "overlap_top_k") if spectrum else ()
-    print_table([tuple(r[k] for k in keys) for r in rows], keys)
+    print_table([tuple(r.to_dict().get(k) for k in keys) for r in rows], keys)
     written = [out / "track.csv", out / "track.json"]
     if spectrum:
         from curvlab.plots import lambda_max_along_run
 
-        written += lambda_max_along_run({rows[0]["optimizer"]: rows}, out / "lambda_max_vs_nds")
+        written += lambda_max_along_run({rows[0].optimizer: rows}, out / "lambda_max_vs_nds")
     typer.echo("wrote " + ", ".join(map(str, written)))
 
 
@@ -457,11 +459,11 @@ def _track_monitor(run: Path, out: Path, every: int) -> None:
 
     rows = track_monitor(run, out, every)
     keys = ("step", "val_loss", "status", "nds", "hidden_nds", "predicted", "realized", "within", "cross", "rho_within")
-    print_table([tuple("-" if r[k] is None else r[k] for k in keys) for r in rows], keys)
+    print_table([tuple(r.to_dict().get(k, "-") for k in keys) for r in rows], keys)
     for r in rows:
-        if r["message"]:
-            typer.echo(f"step {r['step']}: {r['message']}", err=True)
-    name = rows[0]["optimizer"] or run.name
+        if r.message:
+            typer.echo(f"step {r.step}: {r.message}", err=True)
+    name = rows[0].optimizer or run.name
     written = [out / "track.csv", out / "track.json"]
     written += curvature_during_training({name: rows}, out / "curvature_during_training")
     typer.echo("wrote " + ", ".join(map(str, written)))

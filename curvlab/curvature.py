@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,11 @@ class TaylorScope:
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TaylorScope:
+        """The scope from :meth:`to_dict`'s keys (any others in ``d`` are ignored); null reads as NaN."""
+        return cls(**{f.name: float("nan") if d[f.name] is None else float(d[f.name]) for f in fields(cls)})
+
 
 @dataclass(frozen=True)
 class TaylorSplit(TaylorScope):
@@ -75,6 +80,16 @@ class TaylorSplit(TaylorScope):
         out["subset"] = None if self.subset is None else self.subset.to_dict()
         out["subset_names"] = list(self.subset_names)
         return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TaylorSplit:
+        subset = d.get("subset")
+        return cls(
+            **TaylorScope.from_dict(d).to_dict(),
+            loss=float(d["loss"]),
+            subset=None if subset is None else TaylorScope.from_dict(subset),
+            subset_names=tuple(d.get("subset_names", ())),
+        )
 
 
 def _check_direction(params: Mapping[str, Tensor], z: Mapping[str, Tensor], what: str = "direction") -> float:
@@ -245,6 +260,22 @@ class BlockMatrix:
             "asymmetry": self.asymmetry,
             "members": self.members,
         }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BlockMatrix:
+        return cls(
+            names=tuple(d["names"]),
+            matrix=np.asarray(d["matrix"], dtype=float).reshape(len(d["names"]), len(d["names"])),
+            within=d["within"],
+            cross=d["cross"],
+            nds=d["nds"],
+            rho_within=d["rho_within"],
+            first_order=np.asarray(d["first_order"], dtype=float),
+            norm=np.asarray(d["norm"], dtype=float),
+            block_nds=np.array([np.nan if x is None else x for x in d["block_nds"]], dtype=float),
+            asymmetry=d["asymmetry"],
+            members={k: list(v) for k, v in d["members"].items()},
+        )
 
 
 def _block_directions(z: P.Params, members: Mapping[str, Sequence[str]]) -> list[P.Params]:

@@ -183,7 +183,7 @@ class PairedDirections:
 
     def scalars(self) -> dict[str, float]:
         """``paired_{nds,cos,q}_{direction}_{scope}`` for every direction and scope (the keys of
-        :func:`curvlab.studies.checkpoint_scalars`), plus ``paired_norm_...``."""
+        :class:`curvlab.scalars.CheckpointScalars`), plus ``paired_norm_...``."""
         out = {}
         for d in self.directions:
             for scope in SCOPES:

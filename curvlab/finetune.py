@@ -62,7 +62,8 @@ from curvlab.match import MatchSettings, match_runs
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
 from curvlab.optimizers import build_optimizer
-from curvlab.studies import RATIO_KEYS, monitor_rows
+from curvlab.scalars import RATIO_KEYS, SCOPE_KEYS
+from curvlab.studies import monitor_rows
 from curvlab.train import (
     Run,
     TrainConfig,
@@ -78,7 +79,7 @@ from curvlab.tuning import TuningRecord, TuningSettings
 FINETUNE_SCHEMA_VERSION = 1
 ADAPTER_ARMS = ("adamw", "smuon", "lora-muon", "per-factor-muon")
 MUON_VARIANTS = ("smuon", "lora-muon", "per-factor-muon")  # each compared against AdamW
-LEVEL_KEYS = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm", "within", "cross")
+LEVEL_KEYS = (*SCOPE_KEYS, "within", "cross")  # what a level's window means average
 ADAPTER_FILE = "adapter.json"  # the LoRA settings of an adaptation run, beside its config.json
 
 
@@ -543,11 +544,8 @@ def _side_means(rows: dict[int, MonitorRow], steps: list[int]) -> dict[str, floa
     """Window means of :data:`LEVEL_KEYS` over the curvature rows at ``steps`` (a row that is not
     ``ok``, non-finite or a zero step, counts as NaN and makes the mean NaN: nothing is dropped)."""
 
-    def value(row: MonitorRow, k: str) -> float:
-        part = row.blocks if k in ("within", "cross") else row.split
-        return getattr(part, k) if row.ok and part is not None else math.nan
-
-    return {k: float(np.mean([value(rows[s], k) for s in steps])) for k in LEVEL_KEYS}
+    window = [rows[s].scalars() if rows[s].ok else None for s in steps]
+    return {k: float(np.mean([math.nan if r is None else r.value(k) for r in window])) for k in LEVEL_KEYS}
 
 
 def compare_adapters(

@@ -47,7 +47,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -61,10 +61,10 @@ from curvlab.exact_ops import exact_second_order
 from curvlab.hvp import working_dtype
 from curvlab.loss import LossFn, count_loss_terms, make_loss_fn, weighted_batches
 from curvlab.optim import Optimizers, next_update
+from curvlab.scalars import NAN_SCOPE, CheckpointScalars, layer_blocks_split, taylor_error, taylor_holds
 
 MONITOR_SCHEMA_VERSION = 1
 ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training rows have none
-SCOPE_KEYS = tuple(f.name for f in fields(TaylorScope))
 
 
 @dataclass(frozen=True)
@@ -199,15 +199,15 @@ class MonitorRow:
             status=d["status"],
             message=d["message"],
             loss=float(d["loss"]),
-            split=_scope_from(d),
-            hidden=None if hidden is None else _scope_from(hidden),
+            split=TaylorScope.from_dict(d),
+            hidden=None if hidden is None else TaylorScope.from_dict(hidden),
             blocks=None if d.get("blocks") is None else BlockSplit.from_dict(d["blocks"]),
             heldout_tokens=int(d["heldout_tokens"]),
             seconds=float(d["seconds"]),
             hidden_names=tuple(hidden["names"]) if hidden else (),
         )
 
-    def scalars(self, prefix: str = "curvature/") -> dict[str, float]:
+    def log_scalars(self, prefix: str = "curvature/") -> dict[str, float]:
         """The row's finite scalars for a metrics logger (TensorBoard, W&B, the Trainer's log):
         ``{prefix}nds``, ..., ``{prefix}hidden_nds``, ..., ``{prefix}within``, ``{prefix}cross``,
         ``{prefix}rho_within``, and ``{prefix}ok`` (1.0 or 0.0). Values that are not finite are left out."""
@@ -218,29 +218,31 @@ class MonitorRow:
             values |= {"within": self.blocks.within, "cross": self.blocks.cross, "rho_within": self.blocks.rho_within}
         return {f"{prefix}{k}": float(v) for k, v in values.items() if math.isfinite(v)}
 
-    def summary(self) -> dict[str, Any]:
-        """The scalars that tables and figures use (the names of :func:`curvlab.studies.track_run`'s rows)."""
-        hidden = self.hidden
+    def scalars(self, val_loss: float = math.nan, optimizer: str | None = None) -> CheckpointScalars:
+        """The row as the per-checkpoint scalars the studies aggregate (with the validation loss of its
+        step, where one was evaluated, and the run's optimizer); a row whose status is not ``ok``
+        keeps its message and fails the Taylor check. A monitored step has no embedding/head share."""
         blocks = self.blocks
-        return {
-            "step": self.step,
-            "status": self.status,
-            "loss": self.loss,
-            **self.split.to_dict(),
-            "hidden_nds": None if hidden is None else hidden.nds,
-            "within": None if blocks is None else blocks.within,
-            "cross": None if blocks is None else blocks.cross,
-            "rho_within": None if blocks is None else blocks.rho_within,
-        }
-
-
-def _scope_from(d: Mapping[str, Any] | TaylorScope) -> TaylorScope:
-    """The eight scalars of a scope, from a dict or any :class:`TaylorScope` (a ``TaylorSplit`` too)."""
-    get = d.__getitem__ if isinstance(d, Mapping) else lambda k: getattr(d, k)
-    return TaylorScope(**{k: float(get(k)) for k in SCOPE_KEYS})
-
-
-_NAN_SCOPE = TaylorScope(**{k: math.nan for k in SCOPE_KEYS})
+        within_layers, nds_layers = (
+            (math.nan, math.nan) if blocks is None else layer_blocks_split(blocks.names, blocks.matrix)
+        )
+        return CheckpointScalars(
+            step=self.step,
+            val_loss=val_loss,
+            all=TaylorScope.from_dict(self.split.to_dict()),
+            hidden=NAN_SCOPE if self.hidden is None else self.hidden,
+            within=math.nan if blocks is None else blocks.within,
+            cross=math.nan if blocks is None else blocks.cross,
+            rho_within=math.nan if blocks is None else blocks.rho_within,
+            within_layers=within_layers,
+            nds_layers=nds_layers,
+            embed_head_share=math.nan,
+            taylor_error=taylor_error(self.split),
+            taylor_ok=self.ok and taylor_holds(self.split),
+            optimizer=optimizer,
+            status=self.status,
+            message=self.message,
+        )
 
 
 def _all_finite(tensors: Mapping[str, Tensor]) -> str | None:
@@ -395,8 +397,8 @@ class CurvatureMonitor:
             grouping = self.blocks if isinstance(self.blocks, str) else "custom"
             matrix = tuple(tuple(float(x) for x in r) for r in bm.matrix)
             blocks = BlockSplit(grouping, bm.names, matrix, bm.within, bm.cross, bm.nds, bm.rho_within)
-        scope = _scope_from(split)
-        hidden = _scope_from(split.subset) if subset else None
+        scope = TaylorScope.from_dict(split.to_dict())
+        hidden = TaylorScope.from_dict(split.subset.to_dict()) if subset else None
         values = {"loss": split.loss, **asdict(scope)}
         values.update({f"hidden {k}": v for k, v in (asdict(hidden) if hidden else {}).items()})
         values.update({} if blocks is None else {"within": blocks.within, "cross": blocks.cross})
@@ -417,7 +419,7 @@ class CurvatureMonitor:
 
     def _failed(self, step: int, status: str, message: str, start: float) -> MonitorRow:
         return MonitorRow(
-            step, status, message, math.nan, _NAN_SCOPE, None, None, self.heldout_tokens, time.perf_counter() - start
+            step, status, message, math.nan, NAN_SCOPE, None, None, self.heldout_tokens, time.perf_counter() - start
         )
 
     def _loss_or_none(self, params: Mapping[str, Tensor], batch: Any) -> float | None:
@@ -479,7 +481,7 @@ def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = Fals
 
     With the ``trainer`` (given here, by ``callback.attach(trainer)``, or by
     :func:`add_curvature_callback`), each row also goes into the Trainer's own logs at the end of its
-    step: ``trainer.log(row.scalars())``, so ``curvature/nds``, ... reach ``state.log_history`` and
+    step: ``trainer.log(row.log_scalars())``, so ``curvature/nds``, ... reach ``state.log_history`` and
     every ``report_to`` integration (TensorBoard, W&B, ...) as the loss does, at the Trainer's
     ``global_step`` after the measured step. (A callback is handed no trainer by transformers, and
     one added to a Trainer runs after the integrations, so it needs the trainer to log through.)
@@ -526,7 +528,7 @@ def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = Fals
             if row is not None and self.trainer is not None:
                 # Trainer.log's on_log clears should_log: keep the Trainer's own logging of this step
                 should_log = control.should_log
-                self.trainer.log(row.scalars())
+                self.trainer.log(row.log_scalars())
                 control.should_log = should_log
                 return control
 
@@ -577,7 +579,7 @@ def curvature_lightning_callback(monitor: CurvatureMonitor, stop_on_nonfinite: b
             # straight to the loggers: pl_module.log_dict would round to float32 and log a value again
             # at the next step; at the row's step, where Lightning logs the same batch's training loss
             for logger in trainer.loggers:
-                logger.log_metrics(row.scalars(), step=row.step)
+                logger.log_metrics(row.log_scalars(), step=row.step)
             if stop_on_nonfinite and row.status == "non-finite":
                 trainer.should_stop = True
 

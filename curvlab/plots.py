@@ -1,7 +1,9 @@
 """Figures, drawn from saved results only (never recomputing curvature); each saved as PNG and PDF.
 
-Every function takes the plain data that curvlab writes (report/compare/track/quadratic JSON, read
-back as dicts) and a path stem; it returns the paths written.
+Every function takes what curvlab writes, as its typed records (:class:`~curvlab.analysis.CurvatureReport`,
+:class:`~curvlab.studies.Comparison`, :class:`~curvlab.scalars.CheckpointScalars` rows, the results of
+:mod:`curvlab.results`) or, for the tuning and quadratic results, their JSON, and a path stem; it draws
+them, computing nothing, and returns the paths written.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ matplotlib.use("Agg")  # headless: figures go to files
 import matplotlib.pyplot as plt
 import numpy as np
 
+from curvlab.analysis import CurvatureReport
 from curvlab.atomic import atomic_write_with
 from curvlab.paper import CLAIMS
-from curvlab.studies import RATIO_KEYS, pair_reports, within_layer_gap
+from curvlab.results import seed_band
+from curvlab.scalars import RATIO_KEYS, CheckpointScalars
+from curvlab.studies import pair_reports, within_layer_gap
 from curvlab.tuning import TuningRecord
 
 COLORS = {
@@ -215,10 +220,9 @@ def layer_split_over_training(tracks: dict[str, list], stem: str | Path) -> list
     for name, records in tracks.items():
         color = _color(name)
         for ax, key in zip(axes, ("within", "cross", "rho_within")):
-            steps = sorted(set.intersection(*({r["step"] for r in t.rows} for t in records)))
-            values = np.array([[next(r[key] for r in t.rows if r["step"] == k) for k in steps] for t in records])
-            ax.plot(steps, values.mean(0), "o-", ms=3, color=color, label=f"{name} ({len(records)} seeds)")
-            ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.2)
+            band = seed_band(records, key)
+            ax.plot(band.steps, band.mean, "o-", ms=3, color=color, label=f"{name} ({len(records)} seeds)")
+            ax.fill_between(band.steps, band.low, band.high, color=color, alpha=0.2)
     for ax, title in zip(axes, ["within-layer NDS", "cross-layer NDS", "rho_within = within / NDS"]):
         ax.set(xlabel="step", title=title)
         ax.legend(fontsize=8)
@@ -245,17 +249,16 @@ def tuning_grids(tuning: TuningRecord, stem: str | Path) -> list[Path]:
     return save_figure(fig, stem)
 
 
-def block_heatmaps(reports: dict[str, dict[str, Any]], stem: str | Path) -> list[Path]:
+def block_heatmaps(reports: dict[str, CurvatureReport], stem: str | Path) -> list[Path]:
     """Beyond the paper: the block interaction matrix M at one matched level, one panel per optimizer."""
     fig, axes = plt.subplots(1, len(reports), figsize=(5 * len(reports), 4.2), squeeze=False)
-    limit = max(np.abs(np.array(r["blocks"]["matrix"])).max() for r in reports.values())
+    limit = max(np.abs(r.blocks.matrix).max() for r in reports.values())
     for ax, (name, report) in zip(axes[0], reports.items()):
-        M = np.array(report["blocks"]["matrix"])
-        image = ax.imshow(M, cmap="RdBu_r", vmin=-limit, vmax=limit)
-        names = report["blocks"]["names"]
+        image = ax.imshow(report.blocks.matrix, cmap="RdBu_r", vmin=-limit, vmax=limit)
+        names = list(report.blocks.names)
         ax.set_xticks(range(len(names)), names, rotation=60, fontsize=7)
         ax.set_yticks(range(len(names)), names, fontsize=7)
-        ax.set_title(f"{name}: NDS {report['nds']:.3g}, rho_within {report['blocks']['rho_within']:.2f}", fontsize=9)
+        ax.set_title(f"{name}: NDS {report.split.nds:.3g}, rho_within {report.blocks.rho_within:.2f}", fontsize=9)
     fig.colorbar(image, ax=axes[0].tolist(), label="M[l,m] = <Z_l, H_lm Z_m> / ||Z||²")
     return save_figure(fig, stem)
 
@@ -281,32 +284,32 @@ def spectral_density_plot(density: dict[str, Any], stem: str | Path, title: str 
     return save_figure(fig, stem)
 
 
-def lambda_max_along_run(tracks: dict[str, list[dict[str, Any]]], stem: str | Path) -> list[Path]:
+def lambda_max_along_run(tracks: dict[str, list[CheckpointScalars]], stem: str | Path) -> list[Path]:
     """λ_max of the Hessian beside the NDS of the update, along each run (NDS <= λ_max always)."""
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for name, rows in tracks.items():
-        rows = [r for r in rows if "lambda_max" in r]
-        step = [r["step"] for r in rows]
-        ax.semilogy(step, [r["lambda_max"] for r in rows], "o-", color=COLORS.get(name), label=f"{name} λ_max")
-        ax.semilogy(step, [max(r["nds"], 1e-12) for r in rows], "x--", color=COLORS.get(name), label=f"{name} NDS")
+        rows = [r for r in rows if r.lambda_max is not None]
+        step = [r.step for r in rows]
+        ax.semilogy(step, [r.lambda_max for r in rows], "o-", color=COLORS.get(name), label=f"{name} λ_max")
+        ax.semilogy(step, [max(r.all.nds, 1e-12) for r in rows], "x--", color=COLORS.get(name), label=f"{name} NDS")
     ax.set(xlabel="step", title="sharpest direction vs the update's direction")
     ax.legend(fontsize=8)
     return save_figure(fig, stem)
 
 
-def curvature_during_training(tracks: dict[str, list[dict[str, Any]]], stem: str | Path) -> list[Path]:
+def curvature_during_training(tracks: dict[str, list[CheckpointScalars]], stem: str | Path) -> list[Path]:
     """The monitor's rows along each run (``curvlab train --curvature-every K``): NDS over all
     parameters and the hidden matrices; the Taylor split (I1, I2, predicted and realized decrease);
     the within- and cross-layer NDS when the rows have them. Steps whose row is not ``ok`` are marked
     with a grey line and left as gaps."""
-    with_blocks = any(r.get("within") is not None for rows in tracks.values() for r in rows)
+    with_blocks = any(not np.isnan(r.within) for rows in tracks.values() for r in rows)
     fig, axes = plt.subplots(1, 3 if with_blocks else 2, figsize=(13 if with_blocks else 9, 3.6))
     for name, rows in tracks.items():
         color = COLORS.get(name)
-        step = np.array([r["step"] for r in rows])
+        step = np.array([r.step for r in rows])
 
         def values(key, rows=rows):
-            return np.array([np.nan if r.get(key) is None else r[key] for r in rows], dtype=float)
+            return np.array([r.value(key) for r in rows], dtype=float)
 
         axes[0].plot(step, values("nds"), "o-", color=color, label=f"{name} all")
         axes[0].plot(step, values("hidden_nds"), "x--", color=color, label=f"{name} hidden")
@@ -321,9 +324,9 @@ def curvature_during_training(tracks: dict[str, list[dict[str, Any]]], stem: str
             axes[2].plot(step, values("within"), "o-", color=color, label=f"{name} within")
             axes[2].plot(step, values("cross"), "x--", color=color, label=f"{name} cross")
         for r in rows:
-            if r["status"] != "ok":
+            if r.status != "ok":
                 for ax in axes:
-                    ax.axvline(r["step"], color="grey", lw=0.8, alpha=0.6)
+                    ax.axvline(r.step, color="grey", lw=0.8, alpha=0.6)
     titles = [
         "NDS <Z,HZ>/||Z||² (held-out)",
         "one-step decrease: I1, I2, predicted, realized",

@@ -436,7 +436,7 @@ def window_checkpoints(records: list[ComparisonRecord], reports: Path | None = N
             for side in (level.a, level.b):
                 for path in map(Path, side.reports):
                     found = path if path.is_file() or reports is None else reports / path.name
-                    keep.add(_run_key(load_report(found)["checkpoint"]))
+                    keep.add(_run_key(load_report(found).checkpoint))
     return keep
 
 

@@ -48,7 +48,7 @@ record), put through the same pipeline for the claims that compare the two sides
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -60,6 +60,7 @@ from curvlab import statistics as st
 from curvlab.atomic import atomic_write_text
 from curvlab.errors import CurvlabError
 from curvlab.paper import CLAIMS, PRIMARY, Claim, PrimaryClaim
+from curvlab.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.studies import Comparison
 from curvlab.tuning import TuningRecord
 
@@ -67,12 +68,7 @@ LEVELS_SCHEMA_VERSION = 1
 SUMMARY_SCHEMA_VERSION = 2  # 2: the primary family and the A/A calibration; headline descriptive
 SCOPES = ("all", "hidden")
 MATCHED = {"muon": "adamw/muon", "muon-moonlight": "adamw/muon-moonlight"}  # Muon arm -> comparison name
-RATIO_NAMES = {
-    "nds": "nds_ratio",
-    "first_order": "first_order_ratio",
-    "curvature_penalty": "curvature_penalty_ratio",
-    "update_norm": "update_norm_ratio",
-}
+RATIO_NAMES = {k: f"{k}_ratio" for k in RATIO_KEYS}  # quantity -> its headline entry
 
 
 def _key(quantity: str, scope: str) -> str:
@@ -113,19 +109,53 @@ class TrackRecord:
     seed: int
     steps: int  # the run's length (the thirds of training are thirds of it)
     warmup_steps: int
-    rows: list[dict[str, Any]]
+    rows: list[CheckpointScalars]
 
-    def after_warmup(self) -> list[dict[str, Any]]:
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "arm": self.arm,
+            "s": self.s,
+            "seed": self.seed,
+            "steps": self.steps,
+            "warmup_steps": self.warmup_steps,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrackRecord:
+        rows = [CheckpointScalars.from_dict(r) for r in d["rows"]]
+        return cls(d["arm"], d["s"], d["seed"], d["steps"], d["warmup_steps"], rows)
+
+    def after_warmup(self) -> list[CheckpointScalars]:
         """The checkpoints in the stable phase (after warmup, before the decay) and off the unigram plateau:
         what trajectory means average. The decay phase is left out: there Z shrinks with the multiplier,
         and the arms spend it at different losses."""
-        stable = [r for r in self.off_plateau() if r.get("phase", "stable") == "stable"]
-        return [r for r in stable if r["step"] >= self.warmup_steps]
+        stable = [r for r in self.off_plateau() if r.phase in (None, "stable")]
+        return [r for r in stable if r.step >= self.warmup_steps]
 
-    def off_plateau(self) -> list[dict[str, Any]]:
+    def off_plateau(self) -> list[CheckpointScalars]:
         """The checkpoints off the unigram plateau (kept out of the headline, like matched levels there:
         NDS is tiny and changes sign there, and the arms spend different times on it)."""
-        return [r for r in self.rows if not r.get("on_plateau")]
+        return [r for r in self.rows if not r.on_plateau]
+
+
+@dataclass(frozen=True)
+class SeedBand:
+    """One scalar along the trajectories of several seeds: at each step every track has, the mean over
+    the seeds and the lowest and highest seed's value."""
+
+    steps: list[int]
+    mean: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+
+
+def seed_band(tracks: Sequence[TrackRecord], key: str) -> SeedBand:
+    """:class:`SeedBand` of the scalar ``key`` (a :data:`~curvlab.scalars.SCALAR_KEYS` name) over ``tracks``,
+    at the steps common to all of them."""
+    steps = sorted(set.intersection(*({r.step for r in t.rows} for t in tracks)))
+    values = np.array([[next(r.value(key) for r in t.rows if r.step == k) for k in steps] for t in tracks])
+    return SeedBand(steps, values.mean(0), values.min(0), values.max(0))
 
 
 @dataclass
@@ -146,7 +176,7 @@ class LevelData:
             "plateau_ceiling": self.plateau_ceiling,
             "s_values": self.s_values,
             "comparisons": [c.to_dict() for c in self.comparisons],
-            "tracks": [asdict(t) for t in self.tracks],
+            "tracks": [t.to_dict() for t in self.tracks],
         }
 
     @classmethod
@@ -154,7 +184,7 @@ class LevelData:
         schema.check(d, cls)
         return cls(
             [ComparisonRecord.from_dict(c) for c in d["comparisons"]],
-            [TrackRecord(**t) for t in d["tracks"]],
+            [TrackRecord.from_dict(t) for t in d["tracks"]],
             d["plateau_ceiling"],
             d["s_values"],
         )
@@ -471,7 +501,7 @@ def _matched_entries(data: LevelData, arm: str, n_boot: int) -> list[HeadlineEnt
             for lv in r.comparison.headline_levels:
                 side = _sides(r.comparison, lv)[pick]
                 shares.append([side.mean["embed_head_share"]])
-                err = float(np.median([m["taylor_error"] for m in side.members]))
+                err = float(np.median([m.taylor_error for m in side.members]))
                 errors.append([err])
                 per_level.append({"seed": r.seed, "target": lv.target, "value": shares[-1][0]})
                 taylor_levels.append({"seed": r.seed, "target": lv.target, "value": err})
@@ -492,9 +522,9 @@ def _equal_step_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
         key = _key("nds", scope)
         groups, per_level = {"steps": []}, []
         for seed in sorted(set(adam) & set(muon)):
-            a = {r["step"]: r for r in adam[seed].rows if r["phase"] == "stable" and not r["on_plateau"]}
-            m = {r["step"]: r for r in muon[seed].rows if r["phase"] == "stable" and not r["on_plateau"]}
-            rows = [[a[k][key], m[k][key]] for k in sorted(set(a) & set(m))]
+            a = {r.step: r for r in adam[seed].rows if r.phase == "stable" and not r.on_plateau}
+            m = {r.step: r for r in muon[seed].rows if r.phase == "stable" and not r.on_plateau}
+            rows = [[a[k].value(key), m[k].value(key)] for k in sorted(set(a) & set(m))]
             per_level += [
                 {"seed": seed, "step": k, "adamw": x, "muon": y, "value": x / y if y else None}
                 for k, (x, y) in zip(sorted(set(a) & set(m)), rows)
@@ -514,7 +544,7 @@ def _trajectory_groups(data: LevelData, key: str) -> dict[tuple[str, float], dic
     for t in data.tracks:
         rows = t.after_warmup()
         if rows:
-            groups.setdefault((t.arm, t.s), {})[t.seed] = np.array([[r[key]] for r in rows])
+            groups.setdefault((t.arm, t.s), {})[t.seed] = np.array([[r.value(key)] for r in rows])
     return groups
 
 
@@ -613,7 +643,7 @@ def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
             third = t.steps / 3
             rows = t.off_plateau()
             x = np.array(
-                [[r[within], r[total], r["step"] <= third, r["step"] > 2 * third] for r in rows], dtype=float
+                [[r.value(within), r.value(total), r.step <= third, r.step > 2 * third] for r in rows], dtype=float
             ).reshape(-1, 4)  # (0, 4) for a track wholly on the plateau, not (0,)
             if len(x):
                 seeds[t.seed] = x
@@ -726,10 +756,10 @@ def taylor_counts(data: LevelData) -> dict[str, dict[str, int]]:
         for lv in r.comparison.levels:
             for side_arm, side in zip(("adamw", arm), _sides(r.comparison, lv)):
                 for m in side.members:
-                    seen.setdefault(side_arm, {})[(r.s, r.seed, m["step"])] = m["taylor_ok"]
+                    seen.setdefault(side_arm, {})[(r.s, r.seed, m.step)] = m.taylor_ok
     for t in data.tracks:
         for row in t.rows:
-            seen.setdefault(t.arm, {})[(t.s, t.seed, row["step"])] = row["taylor_ok"]
+            seen.setdefault(t.arm, {})[(t.s, t.seed, row.step)] = row.taylor_ok
     return {arm: {"checked": len(v), "failed": sum(not ok for ok in v.values())} for arm, v in sorted(seen.items())}
 
 
@@ -806,20 +836,20 @@ def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> _Se
     seeds, num, den, units, xs_all, ys_all = [], [], [], [], [], []
     agree = 0
     for r in usable:
-        points: dict[tuple[str, int], dict[str, Any]] = {}
+        points: dict[tuple[str, int], CheckpointScalars] = {}
         for lv in r.comparison.headline_levels:
             for side in (lv.a, lv.b):
                 for m in side.members:
-                    points[(side.optimizer, int(m["step"]))] = m
-        if any(ka not in p or km not in p for p in points.values()):
+                    points[(side.optimizer, m.step)] = m
+        if any(ka not in p.paired or km not in p.paired for p in points.values()):
             return f"no {ka} / {km} in the matched windows (older runs)"
         for arm in ("adamw", "muon"):
             for t in (t for t in data.track(arm, s0) if t.seed == r.seed):
                 for row in t.after_warmup():
-                    if ka in row and km in row:  # a trajectory analysed without shadows adds nothing
-                        points.setdefault((row.get("optimizer", arm), int(row["step"])), row)
-        xs = [p[ka] for p in points.values()]
-        ys = [p[km] for p in points.values()]
+                    if ka in row.paired and km in row.paired:  # a trajectory analysed without shadows adds nothing
+                        points.setdefault((row.optimizer or arm, row.step), row)
+        xs = [p.paired[ka] for p in points.values()]
+        ys = [p.paired[km] for p in points.values()]
         agree += sum((x > 0) == (y > 0) for x, y in zip(xs, ys))
         seeds.append(r.seed)
         num.append(float(np.mean(xs)))
@@ -841,7 +871,7 @@ def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> _Se
 
 def _trajectory_mean(t: TrackRecord, key: str) -> float:
     rows = t.after_warmup()
-    return float(np.mean([r[key] for r in rows])) if rows and all(key in r for r in rows) else float("nan")
+    return float(np.mean([r.value(key) for r in rows])) if rows and all(r.has(key) for r in rows) else float("nan")
 
 
 def _zipf_gap(data: LevelData, scope: str) -> _SeedValues | str:
@@ -889,10 +919,10 @@ def _rho_gap(data: LevelData, scope: str) -> _SeedValues | str:
     def rise(t: TrackRecord) -> tuple[float, int]:
         rows = t.off_plateau()
         thirds = []
-        for pick in (lambda r: r["step"] <= t.steps / 3, lambda r: r["step"] > 2 * t.steps / 3):
+        for pick in (lambda r: r.step <= t.steps / 3, lambda r: r.step > 2 * t.steps / 3):
             chosen = [r for r in rows if pick(r)]
-            den = sum(r[total] for r in chosen)
-            thirds.append(sum(r[within] for r in chosen) / den if chosen and den else float("nan"))
+            den = sum(r.value(total) for r in chosen)
+            thirds.append(sum(r.value(within) for r in chosen) / den if chosen and den else float("nan"))
         return thirds[1] - thirds[0], len(rows)
 
     seeds, values, units, notes = [], [], [], []

@@ -29,6 +29,7 @@ from curvlab.distributed import all_reduce_sum, barrier, device_for_rank, rank_a
 from curvlab.dtensors import require_process_group
 from curvlab.errors import CurvlabError
 from curvlab.loss import count_loss_terms, token_cross_entropy
+from curvlab.metrics import METRICS_FILE, truncate_metrics
 from curvlab.train import Run, TrainConfig, TrainingDiverged, TrainResult, build_run, check_resume
 
 
@@ -87,10 +88,9 @@ def train_sharded(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
     barrier()
-    metrics_path = out / "metrics.jsonl"
-    if is_main and metrics_path.is_file():  # a resumed run rewrites what came after its checkpoint
-        lines = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= run.step]
-        atomic_write_text(metrics_path, "".join(line + "\n" for line in lines))
+    metrics_path = out / METRICS_FILE
+    if is_main:  # a resumed run rewrites what came after its checkpoint
+        truncate_metrics(out, run.step)
     if not index:
         _save(run, out, evaluate_sharded(run), float("nan"), is_main)
     run.model.train()

@@ -640,6 +640,28 @@ class UpdateSpectrum:
             "trace_per_parameter": self.trace.trace / self.dim,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], nds: float) -> UpdateSpectrum:
+        """The spectrum of a saved report (``nds``: the report's NDS of Z). The JSON keeps no
+        eigenvectors (the loaded ones are empty), nor how its ``num_hvps`` split between Lanczos and
+        the trace (all are counted on Lanczos'), nor Hutchinson's sample count; the rest is exact, so
+        :meth:`to_dict` gives the same JSON back."""
+        top = np.asarray(d["top"], dtype=float)
+        per = d["trace_per_parameter"]
+        dim = round(d["trace"] / per) if per and math.isfinite(per) else 1
+        eigen = EigenResult(
+            top,
+            torch.zeros(0, len(top), dtype=torch.float64),
+            np.asarray(d["residuals"], dtype=float),
+            d["num_hvps"],
+            0,
+            d["converged"],
+            "lanczos",
+            "largest",
+        )
+        trace = TraceResult(d["trace"], d["trace_std_error"], 0, "hutchinson", 0)
+        return cls(eigen, trace, d["overlap_top_k"], nds, dim)
+
 
 def overlap_with(U: Tensor, z: Tensor) -> float:
     """The share of ||z||² that lies in the span of U's (orthonormal) columns."""

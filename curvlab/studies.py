@@ -4,9 +4,9 @@ run along its trajectory (``track``). Each analysed checkpoint's report is cache
 
 A matched level of a comparison averages each quantity over a *window*: the matched checkpoint and its
 neighbours in the same schedule phase (see :mod:`curvlab.match`). Aggregates over levels leave out the
-levels on the unigram plateau, and nothing else: the Taylor check (:func:`taylor_holds`) judges only
-claims about predicted against realized decrease, and is reported as a count, never used to drop a
-checkpoint from an NDS mean.
+levels on the unigram plateau, and nothing else: the Taylor check (:func:`curvlab.scalars.taylor_holds`)
+judges only claims about predicted against realized decrease, and is reported as a count, never used to
+drop a checkpoint from an NDS mean.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,90 +22,20 @@ from typing import Any, ClassVar
 import numpy as np
 
 from curvlab import schema
-from curvlab.analysis import AnalysisSettings, cached_report, load_report, report_cache_path
+from curvlab.analysis import AnalysisSettings, CurvatureReport, cached_report, load_report, report_cache_path
 from curvlab.atomic import atomic_write_text
 from curvlab.checkpoint import read_index
-from curvlab.directions import PAIRED, SCOPES, DirectionLandscape, PairedDirections
+from curvlab.directions import PAIRED, SCOPES, DirectionLandscape
 from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
 from curvlab.match import Checkpoint, NoMatchedLevel, match_runs, run_checkpoints
+from curvlab.metrics import METRICS_FILE, read_metrics
 from curvlab.monitor import ROW_KIND, MonitorRow
 from curvlab.progress import progress as progress_bar
+from curvlab.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.sharded_analysis import analyze_sharded_checkpoint
 
 COMPARE_SCHEMA_VERSION = 2  # 2: window means per level, plateau flags, schedule per side, no Taylor filter
-RATIO_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm")
-SCOPED_KEYS = ("nds", "first_order", "curvature_penalty", "predicted", "realized", "update_norm")
-TAYLOR_TOLERANCE = 0.5
-_LAYER_BLOCK = re.compile(r"^layer\d+$")
-
-
-def taylor_error(report: dict[str, Any]) -> float:
-    """The scale-aware Taylor error |predicted - realized| / max(|realized|, |I1|): how far the
-    second-order prediction of the step's decrease is off, relative to the size of the step's effect
-    (the first-order gain keeps a step whose realized decrease happens to be near zero from counting
-    as a failure)."""
-    scale = max(abs(report["realized"]), abs(report["first_order"]))
-    return abs(report["predicted"] - report["realized"]) / scale if scale else 0.0
-
-
-def taylor_holds(report: dict[str, Any], tolerance: float = TAYLOR_TOLERANCE) -> bool:
-    """Whether the second-order prediction is within ``tolerance`` of the realized decrease
-    (:func:`taylor_error`). It judges statements about predicted against realized decrease; a step
-    that fails it (a loss spike, an overshoot past the line-search optimum) still has an NDS."""
-    return taylor_error(report) <= tolerance
-
-
-def embed_head_share(report: dict[str, Any]) -> float:
-    """Share of ||Z||² in the ``embedding`` and ``head`` blocks of the report's ``layer`` grouping
-    (``nan`` for other groupings)."""
-    b = report["blocks"]
-    if b.get("grouping") != "layer":
-        return float("nan")
-    norms = dict(zip(b["names"], b["norm"]))
-    return (norms.get("embedding", 0.0) ** 2 + norms.get("head", 0.0) ** 2) / report["update_norm"] ** 2
-
-
-def layer_blocks_split(report: dict[str, Any]) -> tuple[float, float]:
-    """(within, total) of the block matrix restricted to the transformer-layer blocks (``layerN``):
-    within / total is rho_within of the step with its embedding, final-norm and head parts removed
-    (the hidden scope of the layer decomposition; both are over the full ||Z||², which cancels)."""
-    b = report["blocks"]
-    idx = [i for i, n in enumerate(b["names"]) if _LAYER_BLOCK.match(n)]
-    if not idx:
-        return float("nan"), float("nan")
-    M = np.asarray(b["matrix"])[np.ix_(idx, idx)]
-    return float(np.trace(M)), float(M.sum())
-
-
-def checkpoint_scalars(report: dict[str, Any]) -> dict[str, Any]:
-    """The scalars of a report that tables, figures and aggregates use (both scopes).
-
-    A report with paired directions (a run that keeps a shadow state; :mod:`curvlab.directions`) adds
-    ``paired_{nds,cos,q,norm}_{adamw,muon}_{all,hidden}``: both arms' directions at this checkpoint's W,
-    on its batch, under its H. Without them (no shadow, an older report) the keys are absent.
-    """
-    b = report["blocks"]
-    hidden = report["hidden"] or {}
-    within_layers, nds_layers = layer_blocks_split(report)
-    paired = PairedDirections.from_dict(report["paired"]).scalars() if report.get("paired") else {}
-    return {
-        "step": report["step"],
-        "val_loss": report["val_loss"],
-        **{k: report[k] for k in SCOPED_KEYS},
-        "grad_norm": report["grad_norm"],
-        "cosine": report["cosine"],
-        **{f"hidden_{k}": hidden.get(k, float("nan")) for k in SCOPED_KEYS},
-        "within": b["within"],
-        "cross": b["cross"],
-        "rho_within": b["rho_within"],
-        "within_layers": within_layers,
-        "nds_layers": nds_layers,
-        "embed_head_share": embed_head_share(report),
-        "taylor_error": taylor_error(report),
-        "taylor_ok": taylor_holds(report),
-        **paired,
-    }
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -128,32 +57,39 @@ class WindowSide:
     val_loss: float
     multiplier: float | None
     lr: float | None
-    members: list[dict[str, Any]]  # checkpoint_scalars of each window member, in step order
+    members: list[CheckpointScalars]  # each window member's, in step order
     reports: list[str]
 
     @property
     def mean(self) -> dict[str, float]:
-        # the float scalars every member has (paired ones only where every checkpoint carries them)
-        keys = [k for k, v in self.members[0].items() if isinstance(v, float) and k != "taylor_ok"]
-        keys = [k for k in keys if all(k in m for m in self.members)]
-        return {k: float(np.mean([m[k] for m in self.members])) for k in keys}
+        """Per float scalar every member has (paired ones only where every checkpoint carries them),
+        its mean over the window."""
+        values = [m.floats() for m in self.members]
+        keys = [k for k in values[0] if all(k in v for v in values)]
+        return {k: float(np.mean([v[k] for v in values])) for k in keys}
 
     @property
     def stderr(self) -> dict[str, float]:
         n = len(self.members)
-        keys = self.mean.keys()
+        values = [m.floats() for m in self.members]
         return {
-            k: float(np.std([m[k] for m in self.members], ddof=1) / np.sqrt(n)) if n > 1 else float("nan") for k in keys
+            k: float(np.std([v[k] for v in values], ddof=1) / np.sqrt(n)) if n > 1 else float("nan") for k in self.mean
         }
 
     @property
     def taylor_failures(self) -> int:
-        return sum(not m["taylor_ok"] for m in self.members)
+        return sum(not m.taylor_ok for m in self.members)
 
     def to_dict(self) -> dict[str, Any]:
         norm = self.mean["update_norm"]
         return {
-            **asdict(self),
+            "optimizer": self.optimizer,
+            "step": self.step,
+            "val_loss": self.val_loss,
+            "multiplier": self.multiplier,
+            "lr": self.lr,
+            "members": [m.to_dict() for m in self.members],
+            "reports": self.reports,
             "update_norm_over_multiplier": norm / self.multiplier if self.multiplier else None,
             "mean": self.mean,
             "stderr": self.stderr,
@@ -162,7 +98,8 @@ class WindowSide:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WindowSide:
-        return cls(d["optimizer"], d["step"], d["val_loss"], d["multiplier"], d["lr"], d["members"], d["reports"])
+        members = [CheckpointScalars.from_dict(m) for m in d["members"]]
+        return cls(d["optimizer"], d["step"], d["val_loss"], d["multiplier"], d["lr"], members, d["reports"])
 
 
 @dataclass(frozen=True)
@@ -363,12 +300,12 @@ def _window_side(
     centre = next(c for c in window if c.step == centre_step)
     paths = [str(report_cache_path(cache, c.path, settings)) for c in window]
     return WindowSide(
-        reports[0]["optimizer"],
+        reports[0].optimizer,
         centre.step,
         centre.val_loss,
         centre.multiplier,
         centre.lr,
-        [checkpoint_scalars(r) for r in reports],
+        [r.scalars() for r in reports],
         paths,
     )
 
@@ -454,7 +391,7 @@ def track_run(
     cache: str | Path | None = None,
     steps: Sequence[int] | None = None,
     fsdp: bool = False,
-) -> list[dict[str, Any]]:
+) -> list[CheckpointScalars]:
     """Analyse every ``every``-th checkpoint of a run (step 0 excluded: there is no trajectory yet),
     or those at ``steps``; write ``track.json`` and ``track.csv`` to ``out``. Returns the
     per-checkpoint scalars, with the schedule (multiplier, phase) of each step and whether it sits on
@@ -475,34 +412,33 @@ def track_run(
     checkpoints = checkpoints[::every]
     if not checkpoints:
         raise CurvlabError(f"{run}: no checkpoint after step 0 to track")
-    ceiling = plateau_ceiling
     rows = []
     for c in progress_bar(checkpoints, desc=f"track {run.name}", disable=not progress):
         report = cached_report(cache, c.path, settings, device=device, analyze_fn=_analyzer(fsdp))
-        row = {
-            **checkpoint_scalars(report),
-            "optimizer": report["optimizer"],
-            "multiplier": c.multiplier,
-            "lr": c.lr,
-            "phase": c.phase,
-            "on_plateau": ceiling is not None and c.val_loss >= ceiling,
-        }
-        if report.get("spectrum"):
-            row["lambda_max"] = report["spectrum"]["lambda_max"]
-            row["overlap_top_k"] = report["spectrum"]["overlap_top_k"]
+        spectrum = report.spectrum
+        row = report.scalars().with_context(
+            optimizer=report.optimizer,
+            multiplier=c.multiplier,
+            lr=c.lr,
+            phase=c.phase,
+            on_plateau=plateau_ceiling is not None and c.val_loss >= plateau_ceiling,
+            lambda_max=None if spectrum is None else spectrum.lambda_max,
+            overlap_top_k=None if spectrum is None else spectrum.overlap_top_k,
+        )
         rows.append(row)
     if is_main():
-        track = {"run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": rows}
+        dicts = [r.to_dict() for r in rows]
+        track = {"run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": dicts}
         atomic_write_text(out / "track.json", json.dumps(track, indent=1))
-        _write_csv(out / "track.csv", rows)
+        _write_csv(out / "track.csv", dicts)
     return rows
 
 
-def pair_reports(level: Level) -> dict[str, dict[str, Any]]:
+def pair_reports(level: Level) -> dict[str, CurvatureReport]:
     """The reports of the matched checkpoints (the window centres) of one level, keyed by optimizer."""
     out = {}
     for side in (level.a, level.b):
-        centre = side.members.index(next(m for m in side.members if m["step"] == side.step))
+        centre = next(i for i, m in enumerate(side.members) if m.step == side.step)
         out[side.optimizer] = load_report(side.reports[centre])
     return out
 
@@ -517,8 +453,8 @@ def within_layer_gap(comparisons: Sequence[Comparison]) -> tuple[list[str], list
             reports = pair_reports(level)
             if set(reports) != {"muon", "adamw"}:
                 raise CurvlabError("within_layer_gap needs a comparison of a Muon run with an AdamW run")
-            names = reports["muon"]["blocks"]["names"]
-            gaps.append(np.diag(reports["adamw"]["blocks"]["matrix"]) - np.diag(reports["muon"]["blocks"]["matrix"]))
+            names = list(reports["muon"].blocks.names)
+            gaps.append(np.diag(reports["adamw"].blocks.matrix) - np.diag(reports["muon"].blocks.matrix))
     if not gaps:
         raise CurvlabError("no matched level off the unigram plateau to take the within-layer gap from")
     gaps = np.array(gaps)
@@ -528,35 +464,21 @@ def within_layer_gap(comparisons: Sequence[Comparison]) -> tuple[list[str], list
 
 def monitor_rows(run: str | Path) -> list[MonitorRow]:
     """The curvature rows that ``curvlab train --curvature-every K`` wrote to ``RUN/metrics.jsonl``,
-    by step (a line cut by a crash ends the file, as on resume)."""
-    path = Path(run) / "metrics.jsonl"
-    if not path.is_file():
-        raise CurvlabError(f"{run}: no metrics.jsonl")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if record.get("kind") == ROW_KIND:
-            rows.append(MonitorRow.from_dict(record))
+    by step (read by :func:`curvlab.metrics.read_metrics`)."""
+    if not (Path(run) / METRICS_FILE).is_file():
+        raise CurvlabError(f"{run}: no {METRICS_FILE}")
+    rows = [MonitorRow.from_dict(r) for r in read_metrics(run) if r.get("kind") == ROW_KIND]
     return sorted(rows, key=lambda r: r.step)
 
 
 def _validation_losses(run: Path) -> dict[int, float]:
     """Step -> validation loss, from the checkpoint index and the training rows of metrics.jsonl."""
     losses = {e["step"]: e["val_loss"] for e in read_index(run) if e.get("val_loss") is not None}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if record.get("kind") is None and "val_loss" in record:
-            losses[record["step"]] = record["val_loss"]
+    losses.update({r["step"]: r["val_loss"] for r in read_metrics(run) if r.get("kind") is None and "val_loss" in r})
     return losses
 
 
-def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[dict[str, Any]]:
+def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[CheckpointScalars]:
     """:func:`track_run` without checkpoints: every ``every``-th curvature row a monitored run
     recorded while it trained (nothing is recomputed), each with the validation loss of its step
     where one was evaluated (else NaN); write ``track.json`` and ``track.csv`` to ``out``. Rows whose
@@ -569,16 +491,12 @@ def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[dict
         raise CurvlabError(f"{run}: metrics.jsonl holds no curvature rows (train with --curvature-every K)")
     config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
     val = _validation_losses(run)
-    summaries = []
-    for r in rows:
-        row = {**r.summary(), "val_loss": val.get(r.step, float("nan")), "optimizer": config.get("optimizer", "")}
-        row["taylor_ok"] = r.ok and taylor_holds(row)
-        row["message"] = r.message
-        summaries.append(row)
+    summaries = [r.scalars(val.get(r.step, float("nan")), config.get("optimizer", "")) for r in rows]
     if is_main():
-        track = {"run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens, "rows": summaries}
+        dicts = [r.to_dict() for r in summaries]
+        track = {"run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens, "rows": dicts}
         atomic_write_text(out / "track.json", json.dumps(track, indent=1))
-        _write_csv(out / "track.csv", summaries)
+        _write_csv(out / "track.csv", dicts)
     return summaries
 
 
@@ -592,4 +510,4 @@ def track_source(run: str | Path, source: str = "auto") -> str:
         raise CurvlabError(f"unknown track source {source!r}; choose one of {', '.join(TRACK_SOURCES)}")
     if source != "auto":
         return source
-    return "monitor" if (Path(run) / "metrics.jsonl").is_file() and monitor_rows(run) else "checkpoints"
+    return "monitor" if (Path(run) / METRICS_FILE).is_file() and monitor_rows(run) else "checkpoints"

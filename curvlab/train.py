@@ -31,6 +31,7 @@ from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, valida
 from curvlab.distributed import all_reduce_sum, barrier, device_for_rank, my_share, rank_and_world
 from curvlab.errors import CurvlabError
 from curvlab.loss import count_loss_terms, token_cross_entropy
+from curvlab.metrics import METRICS_FILE, truncate_metrics
 from curvlab.models.gpt import GPT, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
 from curvlab.optimizers import build_optimizer
@@ -293,22 +294,6 @@ def _save(run: Run, out: Path, val_loss: float, train_loss: float, is_main: bool
         add_to_index(out, run.step, val_loss, name)
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep the metric lines of steps <= last_step, and the curvature rows of steps < last_step (the
-    row of step k is written after step k + 1): a resumed run rewrites the rest."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-            if row["step"] < last_step or (row["step"] == last_step and row.get("kind") != "curvature"):
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError):
-            break  # a line cut by a crash: nothing after it is trusted
-    atomic_write_text(path, "".join(k + "\n" for k in kept))
-
-
 def _record_curvature(row: MonitorRow, log, stop: bool) -> None:
     if log is not None:
         log.write(json.dumps(row.to_dict()) + "\n")
@@ -440,9 +425,9 @@ def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorbo
     elif is_main:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
-    metrics_path = out / "metrics.jsonl"
+    metrics_path = out / METRICS_FILE
     if is_main:
-        _truncate_metrics(metrics_path, run.step)
+        truncate_metrics(out, run.step)
     if not index:
         val_loss = evaluate(run)
         _save(run, out, val_loss, float("nan"), is_main)
@@ -498,7 +483,7 @@ def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorbo
             _write_scalars(writer, run.step, scalars)
             if before is not None:  # every rank measures (the held-out batches are shared out); rank 0 writes
                 row = curvature.measure_taken(run.step - 1, before)
-                _write_scalars(writer, row.step, row.scalars())
+                _write_scalars(writer, row.step, row.log_scalars())
                 _record_curvature(row, log, stop)
             if checkpoint_now:
                 _save(run, out, val_loss, train_loss, is_main)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from curvlab.results import ComparisonRecord, LevelData, TrackRecord
+from curvlab.scalars import CheckpointScalars
 from curvlab.studies import Comparison, Level, WindowSide
 
 
@@ -19,7 +20,7 @@ def ar1(rng: np.random.Generator, n: int, rho: float, sd: float, size: int = 1) 
     return out
 
 
-# what every window member holds besides the scalars a test sets (checkpoint_scalars' other keys)
+# what every window member holds besides the scalars a test sets (CheckpointScalars' other fields)
 FILLER = {
     **{f"{p}{k}": 1.0 for p in ("", "hidden_") for k in ("nds", "first_order", "curvature_penalty", "update_norm")},
     "embed_head_share": 0.5,
@@ -29,7 +30,7 @@ FILLER = {
 
 def side(optimizer: str, scalars: dict[str, float], step: int = 10) -> WindowSide:
     member = {"step": step, "val_loss": 4.0, "taylor_ok": True, **FILLER, **{k: float(v) for k, v in scalars.items()}}
-    return WindowSide(optimizer, step, 4.0, 1.0, 0.01, [member], [])
+    return WindowSide(optimizer, step, 4.0, 1.0, 0.01, [CheckpointScalars.from_dict(member)], [])
 
 
 def record(name: str, seed: int, a_levels: list[dict], b_levels: list[dict]) -> ComparisonRecord:
@@ -49,8 +50,8 @@ def track(arm: str, s: float, seed: int, nds: np.ndarray, within: np.ndarray | N
     n = len(nds)
     within = np.zeros(n) if within is None else within
     rows = [
-        {"step": 10 * (k + 1), "on_plateau": False, "phase": "stable", "taylor_ok": True, "nds": float(nds[k]), "hidden_nds": float(nds[k]),
-         "within": float(within[k]), "nds_layers": float(nds[k]), "within_layers": float(within[k])}
+        CheckpointScalars.from_dict({"step": 10 * (k + 1), "on_plateau": False, "phase": "stable", "taylor_ok": True, "nds": float(nds[k]), "hidden_nds": float(nds[k]),
+         "within": float(within[k]), "nds_layers": float(nds[k]), "within_layers": float(within[k])})
         for k in range(n)
     ]  # fmt: skip
     return TrackRecord(arm, s, seed, 10 * n, 0, rows)

@@ -149,8 +149,8 @@ def test_compare_and_track_write_results_and_reuse_reports(runs, tmp_path, monke
     compare_runs(runs / "muon", runs / "adamw", out, levels=3, tolerance=0.05, progress=False)
     monkeypatch.undo()
     rows = track_run(runs / "muon", tmp_path / "track", every=4, progress=False)
-    assert [r["step"] for r in rows] == [2, 10]
-    assert all(r["within"] + r["cross"] == pytest.approx(r["nds"], rel=1e-5) for r in rows)
+    assert [r.step for r in rows] == [2, 10]
+    assert all(r.within + r.cross == pytest.approx(r.all.nds, rel=1e-5) for r in rows)
     for p in (tmp_path / "track" / "reports").iterdir():
         load_report(p)
 
@@ -287,10 +287,10 @@ def test_nds_command_on_a_nanogpt_checkpoint(tmp_path):
     r = runner.invoke(app, ["nds", str(tmp_path / "ckpt.pt"), "--data", str(data), "--out", str(tmp_path / "r.json")])
     assert r.exit_code == 0, r.output
     report = load_report(tmp_path / "r.json")
-    assert report["optimizer"] == "adamw" and report["step"] == 3 and math.isfinite(report["nds"])
+    assert report.optimizer == "adamw" and report.step == 3 and math.isfinite(report.split.nds)
     r = runner.invoke(app, ["nds", str(tmp_path / "ckpt.pt")])
     assert r.exit_code == 2 and "pass --data" in r.output
-    assert report["next_batch"]["source"] == "seeded draw" and report["next_batch"]["seed"] == 3
+    assert report.next_batch.source == "seeded draw" and report.next_batch.seed == 3
     # what --batches can't have, and a device this torch can't use: one line each, no report
     r = runner.invoke(app, ["nds", str(tmp_path / "ckpt.pt"), "--data", str(data), "--batch", "val", "--batches", "50",
                             "--out", str(tmp_path / "v.json")])  # fmt: skip

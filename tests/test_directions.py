@@ -10,7 +10,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from curvlab import params as P
-from curvlab.analysis import AnalysisSettings, DirectionReport, analyze_checkpoint, open_checkpoint
+from curvlab.analysis import AnalysisSettings, CurvatureReport, DirectionReport, analyze_checkpoint, open_checkpoint
 from curvlab.checkpoint import load_checkpoint, save_checkpoint
 from curvlab.cli import app
 from curvlab.curvature import nds
@@ -26,7 +26,7 @@ from curvlab.loss import make_loss_fn
 from curvlab.optim import next_update
 from curvlab.optimizers import build_optimizer
 from curvlab.shadow import ShadowSettings, ShadowState
-from curvlab.studies import checkpoint_scalars, compare_runs
+from curvlab.studies import compare_runs
 from curvlab.train import TrainConfig, train
 from tests.conftest import SMALL_MODEL
 
@@ -219,7 +219,7 @@ def test_report_pairs_the_real_step_with_the_shadow_step(runs, optimizer):
     expected = nds(loss_fn, W, target.train_batches[0], Zh, dtype=torch.float64)
     assert shadow["hidden"]["nds"] == pytest.approx(expected, rel=1e-8)
     assert shadow["hidden"]["update_norm"] == pytest.approx(P.norm(Zs), rel=1e-9)
-    scalars = checkpoint_scalars(report)
+    scalars = CurvatureReport.from_dict(report).scalars().paired
     for kind in ("nds", "cos", "q"):
         for arm in ("adamw", "muon"):
             for scope in ("all", "hidden"):
@@ -233,9 +233,9 @@ def test_no_shadow_means_no_paired_keys_and_no_crash(runs, tmp_path):
     plain = without_shadow(runs / "adamw" / "ckpt_000006.pt", tmp_path / "plain.pt")
     report = analyze_checkpoint(plain).to_dict()
     assert report["paired"] is None
-    assert not [k for k in checkpoint_scalars(report) if k.startswith("paired_")]
+    assert not [k for k in CurvatureReport.from_dict(report).scalars().to_dict() if k.startswith("paired_")]
     old = {k: v for k, v in report.items() if k != "paired"}  # a report from before the field existed
-    assert not [k for k in checkpoint_scalars(old) if k.startswith("paired_")]
+    assert not [k for k in CurvatureReport.from_dict(old).scalars().to_dict() if k.startswith("paired_")]
     assert AnalysisSettings().key() != AnalysisSettings(paired=False).key()
     # reports cached before the paired section existed (schema 2, no `paired` setting) are not reused
     before = {k: v for k, v in asdict(AnalysisSettings()).items() if k != "paired"}

@@ -462,11 +462,11 @@ def test_nds_command_on_a_trainer_checkpoint(trainer_run, tmp_path):
     r = runner.invoke(app, ["nds", str(path), "--data", str(data), "--out", str(tmp_path / "r.json")])
     assert r.exit_code == 0, r.output
     report = load_report(tmp_path / "r.json")
-    assert report["optimizer"] == "adamw" and report["step"] == 2 and math.isfinite(report["nds"])
-    assert report["blocks"]["names"] == ["embedding", "layer0", "layer1", "final_norm", "head"]
-    draw = report["next_batch"]
-    assert draw["source"] == "seeded draw" and draw["seed"] == 2 and draw["micro_batches"] == 2
-    assert len(draw["rows"]) == 2 * 4
+    assert report.optimizer == "adamw" and report.step == 2 and math.isfinite(report.split.nds)
+    assert report.blocks.names == ("embedding", "layer0", "layer1", "final_norm", "head")
+    draw = report.next_batch
+    assert draw.source == "seeded draw" and draw.seed == 2 and draw.micro_batches == 2
+    assert len(draw.rows) == 2 * 4
     r = runner.invoke(app, ["nds", str(path)])
     assert r.exit_code == 2 and "pass --data" in r.output
     broken = tmp_path / "broken"

@@ -16,8 +16,9 @@ from curvlab.curvature import block_matrix, taylor_split
 from curvlab.data.shards import TokenData, validation_batches
 from curvlab.loss import ModuleLoss, make_loss_fn, token_cross_entropy, weighted_batches
 from curvlab.models.gpt import GPT, GPTConfig, get_config
-from curvlab.monitor import SCOPE_KEYS, CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature
+from curvlab.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature
 from curvlab.optimizers import build_optimizer
+from curvlab.scalars import SCOPE_KEYS
 from curvlab.train import TrainConfig, train
 from tests.conftest import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same

@@ -11,12 +11,12 @@ import torch
 from curvlab.curvature import taylor_split
 from curvlab.loss import make_loss_fn
 from curvlab.monitor import (
-    SCOPE_KEYS,
     CurvatureMonitor,
     add_curvature_callback,
     curvature_callback,
     curvature_lightning_callback,
 )
+from curvlab.scalars import SCOPE_KEYS
 
 
 def tiny_vit():
@@ -95,7 +95,7 @@ def test_trainer_callback_rows_reach_the_trainers_logs_and_tensorboard(tmp_path)
     logged = [h for h in trainer.state.log_history if "curvature/nds" in h]
     assert [h["step"] for h in logged] == [1, 3]  # the Trainer's global_step after the measured step
     for h, row in zip(logged, monitor.rows):
-        assert {k: h[k] for k in row.scalars()} == row.scalars()
+        assert {k: h[k] for k in row.log_scalars()} == row.log_scalars()
     board = tensorboard_scalars(tmp_path / "watched")
     for key in ("nds", "hidden_nds", "first_order", "realized"):
         expected = [(h["step"], h[f"curvature/{key}"]) for h in logged]
@@ -205,7 +205,7 @@ def test_lightning_callback_measures_the_steps_lightning_takes(tmp_path):
         logged = [r for r in csv.DictReader(f) if r.get("curvature/nds")]
     assert [int(r["step"]) for r in logged] == [0, 2]
     for r, row in zip(logged, monitor.rows):
-        assert {k: float(r[k]) for k in row.scalars()} == row.scalars()  # (CSV keeps Python's float repr)
+        assert {k: float(r[k]) for k in row.log_scalars()} == row.log_scalars()  # (CSV keeps Python's float repr)
 
 
 def test_the_step_a_users_optimizer_pair_would_take_is_the_step_it_takes():

@@ -79,11 +79,11 @@ def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
             sides = [(lv.a, lv.b) for lv in r.comparison.levels]
             if both:  # every point: both sides of every level, two directions at each
                 pts = [s for pair in sides for s in pair]
-                num.append(np.mean([s.members[0][key_a] for s in pts]))
-                den.append(np.mean([s.members[0][key_b] for s in pts]))
+                num.append(np.mean([s.members[0].value(key_a) for s in pts]))
+                den.append(np.mean([s.members[0].value(key_b) for s in pts]))
             else:
-                num.append(np.mean([a.members[0][key_a] for a, _ in sides]))
-                den.append(np.mean([b.members[0][key_b] for _, b in sides]))
+                num.append(np.mean([a.members[0].value(key_a) for a, _ in sides]))
+                den.append(np.mean([b.members[0].value(key_b) for _, b in sides]))
         return np.array(num), np.array(den)
 
     p = {}
@@ -103,7 +103,7 @@ def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
 
     # the Zipf gap change: per seed (a1 - m1 - a0 + m0) / m0 of trajectory means, a t interval over seeds
     def traj(arm, s):
-        return np.array([np.mean([r["hidden_nds"] for r in t.rows]) for t in data.track(arm, s)])
+        return np.array([np.mean([r.value("hidden_nds") for r in t.rows]) for t in data.track(arm, s)])
 
     m0 = traj("muon", 0.0)
     g = (traj("adamw", 1.0) - traj("muon", 1.0) - traj("adamw", 0.0) + m0) / m0
@@ -116,10 +116,10 @@ def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
 
     # rho_within: per seed, (late - early) of Muon minus AdamW's, thirds of the 90-step runs
     def rise(t):
-        early = [r for r in t.rows if r["step"] <= 30]
-        late = [r for r in t.rows if r["step"] > 60]
-        return sum(r["within"] for r in late) / sum(r["nds"] for r in late) - sum(r["within"] for r in early) / sum(
-            r["nds"] for r in early
+        early = [r for r in t.rows if r.step <= 30]
+        late = [r for r in t.rows if r.step > 60]
+        return sum(r.within for r in late) / sum(r.all.nds for r in late) - sum(r.within for r in early) / sum(
+            r.all.nds for r in early
         )
 
     gaps = np.array([rise(m) - rise(a) for m, a in zip(data.track("muon", 0.0), data.track("adamw", 0.0))])
@@ -302,7 +302,7 @@ def test_descriptive_decomposition_of_the_between_run_ratio():
     b = [lv.b.members[0] for r in data.matched("adamw/muon") for lv in r.comparison.levels]
 
     def ratio(xs, kx, ys, ky):
-        return sum(x[kx] for x in xs) / sum(y[ky] for y in ys)
+        return sum(x.value(kx) for x in xs) / sum(y.value(ky) for y in ys)
 
     n, m = "paired_nds_adamw_hidden", "paired_nds_muon_hidden"
     assert entries[("direction_term_adamw_w", "hidden")].value == pytest.approx(ratio(a, n, a, m))
@@ -345,21 +345,23 @@ def test_the_paired_ratio_pools_the_trajectory_with_the_windows_once_per_checkpo
         for arm in ("adamw", "muon"):
             t = track(arm, 0.0, seed, np.ones(6))
             for k, row in enumerate(t.rows):
-                row |= {"optimizer": arm, "paired_nds_adamw_hidden": 5.0 + k, "paired_nds_muon_hidden": 1.0 + seed}
-            t.rows[0]["step"] = 10 if arm == "adamw" else 20  # AdamW's / Muon's first window member: a duplicate
-            t.rows[1]["on_plateau"] = True
-            t.rows[2]["phase"] = "decay"
-            del t.rows[3]["paired_nds_adamw_hidden"]  # analysed without a shadow
+                paired = {"paired_nds_adamw_hidden": 5.0 + k, "paired_nds_muon_hidden": 1.0 + seed}
+                t.rows[k] = replace(row, optimizer=arm, paired=paired)
+            # AdamW's / Muon's first window member: a duplicate
+            t.rows[0] = replace(t.rows[0], step=10 if arm == "adamw" else 20)
+            t.rows[1] = replace(t.rows[1], on_plateau=True)
+            t.rows[2] = replace(t.rows[2], phase="decay")
+            t.rows[3] = replace(t.rows[3], paired={"paired_nds_muon_hidden": 1.0 + seed})  # analysed without a shadow
             data.tracks.append(t)
     e = _by_name(primary_family(data))["paired_direction_ratio"]
     logs = []
     for r in data.matched("adamw/muon"):
-        points = {(s.optimizer, m["step"]): m for lv in r.comparison.levels for s in (lv.a, lv.b) for m in s.members}
+        points = {(s.optimizer, m.step): m for lv in r.comparison.levels for s in (lv.a, lv.b) for m in s.members}
         for t in (t for t in data.tracks if t.seed == r.seed):
             for row in t.rows[4:]:  # the two clean rows of each track
-                points[(t.arm, row["step"])] = row
-        xs = [p["paired_nds_adamw_hidden"] for p in points.values()]
-        ys = [p["paired_nds_muon_hidden"] for p in points.values()]
+                points[(t.arm, row.step)] = row
+        xs = [p.value("paired_nds_adamw_hidden") for p in points.values()]
+        ys = [p.value("paired_nds_muon_hidden") for p in points.values()]
         logs.append(np.log(np.mean(xs) / np.mean(ys)))
         assert len(points) == 2 * LEVELS + 4
     assert e.n_units == 3 * (2 * LEVELS + 4)
@@ -372,14 +374,14 @@ def _on_plateau(data, arm, s, seeds):
     """``data`` with the tracks of ``arm`` at ``s`` of ``seeds`` wholly on the unigram plateau."""
     for t in data.tracks:
         if t.arm == arm and t.s == s and t.seed in seeds:
-            t.rows[:] = [{**r, "on_plateau": True} for r in t.rows]
+            t.rows[:] = [replace(r, on_plateau=True) for r in t.rows]
     return data
 
 
 def _rho(t, third):
     """rho_within over the first (0) or last (1) third of a track: sum within / sum NDS there."""
-    rows = [r for r in t.rows if (r["step"] <= t.steps / 3 if third == 0 else r["step"] > 2 * t.steps / 3)]
-    return sum(r["within"] for r in rows) / sum(r["nds"] for r in rows)
+    rows = [r for r in t.rows if (r.step <= t.steps / 3 if third == 0 else r.step > 2 * t.steps / 3)]
+    return sum(r.within for r in rows) / sum(r.all.nds for r in rows)
 
 
 def test_a_track_wholly_on_the_plateau_is_left_out_of_rho_within_with_a_note():
@@ -417,7 +419,7 @@ def test_zipf_entries_pair_seeds_by_id_not_by_position():
     seed 1), against a hand computation from the tracks."""
     data = _on_plateau(_experiment(np.random.default_rng(8), 4), "adamw", 1.0, {1})
     entries, points = headline(data)
-    mean = {(t.arm, t.s, t.seed): np.mean([r["hidden_nds"] for r in t.rows]) for t in data.tracks}
+    mean = {(t.arm, t.s, t.seed): np.mean([r.value("hidden_nds") for r in t.rows]) for t in data.tracks}
     seeds = [0, 2, 3]
     ratios = np.array([mean["adamw", 1.0, k] / mean["muon", 0.0, k] for k in seeds])
     ref = np.exp(scipy_stats.ttest_1samp(np.log(ratios), 0.0).confidence_interval(0.95))

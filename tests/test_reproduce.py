@@ -17,6 +17,7 @@ from curvlab.report import (
 )
 from curvlab.reproduce import PRESETS, Reproduction
 from curvlab.results import ComparisonRecord, LevelData, Summary, headline
+from curvlab.scalars import CheckpointScalars
 from curvlab.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
 from curvlab.studies import Comparison, Level, WindowSide
 
@@ -203,7 +204,7 @@ def _side(optimizer, nds_values, ok):
         }
         for i, (x, good) in enumerate(zip(nds_values, ok))
     ]
-    return WindowSide(optimizer, 11, 4.0, 1.0, 0.01, members, [])
+    return WindowSide(optimizer, 11, 4.0, 1.0, 0.01, [CheckpointScalars.from_dict(m) for m in members], [])
 
 
 def test_the_taylor_check_never_filters_nds_means():

@@ -489,9 +489,10 @@ def test_compare_and_track_on_sharded_runs_under_torchrun_equal_the_unsharded_on
         tracked = track_run(b, tmp_path / "one", settings=settings, progress=False)
     finally:
         torch.set_num_threads(threads)
-    assert len(compared.levels) == 1 and [r["step"] for r in tracked] == [2, 4]
+    assert len(compared.levels) == 1 and [r.step for r in tracked] == [2, 4]
     assert compared.levels[0].b.step in (2, 4)
-    assert all(np.isfinite(r[k]) and r[k] != 0 for r in tracked for k in ("nds", "within", "cross", "update_norm"))
+    values = [r.value(k) for r in tracked for k in ("nds", "within", "cross", "update_norm")]
+    assert all(np.isfinite(v) and v != 0 for v in values)
     for name in ("compare", "track"):
         got = json.loads((tmp_path / "sharded" / f"{name}.json").read_text())
         want = json.loads((tmp_path / "one" / f"{name}.json").read_text())
