@@ -6,6 +6,7 @@ shapes, non-finite values) become one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -19,6 +20,7 @@ from curvlab.atomic import check_output
 from curvlab.distributed import distributed_context
 from curvlab.errors import CurvlabError
 from curvlab.hvp import DEFAULT_METHOD
+from curvlab.train import TrainConfig
 
 app = typer.Typer(
     help="curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block curvature).",
@@ -128,34 +130,60 @@ def _key_values(pairs: list[str] | None, what: str) -> dict:
     return out
 
 
+def _train_default(name: str) -> str:
+    """The :class:`TrainConfig` default of field ``name``, for --help: train's options default to None (so
+    that only those given override the config file), which typer would show instead."""
+    default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
+    return (name if default else f"no-{name}") if isinstance(default, bool) else str(default)
+
+
 @app.command()
 @one_line_errors
 def train(
     data: Path = typer.Option(None, help="Data directory with train*/val* shards."),
     out: Path = typer.Option(None, help="Run directory (checkpoints, metrics.jsonl); an existing one is resumed."),
-    model: str = typer.Option(None, help="Model config: tiny, pcfg-9m, gpt2-124m. [default: tiny]"),
-    optimizer: str = typer.Option(None, help="muon, adamw, sgd or lion. [default: muon]"),
-    lr: float = typer.Option(None, help="Peak learning rate (Muon's for muon; its AdamW side: --opt adam_lr=...)."),
+    model: str = typer.Option(
+        None, help="Model config: tiny, pcfg-9m, gpt2-124m.", show_default=_train_default("model")
+    ),
+    optimizer: str = typer.Option(None, help="muon, adamw, sgd or lion.", show_default=_train_default("optimizer")),
+    lr: float = typer.Option(
+        None,
+        help="Peak learning rate (Muon's for muon; its AdamW side: --opt adam_lr=...).",
+        show_default="the optimizer's",
+    ),
     opt: list[str] = typer.Option(None, help="Optimizer option KEY=VALUE, repeatable (e.g. momentum=0.9)."),
     model_opt: list[str] = typer.Option(None, help="Model config override KEY=VALUE, repeatable (e.g. n_layer=2)."),
-    steps: int = typer.Option(None, help="Optimizer steps. [default: 600]"),
-    batch_size: int = typer.Option(None, help="Sequences per step. [default: 16]"),
-    seq_len: int = typer.Option(None, help="Tokens per sequence. [default: the model's block size]"),
-    warmup_steps: int = typer.Option(None, help="Linear warmup steps. [default: 20]"),
+    steps: int = typer.Option(None, help="Optimizer steps.", show_default=_train_default("steps")),
+    batch_size: int = typer.Option(None, help="Sequences per step.", show_default=_train_default("batch_size")),
+    seq_len: int = typer.Option(None, help="Tokens per sequence.", show_default="the model's block size"),
+    warmup_steps: int = typer.Option(None, help="Linear warmup steps.", show_default=_train_default("warmup_steps")),
     schedule: str = typer.Option(
-        None, help="wsd (warmup-stable-decay, which compare pairs in), cosine or constant (default: wsd)."
+        None,
+        help="wsd (warmup-stable-decay, which compare pairs in), cosine or constant.",
+        show_default=_train_default("schedule"),
     ),
-    cooldown_frac: float = typer.Option(None, help="Decaying share of steps for wsd. [default: 0.2]"),
-    min_lr_frac: float = typer.Option(None, help="Schedule floor as a fraction of the peak. [default: 0.1]"),
-    grad_clip: float = typer.Option(None, help="Gradient-norm clip; 0 disables. [default: 1.0]"),
-    seed: int = typer.Option(None, help="Seed of initialization and data order. [default: 0]"),
-    eval_every: int = typer.Option(None, help="Validation every N steps. [default: 50]"),
-    ckpt_every: int = typer.Option(None, help="Checkpoint every N steps. [default: 50]"),
-    val_windows: int = typer.Option(None, help="Fixed validation windows. [default: 64]"),
-    device: str = typer.Option(None, help="auto, cpu, cuda, cuda:1, ... [default: auto]"),
-    compile: bool = typer.Option(None, "--compile/--no-compile", help="torch.compile the model. [default: off]"),
+    cooldown_frac: float = typer.Option(
+        None, help="Decaying share of steps for wsd.", show_default=_train_default("cooldown_frac")
+    ),
+    min_lr_frac: float = typer.Option(
+        None, help="Schedule floor as a fraction of the peak.", show_default=_train_default("min_lr_frac")
+    ),
+    grad_clip: float = typer.Option(
+        None, help="Gradient-norm clip; 0 disables.", show_default=_train_default("grad_clip")
+    ),
+    seed: int = typer.Option(None, help="Seed of initialization and data order.", show_default=_train_default("seed")),
+    eval_every: int = typer.Option(None, help="Validation every N steps.", show_default=_train_default("eval_every")),
+    ckpt_every: int = typer.Option(None, help="Checkpoint every N steps.", show_default=_train_default("ckpt_every")),
+    val_windows: int = typer.Option(None, help="Fixed validation windows.", show_default=_train_default("val_windows")),
+    device: str = typer.Option(None, help="auto, cpu, cuda, cuda:1, ...", show_default=_train_default("device")),
+    compile: bool = typer.Option(
+        None, "--compile/--no-compile", help="torch.compile the model.", show_default=_train_default("compile")
+    ),
     shadow: bool = typer.Option(
-        None, "--shadow/--no-shadow", help="Keep a shadow state of the other arm (adamw <-> muon). [default: off]"
+        None,
+        "--shadow/--no-shadow",
+        help="Keep a shadow state of the other arm (adamw <-> muon).",
+        show_default=_train_default("shadow"),
     ),
     config: Path = typer.Option(None, help="A JSON file of these fields; options given here override it."),
     quiet: bool = typer.Option(False, help="No progress bar."),
@@ -185,13 +213,11 @@ def train(
     `curvlab track`. Training is the same, bit for bit, with or without it.
     """
     from curvlab.monitor import MonitorSettings
-    from curvlab.train import TrainConfig
     from curvlab.train import train as run_training
 
-    fields = json.loads(config.read_text()) if config else {}
     given = {
-        "data": str(data) if data else None,
-        "out": str(out) if out else None,
+        "data": None if data is None else str(data),
+        "out": None if out is None else str(out),
         "model": model,
         "optimizer": optimizer,
         "steps": steps,
@@ -201,7 +227,7 @@ def train(
         "schedule": schedule,
         "cooldown_frac": cooldown_frac,
         "min_lr_frac": min_lr_frac,
-        "grad_clip": None if grad_clip == 0 else grad_clip,
+        "grad_clip": grad_clip,
         "seed": seed,
         "eval_every": eval_every,
         "ckpt_every": ckpt_every,
@@ -210,18 +236,15 @@ def train(
         "compile": compile,
         "shadow": shadow,
     }
-    fields.update({k: v for k, v in given.items() if v is not None})
+    overrides = {k: v for k, v in given.items() if v is not None}
     if grad_clip == 0:  # 0 means "no clipping", which None can't say on a command line
-        fields["grad_clip"] = None
-    options = {**fields.get("optimizer_options", {}), **_key_values(opt, "--opt")}
-    if lr is not None:
-        options["lr"] = lr
-    fields["optimizer_options"] = options
-    fields["model_overrides"] = {**fields.get("model_overrides", {}), **_key_values(model_opt, "--model-opt")}
-    for required in ("data", "out"):
-        if not fields.get(required):
-            raise CurvlabError(f"--{required} is required (or give it in --config)")
-    cfg = TrainConfig.from_dict(fields)
+        overrides["grad_clip"] = None
+    options = {**_key_values(opt, "--opt"), **({} if lr is None else {"lr": lr})}
+    if options:
+        overrides["optimizer_options"] = options
+    if model_opt:
+        overrides["model_overrides"] = _key_values(model_opt, "--model-opt")
+    cfg = TrainConfig.from_sources(config, overrides)
     check_output(cfg.out, directory=True)
     if tensorboard is not None:
         check_output(tensorboard, directory=True)
