@@ -556,7 +556,7 @@ def compare_adapters(
                         seed,
                         pair.target,
                         pair.mismatch,
-                        {"adamw": pair.step_a, variant: pair.step_b},
+                        {"adamw": pair.a.step, variant: pair.b.step},
                         {"adamw": wa, variant: wb},
                         {"adamw": _side_means(rows_a, wa), variant: _side_means(rows_b, wb)},
                     )

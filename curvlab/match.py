@@ -57,7 +57,7 @@ def plateau_ceiling(unigram_entropy: float, fraction: float = PLATEAU_FRACTION) 
     return (1 - fraction) * unigram_entropy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Checkpoint:
     """One checkpoint of a run, with the schedule of the step it takes next."""
 
@@ -69,21 +69,13 @@ class Checkpoint:
     phase: str = "unknown"  # "warmup", "stable", "decay" or "unknown"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MatchedPair:
     """Run A's and run B's checkpoints at one matched validation-loss level (and their windows)."""
 
     target: float
-    step_a: int
-    loss_a: float
-    path_a: str
-    step_b: int
-    loss_b: float
-    path_b: str
-    multiplier_a: float | None = None
-    multiplier_b: float | None = None
-    lr_a: float | None = None
-    lr_b: float | None = None
+    a: Checkpoint
+    b: Checkpoint
     on_plateau: bool = False
     window_a: tuple[Checkpoint, ...] = field(default=(), repr=False)
     window_b: tuple[Checkpoint, ...] = field(default=(), repr=False)
@@ -91,13 +83,10 @@ class MatchedPair:
     @property
     def mismatch(self) -> float:
         """Relative validation-loss mismatch |L_a - L_b| / target."""
-        return abs(self.loss_a - self.loss_b) / self.target
+        return abs(self.a.val_loss - self.b.val_loss) / self.target
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["window_a"] = [asdict(c) for c in self.window_a]
-        d["window_b"] = [asdict(c) for c in self.window_b]
-        return {**d, "mismatch": self.mismatch}
+        return {**asdict(self), "mismatch": self.mismatch}  # asdict recurses into the checkpoints and windows
 
 
 @dataclass(frozen=True)
@@ -139,12 +128,18 @@ def run_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
             continue
         step, path = int(e["step"]), str(run_dir / e["path"])
         if cfg is None:
-            out.append(Checkpoint(step, float(e["val_loss"]), path))
+            out.append(Checkpoint(step=step, val_loss=float(e["val_loss"]), path=path))
             continue
         m = lr_multiplier(step, cfg)
+        lr = None if base_lr is None else base_lr * m
         out.append(
             Checkpoint(
-                step, float(e["val_loss"]), path, m, None if base_lr is None else base_lr * m, schedule_phase(step, cfg)
+                step=step,
+                val_loss=float(e["val_loss"]),
+                path=path,
+                multiplier=m,
+                lr=lr,
+                phase=schedule_phase(step, cfg),
             )
         )
     if not out:
@@ -272,20 +267,12 @@ def match_runs(
         target = float((la[i] + lb[j]) / 2)
         pairs.append(
             MatchedPair(
-                target,
-                a[i].step,
-                a[i].val_loss,
-                a[i].path,
-                b[j].step,
-                b[j].val_loss,
-                b[j].path,
-                a[i].multiplier,
-                b[j].multiplier,
-                a[i].lr,
-                b[j].lr,
-                ceiling is not None and target >= ceiling,
-                window(a, i, window_width),
-                window(b, j, window_width),
+                target=target,
+                a=a[i],
+                b=b[j],
+                on_plateau=ceiling is not None and target >= ceiling,
+                window_a=window(a, i, window_width),
+                window_b=window(b, j, window_width),
             )
         )
     return Matching(pairs, refused, float(low), float(high), phase, plateau_ceiling)

@@ -428,8 +428,8 @@ def compare_runs(
         raise NoMatchedLevel("no matched pair within tolerance: " + "; ".join(matching.refused))
     result_levels = []
     for pair in progress_bar(matching.pairs, desc="compare", disable=not progress):
-        a = _window_side(pair.window_a, pair.step_a, cache, settings, device, fsdp)
-        b = _window_side(pair.window_b, pair.step_b, cache, settings, device, fsdp)
+        a = _window_side(pair.window_a, pair.a.step, cache, settings, device, fsdp)
+        b = _window_side(pair.window_b, pair.b.step, cache, settings, device, fsdp)
         result_levels.append(Level(pair.target, pair.mismatch, pair.on_plateau, a, b))
     names = (result_levels[0].a.optimizer, result_levels[0].b.optimizer)
     label = "adamw/muon" if set(names) == {"muon", "adamw"} else f"B/A ({names[1]}/{names[0]})"
