@@ -20,6 +20,7 @@ from curvlab.atomic import check_output
 from curvlab.distributed import distributed_context
 from curvlab.errors import CurvlabError
 from curvlab.hvp import DEFAULT_METHOD
+from curvlab.match import MatchCriteria
 from curvlab.train import TrainConfig
 
 app = typer.Typer(
@@ -376,14 +377,20 @@ def nds(
 def compare(
     run_a: Path = typer.Argument(..., help="First run directory."),
     run_b: Path = typer.Argument(..., help="Second run directory."),
-    levels: int = typer.Option(8, help="Matched validation-loss levels inside the range both runs reach."),
-    tolerance: float = typer.Option(0.01, help="Largest relative validation-loss mismatch of a pair."),
+    levels: int = typer.Option(
+        MatchCriteria.levels, help="Matched validation-loss levels inside the range both runs reach."
+    ),
+    tolerance: float = typer.Option(
+        MatchCriteria.tolerance, help="Largest relative validation-loss mismatch of a pair."
+    ),
     phase: str = typer.Option(
-        "stable",
+        MatchCriteria.phase,
         help="Which checkpoints may pair: stable (both in the schedule's stable phase: train with --schedule wsd), "
         "multiplier (equal schedule multipliers) or any (matched loss alone, whatever the learning rate).",
     ),
-    window: int = typer.Option(0, help="Average each level over this many neighbouring checkpoints on each side."),
+    window: int = typer.Option(
+        MatchCriteria.window, help="Average each level over this many neighbouring checkpoints on each side."
+    ),
     out: Path = typer.Option(Path("compare"), help="Output directory (compare.csv, compare.json, reports/)."),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
@@ -403,10 +410,12 @@ def compare(
     from curvlab.studies import RATIO_KEYS, compare_runs
 
     settings = _settings(blocks, batch, batches, dtype, "hvp", hvp_method)
+    criteria = MatchCriteria(levels=levels, tolerance=tolerance, phase=phase, window=window)
+    criteria.validate()
     check_output(out, directory=True)
     with distributed_context() as (rank, _):
         result = compare_runs(
-            run_a, run_b, out, levels, tolerance, settings, device, not quiet and rank == 0, phase, window, fsdp=fsdp
+            run_a, run_b, out, criteria, settings, device=device, progress=not quiet and rank == 0, fsdp=fsdp
         )
     if rank != 0:
         return
@@ -460,7 +469,7 @@ def track(
         return
     settings = AnalysisSettings(blocks, batch, batches, dtype, "hvp", hvp_method, spectrum_top=spectrum)
     with distributed_context() as (rank, _):
-        rows = track_run(run, out, every, settings, device, progress=not quiet and rank == 0, fsdp=fsdp)
+        rows = track_run(run, out, settings, every=every, device=device, progress=not quiet and rank == 0, fsdp=fsdp)
     if rank != 0:
         return
     keys = ("step", "val_loss", "nds", "within", "cross", "rho_within", "update_norm")
@@ -512,17 +521,34 @@ def spectrum(
     dtype: str = typer.Option("float32", help="float32 or float64."),
     device: str = typer.Option("cpu", help="Device."),
 ) -> None:
-    """The Hessian spectrum at a checkpoint: extreme eigenvalues, trace, density, block and preconditioned sharpness."""
-    from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
+    """The Hessian spectrum at a checkpoint: extreme eigenvalues, trace, density, block and preconditioned sharpness.
 
-    settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype)
+    Under torchrun the ranks share the batches (--batches N, N >= the ranks); rank 0 prints and writes.
+    """
+    from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
+    from curvlab.outputs import write_spectrum
+    from curvlab.spectral import SpectrumRequest
+
+    settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype, hvp_method=method)
+    settings.validate()
+    request = SpectrumRequest(
+        top=top,
+        bottom=bottom,
+        trace=trace,
+        density=density,
+        blocks=blocks,
+        preconditioned=preconditioned,
+        max_iter=max_iter,
+        memory=None if memory is None else int(memory * 1e9),
+    )
+    request.validate()
     if out:
         check_output(out, directory=True)
-    budget = None if memory is None else int(memory * 1e9)
-    result = checkpoint_spectrum(
-        checkpoint, top, bottom, trace, density, blocks, preconditioned, settings, data, device, max_iter,
-        method=method, memory=budget,
-    )  # fmt: skip
+    with distributed_context() as (rank, _):
+        result = checkpoint_spectrum(checkpoint, request, settings, data=data, device=device)
+        written = write_spectrum(result, out) if out else []
+    if rank != 0:
+        return
     rows = []
     for key, r in (("top", result.top), ("bottom", result.bottom)):
         if r is not None:
@@ -536,15 +562,7 @@ def spectrum(
     print_table(rows, ("what", "eigenvalue", "residual", "converged"))
     for name, t in result.traces().items():
         typer.echo(f"trace ({name}): {t.trace:.6g} ± {t.std_error:.2g} ({t.num_matvecs} HVPs)")
-    if out:
-        from curvlab.atomic import atomic_write_text
-
-        atomic_write_text(out / "spectrum.json", json.dumps(result.to_dict(), indent=1))
-        written = [out / "spectrum.json"]
-        if result.density is not None:
-            from curvlab.plots import spectral_density_plot
-
-            written += spectral_density_plot(result.density.to_dict(), out / "spectral_density", f"step {result.step}")
+    if written:
         typer.echo("wrote " + ", ".join(map(str, written)))
 
 
@@ -564,17 +582,13 @@ def quadratic(
     outside_theorem: bool = typer.Option(False, help="Allow an example that breaks the theorem's assumptions."),
 ) -> None:
     """The stylized Kronecker quadratic model: the worked example and the phase sweep, with figures."""
-    from curvlab.atomic import atomic_write_text
-    from curvlab.plots import quadratic_phase, quadratic_trajectories
+    from curvlab.outputs import write_quadratic
     from curvlab.quadratic import TwoLevelSpec, quadratic_study
 
     check_output(out, directory=True)
     spec = TwoLevelSpec(d, d, q, m, w_high, w_low, sigma_high, sigma_low)
     result = quadratic_study(spec, steps=steps, sweep_steps=sweep_steps, outside_theorem=outside_theorem)
-    atomic_write_text(out / "quadratic.json", json.dumps(result))
-    paths = quadratic_trajectories(result, out / "quadratic_trajectories") + quadratic_phase(
-        result, out / "quadratic_phase"
-    )
+    paths = write_quadratic(result, out)
     closed = result["example"]["closed_forms"]
     rows = [
         (name, traj["loss"][-1] - closed["optimal_loss"], float(np.mean(traj["nds"])), traj.get("lr") or "line search")
@@ -585,7 +599,7 @@ def quadratic(
         f"closed forms: Muon NDS {closed['muon_nds']:.6g}, Muon Γ² {closed['muon_contraction']:.6f}, "
         f"GD two-step {closed['gd_two_step_contraction']:.6f}; theorem condition holds: {closed['theorem_condition']}"
     )
-    typer.echo("wrote " + ", ".join(str(p) for p in [out / "quadratic.json", *paths]))
+    typer.echo("wrote " + ", ".join(map(str, paths)))
 
 
 @app.command()

@@ -89,6 +89,41 @@ class MatchedPair:
         return {**asdict(self), "mismatch": self.mismatch}  # asdict recurses into the checkpoints and windows
 
 
+@dataclass(frozen=True, kw_only=True)
+class MatchCriteria:
+    """Which checkpoints of two runs pair, and over which windows (module docstring); the matching of
+    :func:`curvlab.studies.compare_runs` and ``curvlab compare``.
+
+    Attributes:
+        levels: how many evenly spaced targets inside the common range (below ``plateau_ceiling``), or
+            the targets themselves.
+        tolerance: largest accepted relative mismatch |L_a - L_b| / target.
+        phase: which checkpoints may pair (:data:`PHASES`); ``"stable"`` needs a schedule with a stable
+            phase (``curvlab train``'s default ``wsd`` has one).
+        window: neighbours on each side of a matched checkpoint that its level averages over.
+        plateau_ceiling: levels at or above this loss are on the unigram plateau (see
+            :func:`plateau_ceiling`): flagged, and left out of the aggregates; None: no such flag.
+    """
+
+    levels: int | tuple[float, ...] = 8
+    tolerance: float = 0.01
+    phase: str = "stable"
+    window: int = 0
+    plateau_ceiling: float | None = None
+
+    def validate(self) -> None:
+        if self.phase not in PHASES:
+            raise CurvlabError(f"unknown phase {self.phase!r}; choose one of {', '.join(PHASES)}")
+        if isinstance(self.levels, int) and self.levels < 1:
+            raise CurvlabError(f"levels must be >= 1, got {self.levels}")
+        if not isinstance(self.levels, int) and not self.levels:
+            raise CurvlabError("no target levels given")
+        if not self.tolerance > 0:
+            raise CurvlabError(f"tolerance must be > 0, got {self.tolerance}")
+        if self.window < 0:
+            raise CurvlabError(f"window must be >= 0, got {self.window}")
+
+
 @dataclass(frozen=True)
 class Matching:
     pairs: list[MatchedPair]

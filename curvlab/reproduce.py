@@ -50,9 +50,10 @@ from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError
 from curvlab.finetune import Finetune, with_preset
 from curvlab.jobs import StageClock, guard_config, record_invocation
-from curvlab.match import PLATEAU_FRACTION, NoMatchedLevel, plateau_ceiling
+from curvlab.match import PLATEAU_FRACTION, MatchCriteria, NoMatchedLevel, plateau_ceiling
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim import default_muon_rule, matrix_shape, muon_scale
+from curvlab.outputs import read_quadratic, write_quadratic
 from curvlab.paper import PRIMARY, REFERENCE_TRAINING
 from curvlab.quadratic import quadratic_study
 from curvlab.results import (
@@ -636,6 +637,12 @@ class Reproduction:
     def _settings(self, batches: int) -> AnalysisSettings:
         return AnalysisSettings(blocks="layer", batch="train", batches=batches)
 
+    def _criteria(self, plateau: float | None) -> MatchCriteria:
+        p = self.preset
+        return MatchCriteria(
+            levels=p.compare_levels, tolerance=p.tolerance, phase=p.phase, window=p.window, plateau_ceiling=plateau
+        )
+
     def _compare(self, name: str, seed: int, run_a: Path, run_b: Path, plateau: float, out: str) -> ComparisonRecord:
         """One matched comparison at the first s (``name`` "adamw/<arm>", or "<arm>/<arm>" for an A/A
         pair of two seeds), or the reason there is none."""
@@ -644,9 +651,8 @@ class Reproduction:
         try:
             with self.clock("compare"):
                 c = compare_runs(
-                    run_a, run_b, self.out / "analysis" / out, p.compare_levels, p.tolerance,
-                    self._settings(p.analysis_batches), progress=self.progress, phase=p.phase, window=p.window,
-                    plateau_ceiling=plateau, cache=self.out / "analysis" / "reports",
+                    run_a, run_b, self.out / "analysis" / out, self._criteria(plateau),
+                    self._settings(p.analysis_batches), progress=self.progress, cache=self.out / "analysis" / "reports",
                 )  # fmt: skip
             return ComparisonRecord(name, seed, s0, c)
         except NoMatchedLevel as e:  # no stable phase, no overlap, no level within tolerance (a broken file raises)
@@ -747,9 +753,8 @@ class Reproduction:
             train(cfg, progress=self.progress)
             runs[arm] = run
         compare = compare_runs(
-            runs["adamw"], runs["muon"], self.out / "analysis" / "compare-fineweb", p.compare_levels, p.tolerance,
-            self._settings(p.analysis_batches), progress=self.progress, phase=p.phase, window=p.window,
-            cache=self.out / "analysis" / "reports",
+            runs["adamw"], runs["muon"], self.out / "analysis" / "compare-fineweb", self._criteria(None),
+            self._settings(p.analysis_batches), progress=self.progress, cache=self.out / "analysis" / "reports",
         )  # fmt: skip
         self._say(f"FineWeb: compared at {len(compare.levels)} matched levels")
         return {
@@ -772,11 +777,11 @@ class Reproduction:
         return result.run()
 
     def quadratic(self) -> dict[str, Any]:
-        path = self.out / "quadratic" / "quadratic.json"
-        if path.is_file():
-            return json.loads(path.read_text())
+        cached = read_quadratic(self.out / "quadratic" / "quadratic.json")
+        if cached is not None:
+            return cached
         result = quadratic_study(**self.preset.quadratic)
-        atomic_write_text(path, json.dumps(result))
+        write_quadratic(result, self.out / "quadratic", figures=False)  # the report's figures draw it
         self._say("quadratic model done")
         return result
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from curvlab.match import match_runs, plateau_ceiling, run_checkpoints
+from curvlab.match import MatchCriteria, match_runs, plateau_ceiling, run_checkpoints
 from curvlab.train import TrainConfig, lr_multiplier
 
 
@@ -131,3 +131,32 @@ def test_a_sparse_run_does_not_lend_one_checkpoint_to_several_levels(tmp_path):
     steps = [p.b.step for p in m.pairs]
     assert steps and len(set(steps)) == len(steps)
     assert len(m.refused) == 8 - len(m.pairs)
+
+
+def test_runs_trained_with_the_defaults_match_under_the_default_criteria(tmp_path):
+    """`curvlab train`'s defaults (wsd, checkpoints every ckpt_every steps) give `curvlab compare`'s
+    defaults (MatchCriteria: stable phase, 8 levels) what they need: stable checkpoints enough for a
+    level each, and pairs. The runs are synthetic (index and config as `train` writes them), the faster
+    one reaching the slower one's losses at 3/4 of its steps."""
+    defaults, criteria = TrainConfig(data="nowhere", out="x"), MatchCriteria()
+    runs = {}
+    for name, scale in (("muon", 120), ("adamw", 160)):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**defaults.to_dict(), "out": str(path), "optimizer": name}))
+        steps = range(0, defaults.steps + 1, defaults.ckpt_every)
+        index = [{"step": k, "val_loss": 3.0 + 4.0 * np.exp(-k / scale), "path": f"ckpt_{k:06d}.pt"} for k in steps]
+        (path / "index.json").write_text(json.dumps(index))
+        stable = [c for c in run_checkpoints(path) if c.phase == "stable"]
+        assert len(stable) >= criteria.levels  # windows share no checkpoint: each level needs its own
+        runs[name] = path
+    m = match_runs(
+        runs["adamw"],
+        runs["muon"],
+        criteria.levels,
+        criteria.tolerance,
+        phase=criteria.phase,
+        window_width=criteria.window,
+    )
+    assert m.pairs and all(p.a.phase == p.b.phase == "stable" for p in m.pairs)
+    assert {(p.a.step, p.b.step) for p in m.pairs} >= {(200, 150), (400, 300)}  # the exact matches
