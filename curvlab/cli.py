@@ -610,7 +610,7 @@ def reproduce(
         help="micro (seconds), quick (CPU, ~10 min: AdamW and Muon, 5 seeds, s = 0), standard (CPU, < 1 h: "
         "5 seeds, 4412 tokens, the Zipf sweep, the control arm) or paper (GPU).",
     ),
-    out: Path = typer.Option(None, help="Output directory [default: results/<preset>]; a re-run continues it."),
+    out: Path = typer.Option(None, help="Output directory; a re-run continues it.", show_default="results/<preset>"),
     fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),
     quiet: bool = typer.Option(False, help="No progress bars."),
 ) -> None:
