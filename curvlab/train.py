@@ -86,7 +86,7 @@ class TrainConfig:
 
         Raises:
             CurvlabError: a missing or corrupt file, a field this config doesn't have (named), a value
-                of the wrong type, no ``data`` or ``out``, or a config :meth:`validate` refuses.
+                of the wrong type, or no ``data`` or ``out``.
         """
         merged: dict[str, Any] = {}
         for where, source in ((str(file), _read_config_file(file) if file else {}), ("overrides", overrides or {})):
@@ -96,9 +96,7 @@ class TrainConfig:
         for required in ("data", "out"):
             if not merged.get(required):
                 raise CurvlabError(f"--{required} is required (or give {required} in the config file)")
-        cfg = cls(**merged)
-        cfg.validate()
-        return cfg
+        return cls(**merged)  # build_run validates it (after the CLI has checked that out is writable)
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULES:
