@@ -22,6 +22,7 @@ import torch
 from curvlab import CurvaturePoint, make_loss_fn
 from curvlab.analysis import AnalysisSettings, analyze_checkpoint, checkpoint_spectrum
 from curvlab.data.dataset import generate_pcfg_dataset
+from curvlab.spectral import SpectrumRequest
 from curvlab.train import TrainConfig, build_run, train
 
 
@@ -71,7 +72,7 @@ def main() -> None:
         timings[f"nds + {len(report.blocks.names)}-block matrix (float32)"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        spectrum = checkpoint_spectrum(ckpt, top=args.top, device=args.device)
+        spectrum = checkpoint_spectrum(ckpt, SpectrumRequest(top=args.top), device=args.device)
         timings[f"spectrum --top {args.top}"] = time.perf_counter() - start
 
         run = build_run(cfg)  # a fresh model of the same shape, for the memory of one gradient and one HVP

@@ -83,6 +83,7 @@ from curvlab.shadow import ShadowState
 from curvlab.spectral import (
     CheckpointSpectrum,
     PreconditionedSharpness,
+    SpectrumRequest,
     UpdateSpectrum,
     adam_preconditioner,
     adam_step_settings,
@@ -645,26 +646,24 @@ def cached_report(
 
 def checkpoint_spectrum(
     path: str | Path,
-    top: int = 5,
-    bottom: int = 0,
-    trace: bool = False,
-    density: bool = False,
-    blocks: str | None = None,
-    preconditioned: bool = False,
+    request: SpectrumRequest | None = None,
     settings: AnalysisSettings | None = None,
+    *,
     data: str | Path | None = None,
     device: str = "cpu",
-    max_iter: int = 100,
-    method: str = DEFAULT_METHOD,
-    memory: int | None = None,
 ) -> CheckpointSpectrum:
-    r"""The Hessian spectrum at a checkpoint (on the batches ``settings`` choose): top/bottom
-    eigenvalues, trace (Hutchinson and Hutch++), spectral density, per-block λ_max, and Adam's
-    preconditioned sharpness :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` beside its edge of stability
-    :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)`. HVPs by ``method``; every Lanczos basis (and SLQ's)
-    within ``memory`` bytes (``None``: unbounded)."""
+    r"""The Hessian spectrum at a checkpoint, the parts ``request`` asks for (default
+    :class:`SpectrumRequest`: the 5 largest eigenvalues), on the batches ``settings`` choose, by its
+    dtype and HVP method: top/bottom eigenvalues, trace (Hutchinson and Hutch++), spectral density,
+    per-block λ_max, and Adam's preconditioned sharpness :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})`
+    beside its edge of stability :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)`. Every Lanczos basis
+    (and SLQ's) within ``request.memory`` bytes. Under torch.distributed the ranks share the batches
+    (:func:`curvlab.hvp.shared_batches`) and every rank returns the same result."""
+    request = request or SpectrumRequest()
+    request.validate()
     settings = settings or AnalysisSettings()
     settings.validate()
+    method, memory = settings.hvp_method, request.memory
     target = open_checkpoint(path, data, device, settings.batches)
     model, loss_fn = target.model, make_loss_fn(target.model)
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -672,16 +671,16 @@ def checkpoint_spectrum(
     H = hessian_operator(loss_fn, params, D, dtype=DTYPES[settings.dtype], method=method)
 
     def extremes(op, k, which="largest"):
-        return lanczos(op, k=k, which=which, max_iter=max_iter, memory=memory)
+        return lanczos(op, k=k, which=which, max_iter=request.max_iter, memory=memory)
 
     per_block = None
-    if blocks:
+    if request.blocks:
         per_block = {
             name: extremes(hessian_operator(loss_fn, params, D, dtype=H.dtype, subset=names, method=method), 1)
-            for name, names in group_parameters(params, blocks, model).items()
+            for name, names in group_parameters(params, request.blocks, model).items()
         }
     sharpness = None
-    if preconditioned:
+    if request.preconditioned:
         lr, beta1 = adam_step_settings(target.optimizer)
         P = preconditioned_operator(H, adam_preconditioner(target.optimizer, model, list(params)))
         sharpness = PreconditionedSharpness(extremes(P, 1), lr, beta1)
@@ -691,11 +690,11 @@ def checkpoint_spectrum(
         optimizer=target.optimizer_name,
         method=method,
         dtype=settings.dtype,
-        top=extremes(H, top) if top else None,
-        bottom=extremes(H, bottom, "smallest") if bottom else None,
-        hutchinson=hutchinson(H) if trace else None,
-        hutch_plus_plus=hutch_plus_plus(H) if trace else None,
-        density=spectral_density(H, memory=memory) if density else None,
+        top=extremes(H, request.top) if request.top else None,
+        bottom=extremes(H, request.bottom, "smallest") if request.bottom else None,
+        hutchinson=hutchinson(H) if request.trace else None,
+        hutch_plus_plus=hutch_plus_plus(H) if request.trace else None,
+        density=spectral_density(H, memory=memory) if request.density else None,
         blocks=per_block,
         preconditioned=sharpness,
     )

@@ -6,6 +6,7 @@ shapes, non-finite values) become one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -19,6 +20,8 @@ from curvlab.atomic import check_output
 from curvlab.distributed import distributed_context
 from curvlab.errors import CurvlabError
 from curvlab.hvp import DEFAULT_METHOD
+from curvlab.match import MatchCriteria
+from curvlab.train import TrainConfig
 
 app = typer.Typer(
     help="curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block curvature).",
@@ -128,34 +131,60 @@ def _key_values(pairs: list[str] | None, what: str) -> dict:
     return out
 
 
+def _train_default(name: str) -> str:
+    """The :class:`TrainConfig` default of field ``name``, for --help: train's options default to None (so
+    that only those given override the config file), which typer would show instead."""
+    default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
+    return (name if default else f"no-{name}") if isinstance(default, bool) else str(default)
+
+
 @app.command()
 @one_line_errors
 def train(
     data: Path = typer.Option(None, help="Data directory with train*/val* shards."),
     out: Path = typer.Option(None, help="Run directory (checkpoints, metrics.jsonl); an existing one is resumed."),
-    model: str = typer.Option(None, help="Model config: tiny, pcfg-9m, gpt2-124m. [default: tiny]"),
-    optimizer: str = typer.Option(None, help="muon, adamw, sgd or lion. [default: muon]"),
-    lr: float = typer.Option(None, help="Peak learning rate (Muon's for muon; its AdamW side: --opt adam_lr=...)."),
+    model: str = typer.Option(
+        None, help="Model config: tiny, pcfg-9m, gpt2-124m.", show_default=_train_default("model")
+    ),
+    optimizer: str = typer.Option(None, help="muon, adamw, sgd or lion.", show_default=_train_default("optimizer")),
+    lr: float = typer.Option(
+        None,
+        help="Peak learning rate (Muon's for muon; its AdamW side: --opt adam_lr=...).",
+        show_default="the optimizer's",
+    ),
     opt: list[str] = typer.Option(None, help="Optimizer option KEY=VALUE, repeatable (e.g. momentum=0.9)."),
     model_opt: list[str] = typer.Option(None, help="Model config override KEY=VALUE, repeatable (e.g. n_layer=2)."),
-    steps: int = typer.Option(None, help="Optimizer steps. [default: 600]"),
-    batch_size: int = typer.Option(None, help="Sequences per step. [default: 16]"),
-    seq_len: int = typer.Option(None, help="Tokens per sequence. [default: the model's block size]"),
-    warmup_steps: int = typer.Option(None, help="Linear warmup steps. [default: 20]"),
+    steps: int = typer.Option(None, help="Optimizer steps.", show_default=_train_default("steps")),
+    batch_size: int = typer.Option(None, help="Sequences per step.", show_default=_train_default("batch_size")),
+    seq_len: int = typer.Option(None, help="Tokens per sequence.", show_default="the model's block size"),
+    warmup_steps: int = typer.Option(None, help="Linear warmup steps.", show_default=_train_default("warmup_steps")),
     schedule: str = typer.Option(
-        None, help="wsd (warmup-stable-decay, which compare pairs in), cosine or constant (default: wsd)."
+        None,
+        help="wsd (warmup-stable-decay, which compare pairs in), cosine or constant.",
+        show_default=_train_default("schedule"),
     ),
-    cooldown_frac: float = typer.Option(None, help="Decaying share of steps for wsd. [default: 0.2]"),
-    min_lr_frac: float = typer.Option(None, help="Schedule floor as a fraction of the peak. [default: 0.1]"),
-    grad_clip: float = typer.Option(None, help="Gradient-norm clip; 0 disables. [default: 1.0]"),
-    seed: int = typer.Option(None, help="Seed of initialization and data order. [default: 0]"),
-    eval_every: int = typer.Option(None, help="Validation every N steps. [default: 50]"),
-    ckpt_every: int = typer.Option(None, help="Checkpoint every N steps. [default: 50]"),
-    val_windows: int = typer.Option(None, help="Fixed validation windows. [default: 64]"),
-    device: str = typer.Option(None, help="auto, cpu, cuda, cuda:1, ... [default: auto]"),
-    compile: bool = typer.Option(None, "--compile/--no-compile", help="torch.compile the model. [default: off]"),
+    cooldown_frac: float = typer.Option(
+        None, help="Decaying share of steps for wsd.", show_default=_train_default("cooldown_frac")
+    ),
+    min_lr_frac: float = typer.Option(
+        None, help="Schedule floor as a fraction of the peak.", show_default=_train_default("min_lr_frac")
+    ),
+    grad_clip: float = typer.Option(
+        None, help="Gradient-norm clip; 0 disables.", show_default=_train_default("grad_clip")
+    ),
+    seed: int = typer.Option(None, help="Seed of initialization and data order.", show_default=_train_default("seed")),
+    eval_every: int = typer.Option(None, help="Validation every N steps.", show_default=_train_default("eval_every")),
+    ckpt_every: int = typer.Option(None, help="Checkpoint every N steps.", show_default=_train_default("ckpt_every")),
+    val_windows: int = typer.Option(None, help="Fixed validation windows.", show_default=_train_default("val_windows")),
+    device: str = typer.Option(None, help="auto, cpu, cuda, cuda:1, ...", show_default=_train_default("device")),
+    compile: bool = typer.Option(
+        None, "--compile/--no-compile", help="torch.compile the model.", show_default=_train_default("compile")
+    ),
     shadow: bool = typer.Option(
-        None, "--shadow/--no-shadow", help="Keep a shadow state of the other arm (adamw <-> muon). [default: off]"
+        None,
+        "--shadow/--no-shadow",
+        help="Keep a shadow state of the other arm (adamw <-> muon).",
+        show_default=_train_default("shadow"),
     ),
     config: Path = typer.Option(None, help="A JSON file of these fields; options given here override it."),
     quiet: bool = typer.Option(False, help="No progress bar."),
@@ -185,13 +214,11 @@ def train(
     `curvlab track`. Training is the same, bit for bit, with or without it.
     """
     from curvlab.monitor import MonitorSettings
-    from curvlab.train import TrainConfig
     from curvlab.train import train as run_training
 
-    fields = json.loads(config.read_text()) if config else {}
     given = {
-        "data": str(data) if data else None,
-        "out": str(out) if out else None,
+        "data": None if data is None else str(data),
+        "out": None if out is None else str(out),
         "model": model,
         "optimizer": optimizer,
         "steps": steps,
@@ -201,7 +228,7 @@ def train(
         "schedule": schedule,
         "cooldown_frac": cooldown_frac,
         "min_lr_frac": min_lr_frac,
-        "grad_clip": None if grad_clip == 0 else grad_clip,
+        "grad_clip": grad_clip,
         "seed": seed,
         "eval_every": eval_every,
         "ckpt_every": ckpt_every,
@@ -210,18 +237,15 @@ def train(
         "compile": compile,
         "shadow": shadow,
     }
-    fields.update({k: v for k, v in given.items() if v is not None})
+    overrides = {k: v for k, v in given.items() if v is not None}
     if grad_clip == 0:  # 0 means "no clipping", which None can't say on a command line
-        fields["grad_clip"] = None
-    options = {**fields.get("optimizer_options", {}), **_key_values(opt, "--opt")}
-    if lr is not None:
-        options["lr"] = lr
-    fields["optimizer_options"] = options
-    fields["model_overrides"] = {**fields.get("model_overrides", {}), **_key_values(model_opt, "--model-opt")}
-    for required in ("data", "out"):
-        if not fields.get(required):
-            raise CurvlabError(f"--{required} is required (or give it in --config)")
-    cfg = TrainConfig.from_dict(fields)
+        overrides["grad_clip"] = None
+    options = {**_key_values(opt, "--opt"), **({} if lr is None else {"lr": lr})}
+    if options:
+        overrides["optimizer_options"] = options
+    if model_opt:
+        overrides["model_overrides"] = _key_values(model_opt, "--model-opt")
+    cfg = TrainConfig.from_sources(config, overrides)
     check_output(cfg.out, directory=True)
     if tensorboard is not None:
         check_output(tensorboard, directory=True)
@@ -354,14 +378,20 @@ def nds(
 def compare(
     run_a: Path = typer.Argument(..., help="First run directory."),
     run_b: Path = typer.Argument(..., help="Second run directory."),
-    levels: int = typer.Option(8, help="Matched validation-loss levels inside the range both runs reach."),
-    tolerance: float = typer.Option(0.01, help="Largest relative validation-loss mismatch of a pair."),
+    levels: int = typer.Option(
+        MatchCriteria.levels, help="Matched validation-loss levels inside the range both runs reach."
+    ),
+    tolerance: float = typer.Option(
+        MatchCriteria.tolerance, help="Largest relative validation-loss mismatch of a pair."
+    ),
     phase: str = typer.Option(
-        "stable",
+        MatchCriteria.phase,
         help="Which checkpoints may pair: stable (both in the schedule's stable phase: train with --schedule wsd), "
         "multiplier (equal schedule multipliers) or any (matched loss alone, whatever the learning rate).",
     ),
-    window: int = typer.Option(0, help="Average each level over this many neighbouring checkpoints on each side."),
+    window: int = typer.Option(
+        MatchCriteria.window, help="Average each level over this many neighbouring checkpoints on each side."
+    ),
     out: Path = typer.Option(Path("compare"), help="Output directory (compare.csv, compare.json, reports/)."),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
@@ -382,10 +412,12 @@ def compare(
     from curvlab.studies import compare_runs
 
     settings = _settings(blocks, batch, batches, dtype, "hvp", hvp_method)
+    criteria = MatchCriteria(levels=levels, tolerance=tolerance, phase=phase, window=window)
+    criteria.validate()
     check_output(out, directory=True)
     with distributed_context() as (rank, _):
         result = compare_runs(
-            run_a, run_b, out, levels, tolerance, settings, device, not quiet and rank == 0, phase, window, fsdp=fsdp
+            run_a, run_b, out, criteria, settings, device=device, progress=not quiet and rank == 0, fsdp=fsdp
         )
     if rank != 0:
         return
@@ -439,7 +471,7 @@ def track(
         return
     settings = AnalysisSettings(blocks, batch, batches, dtype, "hvp", hvp_method, spectrum_top=spectrum)
     with distributed_context() as (rank, _):
-        rows = track_run(run, out, every, settings, device, progress=not quiet and rank == 0, fsdp=fsdp)
+        rows = track_run(run, out, settings, every=every, device=device, progress=not quiet and rank == 0, fsdp=fsdp)
     if rank != 0:
         return
     keys = ("step", "val_loss", "nds", "within", "cross", "rho_within", "update_norm")
@@ -491,17 +523,34 @@ def spectrum(
     dtype: str = typer.Option("float32", help="float32 or float64."),
     device: str = typer.Option("cpu", help="Device."),
 ) -> None:
-    """The Hessian spectrum at a checkpoint: extreme eigenvalues, trace, density, block and preconditioned sharpness."""
-    from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
+    """The Hessian spectrum at a checkpoint: extreme eigenvalues, trace, density, block and preconditioned sharpness.
 
-    settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype)
+    Under torchrun the ranks share the batches (--batches N, N >= the ranks); rank 0 prints and writes.
+    """
+    from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
+    from curvlab.outputs import write_spectrum
+    from curvlab.spectral import SpectrumRequest
+
+    settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype, hvp_method=method)
+    settings.validate()
+    request = SpectrumRequest(
+        top=top,
+        bottom=bottom,
+        trace=trace,
+        density=density,
+        blocks=blocks,
+        preconditioned=preconditioned,
+        max_iter=max_iter,
+        memory=None if memory is None else int(memory * 1e9),
+    )
+    request.validate()
     if out:
         check_output(out, directory=True)
-    budget = None if memory is None else int(memory * 1e9)
-    result = checkpoint_spectrum(
-        checkpoint, top, bottom, trace, density, blocks, preconditioned, settings, data, device, max_iter,
-        method=method, memory=budget,
-    )  # fmt: skip
+    with distributed_context() as (rank, _):
+        result = checkpoint_spectrum(checkpoint, request, settings, data=data, device=device)
+        written = write_spectrum(result, out) if out else []
+    if rank != 0:
+        return
     rows = []
     for key, r in (("top", result.top), ("bottom", result.bottom)):
         if r is not None:
@@ -515,15 +564,7 @@ def spectrum(
     print_table(rows, ("what", "eigenvalue", "residual", "converged"))
     for name, t in result.traces().items():
         typer.echo(f"trace ({name}): {t.trace:.6g} ± {t.std_error:.2g} ({t.num_matvecs} HVPs)")
-    if out:
-        from curvlab import schema
-
-        schema.save(out / "spectrum.json", result)
-        written = [out / "spectrum.json"]
-        if result.density is not None:
-            from curvlab.plots import spectral_density_plot
-
-            written += spectral_density_plot(result.density.to_dict(), out / "spectral_density", f"step {result.step}")
+    if written:
         typer.echo("wrote " + ", ".join(map(str, written)))
 
 
@@ -543,17 +584,13 @@ def quadratic(
     outside_theorem: bool = typer.Option(False, help="Allow an example that breaks the theorem's assumptions."),
 ) -> None:
     """The stylized Kronecker quadratic model: the worked example and the phase sweep, with figures."""
-    from curvlab.atomic import atomic_write_text
-    from curvlab.plots import quadratic_phase, quadratic_trajectories
+    from curvlab.outputs import write_quadratic
     from curvlab.quadratic import TwoLevelSpec, quadratic_study
 
     check_output(out, directory=True)
     spec = TwoLevelSpec(d, d, q, m, w_high, w_low, sigma_high, sigma_low)
     result = quadratic_study(spec, steps=steps, sweep_steps=sweep_steps, outside_theorem=outside_theorem)
-    atomic_write_text(out / "quadratic.json", json.dumps(result))
-    paths = quadratic_trajectories(result, out / "quadratic_trajectories") + quadratic_phase(
-        result, out / "quadratic_phase"
-    )
+    paths = write_quadratic(result, out)
     closed = result["example"]["closed_forms"]
     rows = [
         (name, traj["loss"][-1] - closed["optimal_loss"], float(np.mean(traj["nds"])), traj.get("lr") or "line search")
@@ -564,7 +601,7 @@ def quadratic(
         f"closed forms: Muon NDS {closed['muon_nds']:.6g}, Muon Γ² {closed['muon_contraction']:.6f}, "
         f"GD two-step {closed['gd_two_step_contraction']:.6f}; theorem condition holds: {closed['theorem_condition']}"
     )
-    typer.echo("wrote " + ", ".join(str(p) for p in [out / "quadratic.json", *paths]))
+    typer.echo("wrote " + ", ".join(map(str, paths)))
 
 
 @app.command()
@@ -575,7 +612,7 @@ def reproduce(
         help="micro (seconds), quick (CPU, ~10 min: AdamW and Muon, 5 seeds, s = 0), standard (CPU, < 1 h: "
         "5 seeds, 4412 tokens, the Zipf sweep, the control arm) or paper (GPU).",
     ),
-    out: Path = typer.Option(None, help="Output directory [default: results/<preset>]; a re-run continues it."),
+    out: Path = typer.Option(None, help="Output directory; a re-run continues it.", show_default="results/<preset>"),
     fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),
     quiet: bool = typer.Option(False, help="No progress bars."),
 ) -> None:

@@ -58,7 +58,7 @@ from curvlab.errors import CurvlabError
 from curvlab.jobs import Job
 from curvlab.lora import adapter_blocks
 from curvlab.loss import make_loss_fn
-from curvlab.match import MatchSettings, match_runs
+from curvlab.match import MatchCriteria, match_runs
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, GPTConfig, get_config
 from curvlab.monitor import CurvatureMonitor, MonitorRow
 from curvlab.optimizers import build_optimizer
@@ -126,8 +126,8 @@ class FinetunePreset:
         return TuningSettings.of(self, self.tune_steps)
 
     @property
-    def matching(self) -> MatchSettings:
-        return MatchSettings(self.levels, self.tolerance, self.window)  # in the stable phase, as the main comparison
+    def matching(self) -> MatchCriteria:  # in the stable phase, as the main comparison
+        return MatchCriteria(levels=self.levels, tolerance=self.tolerance, window=self.window)
 
     def validate(self) -> None:
         if self.seeds < 1:
@@ -572,7 +572,7 @@ def compare_adapters(
                         seed,
                         pair.target,
                         pair.mismatch,
-                        {"adamw": pair.step_a, variant: pair.step_b},
+                        {"adamw": pair.a.step, variant: pair.b.step},
                         {"adamw": wa, variant: wb},
                         {"adamw": _side_means(rows_a, wa), variant: _side_means(rows_b, wb)},
                     )

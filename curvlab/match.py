@@ -45,18 +45,6 @@ PHASES = ("stable", "multiplier", "any")
 PLATEAU_FRACTION = 0.05  # a loss within 5% of the unigram entropy sits on the unigram plateau
 
 
-@dataclass(frozen=True)
-class MatchSettings:
-    """How a job pairs two runs (:func:`match_runs`): ``levels`` target losses in the schedule ``phase``,
-    each matched within ``tolerance`` (relative) and averaged over a window of up to ``2 window + 1``
-    checkpoints."""
-
-    levels: int
-    tolerance: float
-    window: int
-    phase: str = "stable"
-
-
 class NoMatchedLevel(CurvlabError):
     """Two runs that can't be compared at matched loss: no stable phase, losses that never overlap, or no
     pair of checkpoints within the tolerance. A fact about the runs, not a broken file: a study records it
@@ -69,7 +57,7 @@ def plateau_ceiling(unigram_entropy: float, fraction: float = PLATEAU_FRACTION) 
     return (1 - fraction) * unigram_entropy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Checkpoint:
     """One checkpoint of a run, with the schedule of the step it takes next."""
 
@@ -81,21 +69,13 @@ class Checkpoint:
     phase: str = "unknown"  # "warmup", "stable", "decay" or "unknown"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MatchedPair:
     """Run A's and run B's checkpoints at one matched validation-loss level (and their windows)."""
 
     target: float
-    step_a: int
-    loss_a: float
-    path_a: str
-    step_b: int
-    loss_b: float
-    path_b: str
-    multiplier_a: float | None = None
-    multiplier_b: float | None = None
-    lr_a: float | None = None
-    lr_b: float | None = None
+    a: Checkpoint
+    b: Checkpoint
     on_plateau: bool = False
     window_a: tuple[Checkpoint, ...] = field(default=(), repr=False)
     window_b: tuple[Checkpoint, ...] = field(default=(), repr=False)
@@ -103,13 +83,45 @@ class MatchedPair:
     @property
     def mismatch(self) -> float:
         """Relative validation-loss mismatch |L_a - L_b| / target."""
-        return abs(self.loss_a - self.loss_b) / self.target
+        return abs(self.a.val_loss - self.b.val_loss) / self.target
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["window_a"] = [asdict(c) for c in self.window_a]
-        d["window_b"] = [asdict(c) for c in self.window_b]
-        return {**d, "mismatch": self.mismatch}
+        return {**asdict(self), "mismatch": self.mismatch}  # asdict recurses into the checkpoints and windows
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatchCriteria:
+    """Which checkpoints of two runs pair, and over which windows (module docstring); the matching of
+    :func:`curvlab.studies.compare_runs` and ``curvlab compare``.
+
+    Attributes:
+        levels: how many evenly spaced targets inside the common range (below ``plateau_ceiling``), or
+            the targets themselves.
+        tolerance: largest accepted relative mismatch |L_a - L_b| / target.
+        phase: which checkpoints may pair (:data:`PHASES`); ``"stable"`` needs a schedule with a stable
+            phase (``curvlab train``'s default ``wsd`` has one).
+        window: neighbours on each side of a matched checkpoint that its level averages over.
+        plateau_ceiling: levels at or above this loss are on the unigram plateau (see
+            :func:`plateau_ceiling`): flagged, and left out of the aggregates; None: no such flag.
+    """
+
+    levels: int | tuple[float, ...] = 8
+    tolerance: float = 0.01
+    phase: str = "stable"
+    window: int = 0
+    plateau_ceiling: float | None = None
+
+    def validate(self) -> None:
+        if self.phase not in PHASES:
+            raise CurvlabError(f"unknown phase {self.phase!r}; choose one of {', '.join(PHASES)}")
+        if isinstance(self.levels, int) and self.levels < 1:
+            raise CurvlabError(f"levels must be >= 1, got {self.levels}")
+        if not isinstance(self.levels, int) and not self.levels:
+            raise CurvlabError("no target levels given")
+        if not self.tolerance > 0:
+            raise CurvlabError(f"tolerance must be > 0, got {self.tolerance}")
+        if self.window < 0:
+            raise CurvlabError(f"window must be >= 0, got {self.window}")
 
 
 @dataclass(frozen=True)
@@ -151,12 +163,18 @@ def run_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
             continue
         step, path = int(e["step"]), str(run_dir / e["path"])
         if cfg is None:
-            out.append(Checkpoint(step, float(e["val_loss"]), path))
+            out.append(Checkpoint(step=step, val_loss=float(e["val_loss"]), path=path))
             continue
         m = lr_multiplier(step, cfg)
+        lr = None if base_lr is None else base_lr * m
         out.append(
             Checkpoint(
-                step, float(e["val_loss"]), path, m, None if base_lr is None else base_lr * m, schedule_phase(step, cfg)
+                step=step,
+                val_loss=float(e["val_loss"]),
+                path=path,
+                multiplier=m,
+                lr=lr,
+                phase=schedule_phase(step, cfg),
             )
         )
     if not out:
@@ -284,20 +302,12 @@ def match_runs(
         target = float((la[i] + lb[j]) / 2)
         pairs.append(
             MatchedPair(
-                target,
-                a[i].step,
-                a[i].val_loss,
-                a[i].path,
-                b[j].step,
-                b[j].val_loss,
-                b[j].path,
-                a[i].multiplier,
-                b[j].multiplier,
-                a[i].lr,
-                b[j].lr,
-                ceiling is not None and target >= ceiling,
-                window(a, i, window_width),
-                window(b, j, window_width),
+                target=target,
+                a=a[i],
+                b=b[j],
+                on_plateau=ceiling is not None and target >= ceiling,
+                window_a=window(a, i, window_width),
+                window_b=window(b, j, window_width),
             )
         )
     return Matching(pairs, refused, float(low), float(high), phase, plateau_ceiling)

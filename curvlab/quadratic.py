@@ -399,6 +399,7 @@ def phase_sweep(rhos, alphas, ratios, steps: int = 20, q: int = 100) -> dict[str
     }
 
 
+QUADRATIC_SCHEMA_VERSION = 1  # the record of quadratic_study (``quadratic.json``)
 DEFAULT_EXAMPLE = TwoLevelSpec()
 SWEEP_RHOS = tuple(float(x) for x in np.logspace(0, 3, 13))
 SWEEP_ALPHAS = tuple(float(x) for x in np.linspace(0.02, 0.48, 12))
@@ -418,7 +419,8 @@ def quadratic_study(
 ) -> dict[str, Any]:
     """The theorem's worked example (line search: GD, Muon with the exact, Newton–Schulz and Polar
     Express polar factors; fixed learning rates: GD and Muon with momentum, Adam, sign descent, each at
-    its best lr of ``lr_grid``), and the phase sweep over (ρ, α, σ_H/σ_L), as plain JSON-ready data."""
+    its best lr of ``lr_grid``), and the phase sweep over (ρ, α, σ_H/σ_L), as plain JSON-ready data
+    (``QUADRATIC_SCHEMA_VERSION``; :func:`curvlab.outputs.write_quadratic` writes it)."""
     problem = two_level(spec, outside_theorem)
     line = {"gd": run_line_search(problem, "gd", steps)}
     for polar in ("svd", "newton_schulz", "polar_express"):
@@ -430,6 +432,7 @@ def quadratic_study(
     }
     P0 = gd_initial_share(spec)
     return {
+        "schema_version": QUADRATIC_SCHEMA_VERSION,
         "example": {
             "spec": asdict(spec),
             "title": (

@@ -50,9 +50,10 @@ from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError
 from curvlab.finetune import Finetune, with_preset
 from curvlab.jobs import Job
-from curvlab.match import PLATEAU_FRACTION, MatchSettings, NoMatchedLevel, plateau_ceiling
+from curvlab.match import PLATEAU_FRACTION, MatchCriteria, NoMatchedLevel, plateau_ceiling
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim import default_muon_rule, matrix_shape, muon_scale
+from curvlab.outputs import read_quadratic, write_quadratic
 from curvlab.paper import PRIMARY, REFERENCE_TRAINING
 from curvlab.quadratic import quadratic_study
 from curvlab.results import (
@@ -173,8 +174,8 @@ class Preset:
         return self.tuning_settings.seeds()
 
     @property
-    def matching(self) -> MatchSettings:
-        return MatchSettings(self.compare_levels, self.tolerance, self.window, self.phase)
+    def matching(self) -> MatchCriteria:
+        return MatchCriteria(levels=self.compare_levels, tolerance=self.tolerance, window=self.window, phase=self.phase)
 
     def check_seed_list(self) -> list[int]:
         return [self.check_seed_base + i for i in range(self.check_seeds)]
@@ -618,17 +619,19 @@ class Reproduction(Job):
     def _settings(self, batches: int) -> AnalysisSettings:
         return AnalysisSettings(blocks="layer", batch="train", batches=batches)
 
+    def _criteria(self, plateau: float | None) -> MatchCriteria:
+        return replace(self.preset.matching, plateau_ceiling=plateau)
+
     def _compare(self, name: str, seed: int, run_a: Path, run_b: Path, plateau: float, out: str) -> ComparisonRecord:
         """One matched comparison at the first s (``name`` "adamw/<arm>", or "<arm>/<arm>" for an A/A
         pair of two seeds), or the reason there is none."""
-        p, m = self.preset, self.preset.matching
+        p = self.preset
         s0 = p.s_values[0]
         try:
             with self.clock("compare"):
                 c = compare_runs(
-                    run_a, run_b, self.out / "analysis" / out, m.levels, m.tolerance,
-                    self._settings(p.analysis_batches), progress=self.progress, phase=m.phase, window=m.window,
-                    plateau_ceiling=plateau, cache=self.out / "analysis" / "reports",
+                    run_a, run_b, self.out / "analysis" / out, self._criteria(plateau),
+                    self._settings(p.analysis_batches), progress=self.progress, cache=self.out / "analysis" / "reports",
                 )  # fmt: skip
             return ComparisonRecord(name, seed, s0, c)
         except NoMatchedLevel as e:  # no stable phase, no overlap, no level within tolerance (a broken file raises)
@@ -727,11 +730,9 @@ class Reproduction(Job):
             )  # fmt: skip
             train(cfg, progress=self.progress)
             runs[arm] = run
-        m = p.matching
         compare = compare_runs(
-            runs["adamw"], runs["muon"], self.out / "analysis" / "compare-fineweb", m.levels, m.tolerance,
-            self._settings(p.analysis_batches), progress=self.progress, phase=m.phase, window=m.window,
-            cache=self.out / "analysis" / "reports",
+            runs["adamw"], runs["muon"], self.out / "analysis" / "compare-fineweb", self._criteria(None),
+            self._settings(p.analysis_batches), progress=self.progress, cache=self.out / "analysis" / "reports",
         )  # fmt: skip
         self._say(f"FineWeb: compared at {len(compare.levels)} matched levels")
         return FinewebRecord(dict(compare.ratio_of_means), len(compare.headline_levels))
@@ -749,11 +750,11 @@ class Reproduction(Job):
         return result.run()
 
     def quadratic(self) -> dict[str, Any]:
-        path = self.out / "quadratic" / "quadratic.json"
-        if path.is_file():
-            return json.loads(path.read_text())
+        cached = read_quadratic(self.out / "quadratic" / "quadratic.json")
+        if cached is not None:
+            return cached
         result = quadratic_study(**self.preset.quadratic)
-        atomic_write_text(path, json.dumps(result))
+        write_quadratic(result, self.out / "quadratic", figures=False)  # the report's figures draw it
         self._say("quadratic model done")
         return result
 

@@ -564,6 +564,41 @@ class PreconditionedSharpness:
 # -- results of the analysis pipeline ---------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True)
+class SpectrumRequest:
+    """Which parts of a checkpoint's Hessian spectrum :func:`curvlab.analysis.checkpoint_spectrum`
+    computes (``curvlab spectrum``'s options; the batches, dtype and HVP method are its
+    :class:`curvlab.analysis.AnalysisSettings`).
+
+    Attributes:
+        top, bottom: how many of the largest and smallest eigenvalues (Lanczos; 0: none).
+        trace: the trace by Hutchinson and by Hutch++.
+        density: the spectral density by stochastic Lanczos quadrature.
+        blocks: also λ_max of each block of this grouping (``layer``, ``tensor``, ``kind``), or None.
+        preconditioned: Adam's preconditioned sharpness (AdamW checkpoints).
+        max_iter: Lanczos iterations (HVPs) at most, per eigenproblem.
+        memory: bytes every stored Lanczos basis may take (thick restart beyond); None: unbounded.
+    """
+
+    top: int = 5
+    bottom: int = 0
+    trace: bool = False
+    density: bool = False
+    blocks: str | None = None
+    preconditioned: bool = False
+    max_iter: int = 100
+    memory: int | None = None
+
+    def validate(self) -> None:
+        for name in ("top", "bottom"):
+            if getattr(self, name) < 0:
+                raise CurvlabError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_iter < 1:
+            raise CurvlabError(f"max_iter must be >= 1, got {self.max_iter}")
+        if self.memory is not None and self.memory <= 0:
+            raise CurvlabError(f"memory must be > 0 bytes (or None: unbounded), got {self.memory}")
+
+
 def _maybe(x: Any) -> Any:
     return None if x is None else x.to_dict()
 

@@ -28,7 +28,7 @@ from curvlab.checkpoint import read_index
 from curvlab.directions import PAIRED, SCOPES, DirectionLandscape
 from curvlab.distributed import is_main
 from curvlab.errors import CurvlabError
-from curvlab.match import Checkpoint, NoMatchedLevel, match_runs, run_checkpoints
+from curvlab.match import Checkpoint, MatchCriteria, NoMatchedLevel, match_runs, run_checkpoints
 from curvlab.metrics import METRICS_FILE, read_metrics
 from curvlab.monitor import ROW_KIND, MonitorRow
 from curvlab.progress import progress as progress_bar
@@ -314,24 +314,19 @@ def compare_runs(
     run_a: str | Path,
     run_b: str | Path,
     out: str | Path,
-    levels: int | Sequence[float] = 8,
-    tolerance: float = 0.01,
+    criteria: MatchCriteria | None = None,
     settings: AnalysisSettings | None = None,
+    *,
     device: str = "cpu",
     progress: bool = True,
-    phase: str = "any",
-    window: int = 0,
-    plateau_ceiling: float | None = None,
     cache: str | Path | None = None,
     fsdp: bool = False,
 ) -> Comparison:
-    """Analyse every matched level of two runs (each side averaged over its window of ``2 window + 1``
-    checkpoints at most); write ``compare.json`` and ``compare.csv`` to ``out``.
+    """Analyse every level of two runs matched by ``criteria`` (default :class:`MatchCriteria`: 8
+    levels in the stable phase), each side averaged over its window of ``2 window + 1`` checkpoints
+    at most, under ``settings``; write ``compare.json`` and ``compare.csv`` to ``out``.
 
     Args:
-        phase: which checkpoints may pair (:data:`curvlab.match.PHASES`).
-        plateau_ceiling: levels at or above this loss are on the unigram plateau (see
-            :func:`curvlab.match.plateau_ceiling`): flagged, and left out of the aggregates.
         cache: where reports are cached (default ``out/reports``); share one between studies to
             analyse a checkpoint once.
         fsdp: the runs' checkpoints are sharded (DCP directories, ``curvlab train --fsdp``): every
@@ -341,15 +336,18 @@ def compare_runs(
     Raises:
         CurvlabError: bad runs (see :func:`curvlab.match.match_runs`), or no level within tolerance.
     """
+    criteria = criteria or MatchCriteria()
+    criteria.validate()
     settings = settings or AnalysisSettings()
     settings.validate()
     out = Path(out)
     cache = Path(cache) if cache else out / "reports"
+    levels, phase, window, plateau_ceiling = criteria.levels, criteria.phase, criteria.window, criteria.plateau_ceiling
     matching = match_runs(
         run_a,
         run_b,
         levels if isinstance(levels, int) else list(levels),
-        tolerance,
+        criteria.tolerance,
         phase=phase,
         plateau_ceiling=plateau_ceiling,
         window_width=window,
@@ -358,8 +356,8 @@ def compare_runs(
         raise NoMatchedLevel("no matched pair within tolerance: " + "; ".join(matching.refused))
     result_levels = []
     for pair in progress_bar(matching.pairs, desc="compare", disable=not progress):
-        a = _window_side(pair.window_a, pair.step_a, cache, settings, device, fsdp)
-        b = _window_side(pair.window_b, pair.step_b, cache, settings, device, fsdp)
+        a = _window_side(pair.window_a, pair.a.step, cache, settings, device, fsdp)
+        b = _window_side(pair.window_b, pair.b.step, cache, settings, device, fsdp)
         result_levels.append(Level(pair.target, pair.mismatch, pair.on_plateau, a, b))
     names = (result_levels[0].a.optimizer, result_levels[0].b.optimizer)
     label = "adamw/muon" if set(names) == {"muon", "adamw"} else f"B/A ({names[1]}/{names[0]})"
@@ -383,13 +381,14 @@ def compare_runs(
 def track_run(
     run: str | Path,
     out: str | Path,
-    every: int = 1,
     settings: AnalysisSettings | None = None,
+    *,
+    every: int = 1,
+    steps: Sequence[int] | None = None,
+    plateau_ceiling: float | None = None,
     device: str = "cpu",
     progress: bool = True,
-    plateau_ceiling: float | None = None,
     cache: str | Path | None = None,
-    steps: Sequence[int] | None = None,
     fsdp: bool = False,
 ) -> list[CheckpointScalars]:
     """Analyse every ``every``-th checkpoint of a run (step 0 excluded: there is no trajectory yet),

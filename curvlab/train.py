@@ -16,7 +16,9 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,26 @@ class TrainConfig:
             raise CurvlabError(f"unknown training config field(s): {', '.join(unknown)}")
         return cls(**d)
 
+    @classmethod
+    def from_sources(cls, file: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+        """The config of ``curvlab train``: the dataclass defaults, then the JSON object in ``file``, then
+        ``overrides`` (the options given on the command line), each over the one before. The dict fields
+        (``optimizer_options``, ``model_overrides``, ``shadow_options``) merge key by key.
+
+        Raises:
+            CurvlabError: a missing or corrupt file, a field this config doesn't have (named), a value
+                of the wrong type, or no ``data`` or ``out``.
+        """
+        merged: dict[str, Any] = {}
+        for where, source in ((str(file), _read_config_file(file) if file else {}), ("overrides", overrides or {})):
+            _check_fields(source, where)
+            for key, value in source.items():
+                merged[key] = {**merged[key], **value} if key in MERGED_FIELDS and key in merged else value
+        for required in ("data", "out"):
+            if not merged.get(required):
+                raise CurvlabError(f"--{required} is required (or give {required} in the config file)")
+        return cls(**merged)  # build_run validates it (after the CLI has checked that out is writable)
+
     def validate(self) -> None:
         if self.schedule not in SCHEDULES:
             raise CurvlabError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -90,6 +112,47 @@ class TrainConfig:
                 raise CurvlabError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup_steps < self.steps:
             raise CurvlabError(f"warmup_steps must lie in [0, steps), got {self.warmup_steps}")
+
+
+MERGED_FIELDS = ("optimizer_options", "model_overrides", "shadow_options")
+
+
+def _read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise CurvlabError(f"{path}: no such config file")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise CurvlabError(f"{path}: a training config is a JSON object of fields, got {type(d).__name__}")
+    return d
+
+
+def _check_fields(d: Mapping[str, Any], where: str) -> None:
+    """Every key of ``d`` is a :class:`TrainConfig` field and its value has the field's type (an int
+    passes for a float; a bool passes for nothing but a bool)."""
+    hints = typing.get_type_hints(TrainConfig)
+    unknown = sorted(set(d) - set(hints))
+    if unknown:
+        raise CurvlabError(f"{where}: unknown training config field(s): {', '.join(unknown)}")
+    for key, value in d.items():
+        allowed = typing.get_args(hints[key]) if isinstance(hints[key], types.UnionType) else (hints[key],)
+        if not any(_has_type(value, t) for t in allowed):
+            expected = " or ".join("null" if t is type(None) else getattr(t, "__name__", str(t)) for t in allowed)
+            raise CurvlabError(f"{where}: {key} must be {expected}, got {value!r}")
+
+
+def _has_type(value: Any, t: Any) -> bool:
+    t = typing.get_origin(t) or t
+    if t is type(None) or t is bool:
+        return type(value) is t
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, t)
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from curvlab.analysis import AnalysisSettings, analyze_checkpoint, load_report
 from curvlab.checkpoint import load_checkpoint, save_checkpoint
 from curvlab.cli import app
-from curvlab.match import match_runs
+from curvlab.match import MatchCriteria, match_runs
 from curvlab.models.nanogpt import load_nanogpt
 from curvlab.studies import compare_runs, track_run
 from curvlab.train import TrainConfig, build_run, restore, train
@@ -133,7 +133,9 @@ def test_matched_pairs_are_within_tolerance(runs):
 
 def test_compare_and_track_write_results_and_reuse_reports(runs, tmp_path, monkeypatch):
     out = tmp_path / "cmp"
-    result = compare_runs(runs / "muon", runs / "adamw", out, levels=3, tolerance=0.05, progress=False)
+    result = compare_runs(
+        runs / "muon", runs / "adamw", out, MatchCriteria(levels=3, tolerance=0.05, phase="any"), progress=False
+    )
     assert result.ratio_label == "adamw/muon"
     data = json.loads((out / "compare.json").read_text())
     assert len(data["pairs"]) == len(result.rows) >= 1
@@ -146,7 +148,9 @@ def test_compare_and_track_write_results_and_reuse_reports(runs, tmp_path, monke
         raise AssertionError("a cached report was recomputed")
 
     monkeypatch.setattr(analysis, "analyze_checkpoint", forbidden)
-    compare_runs(runs / "muon", runs / "adamw", out, levels=3, tolerance=0.05, progress=False)
+    compare_runs(
+        runs / "muon", runs / "adamw", out, MatchCriteria(levels=3, tolerance=0.05, phase="any"), progress=False
+    )
     monkeypatch.undo()
     rows = track_run(runs / "muon", tmp_path / "track", every=4, progress=False)
     assert [r.step for r in rows] == [2, 10]

@@ -86,3 +86,45 @@ def test_quadratic_command_writes_results_and_figures(tmp_path):
         assert (tmp_path / f"{stem}.png").stat().st_size > 1000 and (tmp_path / f"{stem}.pdf").is_file()
     r = runner.invoke(app, ["quadratic", "--out", str(tmp_path), "--q", "10", "--m", "6", "--d", "16"])
     assert r.exit_code == 2 and "α = m/q < 1/2" in r.output
+
+
+def test_train_flags_override_the_config_file_over_the_defaults(tmp_path, monkeypatch):
+    import json
+
+    import curvlab.train
+    from curvlab.train import TrainConfig, TrainResult
+
+    seen = []
+
+    def fake_train(cfg, **kw):  # the config the command built, without training
+        seen.append(cfg)
+        return TrainResult(cfg.out, cfg.steps, 1.0, 1.0, 0)
+
+    monkeypatch.setattr(curvlab.train, "train", fake_train)
+    path = tmp_path / "cfg.json"
+    fields = {
+        "data": "d",
+        "out": str(tmp_path / "run"),
+        "steps": 70,
+        "seed": 3,
+        "optimizer_options": {"lr": 0.1, "momentum": 0.9},
+    }
+    path.write_text(json.dumps(fields))
+    r = runner.invoke(
+        app, ["train", "--config", str(path), "--seed", "4", "--lr", "0.2", "--grad-clip", "0", "--quiet"]
+    )
+    assert r.exit_code == 0, r.output
+    cfg = seen[-1]
+    assert (cfg.steps, cfg.seed, cfg.grad_clip) == (70, 4, None)
+    assert cfg.optimizer_options == {"lr": 0.2, "momentum": 0.9}
+    assert cfg.batch_size == TrainConfig(data="d", out="o").batch_size  # neither file nor flag: the default
+    path.write_text(json.dumps({**fields, "stepz": 1}))
+    r = runner.invoke(app, ["train", "--config", str(path)])
+    assert (
+        r.exit_code == 2
+        and len(r.output.strip().splitlines()) == 1
+        and "unknown training config field(s): stepz" in r.output
+    )
+    path.write_text(json.dumps({**fields, "steps": "70"}))
+    r = runner.invoke(app, ["train", "--config", str(path)])
+    assert r.exit_code == 2 and "steps must be int, got '70'" in r.output

@@ -23,6 +23,7 @@ from curvlab.directions import (
 from curvlab.errors import CurvlabError
 from curvlab.hvp import CurvaturePoint
 from curvlab.loss import make_loss_fn
+from curvlab.match import MatchCriteria
 from curvlab.optim import next_update
 from curvlab.optimizers import build_optimizer
 from curvlab.shadow import ShadowSettings, ShadowState
@@ -244,7 +245,13 @@ def test_no_shadow_means_no_paired_keys_and_no_crash(runs, tmp_path):
 
 
 def test_compare_splits_the_between_run_ratio(runs, tmp_path):
-    result = compare_runs(runs / "muon", runs / "adamw", tmp_path / "cmp", levels=3, tolerance=0.05, progress=False)
+    result = compare_runs(
+        runs / "muon",
+        runs / "adamw",
+        tmp_path / "cmp",
+        MatchCriteria(levels=3, tolerance=0.05, phase="any"),
+        progress=False,
+    )
     assert result.levels
     for level in result.levels:
         terms = level.paired_terms

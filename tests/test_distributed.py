@@ -2,6 +2,7 @@
 the single-process results, and a failing rank ends the group instead of hanging it."""
 
 import datetime
+import json
 import os
 import socket
 import subprocess
@@ -13,10 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from typer.testing import CliRunner
 
 from curvlab import make_loss_fn, taylor_split
+from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
 from curvlab.checkpoint import load_checkpoint, read_index
+from curvlab.cli import app
 from curvlab.optim import Muon
+from curvlab.spectral import SpectrumRequest
 from curvlab.train import TrainConfig, train
 from tests.conftest import SMALL_MODEL, random_direction
 from tests.reference import TinyTransformer
@@ -185,3 +190,32 @@ def test_torchrun_cli_trains_and_resumes(pcfg_data, tmp_path):
     bad = subprocess.run([*cmd[:cmd.index("--data") + 1], str(tmp_path / "nowhere"), *cmd[cmd.index("--data") + 2 :]],
                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert bad.returncode != 0 and "error: rank" in bad.stderr and "no such data directory" in bad.stderr
+
+
+SPECTRUM_ARGS = ["--top", "2", "--max-iter", "12", "--batches", "2", "--dtype", "float64"]
+
+
+def _spectrum_worker(rank, tmp, ckpt):
+    _init(rank, tmp)
+    r = CliRunner().invoke(app, ["spectrum", ckpt, *SPECTRUM_ARGS, "--out", f"{tmp}/spectrum"])
+    Path(tmp, f"cli{rank}.txt").write_text(f"{r.exit_code}\n{r.output}")
+    _leave()
+
+
+def test_spectrum_command_on_two_ranks_shares_the_batches_and_equals_one(pcfg_data, tmp_path):
+    """`curvlab spectrum` runs inside distributed_context: on 2 ranks each evaluates one of the 2 batches
+    and the HVPs are summed (a rank that kept its half alone would find another spectrum); rank 0
+    prints and writes."""
+    cfg = _config(pcfg_data, tmp_path / "run", "adamw")
+    train(TrainConfig.from_dict({**cfg.to_dict(), "steps": 2, "ckpt_every": 2, "warmup_steps": 1}), progress=False)
+    ckpt = str(tmp_path / "run" / "ckpt_000002.pt")
+    _spawn(_spectrum_worker, tmp_path, ckpt)
+    one = checkpoint_spectrum(ckpt, SpectrumRequest(top=2, max_iter=12), AnalysisSettings(batches=2, dtype="float64"))
+    half = checkpoint_spectrum(ckpt, SpectrumRequest(top=2, max_iter=12), AnalysisSettings(batches=1, dtype="float64"))
+    code0, *out0 = (tmp_path / "cli0.txt").read_text().split("\n")
+    code1, *out1 = (tmp_path / "cli1.txt").read_text().split("\n")
+    assert code0 == "0" and code1 == "0", out0 + out1
+    assert "wrote" in "\n".join(out0) and not "".join(out1).strip()
+    two = json.loads((tmp_path / "spectrum" / "spectrum.json").read_text())
+    assert two["top"]["eigenvalues"] == pytest.approx(one.top.eigenvalues.tolist(), rel=1e-6)
+    assert two["top"]["eigenvalues"] != pytest.approx(half.top.eigenvalues.tolist(), rel=1e-3)

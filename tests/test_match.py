@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from curvlab.match import match_runs, plateau_ceiling, run_checkpoints
+from curvlab.match import MatchCriteria, match_runs, plateau_ceiling, run_checkpoints
 from curvlab.train import TrainConfig, lr_multiplier
 
 
@@ -45,17 +45,17 @@ def test_stable_phase_pairs_only_stable_checkpoints_within_tolerance(tmp_path):
     m = match_runs(b, a, levels=6, tolerance=0.01, phase="stable", window_width=1)
     assert len(m.pairs) >= 3 and m.phase == "stable"  # windows may not overlap: the slow run's 20 steps hold 3
     for p in m.pairs:
-        assert p.multiplier_a == 1.0 and p.multiplier_b == 1.0
-        assert 10 <= p.step_a < 80 and 10 <= p.step_b < 80
+        assert p.a.multiplier == 1.0 and p.b.multiplier == 1.0
+        assert 10 <= p.a.step < 80 and 10 <= p.b.step < 80
         assert p.mismatch <= 0.01
-        assert p.target == pytest.approx((p.loss_a + p.loss_b) / 2)
+        assert p.target == pytest.approx((p.a.val_loss + p.b.val_loss) / 2)
         assert all(c.phase == "stable" for c in p.window_a + p.window_b)
-        assert [c.step for c in p.window_b] == [p.step_b - 2, p.step_b, p.step_b + 2] or p.step_b in (10, 78)
-    for side in ("step_a", "step_b"):  # no checkpoint is the centre of two levels
-        assert len({getattr(p, side) for p in m.pairs}) == len(m.pairs)
+        assert [c.step for c in p.window_b] == [p.b.step - 2, p.b.step, p.b.step + 2] or p.b.step in (10, 78)
+    for side in ("a", "b"):  # no checkpoint is the centre of two levels
+        assert len({getattr(p, side).step for p in m.pairs}) == len(m.pairs)
     # "any" pairs the slow run's decay-phase checkpoints with the fast run's stable ones: the confound
     anywhere = match_runs(b, a, levels=6, tolerance=0.01, phase="any")
-    assert any(p.multiplier_a < 1.0 for p in anywhere.pairs)
+    assert any(p.a.multiplier < 1.0 for p in anywhere.pairs)
 
 
 def test_windows_share_no_checkpoint(tmp_path):
@@ -78,7 +78,7 @@ def test_equal_multiplier_pairs(tmp_path):
     m = match_runs(b, a, levels=12, tolerance=0.02, phase="multiplier")
     assert m.pairs
     for p in m.pairs:
-        assert abs(p.multiplier_a - p.multiplier_b) <= 0.02 * max(p.multiplier_a, p.multiplier_b)
+        assert abs(p.a.multiplier - p.b.multiplier) <= 0.02 * max(p.a.multiplier, p.b.multiplier)
 
 
 def test_plateau_levels_are_flagged_and_not_targeted(tmp_path):
@@ -128,6 +128,35 @@ def test_a_sparse_run_does_not_lend_one_checkpoint_to_several_levels(tmp_path):
     a, _ = make_run(tmp_path / "fast", fast, every=20)  # few checkpoints where a dense run has many
     b, _ = make_run(tmp_path / "slow", slow, every=2)
     m = match_runs(b, a, levels=8, tolerance=0.05, phase="stable")
-    steps = [p.step_b for p in m.pairs]
+    steps = [p.b.step for p in m.pairs]
     assert steps and len(set(steps)) == len(steps)
     assert len(m.refused) == 8 - len(m.pairs)
+
+
+def test_runs_trained_with_the_defaults_match_under_the_default_criteria(tmp_path):
+    """`curvlab train`'s defaults (wsd, checkpoints every ckpt_every steps) give `curvlab compare`'s
+    defaults (MatchCriteria: stable phase, 8 levels) what they need: stable checkpoints enough for a
+    level each, and pairs. The runs are synthetic (index and config as `train` writes them), the faster
+    one reaching the slower one's losses at 3/4 of its steps."""
+    defaults, criteria = TrainConfig(data="nowhere", out="x"), MatchCriteria()
+    runs = {}
+    for name, scale in (("muon", 120), ("adamw", 160)):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**defaults.to_dict(), "out": str(path), "optimizer": name}))
+        steps = range(0, defaults.steps + 1, defaults.ckpt_every)
+        index = [{"step": k, "val_loss": 3.0 + 4.0 * np.exp(-k / scale), "path": f"ckpt_{k:06d}.pt"} for k in steps]
+        (path / "index.json").write_text(json.dumps(index))
+        stable = [c for c in run_checkpoints(path) if c.phase == "stable"]
+        assert len(stable) >= criteria.levels  # windows share no checkpoint: each level needs its own
+        runs[name] = path
+    m = match_runs(
+        runs["adamw"],
+        runs["muon"],
+        criteria.levels,
+        criteria.tolerance,
+        phase=criteria.phase,
+        window_width=criteria.window,
+    )
+    assert m.pairs and all(p.a.phase == p.b.phase == "stable" for p in m.pairs)
+    assert {(p.a.step, p.b.step) for p in m.pairs} >= {(200, 150), (400, 300)}  # the exact matches

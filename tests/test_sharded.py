@@ -33,6 +33,7 @@ from curvlab.dtensors import full, shard_like
 from curvlab.errors import CurvlabError
 from curvlab.finite_difference import finite_difference_hvp
 from curvlab.hvp import CurvaturePoint
+from curvlab.match import MatchCriteria
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.operator import hessian_operator
 from curvlab.optim import next_update
@@ -485,7 +486,9 @@ def test_compare_and_track_on_sharded_runs_under_torchrun_equal_the_unsharded_on
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        compared = compare_runs(a, b, tmp_path / "one", 2, 1.0, settings, progress=False, phase="any")
+        compared = compare_runs(
+            a, b, tmp_path / "one", MatchCriteria(levels=2, tolerance=1.0, phase="any"), settings, progress=False
+        )
         tracked = track_run(b, tmp_path / "one", settings=settings, progress=False)
     finally:
         torch.set_num_threads(threads)

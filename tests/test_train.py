@@ -127,3 +127,44 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(pcfg_data, tmp_path):
     last = read_index(tmp_path / "nan")[-1]
     ckpt = load_checkpoint(tmp_path / "nan" / last["path"])
     assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+def test_config_sources_default_then_file_then_overrides(tmp_path):
+    defaults = TrainConfig(data="d", out="o")  # the dataclass's own defaults, the reference
+    path = tmp_path / "cfg.json"
+    path.write_text(
+        json.dumps(
+            {"data": "d", "out": "o", "steps": 70, "batch_size": 3, "optimizer_options": {"lr": 0.1, "momentum": 0.9}}
+        )
+    )
+    cfg = TrainConfig.from_sources(path, {"batch_size": 5, "optimizer_options": {"lr": 0.2}, "grad_clip": None})
+    assert cfg.steps == 70  # the file over the default
+    assert cfg.batch_size == 5  # the override over the file
+    assert cfg.optimizer_options == {"lr": 0.2, "momentum": 0.9}  # dict fields merge key by key
+    assert cfg.grad_clip is None and defaults.grad_clip == 1.0  # an explicit None overrides
+    assert cfg.warmup_steps == defaults.warmup_steps and cfg.schedule == defaults.schedule
+    assert TrainConfig.from_sources(None, {"data": "d", "out": "o"}) == defaults
+    assert TrainConfig.from_sources(path, {}).batch_size == 3
+
+
+def test_config_sources_refuse_unknown_fields_and_bad_types(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"data": "d", "out": "o", "stepz": 7, "lr": 1.0}))
+    with pytest.raises(ValueError, match=r"cfg.json: unknown training config field\(s\): lr, stepz"):
+        TrainConfig.from_sources(path, {})
+    with pytest.raises(ValueError, match="overrides: unknown training config field"):
+        TrainConfig.from_sources(None, {"data": "d", "out": "o", "batch": 4})
+    for field_name, value in (("steps", "10"), ("steps", 2.5), ("compile", 1), ("grad_clip", True), ("model", 3)):
+        with pytest.raises(ValueError, match=f"{field_name} must be"):
+            TrainConfig.from_sources(None, {"data": "d", "out": "o", field_name: value})
+    assert TrainConfig.from_sources(None, {"data": "d", "out": "o", "grad_clip": 2}).grad_clip == 2  # an int is a float
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="a JSON object of fields"):
+        TrainConfig.from_sources(path, {})
+    path.write_text("{")
+    with pytest.raises(ValueError, match="corrupt JSON"):
+        TrainConfig.from_sources(path, {})
+    with pytest.raises(ValueError, match="no such config file"):
+        TrainConfig.from_sources(tmp_path / "missing.json", {})
+    with pytest.raises(ValueError, match="--out is required"):
+        TrainConfig.from_sources(None, {"data": "d"})
