@@ -674,12 +674,13 @@ def readme_results(
     figures: Path = typer.Option(Path("docs/results"), help="Where the figures the README shows are copied."),
     note: str = typer.Option("", help="A sentence to add after the timing line (e.g. how the machine was shared)."),
     page: Path = typer.Option(Path("docs/results.md"), help="The whole results page (rewritten)."),
+    rerun: Path | None = typer.Option(None, help="A rerun's output directory: add the rerun-agreement table."),
 ) -> None:
     """Regenerate the README's results section (the primary family) and the whole results page (caveats,
     descriptive quantities, figures) from a reproduction's summary.json."""
     from curvlab.report import update_readme
 
-    update_readme(results, readme, figures, note, page)
+    update_readme(results, readme, figures, note, page, rerun)
     typer.echo(f"rewrote the results section of {readme} and {page}; figures in {figures}")
 
 

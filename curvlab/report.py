@@ -139,13 +139,16 @@ def calibration_line(c: Calibration) -> str:
     )
 
 
-def primary_section(summary: Summary, figure: str | None) -> list[str]:
-    """The primary family, its figure (``figure``: a path, or None) and the calibration line."""
+def primary_section(summary: Summary, figure: str | None, brief: bool = False) -> list[str]:
+    """The primary family, its figure (``figure``: a path, or None) and the calibration line; ``brief``
+    (the README) leaves the method paragraph and the entries' notes to the results page."""
     if not summary.primary:
         return ["The primary family was not computed for this summary.", "", calibration_line(summary.calibration), ""]
-    lines = [*primary_table(summary.primary), "", PRIMARY_METHOD, ""]
-    notes = [f"- {e.name}: {e.note}" for e in summary.primary if e.note]
-    lines += notes + ([""] if notes else [])
+    lines = [*primary_table(summary.primary), ""]
+    if not brief:
+        lines += [PRIMARY_METHOD, ""]
+        notes = [f"- {e.name}: {e.note}" for e in summary.primary if e.note]
+        lines += notes + ([""] if notes else [])
     if figure:
         lines += [f"![fig0_primary_forest]({figure})", ""]
     return [*lines, calibration_line(summary.calibration), ""]
@@ -381,6 +384,35 @@ def render_readme_results(summary: Summary, figures_dir: str = "docs/results", n
     return "\n".join(lines) + "\n"
 
 
+def _inside(value: float | None, ci: list[float] | None) -> str:
+    if value is None or ci is None:
+        return "—"
+    return "yes" if ci[0] <= value <= ci[1] else "no"
+
+
+def rerun_agreement(summary: Summary, rerun: Summary) -> list[str]:
+    """Two runs of one preset (for example on 1 and on 2 threads: floats change trajectories) side by
+    side: per primary claim each run's estimate and interval, both direction verdicts, and whether each
+    estimate lies inside the other run's interval."""
+    threads = (summary.timing.get("threads", "?"), rerun.timing.get("threads", "?"))
+    rows = [
+        f"Rerun agreement: this run ({threads[0]} torch thread(s)) against a rerun ({threads[1]}):",
+        "",
+        "| claim | scope | this run | rerun | verdicts | this estimate in the rerun's interval | the rerun's in this |",
+        "|---|---|---:|---:|---|---|---|",
+    ]
+    others = {(e.name, e.scope): e for e in rerun.primary}
+    for e in summary.primary:
+        o = others.get((e.name, e.scope))
+        if o is None or (e.value is None and o.value is None):
+            continue
+        rows.append(
+            f"| {e.name} | {e.scope} | {primary_cell(e)} | {primary_cell(o)} | {e.direction} / {o.direction} | "
+            f"{_inside(e.value, o.ci95)} | {_inside(o.value, e.ci95)} |"
+        )
+    return [*rows, ""]
+
+
 def render_readme_teaser(summary: Summary, figures_dir: str = "docs/results", page: str = "docs/results.md") -> str:
     """The README's short results section: the run's conditions, the primary family (table, forest plot,
     A/A calibration) and a link to the whole results ``page``."""
@@ -388,8 +420,8 @@ def render_readme_teaser(summary: Summary, figures_dir: str = "docs/results", pa
     lines = [
         f"`curvlab reproduce --preset {summary.preset}`: {summary.seconds / 60:.0f} minutes ({_conditions(summary)}).",
         "",
-        *primary_section(summary, forest),
-        f"Conditions, caveats, the descriptive quantities and every figure: [{page}]({page}).",
+        *primary_section(summary, forest, brief=True),
+        f"The method, the notes, conditions, caveats, the descriptive quantities and every figure: [{page}]({page}).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -400,10 +432,12 @@ def update_readme(
     figures: str | Path = "docs/results",
     note: str = "",
     page: str | Path = "docs/results.md",
+    rerun: str | Path | None = None,
 ) -> None:
     """From ``results/summary.json``: rewrite the README's results section of that summary's preset
     (between the :func:`readme_markers` lines: the primary family), write the whole results ``page``,
     and copy the figures they show into ``figures``. Links are relative to the file that holds them.
+    ``rerun``: another run's directory (with summary.json) whose :func:`rerun_agreement` the section adds.
 
     Raises:
         CurvlabError: no summary, or a README without the markers.
@@ -429,6 +463,8 @@ def update_readme(
     whole = render_readme_results(summary, relative(figures, page), note)
     atomic_write_text(page, f"# Results: the {summary.preset} preset\n\n{whole}")
     teaser = render_readme_teaser(summary, relative(figures, readme), relative(page, readme))
+    if rerun is not None:
+        teaser += "\n" + "\n".join(rerun_agreement(summary, Summary.load(Path(rerun) / "summary.json")))
     atomic_write_text(readme, head + begin + "\n\n" + teaser + "\n" + end + tail)
 
 

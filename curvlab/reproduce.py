@@ -836,8 +836,8 @@ class Reproduction(Job):
             )
         if final:
             notes.append(final_loss_note(final, p.steps))
-        if p.analysis_batches < 4:
-            notes.append(f"{p.analysis_batches} evaluation batch(es) per checkpoint (the standard preset uses 4).")
+        if p.analysis_batches < (full := PRESETS["paper"].analysis_batches):
+            notes.append(f"{p.analysis_batches} evaluation batch(es) per checkpoint (the paper preset uses {full}).")
         if len(p.s_values) < 3:
             notes.append(f"The Zipf sweep runs s = {', '.join(f'{s:g}' for s in p.s_values)} only.")
         if p.grammar.get("n_tokens"):

@@ -338,13 +338,13 @@ def test_fineweb_stage_plumbing_with_a_small_model(tmp_path):
     )
     reproduction = Reproduction(preset, tmp_path / "out", fineweb=shards, progress=False)
     result = reproduction.fineweb_comparison()  # the stage alone: the rest is the micro run above
-    assert result["levels"] >= 1 and set(result["ratio_of_means"]) == {
+    assert result.levels >= 1 and set(result.ratio_of_means) == {
         "nds",
         "first_order",
         "curvature_penalty",
         "update_norm",
     }
-    assert all(math.isfinite(v) for v in result["ratio_of_means"].values())
+    assert all(math.isfinite(v) for v in result.ratio_of_means.values())
     config = json.loads((tmp_path / "out" / "runs" / "fineweb" / "muon" / "config.json").read_text())
     assert config["optimizer_options"] == {"lr": 0.02} and config["data"] == str(shards)
     assert config["schedule"] == "wsd"

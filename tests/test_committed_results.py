@@ -1,0 +1,73 @@
+"""The committed results (docs/results/<preset>/) are what the README and the results pages show, and the
+committed summaries follow from the committed per-level data: nothing in those tables is copied by hand."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from curvlab.report import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
+from curvlab.reproduce import PRESETS
+from curvlab.results import LevelData, Summary, primary_family
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+# preset, its page, the rerun the README sets beside it
+SECTIONS = (("quick", "docs/results.md", "quick-1thread"), ("standard", "docs/results-standard.md", None))
+# the --note both pages were generated with (`curvlab readme-results ... --note NOTE`)
+NOTE = (
+    "The run's process group had scheduling priority over the other jobs on the machine (autogroup nice -19), "
+    "so its wall time is close to a quiet machine's."
+)
+
+
+def _section(preset: str) -> str:
+    begin, end = readme_markers(preset)
+    text = (ROOT / "README.md").read_text()
+    assert begin in text and end in text, f"README has no {preset} section"
+    return text.split(begin, 1)[1].split(end, 1)[0]
+
+
+@pytest.mark.parametrize(("preset", "page", "rerun"), SECTIONS)
+def test_the_readme_and_the_page_are_generated_from_the_committed_summary(preset, page, rerun):
+    summary = Summary.load(RESULTS / preset / "summary.json")
+    assert summary.preset == preset
+    figures = RESULTS / preset / "figures"
+    section = _section(preset)
+    assert render_readme_teaser(summary, figures.relative_to(ROOT).as_posix(), page) in section
+    if rerun is not None:
+        again = Summary.load(RESULTS / rerun / "summary.json")
+        assert again.preset == preset
+        assert "\n".join(rerun_agreement(summary, again)) in section
+    shown = Path(os.path.relpath(figures, (ROOT / page).parent)).as_posix()
+    assert render_readme_results(summary, shown, NOTE) in (ROOT / page).read_text()
+
+
+@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
+def test_the_committed_primary_family_follows_from_the_committed_levels(name):
+    summary = Summary.load(RESULTS / name / "summary.json")
+    levels = LevelData.load(RESULTS / name / "levels.json")
+    again = primary_family(levels, judged=PRESETS[summary.preset].primary)
+    assert [e.name for e in again] == [e.name for e in summary.primary]
+    for e, committed in zip(again, summary.primary):
+        assert e.direction == committed.direction and e.n_seeds == committed.n_seeds, e.name
+        assert e.n_units == committed.n_units, e.name
+        if committed.value is None:
+            assert e.value is None
+            continue
+        assert e.value == pytest.approx(committed.value, rel=1e-9)
+        assert e.ci95 == pytest.approx(committed.ci95, rel=1e-9)
+
+
+def test_the_rerun_table_says_whether_each_estimate_lies_in_the_other_interval():
+    a = Summary.load(RESULTS / "quick" / "summary.json")
+    b = Summary.load(RESULTS / "quick-1thread" / "summary.json")
+    rows = {r.split(" | ")[0].strip("| "): r.strip(" |").split(" | ") for r in rerun_agreement(a, b)[4:-1]}
+    others = {e.name: e for e in b.primary}
+    measured = [e for e in a.primary if e.value is not None]
+    assert measured and set(rows) == {e.name for e in measured}
+    for e in measured:
+        o = others[e.name]
+        inside = ["yes" if lo <= v <= hi else "no" for v, (lo, hi) in ((e.value, o.ci95), (o.value, e.ci95))]
+        assert rows[e.name][-2:] == inside, e.name
+        assert rows[e.name][4] == f"{e.direction} / {o.direction}"
