@@ -307,10 +307,11 @@ def test_trajectory_means_leave_out_the_unigram_plateau():
     """Like matched levels, tracked checkpoints on the plateau are kept out of trajectory means (and
     the rho_within thirds); warmup is left out too."""
     from curvlab.results import TrackRecord
+    from curvlab.scalars import CheckpointScalars
 
-    rows = [{"step": k, "nds": float(k), "on_plateau": k < 20} for k in range(0, 60, 10)]
-    t = TrackRecord("muon", 0.0, 0, 60, 5, rows)
-    assert [r["step"] for r in t.off_plateau()] == [20, 30, 40, 50]
-    assert [r["step"] for r in t.after_warmup()] == [20, 30, 40, 50]
-    t = TrackRecord("muon", 0.0, 0, 60, 25, [{**r, "on_plateau": False} for r in rows])
-    assert [r["step"] for r in t.after_warmup()] == [30, 40, 50]
+    rows = [{"step": k, "nds": float(k), "on_plateau": k < 20, "taylor_ok": True} for k in range(0, 60, 10)]
+    t = TrackRecord("muon", 0.0, 0, 60, 5, [CheckpointScalars.from_dict(r) for r in rows])
+    assert [r.step for r in t.off_plateau()] == [20, 30, 40, 50]
+    assert [r.step for r in t.after_warmup()] == [20, 30, 40, 50]
+    t = TrackRecord("muon", 0.0, 0, 60, 25, [CheckpointScalars.from_dict({**r, "on_plateau": False}) for r in rows])
+    assert [r.step for r in t.after_warmup()] == [30, 40, 50]
