@@ -16,8 +16,8 @@ import torch
 from timing import interleaved_medians, print_table, tiny_problem
 
 from curvlab import block_matrix, evaluate_loss, group_parameters, hvp, taylor_split
-from curvlab import params as P
-from curvlab.curvature import taylor_split_and_block_matrix
+from curvlab.curvature.taylor import taylor_split_and_block_matrix
+from curvlab.engine import params as P
 
 
 def curvature_costs(args) -> None:
@@ -61,9 +61,9 @@ def curvature_costs(args) -> None:
 
 def nds_seconds(repeats: int) -> None:
     """``curvlab nds`` on a `tiny` checkpoint (batch 16x64, 7 layer blocks): the report's own seconds."""
-    from curvlab.analysis import AnalysisSettings, analyze_checkpoint
+    from curvlab.analysis.checkpoints import AnalysisSettings, analyze_checkpoint
     from curvlab.data.dataset import generate_pcfg_dataset
-    from curvlab.train import TrainConfig, train
+    from curvlab.runs.train import TrainConfig, train
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"

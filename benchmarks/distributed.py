@@ -30,9 +30,9 @@ def measure(rank: int, world: int, tmp: str, steps: int, result_path: str) -> No
             world_size=world,
             timeout=datetime.timedelta(seconds=60),
         )
-    import curvlab.optim as optim
-    from curvlab.loss import token_cross_entropy
-    from curvlab.train import TrainConfig, build_run
+    import curvlab.optim.optimizers as optim
+    from curvlab.engine.loss import token_cross_entropy
+    from curvlab.runs.train import TrainConfig, build_run
 
     spent = {"ns": 0.0}
     original = optim.msign

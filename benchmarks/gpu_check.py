@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from curvlab import CurvaturePoint, make_loss_fn
-from curvlab.analysis import AnalysisSettings, analyze_checkpoint, checkpoint_spectrum
+from curvlab.analysis.checkpoints import AnalysisSettings, analyze_checkpoint, checkpoint_spectrum
+from curvlab.curvature.spectral import SpectrumRequest
 from curvlab.data.dataset import generate_pcfg_dataset
-from curvlab.spectral import SpectrumRequest
-from curvlab.train import TrainConfig, build_run, train
+from curvlab.runs.train import TrainConfig, build_run, train
 
 
 def peak_bytes(fn, device: torch.device) -> int:

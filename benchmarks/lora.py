@@ -24,8 +24,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from curvlab import build_optimizer, make_loss_fn
-from curvlab.lora import lora_layers
 from curvlab.models.gpt import GPT, get_config
+from curvlab.optim.lora import lora_layers
 
 METHODS = ("adamw", "smuon", "lora-muon", "per-factor-muon")
 TARGETS = ["c_q", "c_k", "c_v", "c_proj", "c_fc"]

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from curvlab.data.dataset import generate_pcfg_dataset
-from curvlab.monitor import MonitorSettings
-from curvlab.train import TrainConfig, train
+from curvlab.runs.monitor import MonitorSettings
+from curvlab.runs.train import TrainConfig, train
 
 SETTINGS = {  # name -> (batches, windows per batch, blocks)
     "1 batch of 16 windows (the training batch)": (1, 16, None),

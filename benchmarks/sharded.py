@@ -31,8 +31,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from curvlab import block_matrix, hvp, make_loss_fn
-from curvlab.dtensors import shard_like
-from curvlab.hvp import CurvaturePoint
+from curvlab.engine._dtensors import shard_like
+from curvlab.engine.hvp import CurvaturePoint
 from curvlab.models.gpt import GPT, get_config
 
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 192, "block_size": 64}  # ~3.5M parameters

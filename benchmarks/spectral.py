@@ -35,8 +35,8 @@ def problem():
 
 
 def run_curvlab(method: str, budget: int, reference: float):
-    from curvlab.operator import hessian_operator
-    from curvlab.spectral import eigsh_extremes, lanczos
+    from curvlab.curvature.spectral import eigsh_extremes, lanczos
+    from curvlab.engine.operator import hessian_operator
 
     model, loss_fn, batch = problem()
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -103,8 +103,8 @@ def measure(kind, arg, reference):
 
 def budget_table(k: int = 3, tol: float = 1e-6, budgets=(None, 24, 12, 8)) -> None:
     """Lanczos for the top k under budgets of so many stored vectors, against the unbounded run."""
-    from curvlab.operator import hessian_operator
-    from curvlab.spectral import lanczos, vector_bytes
+    from curvlab.curvature.spectral import lanczos, vector_bytes
+    from curvlab.engine.operator import hessian_operator
 
     model, loss_fn, batch = problem()
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -141,8 +141,8 @@ def budget_table(k: int = 3, tol: float = 1e-6, budgets=(None, 24, 12, 8)) -> No
 
 
 def main() -> None:
-    from curvlab.operator import hessian_operator
-    from curvlab.spectral import lanczos
+    from curvlab.curvature.spectral import lanczos
+    from curvlab.engine.operator import hessian_operator
 
     if "--budget" in sys.argv[1:]:
         budget_table()

@@ -13,10 +13,10 @@ import time
 import torch
 
 from curvlab.data.dataset import generate_pcfg_dataset
-from curvlab.loss import token_cross_entropy
+from curvlab.engine.loss import token_cross_entropy
 from curvlab.models.gpt import GPT, get_config
-from curvlab.optimizers import build_optimizer
-from curvlab.train import TrainConfig, build_run
+from curvlab.optim.build import build_optimizer
+from curvlab.runs.train import TrainConfig, build_run
 
 
 def step_seconds(run, steps: int) -> float:

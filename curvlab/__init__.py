@@ -1,7 +1,8 @@
 """curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block matrix)."""
 
-from curvlab.blocks import group_parameters, hidden_matrices
-from curvlab.curvature import (
+from curvlab.curvature.groupings import group_parameters, hidden_matrices
+from curvlab.curvature.spectral import hutch_plus_plus, hutchinson, lanczos, spectral_density
+from curvlab.curvature.taylor import (
     BlockMatrix,
     TaylorScope,
     TaylorSplit,
@@ -11,8 +12,8 @@ from curvlab.curvature import (
     taylor_split,
     taylor_split_at,
 )
-from curvlab.exact_ops import exact_second_order
-from curvlab.hvp import (
+from curvlab.engine.exact import exact_second_order
+from curvlab.engine.hvp import (
     CurvaturePoint,
     evaluate_loss,
     gradient_and_hvps,
@@ -21,20 +22,19 @@ from curvlab.hvp import (
     quadratic_form,
     quadratic_forms,
 )
-from curvlab.loss import Batches, make_loss_fn, token_cross_entropy
-from curvlab.monitor import (
+from curvlab.engine.loss import Batches, make_loss_fn, token_cross_entropy
+from curvlab.engine.operator import Operator, hessian_operator, preconditioned_operator
+from curvlab.models.roles import parameter_roles
+from curvlab.optim.build import build_optimizer
+from curvlab.optim.optimizers import next_update, trainable_parameters
+from curvlab.optim.polar import msign
+from curvlab.runs.monitor import (
     CurvatureMonitor,
     MonitorRow,
     add_curvature_callback,
     curvature_callback,
     curvature_lightning_callback,
 )
-from curvlab.operator import Operator, hessian_operator, preconditioned_operator
-from curvlab.optim import next_update, trainable_parameters
-from curvlab.optimizers import build_optimizer
-from curvlab.polar import msign
-from curvlab.roles import parameter_roles
-from curvlab.spectral import hutch_plus_plus, hutchinson, lanczos, spectral_density
 
 __version__ = "0.1.0"
 

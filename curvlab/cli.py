@@ -16,12 +16,12 @@ import numpy as np
 import typer
 
 import curvlab
-from curvlab.atomic import check_output
-from curvlab.distributed import distributed_context
+from curvlab.engine.hvp import DEFAULT_METHOD
 from curvlab.errors import CurvlabError
-from curvlab.hvp import DEFAULT_METHOD
-from curvlab.match import MatchCriteria
-from curvlab.train import TrainConfig
+from curvlab.runs.match import MatchCriteria
+from curvlab.runs.train import TrainConfig
+from curvlab.util.atomic import check_output
+from curvlab.util.distributed import distributed_context
 
 app = typer.Typer(
     help="curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block curvature).",
@@ -213,8 +213,8 @@ def train(
     cross-layer NDS) on fixed validation windows: rows of kind "curvature" in metrics.jsonl, drawn by
     `curvlab track`. Training is the same, bit for bit, with or without it.
     """
-    from curvlab.monitor import MonitorSettings
-    from curvlab.train import train as run_training
+    from curvlab.runs.monitor import MonitorSettings
+    from curvlab.runs.train import train as run_training
 
     given = {
         "data": None if data is None else str(data),
@@ -256,7 +256,7 @@ def train(
         raise CurvlabError("--curvature-every, --tensorboard and --shadow are not available with --fsdp yet")
     with distributed_context() as (rank, world):
         if fsdp:
-            from curvlab.sharded_train import train_sharded
+            from curvlab.runs.sharded_train import train_sharded
 
             result = train_sharded(cfg, progress=not quiet)
         else:
@@ -273,7 +273,7 @@ def train(
 
 
 def _settings(blocks: str, batch: str, batches: int, dtype: str, block_method: str, hvp_method: str):
-    from curvlab.analysis import AnalysisSettings
+    from curvlab.analysis.checkpoints import AnalysisSettings
 
     settings = AnalysisSettings(
         blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, hvp_method=hvp_method
@@ -321,11 +321,11 @@ def nds(
     """NDS, Taylor split and block interaction matrix of a checkpoint's next update.
 
     Z is the optimizer's next step, with dropout off as for G and H (see --data for its batch).
-    With --fsdp, under torchrun, the model is sharded by FSDP2 over the ranks (curvlab.sharded_analysis).
+    With --fsdp, under torchrun, the model is sharded by FSDP2 over the ranks (curvlab.analysis.sharded).
     """
-    from curvlab.analysis import analyze_checkpoint, checkpoint_directions
-    from curvlab.scalars import SCOPE_KEYS
-    from curvlab.sharded_analysis import analyze_sharded_checkpoint
+    from curvlab.analysis.checkpoints import analyze_checkpoint, checkpoint_directions
+    from curvlab.analysis.sharded import analyze_sharded_checkpoint
+    from curvlab.curvature.scalars import SCOPE_KEYS
 
     if out:
         check_output(out)  # before the analysis, not after it
@@ -408,8 +408,8 @@ def compare(
 
     With --fsdp, under torchrun on as many ranks as wrote the checkpoints, each is analysed sharded.
     """
-    from curvlab.scalars import RATIO_KEYS
-    from curvlab.studies import compare_runs
+    from curvlab.curvature.scalars import RATIO_KEYS
+    from curvlab.studies.compare import compare_runs
 
     settings = _settings(blocks, batch, batches, dtype, "hvp", hvp_method)
     criteria = MatchCriteria(levels=levels, tolerance=tolerance, phase=phase, window=window)
@@ -457,14 +457,15 @@ def track(
 
     With --fsdp, under torchrun on as many ranks as wrote the checkpoints, each is analysed sharded.
     """
-    from curvlab.analysis import AnalysisSettings
-    from curvlab.studies import track_run, track_source
+    from curvlab.analysis.checkpoints import AnalysisSettings
+    from curvlab.studies.compare import track_run, track_source
 
     out = out or run / "track"
     check_output(out, directory=True)
     if fsdp and spectrum:
         raise CurvlabError(
-            "--spectrum is not available with --fsdp yet (from Python: curvlab.sharded_spectral.sharded_lanczos)"
+            "--spectrum is not available with --fsdp yet "
+            "(from Python: curvlab.curvature.sharded_spectral.sharded_lanczos)"
         )
     if track_source(run, source) == "monitor":
         _track_monitor(run, out, every)
@@ -479,15 +480,15 @@ def track(
     print_table([tuple(r.to_dict().get(k) for k in keys) for r in rows], keys)
     written = [out / "track.csv", out / "track.json"]
     if spectrum:
-        from curvlab.plots import lambda_max_along_run
+        from curvlab.output.plots import lambda_max_along_run
 
         written += lambda_max_along_run({rows[0].optimizer: rows}, out / "lambda_max_vs_nds")
     typer.echo("wrote " + ", ".join(map(str, written)))
 
 
 def _track_monitor(run: Path, out: Path, every: int) -> None:
-    from curvlab.plots import curvature_during_training
-    from curvlab.studies import track_monitor
+    from curvlab.output.plots import curvature_during_training
+    from curvlab.studies.compare import track_monitor
 
     rows = track_monitor(run, out, every)
     keys = ("step", "val_loss", "status", "nds", "hidden_nds", "predicted", "realized", "within", "cross", "rho_within")
@@ -527,9 +528,9 @@ def spectrum(
 
     Under torchrun the ranks share the batches (--batches N, N >= the ranks); rank 0 prints and writes.
     """
-    from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
-    from curvlab.outputs import write_spectrum
-    from curvlab.spectral import SpectrumRequest
+    from curvlab.analysis.checkpoints import AnalysisSettings, checkpoint_spectrum
+    from curvlab.curvature.spectral import SpectrumRequest
+    from curvlab.output.files import write_spectrum
 
     settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype, hvp_method=method)
     settings.validate()
@@ -584,8 +585,8 @@ def quadratic(
     outside_theorem: bool = typer.Option(False, help="Allow an example that breaks the theorem's assumptions."),
 ) -> None:
     """The stylized Kronecker quadratic model: the worked example and the phase sweep, with figures."""
-    from curvlab.outputs import write_quadratic
-    from curvlab.quadratic import TwoLevelSpec, quadratic_study
+    from curvlab.output.files import write_quadratic
+    from curvlab.studies.quadratic import TwoLevelSpec, quadratic_study
 
     check_output(out, directory=True)
     spec = TwoLevelSpec(d, d, q, m, w_high, w_low, sigma_high, sigma_low)
@@ -618,8 +619,8 @@ def reproduce(
 ) -> None:
     """The whole reproduction: data, tuning, training, paired directions and matched-loss analysis, A/A
     calibration, quadratic model, figures, report.md; prints the primary family."""
-    from curvlab.report import calibration_line, primary_table
-    from curvlab.reproduce import PRESETS, Reproduction
+    from curvlab.jobs.reproduce import PRESETS, Reproduction
+    from curvlab.output.text import calibration_line, primary_table
 
     if preset not in PRESETS:
         raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -652,8 +653,8 @@ def finetune(
 ) -> None:
     """LoRA fine-tuning at s = 1 of a model pretrained at s = 0, under sMuon, LoRA-Muon, per-factor Muon and
     AdamW (each lr tuned alike): NDS and Taylor split of the adapter steps at matched validation loss."""
-    from curvlab.finetune import Finetune, with_preset
-    from curvlab.report import finetune_table
+    from curvlab.jobs.finetune import Finetune, with_preset
+    from curvlab.output.text import finetune_table
 
     if rank is not None and rank < 1:
         raise CurvlabError(f"--rank must be >= 1, got {rank}")
@@ -678,7 +679,7 @@ def readme_results(
 ) -> None:
     """Regenerate the README's results section (the primary family) and the whole results page (caveats,
     descriptive quantities, figures) from a reproduction's summary.json."""
-    from curvlab.report import update_readme
+    from curvlab.output.text import update_readme
 
     update_readme(results, readme, figures, note, page, rerun)
     typer.echo(f"rewrote the results section of {readme} and {page}; figures in {figures}")

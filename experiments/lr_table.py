@@ -1,4 +1,4 @@
-"""Make a preset's entry of the committed learning-rate table (curvlab/lr_table.json) by the full search.
+"""Make a preset's entry of the committed learning-rate table (curvlab/jobs/lr_table.json) by the full search.
 
     python experiments/lr_table.py PRESET [OUT_DIR]
 
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from curvlab.reproduce import PRESETS, search_lr_table
+from curvlab.jobs.reproduce import PRESETS, search_lr_table
 
 if __name__ == "__main__":
     name = sys.argv[1]

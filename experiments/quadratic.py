@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from curvlab.atomic import atomic_write_text
-from curvlab.plots import quadratic_phase, quadratic_trajectories
-from curvlab.quadratic import quadratic_study
+from curvlab.output.plots import quadratic_phase, quadratic_trajectories
+from curvlab.studies.quadratic import quadratic_study
+from curvlab.util.atomic import atomic_write_text
 
 
 def main(out: Path) -> None:

@@ -7,9 +7,9 @@ Then ``torchrun --standalone --nproc_per_node 2 -m curvlab nds runs/muon-dcp --f
 
 import argparse
 
-from curvlab.checkpoint import load_checkpoint
-from curvlab.dcp import convert_to_sharded
-from curvlab.distributed import distributed_context
+from curvlab.runs.checkpoint import load_checkpoint
+from curvlab.runs.dcp import convert_to_sharded
+from curvlab.util.distributed import distributed_context
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

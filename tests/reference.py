@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.batchnorm import _NormBase
 
-from curvlab import params as P
+from curvlab.engine import params as P
 
 
 def deterministic(loss_fn):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from curvlab.results import ComparisonRecord, LevelData, TrackRecord
-from curvlab.scalars import CheckpointScalars
-from curvlab.studies import Comparison, Level, WindowSide
+from curvlab.curvature.scalars import CheckpointScalars
+from curvlab.studies.compare import Comparison, Level, WindowSide
+from curvlab.studies.results import ComparisonRecord, LevelData, TrackRecord
 
 
 def ar1(rng: np.random.Generator, n: int, rho: float, sd: float, size: int = 1) -> np.ndarray:

@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typer.testing import CliRunner
 
-from curvlab.analysis import AnalysisSettings, analyze_checkpoint, load_report
-from curvlab.checkpoint import load_checkpoint, save_checkpoint
+from curvlab.analysis.checkpoints import AnalysisSettings, analyze_checkpoint, load_report
 from curvlab.cli import app
-from curvlab.match import MatchCriteria, match_runs
 from curvlab.models.nanogpt import load_nanogpt
-from curvlab.studies import compare_runs, track_run
-from curvlab.train import TrainConfig, build_run, restore, train
+from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
+from curvlab.runs.match import MatchCriteria, match_runs
+from curvlab.runs.train import TrainConfig, build_run, restore, train
+from curvlab.studies.compare import compare_runs, track_run
 from tests.conftest import SMALL_MODEL
 
 runner = CliRunner()
@@ -142,7 +142,7 @@ def test_compare_and_track_write_results_and_reuse_reports(runs, tmp_path, monke
     row = result.rows[0]
     assert row["ratio_nds"] == pytest.approx(row["nds_b"] / row["nds_a"])  # run B is the AdamW one
     assert (out / "compare.csv").read_text().startswith("target,mismatch,")
-    import curvlab.analysis as analysis
+    import curvlab.analysis.checkpoints as analysis
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a cached report was recomputed")
@@ -311,10 +311,10 @@ def test_nanogpt_next_step_accumulates_its_micro_batches(tmp_path):
     (loss / 2 each, clip, AdamW), and the report records where every row came from."""
     import numpy as np
 
-    from curvlab.analysis import open_checkpoint
+    from curvlab.analysis.checkpoints import open_checkpoint
     from curvlab.data.shards import TokenData
-    from curvlab.loss import make_loss_fn
-    from curvlab.optim import next_update
+    from curvlab.engine.loss import make_loss_fn
+    from curvlab.optim.optimizers import next_update
 
     ref, ref_opt, _ = nanogpt_checkpoint(tmp_path, accumulation=2)
     data = token_data(tmp_path)
@@ -412,7 +412,7 @@ def test_spectrum_command(runs, tmp_path):
 def test_more_validation_batches_than_the_run_evaluates(runs):
     """--batch val --batches 5 on a run that validates on 2 batches: the next windows of the same
     validation stream, the run's own first; never silently fewer than asked."""
-    from curvlab.analysis import evaluation_batches, open_checkpoint
+    from curvlab.analysis.checkpoints import evaluation_batches, open_checkpoint
 
     ckpt = runs / "muon" / "ckpt_000008.pt"
     own = open_checkpoint(ckpt).val_batches

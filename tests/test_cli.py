@@ -91,8 +91,8 @@ def test_quadratic_command_writes_results_and_figures(tmp_path):
 def test_train_flags_override_the_config_file_over_the_defaults(tmp_path, monkeypatch):
     import json
 
-    import curvlab.train
-    from curvlab.train import TrainConfig, TrainResult
+    import curvlab.runs.train
+    from curvlab.runs.train import TrainConfig, TrainResult
 
     seen = []
 
@@ -100,7 +100,7 @@ def test_train_flags_override_the_config_file_over_the_defaults(tmp_path, monkey
         seen.append(cfg)
         return TrainResult(cfg.out, cfg.steps, 1.0, 1.0, 0)
 
-    monkeypatch.setattr(curvlab.train, "train", fake_train)
+    monkeypatch.setattr(curvlab.runs.train, "train", fake_train)
     path = tmp_path / "cfg.json"
     fields = {
         "data": "d",

@@ -38,10 +38,10 @@ from curvlab import (
     parameter_roles,
     quadratic_form,
 )
-from curvlab import params as P
+from curvlab.engine import params as P
+from curvlab.engine.loss import token_cross_entropy
 from curvlab.errors import CurvlabError
-from curvlab.loss import token_cross_entropy
-from curvlab.monitor import curvature_callback
+from curvlab.runs.monitor import curvature_callback
 from tests.reference import double_backward
 
 transformers.logging.set_verbosity_error()

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from curvlab.report import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
-from curvlab.reproduce import PRESETS
-from curvlab.results import LevelData, Summary, primary_family
+from curvlab.jobs.reproduce import PRESETS
+from curvlab.output.text import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
+from curvlab.studies.results import LevelData, Summary, primary_family
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from curvlab import block_matrix, group_parameters, hidden_matrices, taylor_split
-from curvlab import params as P
+from curvlab.engine import params as P
 from tests.conftest import random_direction
 from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
 
@@ -196,7 +196,7 @@ def test_groupings_read_names():
 
 
 def test_combined_call_equals_the_separate_ones(transformer_problem):
-    from curvlab.curvature import taylor_split_and_block_matrix
+    from curvlab.curvature.taylor import taylor_split_and_block_matrix
 
     loss_fn, params, batch = transformer_problem
     z = random_direction(params, 11)

@@ -9,26 +9,32 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from curvlab import params as P
-from curvlab.analysis import AnalysisSettings, CurvatureReport, DirectionReport, analyze_checkpoint, open_checkpoint
-from curvlab.checkpoint import load_checkpoint, save_checkpoint
-from curvlab.cli import app
-from curvlab.curvature import nds
-from curvlab.directions import (
+from curvlab.analysis.checkpoints import (
+    AnalysisSettings,
+    CurvatureReport,
+    DirectionReport,
+    analyze_checkpoint,
+    open_checkpoint,
+)
+from curvlab.analysis.directions import (
     DirectionLandscape,
     counterfactual_directions,
     measure_directions,
     parse_directions,
 )
+from curvlab.cli import app
+from curvlab.curvature.taylor import nds
+from curvlab.engine import params as P
+from curvlab.engine.hvp import CurvaturePoint
+from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
-from curvlab.hvp import CurvaturePoint
-from curvlab.loss import make_loss_fn
-from curvlab.match import MatchCriteria
-from curvlab.optim import next_update
-from curvlab.optimizers import build_optimizer
-from curvlab.shadow import ShadowSettings, ShadowState
-from curvlab.studies import compare_runs
-from curvlab.train import TrainConfig, train
+from curvlab.optim.build import build_optimizer
+from curvlab.optim.optimizers import next_update
+from curvlab.optim.shadow import ShadowSettings, ShadowState
+from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
+from curvlab.runs.match import MatchCriteria
+from curvlab.runs.train import TrainConfig, train
+from curvlab.studies.compare import compare_runs
 from tests.conftest import SMALL_MODEL
 
 runner = CliRunner()

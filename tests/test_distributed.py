@@ -17,12 +17,12 @@ import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 from curvlab import make_loss_fn, taylor_split
-from curvlab.analysis import AnalysisSettings, checkpoint_spectrum
-from curvlab.checkpoint import load_checkpoint, read_index
+from curvlab.analysis.checkpoints import AnalysisSettings, checkpoint_spectrum
 from curvlab.cli import app
-from curvlab.optim import Muon
-from curvlab.spectral import SpectrumRequest
-from curvlab.train import TrainConfig, train
+from curvlab.curvature.spectral import SpectrumRequest
+from curvlab.optim.optimizers import Muon
+from curvlab.runs.checkpoint import load_checkpoint, read_index
+from curvlab.runs.train import TrainConfig, train
 from tests.conftest import SMALL_MODEL, random_direction
 from tests.reference import TinyTransformer
 

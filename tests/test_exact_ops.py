@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, jvp
 
 from curvlab import CurvaturePoint, exact_second_order, hvp, make_loss_fn, quadratic_form
-from curvlab import params as P
+from curvlab.engine import params as P
 from tests.conftest import random_direction
 from tests.reference import dense_hessian
 

@@ -10,11 +10,10 @@ import torch
 from typer.testing import CliRunner
 
 from curvlab import block_matrix, make_loss_fn, taylor_split
-from curvlab import params as P
-from curvlab.checkpoint import read_index, save_checkpoint
 from curvlab.cli import app
+from curvlab.engine import params as P
 from curvlab.errors import CurvlabError
-from curvlab.finetune import (
+from curvlab.jobs.finetune import (
     ADAPTER_ARMS,
     LEVEL_KEYS,
     MUON_VARIANTS,
@@ -25,8 +24,9 @@ from curvlab.finetune import (
     estimates,
     lora_model,
 )
-from curvlab.lora import adapter_blocks, lora_layers
 from curvlab.models.gpt import GPT, get_config
+from curvlab.optim.lora import adapter_blocks, lora_layers
+from curvlab.runs.checkpoint import read_index, save_checkpoint
 from tests.reference import dense_gradient, dense_hessian
 
 runner = CliRunner()
@@ -215,8 +215,8 @@ def test_a_finished_run_is_not_reused_under_other_settings(micro, tmp_path):
     import dataclasses
     import shutil
 
-    from curvlab.finetune import adapt
-    from curvlab.train import TrainConfig
+    from curvlab.jobs.finetune import adapt
+    from curvlab.runs.train import TrainConfig
 
     out, _ = micro
     run = tmp_path / "run"

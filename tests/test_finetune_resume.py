@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from curvlab.checkpoint import load_checkpoint, read_index, save_checkpoint
 from curvlab.data.shards import TrainBatches
 from curvlab.errors import CurvlabError
-from curvlab.finetune import adapt
+from curvlab.jobs.finetune import adapt
 from curvlab.models.gpt import GPT, get_config
-from curvlab.train import TrainConfig
+from curvlab.runs.checkpoint import load_checkpoint, read_index, save_checkpoint
+from curvlab.runs.train import TrainConfig
 from tests.conftest import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same
 

@@ -46,9 +46,9 @@ from curvlab import (
     taylor_split,
     trainable_parameters,
 )
-from curvlab import params as P
-from curvlab.loss import count_loss_terms, weighted_batches
-from curvlab.polar import msign
+from curvlab.engine import params as P
+from curvlab.engine.loss import count_loss_terms, weighted_batches
+from curvlab.optim.polar import msign
 from tests.reference import dense_hessian, double_backward
 
 transformers.logging.set_verbosity_error()
@@ -426,8 +426,8 @@ def trainer_run(tmp_path_factory):
 
 
 def test_trainer_checkpoint_is_read_as_the_trainer_left_it(trainer_run):
-    from curvlab.checkpoint import read_checkpoint
-    from curvlab.hf import trainer_optimizer
+    from curvlab.runs.checkpoint import read_checkpoint
+    from curvlab.runs.hf import trainer_optimizer
 
     trainer, path, _ = trainer_run
     read = read_checkpoint(path)
@@ -454,7 +454,7 @@ def test_trainer_checkpoint_is_read_as_the_trainer_left_it(trainer_run):
 def test_nds_command_on_a_trainer_checkpoint(trainer_run, tmp_path):
     from typer.testing import CliRunner
 
-    from curvlab.analysis import load_report
+    from curvlab.analysis.checkpoints import load_report
     from curvlab.cli import app
 
     runner = CliRunner()

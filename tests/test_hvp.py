@@ -20,7 +20,7 @@ from curvlab import (
     quadratic_form,
     quadratic_forms,
 )
-from curvlab import params as P
+from curvlab.engine import params as P
 from tests.conftest import random_direction
 from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
 

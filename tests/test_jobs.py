@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-from curvlab.checkpoint import add_to_index, read_index
 from curvlab.errors import CurvlabError
-from curvlab.jobs import DIVERGED, Job, StageClock, guard_config, record_invocation
-from curvlab.train import TrainingDiverged
-from curvlab.tuning import TuningRecord, TuningSettings
+from curvlab.jobs.job import DIVERGED, Job, StageClock, guard_config, record_invocation
+from curvlab.runs.checkpoint import add_to_index, read_index
+from curvlab.runs.train import TrainingDiverged
+from curvlab.studies.tuning import TuningRecord, TuningSettings
 
 
 def test_a_directory_keeps_one_configuration(tmp_path):
@@ -115,8 +115,8 @@ def test_a_job_guards_its_directory_and_sums_its_invocations(tmp_path):
 
 
 def test_tuning_seeds_are_disjoint_from_the_measured_ones_in_both_jobs():
-    from curvlab.finetune import FINETUNE_PRESETS
-    from curvlab.reproduce import PRESETS
+    from curvlab.jobs.finetune import FINETUNE_PRESETS
+    from curvlab.jobs.reproduce import PRESETS
 
     for preset in (*PRESETS.values(), *FINETUNE_PRESETS.values()):
         assert not set(preset.tuning_settings.seeds()) & set(range(preset.seeds)), preset.name

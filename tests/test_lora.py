@@ -13,10 +13,10 @@ from torch import nn
 
 from curvlab import block_matrix, build_optimizer, make_loss_fn, msign, next_update
 from curvlab.errors import CurvlabError
-from curvlab.lora import AdaptedLayer, LoraMuon, PerFactorMuon, SMuon, adapter_blocks, lora_layers
 from curvlab.models.gpt import GPT, get_config
-from curvlab.optim import Muon, muon_scale
-from curvlab.polar import NEWTON_SCHULZ_COEFFICIENTS, POLAR_EXPRESS_NORMALIZATION, polar_express_coefficients
+from curvlab.optim.lora import AdaptedLayer, LoraMuon, PerFactorMuon, SMuon, adapter_blocks, lora_layers
+from curvlab.optim.optimizers import Muon, muon_scale
+from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, POLAR_EXPRESS_NORMALIZATION, polar_express_coefficients
 from tests.reference import assert_same
 from tests.test_optim import batch_for, snapshot, train_step
 
@@ -194,7 +194,7 @@ def test_smuon_first_order_change_is_the_projected_polar_factor_of_H(case):
 def test_smuon_in_float32_stays_close_to_the_float64_reference(kappa, bound):
     """float32 factors, exact polar factor: the error grows with B's condition number (measured 1.4e-7 and
     6.7e-6; the bounds leave a factor of about 7-15 for other BLAS builds)."""
-    from curvlab.lora import smuon_direction
+    from curvlab.optim.lora import smuon_direction
 
     A, B, G = make_case(64, 96, 8, "random", seed=1)
     U, _, Vh = torch.linalg.svd(B, full_matrices=False)
@@ -230,7 +230,7 @@ def test_smuon_with_newton_schulz_keeps_H_singular_vectors_and_lands_in_the_band
     expected = _scalar_polynomial_images(S, method)
     assert band[0] <= expected.min() and expected.max() <= band[1]  # docs/science.md section 9's bands
     # float64 iteration: the low-rank route is Newton–Schulz on H itself
-    from curvlab.lora import smuon_direction
+    from curvlab.optim.lora import smuon_direction
 
     dA, dB = smuon_direction(A, B, s * B.T @ G, s * G @ A.T, s, polar=method, dtype=F64)
     D = s * (dB @ A + B @ dA)

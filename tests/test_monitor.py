@@ -9,17 +9,17 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from curvlab import params as P
-from curvlab.blocks import group_parameters
-from curvlab.checkpoint import load_checkpoint, read_index
-from curvlab.curvature import block_matrix, taylor_split
+from curvlab.curvature.groupings import group_parameters
+from curvlab.curvature.scalars import SCOPE_KEYS
+from curvlab.curvature.taylor import block_matrix, taylor_split
 from curvlab.data.shards import TokenData, validation_batches
-from curvlab.loss import ModuleLoss, make_loss_fn, token_cross_entropy, weighted_batches
+from curvlab.engine import params as P
+from curvlab.engine.loss import ModuleLoss, make_loss_fn, token_cross_entropy, weighted_batches
 from curvlab.models.gpt import GPT, GPTConfig, get_config
-from curvlab.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature
-from curvlab.optimizers import build_optimizer
-from curvlab.scalars import SCOPE_KEYS
-from curvlab.train import TrainConfig, train
+from curvlab.optim.build import build_optimizer
+from curvlab.runs.checkpoint import load_checkpoint, read_index
+from curvlab.runs.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature
+from curvlab.runs.train import TrainConfig, train
 from tests.conftest import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same
 
@@ -242,7 +242,7 @@ def poison_second_snapshot(monkeypatch):
         poison[0] = math.inf if len(calls) == 2 else 1.0
         return real_snapshot(self)
 
-    monkeypatch.setattr("curvlab.monitor.make_loss_fn", poisoned_loss_factory(poison))
+    monkeypatch.setattr("curvlab.runs.monitor.make_loss_fn", poisoned_loss_factory(poison))
     monkeypatch.setattr(CurvatureMonitor, "snapshot", snapshot)
 
 
@@ -364,7 +364,7 @@ def test_train_command_records_curvature(pcfg_data, tmp_path):
 
 
 def test_import_curvlab_does_not_import_transformers():
-    code = "import sys, curvlab, curvlab.monitor, curvlab.train; assert 'transformers' not in sys.modules"
+    code = "import sys, curvlab, curvlab.runs.monitor, curvlab.runs.train; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -373,7 +373,7 @@ def run_trainer(out, every):
     recording W after every step; with ``every``, the curvature callback measures every ``every`` steps."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    from curvlab.monitor import curvature_callback
+    from curvlab.runs.monitor import curvature_callback
 
     class Recorder(TrainerCallback):
         def __init__(self):

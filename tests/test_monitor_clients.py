@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from curvlab.curvature import taylor_split
-from curvlab.loss import make_loss_fn
-from curvlab.monitor import (
+from curvlab.curvature.scalars import SCOPE_KEYS
+from curvlab.curvature.taylor import taylor_split
+from curvlab.engine.loss import make_loss_fn
+from curvlab.runs.monitor import (
     CurvatureMonitor,
     add_curvature_callback,
     curvature_callback,
     curvature_lightning_callback,
 )
-from curvlab.scalars import SCOPE_KEYS
 
 
 def tiny_vit():

@@ -3,7 +3,7 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from curvlab import msign
-from curvlab.polar import NEWTON_SCHULZ_COEFFICIENTS, optimal_odd_quintic, polar_express_coefficients
+from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, optimal_odd_quintic, polar_express_coefficients
 
 # Published 5-step Polar Express coefficients (modded-nanogpt, Dion): l = 1e-3, safety 2e-2, cushion 0.02.
 PUBLISHED = [

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from curvlab import statistics as st
 from curvlab.errors import CurvlabError
-from curvlab.paper import PRIMARY
-from curvlab.plots import primary_forest
-from curvlab.report import render_readme_results, render_report
-from curvlab.reproduce import PRESETS
-from curvlab.results import (
+from curvlab.jobs.reproduce import PRESETS
+from curvlab.output.plots import primary_forest
+from curvlab.output.text import render_readme_results, render_report
+from curvlab.studies import statistics as st
+from curvlab.studies.paper import PRIMARY
+from curvlab.studies.results import (
     Calibration,
     PrimaryEntry,
     QuadraticRecord,
@@ -23,7 +23,7 @@ from curvlab.results import (
     headline,
     primary_family,
 )
-from curvlab.tuning import TuningRecord
+from curvlab.studies.tuning import TuningRecord
 from tests.synthetic import ar1, level_data, record, track
 
 LEVELS = 6
@@ -314,8 +314,8 @@ def test_descriptive_decomposition_of_the_between_run_ratio():
 
 
 def test_aa_records_are_no_arm_of_their_own_in_the_headline_figures_or_taylor_counts(monkeypatch, tmp_path):
-    from curvlab import plots
-    from curvlab.results import taylor_counts
+    from curvlab.output import plots
+    from curvlab.studies.results import taylor_counts
 
     data = _experiment(np.random.default_rng(13), 3)
     plain = taylor_counts(data)

@@ -1,7 +1,7 @@
 import io
 import re
 
-from curvlab.progress import LineProgress, progress
+from curvlab.util.progress import LineProgress, progress
 
 
 class Terminal(io.StringIO):
@@ -37,7 +37,7 @@ def test_a_terminal_gets_a_bar_anything_else_plain_lines(monkeypatch):
 
 
 def test_an_update_driven_bar_redraws_at_the_line_interval_off_a_terminal(monkeypatch):
-    from curvlab.progress import refresh_interval
+    from curvlab.util.progress import refresh_interval
 
     monkeypatch.setenv("CURVLAB_PROGRESS_INTERVAL", "7")
     assert refresh_interval(Terminal()) == 0.1 and refresh_interval(io.StringIO()) == 7.0

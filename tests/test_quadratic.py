@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from curvlab import hvp, taylor_split
-from curvlab.quadratic import (
+from curvlab.studies.quadratic import (
     KroneckerQuadratic,
     TwoLevelSpec,
     best_fixed_lr,

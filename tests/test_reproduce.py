@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 from nbclient import NotebookClient
 
-from curvlab.report import (
+from curvlab.curvature.scalars import CheckpointScalars
+from curvlab.jobs.reproduce import PRESETS, Reproduction
+from curvlab.output.text import (
     readme_markers,
     render_readme_results,
     render_readme_teaser,
     update_readme,
     value_cell,
 )
-from curvlab.reproduce import PRESETS, Reproduction
-from curvlab.results import ComparisonRecord, LevelData, Summary, headline
-from curvlab.scalars import CheckpointScalars
-from curvlab.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
-from curvlab.studies import Comparison, Level, WindowSide
+from curvlab.studies.compare import Comparison, Level, WindowSide
+from curvlab.studies.results import ComparisonRecord, LevelData, Summary, headline
+from curvlab.studies.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 VERDICTS = {DESCRIPTIVE}  # the headline is descriptive: only the primary family is judged
@@ -75,8 +75,8 @@ def test_micro_preset_writes_every_output(micro):
 
 
 def test_only_the_matched_windows_and_the_last_checkpoint_are_kept(micro):
-    from curvlab.checkpoint import read_index
-    from curvlab.reproduce import _run_key, window_checkpoints
+    from curvlab.jobs.reproduce import _run_key, window_checkpoints
+    from curvlab.runs.checkpoint import read_index
 
     out, summary = micro
     levels = LevelData.load(out / "analysis" / "levels.json")
@@ -99,7 +99,7 @@ def test_only_the_matched_windows_and_the_last_checkpoint_are_kept(micro):
 def test_a_moved_output_directory_reruns_and_keeps_its_windows(micro, tmp_path):
     import shutil
 
-    from curvlab.reproduce import window_checkpoints
+    from curvlab.jobs.reproduce import window_checkpoints
 
     out, _ = micro
     moved = tmp_path / "moved"
@@ -169,7 +169,7 @@ def test_every_summary_number_is_rederivable_from_the_per_level_json(micro):
     again, zipf = headline(LevelData.from_dict(raw), PRESETS["micro"].n_boot)
     assert json.dumps([e.to_dict() for e in again]) == json.dumps([e.to_dict() for e in summary.headline])
     assert [dataclasses.asdict(z) for z in zipf] == [dataclasses.asdict(z) for z in summary.zipf]
-    # and independently of curvlab.results, from the raw JSON: the NDS ratio is a ratio of sums of window means
+    # and independently of curvlab.studies.results, from the raw JSON: the NDS ratio is a ratio of sums of window means
     num = den = 0.0
     for record in raw["comparisons"]:
         if record["name"] != "adamw/muon" or record["comparison"] is None:
@@ -280,7 +280,7 @@ def test_report_and_readme_render_the_summary(micro, tmp_path):
 
 def test_rerun_continues_and_other_config_is_refused(micro, monkeypatch):
     out, _ = micro
-    import curvlab.reproduce as reproduce
+    import curvlab.jobs.reproduce as reproduce
 
     results = []
     real_train = reproduce.train

@@ -7,13 +7,13 @@ import math
 import numpy as np
 import pytest
 
-from curvlab.analysis import AnalysisSettings, CurvatureReport, analyze_checkpoint, load_report
+from curvlab.analysis.checkpoints import AnalysisSettings, CurvatureReport, analyze_checkpoint, load_report
+from curvlab.curvature.scalars import SCALAR_KEYS, SCOPE_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
-from curvlab.metrics import read_metrics, truncate_metrics
-from curvlab.results import LevelData, seed_band
-from curvlab.scalars import SCALAR_KEYS, SCOPE_KEYS, CheckpointScalars
-from curvlab.studies import Comparison, WindowSide
-from curvlab.train import TrainConfig, train
+from curvlab.runs.metrics import read_metrics, truncate_metrics
+from curvlab.runs.train import TrainConfig, train
+from curvlab.studies.compare import Comparison, WindowSide
+from curvlab.studies.results import LevelData, seed_band
 from tests.synthetic import level_data, record, track
 
 SMALL_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}

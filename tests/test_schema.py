@@ -1,13 +1,13 @@
-"""One writer and one reader for versioned records (curvlab.schema)."""
+"""One writer and one reader for versioned records (curvlab.util.schema)."""
 
 import json
 import math
 
 import pytest
 
-from curvlab import schema
 from curvlab.errors import CurvlabError
-from curvlab.tuning import LrSearch, TuningRecord
+from curvlab.studies.tuning import LrSearch, TuningRecord
+from curvlab.util import schema
 
 
 def _record():

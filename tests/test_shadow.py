@@ -6,12 +6,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from curvlab.checkpoint import load_checkpoint, read_index
 from curvlab.cli import app
 from curvlab.errors import CurvlabError
-from curvlab.optim import Muon
-from curvlab.shadow import ShadowSettings, ShadowState, build_shadow
-from curvlab.train import TrainConfig, build_run, train
+from curvlab.optim.optimizers import Muon
+from curvlab.optim.shadow import ShadowSettings, ShadowState, build_shadow
+from curvlab.runs.checkpoint import load_checkpoint, read_index
+from curvlab.runs.train import TrainConfig, build_run, train
 from tests.conftest import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same
 

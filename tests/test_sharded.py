@@ -24,27 +24,27 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from typer.testing import CliRunner
 
 from curvlab import block_matrix, hvp, make_loss_fn, nds, quadratic_forms, taylor_split
-from curvlab import params as P
-from curvlab.analysis import AnalysisSettings
-from curvlab.checkpoint import load_checkpoint, read_index
+from curvlab.analysis.checkpoints import AnalysisSettings
+from curvlab.analysis.sharded import open_sharded_checkpoint
 from curvlab.cli import app
-from curvlab.dcp import convert_to_sharded
-from curvlab.dtensors import full, shard_like
+from curvlab.curvature.sharded_spectral import random_direction as sharded_random_direction
+from curvlab.curvature.sharded_spectral import sharded_hutchinson, sharded_lanczos
+from curvlab.curvature.spectral import lanczos
+from curvlab.engine import params as P
+from curvlab.engine._dtensors import full, shard_like
+from curvlab.engine.finite_difference import finite_difference_hvp
+from curvlab.engine.hvp import CurvaturePoint
+from curvlab.engine.operator import hessian_operator
 from curvlab.errors import CurvlabError
-from curvlab.finite_difference import finite_difference_hvp
-from curvlab.hvp import CurvaturePoint
-from curvlab.match import MatchCriteria
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
-from curvlab.operator import hessian_operator
-from curvlab.optim import next_update
-from curvlab.optimizers import build_optimizer
-from curvlab.sharded_analysis import open_sharded_checkpoint
-from curvlab.sharded_spectral import random_direction as sharded_random_direction
-from curvlab.sharded_spectral import sharded_hutchinson, sharded_lanczos
-from curvlab.sharded_train import train_sharded
-from curvlab.spectral import lanczos
-from curvlab.studies import compare_runs, track_run
-from curvlab.train import TrainConfig, train
+from curvlab.optim.build import build_optimizer
+from curvlab.optim.optimizers import next_update
+from curvlab.runs.checkpoint import load_checkpoint, read_index
+from curvlab.runs.dcp import convert_to_sharded
+from curvlab.runs.match import MatchCriteria
+from curvlab.runs.sharded_train import train_sharded
+from curvlab.runs.train import TrainConfig, train
+from curvlab.studies.compare import compare_runs, track_run
 from tests.conftest import SMALL_MODEL, random_direction
 
 REL = 1e-10

@@ -5,8 +5,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from curvlab import make_loss_fn
-from curvlab.operator import Operator, hessian_operator, preconditioned_operator
-from curvlab.spectral import (
+from curvlab.curvature.spectral import (
     adam_edge_of_stability,
     adam_preconditioner,
     adam_step_settings,
@@ -18,6 +17,7 @@ from curvlab.spectral import (
     spectral_density,
     vector_bytes,
 )
+from curvlab.engine.operator import Operator, hessian_operator, preconditioned_operator
 from tests.reference import MLP, dense_hessian
 
 
@@ -99,7 +99,7 @@ def test_lanczos_under_a_memory_budget_converges_to_the_same_eigenpairs(monkeypa
     assert smallest.converged
     np.testing.assert_allclose(smallest.eigenvalues, [-30, -7], rtol=1e-9)
     # as a large model stores it: one vector per block, and restarts that rotate the basis in slabs
-    monkeypatch.setattr("curvlab.spectral._Basis.CHUNK", 50)
+    monkeypatch.setattr("curvlab.curvature.spectral._Basis.CHUNK", 50)
     slabs = lanczos(Operator.from_matrix(A), k=2, which="smallest", max_iter=300, tol=1e-10, memory=5 * vb)
     np.testing.assert_allclose(slabs.eigenvalues, smallest.eigenvalues, rtol=1e-13)
     assert slabs.num_matvecs == smallest.num_matvecs and slabs.restarts == smallest.restarts > 0

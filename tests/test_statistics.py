@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from curvlab import statistics as st
+from curvlab.studies import statistics as st
 from tests.synthetic import ar1
 
 # The simulated experiments of the issue: 6 levels per seed, AR(1) correlation 0.7 between neighbouring
@@ -306,8 +306,8 @@ def test_a_ratio_whose_denominator_interval_contains_zero_is_flagged():
 def test_trajectory_means_leave_out_the_unigram_plateau():
     """Like matched levels, tracked checkpoints on the plateau are kept out of trajectory means (and
     the rho_within thirds); warmup is left out too."""
-    from curvlab.results import TrackRecord
-    from curvlab.scalars import CheckpointScalars
+    from curvlab.curvature.scalars import CheckpointScalars
+    from curvlab.studies.results import TrackRecord
 
     rows = [{"step": k, "nds": float(k), "on_plateau": k < 20, "taylor_ok": True} for k in range(0, 60, 10)]
     t = TrackRecord("muon", 0.0, 0, 60, 5, [CheckpointScalars.from_dict(r) for r in rows])

@@ -5,11 +5,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from curvlab.checkpoint import load_checkpoint, read_index
-from curvlab.loss import make_loss_fn
+from curvlab.engine.loss import make_loss_fn
 from curvlab.models.gpt import CONFIGS, GPT
-from curvlab.optim import next_update
-from curvlab.train import TrainConfig, TrainingDiverged, build_run, restore, train
+from curvlab.optim.optimizers import next_update
+from curvlab.runs.checkpoint import load_checkpoint, read_index
+from curvlab.runs.train import TrainConfig, TrainingDiverged, build_run, restore, train
 from tests.conftest import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same
 

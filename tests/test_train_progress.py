@@ -1,5 +1,5 @@
 from curvlab.data.dataset import generate_pcfg_dataset
-from curvlab.train import TrainConfig, schedule_phase, train
+from curvlab.runs.train import TrainConfig, schedule_phase, train
 
 
 def test_progress_bar_shows_no_validation_loss_before_the_first_evaluation(tmp_path, monkeypatch, capfd):

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from curvlab.tuning import LrSearch, log2_grid, search_lr
+from curvlab.studies.tuning import LrSearch, log2_grid, search_lr
 
 
 def bowl(best: float, noise: float = 0.0):
@@ -83,7 +83,7 @@ def _table_tuning(tmp_path, monkeypatch, best, searches=None):
     (arm -> lr): what the check trains, and what it concludes."""
     import dataclasses
 
-    import curvlab.reproduce as reproduce
+    import curvlab.jobs.reproduce as reproduce
 
     chosen = {"adamw": {"lr": 0.004}, "muon": {"lr": 0.02, "adam_lr": 0.004}}
     preset = dataclasses.replace(reproduce.PRESETS["micro"], lr_source="table", tune_seeds=1)
@@ -126,7 +126,7 @@ def test_a_winner_within_the_table_searchs_standard_error_is_no_move(tmp_path, m
 def test_a_table_entry_made_under_other_settings_is_not_used(tmp_path, monkeypatch):
     import dataclasses
 
-    import curvlab.reproduce as reproduce
+    import curvlab.jobs.reproduce as reproduce
 
     preset = dataclasses.replace(reproduce.PRESETS["micro"], lr_source="table", tune_seeds=1)
     other = dataclasses.replace(preset, batch_size=preset.batch_size * 2).tuning_fingerprint()  # other batches
@@ -139,7 +139,7 @@ def test_a_table_entry_made_under_other_settings_is_not_used(tmp_path, monkeypat
 
 
 def test_a_corrupt_table_is_a_one_line_error(tmp_path):
-    from curvlab.reproduce import read_lr_table
+    from curvlab.jobs.reproduce import read_lr_table
 
     bad = tmp_path / "lr_table.json"
     bad.write_text("{not json")

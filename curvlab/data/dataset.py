@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from curvlab.atomic import atomic_write_text, make_public
 from curvlab.data.pcfg import count_stats, make_grammar
 from curvlab.data.shards import find_shards, read_shard, write_shard
 from curvlab.errors import CurvlabError
-from curvlab.progress import refresh_interval
+from curvlab.util.atomic import atomic_write_text, make_public
+from curvlab.util.progress import refresh_interval
 
 STATS_VERSION = 1
 

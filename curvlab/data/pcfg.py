@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from curvlab.atomic import atomic_write_text
 from curvlab.errors import CurvlabError
+from curvlab.util.atomic import atomic_write_text
 
 GRAMMAR_VERSION = 1
 

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from curvlab.atomic import atomic_write_with
 from curvlab.errors import CurvlabError
+from curvlab.util.atomic import atomic_write_with
 
 MAGIC = 20240520
 VERSION = 1

@@ -1,0 +1,1 @@
+"""Curvature reports of checkpoints: targets, reports, paired directions, spectra."""

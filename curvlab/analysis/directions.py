@@ -1,0 +1,512 @@
+r"""Counterfactual directions at one point: several steps judged at the same W, batch and Hessian.
+
+The paper's mechanism is that Muon's *direction* is less sharp. Between two runs, NDS also changes
+because the two runs stand at different W (the landscape). Here the landscape is held fixed: at one
+checkpoint, every direction is measured at one :class:`~curvlab.engine.hvp.CurvaturePoint`, in one batched
+HVP call. For each direction Z and each scope (``"all"`` parameters, ``"hidden"`` matrices only):
+
+.. math::
+    \mathrm{NDS} = \frac{\langle Z, H Z\rangle}{\|Z\|^2},\qquad
+    \cos = \frac{\langle G, Z\rangle}{\|G\|\,\|Z\|},\qquad
+    q = \frac{\cos^2}{\mathrm{NDS}},
+
+where q is free of the lr: along Z the best one-step decrease of the quadratic model,
+:math:`\max_\eta\, \eta\langle G, Z\rangle - \tfrac{\eta^2}{2}\langle Z, HZ\rangle = \tfrac{q}{2}\|G\|^2`
+(for NDS > 0; NDS <= 0 gives q <= 0: the model has no minimum along Z, and the value is kept, not dropped).
+
+**The directions** (:data:`DIRECTIONS`) differ on the hidden matrices only; on every other parameter
+(embeddings, head, norms, biases) each of them is the run's own next step, so that scope ``"all"`` asks
+what the whole step would be with another rule on the hidden matrices. On the hidden matrices:
+
+From an Adam-family state (an AdamW run; m, v after the next gradient G):
+
+* ``adamw``: the real next step, :math:`\eta\,\hat m / (\sqrt{\hat v} + \epsilon)`;
+* ``muon``: the shadow Muon's step (:mod:`curvlab.optim.shadow`) when the checkpoint carries one; else
+  :math:`\eta_\mu\, s\, \operatorname{msign}(m)`, **an approximation**: Adam's first moment (an EMA
+  with :math:`\beta_1`, without Nesterov) stands in for Muon's momentum;
+* ``sgd``: the first moment m (momentum SGD); ``sign``: :math:`\operatorname{sign}(m)`.
+
+From a Muon state (B, the momentum after G):
+
+* ``muon``: the real next step; ``sgd``: B; ``sign``: :math:`\operatorname{sign}(B)`;
+* ``adamw``: the shadow Adam's step, only when the checkpoint carries a shadow Adam state (Adam's
+  second moment can't be recovered from Muon's state).
+
+**Scale.** On the hidden matrices NDS, cos and q don't depend on a direction's length; over all
+parameters they do. ``adamw`` and ``muon`` take their arm's lr (the real step's own; a shadow's or the
+approximation's: the shadow's peak lr (the other arm's default, or the lr the run set) times the run's
+current schedule multiplier, Muon's
+shape scale included). Momentum SGD and sign descent have no lr in these runs: ``sgd`` and ``sign`` are
+scaled to the Frobenius norm of the real step on the hidden matrices (``scaling = "matched"``).
+
+**Direction and landscape.** For an AdamW checkpoint a and a Muon checkpoint b, write
+:math:`N_x(W)` for the NDS of direction x at W. The between-run ratio splits exactly:
+
+.. math::
+    \frac{N_\text{adamw}(W_a)}{N_\text{muon}(W_b)}
+    = \underbrace{\frac{N_\text{adamw}(W_a)}{N_\text{muon}(W_a)}}_{\text{direction at } a}
+      \underbrace{\frac{N_\text{muon}(W_a)}{N_\text{muon}(W_b)}}_{\text{landscape along muon}}
+    = \underbrace{\frac{N_\text{adamw}(W_b)}{N_\text{muon}(W_b)}}_{\text{direction at } b}
+      \underbrace{\frac{N_\text{adamw}(W_a)}{N_\text{adamw}(W_b)}}_{\text{landscape along adamw}}
+
+(:class:`DirectionLandscape`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from curvlab.curvature.groupings import hidden_matrices
+from curvlab.engine import params as P
+from curvlab.engine.hvp import CurvaturePoint
+from curvlab.errors import CurvlabError
+from curvlab.models.roles import matrix_shapes
+from curvlab.optim.shadow import ShadowSettings, ShadowState, muon_step
+
+DIRECTIONS = ("adamw", "muon", "sgd", "sign")
+PAIRED = ("adamw", "muon")  # the two arms, paired at every checkpoint that carries a shadow
+SCOPES = ("all", "hidden")
+BASES = {"adam": "adamw", "muon": "muon"}  # the optimizer state on the hidden matrices -> its real direction
+PAIRED_SCHEMA_VERSION = 1
+APPROXIMATE_MUON = (
+    "approximation: msign of Adam's first moment m (an EMA with beta1, no Nesterov) stands in for Muon's "
+    "momentum, at the Muon arm's lr and shape scale"
+)
+
+
+@dataclass(frozen=True)
+class DirectionScope:
+    """One direction over one scope (see the module docstring).
+
+    Attributes:
+        nds: :math:`\\langle Z, HZ\\rangle / \\|Z\\|^2`.
+        first_order: :math:`\\langle G, Z\\rangle`.
+        curvature_penalty: :math:`\\tfrac12\\langle Z, HZ\\rangle`.
+        update_norm, grad_norm: :math:`\\|Z\\|_F`, :math:`\\|G\\|_F` over the scope.
+        cosine: :math:`\\langle G, Z\\rangle / (\\|G\\|\\,\\|Z\\|)`.
+        q: :math:`\\cos^2 / \\mathrm{NDS}`.
+    """
+
+    nds: float
+    first_order: float
+    curvature_penalty: float
+    update_norm: float
+    grad_norm: float
+    cosine: float
+    q: float
+
+    @classmethod
+    def of(cls, gz: float, zhz: float, zz: float, gg: float) -> DirectionScope:
+        if zz <= 0:
+            raise CurvlabError("a direction is zero on its scope: its NDS is undefined")
+        znorm, gnorm = math.sqrt(zz), math.sqrt(gg)
+        nds = zhz / zz
+        cosine = gz / (gnorm * znorm) if gnorm > 0 else float("nan")
+        q = cosine**2 / nds if nds != 0 else float("nan")
+        return cls(nds, gz, 0.5 * zhz, znorm, gnorm, cosine, q)
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PairedDirection:
+    """One direction at the point, over both scopes.
+
+    Attributes:
+        name: one of :data:`DIRECTIONS`.
+        source: how it was formed (``"real step"``, ``"shadow muon state"``, an approximation...).
+        scaling: ``"lr"`` (its optimizer's lr) or ``"matched"`` (to the real step's norm on the hidden matrices).
+    """
+
+    name: str
+    source: str
+    scaling: str
+    all: DirectionScope
+    hidden: DirectionScope
+
+    def scope(self, scope: str) -> DirectionScope:
+        if scope not in SCOPES:
+            raise CurvlabError(f"unknown scope {scope!r}; choose all or hidden")
+        return self.all if scope == "all" else self.hidden
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "scaling": self.scaling,
+            "all": self.all.to_dict(),
+            "hidden": self.hidden.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PairedDirection:
+        return cls(d["name"], d["source"], d["scaling"], DirectionScope(**d["all"]), DirectionScope(**d["hidden"]))
+
+
+@dataclass(frozen=True)
+class PairedDirections:
+    """Several directions measured at one W, on one batch, under one H.
+
+    Attributes:
+        base: ``"adam"`` or ``"muon"``, the optimizer state the run keeps on its hidden matrices.
+        real: the name of the run's own direction (``adamw`` or ``muon``).
+        directions: in the order asked for.
+        hidden_names: the hidden matrices (scope ``"hidden"``, and where the directions differ).
+        multiplier: the run's schedule multiplier at the step (scales the lr of shadow steps).
+        shadow: the settings of the shadow state a direction came from (:class:`~curvlab.optim.shadow.ShadowSettings`
+            as a dict: arm, peak lr, momentum or betas...), or ``None``.
+    """
+
+    base: str
+    real: str
+    directions: tuple[PairedDirection, ...]
+    hidden_names: tuple[str, ...]
+    multiplier: float
+    shadow: dict[str, Any] | None = None
+
+    def get(self, name: str) -> PairedDirection:
+        for d in self.directions:
+            if d.name == name:
+                return d
+        raise CurvlabError(f"no direction {name!r} here (have {', '.join(d.name for d in self.directions)})")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.directions)
+
+    def scalars(self) -> dict[str, float]:
+        """``paired_{nds,cos,q}_{direction}_{scope}`` for every direction and scope (the keys of
+        :class:`curvlab.curvature.scalars.CheckpointScalars`), plus ``paired_norm_...``."""
+        out = {}
+        for d in self.directions:
+            for scope in SCOPES:
+                s = d.scope(scope)
+                out[f"paired_nds_{d.name}_{scope}"] = s.nds
+                out[f"paired_cos_{d.name}_{scope}"] = s.cosine
+                out[f"paired_q_{d.name}_{scope}"] = s.q
+                out[f"paired_norm_{d.name}_{scope}"] = s.update_norm
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": PAIRED_SCHEMA_VERSION,
+            "base": self.base,
+            "real": self.real,
+            "multiplier": self.multiplier,
+            "hidden_names": list(self.hidden_names),
+            "shadow": self.shadow,
+            "directions": [d.to_dict() for d in self.directions],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PairedDirections:
+        if d.get("schema_version") != PAIRED_SCHEMA_VERSION:
+            raise CurvlabError(f"paired-directions schema {d.get('schema_version')} is not {PAIRED_SCHEMA_VERSION}")
+        return cls(
+            d["base"],
+            d["real"],
+            tuple(PairedDirection.from_dict(x) for x in d["directions"]),
+            tuple(d["hidden_names"]),
+            d["multiplier"],
+            d.get("shadow"),
+        )
+
+
+# -- the directions from an optimizer's state ---------------------------------------------------
+
+
+def parse_directions(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"adamw,muon"`` (or a list) as a tuple of known direction names, in order, without repeats.
+
+    Raises:
+        CurvlabError: an empty list or an unknown name.
+    """
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    if not names:
+        raise CurvlabError(f"no direction named; choose from {', '.join(DIRECTIONS)}")
+    unknown = [n for n in names if n not in DIRECTIONS]
+    if unknown:
+        raise CurvlabError(f"unknown direction {unknown[0]!r}; choose from {', '.join(DIRECTIONS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def _hidden_state(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor], hidden: Sequence[str]):
+    """(base, {name: (group, state)}) of the hidden matrices: the Adam or Muon state each is in."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    found, kinds = {}, set()
+    for name in hidden:
+        p = params[name]
+        group = group_of.get(id(p))
+        if group is None:
+            raise CurvlabError(f"the optimizer doesn't hold the hidden matrix {name!r}")
+        if "ns_steps" in group and "momentum" in group:
+            kinds.add("muon")
+        elif "amsgrad" in group and "betas" in group:
+            if group["amsgrad"]:
+                raise CurvlabError("directions from an AMSGrad state are not supported (its v is a running max)")
+            kinds.add("adam")
+        else:
+            raise CurvlabError(
+                f"{type(optimizer).__name__} keeps neither an Adam nor a Muon state on {name!r}: "
+                "counterfactual directions need one of them"
+            )
+        found[name] = (group, optimizer.state.get(p, {}))
+    if len(kinds) != 1:
+        raise CurvlabError("the hidden matrices are under both Adam and Muon: no single base state")
+    return kinds.pop(), found
+
+
+def schedule_multiplier(group: Mapping[str, Any]) -> float:
+    """The current lr over the peak lr of a param group (``initial_lr``, which torch's schedulers
+    record; 1 without a scheduler)."""
+    initial = group.get("initial_lr")
+    return float(group["lr"]) / float(initial) if initial else 1.0
+
+
+@dataclass(frozen=True)
+class Direction:
+    """A direction over all (trainable) parameters, with how it was formed."""
+
+    name: str
+    z: dict[str, Tensor]
+    source: str
+    scaling: str
+
+
+def counterfactual_directions(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    G: Mapping[str, Tensor],
+    Z: Mapping[str, Tensor],
+    names: Sequence[str],
+    shadow: ShadowState | None = None,
+) -> tuple[str, float, list[Direction]]:
+    r"""The directions ``names`` at the model's current W (see the module docstring), from the
+    optimizer's state on the hidden matrices after the next gradient G, and the shadow's.
+
+    Args:
+        G: the next step's gradient (clipped, as the optimizer sees it) and Z: the real next step,
+            both from :func:`~curvlab.optim.optimizers.next_update`.
+        shadow: the run's shadow state, if it has one (the exact other arm).
+
+    Returns:
+        ``(base, multiplier, directions)``: ``"adam"`` or ``"muon"``, the schedule multiplier, and the
+        directions in the order of ``names``, each over Z's parameters, in the parameters' dtype.
+
+    Raises:
+        CurvlabError: an unknown name, a state that is neither Adam nor Muon, ``adamw`` asked of a Muon
+            state without a shadow Adam, or a direction that is zero on the hidden matrices.
+    """
+    names = parse_directions(names)
+    params = {n: p for n, p in model.named_parameters() if n in Z}
+    hidden = hidden_matrices(params, model)
+    if not hidden:
+        raise CurvlabError("the model has no hidden matrices: the directions differ only there")
+    base, held = _hidden_state(optimizer, params, hidden)
+    multiplier = schedule_multiplier(next(iter(held.values()))[0])
+    W = {n: params[n].detach() for n in hidden}
+    Gh = {n: G[n].to(device=W[n].device, dtype=W[n].dtype) for n in hidden}
+    first = _first_moments(base, held, Gh)
+    real_norm = P.norm(Z, hidden)
+    shapes = matrix_shapes(model)
+    out = []
+    for name in names:
+        if name == BASES[base]:
+            out.append(Direction(name, {n: t.to(params[n].dtype) for n, t in Z.items()}, "real step", "lr"))
+            continue
+        if name in PAIRED:  # the other arm
+            on_hidden, source = _other_arm(name, base, first, W, Gh, shapes, multiplier, shadow)
+            scaling = "lr"
+        else:
+            on_hidden = {n: first[n] if name == "sgd" else torch.sign(first[n]) for n in hidden}
+            norm = P.norm(on_hidden)
+            if norm == 0.0:
+                raise CurvlabError(f"the {name} direction is zero on the hidden matrices")
+            on_hidden = P.scale(on_hidden, real_norm / norm)
+            moment = "Adam's first moment m" if base == "adam" else "Muon's momentum buffer B"
+            source = f"{moment}{'' if name == 'sgd' else ', its sign'}, scaled to the real step's hidden norm"
+            scaling = "matched"
+        z = {n: on_hidden.get(n, t).to(params[n].dtype) for n, t in Z.items()}
+        out.append(Direction(name, z, source, scaling))
+    return base, multiplier, out
+
+
+def _first_moments(base: str, held, G: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Adam's m or Muon's B after absorbing G, as the optimizer's own step would (zeros before any step)."""
+    out = {}
+    for n, (group, state) in held.items():
+        key, beta = ("exp_avg", group["betas"][0]) if base == "adam" else ("momentum_buffer", group["momentum"])
+        m = state.get(key)
+        m = torch.zeros_like(G[n]) if m is None else m.to(device=G[n].device, dtype=G[n].dtype)
+        out[n] = m.lerp(G[n], 1 - beta)
+    return out
+
+
+def _other_arm(name, base, first, W, G, shapes, multiplier, shadow):
+    """The other arm's step on the hidden matrices: the shadow's, or (muon from an Adam state) the approximation."""
+    if shadow is not None and shadow.settings.kind == name:
+        if set(shadow.names) != set(W):
+            raise CurvlabError("the shadow state covers other matrices than the model's hidden ones")
+        return shadow.direction(G, W, multiplier), f"shadow {name} state"
+    if name == "adamw":
+        raise CurvlabError(
+            "adamw needs Adam's second moment, which a Muon state doesn't hold: this checkpoint carries no "
+            "shadow Adam state (train with shadow on)"
+        )
+    settings = ShadowSettings.for_kind("muon")
+    lr = settings.lr * multiplier
+    return {n: muon_step(first[n], shapes[n], settings, lr) for n in W}, APPROXIMATE_MUON
+
+
+# -- measuring them at one point ----------------------------------------------------------------
+
+
+def measure_directions(
+    point: CurvaturePoint, directions: Sequence[Direction], hidden: Sequence[str]
+) -> tuple[PairedDirection, ...]:
+    r"""Every direction over both scopes at one point: the 2K directions (each whole, and each
+    restricted to ``hidden``) in one batched :meth:`~curvlab.engine.hvp.CurvaturePoint.quadratic_forms` call.
+
+    Raises:
+        CurvlabError: a direction that doesn't match the point's parameters, is non-finite, or is zero
+            on a scope.
+    """
+    if not directions:
+        raise CurvlabError("no direction to measure")
+    names, keep = list(point.params), set(hidden)
+    unknown = [n for n in hidden if n not in point.params]
+    if unknown or not hidden:
+        raise CurvlabError(
+            f"the hidden scope names unknown parameters: {P.names_text(unknown)}" if unknown else "no hidden matrices"
+        )
+    rows = []
+    for d in directions:
+        full = {n: d.z[n] if n in d.z else torch.zeros_like(point.params[n]) for n in names}
+        P.check_like(point.params, full, f"direction {d.name}")
+        rows += [full, P.restrict(full, keep)]
+    stacked = {n: torch.stack([r[n].to(point.dtype) for r in rows]) for n in names}
+    gz, zhz = point.quadratic_forms(stacked)
+    zz = P.stacked_dot(stacked, stacked, names)
+    g = point.gradient
+    gg = {"all": P.dot(g, g), "hidden": P.dot(g, g, hidden)}
+    out = []
+    for k, d in enumerate(directions):
+        scopes = [
+            DirectionScope.of(float(gz[i]), float(zhz[i]), float(zz[i]), gg[s])
+            for i, s in ((2 * k, "all"), (2 * k + 1, "hidden"))
+        ]
+        out.append(PairedDirection(d.name, d.source, d.scaling, *scopes))
+    return tuple(out)
+
+
+def paired_directions(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    G: Mapping[str, Tensor],
+    Z: Mapping[str, Tensor],
+    names: Sequence[str] = PAIRED,
+    shadow: ShadowState | None = None,
+    dtype: torch.dtype | None = None,
+    method: str = "rev_rev",
+) -> PairedDirections:
+    """The directions ``names`` (:func:`counterfactual_directions`) measured at ``params`` on ``batch``
+    (:func:`measure_directions`), over all parameters and the hidden matrices."""
+    base, multiplier, directions = counterfactual_directions(model, optimizer, G, Z, names, shadow)
+    hidden = hidden_matrices({n: params[n] for n in params}, model)
+    with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
+        measured = measure_directions(point, directions, hidden)
+    used = shadow is not None and any(d.source.startswith("shadow") for d in directions)
+    return PairedDirections(
+        base, BASES[base], measured, tuple(hidden), multiplier, shadow.settings.to_dict() if used else None
+    )
+
+
+# -- between runs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DirectionLandscape:
+    r"""The split of a between-run NDS ratio into direction and landscape terms (module docstring):
+    ``between = direction_at_adamw * landscape_along_muon = direction_at_muon * landscape_along_adamw``.
+
+    Attributes:
+        between: :math:`N_\text{adamw}(W_a) / N_\text{muon}(W_b)`.
+        direction_at_adamw: :math:`N_\text{adamw}(W_a) / N_\text{muon}(W_a)`, at the AdamW checkpoint.
+        direction_at_muon: :math:`N_\text{adamw}(W_b) / N_\text{muon}(W_b)`, at the Muon checkpoint.
+        landscape_along_muon: :math:`N_\text{muon}(W_a) / N_\text{muon}(W_b)`.
+        landscape_along_adamw: :math:`N_\text{adamw}(W_a) / N_\text{adamw}(W_b)`.
+        sign_agreement: whether the four NDS values have one sign (else the ratios mix signs: read them
+            with the values, never through a log).
+    """
+
+    between: float
+    direction_at_adamw: float
+    direction_at_muon: float
+    landscape_along_muon: float
+    landscape_along_adamw: float
+    sign_agreement: bool
+
+    @classmethod
+    def of(cls, adamw_at_a: float, muon_at_a: float, adamw_at_b: float, muon_at_b: float) -> DirectionLandscape:
+        """From the four paired NDS values (a: the AdamW checkpoint, b: the Muon one)."""
+
+        def ratio(x: float, y: float) -> float:
+            return x / y if y != 0 else float("nan")
+
+        values = (adamw_at_a, muon_at_a, adamw_at_b, muon_at_b)
+        return cls(
+            between=ratio(adamw_at_a, muon_at_b),
+            direction_at_adamw=ratio(adamw_at_a, muon_at_a),
+            direction_at_muon=ratio(adamw_at_b, muon_at_b),
+            landscape_along_muon=ratio(muon_at_a, muon_at_b),
+            landscape_along_adamw=ratio(adamw_at_a, adamw_at_b),
+            sign_agreement=all(v > 0 for v in values) or all(v < 0 for v in values),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DirectionLandscape:
+        return cls(**d)
+
+
+def directions_table(paired: PairedDirections) -> str:
+    """The directions as an aligned plain-text table, each one's source below it, and the hidden-scope
+    NDS of each over the real step's (the paired direction ratio)."""
+    real = paired.get(paired.real) if paired.real in paired.names else None
+    header = ("direction", "scaling", "NDS all", "NDS hidden", "cos all", "cos hidden", "q all", "q hidden")
+    header += ("||Z|| all", "||Z|| hidden", f"NDS/NDS({paired.real}) hidden")
+    rows = []
+    for d in paired.directions:
+        a, h = d.all, d.hidden
+        ratio = h.nds / real.hidden.nds if real is not None and real.hidden.nds != 0 else float("nan")
+        rows.append(
+            (d.name, d.scaling, a.nds, h.nds, a.cosine, h.cosine, a.q, h.q, a.update_norm, h.update_norm, ratio)
+        )
+    cells = [header] + [tuple(f"{c:.6g}" if isinstance(c, float) else str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = []
+    for k, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if k and i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines += [f"{d.name}: {d.source}" for d in paired.directions]
+    lines.append(
+        f"(base state: {paired.base}; schedule multiplier {paired.multiplier:.6g}; off the hidden matrices every "
+        "direction is the real step)"
+    )
+    if paired.shadow is not None:
+        lines.append(f"(shadow {paired.shadow['kind']}: peak lr {paired.shadow['lr']:g} times the multiplier)")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Curvature from the engine: the Taylor split and NDS, parameter groupings, spectral estimators."""

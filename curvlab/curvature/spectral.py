@@ -1,0 +1,705 @@
+r"""The curvature landscape beyond one direction: extreme eigenvalues, trace, spectral density, and
+Adam's preconditioned sharpness, exact through :mod:`curvlab.hvp` on any model.
+
+Every estimator takes a symmetric :class:`~curvlab.engine.operator.Operator`: the Hessian
+(:func:`~curvlab.engine.operator.hessian_operator`, or a block of it), a preconditioned Hessian, any
+symmetric matrix (the tests use ones with known spectra). Everything runs on the operator's device
+in its dtype: the random vectors (and their generators) are made there, and only scalars and the
+small tridiagonal matrices go to the host.
+
+Memory. A vector over the parameters takes ``dim × itemsize`` bytes (0.5 GB for the 124M-parameter
+GPT-2 in float32). Lanczos keeps an orthonormal basis of such vectors; ``memory`` (bytes) bounds it:
+
+* :func:`lanczos` holds at most ``m = memory // vector_bytes`` basis vectors and thick-restarts
+  (Wu & Simon 2000) when they are full: it keeps the ``(m + k) // 2`` best Ritz vectors, which
+  carry what the basis has learnt, and goes on from the residual. Full reorthogonalization within
+  the basis means no spurious copies of converged eigenvalues, so the k wanted pairs (clusters and
+  multiplicities included) converge to the same values as without a bound, at the cost of more HVPs.
+  ``basis_device="cpu"`` keeps the basis in host memory while the operator runs on an accelerator.
+* :func:`spectral_density` (SLQ) needs the whole Krylov basis of each start vector for full
+  reorthogonalization; the budget decides how many start vectors share one batched HVP call, and
+  when one basis alone doesn't fit it runs the plain three-term recurrence (three vectors per start),
+  whose Gauss quadrature is still accurate in floating point (Greenbaum 1989, Knizhnerman 1996):
+  lost orthogonality only splits a converged node's weight among copies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from curvlab.engine.operator import Operator
+from curvlab.errors import CurvlabError
+
+SPECTRUM_SCHEMA_VERSION = 1  # the JSON of CheckpointSpectrum (``curvlab spectrum --out``)
+
+
+def vector_bytes(op: Operator) -> int:
+    """Bytes of one flat vector of ``op`` (``dim × itemsize``): the unit of every Lanczos memory budget."""
+    return op.dim * torch.finfo(op.dtype).bits // 8
+
+
+def _generator(op: Operator, seed: int) -> torch.Generator:
+    return torch.Generator(device=op.device).manual_seed(seed)
+
+
+def _gaussian(op: Operator, columns: int, g: torch.Generator) -> Tensor:
+    return torch.randn((op.dim, columns), generator=g, device=op.device, dtype=op.dtype)
+
+
+def _rademacher(op: Operator, columns: int, g: torch.Generator) -> Tensor:
+    z = torch.empty((op.dim, columns), device=op.device, dtype=op.dtype).bernoulli_(0.5, generator=g)
+    return z.mul_(2).sub_(1)
+
+
+def _host(x: Tensor) -> np.ndarray:
+    """A small tensor (coefficients, per-sample values) as a float64 numpy array on the host."""
+    return x.detach().cpu().numpy().astype(np.float64)
+
+
+# -- Lanczos ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EigenResult:
+    """Extreme eigenpairs. ``eigenvectors`` is ``(dim, k)`` (columns, flat, on the operator's
+    device), ``residuals`` the true ``||A u - θ u||`` of each pair, ``converged`` whether every
+    residual is within tolerance; ``basis_vectors`` the most Lanczos vectors held at once and
+    ``restarts`` how often the basis was compressed to fit its memory budget."""
+
+    eigenvalues: np.ndarray
+    eigenvectors: Tensor
+    residuals: np.ndarray
+    num_matvecs: int
+    iterations: int
+    converged: bool
+    algorithm: str
+    which: str
+    basis_vectors: int = 0
+    restarts: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "eigenvalues": self.eigenvalues.tolist(),
+            "residuals": self.residuals.tolist(),
+            "num_matvecs": self.num_matvecs,
+            "iterations": self.iterations,
+            "converged": self.converged,
+            "algorithm": self.algorithm,
+            "which": self.which,
+            "basis_vectors": self.basis_vectors,
+            "restarts": self.restarts,
+        }
+
+
+class _Basis:
+    """Up to ``capacity`` orthonormal vectors of length ``dim`` on ``device``, stored as rows of
+    blocks allocated as they fill: an unbounded run holds only the vectors it used (blocks of one
+    vector for large models, of up to 16 for small ones, where one product per block saves time)."""
+
+    CHUNK = 1 << 22  # elements of a temporary in :meth:`rotate`, and of a block of small vectors
+
+    def __init__(self, dim: int, capacity: int, device: torch.device, dtype: torch.dtype):
+        self.dim, self.capacity, self.device, self.dtype = dim, capacity, device, dtype
+        self.block = max(1, min(16, self.CHUNK // dim))
+        self.blocks: list[Tensor] = []
+        self.size = 0
+
+    def _used(self) -> list[Tensor]:
+        return [b[: min(self.block, self.size - i * self.block)] for i, b in enumerate(self.blocks[: self._nblocks()])]
+
+    def _nblocks(self) -> int:
+        return -(-self.size // self.block)
+
+    def append(self, v: Tensor) -> None:
+        i, r = divmod(self.size, self.block)
+        if i == len(self.blocks):
+            rows = min(self.block, self.capacity - i * self.block)
+            self.blocks.append(torch.empty((rows, self.dim), device=self.device, dtype=self.dtype))
+        self.blocks[i][r] = v
+        self.size += 1
+
+    def row(self, i: int) -> Tensor:
+        return self.blocks[i // self.block][i % self.block]
+
+    def orthogonalize(self, w: Tensor) -> tuple[Tensor, np.ndarray]:
+        r"""``w`` minus its projection on the basis, by classical Gram–Schmidt applied twice
+        ("twice is enough", Kahan–Parlett), and the projection's coefficients :math:`V^\top w`."""
+        if self.size == 0:
+            return w, np.zeros(0)
+        wb = w.to(self.device)
+        h = 0.0
+        for _ in range(2):
+            used = self._used()
+            c = [R @ wb for R in used]
+            for R, ci in zip(used, c):
+                wb.addmv_(R.T, ci, alpha=-1)  # in place: w is this call's own (a fresh product)
+            h = h + _host(torch.cat(c))
+        return wb.to(w.device), h
+
+    def combine(self, S: np.ndarray, device: torch.device) -> Tensor:
+        r""":math:`V^\top S`: the vectors with coefficients the columns of ``S`` (``size × k``), on ``device``."""
+        S = torch.as_tensor(S, device=self.device, dtype=self.dtype)
+        out = sum(R.T @ S[i * self.block : i * self.block + len(R)] for i, R in enumerate(self._used()))
+        return out.to(device)
+
+    def rotate(self, S: np.ndarray) -> None:
+        r"""Replace the basis by its first ``l`` combinations :math:`S^\top V` (``S`` is ``size × l``),
+        in place, a slab of coordinates at a time (no second basis is ever allocated)."""
+        St = torch.as_tensor(S.T.copy(), device=self.device, dtype=self.dtype)
+        step = max(1, self.CHUNK // self.size)
+        used = self._used()
+        for a in range(0, self.dim, step):
+            Y = St @ torch.cat([R[:, a : a + step] for R in used])
+            for i, rows in enumerate(Y.split(self.block)):
+                self.blocks[i][: len(rows), a : a + step] = rows
+        self.size = S.shape[1]
+
+
+def _residuals(op: Operator, U: Tensor, values: np.ndarray) -> np.ndarray:
+    r"""The true residuals :math:`\|A u_i - \theta_i u_i\|` of the columns of U, in one batched product."""
+    AU = op.matmat(U)
+    for i, value in enumerate(values):
+        AU[:, i].sub_(U[:, i], alpha=float(value))
+    return _host(AU.norm(dim=0))
+
+
+def _pick(theta: np.ndarray, k: int, which: str) -> np.ndarray:
+    order = np.argsort(theta)
+    return order[::-1][:k] if which == "largest" else order[:k]
+
+
+def _check_which(which: str) -> None:
+    if which not in ("largest", "smallest"):
+        raise CurvlabError(f"which must be 'largest' or 'smallest', got {which!r}")
+
+
+def _check_memory(memory: float) -> None:
+    if not memory > 0:
+        raise CurvlabError(f"the memory budget must be a positive number of bytes, got {memory}")
+
+
+def basis_capacity(op: Operator, memory: int | None, k: int, limit: int) -> int:
+    """How many Lanczos vectors fit in ``memory`` bytes (at most ``limit``); ``None`` means ``limit``.
+
+    Raises:
+        CurvlabError: a budget below the ``k + 2`` vectors a restart needs.
+    """
+    if memory is None:
+        return limit
+    _check_memory(memory)
+    m = int(memory) // vector_bytes(op)
+    need = min(k + 2, op.dim)
+    if m < need:
+        raise CurvlabError(
+            f"a memory budget of {int(memory)} bytes holds {m} Lanczos vectors of {vector_bytes(op)} bytes; "
+            f"k = {k} needs at least {need} ({need * vector_bytes(op)} bytes)"
+        )
+    return min(m, limit)
+
+
+def lanczos(
+    op: Operator,
+    k: int = 1,
+    which: str = "largest",
+    max_iter: int = 100,
+    tol: float = 1e-6,
+    seed: int = 0,
+    memory: int | None = None,
+    basis_device: torch.device | str | None = None,
+) -> EigenResult:
+    r"""The k largest (or smallest) eigenpairs by Lanczos with full reorthogonalization, thick-restarted
+    to fit a memory budget.
+
+    With basis :math:`V` (orthonormal columns) and :math:`T = V^\top A V` (tridiagonal, with an arrow
+    after a restart) it holds :math:`A V = V T + f e_m^\top`, so a Ritz pair :math:`(\theta_i, V s_i)`
+    of T has residual :math:`\|f\|\,|e_m^\top s_i|`. It stops when every wanted pair's residual is
+    below ``tol`` times :math:`\max|\theta|`, or after ``max_iter`` matvecs; then reports the true
+    residuals (k more matvecs, batched) and ``converged`` from them. Never a silent wrong number: an
+    unconverged result says so. Like every Krylov method from one start vector, it sees one direction
+    per distinct eigenvalue: when that space closes (an exact multiplicity) it goes on from a fresh
+    random direction instead of stopping, but a multiplicity hidden in a space that never closes
+    shows up only as far as rounding brings it in.
+
+    Args:
+        memory: bytes the stored Lanczos vectors may take (``None``: no bound, one vector per
+            iteration, up to ``max_iter``). When m = ``memory // vector_bytes(op)`` vectors are full,
+            the basis is compressed to its ``(m + k) // 2`` best Ritz vectors (thick restart).
+        basis_device: where the basis lives (default: the operator's device); ``"cpu"`` keeps it in
+            host memory, and the reorthogonalization runs there.
+    """
+    _check_which(which)
+    if not 1 <= k <= op.dim:
+        raise CurvlabError(f"k = {k} must lie in [1, dim = {op.dim}]")
+    m = basis_capacity(op, memory, k, min(max_iter, op.dim))
+    start = op.num_matvecs
+    basis = _Basis(op.dim, m, torch.device(basis_device) if basis_device else op.device, op.dtype)
+    g = _generator(op, seed)
+
+    def fresh() -> Tensor:  # a random unit vector orthogonal to the basis
+        v, _ = basis.orthogonalize(_gaussian(op, 1, g)[:, 0])
+        return v / v.norm()
+
+    basis.append(fresh())
+    T = np.zeros((m, m))
+    j, steps, restarts, held = 1, 0, 0, 1
+    eps = torch.finfo(op.dtype).eps
+    while True:
+        w, h = basis.orthogonalize(op.matvec(basis.row(j - 1).to(op.device)))
+        steps += 1
+        T[:j, j - 1] = T[j - 1, :j] = h
+        beta = float(w.norm())
+        theta, S = np.linalg.eigh(T[:j, :j])
+        idx = _pick(theta, k, which)
+        scale = max(float(np.abs(theta).max()), 1e-300)
+        closed = beta <= 100 * eps * scale  # an invariant subspace: its Ritz values are exact, maybe not extreme
+        if not closed and len(idx) == k and np.all(beta * np.abs(S[j - 1, idx]) <= tol * scale):
+            break
+        if steps >= max_iter or j == op.dim:
+            break
+        if j == m:  # the budget is full: keep the best Ritz vectors and go on from the residual
+            keep = _pick(theta, (m + k) // 2, which)
+            basis.rotate(S[:, keep])
+            T[:] = 0.0
+            T[np.arange(len(keep)), np.arange(len(keep))] = theta[keep]
+            j, restarts = len(keep), restarts + 1
+        basis.append(fresh() if closed else w / beta)  # after a closed space, a fresh direction finds the rest
+        j += 1
+        held = max(held, j)
+    idx = _pick(theta, min(k, j), which)
+    U = basis.combine(S[:, idx], op.device)
+    residuals = _residuals(op, U, theta[idx])
+    converged = bool(len(idx) == k and np.all(residuals <= 10 * tol * scale * max(1.0, math.sqrt(k))))
+    return EigenResult(
+        theta[idx], U, residuals, op.num_matvecs - start, steps, converged, "lanczos", which, held, restarts
+    )
+
+
+def eigsh_extremes(
+    op: Operator,
+    k: int = 1,
+    which: str = "largest",
+    tol: float = 1e-6,
+    max_iter: int | None = None,
+    memory: int | None = None,
+) -> EigenResult:
+    """The same as :func:`lanczos` through ``scipy.sparse.linalg.eigsh`` on ``op.to_scipy()``
+    (ARPACK's implicitly restarted Lanczos, with its basis in host memory): ``memory`` bytes set its
+    number of Lanczos vectors ``ncv`` (default scipy's, ``max(2k + 1, 20)``)."""
+    from scipy.sparse.linalg import ArpackNoConvergence, eigsh
+
+    _check_which(which)
+    if not 1 <= k < op.dim:
+        raise CurvlabError(f"eigsh needs 1 <= k < dim = {op.dim}, got k = {k}")
+    ncv = None if memory is None else min(basis_capacity(op, memory, k, op.dim), op.dim)
+    start = op.num_matvecs
+    converged = True
+    try:
+        vals, vecs = eigsh(
+            op.to_scipy(), k=k, which="LA" if which == "largest" else "SA", tol=tol, maxiter=max_iter, ncv=ncv
+        )
+    except ArpackNoConvergence as e:
+        vals, vecs, converged = e.eigenvalues, e.eigenvectors, False
+    order = np.argsort(vals)[::-1] if which == "largest" else np.argsort(vals)
+    vals = vals[order]
+    U = torch.as_tensor(vecs[:, order].copy(), device=op.device, dtype=op.dtype)
+    residuals = _residuals(op, U, vals)
+    used = op.num_matvecs - start
+    ok = converged and len(vals) == k
+    held = ncv or min(op.dim, max(2 * k + 1, 20))
+    return EigenResult(vals.astype(np.float64), U, residuals, used, used - len(vals), ok, "eigsh", which, held)
+
+
+# -- trace -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """A trace estimate with its standard error (``std_error``) and cost."""
+
+    trace: float
+    std_error: float
+    num_matvecs: int
+    algorithm: str
+    samples: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def hutchinson(op: Operator, samples: int = 64, batch: int = 16, seed: int = 0) -> TraceResult:
+    r"""Hutchinson's estimator :math:`\operatorname{tr} A \approx \frac1N \sum_i z_i^\top A z_i` with
+    Rademacher :math:`z_i`; the standard error is the sample standard deviation over :math:`\sqrt N`.
+    Products are taken ``batch`` at a time (``2 × batch`` vectors in memory)."""
+    if samples < 2:
+        raise CurvlabError("Hutchinson needs at least 2 samples for a standard error")
+    start = op.num_matvecs
+    g = _generator(op, seed)
+    values = []
+    for first in range(0, samples, batch):
+        Z = _rademacher(op, min(batch, samples - first), g)
+        values.append(_host((Z * op.matmat(Z)).sum(0)))
+    v = np.concatenate(values)
+    return TraceResult(
+        float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))), op.num_matvecs - start, "hutchinson", len(v)
+    )
+
+
+def hutch_plus_plus(op: Operator, samples: int = 60, seed: int = 0) -> TraceResult:
+    r"""Hutch++ (Meyer, Musco, Musco, Woodruff 2021): with m = samples/3, Q = orth(A S) for m random
+    columns, :math:`\operatorname{tr}(Q^\top A Q)` exactly plus Hutchinson on the deflated
+    :math:`(I - QQ^\top) A (I - QQ^\top)` with m vectors; the standard error is that of the second
+    part. About ``3m`` vectors are in memory at once."""
+    m = max(2, samples // 3)
+    start = op.num_matvecs
+    g = _generator(op, seed)
+    Q, _ = torch.linalg.qr(op.matmat(_rademacher(op, m, g)))
+    exact = float(torch.trace(Q.T @ op.matmat(Q)))
+    G = _rademacher(op, m, g)
+    G = G - Q @ (Q.T @ G)
+    AG = op.matmat(G)
+    AG = AG - Q @ (Q.T @ AG)
+    v = _host((G * AG).sum(0))
+    return TraceResult(
+        exact + float(v.mean()), float(v.std(ddof=1) / math.sqrt(m)), op.num_matvecs - start, "hutch++", 3 * m
+    )
+
+
+# -- spectral density ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DensityResult:
+    """A spectral density on ``grid`` (integrating to 1), from stochastic Lanczos quadrature nodes
+    and weights; ``reorthogonalized`` says whether the Lanczos bases were kept (see the module's memory notes)."""
+
+    grid: np.ndarray
+    density: np.ndarray
+    nodes: np.ndarray  # (vectors, steps)
+    weights: np.ndarray
+    sigma: float
+    num_matvecs: int
+    reorthogonalized: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "grid": self.grid.tolist(),
+            "density": self.density.tolist(),
+            "nodes": self.nodes.tolist(),
+            "weights": self.weights.tolist(),
+            "sigma": self.sigma,
+            "num_matvecs": self.num_matvecs,
+            "reorthogonalized": self.reorthogonalized,
+        }
+
+
+def _independent_lanczos(
+    op: Operator, starts: Tensor, steps: int, keep_basis: bool, basis_device: torch.device
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    r"""``steps`` Lanczos steps from each column of ``starts`` (``dim × V``), all V through one
+    matmat per step: the tridiagonals' ``alpha`` (``steps × V``), ``beta`` (``steps × V``) and each
+    column's length (shorter where its Krylov space closed). ``keep_basis``: full reorthogonalization
+    against the kept basis (``steps × V`` vectors), else the three-term recurrence alone."""
+    V = starts.shape[1]
+    q = (starts / starts.norm(dim=0)).T  # (V, dim): one row per start vector
+    q_prev = torch.zeros_like(q)
+    b_prev = q.new_zeros((V, 1))
+    basis = torch.empty((V, steps, op.dim), device=basis_device, dtype=op.dtype) if keep_basis else None
+    alphas, betas = [], []
+    lengths = np.full(V, steps)
+    norm = np.zeros(V)
+    tiny = 100 * torch.finfo(op.dtype).eps
+    for j in range(steps):
+        if basis is not None:
+            basis[:, j] = q
+        w = op.matmat(q.T).T
+        a = (q * w).sum(1, keepdim=True)
+        w = w - a * q - b_prev * q_prev
+        if basis is not None:
+            B, wb = basis[:, : j + 1], w.to(basis_device)
+            for _ in range(2):
+                wb = wb - torch.bmm(B.transpose(1, 2), torch.bmm(B, wb[:, :, None]))[:, :, 0]
+            w = wb.to(op.device)
+        b = w.norm(dim=1, keepdim=True)
+        a_host, b_host = _host(a[:, 0]), _host(b[:, 0])
+        alphas.append(a_host)
+        betas.append(b_host)
+        norm = np.maximum(norm, np.abs(a_host) + b_host)
+        closed = (b_host <= tiny * np.maximum(norm, 1e-300)) & (lengths == steps)
+        lengths[closed] = j + 1
+        alive = torch.as_tensor(lengths > j + 1, device=op.device)[:, None]
+        q_prev, q = q, torch.where(alive, w / torch.where(alive, b, 1.0), 0.0)
+        b_prev = torch.where(alive, b, 0.0)
+    return np.array(alphas), np.array(betas), lengths
+
+
+def spectral_density(
+    op: Operator,
+    steps: int = 40,
+    vectors: int = 4,
+    points: int = 1000,
+    sigma: float | None = None,
+    seed: int = 0,
+    memory: int | None = None,
+    basis_device: torch.device | str | None = None,
+) -> DensityResult:
+    r"""Stochastic Lanczos quadrature (Ghorbani et al. 2019): for each random unit vector, ``steps``
+    Lanczos steps give nodes :math:`\theta_j` (eigh of the tridiagonal T) and weights
+    :math:`\tau_j = (e_1^\top s_j)^2`; the density is their average, each node broadened by a
+    Gaussian of width ``sigma`` (default 1% of the spectral range), normalized to integrate to 1.
+
+    The ``vectors`` runs go through one batched matmat per step. ``memory`` (bytes; ``None``: no
+    bound) holds their bases for full reorthogonalization when ``steps × vectors`` vectors fit; else
+    as many runs at a time as fit; and when not even one run's ``steps`` vectors fit, all run the
+    three-term recurrence without a basis (``reorthogonalized`` is then False).
+    """
+    steps = min(steps, op.dim)
+    start = op.num_matvecs
+    g = _generator(op, seed)
+    starts = _gaussian(op, vectors, g)
+    per_run = steps * vector_bytes(op)
+    if memory is not None:
+        _check_memory(memory)
+    together = vectors if memory is None else min(vectors, int(memory) // per_run)
+    keep_basis = together >= 1
+    together = together if keep_basis else vectors
+    where = torch.device(basis_device) if basis_device else op.device
+    nodes, weights = [], []
+    for first in range(0, vectors, together):
+        alpha, beta, lengths = _independent_lanczos(op, starts[:, first : first + together], steps, keep_basis, where)
+        for c, n in enumerate(lengths):
+            T = np.diag(alpha[:n, c]) + np.diag(beta[: n - 1, c], 1) + np.diag(beta[: n - 1, c], -1)
+            theta, S = np.linalg.eigh(T)
+            nodes.append(np.pad(theta, (0, steps - n), constant_values=theta[-1]))  # closed early: zero weights
+            weights.append(np.pad(S[0] ** 2, (0, steps - n)))
+    nodes, weights = np.array(nodes), np.array(weights) / vectors
+    lo, hi = nodes.min(), nodes.max()
+    width = max(hi - lo, 1e-12 * max(1.0, abs(hi)))
+    sigma = sigma or 0.01 * width
+    grid = np.linspace(lo - 5 * sigma, hi + 5 * sigma, points)
+    density = (weights.reshape(-1, 1) * np.exp(-0.5 * ((grid - nodes.reshape(-1, 1)) / sigma) ** 2)).sum(0)
+    density /= sigma * math.sqrt(2 * math.pi)
+    density /= np.trapezoid(density, grid)
+    return DensityResult(grid, density, nodes, weights, float(sigma), op.num_matvecs - start, keep_basis)
+
+
+# -- preconditioned sharpness ------------------------------------------------------------------------
+
+
+def adam_preconditioner(optimizer: torch.optim.Optimizer, model: torch.nn.Module, names: Sequence[str]) -> Tensor:
+    r"""Adam's diagonal :math:`P = \sqrt{\hat v} + \epsilon`, :math:`\hat v = v / (1 - \beta_2^t)`, from an
+    optimizer's state, flattened in the order of ``names`` (on the state's device, in float64).
+
+    Raises:
+        CurvlabError: a parameter without Adam state (``exp_avg_sq``), e.g. Muon's matrices.
+    """
+    table = dict(model.named_parameters())
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    pieces = []
+    for n in names:
+        p = table[n]
+        state = optimizer.state.get(p, {})
+        if "exp_avg_sq" not in state:
+            raise CurvlabError(
+                f"{n} has no Adam state (exp_avg_sq): the preconditioned sharpness needs an Adam checkpoint"
+            )
+        group = group_of[id(p)]
+        beta2, eps = group["betas"][1], group["eps"]
+        step = float(state["step"])
+        v_hat = state["exp_avg_sq"].double() / (1 - beta2**step)
+        pieces.append((v_hat.sqrt() + eps).reshape(-1))
+    return torch.cat(pieces)
+
+
+def adam_edge_of_stability(lr: float, beta1: float) -> float:
+    r"""Adam's edge of stability :math:`(2 + 2\beta_1) / ((1 - \beta_1)\eta)`: on a quadratic, heavy-ball
+    momentum :math:`\beta_1` with step :math:`\eta` is stable while the (preconditioned) sharpness stays
+    below it (Cohen et al. 2022, "Adaptive gradient methods at the edge of stability"); 38/η at
+    :math:`\beta_1 = 0.9`, and gradient descent's 2/η at :math:`\beta_1 = 0`."""
+    if not lr > 0:
+        raise CurvlabError(f"the learning rate must be positive for an edge of stability, got {lr}")
+    if not 0 <= beta1 < 1:
+        raise CurvlabError(f"beta1 must lie in [0, 1), got {beta1}")
+    return (2 + 2 * beta1) / ((1 - beta1) * lr)
+
+
+def adam_step_settings(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
+    """The ``(lr, beta1)`` that every Adam group of ``optimizer`` shares (the edge of stability needs one of each).
+
+    Raises:
+        CurvlabError: no Adam group, or groups that disagree.
+    """
+    pairs = {(float(g["lr"]), float(g["betas"][0])) for g in optimizer.param_groups if "betas" in g}
+    if len(pairs) != 1:
+        raise CurvlabError(
+            "the preconditioned sharpness needs one Adam learning rate and beta1, "
+            f"found {len(pairs)} (lr, beta1) pairs among the optimizer's groups"
+        )
+    return pairs.pop()
+
+
+@dataclass(frozen=True)
+class PreconditionedSharpness:
+    r""":math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` for Adam's P, beside its edge of stability
+    :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)` (:func:`adam_edge_of_stability`)."""
+
+    eigen: EigenResult
+    lr: float
+    beta1: float
+
+    @property
+    def edge_of_stability(self) -> float:
+        return adam_edge_of_stability(self.lr, self.beta1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.eigen.to_dict(), "lr": self.lr, "beta1": self.beta1, "edge_of_stability": self.edge_of_stability}
+
+
+# -- results of the analysis pipeline ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpectrumRequest:
+    """Which parts of a checkpoint's Hessian spectrum :func:`curvlab.analysis.checkpoints.checkpoint_spectrum`
+    computes (``curvlab spectrum``'s options; the batches, dtype and HVP method are its
+    :class:`curvlab.analysis.checkpoints.AnalysisSettings`).
+
+    Attributes:
+        top, bottom: how many of the largest and smallest eigenvalues (Lanczos; 0: none).
+        trace: the trace by Hutchinson and by Hutch++.
+        density: the spectral density by stochastic Lanczos quadrature.
+        blocks: also λ_max of each block of this grouping (``layer``, ``tensor``, ``kind``), or None.
+        preconditioned: Adam's preconditioned sharpness (AdamW checkpoints).
+        max_iter: Lanczos iterations (HVPs) at most, per eigenproblem.
+        memory: bytes every stored Lanczos basis may take (thick restart beyond); None: unbounded.
+    """
+
+    top: int = 5
+    bottom: int = 0
+    trace: bool = False
+    density: bool = False
+    blocks: str | None = None
+    preconditioned: bool = False
+    max_iter: int = 100
+    memory: int | None = None
+
+    def validate(self) -> None:
+        for name in ("top", "bottom"):
+            if getattr(self, name) < 0:
+                raise CurvlabError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_iter < 1:
+            raise CurvlabError(f"max_iter must be >= 1, got {self.max_iter}")
+        if self.memory is not None and self.memory <= 0:
+            raise CurvlabError(f"memory must be > 0 bytes (or None: unbounded), got {self.memory}")
+
+
+def _maybe(x: Any) -> Any:
+    return None if x is None else x.to_dict()
+
+
+@dataclass(frozen=True)
+class CheckpointSpectrum:
+    """The Hessian spectrum at one checkpoint (:func:`curvlab.analysis.checkpoints.checkpoint_spectrum`); every
+    part is ``None`` when it wasn't asked for. JSON: ``SPECTRUM_SCHEMA_VERSION``."""
+
+    SCHEMA_VERSION: ClassVar[int] = SPECTRUM_SCHEMA_VERSION
+
+    checkpoint: str
+    step: int
+    optimizer: str
+    method: str  # the HVP method
+    dtype: str
+    top: EigenResult | None = None
+    bottom: EigenResult | None = None
+    hutchinson: TraceResult | None = None
+    hutch_plus_plus: TraceResult | None = None
+    density: DensityResult | None = None
+    blocks: dict[str, EigenResult] | None = None
+    preconditioned: PreconditionedSharpness | None = None
+
+    def traces(self) -> dict[str, TraceResult]:
+        """The trace estimates taken, by estimator name."""
+        both = {"hutchinson": self.hutchinson, "hutch++": self.hutch_plus_plus}
+        return {k: v for k, v in both.items() if v is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.SCHEMA_VERSION,
+            "checkpoint": self.checkpoint,
+            "step": self.step,
+            "optimizer": self.optimizer,
+            "method": self.method,
+            "dtype": self.dtype,
+            "top": _maybe(self.top),
+            "bottom": _maybe(self.bottom),
+            "trace": {k: v.to_dict() for k, v in self.traces().items()} or None,
+            "density": _maybe(self.density),
+            "blocks": None if self.blocks is None else {k: v.to_dict() for k, v in self.blocks.items()},
+            "preconditioned": _maybe(self.preconditioned),
+        }
+
+
+@dataclass(frozen=True)
+class UpdateSpectrum:
+    r"""λ_max and the top-k eigenvalues of H at a checkpoint, the share of :math:`\|Z\|^2` of its next
+    update Z in their span, and the trace (the ``spectrum`` of a curvature report)."""
+
+    top: EigenResult
+    trace: TraceResult
+    overlap_top_k: float
+    nds: float
+    dim: int
+
+    @property
+    def lambda_max(self) -> float:
+        return float(self.top.eigenvalues[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        lam = self.lambda_max
+        return {
+            "lambda_max": lam,
+            "top": self.top.eigenvalues.tolist(),
+            "residuals": self.top.residuals.tolist(),
+            "converged": self.top.converged,
+            "num_hvps": self.top.num_matvecs + self.trace.num_matvecs,
+            "overlap_top_k": self.overlap_top_k,
+            "nds_over_lambda_max": self.nds / lam if lam else float("nan"),
+            "trace": self.trace.trace,
+            "trace_std_error": self.trace.std_error,
+            "trace_per_parameter": self.trace.trace / self.dim,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], nds: float) -> UpdateSpectrum:
+        """The spectrum of a saved report (``nds``: the report's NDS of Z). The JSON keeps no
+        eigenvectors (the loaded ones are empty), nor how its ``num_hvps`` split between Lanczos and
+        the trace (all are counted on Lanczos'), nor Hutchinson's sample count; the rest is exact, so
+        :meth:`to_dict` gives the same JSON back."""
+        top = np.asarray(d["top"], dtype=float)
+        per = d["trace_per_parameter"]
+        dim = round(d["trace"] / per) if per and math.isfinite(per) else 1
+        eigen = EigenResult(
+            top,
+            torch.zeros(0, len(top), dtype=torch.float64),
+            np.asarray(d["residuals"], dtype=float),
+            d["num_hvps"],
+            0,
+            d["converged"],
+            "lanczos",
+            "largest",
+        )
+        trace = TraceResult(d["trace"], d["trace_std_error"], 0, "hutchinson", 0)
+        return cls(eigen, trace, d["overlap_top_k"], nds, dim)
+
+
+def overlap_with(U: Tensor, z: Tensor) -> float:
+    """The share of ||z||² that lies in the span of U's (orthonormal) columns."""
+    z = z.to(device=U.device, dtype=U.dtype)
+    coeff = U.T @ z
+    return float((coeff @ coeff) / (z @ z))

@@ -1,0 +1,557 @@
+r"""Exact Hessian-vector products of ``loss_fn(params, batch)``, from one object per point.
+
+Notation (docs/science.md): parameters W as a dict of tensors, gradient :math:`G = \nabla L(W)`, and the
+Hessian operator :math:`H[v] = \frac{d}{d\epsilon} \nabla L(W + \epsilon v)\big|_{\epsilon=0}`.
+
+:class:`CurvaturePoint` is the engine: built for a loss, parameters and batches (one or many,
+weighted by their loss terms, shared across ranks under torch.distributed), it runs the forward pass
+and the first backward once, then answers any number of HVPs, quadratic forms and gradients there.
+Methods:
+
+* ``"rev_rev"`` (default): double backward on the kept first-order graph. Each further direction
+  costs one backward pass through that graph (about 2 gradients), restricted to the gradient entries
+  the direction touches, so a direction that lives in the top layers skips the bottom of the graph.
+* ``"fwd_rev"``: forward-over-reverse, ``jvp`` of ``grad``, for ops without double backward. Nothing
+  is kept; every call runs one forward and one backward pass carrying dual numbers, vmapped over
+  its directions, with tangents only on the parameters the directions touch.
+
+:func:`quadratic_forms` is a third way for :math:`(\langle G, z\rangle, \langle z, H z\rangle)` alone:
+forward-over-forward, ``jvp`` of ``jvp``, with no backward pass at all.
+
+Every computation runs inside :func:`~curvlab.engine.exact.exact_second_order` with just the reroutings
+its method needs (math attention, no dropout, running statistics untouched; composite norms for
+forward-over-forward), so it is exact on any model, and with torch's compiler stance
+``"force_eager"``, so that a ``torch.compile``'d model (whose compiled graphs have no double
+backward) works with every method. Computation is in float32 unless ``dtype`` (or
+float64 parameters) say otherwise; bf16 and fp16 parameters and directions are upcast. The functions
+:func:`hvp`, :func:`hvps`, :func:`gradient_and_hvps` and :func:`evaluate_loss` are one-point
+shortcuts over :class:`CurvaturePoint`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import grad_and_value, jvp, vmap
+from torch.utils._pytree import tree_map
+
+from curvlab.engine import _gathered as S
+from curvlab.engine import params as P
+from curvlab.engine._dtensors import all_finite, check_layout
+from curvlab.engine.exact import exact_second_order, running_statistics
+from curvlab.engine.loss import LossFn, weighted_batches
+from curvlab.errors import CurvlabError
+from curvlab.util.distributed import all_reduce_sum, my_share, rank_and_world
+
+METHODS = ("rev_rev", "fwd_rev")
+DEFAULT_METHOD = "rev_rev"
+
+
+def working_dtype(params: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype curvature is computed in: ``dtype`` if given, float64 if any parameter is, else float32."""
+    if dtype is not None:
+        if not dtype.is_floating_point:
+            raise CurvlabError(f"dtype must be floating point, got {dtype}")
+        return dtype
+    return torch.float64 if any(p.dtype == torch.float64 for p in params.values()) else torch.float32
+
+
+def shared_batches(batch: Any, loss_fn: Any = None, even: bool = False) -> tuple[list[tuple[Any, float]], bool]:
+    """This process's ``(batch, weight)`` pairs and whether results must be summed across ranks.
+
+    Weights are normalized over *all* batches (every rank knows them all), so under torch.distributed
+    each rank takes its share and the token-weighted sums are all-reduced: exactly the one-process
+    result. With fewer batches than ranks, every rank computes everything and nothing is reduced.
+    ``even``: every rank gets as many pairs (a short share is filled up with one of its batches at
+    weight 0), as sharded parameters need: each forward all-gathers them, so every rank must run as
+    many forwards and backwards as the others.
+    """
+    pairs = weighted_batches(batch, loss_fn)
+    world = rank_and_world()[1]
+    if world > 1 and len(pairs) >= world:
+        share = my_share(pairs)
+        if even:
+            share += [(pairs[0][0], 0.0)] * (-(-len(pairs) // world) - len(share))
+        return share, True
+    return pairs, False
+
+
+def check_method(method: str) -> None:
+    """Raise :class:`CurvlabError` unless ``method`` is an HVP method."""
+    if method not in METHODS:
+        raise CurvlabError(f"unknown HVP method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def _scalar(value: Any) -> Tensor:
+    if not isinstance(value, Tensor) or value.dim() != 0:
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise CurvlabError(f"loss_fn must return a scalar tensor, got {shape}")
+    return value
+
+
+def _check_finite_loss(loss: Tensor) -> None:
+    if not torch.isfinite(loss).all():
+        raise CurvlabError(f"the loss is not finite ({float(loss.detach())}) at these parameters and batch")
+
+
+def _detached_error() -> CurvlabError:
+    return CurvlabError(
+        "the loss does not depend on the parameters: it has no autograd graph to them (was it detached, "
+        "e.g. by .item() or .detach(), or computed with weights that are not in params?)"
+    )
+
+
+def _check_finite_hvp(hv: Mapping[str, Tensor]) -> None:
+    if all_finite(hv.values()):
+        return  # (one synchronization in the common case)
+    bad = [n for n, t in hv.items() if not all_finite([t])]
+    if bad:
+        raise CurvlabError(f"the Hessian-vector product is not finite (NaN or inf) in {P.names_text(bad)}")
+
+
+@dataclass
+class _Graph:
+    """One batch's kept first-order graph: leaves, the gradient (with its graph) and the batch weight."""
+
+    weight: float
+    leaves: list[Tensor]
+    grads: list[Tensor]
+
+
+class CurvaturePoint:
+    r"""Loss :math:`L(W)`, gradient :math:`G` and Hessian :math:`H` of ``loss_fn`` at one point, on a batch.
+
+    The forward pass and the first backward run once, at construction (``"rev_rev"``) or at the first
+    request (``"fwd_rev"``); then :meth:`hvps`, :meth:`hvp`, :meth:`quadratic_forms` and
+    :meth:`loss_at` can be called any number of times. A direction may name only some parameters:
+    the others are zero, and no work is spent on them.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        params: parameter dict W (not modified; copied in the working dtype).
+        batch: one batch, or a ``list``/:class:`~curvlab.engine.loss.Batches` of batches, accumulated with
+            weights proportional to their loss terms (and shared out across ranks).
+        method: ``"rev_rev"`` (double backward on the kept graph) or ``"fwd_rev"`` (jvp of grad).
+        dtype: computation dtype (default float32, or float64 when the parameters are).
+        chunk_size: directions per vectorized call (bounds memory; ``None`` = all at once).
+
+    Memory: ``"rev_rev"`` keeps one first-order graph per batch of this process (about the activation
+    memory of a training step with ``create_graph``, per batch) until :meth:`close` or the end of a
+    ``with`` block.
+
+    Sharded parameters (DTensors, e.g. an FSDP2 model's): the loss runs on gathered parameters, the
+    gradient, directions and HVPs stay sharded like the parameters, ``"fwd_rev"`` is refused
+    (:mod:`curvlab.engine._gathered`).
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        params: Mapping[str, Tensor],
+        batch: Any,
+        method: str = DEFAULT_METHOD,
+        dtype: torch.dtype | None = None,
+        chunk_size: int | None = None,
+    ):
+        check_method(method)
+        S.check_process_group(params)
+        self.loss_fn, self.method, self.chunk_size = loss_fn, method, chunk_size
+        self.dtype = working_dtype(params, dtype)
+        self.params = P.cast(params, self.dtype)
+        if not self.params:
+            raise CurvlabError("no parameters given")
+        # sharded (DTensor) parameters: the loss runs on gathered ones, and results stay sharded
+        # (curvlab.engine._gathered)
+        self.sharded = S.is_sharded(self.params)
+        self._pairs, self._reduce = shared_batches(batch, loss_fn, even=self.sharded)
+        self.loss_fn = S.gathering_loss(loss_fn, self.params, partial=self._reduce)
+        self._graphs: list[_Graph] | None = None
+        self._loss: float | None = None
+        self._gradient: P.Params | None = None
+        if method == "rev_rev":
+            self._graphs = self._first_order(create_graph=True)
+
+    # -- the batch loop ----------------------------------------------------------------------
+
+    def _each_batch(self, method: str) -> Iterator[tuple[Any, float]]:
+        """This process's ``(p -> loss, weight)`` pairs, inside the exact mode for ``method``, with the
+        running statistics of the loss's model (if it has one) left untouched: the one batch loop."""
+        keep = running_statistics(getattr(self.loss_fn, "model", None))
+        # a torch.compile'd model runs eagerly here: AOTAutograd's graphs have no double backward,
+        # and the curvature is that of the same function either way
+        with exact_second_order(method, self.dtype, keep), torch.compiler.set_stance("force_eager"):
+            for b, w in self._pairs:
+                yield _bound(self.loss_fn, b), w
+
+    def _sum(self, value):
+        """A token-weighted sum over this process's batches, summed across ranks when they share them."""
+        if self._reduce and self.sharded and isinstance(value, dict):
+            return S.sum_replicated(value)
+        return all_reduce_sum(value) if self._reduce else value
+
+    # -- first order -------------------------------------------------------------------------
+
+    @S.names_rank_on_collective_failure
+    def _first_order(self, create_graph: bool) -> list[_Graph]:
+        """Forward and backward for every batch of this process; loss and gradient accumulated."""
+        names = list(self.params)
+        graphs, loss_total, g_total = [], 0.0, None
+        with torch.enable_grad():
+            for f, w in self._each_batch(self.method):
+                leaves = [self.params[n].detach().requires_grad_() for n in names]
+                loss = f(dict(zip(names, leaves)))
+                _check_finite_loss(loss)
+                if not loss.requires_grad:
+                    raise _detached_error()
+                # sharded: the backward sums the gradient over ranks, so each rank's weight goes in first
+                w_in, w_out = (w, 1.0) if self.sharded else (1.0, w)
+                grads = torch.autograd.grad(
+                    loss * w_in if w_in != 1.0 else loss,
+                    leaves,
+                    create_graph=create_graph,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                loss_total += w * float(loss.detach())
+                g_total = _accumulate(g_total, [t.detach() for t in grads], w_out)
+                if create_graph:
+                    graphs.append(_Graph(w_out, leaves, list(grads)))
+        self._loss, self._gradient = self._sum(loss_total), self._sum(dict(zip(names, g_total)))
+        return graphs
+
+    @property
+    def loss(self) -> float:
+        """:math:`L(W)`, accumulated over the batches."""
+        if self._loss is None:
+            self._first_order(create_graph=False)
+        return self._loss
+
+    @property
+    def gradient(self) -> P.Params:
+        r""":math:`G = \nabla L(W)`, a dict like ``params`` (in the working dtype)."""
+        if self._gradient is None:
+            self._first_order(create_graph=False)
+        return self._gradient
+
+    @S.names_rank_on_collective_failure
+    def loss_at(self, params: Mapping[str, Tensor]) -> float:
+        """:math:`L` at other parameters (e.g. :math:`W - Z`) on the same batches, in the same dtype and
+        mode, so that differences of losses and Taylor predictions are comparable."""
+        p = P.cast(params, self.dtype)
+        total = 0.0
+        with torch.no_grad():
+            for f, w in self._each_batch(self.method):
+                loss = f(p)
+                _check_finite_loss(loss)
+                total += w * float(loss)
+        return self._sum(total)
+
+    # -- second order ------------------------------------------------------------------------
+
+    @S.names_rank_on_collective_failure
+    def hvps(self, vs: Mapping[str, Tensor]) -> P.Params:
+        r""":math:`H[v_k]` for K directions stacked along dim 0, a dict over *all* parameters.
+
+        Args:
+            vs: ``{name: tensor (K, *param.shape)}`` for the parameters the directions touch; the
+                names left out are zero in every direction, and cost nothing.
+        """
+        if self.sharded and self.method == "fwd_rev":
+            raise CurvlabError(S.FWD_REV_REFUSED)
+        names, k = self._check_stacked(vs)
+        vs = P.cast({n: vs[n] for n in names}, self.dtype)
+        step = k if self.chunk_size is None else max(1, self.chunk_size)
+        chunk = self._hvps_rev_rev if self.method == "rev_rev" else self._hvps_fwd_rev
+        pieces = [chunk({n: t[i : i + step] for n, t in vs.items()}) for i in range(0, k, step)]
+        hv = pieces[0] if len(pieces) == 1 else {n: torch.cat([p[n] for p in pieces]) for n in self.params}
+        hv = self._sum(hv)
+        _check_finite_hvp(hv)
+        return hv
+
+    def hvp(self, v: Mapping[str, Tensor]) -> P.Params:
+        r"""The exact :math:`H[v]`, a dict like ``params`` (``v`` may name only some parameters)."""
+        return {n: t[0] for n, t in self.hvps({n: t.unsqueeze(0) for n, t in v.items()}).items()}
+
+    def hvp_each(self, directions: Sequence[Mapping[str, Tensor]]) -> list[P.Params]:
+        r""":math:`H[v]` for each direction of a list, each of which may name only some parameters.
+
+        Double backward takes each on its own support (a direction in the top layers skips the bottom
+        of the graph); forward-over-reverse stacks them over the union of their supports, in one
+        vectorized call that shares the primal pass.
+        """
+        if self.method == "rev_rev":
+            return [self.hvp(v) for v in directions]
+        union = list(dict.fromkeys(n for v in directions for n in v))
+        stacked = {
+            n: torch.stack([v[n] if n in v else torch.zeros_like(self.params[n]) for v in directions]) for n in union
+        }
+        hv = self.hvps(stacked)
+        return [{n: t[i] for n, t in hv.items()} for i in range(len(directions))]
+
+    def quadratic_forms(self, zs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        r""":math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions, by HVPs at this
+        point; each a float64 tensor of shape ``(K,)``."""
+        hz = self.hvps(zs)
+        return P.stacked_dot(self.gradient, zs, zs), P.stacked_dot(zs, hz, zs)
+
+    def _hvps_rev_rev(self, vs: Mapping[str, Tensor]) -> P.Params:
+        r"""Double backward of :math:`\langle G_S, v_S\rangle` through each kept graph: only the gradient
+        entries of the support S are differentiated, so the part of the graph below S is never visited."""
+        if self._graphs is None:
+            raise CurvlabError("this curvature point was closed: its graphs are freed")
+        index = {n: i for i, n in enumerate(self.params)}
+        total = None
+        for graph in self._graphs:
+            outputs = [(graph.grads[index[n]], v) for n, v in vs.items() if graph.grads[index[n]].requires_grad]
+            if outputs:  # (else the gradient on the support doesn't depend on W: H[v] = 0 on this batch)
+                rows = _double_backward([o for o, _ in outputs], graph.leaves, [v for _, v in outputs])
+                total = _accumulate(total, rows, graph.weight)
+        if total is None:
+            return self._zeros(next(iter(vs.values())).shape[0])
+        return dict(zip(self.params, total))
+
+    def _hvps_fwd_rev(self, vs: Mapping[str, Tensor]) -> P.Params:
+        """jvp of the full gradient with tangents only on the support S (the rest closed over, so no
+        tangent work happens below S), vmapped over the K directions; loss and gradient come with it."""
+        rest = {n: t for n, t in self.params.items() if n not in vs}
+        on_support = {n: self.params[n] for n in vs}
+        total = self._zeros(next(iter(vs.values())).shape[0])
+        loss_total, g_total = 0.0, P.zeros_like(self.params)
+        for f, w in self._each_batch("fwd_rev"):
+
+            def one(v, f=f):
+                (g, loss), (hv, _) = jvp(lambda p_s: grad_and_value(f)({**rest, **p_s}), (on_support,), (v,))
+                return loss, g, hv
+
+            loss, g, hv = vmap(one, out_dims=(None, None, 0), randomness="same")(vs)
+            _check_finite_loss(loss)
+            loss_total += w * float(loss)
+            g_total = P.add(g_total, g, w)
+            for n, t in total.items():
+                t.add_(hv[n], alpha=w)
+        if self._gradient is None:
+            self._loss, self._gradient = self._sum(loss_total), self._sum(g_total)
+            if not any(t.any() for t in (*self._gradient.values(), *total.values())):
+                self._first_order(create_graph=False)  # all zero: raises if the loss is detached
+        return total
+
+    def _zeros(self, k: int) -> P.Params:
+        if self.sharded:  # (stacked zeros laid out like the parameters, sharded one dim later)
+            return {n: torch.stack([torch.zeros_like(t)] * k) for n, t in self.params.items()}
+        return {n: torch.zeros((k, *t.shape), dtype=t.dtype, device=t.device) for n, t in self.params.items()}
+
+    def _check_stacked(self, vs: Mapping[str, Tensor]) -> tuple[list[str], int]:
+        unknown = [n for n in vs if n not in self.params]
+        if unknown:
+            raise CurvlabError(f"directions name unknown parameters: {P.names_text(unknown)}")
+        if not vs:
+            raise CurvlabError("the directions name no parameter")
+        first = next(iter(vs.values()))
+        if first.dim() == 0:
+            raise CurvlabError("directions must be stacked along a leading dimension K")
+        k = first.shape[0]
+        if k == 0:
+            raise CurvlabError("no directions given (K = 0)")
+        for n, t in vs.items():
+            if tuple(t.shape) != (k, *self.params[n].shape):
+                raise CurvlabError(
+                    f"directions[{n!r}] has shape {tuple(t.shape)}, expected ({k}, *{tuple(self.params[n].shape)})"
+                )
+            check_layout(self.params[n], t, f"directions[{n!r}]", stacked=True)
+            if not all_finite([t]):
+                raise CurvlabError(f"directions[{n!r}] holds non-finite values (NaN or inf)")
+        return list(vs), k
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the kept graphs (``"rev_rev"``); the point answers no more HVPs."""
+        self._graphs = None
+
+    def __enter__(self) -> CurvaturePoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _bound(loss_fn: LossFn, batch: Any):
+    """``p -> loss_fn(p, batch)``, checked to be a scalar."""
+    return lambda p: _scalar(loss_fn(p, batch))
+
+
+def _double_backward(outputs: list[Tensor], leaves: list[Tensor], vs: list[Tensor]) -> list[Tensor]:
+    r"""Rows :math:`\nabla_W \langle \text{outputs}, v_k\rangle` stacked over the K directions in ``vs``.
+
+    One plain backward per direction: on the kept graph that costs about two gradients, where one
+    vmapped ``is_grads_batched`` backward over the K directions measured 1.7x slower per direction
+    (``benchmarks/hvp.py``), and has no batching rule for some ops (``group_norm``).
+    """
+    kw = {"retain_graph": True, "allow_unused": True, "materialize_grads": True}
+    rows = [torch.autograd.grad(outputs, leaves, [v[i] for v in vs], **kw) for i in range(vs[0].shape[0])]
+    return [r[0].unsqueeze(0) for r in zip(*rows)] if len(rows) == 1 else [torch.stack(r) for r in zip(*rows)]
+
+
+def _accumulate(total: list[Tensor] | None, terms: Sequence[Tensor], weight: float) -> list[Tensor]:
+    """``total + weight * terms``, tensor by tensor, into fresh tensors (``total`` ``None``: the first
+    batch's; the terms may be views of a kept graph's tensors, which must not change)."""
+    if total is None:
+        return [t * weight for t in terms]
+    for acc, t in zip(total, terms):
+        acc.add_(t, alpha=weight)
+    return total
+
+
+def evaluate_loss(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Any, dtype: torch.dtype | None = None) -> float:
+    """:math:`L(W)` accumulated over batches with loss-term weights, evaluated exactly as the curvature
+    functions evaluate it (:meth:`CurvaturePoint.loss_at`)."""
+    return CurvaturePoint(loss_fn, params, batch, method="fwd_rev", dtype=dtype).loss_at(params)
+
+
+def gradient_and_hvps(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    vs: Mapping[str, Tensor],
+    chunk_size: int | None = None,
+    method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
+) -> tuple[float, P.Params, P.Params]:
+    r"""Loss :math:`L(W)`, gradient :math:`G` and :math:`H[v_k]` for K stacked directions, at one point.
+
+    Args:
+        vs: dict of tensors shaped ``(K, *param.shape)``, one per parameter.
+        chunk_size: directions per vectorized call (bounds memory; ``None`` = all K at once).
+
+    Returns:
+        ``(loss, G, HV)`` with ``G`` shaped like ``params`` and ``HV`` like ``vs``, accumulated over
+        batches with loss-term weights.
+    """
+    _check_full(params, vs)
+    with CurvaturePoint(loss_fn, params, batch, method, dtype, chunk_size) as point:
+        hv = point.hvps(vs)
+        return point.loss, point.gradient, hv
+
+
+def hvps(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    vs: Mapping[str, Tensor],
+    chunk_size: int | None = None,
+    method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
+) -> P.Params:
+    r""":math:`H[v_k]` for K directions stacked along dim 0, at one point (see :class:`CurvaturePoint`)."""
+    return gradient_and_hvps(loss_fn, params, batch, vs, chunk_size, method, dtype)[2]
+
+
+def hvp(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    v: Mapping[str, Tensor],
+    method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
+) -> P.Params:
+    r"""The exact Hessian-vector product :math:`H[v] = \nabla^2 L(W)\, v`, a dict like ``params``.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        params: parameter dict W (not modified).
+        batch: one batch, or a ``list``/:class:`~curvlab.engine.loss.Batches` of batches to accumulate.
+        v: direction, a dict with ``params``' keys and shapes.
+        method: ``"rev_rev"`` (double backward, default) or ``"fwd_rev"`` (jvp of grad).
+        dtype: computation dtype (default float32, or float64 when the parameters are).
+    """
+    P.check_like(params, v)
+    stacked = {n: t.unsqueeze(0) for n, t in v.items()}
+    return {n: t[0] for n, t in hvps(loss_fn, params, batch, stacked, method=method, dtype=dtype).items()}
+
+
+def _check_full(params: Mapping[str, Tensor], vs: Mapping[str, Tensor]) -> None:
+    """Stacked directions over exactly ``params``' names (the shortcuts take no partial directions)."""
+    missing = [n for n in params if n not in vs]
+    if missing:
+        raise CurvlabError(f"directions do not match the parameters: missing {P.names_text(missing)}")
+
+
+def quadratic_forms(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    zs: Mapping[str, Tensor],
+    chunk_size: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[float, Tensor, Tensor]:
+    r"""Loss and :math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions.
+
+    Forward-over-forward: the second derivative of :math:`t \mapsto L(W + t z)` at 0 by ``jvp`` of
+    ``jvp``. No backward pass and no gradient is formed. Exact through the fused norms only because
+    :func:`~curvlab.engine.exact.exact_second_order` (method ``"fwd_fwd"``) routes them through composites.
+
+    Returns:
+        ``(loss, gz, zhz)`` with ``gz`` and ``zhz`` float64 tensors of shape ``(K,)``.
+    """
+    _check_full(params, zs)
+    if S.is_sharded(params):  # (forward mode doesn't run through the collectives: by double backward)
+        with CurvaturePoint(loss_fn, params, batch, dtype=dtype, chunk_size=chunk_size) as point:
+            gz, zhz = point.quadratic_forms(zs)
+            return point.loss, gz, zhz
+    point = CurvaturePoint(loss_fn, params, batch, method="fwd_rev", dtype=dtype, chunk_size=chunk_size)
+    _, k = point._check_stacked(zs)
+    p, zs = point.params, P.cast(zs, point.dtype)
+    loss_total, gz_total, zhz_total = 0.0, torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
+    for f, w in point._each_batch("fwd_fwd"):
+
+        def one(z, f=f):
+            def directional(q):
+                value, slope = jvp(f, (q,), (z,))
+                return slope, value
+
+            slope, curvature, value = jvp(directional, (p,), (z,), has_aux=True)
+            return value, slope, curvature
+
+        loss, gz, zhz = _vmap_directions(one, zs, chunk_size, out_dims=(None, 0, 0))
+        _check_finite_loss(loss)
+        loss_total += w * float(loss)
+        gz_total += w * gz.double().cpu()
+        zhz_total += w * zhz.double().cpu()
+    return point._sum(loss_total), point._sum(gz_total), point._sum(zhz_total)
+
+
+def _vmap_directions(fn, vs, chunk_size, out_dims):
+    """``vmap`` of ``fn`` over directions stacked in ``vs``, ``chunk_size`` at a time.
+
+    Outputs with out_dim ``None`` don't depend on the direction (the loss, the gradient) and are kept
+    once, not K times. torch's own ``chunk_size`` can't combine with ``None``, so chunks are taken here.
+    """
+    k = next(iter(vs.values())).shape[0]
+    step = k if chunk_size is None else max(1, chunk_size)
+    batched = vmap(fn, out_dims=out_dims, randomness="same")
+    pieces = [batched({n: t[i : i + step] for n, t in vs.items()}) for i in range(0, k, step)]
+    return tuple(
+        first if dim is None else tree_map(lambda *xs: torch.cat(xs), *(p[j] for p in pieces))
+        for j, (first, dim) in enumerate(zip(pieces[0], out_dims))
+    )
+
+
+def quadratic_form(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    z: Mapping[str, Tensor],
+    dtype: torch.dtype | None = None,
+) -> tuple[float, float]:
+    r"""The pair :math:`(\langle G, z\rangle, \langle z, H[z]\rangle)` by forward-over-forward AD.
+
+    Costs about one forward pass with second-order dual numbers: no gradient is formed (see
+    :func:`quadratic_forms`).
+    """
+    P.check_like(params, z)
+    _, gz, zhz = quadratic_forms(loss_fn, params, batch, {n: t.unsqueeze(0) for n, t in z.items()}, dtype=dtype)
+    return float(gz[0]), float(zhz[0])

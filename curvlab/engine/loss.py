@@ -1,0 +1,382 @@
+r"""The loss-function convention: ``loss_fn(params, batch) -> scalar``, and batches to accumulate over.
+
+Every curvature function takes a pure function of a parameter dict, exactly like ``torch.func``.
+:func:`make_loss_fn` builds one from any ``nn.Module``, Hugging Face models included:
+
+* a batch is a tuple ``(inputs, targets)`` (the model is called as ``model(inputs)``) or a dict of
+  keyword inputs with the targets under ``"labels"`` (``model(**inputs)``, e.g. ``input_ids`` and
+  ``attention_mask``; the labels are *not* passed to the model);
+* the model may return the logits, an object with ``.logits`` (Hugging Face's outputs), a dict with
+  a ``"logits"`` key, or a tuple whose first element is the logits;
+* the loss is computed here from the logits, in the working dtype (the parameters'), never taken
+  from the model: Hugging Face's ``.loss`` casts the logits with ``.float()``, so a float64
+  computation would come back with float32 accuracy;
+* its semantics are the model's own: for a causal LM (a Hugging Face model whose ``loss_type`` is
+  ``ForCausalLM``, or unset, which Hugging Face treats the same way) the logits at position t predict
+  the label at t + 1; masked-LM and token-classification models compare position by position;
+  sequence classification is cross-entropy, MSE (one label) or BCE (multi-label), as Hugging Face
+  decides; any other ``nn.Module`` compares logits and targets position by position. Labels equal to
+  ``ignore_index`` (-100, as in torch and Hugging Face) are left out, and the loss is the mean over
+  the rest;
+* an encoder-decoder (``config.is_encoder_decoder``: T5, BART, Whisper, ...) is a sequence-to-sequence
+  model: a batch without ``decoder_input_ids`` gets them from the labels as the model itself makes
+  them (``prepare_decoder_input_ids_from_labels``: the labels shifted right behind the decoder start
+  token, -100 replaced by the pad token), and the loss is the unshifted token cross-entropy of the
+  decoder's logits against the labels, -100 ignored: Hugging Face's ``.loss``;
+* a peft prompt-tuning model (prompt tuning, p-tuning, multitask prompt tuning) prepends its virtual
+  tokens to the inputs, so its logits are that many positions longer than the labels: the labels get
+  as many -100 in front, as peft does, and the loss is Hugging Face's ``.loss`` of the peft model;
+* the model runs as in eval mode inside curvlab's exact mode (:func:`~curvlab.engine.exact.eval_forward`:
+  no dropout, LayerDrop, DropPath or activation checkpointing), as it is in its own mode elsewhere.
+
+Several batches are passed as a ``list`` (or a :class:`Batches`, to give weights explicitly); the
+loss they stand for is the mean over *all* their loss terms, so each batch is weighted by the
+number of terms its loss really averages (after the causal shift and the ignored labels), never
+equally:
+
+.. math::  L = \sum_j \frac{n_j}{\sum_i n_i} L_j, \qquad n_j = \text{loss terms in batch } j.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from curvlab.engine.exact import eval_forward
+from curvlab.errors import CurvlabError
+
+LossFn = Callable[[Mapping[str, Tensor], Any], Tensor]
+IGNORE_INDEX = -100
+_INTEGER = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+# Hugging Face's loss_type -> how curvlab computes the same loss (None is treated as a causal LM, as HF does)
+_CAUSAL, _TOKENS, _SEQUENCE, _SEQ2SEQ = "causal_lm", "tokens", "sequence_classification", "seq2seq"
+_HF_TASKS = {
+    None: _CAUSAL,
+    "ForCausalLM": _CAUSAL,
+    "ForConditionalGeneration": _CAUSAL,  # (as Hugging Face's loss mapping has it; an encoder-decoder is seq2seq)
+    "ForMaskedLM": _TOKENS,
+    "ForTokenClassification": _TOKENS,
+    "ForSequenceClassification": _SEQUENCE,
+    "ForImageClassification": _SEQUENCE,
+    "ForAudioClassification": _SEQUENCE,
+    "ForVideoClassification": _SEQUENCE,
+}
+
+
+def token_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Mean cross-entropy over all positions of ``(..., classes)`` logits; targets equal to
+    ``ignore_index`` are left out.
+
+    Half-precision logits are upcast to float32 (softmax over a large vocabulary needs it); float32
+    and float64 logits are used as they are.
+    """
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
+
+
+def logits_of(output: Any) -> Tensor:
+    """The logits in a model's output: a tensor, ``.logits``, ``["logits"]`` or a tuple's first element."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(getattr(output, "logits", None), Tensor):
+        return output.logits
+    if isinstance(output, Mapping):
+        if isinstance(output.get("logits"), Tensor):
+            return output["logits"]
+        raise CurvlabError(f"the model returned a dict without 'logits' (keys: {', '.join(map(str, output))})")
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    raise CurvlabError(f"can't find logits in the model's output of type {type(output).__name__}")
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The model under a peft wrapper (the model itself otherwise)."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
+def hf_task(model: nn.Module) -> str | None:
+    """How a Hugging Face model's own loss is computed: ``"causal_lm"``, ``"tokens"`` (masked LM, token
+    classification), ``"sequence_classification"``, ``"seq2seq"`` (an encoder-decoder generating from
+    its labels), ``"unknown"`` (another ``loss_type``), or ``None`` for a model that isn't a Hugging
+    Face model (a peft wrapper is looked through)."""
+    base = _base(model)
+    if not hasattr(base, "loss_type") or not hasattr(base, "config"):
+        return None
+    task = _HF_TASKS.get(base.loss_type, "unknown")
+    if task in (_CAUSAL, "unknown") and getattr(base.config, "is_encoder_decoder", False):
+        return _SEQ2SEQ
+    return task
+
+
+# peft's prompt-learning methods that prepend virtual tokens to the inputs (prefix tuning extends the
+# attention's keys and values instead: its logits are as long as the inputs)
+_PREPENDING = ("PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING")
+
+
+def virtual_tokens(model: nn.Module) -> int:
+    """How many positions a peft prompt-tuning model prepends to its inputs (0 for any other model)."""
+    config = getattr(model, "active_peft_config", None)
+    if config is None or not getattr(config, "is_prompt_learning", False):
+        return 0
+    kind = getattr(config.peft_type, "value", config.peft_type)
+    return int(config.num_virtual_tokens) if kind in _PREPENDING else 0
+
+
+class ModuleLoss:
+    r"""``loss_fn(params, batch)``: the loss of ``model`` with ``params`` substituted, on ``batch``.
+
+    Runs ``model`` through :func:`torch.func.functional_call` (with ``tie_weights``); names not in
+    ``params`` keep the module's own tensors, so frozen parameters need not be passed. Every floating
+    tensor the model reads that isn't in ``params`` (frozen parameters, buffers, floating inputs) is
+    cast to the parameters' dtype, so a float32 model runs in float64 when given float64 parameters.
+
+    Attributes:
+        model: the module.
+        criterion: ``criterion(logits, targets) -> scalar``, or ``None`` for the model's own semantics
+            (see the module docstring), computed in the working dtype.
+        ignore_index: the label value left out of the loss and of the term count.
+        shift: whether position t's logits predict label t + 1 (``None`` at construction: a causal LM).
+        tie_weights: passed to ``functional_call``: a parameter given for one of several tied names
+            stands for all of them.
+        task: how the model's own loss is computed (:func:`hf_task`; ``None`` for a plain module).
+        virtual_tokens: positions a peft prompt-tuning model prepends (their labels are -100).
+
+    Inside :func:`~curvlab.engine.exact.exact_second_order` the forward runs as in eval mode
+    (:func:`~curvlab.engine.exact.eval_forward`); elsewhere (the real gradient of ``next_update``) the
+    model runs in its own mode.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        criterion: Callable[[Tensor, Tensor], Tensor] | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        shift: bool | None = None,
+        tie_weights: bool = True,
+        label_key: str = "labels",
+    ):
+        self.model = model
+        self.criterion = criterion
+        self.ignore_index = ignore_index
+        task = hf_task(model)
+        if task == "unknown" and criterion is None:
+            raise CurvlabError(f"curvlab doesn't know the loss of a {type(model).__name__}: pass criterion=")
+        self.task = task
+        self.shift = (task == _CAUSAL) if shift is None else bool(shift)
+        self.tie_weights = tie_weights
+        self.label_key = label_key
+        # (token tasks only: a sequence classifier's logits don't grow with the prompt)
+        self.virtual_tokens = virtual_tokens(model) if task in (_CAUSAL, _TOKENS) else 0
+        if task == _SEQ2SEQ and not callable(getattr(_base(model), "prepare_decoder_input_ids_from_labels", None)):
+            raise CurvlabError(
+                f"the encoder-decoder {type(_base(model)).__name__} can't make decoder inputs from labels "
+                "(no prepare_decoder_input_ids_from_labels): pass decoder_input_ids in the batch and criterion="
+            )
+
+    def split(self, batch: Any) -> tuple[tuple, dict[str, Any], Any]:
+        """``(args, kwargs, targets)`` of a tuple ``(inputs, targets)`` or a dict batch."""
+        if isinstance(batch, Mapping):
+            if self.label_key not in batch:
+                raise CurvlabError(
+                    f"the dict batch has no {self.label_key!r} (keys: {', '.join(map(str, batch))}); "
+                    "curvlab computes the loss from the labels"
+                )
+            kwargs = {k: v for k, v in batch.items() if k != self.label_key}
+            return (), self._decoder_inputs(kwargs, batch[self.label_key]), batch[self.label_key]
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return (batch[0],), self._decoder_inputs({}, batch[1]), batch[1]
+        raise CurvlabError(
+            f"a batch is (inputs, targets) or a dict with {self.label_key!r}, got {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        )
+
+    def _decoder_inputs(self, kwargs: dict[str, Any], labels: Any) -> dict[str, Any]:
+        """An encoder-decoder's keyword inputs with ``decoder_input_ids`` made from the labels, as the
+        model makes them when given labels (unless the batch brings its own decoder inputs)."""
+        if self.task != _SEQ2SEQ or "decoder_input_ids" in kwargs or "decoder_inputs_embeds" in kwargs:
+            return kwargs
+        if not isinstance(labels, Tensor):
+            raise CurvlabError(f"a sequence-to-sequence batch's labels must be a tensor, got {type(labels).__name__}")
+        make = _base(self.model).prepare_decoder_input_ids_from_labels
+        return {**kwargs, "decoder_input_ids": make(labels=labels)}
+
+    def _prompted(self, targets: Any) -> Any:
+        """Token labels with ``ignore_index`` in front for a prompt-tuning model's virtual tokens, as peft does."""
+        if not (self.virtual_tokens and isinstance(targets, Tensor) and targets.dim() >= 2):
+            return targets
+        prefix = targets.new_full((*targets.shape[:-1], self.virtual_tokens), self.ignore_index)
+        return torch.cat([prefix, targets], dim=-1)
+
+    def targets(self, targets: Tensor) -> Tensor:
+        """The targets the loss compares with: behind the virtual tokens of a prompt-tuning model, and
+        shifted one position left for a causal LM."""
+        targets = self._prompted(targets)
+        return targets[..., 1:] if self.shift else targets
+
+    def loss_terms(self, batch: Any) -> int:
+        """The number of terms the loss of ``batch`` averages: targets after the causal shift that
+        aren't ``ignore_index`` (integer targets), or every target entry (float targets, as MSE and
+        BCE average)."""
+        _, _, targets = self.split(batch)
+        return _count(self.targets(targets) if isinstance(targets, Tensor) else targets, self.ignore_index)
+
+    def loss_from_logits(self, logits: Tensor, targets: Any) -> Tensor:
+        """The loss given the model's logits and the batch's targets (the model's own semantics)."""
+        targets = self._prompted(targets)
+        if self.shift:
+            logits, targets = logits[..., :-1, :], targets[..., 1:]
+        if self.criterion is not None:
+            return self.criterion(logits, targets)
+        if self.task == _SEQUENCE:
+            return self._sequence_loss(logits, targets)
+        if (
+            isinstance(targets, Tensor)
+            and logits.dim() >= 1
+            and logits.numel() // max(logits.size(-1), 1) != targets.numel()
+        ):
+            raise CurvlabError(
+                f"the model's logits {tuple(logits.shape)} don't match its labels {tuple(targets.shape)} position "
+                "for position (the model adds or drops positions curvlab doesn't know of): pass criterion="
+            )
+        return token_cross_entropy(logits, targets, self.ignore_index)
+
+    def _sequence_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Hugging Face's sequence-classification loss, chosen as it chooses (without mutating the config)."""
+        config = _base(self.model).config
+        num_labels = config.num_labels
+        problem = config.problem_type
+        if problem is None:
+            if num_labels == 1:
+                problem = "regression"
+            elif labels.dtype in (torch.int64, torch.int32):
+                problem = "single_label_classification"
+            else:
+                problem = "multi_label_classification"
+        if problem == "regression":
+            labels = labels.to(logits.dtype)
+            if num_labels == 1:
+                return F.mse_loss(logits.squeeze(), labels.squeeze())
+            return F.mse_loss(logits, labels)
+        if problem == "single_label_classification":
+            return token_cross_entropy(logits.reshape(-1, num_labels), labels.reshape(-1), self.ignore_index)
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+
+    def __call__(self, params: Mapping[str, Tensor], batch: Any) -> Tensor:
+        args, kwargs, targets = self.split(batch)
+        dtype = next((p.dtype for p in params.values() if p.is_floating_point()), None)
+        tensors = {**self._module_tensors(params, dtype), **params}
+        if dtype is not None:
+            args = tuple(_cast(a, dtype) for a in args)
+            kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        with eval_forward(self.model):  # (inside the exact mode only: no LayerDrop, DropPath, checkpointing)
+            output = functional_call(self.model, tensors, args, kwargs, tie_weights=self.tie_weights, strict=False)
+        return self.loss_from_logits(logits_of(output), targets)
+
+    def _module_tensors(self, params: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+        """Buffers and the parameters not in ``params``, floating ones cast to ``dtype`` (untied, every
+        name of a shared tensor, so that a tied name not in ``params`` keeps the module's value)."""
+        out = {}
+        every = not self.tie_weights
+        tensors = [
+            *self.model.named_buffers(remove_duplicate=not every),
+            *self.model.named_parameters(remove_duplicate=not every),
+        ]
+        for name, t in tensors:
+            if name in params:
+                continue
+            if t.requires_grad:  # (under torch.func, detaching a buffer would wrap it: the exact mode must see it)
+                t = t.detach()
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            out[name] = t
+        return out
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != dtype else x
+
+
+def make_loss_fn(
+    model: nn.Module,
+    criterion: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    shift: bool | None = None,
+    tie_weights: bool = True,
+) -> ModuleLoss:
+    """Build ``loss_fn(params, batch)``: ``criterion(logits, targets)`` of ``model`` on ``batch``.
+
+    Args:
+        model: any ``nn.Module``, including Hugging Face and peft models.
+        criterion: ``criterion(logits, targets) -> scalar``; default the model's own loss
+            (:class:`ModuleLoss`): token cross-entropy, shifted for a causal LM, ignoring
+            ``ignore_index``; Hugging Face's sequence-classification losses.
+        ignore_index: the label value left out (default -100, as torch and Hugging Face).
+        shift: whether logits at t predict the target at t + 1; default: ``True`` for a Hugging Face
+            causal LM (its labels are the inputs), ``False`` otherwise (targets already aligned).
+        tie_weights: ``torch.func.functional_call``'s ``tie_weights``.
+    """
+    return ModuleLoss(model, criterion, ignore_index=ignore_index, shift=shift, tie_weights=tie_weights)
+
+
+def _count(targets: Any, ignore_index: int) -> int:
+    if not isinstance(targets, Tensor):
+        return 1
+    if targets.dtype in _INTEGER:
+        return int((targets != ignore_index).sum())
+    return targets.numel()
+
+
+def count_loss_terms(batch: Any, ignore_index: int = IGNORE_INDEX) -> int:
+    """Loss terms of a batch without knowing its loss function: the targets of ``(inputs, targets)``
+    or a dict's ``"labels"``, integer ones not equal to ``ignore_index``, else every entry. No causal
+    shift: pass the loss function to :func:`weighted_batches` for a model that shifts."""
+    if isinstance(batch, Mapping):
+        return _count(batch.get("labels"), ignore_index)
+    targets = batch[-1] if isinstance(batch, (tuple, list)) else batch
+    return _count(targets, ignore_index)
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Several batches with explicit weights.
+
+    ``Batches(list_of_batches)`` counts the loss terms (see :func:`weighted_batches`); pass
+    ``weights`` when the loss is not a mean over targets (the weights are normalized to sum to one).
+    """
+
+    batches: Sequence[Any]
+    weights: Sequence[float] | None = None
+
+
+def weighted_batches(batch: Any, loss_fn: Any = None) -> list[tuple[Any, float]]:
+    """Split ``batch`` into ``(batch_j, w_j)`` pairs with ``sum(w_j) == 1``.
+
+    A ``list`` or :class:`Batches` is several batches; anything else (a tuple, a dict, a tensor) is
+    one. Each batch's weight is its number of loss terms: ``loss_fn.loss_terms(batch_j)`` when the
+    loss function has that method (a :class:`ModuleLoss`: after the causal shift and ignored labels),
+    else :func:`count_loss_terms`.
+    """
+    count = getattr(loss_fn, "loss_terms", None) or count_loss_terms
+    if isinstance(batch, Batches):
+        batches = list(batch.batches)
+        weights = list(batch.weights) if batch.weights is not None else [count(b) for b in batches]
+    elif isinstance(batch, list):
+        batches, weights = batch, [count(b) for b in batch]
+    else:
+        return [(batch, 1.0)]
+    if not batches:
+        raise CurvlabError("no batches given: an empty list of batches has no loss")
+    if len(weights) != len(batches):
+        raise CurvlabError(f"{len(batches)} batches but {len(weights)} weights")
+    total = float(sum(weights))
+    if not total > 0:
+        raise CurvlabError(f"the batches hold no loss terms (weights sum to {total})")
+    return [(b, float(w) / total) for b, w in zip(batches, weights)]

@@ -1,0 +1,1 @@
+"""Whole jobs over an output directory: the job kernel, reproduce, finetune."""

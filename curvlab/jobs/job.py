@@ -1,0 +1,206 @@
+"""A resumable job in one output directory: what ``curvlab reproduce`` and ``curvlab finetune`` share.
+
+* :class:`Job`: the base of both jobs (:class:`curvlab.jobs.reproduce.Reproduction`,
+  :class:`curvlab.jobs.finetune.Finetune`): the output directory and its config guard, the stage clock
+  and the invocation times, progress lines, and the learning-rate tuning machinery, with one
+  short-run objective and one policy for a run that diverges (:meth:`Job._tuning_loss`).
+* :func:`guard_config`: the directory belongs to one configuration; a re-run with the same one
+  continues it, any other is refused (results of two configurations are never mixed).
+* :class:`StageClock`: wall and CPU seconds per stage, and the machine's load at the end of each.
+* :func:`record_invocation`: every invocation's times in ``timing.json``; the job's times are their
+  sums (a re-run that finds everything done must not report the job as taking seconds), under the
+  conditions (load, threads) of the invocation that did the most work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from curvlab.errors import CurvlabError
+from curvlab.runs.checkpoint import read_index
+from curvlab.runs.train import TrainingDiverged
+from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, search_lr
+from curvlab.util import schema
+from curvlab.util.atomic import atomic_write_json, atomic_write_text
+
+CONDITIONS = ("load", "threads", "cpus")
+
+
+def guard_config(path: Path, config: dict[str, Any], what: str) -> None:
+    """Write ``config`` to ``path`` on the first run; refuse a later run whose config differs.
+
+    Raises:
+        CurvlabError: the directory holds ``what`` of another configuration.
+    """
+    config = json.loads(json.dumps(config))  # as it reads back (tuples become lists)
+    if path.is_file():
+        if json.loads(path.read_text()) != config:
+            raise CurvlabError(
+                f"{path.parent} holds {what} of another configuration; refusing to mix them: choose a fresh --out"
+            )
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(config, indent=1))
+
+
+class StageClock:
+    """Wall seconds per stage under ``name`` and this process's CPU seconds under ``name_cpu`` (on a
+    shared machine wall time inflates with the load, CPU time much less), from construction on."""
+
+    def __init__(self):
+        self.timing: dict[str, float] = {}
+        self.loads: list[float] = []  # the 1-minute load average at the end of each stage
+        self._start, self._cpu = time.perf_counter(), time.process_time()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.timing[name] = self.timing.get(name, 0.0) + time.perf_counter() - start
+            self.timing[f"{name}_cpu"] = self.timing.get(f"{name}_cpu", 0.0) + time.process_time() - cpu
+            self.loads.append(os.getloadavg()[0])
+
+    def invocation(self) -> dict[str, float]:
+        """This invocation's times so far, with its total and conditions."""
+        return {
+            **self.timing,
+            "total": time.perf_counter() - self._start,
+            "total_cpu": time.process_time() - self._cpu,
+            "load": float(np.mean(self.loads)) if self.loads else float(os.getloadavg()[0]),
+            "threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(),
+        }
+
+
+def record_invocation(path: Path, invocation: dict[str, float]) -> dict[str, float]:
+    """Append ``invocation`` to the list in ``path`` (``timing.json``) and return the job's times:
+    every stage summed over the invocations, the conditions of the longest one, and their count."""
+    invocations = json.loads(path.read_text()) if path.is_file() else []
+    invocations.append(invocation)
+    atomic_write_text(path, json.dumps(invocations, indent=1))
+    keys = {k for i in invocations for k in i if k not in CONDITIONS}
+    timing = {k: sum(i.get(k, 0.0) for i in invocations) for k in sorted(keys)}
+    longest = max(invocations, key=lambda i: i["total"])
+    timing.update({k: float(longest[k]) for k in CONDITIONS if k in longest})
+    timing["invocations"] = len(invocations)
+    return timing
+
+
+DIVERGED = "diverged.json"  # in a tuning run that diverged: a re-run scores it +inf without training it again
+
+
+class Job:
+    """One job in one output directory ``out``: a subclass names its progress tag (``TAG``), its config
+    file (``CONFIG_FILE``) and what its results are (``WHAT``), and gives its configuration
+    (:meth:`config`), its tuning settings (:meth:`tuning_settings`) and one short training run
+    (:meth:`_short_run`). The base keeps the rest: the guard that one directory holds one
+    configuration, the stage clock, the invocation times (``timing.json``), progress lines, and the
+    learning-rate searches on the short-run objective (:meth:`_tuning_loss`, :meth:`_search`)."""
+
+    TAG: ClassVar[str] = "job"
+    CONFIG_FILE: ClassVar[str] = "job.json"
+    WHAT: ClassVar[str] = "a job"
+
+    def __init__(self, out: str | Path, progress: bool = True):
+        self.out, self.progress = Path(out), progress
+        self.log: list[str] = []
+        self.clock = StageClock()
+
+    # -- what a subclass gives ----------------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        """Everything the directory's results depend on (JSON-able)."""
+        raise NotImplementedError
+
+    def tuning_settings(self) -> TuningSettings:
+        raise NotImplementedError
+
+    def _short_run(self, data: Path, run: Path, arm: str, options: dict[str, float], seed: int, steps: int) -> float:
+        """Train one tuning run of ``steps`` steps into ``run``; its final validation loss. May raise
+        :class:`~curvlab.runs.train.TrainingDiverged`."""
+        raise NotImplementedError
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def what(self) -> str:
+        """What the directory holds, for the guard's message."""
+        return self.WHAT
+
+    def _check_config(self) -> None:
+        guard_config(self.out / self.CONFIG_FILE, self.config(), self.what())
+
+    def _say(self, message: str) -> None:
+        self.log.append(message)
+        if self.progress:
+            print(f"[{self.TAG}] {message}", flush=True)
+
+    def start(self) -> None:
+        """A fresh invocation: its clock starts, and the directory's configuration is checked."""
+        self.clock = StageClock()
+        self._check_config()
+
+    def timing(self) -> dict[str, float]:
+        """Record this invocation's times in ``timing.json``; the job's, over every invocation."""
+        return record_invocation(self.out / "timing.json", self.clock.invocation())
+
+    # -- tuning -------------------------------------------------------------------------------
+
+    @property
+    def tuning_path(self) -> Path:
+        return self.out / "tuning.json"
+
+    def saved_tuning(self) -> TuningRecord | None:
+        """The tuning a previous invocation finished (``tuning.json``), or ``None``."""
+        return schema.load(self.tuning_path, TuningRecord) if self.tuning_path.is_file() else None
+
+    def save_tuning(self, record: TuningRecord) -> TuningRecord:
+        schema.save(self.tuning_path, record)
+        return record
+
+    def _tuning_loss(self, data: Path, arm: str, options: dict[str, float], seed: int) -> float:
+        """The final validation loss of one short tuning run (``runs/tune/<arm>/<options>-seed<k>``).
+
+        A run that diverges scores +inf and leaves ``diverged.json`` (its error), so that a re-run
+        scores it again without training it; a finished run is read back from its index. Either way
+        its checkpoints are deleted once it is done (the index, config and metrics stay): a search
+        trains many runs and keeps only their losses."""
+        tag = "-".join(f"{k}{v:g}" for k, v in sorted(options.items()))
+        run = self.out / "runs" / "tune" / arm / f"{tag}-seed{seed}"
+        if (run / DIVERGED).is_file():
+            return math.inf
+        steps = self.tuning_settings().horizon_steps
+        index = read_index(run)
+        if index and index[-1]["step"] == steps and not (run / index[-1]["path"]).exists():
+            return float(index[-1]["val_loss"])  # finished before; its checkpoints were cleaned up
+        try:
+            loss = self._short_run(data, run, arm, options, seed, steps)
+        except TrainingDiverged as e:
+            atomic_write_json(run / DIVERGED, {"error": str(e)})
+            loss = math.inf
+        for ckpt in run.glob("ckpt_*.pt"):
+            ckpt.unlink()
+        return loss if math.isfinite(loss) else math.inf
+
+    def _search(
+        self, data: Path, arm: str, knob: str, grid: list[float], fixed: dict, extensions: int, seeds: list[int]
+    ) -> LrSearch:
+        """:func:`~curvlab.studies.tuning.search_lr` of ``arm``'s option ``knob`` (the others ``fixed``) on
+        :meth:`_tuning_loss`."""
+        result = search_lr(
+            lambda lr, seed: self._tuning_loss(data, arm, {**fixed, knob: lr}, seed),
+            grid, seeds, f"{arm}.{knob}", extensions, fixed,
+        )  # fmt: skip
+        grid = ", ".join(f"{x:g}" for x in sorted(result.grid))
+        self._say(f"{arm} {knob}: best {result.chosen:g} on the grid {grid}")
+        return result

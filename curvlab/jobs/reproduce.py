@@ -1,0 +1,906 @@
+"""The main job: reproduce the paper's curvature analysis end to end, fairly, from data to report.
+
+Stages, each skipped when its output already exists with the same settings (so an interrupted run,
+started again, continues from what is done), each timed (``timing.json``):
+
+1. data: Zipf-PCFG at each s (training at s, validation at s = 0), and each s's unigram plateau: the
+   validation loss of a model that learned only that s's training frequencies;
+2. tune, at the first s, on tuning seeds disjoint from the measured ones and at the compared horizon:
+   AdamW's and Muon's learning rates, either from the committed table (``lr_source="table"``, made by
+   the full search, :func:`search_lr_table`) and checked on a 3-point grid, or by the full search here
+   (log2 grids extended while the best point sits at an edge, :mod:`curvlab.studies.tuning`). Muon's AdamW
+   side is tied to AdamW's lr, or tuned on its own grid (``adam_side``). The step-size control arm
+   (Muon with RMS-matched scaling, ``scale="moonlight"``) is not tuned: its lr is *set* so that its
+   hidden ||Z|| equals AdamW's at the first seed's matched levels (:meth:`Reproduction.control_lr`);
+3. per measurement seed (``analysis/seed<k>.json``): every arm's run at the first s and AdamW and Muon
+   at the other s, all under a warmup-stable-decay schedule; AdamW against each Muon arm at matched
+   validation loss inside the stable phase (:mod:`curvlab.runs.match`, each level averaged over a window
+   of checkpoints that no other level shares); the trajectories; and, from the second seed on, the A/A
+   comparisons of this seed with the one before (AdamW vs AdamW, Muon vs Muon), which calibrate the
+   verdicts. Then the previous seed's checkpoints that no analysis read are deleted (``prune``);
+4. ``analysis/levels.json``, everything measured (:class:`curvlab.studies.results.LevelData`), and from it
+   alone the headline with its intervals and verdicts (:func:`curvlab.studies.results.headline`);
+5. with a fine-tuning preset: LoRA adaptation of the first seed's AdamW model to s = 1 under the
+   adapter optimizers (:mod:`curvlab.jobs.finetune`, in ``finetune/``; its section closes ``report.md``);
+6. the quadratic model; 7. figures; 8. ``summary.json`` and ``report.md``.
+
+Presets: ``micro`` (the test suite's, seconds), ``quick`` (the CPU default, ten minutes on two cores:
+AdamW and Muon, 5 seeds, s = 0, the paired design), ``standard`` (CPU, within an hour: 5 seeds, the
+paper's 4412-token grammar, the Zipf sweep and the control arm) and ``paper`` (a GPU: ``pcfg-9m`` on the
+s sweep, and ``gpt2-124m`` on FineWeb shards the user provides).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from scipy.stats import t as t_dist
+
+from curvlab.analysis.checkpoints import AnalysisSettings, load_report
+from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
+from curvlab.data.shards import find_shards
+from curvlab.errors import CurvlabError
+from curvlab.jobs.finetune import Finetune, with_preset
+from curvlab.jobs.job import Job
+from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
+from curvlab.optim.optimizers import default_muon_rule, matrix_shape, muon_scale
+from curvlab.output import plots
+from curvlab.output import text as report
+from curvlab.output.files import read_quadratic, write_quadratic
+from curvlab.runs.checkpoint import read_index
+from curvlab.runs.match import PLATEAU_FRACTION, MatchCriteria, NoMatchedLevel, plateau_ceiling
+from curvlab.runs.train import TrainConfig, train
+from curvlab.studies.compare import compare_runs, track_run
+from curvlab.studies.paper import PRIMARY, REFERENCE_TRAINING
+from curvlab.studies.quadratic import quadratic_study
+from curvlab.studies.results import (
+    ComparisonRecord,
+    FinewebRecord,
+    LevelData,
+    QuadraticRecord,
+    Summary,
+    TrackRecord,
+    calibration,
+    headline,
+    primary_family,
+    taylor_counts,
+)
+from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, log2_grid
+from curvlab.util import schema
+from curvlab.util.atomic import atomic_write_json, atomic_write_text
+
+ADAM_SIDES = ("tied", "tuned")
+LR_SOURCES = ("table", "search")
+CONTROL_ARM = "muon-moonlight"
+LR_TABLE = Path(__file__).with_name("lr_table.json")
+LR_TABLE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One optimizer as compared: a ``build_optimizer`` name and the options that set it apart."""
+
+    name: str
+    optimizer: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hybrid(self) -> bool:
+        """Muon on the hidden matrices with an AdamW side (whose lr is ``adam_lr``)."""
+        return self.optimizer == "muon"
+
+
+ARMS = {
+    "adamw": Arm("adamw", "adamw"),
+    "muon": Arm("muon", "muon"),
+    # the step-size control: RMS-matched scaling 0.2 sqrt(max(rows, cols)) (docs/science.md section 10, width)
+    "muon-moonlight": Arm("muon-moonlight", "muon", {"scale": "moonlight"}),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    model: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    s_values: tuple[float, ...] = (0.0, 0.5, 1.0)
+    grammar: dict[str, Any] = field(default_factory=dict)  # make_grammar options (e.g. a smaller vocabulary)
+    tokens: str = "2M"
+    val_tokens: str = "100k"
+    steps: int = 200
+    batch_size: int = 16
+    warmup_steps: int = 10
+    schedule: str = "wsd"
+    cooldown_frac: float = 0.2
+    seeds: int = 5  # per arm, measurement seeds 0 .. seeds - 1
+    arms: tuple[str, ...] = ("adamw", "muon", "muon-moonlight")  # at the first s
+    sweep_arms: tuple[str, ...] = ("adamw", "muon")  # at every s
+    ckpt_every: int = 2  # at the first s: matched levels at a 1% tolerance need dense checkpoints
+    sweep_ckpt_every: int = 10  # at the other s (trajectories only)
+    val_windows: int = 64
+    # tuning (at the first s), on seeds tune_seed_base, tune_seed_base + 1, ... (disjoint from the measured ones)
+    lr_centers: dict[str, float] = field(default_factory=lambda: {"adamw": 0.004, "muon": 0.02})
+    grid_points: int = 5
+    tune_seeds: int = 2
+    tune_seed_base: int = 1000
+    tune_steps: int | None = None  # None: the compared horizon (``steps``), so the lr is tuned for the runs compared
+    max_extensions: int = 3
+    adam_side: str = "tied"  # the hybrids' Adam-side lr: tied to AdamW's tuned lr, or tuned on its own grid
+    # "table": the learning rates of the committed table (curvlab/jobs/lr_table.json, made by the full search
+    # under this preset's name), checked on a 3-point grid around each; "search": the full search here
+    lr_source: str = "table"
+    check_points: int = 3
+    check_seeds: int = 1  # the table check's seeds: check_seed_base, ... (disjoint from the table's and the measured)
+    check_seed_base: int = 2000
+    # the primary claims this design judges (curvlab.studies.paper.PRIMARY names; None: all five). The others are
+    # estimated and shown, but descriptive: no verdict, outside Holm's correction (docs/science.md section 12)
+    primary: tuple[str, ...] | None = None
+    calibration: bool = True  # A/A comparisons: AdamW vs AdamW and Muon vs Muon on neighbouring seeds
+    prune: bool = True  # delete the checkpoints no analysis read, once a seed's analysis is done
+    # matched comparison
+    phase: str = "stable"
+    plateau_fraction: float = PLATEAU_FRACTION  # levels within this fraction of the unigram entropy are flagged
+    compare_levels: int = 6
+    tolerance: float = 0.01
+    window: int = 1  # neighbours on each side of a matched checkpoint
+    analysis_batches: int = 4  # G, H and ΔD on the step's batch and the next ones
+    # trajectories
+    track_interval: int = 20  # steps between tracked checkpoints
+    track_batches: int = 2
+    n_boot: int = 2000  # kept for the headline's signature; the seed-level intervals draw no replicates
+    quadratic: dict[str, Any] = field(default_factory=dict)
+    finetune: str | None = None  # a `curvlab finetune` preset, run on the first seed's AdamW model at the first s
+    fineweb: bool = False  # the paper preset also trains gpt2-124m on FineWeb shards
+    fineweb_model: str = "gpt2-124m"
+    fineweb_model_overrides: dict[str, Any] = field(default_factory=dict)
+    fineweb_steps: int = REFERENCE_TRAINING["steps"]  # docs/science.md section 4: the modded-nanogpt comparison
+    fineweb_batch_size: int = 512  # x 1024 tokens = 524k tokens per step
+    fineweb_lr: dict[str, float] = field(default_factory=lambda: dict(_PAPER_LR))
+    fineweb_ckpt_every: int = 250  # a gpt2-124m checkpoint with AdamW state is ~1.5 GB
+    device: str = "auto"
+
+    @property
+    def tuning_steps(self) -> int:
+        return self.steps if self.tune_steps is None else self.tune_steps
+
+    @property
+    def tuning_settings(self) -> TuningSettings:
+        return TuningSettings.of(self, self.tuning_steps)
+
+    def tuning_seeds(self) -> list[int]:
+        return self.tuning_settings.seeds()
+
+    @property
+    def matching(self) -> MatchCriteria:
+        return MatchCriteria(levels=self.compare_levels, tolerance=self.tolerance, window=self.window, phase=self.phase)
+
+    def check_seed_list(self) -> list[int]:
+        return [self.check_seed_base + i for i in range(self.check_seeds)]
+
+    def tuning_fingerprint(self) -> dict[str, Any]:
+        """What a tuned learning rate depends on: a table entry made under other values is not used."""
+        fields = ("model", "model_overrides", "grammar", "tokens", "val_tokens", "batch_size", "warmup_steps",
+                  "schedule", "cooldown_frac", "val_windows", "adam_side")  # fmt: skip
+        return json.loads(json.dumps(
+            {**{k: getattr(self, k) for k in fields}, "horizon_steps": self.tuning_steps, "s": self.s_values[0]}
+        ))  # fmt: skip
+
+    def validate(self) -> None:
+        if self.lr_source not in LR_SOURCES:
+            raise CurvlabError(f"lr_source must be one of {', '.join(LR_SOURCES)}, got {self.lr_source!r}")
+        if self.seeds < 1:
+            raise CurvlabError("a preset needs seeds >= 1")
+        self.tuning_settings.validate(self.seeds)
+        if set(self.check_seed_list()) & set(range(self.seeds)):
+            raise CurvlabError(
+                f"check seeds {self.check_seed_list()} overlap the measurement seeds 0..{self.seeds - 1}: "
+                "raise check_seed_base"
+            )
+        if self.adam_side not in ADAM_SIDES:
+            raise CurvlabError(f"adam_side must be one of {', '.join(ADAM_SIDES)}, got {self.adam_side!r}")
+        unknown = sorted(set(self.arms) - set(ARMS))
+        if unknown or "adamw" not in self.arms or "muon" not in self.arms:
+            raise CurvlabError(f"arms must include adamw and muon, from {', '.join(ARMS)}; got {self.arms}")
+        if not set(self.sweep_arms) <= set(self.arms):
+            raise CurvlabError(f"sweep_arms {self.sweep_arms} must be among arms {self.arms}")
+        for name, every in (("ckpt_every", self.ckpt_every), ("sweep_ckpt_every", self.sweep_ckpt_every)):
+            if self.track_interval % every:
+                raise CurvlabError(f"track_interval {self.track_interval} is not a multiple of {name} {every}")
+        if self.primary is not None and (unknown := sorted(set(self.primary) - {c.name for c in PRIMARY})):
+            raise CurvlabError(f"primary names unknown claims {unknown}; the family is curvlab.studies.paper.PRIMARY")
+
+
+_PAPER_LR = {arm: REFERENCE_TRAINING[arm]["lr"] for arm in ("muon", "adamw")}
+PRESETS = {
+    "micro": Preset(
+        "micro",
+        model_overrides=MICRO_OVERRIDES,
+        s_values=(0.0, 1.0),
+        grammar={"n_tokens": 300},
+        tokens="100k",
+        val_tokens="10k",
+        steps=20,
+        batch_size=8,
+        warmup_steps=2,
+        seeds=4,  # 3 A/A pairs per arm: the fewest that calibrate
+        ckpt_every=2,
+        sweep_ckpt_every=5,
+        val_windows=16,
+        plateau_fraction=-0.2,  # its toy runs never leave the unigram plateau: flag only far above it
+        lr_centers={"adamw": 0.008, "muon": 0.04},
+        grid_points=2,
+        tune_seeds=1,
+        tune_steps=4,
+        lr_source="search",
+        max_extensions=1,
+        compare_levels=2,
+        tolerance=0.05,
+        window=1,
+        analysis_batches=1,
+        track_interval=10,
+        track_batches=1,
+        n_boot=200,
+        finetune="micro",
+        quadratic={
+            "steps": 8,
+            "fixed_lr_steps": 10,
+            "sweep_steps": 8,
+            "rhos": (2.0, 20.0, 200.0),
+            "alphas": (0.1, 0.3),
+            "ratios": (1.0, 2.0),
+        },
+        device="cpu",
+    ),
+    # The paired design with power, on a CPU in ten minutes: AdamW and Muon, 5 seeds each, at s = 0 on a
+    # 1024-token version of the grammar (with the paper's 4412 tokens, 70% of `tiny` is embedding and
+    # head, and two CPUs for a few minutes don't get it past unigram statistics). The learning rates come
+    # from the committed table (made by the full search at this size and horizon), checked on a
+    # 3-point grid with one tuning seed. The Zipf sweep and the step-size control arm are `standard`'s.
+    # Sized from a pilot of the per-run spread (docs/science.md section 11): the paired log ratio's SD
+    # between seeds is about 0.1, so 5 seeds resolve a factor of 1.2; the between-run ratio's is 10x that.
+    # So quick judges the paired claims only: at 200 steps AdamW barely leaves the unigram plateau, each
+    # seed has 1-3 matched levels, and the between-run ratio's verdict flipped between a 1- and a 2-thread
+    # rerun (docs/science.md section 12). It is shown, descriptive; `standard` judges it.
+    "quick": Preset(
+        "quick",
+        model_overrides={"vocab_size": 1088},
+        grammar={"n_tokens": 1024},
+        s_values=(0.0,),
+        arms=("adamw", "muon"),
+        steps=200,
+        seeds=5,
+        primary=("paired_direction_ratio", "alignment_ratio"),
+        ckpt_every=4,
+        analysis_batches=1,
+        track_interval=20,
+        track_batches=1,
+        device="cpu",
+    ),
+    # The full design on the paper's 4412-token grammar (5 seeds, s = 0, 0.5, 1, the step-size control
+    # arm, two evaluation batches per matched checkpoint), on a CPU within an hour. With four batches a
+    # seed took 15 minutes on 2 cores, 12 of them in the four matched comparisons (AdamW/Muon, the
+    # control arm, two A/A): 76 minutes in all, so the batches were halved before any result was read.
+    "standard": Preset(
+        "standard",
+        model_overrides={"vocab_size": 4416},
+        tokens="4M",
+        val_tokens="200k",
+        steps=400,
+        seeds=5,
+        ckpt_every=4,
+        sweep_ckpt_every=20,
+        val_windows=64,
+        analysis_batches=2,
+        track_interval=40,
+        track_batches=1,  # a trajectory mean already averages the stable phase's checkpoints
+        device="cpu",
+    ),
+    "paper": Preset(
+        "paper",
+        model="pcfg-9m",
+        tokens="200M",
+        val_tokens="5M",
+        steps=5000,
+        batch_size=64,
+        warmup_steps=100,
+        seeds=3,
+        ckpt_every=50,
+        sweep_ckpt_every=250,
+        val_windows=512,
+        # the paper's learning rates; the RMS-matched Muon's steps are AdamW-sized, so it starts from AdamW's
+        lr_centers={"adamw": _PAPER_LR["adamw"], "muon": _PAPER_LR["muon"]},
+        lr_source="search",
+        adam_side="tuned",
+        compare_levels=10,
+        window=2,
+        track_interval=250,
+        track_batches=4,
+        finetune="standard",
+        fineweb=True,
+    ),
+}
+
+
+def _s_name(s: float) -> str:
+    return f"s{s:g}"
+
+
+def final_loss_note(final: dict[str, dict[str, list]], steps: int) -> str:
+    """Each arm's final validation loss at equal steps, mean and 95% t interval over seeds, at each s:
+    whether Muon beats AdamW here at all, the premise the curvature is to explain."""
+    parts = []
+    for s, arms in final.items():
+        for arm, values in sorted(arms.items()):
+            x = np.array([v for v in values if v is not None], dtype=float)
+            if len(x) >= 2:
+                half = t_dist.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))
+                m = x.mean()
+                parts.append(f"{arm} at s = {s}: {m:.4f} [{m - half:.4f}, {m + half:.4f}] (n = {len(x)})")
+            elif len(x):
+                parts.append(f"{arm} at s = {s}: {x.mean():.4f} (n = 1)")
+    return f"Final validation loss at step {steps}, mean [95% t interval over seeds]: " + "; ".join(parts) + "."
+
+
+def optimum_moved(check: LrSearch, table_lr: float, table_search: dict[str, Any] | None) -> bool:
+    """Whether the check's grid says the table's learning rate is no longer the optimum: its best point
+    is another lr and beats the table's by more than one standard error. The check may run on one
+    seed, which has no standard error of its own, so the error is the table search's (two seeds per
+    point), combined over the two points: sqrt(se_table² + se_best²). Without it (a point the table
+    did not train), any other winner counts as a move."""
+    if check.chosen == table_lr:
+        return False
+    if table_lr in check.ties:
+        return False
+    gap = check.mean(table_lr) - check.mean(check.chosen)
+    full = LrSearch.from_dict(table_search) if table_search else None
+    if full is None or table_lr not in full.grid or check.chosen not in full.grid:
+        return True
+    se = math.hypot(full.stderr(table_lr), full.stderr(check.chosen))
+    return not gap <= se  # a NaN error (a diverged point) counts as a move
+
+
+@dataclass(frozen=True)
+class LrTable:
+    """The committed learning-rate table (:data:`LR_TABLE`): preset name -> the full search's entry
+    (``fingerprint``, ``chosen``, ``seeds``, ``horizon_steps``, ``adam_side``, ``searches``)."""
+
+    SCHEMA_VERSION: ClassVar[int] = LR_TABLE_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "learning-rate table"
+
+    presets: dict[str, dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": self.SCHEMA_VERSION, "presets": self.presets}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LrTable:
+        if not isinstance(d["presets"], dict):
+            raise TypeError("presets is not an object")
+        return cls(d["presets"])
+
+
+def read_lr_table(path: Path = LR_TABLE) -> dict[str, Any]:
+    """The committed learning-rate table's entries by preset name (none when there is no table)."""
+    return schema.load(path, LrTable).presets if path.is_file() else {}
+
+
+def search_lr_table(preset: Preset, out: str | Path, progress: bool = True) -> dict[str, Any]:
+    """The committed table's entry for ``preset``, made by the full protocol: ``grid_points``-point log2
+    grids extended at their edges, 2 tuning seeds per point (disjoint from the measured ones), runs at the
+    compared horizon. Writes it into :data:`LR_TABLE` (other presets' entries are kept)."""
+    full = replace(preset, lr_source="search", tune_seeds=max(2, preset.tune_seeds))
+    if set(full.tuning_seeds()) & set(full.check_seed_list()):
+        raise CurvlabError(f"the table's seeds {full.tuning_seeds()} overlap the check's {full.check_seed_list()}")
+    job = Reproduction(full, out, progress=progress)
+    job._check_config()
+    tuning = job.tune(job.data()[full.s_values[0]])
+    entry = {
+        "fingerprint": preset.tuning_fingerprint(),
+        "chosen": {arm: tuning.chosen[arm] for arm in ("adamw", "muon")},
+        "seeds": tuning.seeds,
+        "horizon_steps": tuning.horizon_steps,
+        "adam_side": tuning.adam_side,
+        "searches": {k: v.to_dict() for k, v in tuning.searches.items()},
+    }
+    schema.save(LR_TABLE, LrTable({**read_lr_table(), preset.name: entry}))
+    return entry
+
+
+def muon_shapes(model: str, overrides: dict[str, Any]) -> list[tuple[int, int]]:
+    """The (rows, cols) of every matrix Muon updates in a curvlab GPT (by structural role)."""
+    net = GPT(get_config(model, **overrides))
+    use_muon = default_muon_rule(net)
+    return [matrix_shape(q) for n, q in net.named_parameters() if use_muon(n, q)]
+
+
+def muon_norm_per_lr(shapes: list[tuple[int, int]], scale: str) -> float:
+    r""":math:`\|Z\|_F / \eta` of a Muon step with an exactly orthogonal factor: each matrix
+    contributes :math:`s_i^2 \min(m_i, n_i)` (its polar factor has that many unit singular values)."""
+    return math.sqrt(sum(muon_scale(shape, scale) ** 2 * min(shape) for shape in shapes))
+
+
+def _run_key(path: str | Path) -> Path:
+    """A checkpoint's place inside a reproduction (``s0/adamw/seed0/ckpt_000100.pt``): the same after the
+    output directory is moved, which the absolute paths in the records are not."""
+    return Path(*Path(path).parts[-4:])
+
+
+def window_checkpoints(records: list[ComparisonRecord], reports: Path | None = None) -> set[Path]:
+    """Every checkpoint a matched comparison read, as :func:`_run_key`: the members of its windows, read
+    back from their reports (looked up by name in ``reports`` when the recorded path is gone)."""
+    keep = set()
+    for r in records:
+        for level in r.comparison.levels if r.comparison else []:
+            for side in (level.a, level.b):
+                for path in map(Path, side.reports):
+                    found = path if path.is_file() or reports is None else reports / path.name
+                    keep.add(_run_key(load_report(found).checkpoint))
+    return keep
+
+
+def prune_run(run: Path, keep: set[Path]) -> int:
+    """Delete the checkpoints of ``run`` outside ``keep`` (:func:`_run_key` s), except its last (a finished
+    run resumes from it as finished); the index keeps every entry (validation losses stay). Returns the
+    bytes freed."""
+    index = read_index(run)
+    freed = 0
+    for entry in index[:-1]:
+        path = run / entry["path"]
+        if _run_key(path.resolve()) not in keep and path.is_file():
+            freed += path.stat().st_size
+            path.unlink()
+    return freed
+
+
+class Reproduction(Job):
+    """One reproduction in one output directory (see the module docstring)."""
+
+    TAG = "reproduce"
+    CONFIG_FILE = "reproduce.json"
+
+    def __init__(self, preset: Preset, out: str | Path, fineweb: str | Path | None = None, progress: bool = True):
+        preset.validate()
+        super().__init__(out, progress)
+        self.preset = preset
+        self.fineweb = Path(fineweb) if fineweb else None
+        if preset.fineweb:
+            if self.fineweb is None:
+                raise CurvlabError("the paper preset trains gpt2-124m on FineWeb: pass --fineweb DIR with its shards")
+
+            for split in ("train", "val"):  # fail now, not after hours of training
+                find_shards(self.fineweb, split)
+        self.tuning: TuningRecord | None = None  # set by tune(); the first seed adds the control arm's lr
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        return {"preset": asdict(self.preset), "fineweb": str(self.fineweb) if self.fineweb else None}
+
+    def what(self) -> str:
+        return f"the results of preset {self.preset.name!r}"
+
+    def tuning_settings(self) -> TuningSettings:
+        return self.preset.tuning_settings
+
+    def _train_config(self, data: Path, out: Path, arm: str, options: dict[str, Any], seed: int, **overrides):
+        p = self.preset
+        fields = dict(
+            data=str(data), out=str(out), model=p.model, model_overrides=dict(p.model_overrides),
+            optimizer=ARMS[arm].optimizer, optimizer_options={**ARMS[arm].options, **options},
+            batch_size=p.batch_size, steps=p.steps, warmup_steps=p.warmup_steps, schedule=p.schedule,
+            cooldown_frac=p.cooldown_frac, eval_every=p.ckpt_every, ckpt_every=p.ckpt_every,
+            val_windows=p.val_windows, seed=seed, device=p.device,
+        )  # fmt: skip
+        fields.update(overrides)
+        return TrainConfig(**fields)
+
+    # -- stages -----------------------------------------------------------------------------
+
+    def data(self) -> dict[float, Path]:
+        p = self.preset
+        dirs = {}
+        for s in p.s_values:
+            d = self.out / "data" / _s_name(s)
+            generate_pcfg_dataset(
+                d, s=s, tokens=p.tokens, val_tokens=p.val_tokens, val_s=0.0, grammar_options=p.grammar,
+                progress=self.progress,
+            )  # fmt: skip
+            dirs[s] = d
+        self._say(f"data ready: s = {', '.join(f'{s:g}' for s in p.s_values)}")
+        return dirs
+
+    def _short_run(self, data: Path, run: Path, arm: str, options: dict[str, float], seed: int, steps: int) -> float:
+        cfg = self._train_config(data, run, arm, options, seed, steps=steps, eval_every=steps, ckpt_every=steps)
+        return train(cfg, progress=self.progress).val_loss
+
+    def tune(self, data: Path) -> TuningRecord:
+        """AdamW's and Muon's learning rates at the first s (module docstring): the full search
+        (``lr_source="search"``, or a preset the table lacks) or the committed table's values, checked
+        on a ``check_points`` grid around each. The step-size control arm is not tuned: its lr is set
+        later (:meth:`control_lr`)."""
+        p = self.preset
+        self.tuning = self.saved_tuning()
+        if self.tuning is not None:
+            return self.tuning
+        table = read_lr_table().get(p.name) if p.lr_source == "table" else None
+        fallback = None
+        if table is not None and table.get("fingerprint") != p.tuning_fingerprint():
+            table, fallback = None, "the committed table's entry was made under other settings"
+        elif table is None and p.lr_source == "table":
+            fallback = "the committed table has no entry for this preset"
+        if fallback:
+            self._say(f"{fallback}: the full search runs here")
+        searches: dict[str, LrSearch] = {}
+        seeds = p.tuning_seeds() if table is None else p.check_seed_list()
+        if table is None:
+            mode = "search"
+            searches["adamw.lr"] = self._search(
+                data, "adamw", "lr", log2_grid(p.lr_centers["adamw"], p.grid_points), {}, p.max_extensions, seeds
+            )
+            chosen = {"adamw": {"lr": searches["adamw.lr"].chosen}}
+            adam_lr = chosen["adamw"]["lr"]
+            s = searches["muon.lr"] = self._search(
+                data, "muon", "lr", log2_grid(p.lr_centers["muon"], p.grid_points), {"adam_lr": adam_lr},
+                p.max_extensions, seeds,
+            )  # fmt: skip
+            chosen["muon"] = {"lr": s.chosen, "adam_lr": adam_lr}
+            if p.adam_side == "tuned":  # a second, one-dimensional search at the chosen Muon lr
+                s = searches["muon.adam_lr"] = self._search(
+                    data, "muon", "adam_lr", log2_grid(adam_lr, p.grid_points), {"lr": chosen["muon"]["lr"]},
+                    p.max_extensions, seeds,
+                )  # fmt: skip
+                chosen["muon"]["adam_lr"] = s.chosen
+            moved = {}
+        else:  # the pre-registered values, and a check that the optimum has not moved
+            mode = "table"
+            if set(seeds) & set(table["seeds"]):
+                raise CurvlabError(f"check seeds {seeds} overlap the table's {table['seeds']}: raise check_seed_base")
+            chosen = {arm: dict(table["chosen"][arm]) for arm in ("adamw", "muon")}
+            moved = {}
+            for arm in ("adamw", "muon"):
+                fixed = {k: v for k, v in chosen[arm].items() if k != "lr"}
+                s = searches[f"{arm}.lr"] = self._search(
+                    data, arm, "lr", log2_grid(chosen[arm]["lr"], p.check_points), fixed, 0, seeds
+                )
+                moved[arm] = optimum_moved(s, chosen[arm]["lr"], table.get("searches", {}).get(f"{arm}.lr"))
+                if moved[arm]:
+                    self._say(f"{arm}: the check's best lr {s.chosen:g} beats the table's {chosen[arm]['lr']:g}")
+        record = TuningRecord(
+            mode, p.s_values[0], p.tuning_steps, seeds, searches, chosen, p.adam_side, fallback, table, moved
+        )
+        self.tuning = self.save_tuning(record)
+        return self.tuning
+
+    def control_lr(self, record: ComparisonRecord, chosen: dict[str, dict[str, float]]) -> dict[str, float]:
+        r"""The step-size control arm's learning rate, *set* (not tuned) so that its hidden-matrix
+        :math:`\|Z\|` equals AdamW's at the matched levels of ``record`` (AdamW against Muon, the first
+        seed). Muon's hidden :math:`\|Z\|` is its lr times a constant of the shapes and the scale rule
+        (:math:`\sum_i s_i^2 \min(m_i, n_i)` under the square root, the Newton–Schulz factor having
+        near-unit singular values), so the ratio AdamW/Muon measured at lr :math:`\eta_M` gives
+        :math:`\eta_C = \eta_M \cdot (\|Z_A\| / \|Z_M\|) \cdot c_\text{original} / c_\text{moonlight}`."""
+        c = record.comparison
+        if c is None or not c.headline_levels:
+            raise CurvlabError(f"no matched level of {record.name} seed {record.seed} to set the control arm's lr from")
+        z_a = np.mean([lv.a.mean["hidden_update_norm"] for lv in c.headline_levels])
+        z_m = np.mean([lv.b.mean["hidden_update_norm"] for lv in c.headline_levels])
+        shapes = muon_shapes(self.preset.model, self.preset.model_overrides)
+        ratio = muon_norm_per_lr(shapes, "original") / muon_norm_per_lr(shapes, "moonlight")
+        lr = float(f"{chosen['muon']['lr'] * (z_a / z_m) * ratio:.4g}")
+        return {"lr": lr, "adam_lr": chosen["muon"]["adam_lr"], "set_from_seed": record.seed,
+                "adamw_hidden_update_norm": float(z_a), "muon_hidden_update_norm": float(z_m)}  # fmt: skip
+
+    def _run_dir(self, s: float, arm: str, seed: int) -> Path:
+        return self.out / "runs" / _s_name(s) / arm / f"seed{seed}"
+
+    def _arms_at(self, s: float) -> tuple[str, ...]:
+        return self.preset.arms if s == self.preset.s_values[0] else self.preset.sweep_arms
+
+    def _ckpt_every(self, s: float) -> int:
+        return self.preset.ckpt_every if s == self.preset.s_values[0] else self.preset.sweep_ckpt_every
+
+    def _train(self, data: dict[float, Path], s: float, arm: str, seed: int, chosen: dict[str, dict]) -> Path:
+        """Train one measured run. It carries a shadow of the other arm (docs/science.md section 11): an
+        AdamW run a Muon momentum at Muon's chosen lr, a Muon run Adam's moments at AdamW's."""
+        run = self._run_dir(s, arm, seed)
+        every = self._ckpt_every(s)
+        options = {k: v for k, v in chosen[arm].items() if k in ("lr", "adam_lr")}
+        other = "muon" if ARMS[arm].optimizer == "adamw" else "adamw"
+        cfg = self._train_config(
+            data[s], run, arm, options, seed, eval_every=every, ckpt_every=every, shadow=True,
+            shadow_options={"lr": chosen[other]["lr"]},
+        )  # fmt: skip
+        with self.clock("train"):
+            train(cfg, progress=self.progress)
+        return run
+
+    def _settings(self, batches: int) -> AnalysisSettings:
+        return AnalysisSettings(blocks="layer", batch="train", batches=batches)
+
+    def _criteria(self, plateau: float | None) -> MatchCriteria:
+        return replace(self.preset.matching, plateau_ceiling=plateau)
+
+    def _compare(self, name: str, seed: int, run_a: Path, run_b: Path, plateau: float, out: str) -> ComparisonRecord:
+        """One matched comparison at the first s (``name`` "adamw/<arm>", or "<arm>/<arm>" for an A/A
+        pair of two seeds), or the reason there is none."""
+        p = self.preset
+        s0 = p.s_values[0]
+        try:
+            with self.clock("compare"):
+                c = compare_runs(
+                    run_a, run_b, self.out / "analysis" / out, self._criteria(plateau),
+                    self._settings(p.analysis_batches), progress=self.progress, cache=self.out / "analysis" / "reports",
+                )  # fmt: skip
+            return ComparisonRecord(name, seed, s0, c)
+        except NoMatchedLevel as e:  # no stable phase, no overlap, no level within tolerance (a broken file raises)
+            self._say(f"{name} seed {seed}: no comparison ({e})")
+            return ComparisonRecord(name, seed, s0, None, str(e))
+
+    def _track_steps(self) -> list[int]:
+        p = self.preset
+        return list(range(p.track_interval, p.steps + 1, p.track_interval))
+
+    def _track(self, s: float, arm: str, seed: int, plateau: float) -> TrackRecord:
+        p = self.preset
+        with self.clock("track"):
+            rows = track_run(
+                self._run_dir(s, arm, seed), self.out / "analysis" / f"track-{_s_name(s)}-{arm}-seed{seed}",
+                settings=self._settings(p.track_batches), progress=self.progress, plateau_ceiling=plateau,
+                cache=self.out / "analysis" / "reports", steps=self._track_steps(),
+            )  # fmt: skip
+        return TrackRecord(arm, s, seed, p.steps, p.warmup_steps, rows)
+
+    def seed(self, seed: int, data: dict[float, Path], tuning: TuningRecord, plateaus: dict[float, float]) -> LevelData:
+        """Everything measured on one measurement seed (``analysis/seed<k>.json``; a re-run reads it):
+        its runs at every s, AdamW against each Muon arm at matched loss, the trajectories, and (from
+        the second seed on) the A/A comparisons of this seed with the one before. The first seed also
+        sets the control arm's lr (:meth:`control_lr`), into ``tuning.json`` and :attr:`tuning`."""
+        p = self.preset
+        path = self.out / "analysis" / f"seed{seed}.json"
+        if path.is_file():
+            return LevelData.load(path)
+        s0 = p.s_values[0]
+        chosen = tuning.chosen
+        for s in p.s_values:
+            for arm in self._arms_at(s):
+                if arm != CONTROL_ARM:
+                    self._train(data, s, arm, seed, chosen)
+        adamw = self._run_dir(s0, "adamw", seed)
+        records = [self._compare("adamw/muon", seed, adamw, self._run_dir(s0, "muon", seed), plateaus[s0],
+                                 f"compare-muon-seed{seed}")]  # fmt: skip
+        if CONTROL_ARM in p.arms:
+            if CONTROL_ARM not in chosen:  # the first seed sets it; later seeds and re-runs read it back
+                chosen = {**chosen, CONTROL_ARM: self.control_lr(records[0], chosen)}
+                self.tuning = self.save_tuning(replace(tuning, chosen=chosen))
+                self._say(f"{CONTROL_ARM}: lr set to {chosen[CONTROL_ARM]['lr']:g} (AdamW's hidden ||Z||)")
+            for s in (s for s in p.s_values if CONTROL_ARM in self._arms_at(s)):
+                self._train(data, s, CONTROL_ARM, seed, chosen)
+            records.append(self._compare(f"adamw/{CONTROL_ARM}", seed, adamw, self._run_dir(s0, CONTROL_ARM, seed),
+                                         plateaus[s0], f"compare-{CONTROL_ARM}-seed{seed}"))  # fmt: skip
+        tracks = [self._track(s, arm, seed, plateaus[s]) for s in p.s_values for arm in p.sweep_arms]
+        if p.calibration and seed > 0:
+            for arm in ("adamw", "muon"):
+                records.append(
+                    self._compare(
+                        f"{arm}/{arm}",
+                        seed,
+                        self._run_dir(s0, arm, seed - 1),
+                        self._run_dir(s0, arm, seed),
+                        plateaus[s0],
+                        f"aa-{arm}-seed{seed - 1}-{seed}",
+                    )
+                )
+        result = LevelData(records, tracks, plateaus[s0], list(p.s_values))
+        result.save(path)
+        return result
+
+    def prune(self, seed: int, levels: list[LevelData]) -> None:
+        """Delete the checkpoints of ``seed``'s runs outside the matched windows, once all its analyses
+        (the A/A ones with its neighbours included, in ``levels``) are done and saved: every number is
+        then in ``analysis/seed<k>.json``, and the windows stay for a look at the levels themselves (the
+        tracked checkpoints' reports are in ``analysis/reports``)."""
+        if not self.preset.prune:
+            return
+        keep = window_checkpoints([r for lv in levels for r in lv.comparisons], self.out / "analysis" / "reports")
+        freed = 0
+        for s in self.preset.s_values:
+            for arm in self._arms_at(s):
+                run = self._run_dir(s, arm, seed)
+                if run.is_dir():
+                    freed += prune_run(run, keep)
+        if freed:
+            self._say(f"seed {seed}: deleted {freed / 2**20:.0f} MB of checkpoints outside the matched windows")
+
+    def fineweb_comparison(self) -> FinewebRecord | None:
+        """Muon vs AdamW at the paper's learning rates on the user's FineWeb shards, compared at
+        matched validation loss in the stable phase (the paper's figures 1 and 2 on its own data;
+        one seed, so no interval)."""
+        if self.fineweb is None:
+            return None
+        p = self.preset
+        runs = {}
+        for arm in ("muon", "adamw"):
+            run = self.out / "runs" / "fineweb" / arm
+            cfg = self._train_config(
+                self.fineweb, run, arm, {"lr": p.fineweb_lr[arm]}, 0, model=p.fineweb_model,
+                model_overrides=dict(p.fineweb_model_overrides), steps=p.fineweb_steps,
+                batch_size=p.fineweb_batch_size, eval_every=p.fineweb_ckpt_every, ckpt_every=p.fineweb_ckpt_every,
+            )  # fmt: skip
+            train(cfg, progress=self.progress)
+            runs[arm] = run
+        compare = compare_runs(
+            runs["adamw"], runs["muon"], self.out / "analysis" / "compare-fineweb", self._criteria(None),
+            self._settings(p.analysis_batches), progress=self.progress, cache=self.out / "analysis" / "reports",
+        )  # fmt: skip
+        self._say(f"FineWeb: compared at {len(compare.levels)} matched levels")
+        return FinewebRecord(dict(compare.ratio_of_means), len(compare.headline_levels))
+
+    def finetune(self, runs: dict[tuple, Path]):
+        """The fine-tuning comparison (:mod:`curvlab.jobs.finetune`) in ``OUT/finetune``, adapting the first
+        seed's AdamW model at the first s to s = 1; ``None`` when the preset has none."""
+        p = self.preset
+        if p.finetune is None:
+            return None
+        base = runs[(p.s_values[0], "adamw", 0)]
+        result = Finetune(
+            replace(with_preset(p.finetune), device=p.device), self.out / "finetune", base, None, self.progress
+        )
+        return result.run()
+
+    def quadratic(self) -> dict[str, Any]:
+        cached = read_quadratic(self.out / "quadratic" / "quadratic.json")
+        if cached is not None:
+            return cached
+        result = quadratic_study(**self.preset.quadratic)
+        write_quadratic(result, self.out / "quadratic", figures=False)  # the report's figures draw it
+        self._say("quadratic model done")
+        return result
+
+    def figures(self, data: LevelData, summary: Summary, tuning: TuningRecord, quadratic: dict[str, Any]):
+        fig = self.out / "figures"
+        written = plots.reproduction_figures(data, summary, tuning, quadratic, fig)
+        return {k: [str(p.relative_to(self.out)) for p in v] for k, v in written.items()}
+
+    def notes(
+        self,
+        tuning: TuningRecord,
+        levels: LevelData | None = None,
+        plateaus: dict[float, float] | None = None,
+        final: dict[str, dict[str, list]] | None = None,
+    ) -> list[str]:
+        """The caveats the report states up front (what this preset reduced, what it tied, what the
+        trajectory means leave out)."""
+        p = self.preset
+        tokens = f"{p.batch_size}x{get_config(p.model, **p.model_overrides).block_size}"
+        notes = []
+        if p.seeds < 3:
+            notes.append(f"{p.seeds} seeds per optimizer: fewer than 3, so every entry is descriptive (no verdict).")
+        if p.adam_side == "tied":
+            notes.append(
+                "Muon's AdamW side (embeddings, head, norms) runs at AdamW's learning rate "
+                f"({tuning.lr('adamw'):g}): it is tied, not tuned on its own."
+            )
+        seeds = ", ".join(str(x) for x in tuning.seeds)
+        if tuning.mode == "table":
+            table = tuning.table
+            moved = [arm for arm, m in tuning.moved.items() if m]
+            ties = []
+            for arm in ("adamw", "muon"):
+                search = table.get("searches", {}).get(f"{arm}.lr")
+                if search and search["ties"]:
+                    tied = ", ".join(f"{x:g}" for x in search["ties"])
+                    ties.append(f"{arm}'s {search['chosen']:g} is within one standard error of {tied}")
+            notes.append(
+                f"Learning rates from the committed table (the full search at this preset's settings: log2 grids, "
+                f"tuning seeds {table.get('seeds')}, {table.get('horizon_steps')}-step runs"
+                + (f"; {'; '.join(ties)}" if ties else "")
+                + f"), checked here on {p.check_points} points with check seed(s) {seeds}: "
+                + ("the optimum moved for " + ", ".join(moved) + "." if moved else "the optimum did not move.")
+            )
+        else:
+            notes.append(
+                f"Learning rates searched at s = {p.s_values[0]:g} on {tuning.horizon_steps}-step runs (the "
+                f"compared horizon) with tuning seeds {seeds}, disjoint from the measurement seeds 0..{p.seeds - 1}"
+                + (f" ({tuning.fallback})." if tuning.fallback else ".")
+            )
+        control = tuning.chosen.get(CONTROL_ARM)
+        if control:
+            notes.append(
+                f"The step-size control arm ({CONTROL_ARM}) is not tuned: its lr {control['lr']:g} is set so that "
+                f"its hidden ||Z|| equals AdamW's ({control['adamw_hidden_update_norm']:.3g}) at seed "
+                f"{control['set_from_seed']}'s matched levels."
+            )
+        notes.append(
+            f"Matched levels: {p.compare_levels} targets in the {p.phase} phase, tolerance {p.tolerance:.0%}, each "
+            f"averaged over a window of up to {2 * p.window + 1} checkpoints {p.ckpt_every} steps apart (windows share "
+            f"no checkpoint), each analysed on {p.analysis_batches} batch(es) of {tokens} tokens; trajectories on "
+            f"{p.track_batches}, stable phase only."
+        )
+        if plateaus:
+            notes.append(
+                "Unigram plateau ceilings (a level or checkpoint at or above is left out of aggregates), per training "
+                "s: " + ", ".join(f"s = {s:g}: {c:.3f}" for s, c in plateaus.items()) + " nats."
+            )
+        if levels is not None and levels.tracks:
+            counts = {}
+            for t in levels.tracks:
+                n = counts.setdefault(t.arm, [0, 0])
+                n[0] += len(t.rows) - len(t.after_warmup())
+                n[1] += len(t.rows)
+            notes.append(
+                "Trajectory means leave out checkpoints on the unigram plateau or outside the stable phase: "
+                + ", ".join(f"{arm} {off} of {total}" for arm, (off, total) in sorted(counts.items()))
+                + "."
+            )
+        if final:
+            notes.append(final_loss_note(final, p.steps))
+        if p.analysis_batches < (full := PRESETS["paper"].analysis_batches):
+            notes.append(f"{p.analysis_batches} evaluation batch(es) per checkpoint (the paper preset uses {full}).")
+        if len(p.s_values) < 3:
+            notes.append(f"The Zipf sweep runs s = {', '.join(f'{s:g}' for s in p.s_values)} only.")
+        if p.grammar.get("n_tokens"):
+            notes.append(f"A {p.grammar['n_tokens']}-token grammar (the paper's has 4412).")
+        return notes
+
+    # -- the whole job ----------------------------------------------------------------------
+
+    def run(self) -> Summary:
+        self.start()
+        p = self.preset
+        with self.clock("data"):
+            data = self.data()
+        s0 = p.s_values[0]
+        # a model that has learned only its training frequencies scores this on the s = 0 validation data
+        plateaus = {s: plateau_ceiling(unigram_plateau_nats(data[s]), p.plateau_fraction) for s in p.s_values}
+        with self.clock("tune"):
+            tuning = self.tune(data[s0])
+        per_seed: list[LevelData] = []
+        for seed in range(p.seeds):
+            per_seed.append(self.seed(seed, data, self.tuning, plateaus))
+            if seed > 0:  # the previous seed's last analysis (its A/A with this one) is done
+                self.prune(seed - 1, per_seed[-2:])
+        self.prune(p.seeds - 1, per_seed[-1:])
+        levels = LevelData(
+            [r for lv in per_seed for r in lv.comparisons], [t for lv in per_seed for t in lv.tracks],
+            plateaus[s0], list(p.s_values),
+        )  # fmt: skip
+        levels.save(self.out / "analysis" / "levels.json")
+        runs = {(s, arm, seed): self._run_dir(s, arm, seed) for s in p.s_values for arm in self._arms_at(s)
+                for seed in range(p.seeds)}  # fmt: skip
+        with self.clock("finetune"):
+            finetune = self.finetune(runs)
+        with self.clock("fineweb"):
+            fineweb = self.fineweb_comparison()
+        with self.clock("quadratic"):
+            quadratic = self.quadratic()
+        with self.clock("summary"):
+            entries, zipf = headline(levels, p.n_boot)
+            primary, calibrated = primary_family(levels, judged=p.primary), calibration(levels.comparisons)
+        final = {}
+        for (s, arm, _), run in runs.items():
+            index = read_index(run)
+            final.setdefault(f"{s:g}", {}).setdefault(arm, []).append(index[-1]["val_loss"] if index else None)
+        tuning = self.tuning  # with the control arm's lr, once the first seed set it
+        notes = self.notes(tuning, levels, plateaus, final)
+        summary = Summary(
+            p.name, entries, zipf, taylor_counts(levels), tuning, notes, final, QuadraticRecord.from_study(quadratic),
+            fineweb=fineweb, primary=primary, calibration=calibrated,
+        )  # fmt: skip
+        with self.clock("figures"):
+            summary.figures = self.figures(levels, summary, tuning, quadratic)
+        summary.timing = self.timing()
+        summary.seconds = summary.timing["total"]  # over every invocation, when a run was interrupted and resumed
+        summary.invocations = int(summary.timing["invocations"])
+        summary.disk_bytes = sum(f.stat().st_size for f in self.out.rglob("*") if f.is_file())
+        atomic_write_json(self.out / "summary.json", summary.to_dict())  # NaN as null: strict JSON
+        text = report.render_report(summary, levels)
+        if finetune is not None:
+            text += "\n" + "\n".join(report.finetune_section(finetune)) + "\n"
+        atomic_write_text(self.out / "report.md", text)
+        mb = summary.disk_bytes / 2**20
+        self._say(f"done in {summary.seconds:.0f} s, {mb:.0f} MB left on disk: {self.out / 'report.md'}")
+        return summary

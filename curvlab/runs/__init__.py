@@ -1,0 +1,1 @@
+"""Training runs: checkpoints, the one training loop, the curvature monitor, matching runs by loss."""

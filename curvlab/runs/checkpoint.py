@@ -1,0 +1,225 @@
+"""Checkpoints: save and load, atomic and versioned.
+
+A checkpoint is a ``torch.save`` of a plain dict (loadable with ``weights_only=True``):
+
+========== =====================================================================
+format     ``"curvlab-checkpoint"``, and ``version`` (``CHECKPOINT_VERSION``)
+step       optimizer steps taken so far
+config     the training config (a dict), which also names the model config
+model      the model's ``state_dict``
+optimizer  the optimizer's ``state_dict`` (full state: momenta, Adam moments, counters)
+scheduler  the LR scheduler's ``state_dict``
+data       the train loader's state (its generator), positioned at the next batch
+rng        torch's RNG state (dropout)
+val_loss   validation loss at this step (NaN if not evaluated)
+train_loss the last training loss
+shadow     (runs with ``shadow`` on) the other arm's shadow state: :mod:`curvlab.optim.shadow`
+========== =====================================================================
+
+Writes go to a temporary file that is renamed into place, so a crash mid-write leaves the previous
+checkpoint valid. A run directory also keeps ``index.json``: ``[{step, val_loss, path}]`` for every
+checkpoint, so matching by validation loss never has to open checkpoints.
+
+This is also the one place where checkpoints of every format are read, with one set of errors
+(:func:`read_checkpoint`): curvlab's own, nanoGPT's ``ckpt.pt``, and a Hugging Face ``Trainer``
+checkpoint directory (with :mod:`curvlab.runs.hf`, which imports transformers, for what only it knows).
+A missing path, an unreadable, truncated or corrupt file (random bytes, text, a Git LFS pointer), a
+file of no known format, and a device this torch can't use each raise one
+:class:`~curvlab.errors.CurvlabError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from curvlab.runs import hf
+from curvlab.util.atomic import atomic_open, atomic_write_text
+from curvlab.errors import CurvlabError
+from curvlab.models.nanogpt import is_nanogpt_checkpoint
+
+FORMAT = "curvlab-checkpoint"
+CHECKPOINT_VERSION = 1
+INDEX = "index.json"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt_{step:06d}.pt"
+
+
+def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` (plus format and version) to ``path`` atomically."""
+    with atomic_open(path, "wb") as f:
+        torch.save({"format": FORMAT, "version": CHECKPOINT_VERSION, **payload}, f)
+
+
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # what a Git LFS file is before `git lfs pull`
+# torch.save's legacy (pre-zip) format opens with the pickled magic number 0x1950a86a20f9469cfc6c
+_LEGACY_TORCH = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+# what torch.load raises on bytes that are no torch file (random bytes reach IndexError, KeyError, ...)
+_CORRUPT = (
+    RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, IndexError, KeyError, ValueError,
+    struct.error, OverflowError,
+)  # fmt: skip
+
+
+def check_not_lfs_pointer(path: str | Path, what: str) -> None:
+    """Raise ``CurvlabError`` if ``path`` is a Git LFS pointer file (the real content was never fetched)."""
+    with open(path, "rb") as f:
+        if f.read(len(LFS_POINTER)) == LFS_POINTER:
+            raise CurvlabError(f"{path}: a Git LFS pointer, not the {what} itself (fetch it: git lfs pull)")
+
+
+def read_file(path: str | Path, what: str = "checkpoint", map_location: str | torch.device = "cpu") -> Any:
+    """``torch.load`` of one file (tensors only, ``weights_only=True``), with curvlab's errors: a
+    missing file, a Git LFS pointer, a file ``torch.save`` didn't write (text, random bytes), and a
+    corrupt or unreadable one, each a one-line ``CurvlabError`` naming ``path``."""
+    path = Path(path)
+    if not path.is_file():
+        raise CurvlabError(f"{path}: no such {what}")
+    check_not_lfs_pointer(path, what)
+    with open(path, "rb") as f:
+        head = f.read(len(_LEGACY_TORCH))
+    if not zipfile.is_zipfile(path) and head != _LEGACY_TORCH:
+        raise CurvlabError(
+            f"{path}: corrupt or unreadable {what}: not a whole file torch.save wrote (cut short, or other bytes)"
+        )
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except _CORRUPT as e:
+        raise CurvlabError(f"{path}: corrupt or unreadable {what} ({type(e).__name__})") from e
+
+
+def check_safetensors(path: str | Path) -> None:
+    """Raise ``CurvlabError`` unless ``path`` is a whole safetensors file: an 8-byte header length, a
+    JSON header, and every tensor's bytes present (a truncated download, a Git LFS pointer, and other
+    bytes each get one line naming the file)."""
+    path = Path(path)
+    check_not_lfs_pointer(path, "weights file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        start = f.read(8)
+        n = int.from_bytes(start, "little") if len(start) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise CurvlabError(f"{path}: not a safetensors file, or cut short ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise CurvlabError(f"{path}: not a safetensors file (its header is unreadable)") from e
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        raise CurvlabError(f"{path}: truncated: {size} bytes where its header needs {need}")
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a curvlab checkpoint, raising a one-line ``CurvlabError`` for a missing, corrupt or foreign file."""
+    return check_checkpoint(read_file(path, map_location=map_location), path)
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, if this torch can use it (a CUDA device on a CPU-only build is
+    a ``CurvlabError``, not a traceback from deep inside the first tensor moved there)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise CurvlabError(f"unknown device {device!r}") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CurvlabError(f"device {device!r}: this torch ({torch.__version__}) can't use CUDA here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise CurvlabError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return dev
+
+
+FORMATS = ("curvlab", "nanogpt", "hf-trainer")
+
+
+@dataclass
+class ReadCheckpoint:
+    """A checkpoint as read from disk, before any model is built.
+
+    Attributes:
+        format: ``"curvlab"``, ``"nanogpt"`` or ``"hf-trainer"``.
+        path: where it was read from.
+        payload: the loaded dict (curvlab, nanoGPT) or a :class:`curvlab.runs.hf.TrainerCheckpoint`.
+    """
+
+    format: str
+    path: Path
+    payload: Any
+
+
+def read_checkpoint(path: str | Path) -> ReadCheckpoint:
+    """Read a checkpoint of any format curvlab knows (see :data:`FORMATS`), telling them apart by
+    content: a directory is a Hugging Face Trainer checkpoint, a file with ``model_args`` nanoGPT's,
+    a file with curvlab's ``format`` field curvlab's."""
+    path = Path(path)
+    if path.is_dir():
+        return ReadCheckpoint("hf-trainer", path, _read_trainer_directory(path))
+    raw = read_file(path)
+    if is_nanogpt_checkpoint(raw):
+        return ReadCheckpoint("nanogpt", path, raw)
+    return ReadCheckpoint("curvlab", path, check_checkpoint(raw, path))
+
+
+def _read_trainer_directory(path: Path):
+    """A Hugging Face Trainer checkpoint directory as a :class:`curvlab.runs.hf.TrainerCheckpoint`."""
+    hf.check_trainer_directory(path)
+    weights = path / "model.safetensors"
+    if weights.is_file():
+        check_safetensors(weights)
+    elif (path / "pytorch_model.bin").is_file():
+        check_not_lfs_pointer(path / "pytorch_model.bin", "weights file")
+    args_file, scheduler = path / "training_args.bin", path / "scheduler.pt"
+    with torch.serialization.safe_globals(hf.training_args_classes(args_file)):
+        args = hf.check_training_args(read_file(args_file, "training arguments"), args_file)
+    optimizer_state = read_file(path / "optimizer.pt", "optimizer state")  # (cheap checks before the model)
+    return hf.TrainerCheckpoint(
+        model=hf.load_model(path),
+        optimizer_state=optimizer_state,
+        scheduler_state=read_file(scheduler, "scheduler state") if scheduler.is_file() else None,
+        step=hf.global_step(path),
+        args=args,
+    )
+
+
+def check_checkpoint(ckpt: Any, path: str | Path) -> dict[str, Any]:
+    """``ckpt`` if it is a curvlab checkpoint of a supported version, else a ``CurvlabError`` naming ``path``."""
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CurvlabError(
+            f"{path}: not a checkpoint curvlab knows (curvlab's, nanoGPT's ckpt.pt, or a Hugging Face Trainer dir)"
+        )
+    if ckpt.get("version") != CHECKPOINT_VERSION:
+        raise CurvlabError(
+            f"{path}: checkpoint version {ckpt.get('version')} is not supported (this curvlab reads "
+            f"{CHECKPOINT_VERSION})"
+        )
+    return ckpt
+
+
+def read_index(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's checkpoint index, sorted by step (``[]`` if there is none yet)."""
+    path = Path(run_dir) / INDEX
+    if not path.is_file():
+        return []
+    try:
+        entries = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CurvlabError(f"{path}: corrupt index ({e})") from e
+    return sorted(entries, key=lambda e: e["step"])
+
+
+def add_to_index(run_dir: str | Path, step: int, val_loss: float, name: str) -> None:
+    """Record a checkpoint in the run's index (rewritten atomically; an entry of the same step is replaced)."""
+    entries = [e for e in read_index(run_dir) if e["step"] != step]
+    entries.append({"step": step, "val_loss": None if math.isnan(val_loss) else val_loss, "path": name})
+    atomic_write_text(Path(run_dir) / INDEX, json.dumps(sorted(entries, key=lambda e: e["step"]), indent=1))

@@ -1,0 +1,190 @@
+"""Hugging Face integration: ``transformers.Trainer`` checkpoints, read for curvature analysis.
+
+transformers is imported only when a function here runs (``pip install curvlab[hf]``). Models from
+transformers and peft need nothing from this module to be analysed: :func:`~curvlab.engine.loss.make_loss_fn`
+takes them as they are (dict batches, ``.logits`` outputs, the causal shift, ignored labels).
+
+A Trainer checkpoint directory (``checkpoint-N/``) holds what the next step needs:
+
+=================== ======================================================================
+config.json         the model's config; ``architectures`` names the model class
+model.safetensors   the weights (``pytorch_model.bin`` in older checkpoints)
+optimizer.pt        the optimizer's state dict: AdamW's moments and step counts, and the
+                    param groups (decayed, then not decayed) with the next step's learning rate
+scheduler.pt        the LR scheduler's state (its ``_last_lr`` is checked against the groups')
+trainer_state.json  ``global_step``, the log
+training_args.bin   ``TrainingArguments``: batch size, gradient accumulation, clipping, optimizer
+=================== ======================================================================
+
+``training_args.bin`` is a pickle. It is unpickled with ``weights_only=True`` and only the
+transformers and accelerate classes it names allowed, so a file that names anything else is refused,
+never run. The files are read by :func:`curvlab.runs.checkpoint.read_checkpoint`, with the errors of
+every other checkpoint; this module supplies what only transformers knows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from curvlab.errors import CurvlabError
+
+TRAINER_FILES = ("config.json", "optimizer.pt", "trainer_state.json", "training_args.bin")
+WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")  # Trainer's names for torch.optim.AdamW
+_ALLOWED_MODULES = ("transformers.", "accelerate.")
+
+
+@dataclass
+class TrainerCheckpoint:
+    """A Trainer checkpoint directory, read.
+
+    Attributes:
+        model: the model, in eval mode (dropout off: see :func:`curvlab.analysis.checkpoints.analyze`).
+        optimizer_state: ``optimizer.pt``'s state dict.
+        scheduler_state: ``scheduler.pt``'s state dict, or ``None`` without one.
+        step: ``global_step`` from ``trainer_state.json``.
+        args: the ``TrainingArguments`` the run used.
+    """
+
+    model: nn.Module
+    optimizer_state: dict[str, Any]
+    scheduler_state: dict[str, Any] | None
+    step: int
+    args: Any
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.args.per_device_train_batch_size)
+
+    @property
+    def accumulation_steps(self) -> int:
+        return int(self.args.gradient_accumulation_steps)
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        norm = self.args.max_grad_norm
+        return float(norm) if norm else None
+
+    @property
+    def context(self) -> int:
+        """The model's context length (positions it has embeddings or rotary tables for)."""
+        config = self.model.config
+        for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+            if isinstance(getattr(config, key, None), int):
+                return int(getattr(config, key))
+        raise CurvlabError(f"the model config ({type(config).__name__}) names no context length")
+
+
+def check_trainer_directory(path: Path) -> None:
+    """Raise ``CurvlabError`` unless ``path`` holds the files of a Trainer checkpoint."""
+    missing = [f for f in TRAINER_FILES if not (path / f).is_file()]
+    if not any((path / w).is_file() for w in WEIGHTS):
+        missing.append(" or ".join(WEIGHTS))
+    if missing:
+        raise CurvlabError(f"{path}: not a Hugging Face Trainer checkpoint (no {', '.join(missing)})")
+
+
+def training_args_classes(path: Path) -> list[type]:
+    """The classes ``training_args.bin`` names, to allow while unpickling it with ``weights_only=True``:
+    transformers' and accelerate's only (anything else is refused, never run)."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:  # not a torch zip file at all
+        raise CurvlabError(f"{path}: corrupt or unreadable training arguments ({type(e).__name__})") from e
+    foreign = [n for n in names if not n.startswith(_ALLOWED_MODULES)]
+    if foreign:
+        raise CurvlabError(f"{path}: holds {foreign[:3]}, not only TrainingArguments; refusing to unpickle it")
+    classes = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        try:
+            classes.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError) as e:
+            raise CurvlabError(f"{path}: names {name}, which this transformers doesn't have") from e
+    return classes
+
+
+def check_training_args(args: Any, path: Path) -> Any:
+    if not hasattr(args, "gradient_accumulation_steps"):
+        raise CurvlabError(f"{path}: holds a {type(args).__name__}, not TrainingArguments")
+    return args
+
+
+def global_step(path: Path) -> int:
+    """``global_step`` from the directory's ``trainer_state.json``."""
+    try:
+        return int(json.loads((path / "trainer_state.json").read_text()).get("global_step", 0))
+    except (OSError, ValueError) as e:
+        raise CurvlabError(f"{path}/trainer_state.json: unreadable ({type(e).__name__})") from e
+
+
+def load_model(path: Path) -> nn.Module:
+    """The model of a checkpoint directory, by the class its ``config.json`` names, in eval mode
+    (nothing is downloaded: ``local_files_only``)."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CurvlabError(f"{path}/config.json: unreadable ({type(e).__name__})") from e
+    architectures = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, architectures[0], None) if architectures else None
+    if cls is None:
+        raise CurvlabError(f"{path}/config.json: model class {architectures[:1]} isn't in this transformers")
+    try:
+        return cls.from_pretrained(path, local_files_only=True).eval()
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CurvlabError(f"{path}: the weights don't load into {cls.__name__} ({type(e).__name__})") from e
+
+
+def trainer_optimizer(ckpt: TrainerCheckpoint) -> torch.optim.Optimizer:
+    """The Trainer's AdamW, rebuilt on ``ckpt.model`` with its saved state.
+
+    The groups are rebuilt as ``Trainer.create_optimizer`` builds them (the parameters
+    ``Trainer.get_decay_parameter_names`` chooses, weight-decayed; the other trainable ones), then
+    checked against the saved groups' sizes and the moments' shapes before the state is loaded.
+    """
+    from transformers import Trainer
+
+    optim = str(getattr(ckpt.args.optim, "value", ckpt.args.optim))
+    if optim not in ADAMW:
+        raise CurvlabError(f"the Trainer ran optimizer {optim!r}; curvlab rebuilds {', '.join(ADAMW)}")
+    model = ckpt.model
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # (uses nothing of the Trainer instance)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
+    saved = ckpt.optimizer_state
+    sizes = [len(g["params"]) for g in saved.get("param_groups", [])]
+    if sizes != [len(g) for g in groups]:
+        raise CurvlabError(
+            f"optimizer.pt has groups of {sizes} parameters; the model gives {[len(g) for g in groups]} "
+            "(decayed, not decayed): a different model or a custom optimizer"
+        )
+    flat = [p for g in groups for p in g]
+    for index, entry in saved.get("state", {}).items():
+        moment = entry.get("exp_avg")
+        if moment is None or tuple(moment.shape) != tuple(flat[index].shape):
+            shape = None if moment is None else tuple(moment.shape)
+            raise CurvlabError(f"optimizer.pt: state {index} has exp_avg {shape}, parameter {tuple(flat[index].shape)}")
+    optimizer = torch.optim.AdamW([{"params": g} for g in groups])
+    optimizer.load_state_dict(saved)
+    if ckpt.scheduler_state is not None:
+        last = [float(x) for x in ckpt.scheduler_state.get("_last_lr", [])]
+        lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        if last and last != lrs:
+            raise CurvlabError(f"optimizer.pt's learning rates {lrs} and scheduler.pt's {last} differ")
+    return optimizer
+
+
+def token_batch(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A causal-LM batch in Hugging Face's form from curvlab's ``(inputs, targets)`` windows:
+    ``input_ids`` = ``labels`` = the whole window (the model's loss shifts the labels itself)."""
+    window = torch.cat([x, y[:, -1:]], dim=1)
+    return {"input_ids": window, "labels": window}

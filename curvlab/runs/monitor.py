@@ -1,0 +1,586 @@
+r"""Curvature while training runs: every K steps, the NDS and Taylor split of the step the run takes.
+
+A :class:`CurvatureMonitor` holds a model, its optimizer, a loss function and a fixed held-out batch
+set D, chosen once. Called at step k, it measures the step :math:`Z_k = W_k - W_{k+1}` on D
+(docs/science.md sections 1-2):
+
+.. math::
+    I_1 = \langle G_D, Z\rangle,\quad I_2 = \tfrac12\langle Z, H_D[Z]\rangle,\quad
+    \text{predicted} = I_1 - I_2,\quad \text{realized} = L_D(W) - L_D(W - Z),\quad
+    \mathrm{NDS} = \frac{\langle Z, H_D[Z]\rangle}{\|Z\|^2},
+
+over all trainable parameters and over the hidden matrices, and with a block grouping the
+interaction matrix :math:`M_{lm} = \langle Z_l, H_{lm}[Z_m]\rangle/\|Z\|^2`: within = tr M,
+cross = the off-diagonal sum, rho_within = within / NDS. Each measurement is a :class:`MonitorRow`.
+
+Z comes from one of two places:
+
+* the step taken: :meth:`CurvatureMonitor.snapshot` before ``optimizer.step()``, then
+  :meth:`CurvatureMonitor.measure_taken` after it. Z is exactly the step the loop took, whatever
+  went into it (clipping, autocast, accumulation, DDP). ``curvlab train`` and the Hugging Face
+  callback (:func:`curvature_callback`) do this;
+* the step it would take: :meth:`CurvatureMonitor.measure_next` at a step boundary, given the batch
+  the next step trains on, runs :func:`~curvlab.optim.optimizers.next_update` (gradient, clipping, optimizer on
+  cloned state). With the same batch, loss and clipping as the loop, that is the next step, bit for bit.
+
+Measuring changes nothing in the run: parameters, gradients and optimizer state are only read (or
+put back, by ``next_update``), and it runs under ``torch.random.fork_rng`` over the devices in use, so
+the random streams that dropout and data order draw from are where they were.
+
+A step whose curvature is not finite (a NaN or inf loss, gradient or step, or an overflowing
+Hessian-vector product) does not stop anything: its row has status ``"non-finite"`` and a message
+saying which quantity; a zero step has status ``"undefined"`` (NDS is 0/0). Stopping is the loop's
+choice (``curvlab train --curvature-stop``, ``curvature_callback(..., stop_on_nonfinite=True)``).
+
+Row JSON (``MONITOR_SCHEMA_VERSION`` = 1), one line per row in ``metrics.jsonl``::
+
+    kind ("curvature"), schema_version, step, status, message, loss, nds, first_order,
+    curvature_penalty, predicted, realized, update_norm, grad_norm, cosine,
+    hidden{the same eight over the hidden matrices, names} or null,
+    blocks{grouping, names, matrix, within, cross, nds, rho_within} or null, heldout_tokens, seconds
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from curvlab.engine import params as P
+from curvlab.curvature.groupings import GROUPINGS, group_parameters, hidden_matrices
+from curvlab.curvature.taylor import TaylorScope, taylor_split, taylor_split_and_block_matrix
+from curvlab.errors import CurvlabError
+from curvlab.engine.exact import exact_second_order
+from curvlab.engine.hvp import working_dtype
+from curvlab.engine.loss import LossFn, count_loss_terms, make_loss_fn, weighted_batches
+from curvlab.optim.optimizers import Optimizers, next_update
+from curvlab.curvature.scalars import NAN_SCOPE, CheckpointScalars, layer_blocks_split, taylor_error, taylor_holds
+
+MONITOR_SCHEMA_VERSION = 1
+ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training rows have none
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """What ``curvlab train --curvature-every K`` measures. Not part of the training config: it
+    changes nothing in the run, so checkpoints and ``config.json`` are the same with or without it.
+
+    Attributes:
+        every: K, measure at steps k with k % K == 0.
+        batches: N, held-out batches of ``windows`` validation windows each: the run's first N x windows.
+        windows: windows per held-out batch. The defaults (1 batch of 8 windows, no blocks) keep the
+            overhead at K = 50 on ``tiny`` under 10% of training time (``benchmarks/monitor.py``).
+        blocks: block grouping for the within/cross split, or ``None``.
+        stop_on_nonfinite: stop training (``NonFiniteCurvature``) at a non-finite row.
+    """
+
+    every: int
+    batches: int = 1
+    windows: int = 8
+    blocks: str | None = None
+    stop_on_nonfinite: bool = False
+
+    def validate(self) -> None:
+        for name in ("every", "batches", "windows"):
+            value = getattr(self, name)
+            if value < 1:
+                raise CurvlabError(f"curvature {name} must be >= 1, got {value}")
+        if self.blocks is not None and self.blocks not in GROUPINGS:
+            raise CurvlabError(f"unknown block grouping {self.blocks!r}; choose one of {', '.join(GROUPINGS)}")
+
+
+class NonFiniteCurvature(CurvlabError):
+    """A monitored step's curvature was not finite and the user asked training to stop."""
+
+
+@dataclass(frozen=True)
+class BlockSplit:
+    """The block interaction matrix of a monitored step, reduced to what a row keeps.
+
+    Attributes:
+        grouping: the block grouping (``"layer"``, ``"tensor"``, ``"kind"``, or ``"custom"``).
+        names: block names, in order.
+        matrix: :math:`M_{lm} = \\langle Z_l, H_{lm}[Z_m]\\rangle / \\|Z\\|^2`, symmetric, summing to NDS.
+        within, cross: :math:`\\operatorname{tr} M` and the sum of its off-diagonal entries.
+        nds: the sum of all entries (the NDS of Z).
+        rho_within: within / nds.
+    """
+
+    grouping: str
+    names: tuple[str, ...]
+    matrix: tuple[tuple[float, ...], ...]
+    within: float
+    cross: float
+    nds: float
+    rho_within: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "names": list(self.names), "matrix": [list(r) for r in self.matrix]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BlockSplit:
+        return cls(
+            grouping=d["grouping"],
+            names=tuple(d["names"]),
+            matrix=tuple(tuple(float(x) for x in r) for r in d["matrix"]),
+            **{k: float(d[k]) for k in ("within", "cross", "nds", "rho_within")},
+        )
+
+
+@dataclass(frozen=True)
+class MonitorRow:
+    """The curvature of one monitored step Z (from :math:`W_k` to :math:`W_{k+1}`) on the held-out batches.
+
+    Attributes:
+        step: k, the number of steps done at W (the row describes the update that follows).
+        status: ``"ok"``, ``"non-finite"`` or ``"undefined"`` (zero step); see ``message``.
+        message: what was not finite or undefined, in one line (empty when all is well).
+        loss: :math:`L_D(W)` on the held-out batches.
+        split: the Taylor split over all trainable parameters (NaN where not computed).
+        hidden: the same over the hidden 2-D matrices (``None`` when there are none, or Z is zero there).
+        hidden_names: the parameters of that scope.
+        blocks: the within/cross split (``None`` without a block grouping).
+        heldout_tokens: loss terms in D.
+        seconds: wall time of the measurement.
+    """
+
+    step: int
+    status: str
+    message: str
+    loss: float
+    split: TaylorScope
+    hidden: TaylorScope | None
+    blocks: BlockSplit | None
+    heldout_tokens: int
+    seconds: float
+    hidden_names: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def nds(self) -> float:
+        return self.split.nds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": ROW_KIND,
+            "schema_version": MONITOR_SCHEMA_VERSION,
+            "step": self.step,
+            "status": self.status,
+            "message": self.message,
+            "loss": self.loss,
+            **self.split.to_dict(),
+            "hidden": None if self.hidden is None else {**self.hidden.to_dict(), "names": list(self.hidden_names)},
+            "blocks": None if self.blocks is None else self.blocks.to_dict(),
+            "heldout_tokens": self.heldout_tokens,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MonitorRow:
+        """A row read back from its JSON; refuses another kind or schema version."""
+        if d.get("kind") != ROW_KIND or d.get("schema_version") != MONITOR_SCHEMA_VERSION:
+            raise CurvlabError(
+                f"not a curvature row of schema {MONITOR_SCHEMA_VERSION} "
+                f"(kind {d.get('kind')!r}, schema {d.get('schema_version')!r})"
+            )
+        hidden = d.get("hidden")
+        return cls(
+            step=int(d["step"]),
+            status=d["status"],
+            message=d["message"],
+            loss=float(d["loss"]),
+            split=TaylorScope.from_dict(d),
+            hidden=None if hidden is None else TaylorScope.from_dict(hidden),
+            blocks=None if d.get("blocks") is None else BlockSplit.from_dict(d["blocks"]),
+            heldout_tokens=int(d["heldout_tokens"]),
+            seconds=float(d["seconds"]),
+            hidden_names=tuple(hidden["names"]) if hidden else (),
+        )
+
+    def log_scalars(self, prefix: str = "curvature/") -> dict[str, float]:
+        """The row's finite scalars for a metrics logger (TensorBoard, W&B, the Trainer's log):
+        ``{prefix}nds``, ..., ``{prefix}hidden_nds``, ..., ``{prefix}within``, ``{prefix}cross``,
+        ``{prefix}rho_within``, and ``{prefix}ok`` (1.0 or 0.0). Values that are not finite are left out."""
+        values = {"loss": self.loss, **self.split.to_dict(), "ok": float(self.ok)}
+        if self.hidden is not None:
+            values |= {f"hidden_{k}": v for k, v in self.hidden.to_dict().items()}
+        if self.blocks is not None:
+            values |= {"within": self.blocks.within, "cross": self.blocks.cross, "rho_within": self.blocks.rho_within}
+        return {f"{prefix}{k}": float(v) for k, v in values.items() if math.isfinite(v)}
+
+    def scalars(self, val_loss: float = math.nan, optimizer: str | None = None) -> CheckpointScalars:
+        """The row as the per-checkpoint scalars the studies aggregate (with the validation loss of its
+        step, where one was evaluated, and the run's optimizer); a row whose status is not ``ok``
+        keeps its message and fails the Taylor check. A monitored step has no embedding/head share."""
+        blocks = self.blocks
+        within_layers, nds_layers = (
+            (math.nan, math.nan) if blocks is None else layer_blocks_split(blocks.names, blocks.matrix)
+        )
+        return CheckpointScalars(
+            step=self.step,
+            val_loss=val_loss,
+            all=TaylorScope.from_dict(self.split.to_dict()),
+            hidden=NAN_SCOPE if self.hidden is None else self.hidden,
+            within=math.nan if blocks is None else blocks.within,
+            cross=math.nan if blocks is None else blocks.cross,
+            rho_within=math.nan if blocks is None else blocks.rho_within,
+            within_layers=within_layers,
+            nds_layers=nds_layers,
+            embed_head_share=math.nan,
+            taylor_error=taylor_error(self.split),
+            taylor_ok=self.ok and taylor_holds(self.split),
+            optimizer=optimizer,
+            status=self.status,
+            message=self.message,
+        )
+
+
+def _all_finite(tensors: Mapping[str, Tensor]) -> str | None:
+    """The name of the first tensor holding a NaN or inf, else ``None``."""
+    return next((n for n, t in tensors.items() if not torch.isfinite(t).all()), None)
+
+
+class CurvatureMonitor:
+    r"""Measures the curvature of a run's steps on a fixed held-out batch set (see the module docstring).
+
+    Args:
+        model: the model being trained; its trainable parameters (``requires_grad``) are W.
+        optimizer: its optimizer, or a list of them (needed only by :meth:`measure_next`; any
+            optimizer :func:`~curvlab.optim.optimizers.next_update` takes).
+        loss_fn: ``loss_fn(params, batch) -> scalar``, e.g. :func:`~curvlab.engine.loss.make_loss_fn`.
+        batches: the held-out batch set D (a batch or a list of batches, accumulated with loss-term
+            weights), fixed for the whole run. Move it to the model's device yourself.
+        every: measure at steps k with ``k % every == 0`` (:meth:`due`).
+        blocks: a block grouping (``"layer"``, ``"tensor"``, ``"kind"`` or ``{block: [globs]}``) for
+            the within/cross split, or ``None`` (no split: 2 HVPs per row instead of L + 1).
+        subset: the second scope's parameter names (default: the hidden matrices by the model's
+            structure, :func:`~curvlab.curvature.groupings.hidden_matrices` with the model, as
+            :func:`~curvlab.curvature.taylor.taylor_split` chooses them; ``[]``: none).
+        max_grad_norm: gradient clipping of the run, for :meth:`measure_next`.
+        dtype: computation dtype (default float32, float64 for float64 parameters).
+        on_row: called with every row as it is made (to write it somewhere).
+
+    Attributes:
+        rows: every row measured so far, in order.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optimizers | None,
+        loss_fn: LossFn,
+        batches: Any,
+        every: int = 50,
+        blocks: str | Mapping[str, Sequence[str]] | None = None,
+        subset: Sequence[str] | None = None,
+        max_grad_norm: float | None = None,
+        dtype: torch.dtype | None = None,
+        on_row: Callable[[MonitorRow], None] | None = None,
+    ):
+        if every < 1:
+            raise CurvlabError(f"the monitor's every must be >= 1, got {every}")
+        self.model, self.optimizer, self.loss_fn, self.batches = model, optimizer, loss_fn, batches
+        self.every, self.blocks, self.max_grad_norm, self.on_row = every, blocks, max_grad_norm, on_row
+        params = self._params()
+        if not params:
+            raise CurvlabError("the model has no trainable parameters to monitor")
+        self.dtype = working_dtype(params, dtype)
+        if blocks is not None:
+            group_parameters(params, blocks)  # a bad grouping fails here, not mid-run
+        # by structure, as taylor_split's default (a ViT's classifier is not hidden, its patch conv may be)
+        self.subset = hidden_matrices(params, model) if subset is None else list(subset)
+        unknown = [n for n in self.subset if n not in params]
+        if unknown:
+            raise CurvlabError(f"subset names unknown parameters: {unknown[:3]}")
+        pieces = batches if isinstance(batches, list) else list(getattr(batches, "batches", [batches]))
+        if not pieces:
+            raise CurvlabError("no held-out batches given")
+        self.heldout_tokens = sum(count_loss_terms(b) for b in pieces)  # (of a Batches: its batches')
+        self.rows: list[MonitorRow] = []
+
+    def _params(self) -> dict[str, Tensor]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` (steps done so far) is one to measure."""
+        return step % self.every == 0
+
+    def snapshot(self) -> dict[str, Tensor]:
+        """A copy of the trainable parameters W, taken before ``optimizer.step()`` for :meth:`measure_taken`."""
+        return {n: p.detach().clone() for n, p in self._params().items()}
+
+    def measure_taken(self, step: int, before: Mapping[str, Tensor]) -> MonitorRow:
+        r"""The row of the step just taken: :math:`Z = W_\text{before} - W_\text{now}`, measured at
+        :math:`W_\text{before}` (``before`` from :meth:`snapshot`)."""
+        now = self._params()
+        P.check_like(now, before, "snapshot")
+        z = {n: (before[n].double() - p.detach().double()).to(self._z_dtype(p)) for n, p in now.items()}
+        return self.measure(step, before, z)
+
+    def measure_next(self, step: int, batch: Any) -> MonitorRow:
+        """The row of the step the optimizer would take next on ``batch`` (the batch the next step
+        trains on), from :func:`~curvlab.optim.optimizers.next_update`; nothing in the run changes."""
+        if self.optimizer is None:
+            raise CurvlabError("measure_next needs the optimizer: give it to CurvatureMonitor")
+        start = time.perf_counter()
+        with self._isolated():
+            try:
+                _, z = next_update(self.model, self.optimizer, self.loss_fn, batch, max_grad_norm=self.max_grad_norm)
+            except CurvlabError:
+                params = {n: p.detach() for n, p in self._params().items()}
+                loss = self._loss_or_none(params, batch)
+                if loss is None:  # the training loss was fine: not ours to swallow
+                    raise
+                return self._emit(self._failed(step, "non-finite", f"the loss on the step's batch is {loss}", start))
+        return self.measure(step, {n: p.detach() for n, p in self._params().items()}, z)
+
+    def measure(self, step: int, params: Mapping[str, Tensor], z: Mapping[str, Tensor]) -> MonitorRow:
+        r"""The row of the step :math:`W \to W - Z` on the held-out batches (the other methods end here)."""
+        start = time.perf_counter()
+        with self._isolated():
+            row = self._measure(step, params, z, start)
+        return self._emit(row)
+
+    def _emit(self, row: MonitorRow) -> MonitorRow:
+        self.rows.append(row)
+        if self.on_row is not None:
+            self.on_row(row)
+        return row
+
+    def _z_dtype(self, p: Tensor) -> torch.dtype:
+        return torch.promote_types(p.dtype, torch.float32)
+
+    @contextmanager
+    def _isolated(self) -> Iterator[None]:
+        """Fork the CPU's and the parameters' devices' random streams (put back on exit)."""
+        devices = {p.device for p in self._params().values() if p.device.type not in ("cpu", "meta")}
+        kinds = {d.type for d in devices}
+        if len(kinds) > 1:
+            raise CurvlabError(f"parameters on several device types ({sorted(kinds)}): can't fork their RNGs")
+        kind = kinds.pop() if kinds else None
+        indices = sorted({d.index or 0 for d in devices})
+        with torch.random.fork_rng(devices=indices, device_type=kind):
+            yield
+
+    def _measure(self, step: int, params: Mapping[str, Tensor], z: Mapping[str, Tensor], start: float) -> MonitorRow:
+        bad = _all_finite(z)
+        if bad is not None:
+            return self._failed(step, "non-finite", f"the step Z holds NaN or inf (in {bad})", start)
+        if P.norm(z) == 0.0:
+            return self._failed(step, "undefined", "the step Z is zero: NDS = <Z,HZ>/||Z||² is 0/0", start)
+        # a scope on which Z is zero (frozen by the optimizer, say) has no NDS: leave it out, not the row
+        subset = self.subset if self.subset and P.norm(z, self.subset) > 0 else []
+        try:
+            if self.blocks is None:
+                split, bm = taylor_split(self.loss_fn, params, self.batches, z, subset, self.dtype), None
+            else:
+                split, bm = taylor_split_and_block_matrix(
+                    self.loss_fn, params, self.batches, z, self.blocks, subset, dtype=self.dtype
+                )
+        except CurvlabError:
+            what = self._non_finite_loss(params, z, subset)
+            if what is None:  # everything is finite: a genuine error, keep its traceback
+                raise
+            return self._failed(step, "non-finite", what, start)
+        blocks = None
+        if bm is not None:
+            grouping = self.blocks if isinstance(self.blocks, str) else "custom"
+            matrix = tuple(tuple(float(x) for x in r) for r in bm.matrix)
+            blocks = BlockSplit(grouping, bm.names, matrix, bm.within, bm.cross, bm.nds, bm.rho_within)
+        scope = TaylorScope.from_dict(split.to_dict())
+        hidden = TaylorScope.from_dict(split.subset.to_dict()) if subset else None
+        values = {"loss": split.loss, **asdict(scope)}
+        values.update({f"hidden {k}": v for k, v in (asdict(hidden) if hidden else {}).items()})
+        values.update({} if blocks is None else {"within": blocks.within, "cross": blocks.cross})
+        bad = [k for k, v in values.items() if not math.isfinite(v)]
+        status, message = ("non-finite", f"not finite: {', '.join(bad)}") if bad else ("ok", "")
+        return MonitorRow(
+            step=step,
+            status=status,
+            message=message,
+            loss=split.loss,
+            split=scope,
+            hidden=hidden,
+            blocks=blocks,
+            heldout_tokens=self.heldout_tokens,
+            seconds=time.perf_counter() - start,
+            hidden_names=tuple(subset),
+        )
+
+    def _failed(self, step: int, status: str, message: str, start: float) -> MonitorRow:
+        return MonitorRow(
+            step, status, message, math.nan, NAN_SCOPE, None, None, self.heldout_tokens, time.perf_counter() - start
+        )
+
+    def _loss_or_none(self, params: Mapping[str, Tensor], batch: Any) -> float | None:
+        """The loss on ``batch`` (one batch or a list, token-weighted) when it is not finite, else ``None``."""
+        p = P.cast(params, self.dtype)
+        with torch.no_grad(), exact_second_order():
+            total = sum(w * float(self.loss_fn(p, b)) for b, w in weighted_batches(batch))
+        return None if math.isfinite(total) else total
+
+    def _non_finite_loss(self, params, z, subset) -> str | None:
+        """Which held-out loss the split needs is not finite, L(W), L(W - Z) or L(W - Z_S), else ``None``."""
+        bad = _all_finite(params)
+        if bad is not None:
+            return f"the parameters W hold NaN or inf (in {bad})"
+        points = {"L(W)": params, "L(W - Z)": P.add(params, z, -1.0)}
+        if subset:
+            points["L(W - Z_S)"] = P.add(params, P.restrict(z, subset), -1.0)
+        for name, point in points.items():
+            loss = self._loss_or_none(point, self.batches)
+            if loss is not None:
+                return f"the held-out loss {name} is {loss}"
+        return None
+
+
+def training_monitor(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    val_batches: list,
+    settings: MonitorSettings,
+    max_grad_norm: float | None,
+) -> CurvatureMonitor:
+    """The monitor of ``curvlab train``: its held-out batches are the run's first ``batches x windows``
+    validation windows (fixed, chosen once), in batches of ``windows``, on the model's device; its
+    loss is the training loss (token cross-entropy)."""
+    settings.validate()
+    rows = settings.windows
+    need = settings.batches * rows
+    x, y = (torch.cat([b[i] for b in val_batches]) for i in (0, 1))
+    if need > len(x):
+        raise CurvlabError(
+            f"{settings.batches} held-out batches of {rows} windows need {need} validation windows; "
+            f"the run has {len(x)} (raise --val-windows)"
+        )
+    device = next(model.parameters()).device
+    held = [(x[i : i + rows].to(device), y[i : i + rows].to(device)) for i in range(0, need, rows)]
+    return CurvatureMonitor(
+        model, optimizer, make_loss_fn(model), held, settings.every, settings.blocks, max_grad_norm=max_grad_norm
+    )
+
+
+def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = False, trainer: Any = None):
+    """A ``transformers.TrainerCallback`` that measures ``monitor``'s rows during ``Trainer.train()``.
+
+    Before each due optimizer step (``on_pre_optimizer_step``, after clipping) it snapshots W; after it
+    (``on_optimizer_step``) it measures the step taken, so Z is the Trainer's real step. The row's step
+    is ``state.global_step`` before the step. Rows land in ``monitor.rows`` (and ``monitor.on_row``).
+    A non-finite row stops training only with ``stop_on_nonfinite``. transformers is imported here,
+    not by ``import curvlab``.
+
+    With the ``trainer`` (given here, by ``callback.attach(trainer)``, or by
+    :func:`add_curvature_callback`), each row also goes into the Trainer's own logs at the end of its
+    step: ``trainer.log(row.log_scalars())``, so ``curvature/nds``, ... reach ``state.log_history`` and
+    every ``report_to`` integration (TensorBoard, W&B, ...) as the loss does, at the Trainer's
+    ``global_step`` after the measured step. (A callback is handed no trainer by transformers, and
+    one added to a Trainer runs after the integrations, so it needs the trainer to log through.)
+    """
+    from transformers import TrainerCallback
+
+    class CurvatureCallback(TrainerCallback):
+        def __init__(self):
+            self.monitor = monitor
+            self.trainer = trainer
+            self._before: dict[str, Tensor] | None = None
+            self._row: MonitorRow | None = None
+
+        def attach(self, trainer):
+            """Log the rows through ``trainer.log`` (returns the callback)."""
+            self.trainer = trainer
+            return self
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            integrations = [r for r in (args.report_to or []) if r not in ("none", None)]
+            if self.trainer is None and integrations:
+                warnings.warn(
+                    f"curvature_callback has no trainer: its rows stay in monitor.rows and don't reach "
+                    f"report_to {integrations}; pass trainer= or use curvlab.runs.monitor.add_curvature_callback",
+                    stacklevel=2,
+                )
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if monitor.due(state.global_step):
+                self._before = monitor.snapshot()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            if self._before is None:
+                return
+            before, self._before = self._before, None
+            row = monitor.measure_taken(state.global_step, before)
+            self._row = row
+            if stop_on_nonfinite and row.status == "non-finite":
+                control.should_training_stop = True
+            return control
+
+        def on_step_end(self, args, state, control, **kwargs):
+            row, self._row = self._row, None
+            if row is not None and self.trainer is not None:
+                # Trainer.log's on_log clears should_log: keep the Trainer's own logging of this step
+                should_log = control.should_log
+                self.trainer.log(row.log_scalars())
+                control.should_log = should_log
+                return control
+
+    return CurvatureCallback()
+
+
+def add_curvature_callback(trainer: Any, monitor: CurvatureMonitor, stop_on_nonfinite: bool = False):
+    """Add :func:`curvature_callback` to a ``transformers.Trainer``, logging its rows through the
+    Trainer (its ``log_history`` and ``report_to``); returns the callback."""
+    callback = curvature_callback(monitor, stop_on_nonfinite, trainer)
+    trainer.add_callback(callback)
+    return callback
+
+
+def curvature_lightning_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = False):
+    """A ``lightning.pytorch.Callback`` that measures ``monitor``'s rows during ``Trainer.fit``.
+
+    Before each due optimizer step (``on_before_optimizer_step``: after the backward passes of the
+    step, and before the optimizer moves anything, which it does after the closure returns) it
+    snapshots W; at ``on_train_batch_end`` it measures the step taken, so Z is the step Lightning
+    took (accumulation, clipping, precision and all). The row's step is ``trainer.global_step``
+    before the step. Rows land in ``monitor.rows`` and go to every logger of the Trainer
+    (``logger.log_metrics``) as ``curvature/nds``, ... (:meth:`MonitorRow.scalars`), at the row's
+    step, where Lightning logs the training loss of the same batch. A
+    non-finite row stops training only with ``stop_on_nonfinite``. Lightning is imported here
+    (``pip install 'curvlab[lightning]'``), not by ``import curvlab``.
+    """
+    try:
+        from lightning.pytorch import Callback  # optional: only this callback needs Lightning
+    except ImportError as e:
+        raise CurvlabError("the Lightning callback needs lightning: pip install 'curvlab[lightning]'") from e
+
+    class CurvatureLightningCallback(Callback):
+        def __init__(self):
+            self.monitor = monitor
+            self._before: tuple[int, dict[str, Tensor]] | None = None
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            # (a closure optimizer evaluates its closure again: keep the first snapshot, of W itself)
+            if self._before is None and monitor.due(trainer.global_step):
+                self._before = (trainer.global_step, monitor.snapshot())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self._before is None or trainer.global_step == self._before[0]:
+                return  # no step taken yet (gradient accumulation)
+            (step, before), self._before = self._before, None
+            row = monitor.measure_taken(step, before)
+            # straight to the loggers: pl_module.log_dict would round to float32 and log a value again
+            # at the next step; at the row's step, where Lightning logs the same batch's training loss
+            for logger in trainer.loggers:
+                logger.log_metrics(row.log_scalars(), step=row.step)
+            if stop_on_nonfinite and row.status == "non-finite":
+                trainer.should_stop = True
+
+    return CurvatureLightningCallback()

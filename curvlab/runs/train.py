@@ -1,0 +1,561 @@
+"""The training loop: a GPT on token shards with one of curvlab's optimizers, checkpointing every
+state the curvature analysis needs to reproduce the next step exactly.
+
+Read it top to bottom: config, setup (data, model, optimizer, schedule, loaders), resume, then the
+loop (:func:`train_loop`), which evaluates the validation loss on fixed windows and writes a checkpoint
+(atomically) every ``ckpt_every`` steps, plus one at step 0. Metrics go to ``metrics.jsonl``.
+
+The loop is the same for a full-model run (:func:`train`) and an adapter run (peft LoRA,
+:func:`curvlab.jobs.finetune.adapt`): it trains the model's trainable parameters with the run's optimizer;
+a run on a frozen base (``Run.base``) checkpoints those parameters and the base's reference only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from curvlab.util.atomic import atomic_write_text
+from curvlab.runs.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
+from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, validation_batches
+from curvlab.util.distributed import all_reduce_sum, barrier, device_for_rank, my_share, rank_and_world
+from curvlab.errors import CurvlabError
+from curvlab.engine.loss import count_loss_terms, token_cross_entropy
+from curvlab.runs.metrics import METRICS_FILE, truncate_metrics
+from curvlab.models.gpt import GPT, get_config
+from curvlab.runs.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
+from curvlab.optim.build import build_optimizer
+from curvlab.util.progress import progress as progress_bar
+from curvlab.optim.shadow import ShadowState, build_shadow
+
+SCHEDULES = ("cosine", "wsd", "constant")
+# Fields that may change between a run and its resumption: they don't change the math of a step.
+RESUMABLE_CHANGES = {"out", "device", "compile", "eval_every", "ckpt_every"}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run (``curvlab train`` exposes every field as an option)."""
+
+    data: str
+    out: str
+    model: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "muon"
+    optimizer_options: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 16
+    seq_len: int | None = None  # default: the model's block size
+    steps: int = 600
+    warmup_steps: int = 20
+    schedule: str = "wsd"  # has a stable phase, which `curvlab compare` pairs in by default; cosine has none
+    cooldown_frac: float = 0.2  # the final share of steps that decays, for "wsd"
+    min_lr_frac: float = 0.1  # the schedule's floor, as a fraction of the peak lr
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    ckpt_every: int = 50
+    val_windows: int = 64
+    device: str = "auto"
+    compile: bool = False
+    # A shadow state of the other arm on the hidden matrices (curvlab.optim.shadow): updated, never applied.
+    shadow: bool = False
+    shadow_options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self)))  # plain JSON types (tuples become lists)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise CurvlabError(f"unknown training config field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_sources(cls, file: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+        """The config of ``curvlab train``: the dataclass defaults, then the JSON object in ``file``, then
+        ``overrides`` (the options given on the command line), each over the one before. The dict fields
+        (``optimizer_options``, ``model_overrides``, ``shadow_options``) merge key by key.
+
+        Raises:
+            CurvlabError: a missing or corrupt file, a field this config doesn't have (named), a value
+                of the wrong type, or no ``data`` or ``out``.
+        """
+        merged: dict[str, Any] = {}
+        for where, source in ((str(file), _read_config_file(file) if file else {}), ("overrides", overrides or {})):
+            _check_fields(source, where)
+            for key, value in source.items():
+                merged[key] = {**merged[key], **value} if key in MERGED_FIELDS and key in merged else value
+        for required in ("data", "out"):
+            if not merged.get(required):
+                raise CurvlabError(f"--{required} is required (or give {required} in the config file)")
+        return cls(**merged)  # build_run validates it (after the CLI has checked that out is writable)
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise CurvlabError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        for name in ("batch_size", "steps", "eval_every", "ckpt_every", "val_windows"):
+            if getattr(self, name) < 1:
+                raise CurvlabError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise CurvlabError(f"warmup_steps must lie in [0, steps), got {self.warmup_steps}")
+
+
+MERGED_FIELDS = ("optimizer_options", "model_overrides", "shadow_options")
+
+
+def _read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise CurvlabError(f"{path}: no such config file")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise CurvlabError(f"{path}: a training config is a JSON object of fields, got {type(d).__name__}")
+    return d
+
+
+def _check_fields(d: Mapping[str, Any], where: str) -> None:
+    """Every key of ``d`` is a :class:`TrainConfig` field and its value has the field's type (an int
+    passes for a float; a bool passes for nothing but a bool)."""
+    hints = typing.get_type_hints(TrainConfig)
+    unknown = sorted(set(d) - set(hints))
+    if unknown:
+        raise CurvlabError(f"{where}: unknown training config field(s): {', '.join(unknown)}")
+    for key, value in d.items():
+        allowed = typing.get_args(hints[key]) if isinstance(hints[key], types.UnionType) else (hints[key],)
+        if not any(_has_type(value, t) for t in allowed):
+            expected = " or ".join("null" if t is type(None) else getattr(t, "__name__", str(t)) for t in allowed)
+            raise CurvlabError(f"{where}: {key} must be {expected}, got {value!r}")
+
+
+def _has_type(value: Any, t: Any) -> bool:
+    t = typing.get_origin(t) or t
+    if t is type(None) or t is bool:
+        return type(value) is t
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, t)
+
+
+def lr_multiplier(step: int, cfg: TrainConfig) -> float:
+    """The schedule: linear warmup, then cosine to ``min_lr_frac``, warmup-stable-decay, or constant."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    decay_start = wsd_decay_start(cfg)
+    if step < decay_start:
+        return 1.0
+    progress = (step - decay_start) / max(1.0, cfg.steps - decay_start)
+    return 1.0 - (1.0 - cfg.min_lr_frac) * min(progress, 1.0)
+
+
+def wsd_decay_start(cfg: TrainConfig) -> float:
+    """The step where warmup-stable-decay leaves its stable phase: the last ``cooldown_frac`` of the run decays."""
+    return cfg.steps * (1 - cfg.cooldown_frac)
+
+
+def schedule_phase(step: int, cfg: TrainConfig) -> str:
+    """``"warmup"``, ``"stable"`` (multiplier 1 after warmup: ``wsd`` before its decay, ``constant``) or
+    ``"decay"`` (``cosine`` after warmup, ``wsd`` in its cooldown) for the step taken at ``step``."""
+    if step < cfg.warmup_steps:
+        return "warmup"
+    if cfg.schedule == "constant" or (cfg.schedule == "wsd" and step < wsd_decay_start(cfg)):
+        return "stable"
+    return "decay"
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CurvlabError(f"device {name!r} was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+@dataclass
+class Run:
+    """A training run's live objects, built from a config (and, on resume, a checkpoint).
+
+    ``base``: for a run that trains adapters on a frozen base model (JSON: where the base comes from
+    and how it is adapted), ``None`` for a full-model run. Its checkpoints hold the trainable
+    parameters (``"adapter"``) and this reference instead of the whole model (``"model"``).
+    """
+
+    cfg: TrainConfig
+    model: nn.Module  # a GPT, or a peft model around one
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    loader: TrainBatches
+    val_batches: list
+    device: torch.device
+    step: int = 0
+    shadow: ShadowState | None = None
+    base: dict[str, Any] | None = None
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1) -> Run:
+    """Data, model, optimizer, schedule and loaders for ``cfg``, at step 0."""
+    cfg.validate()
+    device = pick_device(cfg.device)
+    data = TokenData.open(cfg.data)
+    model_cfg = get_config(cfg.model, **cfg.model_overrides)
+    vocab = data_vocab_size(cfg.data) or 1 + max(int(s.max()) for s in data.train + data.val if s.size)
+    if vocab > model_cfg.vocab_size:
+        raise CurvlabError(
+            f"{cfg.data}: the data's vocabulary ({vocab}) is larger than the model's ({model_cfg.vocab_size}); "
+            "set model_overrides vocab_size"
+        )
+    seq_len = cfg.seq_len or model_cfg.block_size
+    if seq_len > model_cfg.block_size:
+        raise CurvlabError(f"seq_len {seq_len} exceeds the model's block_size {model_cfg.block_size}")
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_cfg).to(device)
+    optimizer = build_optimizer(cfg.optimizer, model, **cfg.optimizer_options)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+    loader = TrainBatches(data.train, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world=world)
+    val = validation_batches(data.val, cfg.batch_size, seq_len, cfg.val_windows)
+    shadow = build_shadow(cfg.optimizer, model, **cfg.shadow_options) if cfg.shadow else None
+    return Run(cfg, model, optimizer, scheduler, loader, val, device, shadow=shadow)
+
+
+def restore(run: Run, ckpt: dict[str, Any]) -> None:
+    """Put a checkpoint's model (or adapter), optimizer, scheduler, loader and RNG states into ``run``."""
+    if run.base is None:
+        run.model.load_state_dict(ckpt["model"])
+    else:
+        load_trainable_state(run.model, ckpt["adapter"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.scheduler.load_state_dict(ckpt["scheduler"])
+    run.loader.load_state_dict(ckpt["data"])
+    torch.set_rng_state(ckpt["rng"])
+    run.step = int(ckpt["step"])
+    if run.shadow is not None:
+        if "shadow" not in ckpt:
+            raise CurvlabError(f"the checkpoint of step {run.step} holds no shadow state, which this run keeps")
+        run.shadow.load_state_dict(ckpt["shadow"])
+        run.shadow.to(run.device)
+
+
+def config_difference(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Fields whose values differ (ignoring those a resume may change)."""
+    keys = sorted((set(saved) | set(new)) - RESUMABLE_CHANGES)
+    saved = {**_config_defaults(), **saved}  # a field added since the run was saved has its default there
+    return [f"{k}: {saved.get(k)!r} -> {new.get(k)!r}" for k in keys if saved.get(k) != new.get(k)]
+
+
+def _config_defaults() -> dict[str, Any]:
+    out = {}
+    for f in fields(TrainConfig):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return json.loads(json.dumps(out))
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean validation loss over every token of the fixed validation windows (under torch.distributed,
+    each rank evaluates its share and the sums are all-reduced)."""
+    was_training = run.model.training
+    run.model.eval()
+    sums = torch.zeros(2, dtype=torch.float64)
+    for x, y in my_share(run.val_batches):
+        x, y = x.to(run.device), y.to(run.device)
+        with run.autocast():
+            loss = token_cross_entropy(run.model(x), y)
+        n = count_loss_terms((x, y))
+        sums += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+    all_reduce_sum(sums)
+    run.model.train(was_training)
+    return float(sums[0] / sums[1])
+
+
+def trainable_state(model: nn.Module) -> dict[str, Tensor]:
+    """The trainable parameters (``requires_grad``) by name: an adapter run's checkpointed weights."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy ``state`` (from :func:`trainable_state`) into the model's trainable parameters.
+
+    Raises:
+        CurvlabError: the names differ from the model's trainable parameters (another adapter).
+    """
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(params) != set(state):
+        odd = sorted(set(params) ^ set(state))
+        raise CurvlabError(f"the checkpoint's adapter does not fit the model's trainable parameters ({odd[0]}, ...)")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(state[n])
+
+
+def checkpoint_payload(run: Run, val_loss: float, train_loss: float) -> dict[str, Any]:
+    if run.base is None:
+        weights = {"model_config": run.model.config.to_dict(), "model": run.model.state_dict()}
+    else:
+        weights = {"base": run.base, "adapter": trainable_state(run.model)}
+    return {
+        "step": run.step,
+        "config": run.cfg.to_dict(),
+        **weights,
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "data": run.loader.state_dict(),
+        "rng": torch.get_rng_state(),
+        "val_loss": val_loss,
+        "train_loss": train_loss,
+        **({"shadow": run.shadow.state_dict()} if run.shadow is not None else {}),
+    }
+
+
+class TrainingDiverged(CurvlabError):
+    """The training loss became non-finite; the last good checkpoint stays."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    out: str
+    step: int
+    val_loss: float
+    tokens_per_second: float
+    resumed_from: int
+
+
+def _save(run: Run, out: Path, val_loss: float, train_loss: float, is_main: bool) -> None:
+    if is_main:
+        name = checkpoint_name(run.step)
+        save_checkpoint(out / name, checkpoint_payload(run, val_loss, train_loss))
+        add_to_index(out, run.step, val_loss, name)
+
+
+def _record_curvature(row: MonitorRow, log, stop: bool) -> None:
+    if log is not None:
+        log.write(json.dumps(row.to_dict()) + "\n")
+        log.flush()
+    if stop and row.status == "non-finite":
+        raise NonFiniteCurvature(f"non-finite curvature at step {row.step} ({row.message}); stopped as asked")
+
+
+def summary_writer_class() -> type:
+    """``torch.utils.tensorboard.SummaryWriter``; a ``CurvlabError`` without the optional
+    ``tensorboard`` package (``pip install 'curvlab[tensorboard]'``)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # optional: only --tensorboard needs it
+    except ImportError as e:
+        raise CurvlabError("--tensorboard needs the tensorboard package: pip install 'curvlab[tensorboard]'") from e
+    return SummaryWriter
+
+
+def _write_scalars(writer, step: int, scalars: dict[str, float]) -> None:
+    if writer is not None:
+        for tag, value in scalars.items():
+            if math.isfinite(value):
+                writer.add_scalar(tag, value, step)
+
+
+def train(
+    cfg: TrainConfig,
+    progress: bool = True,
+    rank: int | None = None,
+    world: int | None = None,
+    monitor: MonitorSettings | None = None,
+    tensorboard: str | Path | None = None,
+) -> TrainResult:
+    """Train (or resume) the run ``cfg`` describes; see the module docstring.
+
+    With ``monitor``, every ``monitor.every`` steps the curvature of the step taken (NDS, Taylor split,
+    within/cross split; :mod:`curvlab.runs.monitor`) goes into ``metrics.jsonl`` as a row of kind
+    ``"curvature"``. The run itself is the same, bit for bit, with or without it.
+
+    With ``tensorboard`` (a directory), rank 0 also writes TensorBoard scalars there: ``train/loss``
+    and ``train/lr`` at every step, ``val/loss`` when evaluated, and each curvature row's
+    :meth:`~curvlab.runs.monitor.MonitorRow.scalars` (``curvature/nds``, ...) at the step it measured, the
+    step index being the steps done (as in ``metrics.jsonl``).
+
+    The progress display is a bar on a terminal and a plain line every 30 s elsewhere
+    (:func:`curvlab.util.progress.progress`).
+
+    Under torch.distributed (``torchrun``), the model is wrapped in DistributedDataParallel, each rank
+    trains on rows ``rank::world`` of the same global batch (so results don't depend on the number of
+    ranks), and rank 0 alone writes metrics and checkpoints.
+
+    Raises:
+        CurvlabError: bad data or config, a resume with a different config, a corrupt checkpoint.
+        TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
+        NonFiniteCurvature: a non-finite curvature row, with ``monitor.stop_on_nonfinite``.
+    """
+    if rank is None or world is None:
+        rank, world = rank_and_world()
+    if world > 1:
+        cfg = replace(cfg, device=device_for_rank(cfg.device))
+    if tensorboard is not None:
+        summary_writer_class()  # a missing package is refused before anything runs
+    run = build_run(cfg, rank, world)
+    curvature = None
+    if monitor is not None:
+        curvature = training_monitor(run.model, run.optimizer, run.val_batches, monitor, cfg.grad_clip)
+    stop = monitor is not None and monitor.stop_on_nonfinite
+    return train_loop(run, progress, rank, world, curvature, stop_on_nonfinite=stop, tensorboard=tensorboard)
+
+
+def check_resume(out: Path, cfg: TrainConfig) -> None:
+    """Refuse to resume the run in ``out`` under a config other than the one it was started with.
+
+    Raises:
+        CurvlabError: the saved ``config.json`` differs from ``cfg`` (the differences are named).
+    """
+    saved = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    diff = config_difference(saved, cfg.to_dict())
+    if diff:
+        raise CurvlabError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
+
+
+def train_loop(
+    run: Run,
+    progress: bool = True,
+    rank: int = 0,
+    world: int = 1,
+    curvature: CurvatureMonitor | None = None,
+    measure_at: Callable[[int], bool] | None = None,
+    stop_on_nonfinite: bool = False,
+    tensorboard: str | Path | None = None,
+    desc: str | None = None,
+    leave: bool = True,
+) -> TrainResult:
+    """Train (or resume) ``run`` (from :func:`build_run`, or an adapter run) in ``run.cfg.out`` to
+    ``run.cfg.steps``: the loop of :func:`train`, which describes it.
+
+    A step: next batch, loss, a non-finite check, backward, gradient clipping over the trainable
+    parameters (``grad_clip``), optimizer step, schedule step; the validation loss every
+    ``eval_every`` steps and a checkpoint every ``ckpt_every`` steps (and at the end). An existing
+    run in ``out`` is resumed from its last checkpoint under the same config (:func:`check_resume`),
+    bit for bit: weights, optimizer, schedule, loader and RNG states are all checkpointed.
+
+    With ``curvature``, the step taken from step k is measured when ``measure_at(k)`` (default
+    ``curvature.due``) and written to ``metrics.jsonl`` as a row of kind ``"curvature"``.
+
+    Raises:
+        CurvlabError: a resume with a different config, a corrupt checkpoint.
+        TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
+        NonFiniteCurvature: a non-finite curvature row, with ``stop_on_nonfinite``.
+    """
+    with contextlib.ExitStack() as stack:  # (holds the TensorBoard writer)
+        return _loop(
+            run, progress, rank, world, curvature, measure_at, stop_on_nonfinite, tensorboard, desc, leave, stack
+        )
+
+
+def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorboard, desc, leave, stack) -> TrainResult:
+    cfg = run.cfg
+    out = Path(cfg.out)
+    is_main = rank == 0
+    index = read_index(out)
+    barrier()  # every rank has decided whether to resume before rank 0 writes anything
+    resumed_from = 0
+    if index:
+        check_resume(out, cfg)
+        restore(run, load_checkpoint(out / index[-1]["path"], map_location=run.device))
+        resumed_from = run.step
+    elif is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    metrics_path = out / METRICS_FILE
+    if is_main:
+        truncate_metrics(out, run.step)
+    if not index:
+        val_loss = evaluate(run)
+        _save(run, out, val_loss, float("nan"), is_main)
+    writer = None
+    if tensorboard is not None and is_main:  # (made once the run is known good: no empty event files)
+        writer = stack.enter_context(contextlib.closing(summary_writer_class()(log_dir=str(tensorboard))))
+    forward = DistributedDataParallel(run.model) if world > 1 else run.model  # averages the gradients
+    forward = torch.compile(forward) if cfg.compile else forward
+    due = measure_at if measure_at is not None else curvature.due if curvature is not None else None
+    run.model.train()
+    trainable = [p for p in run.model.parameters() if p.requires_grad]  # (an adapter run: the adapters)
+    tokens_per_step = cfg.batch_size * run.loader.seq_len
+    val_loss, elapsed, steps_done = float("nan"), 0.0, 0
+    shown_val = float("nan")
+    desc = desc or f"train {cfg.optimizer}"
+    bar = progress_bar(range(run.step, cfg.steps), desc=desc, disable=not (progress and is_main), leave=leave)
+    with open(metrics_path, "a") if is_main else contextlib.nullcontext() as log:
+        for _ in bar:
+            start = time.perf_counter()
+            x, y = (t.to(run.device) for t in run.loader.next())
+            with run.autocast():
+                loss = token_cross_entropy(forward(x), y)
+            # every rank's share of the global batch has as many tokens: the mean of the means is the loss
+            global_loss = all_reduce_sum(loss.detach().double()) / world if world > 1 else loss.detach()
+            if not torch.isfinite(global_loss):
+                index = read_index(out)
+                last = index[-1]["path"] if index else "none"
+                raise TrainingDiverged(f"non-finite training loss at step {run.step + 1}; last good checkpoint: {last}")
+            loss.backward()
+            if cfg.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+            if run.shadow is not None:  # the gradient the optimizer sees (clipped); reads it, changes nothing
+                run.shadow.update_from(run.model)
+            lr = run.optimizer.param_groups[0]["lr"]
+            before = curvature.snapshot() if due is not None and due(run.step) else None
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.step += 1
+            elapsed += time.perf_counter() - start
+            steps_done += 1
+            train_loss = float(global_loss)
+            checkpoint_now = run.step % cfg.ckpt_every == 0 or run.step == cfg.steps
+            evaluate_now = checkpoint_now or run.step % cfg.eval_every == 0
+            val_loss = evaluate(run) if evaluate_now else float("nan")
+            record = {"step": run.step, "train_loss": train_loss, "lr": lr, "tokens": run.step * tokens_per_step}
+            if evaluate_now:
+                record["val_loss"] = val_loss
+            if log is not None:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            scalars = {"train/loss": train_loss, "train/lr": lr} | ({"val/loss": val_loss} if evaluate_now else {})
+            _write_scalars(writer, run.step, scalars)
+            if before is not None:  # every rank measures (the held-out batches are shared out); rank 0 writes
+                row = curvature.measure_taken(run.step - 1, before)
+                _write_scalars(writer, row.step, row.log_scalars())
+                _record_curvature(row, log, stop)
+            if checkpoint_now:
+                _save(run, out, val_loss, train_loss, is_main)
+            tps = tokens_per_step * steps_done / max(elapsed, 1e-9)
+            shown_val = val_loss if evaluate_now else shown_val
+            val_text = {} if math.isnan(shown_val) else {"val": f"{shown_val:.3f}"}  # none before the first evaluation
+            bar.set_postfix(loss=f"{train_loss:.3f}", **val_text, tok_s=f"{tps:.0f}")
+    barrier()
+    index = read_index(out)
+    last_val = index[-1]["val_loss"] if index else val_loss
+    tps = tokens_per_step * steps_done / elapsed if elapsed else float("nan")
+    return TrainResult(str(out), run.step, last_val, tps, resumed_from)

@@ -1,0 +1,1 @@
+"""Studies over many checkpoints and runs: comparisons, tracks, statistics, results, the paper."""

@@ -1,0 +1,518 @@
+"""Studies over many checkpoints: two optimizers at matched validation loss (``compare``), and one
+run along its trajectory (``track``). Each analysed checkpoint's report is cached (by default under
+``OUT/reports/``), so a re-run (after an interruption, say) skips what is done.
+
+A matched level of a comparison averages each quantity over a *window*: the matched checkpoint and its
+neighbours in the same schedule phase (see :mod:`curvlab.runs.match`). Aggregates over levels leave out the
+levels on the unigram plateau, and nothing else: the Taylor check (:func:`curvlab.curvature.scalars.taylor_holds`)
+judges only claims about predicted against realized decrease, and is reported as a count, never used to
+drop a checkpoint from an NDS mean.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from curvlab.analysis.checkpoints import (
+    AnalysisSettings,
+    CurvatureReport,
+    cached_report,
+    load_report,
+    report_cache_path,
+)
+from curvlab.analysis.directions import PAIRED, SCOPES, DirectionLandscape
+from curvlab.analysis.sharded import analyze_sharded_checkpoint
+from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
+from curvlab.errors import CurvlabError
+from curvlab.runs.checkpoint import read_index
+from curvlab.runs.match import Checkpoint, MatchCriteria, NoMatchedLevel, match_runs, run_checkpoints
+from curvlab.runs.metrics import METRICS_FILE, read_metrics
+from curvlab.runs.monitor import ROW_KIND, MonitorRow
+from curvlab.util import schema
+from curvlab.util.atomic import atomic_write_text
+from curvlab.util.distributed import is_main
+from curvlab.util.progress import progress as progress_bar
+
+COMPARE_SCHEMA_VERSION = 2  # 2: window means per level, plateau flags, schedule per side, no Taylor filter
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    buffer = io.StringIO()
+    fieldnames = list(dict.fromkeys(k for r in rows for k in r))  # (a level without paired terms leaves them blank)
+    writer = csv.DictWriter(buffer, fieldnames=fieldnames)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buffer.getvalue())
+
+
+@dataclass(frozen=True)
+class WindowSide:
+    """One run's side of a matched level: its matched checkpoint (step, loss, schedule) and the
+    per-checkpoint scalars of the window around it, with their means and standard errors."""
+
+    optimizer: str
+    step: int
+    val_loss: float
+    multiplier: float | None
+    lr: float | None
+    members: list[CheckpointScalars]  # each window member's, in step order
+    reports: list[str]
+
+    @property
+    def mean(self) -> dict[str, float]:
+        """Per float scalar every member has (paired ones only where every checkpoint carries them),
+        its mean over the window."""
+        values = [m.floats() for m in self.members]
+        keys = [k for k in values[0] if all(k in v for v in values)]
+        return {k: float(np.mean([v[k] for v in values])) for k in keys}
+
+    @property
+    def stderr(self) -> dict[str, float]:
+        n = len(self.members)
+        values = [m.floats() for m in self.members]
+        return {
+            k: float(np.std([v[k] for v in values], ddof=1) / np.sqrt(n)) if n > 1 else float("nan") for k in self.mean
+        }
+
+    @property
+    def taylor_failures(self) -> int:
+        return sum(not m.taylor_ok for m in self.members)
+
+    def to_dict(self) -> dict[str, Any]:
+        norm = self.mean["update_norm"]
+        return {
+            "optimizer": self.optimizer,
+            "step": self.step,
+            "val_loss": self.val_loss,
+            "multiplier": self.multiplier,
+            "lr": self.lr,
+            "members": [m.to_dict() for m in self.members],
+            "reports": self.reports,
+            "update_norm_over_multiplier": norm / self.multiplier if self.multiplier else None,
+            "mean": self.mean,
+            "stderr": self.stderr,
+            "taylor_failures": self.taylor_failures,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WindowSide:
+        members = [CheckpointScalars.from_dict(m) for m in d["members"]]
+        return cls(d["optimizer"], d["step"], d["val_loss"], d["multiplier"], d["lr"], members, d["reports"])
+
+
+@dataclass(frozen=True)
+class Level:
+    """One matched validation-loss level: the two runs' windows."""
+
+    target: float
+    mismatch: float
+    on_plateau: bool
+    a: WindowSide
+    b: WindowSide
+
+    @property
+    def paired_terms(self) -> dict[str, DirectionLandscape] | None:
+        """Per scope, the split of the between-run NDS ratio (AdamW over Muon) into a direction and a
+        landscape term (:class:`~curvlab.analysis.directions.DirectionLandscape`), from the window means of the
+        paired NDS of both arms' directions at both runs' checkpoints; ``None`` unless the level pairs an
+        AdamW with a Muon run whose checkpoints carry shadow states."""
+        values = self.paired_nds
+        return None if values is None else {s: DirectionLandscape.of(*v) for s, v in values.items()}
+
+    @property
+    def paired_nds(self) -> dict[str, tuple[float, float, float, float]] | None:
+        """Per scope, the window means (adamw at the AdamW run, muon at the AdamW run, adamw at the Muon
+        run, muon at the Muon run) of the paired NDS; ``None`` as for :attr:`paired_terms`."""
+        sides = {self.a.optimizer: self.a, self.b.optimizer: self.b}
+        if set(sides) != set(PAIRED):
+            return None
+        a, m = sides["adamw"].mean, sides["muon"].mean
+        keys = [f"paired_nds_{x}_{s}" for x in PAIRED for s in SCOPES]
+        if not all(k in a and k in m for k in keys):
+            return None
+        return {
+            s: (
+                a[f"paired_nds_adamw_{s}"],
+                a[f"paired_nds_muon_{s}"],
+                m[f"paired_nds_adamw_{s}"],
+                m[f"paired_nds_muon_{s}"],
+            )
+            for s in SCOPES
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        terms = self.paired_terms
+        return {
+            "target": self.target,
+            "mismatch": self.mismatch,
+            "on_plateau": self.on_plateau,
+            "a": self.a.to_dict(),
+            "b": self.b.to_dict(),
+            "paired": None if terms is None else {s: t.to_dict() for s, t in terms.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Level:
+        return cls(
+            d["target"], d["mismatch"], d["on_plateau"], WindowSide.from_dict(d["a"]), WindowSide.from_dict(d["b"])
+        )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Matched-loss comparison of two runs. ``ratio_label`` says which is over which (Adam/Muon when
+    the runs are AdamW and Muon, else B/A). The aggregates run over the levels off the unigram
+    plateau; every level stays in ``levels``."""
+
+    SCHEMA_VERSION: ClassVar[int] = COMPARE_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "comparison"
+
+    levels: list[Level]
+    ratio_label: str
+    refused: list[str]
+    optimizers: tuple[str, str] = ("", "")
+    phase: str = "any"
+    window: int = 0
+    plateau_ceiling: float | None = None
+    runs: tuple[str, str] = ("", "")
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numerator(self) -> str:
+        """``"a"`` or ``"b"``: the side on top of the ratios (AdamW's, or else B's)."""
+        return "a" if self.optimizers == ("adamw", "muon") else "b"
+
+    def _sides(self, level: Level) -> tuple[WindowSide, WindowSide]:
+        return (level.a, level.b) if self.numerator == "a" else (level.b, level.a)
+
+    @property
+    def headline_levels(self) -> list[Level]:
+        return [lv for lv in self.levels if not lv.on_plateau]
+
+    def _ratios(self, key: str) -> list[float]:
+        out = []
+        for lv in self.headline_levels:
+            num, den = self._sides(lv)
+            out.append(num.mean[key] / den.mean[key] if den.mean[key] else float("nan"))
+        return out
+
+    @property
+    def mean_ratios(self) -> dict[str, float]:
+        """Mean over levels of the per-level ratios."""
+        return {k: float(np.nanmean(self._ratios(k))) if self.headline_levels else float("nan") for k in RATIO_KEYS}
+
+    @property
+    def median_ratios(self) -> dict[str, float]:
+        return {k: float(np.nanmedian(self._ratios(k))) if self.headline_levels else float("nan") for k in RATIO_KEYS}
+
+    @property
+    def ratio_of_means(self) -> dict[str, float]:
+        """Sum over levels of one run's values over the other's: robust to near-zero levels."""
+        out = {}
+        for k in RATIO_KEYS:
+            sides = [self._sides(lv) for lv in self.headline_levels]
+            den = sum(d.mean[k] for _, d in sides)
+            out[k] = sum(n.mean[k] for n, _ in sides) / den if den else float("nan")
+        return out
+
+    @property
+    def paired_ratio_of_means(self) -> dict[str, DirectionLandscape] | None:
+        """Per scope, the direction/landscape split of the ratio of sums over the levels off the plateau
+        (each of the four paired NDS summed over levels: the identity holds for the sums too); ``None``
+        unless every such level has paired terms."""
+        values = [lv.paired_nds for lv in self.headline_levels]
+        if not values or any(v is None for v in values):
+            return None
+        return {s: DirectionLandscape.of(*np.sum([v[s] for v in values], axis=0).tolist()) for s in SCOPES}
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """One flat row per level (the CSV): window means of both sides and their ratios."""
+        rows = []
+        for lv in self.levels:
+            row = {"target": lv.target, "mismatch": lv.mismatch, "on_plateau": lv.on_plateau}
+            for tag, side in (("a", lv.a), ("b", lv.b)):
+                row.update(
+                    {
+                        f"step_{tag}": side.step,
+                        f"loss_{tag}": side.val_loss,
+                        f"multiplier_{tag}": side.multiplier,
+                        f"lr_{tag}": side.lr,
+                        f"window_{tag}": len(side.members),
+                        f"taylor_failures_{tag}": side.taylor_failures,
+                    }
+                )
+                row.update({f"{k}_{tag}": v for k, v in side.mean.items()})
+            num, den = self._sides(lv)
+            row.update({f"ratio_{k}": num.mean[k] / den.mean[k] if den.mean[k] else float("nan") for k in RATIO_KEYS})
+            for scope, terms in (lv.paired_terms or {}).items():
+                row.update({f"{k}_{scope}": v for k, v in terms.to_dict().items()})
+            rows.append(row)
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        paired = self.paired_ratio_of_means
+        return {
+            "schema_version": COMPARE_SCHEMA_VERSION,
+            "ratio": self.ratio_label,
+            "optimizers": list(self.optimizers),
+            "runs": list(self.runs),
+            "phase": self.phase,
+            "window": self.window,
+            "plateau_ceiling": self.plateau_ceiling,
+            "settings": self.settings,
+            "mean_ratios": self.mean_ratios,
+            "median_ratios": self.median_ratios,
+            "ratio_of_means": self.ratio_of_means,
+            "paired_ratio_of_means": None if paired is None else {s: t.to_dict() for s, t in paired.items()},
+            "pairs": [lv.to_dict() for lv in self.levels],  # one per matched level
+            "refused": self.refused,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Comparison:
+        schema.check(d, cls)
+        return cls(
+            [Level.from_dict(lv) for lv in d["pairs"]],
+            d["ratio"],
+            d["refused"],
+            tuple(d["optimizers"]),
+            d["phase"],
+            d["window"],
+            d["plateau_ceiling"],
+            tuple(d["runs"]),
+            d["settings"],
+        )
+
+
+def _analyzer(fsdp: bool) -> Callable | None:
+    """The analysis of one checkpoint: sharded (a DCP directory, every rank under torchrun), or
+    ``None`` for :func:`~curvlab.analysis.checkpoints.cached_report`'s own (the unsharded one)."""
+    return analyze_sharded_checkpoint if fsdp else None
+
+
+def _window_side(
+    window: Sequence[Checkpoint], centre_step: int, cache: Path, settings, device, fsdp: bool = False
+) -> WindowSide:
+    reports = [cached_report(cache, c.path, settings, device=device, analyze_fn=_analyzer(fsdp)) for c in window]
+    centre = next(c for c in window if c.step == centre_step)
+    paths = [str(report_cache_path(cache, c.path, settings)) for c in window]
+    return WindowSide(
+        reports[0].optimizer,
+        centre.step,
+        centre.val_loss,
+        centre.multiplier,
+        centre.lr,
+        [r.scalars() for r in reports],
+        paths,
+    )
+
+
+def compare_runs(
+    run_a: str | Path,
+    run_b: str | Path,
+    out: str | Path,
+    criteria: MatchCriteria | None = None,
+    settings: AnalysisSettings | None = None,
+    *,
+    device: str = "cpu",
+    progress: bool = True,
+    cache: str | Path | None = None,
+    fsdp: bool = False,
+) -> Comparison:
+    """Analyse every level of two runs matched by ``criteria`` (default :class:`MatchCriteria`: 8
+    levels in the stable phase), each side averaged over its window of ``2 window + 1`` checkpoints
+    at most, under ``settings``; write ``compare.json`` and ``compare.csv`` to ``out``.
+
+    Args:
+        cache: where reports are cached (default ``out/reports``); share one between studies to
+            analyse a checkpoint once.
+        fsdp: the runs' checkpoints are sharded (DCP directories, ``curvlab train --fsdp``): every
+            rank under torchrun analyses each one sharded (:mod:`curvlab.analysis.sharded`); the
+            reports equal the unsharded ones, rank 0 writes the outputs.
+
+    Raises:
+        CurvlabError: bad runs (see :func:`curvlab.runs.match.match_runs`), or no level within tolerance.
+    """
+    criteria = criteria or MatchCriteria()
+    criteria.validate()
+    settings = settings or AnalysisSettings()
+    settings.validate()
+    out = Path(out)
+    cache = Path(cache) if cache else out / "reports"
+    levels, phase, window, plateau_ceiling = criteria.levels, criteria.phase, criteria.window, criteria.plateau_ceiling
+    matching = match_runs(
+        run_a,
+        run_b,
+        levels if isinstance(levels, int) else list(levels),
+        criteria.tolerance,
+        phase=phase,
+        plateau_ceiling=plateau_ceiling,
+        window_width=window,
+    )
+    if not matching.pairs:
+        raise NoMatchedLevel("no matched pair within tolerance: " + "; ".join(matching.refused))
+    result_levels = []
+    for pair in progress_bar(matching.pairs, desc="compare", disable=not progress):
+        a = _window_side(pair.window_a, pair.a.step, cache, settings, device, fsdp)
+        b = _window_side(pair.window_b, pair.b.step, cache, settings, device, fsdp)
+        result_levels.append(Level(pair.target, pair.mismatch, pair.on_plateau, a, b))
+    names = (result_levels[0].a.optimizer, result_levels[0].b.optimizer)
+    label = "adamw/muon" if set(names) == {"muon", "adamw"} else f"B/A ({names[1]}/{names[0]})"
+    result = Comparison(
+        result_levels,
+        label,
+        matching.refused,
+        names,
+        phase,
+        window,
+        plateau_ceiling,
+        (str(run_a), str(run_b)),
+        asdict(settings),
+    )
+    if is_main():
+        atomic_write_text(out / "compare.json", json.dumps(result.to_dict(), indent=1))
+        _write_csv(out / "compare.csv", result.rows)
+    return result
+
+
+def track_run(
+    run: str | Path,
+    out: str | Path,
+    settings: AnalysisSettings | None = None,
+    *,
+    every: int = 1,
+    steps: Sequence[int] | None = None,
+    plateau_ceiling: float | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+    cache: str | Path | None = None,
+    fsdp: bool = False,
+) -> list[CheckpointScalars]:
+    """Analyse every ``every``-th checkpoint of a run (step 0 excluded: there is no trajectory yet),
+    or those at ``steps``; write ``track.json`` and ``track.csv`` to ``out``. Returns the
+    per-checkpoint scalars, with the schedule (multiplier, phase) of each step and whether it sits on
+    the unigram plateau (at or above ``plateau_ceiling``). ``fsdp``: sharded checkpoints, analysed
+    sharded on every rank (as in :func:`compare_runs`)."""
+    settings = settings or AnalysisSettings()
+    settings.validate()
+    if every < 1:
+        raise CurvlabError(f"--every must be >= 1, got {every}")
+    run, out = Path(run), Path(out)
+    cache = Path(cache) if cache else out / "reports"
+    checkpoints = [c for c in run_checkpoints(run) if c.step > 0]
+    if steps is not None:
+        missing = sorted(set(steps) - {c.step for c in checkpoints})
+        if missing:
+            raise CurvlabError(f"{run}: no checkpoint with a validation loss at step(s) {missing[:5]}")
+        checkpoints = [c for c in checkpoints if c.step in set(steps)]
+    checkpoints = checkpoints[::every]
+    if not checkpoints:
+        raise CurvlabError(f"{run}: no checkpoint after step 0 to track")
+    rows = []
+    for c in progress_bar(checkpoints, desc=f"track {run.name}", disable=not progress):
+        report = cached_report(cache, c.path, settings, device=device, analyze_fn=_analyzer(fsdp))
+        spectrum = report.spectrum
+        row = report.scalars().with_context(
+            optimizer=report.optimizer,
+            multiplier=c.multiplier,
+            lr=c.lr,
+            phase=c.phase,
+            on_plateau=plateau_ceiling is not None and c.val_loss >= plateau_ceiling,
+            lambda_max=None if spectrum is None else spectrum.lambda_max,
+            overlap_top_k=None if spectrum is None else spectrum.overlap_top_k,
+        )
+        rows.append(row)
+    if is_main():
+        dicts = [r.to_dict() for r in rows]
+        track = {"run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": dicts}
+        atomic_write_text(out / "track.json", json.dumps(track, indent=1))
+        _write_csv(out / "track.csv", dicts)
+    return rows
+
+
+def pair_reports(level: Level) -> dict[str, CurvatureReport]:
+    """The reports of the matched checkpoints (the window centres) of one level, keyed by optimizer."""
+    out = {}
+    for side in (level.a, level.b):
+        centre = next(i for i, m in enumerate(side.members) if m.step == side.step)
+        out[side.optimizer] = load_report(side.reports[centre])
+    return out
+
+
+def within_layer_gap(comparisons: Sequence[Comparison]) -> tuple[list[str], list[float], list[float]]:
+    """Per block, the within-layer entry M[l,l] of AdamW minus Muon's at the matched checkpoints,
+    averaged over the levels off the plateau of one or more comparisons (seeds), and its standard
+    error over those levels."""
+    gaps, names = [], []
+    for comparison in comparisons:
+        for level in comparison.headline_levels:
+            reports = pair_reports(level)
+            if set(reports) != {"muon", "adamw"}:
+                raise CurvlabError("within_layer_gap needs a comparison of a Muon run with an AdamW run")
+            names = list(reports["muon"].blocks.names)
+            gaps.append(np.diag(reports["adamw"].blocks.matrix) - np.diag(reports["muon"].blocks.matrix))
+    if not gaps:
+        raise CurvlabError("no matched level off the unigram plateau to take the within-layer gap from")
+    gaps = np.array(gaps)
+    se = gaps.std(axis=0, ddof=1) / np.sqrt(len(gaps)) if len(gaps) > 1 else np.full(gaps.shape[1], np.nan)
+    return names, gaps.mean(axis=0).tolist(), se.tolist()
+
+
+def monitor_rows(run: str | Path) -> list[MonitorRow]:
+    """The curvature rows that ``curvlab train --curvature-every K`` wrote to ``RUN/metrics.jsonl``,
+    by step (read by :func:`curvlab.runs.metrics.read_metrics`)."""
+    if not (Path(run) / METRICS_FILE).is_file():
+        raise CurvlabError(f"{run}: no {METRICS_FILE}")
+    rows = [MonitorRow.from_dict(r) for r in read_metrics(run) if r.get("kind") == ROW_KIND]
+    return sorted(rows, key=lambda r: r.step)
+
+
+def _validation_losses(run: Path) -> dict[int, float]:
+    """Step -> validation loss, from the checkpoint index and the training rows of metrics.jsonl."""
+    losses = {e["step"]: e["val_loss"] for e in read_index(run) if e.get("val_loss") is not None}
+    losses.update({r["step"]: r["val_loss"] for r in read_metrics(run) if r.get("kind") is None and "val_loss" in r})
+    return losses
+
+
+def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[CheckpointScalars]:
+    """:func:`track_run` without checkpoints: every ``every``-th curvature row a monitored run
+    recorded while it trained (nothing is recomputed), each with the validation loss of its step
+    where one was evaluated (else NaN); write ``track.json`` and ``track.csv`` to ``out``. Rows whose
+    status is not ``ok`` stay, with their message, and count as Taylor failures."""
+    if every < 1:
+        raise CurvlabError(f"--every must be >= 1, got {every}")
+    run, out = Path(run), Path(out)
+    rows = monitor_rows(run)[::every]
+    if not rows:
+        raise CurvlabError(f"{run}: metrics.jsonl holds no curvature rows (train with --curvature-every K)")
+    config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
+    val = _validation_losses(run)
+    summaries = [r.scalars(val.get(r.step, float("nan")), config.get("optimizer", "")) for r in rows]
+    if is_main():
+        dicts = [r.to_dict() for r in summaries]
+        track = {"run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens, "rows": dicts}
+        atomic_write_text(out / "track.json", json.dumps(track, indent=1))
+        _write_csv(out / "track.csv", dicts)
+    return summaries
+
+
+TRACK_SOURCES = ("auto", "monitor", "checkpoints")
+
+
+def track_source(run: str | Path, source: str = "auto") -> str:
+    """``"monitor"`` or ``"checkpoints"``: what ``curvlab track`` draws for ``source``; ``"auto"``
+    takes the monitor's rows when the run's metrics.jsonl holds any, else analyses the checkpoints."""
+    if source not in TRACK_SOURCES:
+        raise CurvlabError(f"unknown track source {source!r}; choose one of {', '.join(TRACK_SOURCES)}")
+    if source != "auto":
+        return source
+    return "monitor" if (Path(run) / METRICS_FILE).is_file() and monitor_rows(run) else "checkpoints"

@@ -1,0 +1,1 @@
+"""Utilities every layer may use: atomic writes, progress bars, the distributed context."""
