@@ -61,7 +61,8 @@ def curvature_costs(args) -> None:
 
 def nds_seconds(repeats: int) -> None:
     """``curvlab nds`` on a `tiny` checkpoint (batch 16x64, 7 layer blocks): the report's own seconds."""
-    from curvlab.analysis.checkpoints import AnalysisSettings, analyze_checkpoint
+    from curvlab.analysis.report import analyze_checkpoint
+    from curvlab.analysis.targets import AnalysisSettings
     from curvlab.data.dataset import generate_pcfg_dataset
     from curvlab.runs.train import TrainConfig, train
 

@@ -273,7 +273,7 @@ def train(
 
 
 def _settings(blocks: str, batch: str, batches: int, dtype: str, block_method: str, hvp_method: str):
-    from curvlab.analysis.checkpoints import AnalysisSettings
+    from curvlab.analysis.targets import AnalysisSettings
 
     settings = AnalysisSettings(
         blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, hvp_method=hvp_method
@@ -323,7 +323,8 @@ def nds(
     Z is the optimizer's next step, with dropout off as for G and H (see --data for its batch).
     With --fsdp, under torchrun, the model is sharded by FSDP2 over the ranks (curvlab.analysis.sharded).
     """
-    from curvlab.analysis.checkpoints import analyze_checkpoint, checkpoint_directions
+    from curvlab.analysis.direction_report import checkpoint_directions
+    from curvlab.analysis.report import analyze_checkpoint
     from curvlab.analysis.sharded import analyze_sharded_checkpoint
     from curvlab.curvature.scalars import SCOPE_KEYS
 
@@ -457,7 +458,7 @@ def track(
 
     With --fsdp, under torchrun on as many ranks as wrote the checkpoints, each is analysed sharded.
     """
-    from curvlab.analysis.checkpoints import AnalysisSettings
+    from curvlab.analysis.targets import AnalysisSettings
     from curvlab.studies.compare import track_run, track_source
 
     out = out or run / "track"
@@ -528,7 +529,8 @@ def spectrum(
 
     Under torchrun the ranks share the batches (--batches N, N >= the ranks); rank 0 prints and writes.
     """
-    from curvlab.analysis.checkpoints import AnalysisSettings, checkpoint_spectrum
+    from curvlab.analysis.spectrum import checkpoint_spectrum
+    from curvlab.analysis.targets import AnalysisSettings
     from curvlab.curvature.spectral import SpectrumRequest
     from curvlab.output.files import write_spectrum
 

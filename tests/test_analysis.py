@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typer.testing import CliRunner
 
-from curvlab.analysis.checkpoints import AnalysisSettings, analyze_checkpoint, load_report
+from curvlab.analysis.report import analyze_checkpoint, load_report
+from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli import app
 from curvlab.models.nanogpt import load_nanogpt
 from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
@@ -142,7 +143,7 @@ def test_compare_and_track_write_results_and_reuse_reports(runs, tmp_path, monke
     row = result.rows[0]
     assert row["ratio_nds"] == pytest.approx(row["nds_b"] / row["nds_a"])  # run B is the AdamW one
     assert (out / "compare.csv").read_text().startswith("target,mismatch,")
-    import curvlab.analysis.checkpoints as analysis
+    import curvlab.analysis.report as analysis
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a cached report was recomputed")
@@ -311,7 +312,7 @@ def test_nanogpt_next_step_accumulates_its_micro_batches(tmp_path):
     (loss / 2 each, clip, AdamW), and the report records where every row came from."""
     import numpy as np
 
-    from curvlab.analysis.checkpoints import open_checkpoint
+    from curvlab.analysis.targets import open_checkpoint
     from curvlab.data.shards import TokenData
     from curvlab.engine.loss import make_loss_fn
     from curvlab.optim.optimizers import next_update
@@ -412,7 +413,7 @@ def test_spectrum_command(runs, tmp_path):
 def test_more_validation_batches_than_the_run_evaluates(runs):
     """--batch val --batches 5 on a run that validates on 2 batches: the next windows of the same
     validation stream, the run's own first; never silently fewer than asked."""
-    from curvlab.analysis.checkpoints import evaluation_batches, open_checkpoint
+    from curvlab.analysis.targets import evaluation_batches, open_checkpoint
 
     ckpt = runs / "muon" / "ckpt_000008.pt"
     own = open_checkpoint(ckpt).val_batches

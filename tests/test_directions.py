@@ -9,19 +9,15 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from curvlab.analysis.checkpoints import (
-    AnalysisSettings,
-    CurvatureReport,
-    DirectionReport,
-    analyze_checkpoint,
-    open_checkpoint,
-)
+from curvlab.analysis.direction_report import DirectionReport
 from curvlab.analysis.directions import (
     DirectionLandscape,
     counterfactual_directions,
     measure_directions,
     parse_directions,
 )
+from curvlab.analysis.report import CurvatureReport, analyze_checkpoint
+from curvlab.analysis.targets import AnalysisSettings, open_checkpoint
 from curvlab.cli import app
 from curvlab.curvature.taylor import nds
 from curvlab.engine import params as P

@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 from curvlab import make_loss_fn, taylor_split
-from curvlab.analysis.checkpoints import AnalysisSettings, checkpoint_spectrum
+from curvlab.analysis.spectrum import checkpoint_spectrum
+from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli import app
 from curvlab.curvature.spectral import SpectrumRequest
 from curvlab.optim.optimizers import Muon

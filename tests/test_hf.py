@@ -454,7 +454,7 @@ def test_trainer_checkpoint_is_read_as_the_trainer_left_it(trainer_run):
 def test_nds_command_on_a_trainer_checkpoint(trainer_run, tmp_path):
     from typer.testing import CliRunner
 
-    from curvlab.analysis.checkpoints import load_report
+    from curvlab.analysis.report import load_report
     from curvlab.cli import app
 
     runner = CliRunner()

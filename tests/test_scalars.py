@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from curvlab.analysis.checkpoints import AnalysisSettings, CurvatureReport, analyze_checkpoint, load_report
+from curvlab.analysis.report import CurvatureReport, analyze_checkpoint, load_report
+from curvlab.analysis.targets import AnalysisSettings
 from curvlab.curvature.scalars import SCALAR_KEYS, SCOPE_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
 from curvlab.runs.metrics import read_metrics, truncate_metrics

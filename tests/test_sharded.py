@@ -24,8 +24,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from typer.testing import CliRunner
 
 from curvlab import block_matrix, hvp, make_loss_fn, nds, quadratic_forms, taylor_split
-from curvlab.analysis.checkpoints import AnalysisSettings
 from curvlab.analysis.sharded import open_sharded_checkpoint
+from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli import app
 from curvlab.curvature.sharded_spectral import random_direction as sharded_random_direction
 from curvlab.curvature.sharded_spectral import sharded_hutchinson, sharded_lanczos

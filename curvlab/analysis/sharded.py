@@ -2,7 +2,7 @@
 
 :func:`open_sharded_checkpoint` rebuilds the run of a checkpoint written by :mod:`curvlab.runs.dcp`, under
 the world size that wrote it, with its model sharded by FSDP2 and its optimizer state on the sharded
-parameters, as the :class:`~curvlab.analysis.checkpoints.Target` the analysis takes; the report equals the
+parameters, as the :class:`~curvlab.analysis.targets.Target` the analysis takes; the report equals the
 unsharded run's.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from curvlab.analysis.checkpoints import AnalysisSettings, CurvatureReport, Target, analysis_config, analyze, run_target
+from curvlab.analysis.report import CurvatureReport, analyze
+from curvlab.analysis.targets import AnalysisSettings, Target, analysis_config, run_target
 from curvlab.errors import CurvlabError
 from curvlab.runs.dcp import check_shapes, load_sharded_into, read_meta, shard_run
 from curvlab.runs.train import build_run
@@ -40,7 +41,7 @@ def open_sharded_checkpoint(
 def analyze_sharded_checkpoint(
     path: str | Path, settings: AnalysisSettings | None = None, data: str | Path | None = None, device: str = "cpu"
 ) -> CurvatureReport:
-    """:func:`~curvlab.analysis.checkpoints.analyze` of a sharded checkpoint's next step, on every rank (the
+    """:func:`~curvlab.analysis.report.analyze` of a sharded checkpoint's next step, on every rank (the
     curvature of its sharded parameters, see :mod:`curvlab.engine._gathered`)."""
     settings = settings or AnalysisSettings()
     settings.validate()

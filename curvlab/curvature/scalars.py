@@ -1,6 +1,6 @@
 r"""The per-checkpoint scalars that the studies aggregate (:class:`CheckpointScalars`), and their names.
 
-One record per analysed checkpoint (a curvature report, :meth:`curvlab.analysis.checkpoints.CurvatureReport.scalars`)
+One record per analysed checkpoint (a curvature report, :meth:`curvlab.analysis.report.CurvatureReport.scalars`)
 or per monitored step (:meth:`curvlab.runs.monitor.MonitorRow.scalars`): the Taylor split of the step over
 all parameters and over the hidden matrices, the layer-block decomposition, the Taylor check and, with
 a shadow state, the paired directions. Window means, track rows and the headline read these.

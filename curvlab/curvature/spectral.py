@@ -566,9 +566,9 @@ class PreconditionedSharpness:
 
 @dataclass(frozen=True, kw_only=True)
 class SpectrumRequest:
-    """Which parts of a checkpoint's Hessian spectrum :func:`curvlab.analysis.checkpoints.checkpoint_spectrum`
+    """Which parts of a checkpoint's Hessian spectrum :func:`curvlab.analysis.spectrum.checkpoint_spectrum`
     computes (``curvlab spectrum``'s options; the batches, dtype and HVP method are its
-    :class:`curvlab.analysis.checkpoints.AnalysisSettings`).
+    :class:`curvlab.analysis.targets.AnalysisSettings`).
 
     Attributes:
         top, bottom: how many of the largest and smallest eigenvalues (Lanczos; 0: none).
@@ -605,7 +605,7 @@ def _maybe(x: Any) -> Any:
 
 @dataclass(frozen=True)
 class CheckpointSpectrum:
-    """The Hessian spectrum at one checkpoint (:func:`curvlab.analysis.checkpoints.checkpoint_spectrum`); every
+    """The Hessian spectrum at one checkpoint (:func:`curvlab.analysis.spectrum.checkpoint_spectrum`); every
     part is ``None`` when it wasn't asked for. JSON: ``SPECTRUM_SCHEMA_VERSION``."""
 
     SCHEMA_VERSION: ClassVar[int] = SPECTRUM_SCHEMA_VERSION

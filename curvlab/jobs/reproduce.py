@@ -41,7 +41,8 @@ from typing import Any, ClassVar
 import numpy as np
 from scipy.stats import t as t_dist
 
-from curvlab.analysis.checkpoints import AnalysisSettings, load_report
+from curvlab.analysis.report import load_report
+from curvlab.analysis.targets import AnalysisSettings
 from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
 from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError

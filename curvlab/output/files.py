@@ -1,6 +1,6 @@
 """The files ``curvlab spectrum`` and ``curvlab quadratic`` write: each one's record (schema-versioned
 JSON, written atomically) and its figures. The other commands' studies write their own
-(:func:`curvlab.studies.compare.compare_runs`, :meth:`curvlab.analysis.checkpoints.CurvatureReport.save`, ...).
+(:func:`curvlab.studies.compare.compare_runs`, :meth:`curvlab.analysis.report.CurvatureReport.save`, ...).
 
 Under torch.distributed only rank 0 writes; every function returns the paths written (none on the
 other ranks).

@@ -1,6 +1,6 @@
 """Figures, drawn from saved results only (never recomputing curvature); each saved as PNG and PDF.
 
-Every function takes what curvlab writes, as its typed records (:class:`~curvlab.analysis.checkpoints.CurvatureReport`,
+Every function takes what curvlab writes, as its typed records (:class:`~curvlab.analysis.report.CurvatureReport`,
 :class:`~curvlab.studies.compare.Comparison`, :class:`~curvlab.curvature.scalars.CheckpointScalars` rows, the results of
 :mod:`curvlab.studies.results`) or, for the tuning and quadratic results, their JSON, and a path stem; it draws
 them, computing nothing, and returns the paths written.
@@ -19,7 +19,7 @@ matplotlib.use("Agg")  # headless: figures go to files
 import matplotlib.pyplot as plt
 import numpy as np
 
-from curvlab.analysis.checkpoints import CurvatureReport
+from curvlab.analysis.report import CurvatureReport
 from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.studies.compare import pair_reports, within_layer_gap
 from curvlab.studies.paper import CLAIMS

@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from curvlab.runs import hf
-from curvlab.util.atomic import atomic_open, atomic_write_text
 from curvlab.errors import CurvlabError
 from curvlab.models.nanogpt import is_nanogpt_checkpoint
+from curvlab.runs import hf
+from curvlab.util.atomic import atomic_open, atomic_write_text
 
 FORMAT = "curvlab-checkpoint"
 CHECKPOINT_VERSION = 1

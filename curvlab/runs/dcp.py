@@ -32,11 +32,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from curvlab.util.distributed import barrier, rank_and_world
 from curvlab.engine._dtensors import require_process_group
 from curvlab.errors import CurvlabError
 from curvlab.optim.build import build_optimizer
 from curvlab.runs.train import Run, TrainConfig, build_run, lr_multiplier, restore
+from curvlab.util.distributed import barrier, rank_and_world
 
 FORMAT = "curvlab-dcp"
 SCHEMA_VERSION = 1

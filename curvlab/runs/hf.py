@@ -46,7 +46,7 @@ class TrainerCheckpoint:
     """A Trainer checkpoint directory, read.
 
     Attributes:
-        model: the model, in eval mode (dropout off: see :func:`curvlab.analysis.checkpoints.analyze`).
+        model: the model, in eval mode (dropout off: see :func:`curvlab.analysis.report.analyze`).
         optimizer_state: ``optimizer.pt``'s state dict.
         scheduler_state: ``scheduler.pt``'s state dict, or ``None`` without one.
         step: ``global_step`` from ``trainer_state.json``.

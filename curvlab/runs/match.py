@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from curvlab.runs.checkpoint import read_index
 from curvlab.errors import CurvlabError
+from curvlab.runs.checkpoint import read_index
 from curvlab.runs.train import TrainConfig, lr_multiplier, schedule_phase
 
 PHASES = ("stable", "multiplier", "any")

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from curvlab.util.atomic import atomic_write_text
 from curvlab.runs.monitor import ROW_KIND
+from curvlab.util.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 

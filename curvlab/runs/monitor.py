@@ -53,15 +53,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from curvlab.engine import params as P
 from curvlab.curvature.groupings import GROUPINGS, group_parameters, hidden_matrices
+from curvlab.curvature.scalars import NAN_SCOPE, CheckpointScalars, layer_blocks_split, taylor_error, taylor_holds
 from curvlab.curvature.taylor import TaylorScope, taylor_split, taylor_split_and_block_matrix
-from curvlab.errors import CurvlabError
+from curvlab.engine import params as P
 from curvlab.engine.exact import exact_second_order
 from curvlab.engine.hvp import working_dtype
 from curvlab.engine.loss import LossFn, count_loss_terms, make_loss_fn, weighted_batches
+from curvlab.errors import CurvlabError
 from curvlab.optim.optimizers import Optimizers, next_update
-from curvlab.curvature.scalars import NAN_SCOPE, CheckpointScalars, layer_blocks_split, taylor_error, taylor_holds
 
 MONITOR_SCHEMA_VERSION = 1
 ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training rows have none

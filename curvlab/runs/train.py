@@ -27,18 +27,18 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from curvlab.util.atomic import atomic_write_text
-from curvlab.runs.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
 from curvlab.data.shards import TokenData, TrainBatches, data_vocab_size, validation_batches
-from curvlab.util.distributed import all_reduce_sum, barrier, device_for_rank, my_share, rank_and_world
-from curvlab.errors import CurvlabError
 from curvlab.engine.loss import count_loss_terms, token_cross_entropy
-from curvlab.runs.metrics import METRICS_FILE, truncate_metrics
+from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
-from curvlab.runs.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
 from curvlab.optim.build import build_optimizer
-from curvlab.util.progress import progress as progress_bar
 from curvlab.optim.shadow import ShadowState, build_shadow
+from curvlab.runs.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
+from curvlab.runs.metrics import METRICS_FILE, truncate_metrics
+from curvlab.runs.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
+from curvlab.util.atomic import atomic_write_text
+from curvlab.util.distributed import all_reduce_sum, barrier, device_for_rank, my_share, rank_and_world
+from curvlab.util.progress import progress as progress_bar
 
 SCHEDULES = ("cosine", "wsd", "constant")
 # Fields that may change between a run and its resumption: they don't change the math of a step.

@@ -21,15 +21,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from curvlab.analysis.checkpoints import (
-    AnalysisSettings,
-    CurvatureReport,
-    cached_report,
-    load_report,
-    report_cache_path,
-)
 from curvlab.analysis.directions import PAIRED, SCOPES, DirectionLandscape
+from curvlab.analysis.report import CurvatureReport, cached_report, load_report, report_cache_path
 from curvlab.analysis.sharded import analyze_sharded_checkpoint
+from curvlab.analysis.targets import AnalysisSettings
 from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
 from curvlab.runs.checkpoint import read_index
@@ -295,7 +290,7 @@ class Comparison:
 
 def _analyzer(fsdp: bool) -> Callable | None:
     """The analysis of one checkpoint: sharded (a DCP directory, every rank under torchrun), or
-    ``None`` for :func:`~curvlab.analysis.checkpoints.cached_report`'s own (the unsharded one)."""
+    ``None`` for :func:`~curvlab.analysis.report.cached_report`'s own (the unsharded one)."""
     return analyze_sharded_checkpoint if fsdp else None
 
 

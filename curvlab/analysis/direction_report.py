@@ -1,0 +1,127 @@
+"""The paired-direction report of one checkpoint (``curvlab nds --directions``): the NDS, alignment and
+q = cos^2 / NDS of several optimizers' next directions at the same W, batch and H
+(:mod:`curvlab.analysis.directions` holds the measurement itself).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from curvlab.analysis.directions import PairedDirections, directions_table, paired_directions, parse_directions
+from curvlab.analysis.targets import DTYPES, AnalysisSettings, Target, evaluation_batches, open_checkpoint
+from curvlab.engine.loss import make_loss_fn
+from curvlab.errors import CurvlabError
+from curvlab.optim.optimizers import next_update
+from curvlab.util.atomic import atomic_write_text
+
+DIRECTIONS_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DirectionReport:
+    """Counterfactual directions at one checkpoint (``curvlab nds CKPT --directions ...``): each
+    direction's NDS, cos(G, Z) and q over all parameters and the hidden matrices, at the same W, on the
+    same batch D, under the same H (:mod:`curvlab.analysis.directions`).
+
+    JSON (``DIRECTIONS_SCHEMA_VERSION`` = 1)::
+
+        schema_version, checkpoint, step, val_loss (or null), optimizer, settings{...}, paired{base, real, multiplier,
+        hidden_names, shadow (its settings, or null), directions[{name, source, scaling, all{nds,
+        first_order, curvature_penalty, update_norm, grad_norm, cosine, q}, hidden{...}}]}, seconds
+    """
+
+    checkpoint: str
+    step: int
+    val_loss: float
+    optimizer: str
+    settings: AnalysisSettings
+    paired: PairedDirections
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": DIRECTIONS_SCHEMA_VERSION,
+            "checkpoint": self.checkpoint,
+            "step": self.step,
+            "val_loss": self.val_loss if math.isfinite(self.val_loss) else None,  # (strict JSON: no NaN)
+            "optimizer": self.optimizer,
+            "settings": asdict(self.settings),
+            "paired": self.paired.to_dict(),
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DirectionReport:
+        if d.get("schema_version") != DIRECTIONS_SCHEMA_VERSION:
+            raise CurvlabError(f"directions schema {d.get('schema_version')} is not {DIRECTIONS_SCHEMA_VERSION}")
+        return cls(
+            d["checkpoint"],
+            d["step"],
+            math.nan if d["val_loss"] is None else d["val_loss"],
+            d["optimizer"],
+            AnalysisSettings(**d["settings"]),
+            PairedDirections.from_dict(d["paired"]),
+            d["seconds"],
+        )
+
+    def text(self) -> str:
+        """The report as printed: a header line and :func:`~curvlab.analysis.directions.directions_table`."""
+        val = f"{self.val_loss:.4f}" if math.isfinite(self.val_loss) else "none recorded"
+        head = f"{self.checkpoint}: step {self.step}, optimizer {self.optimizer}, val loss {val}"
+        return head + "\n" + directions_table(self.paired)
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+
+
+def analyze_directions(target: Target, names, settings: AnalysisSettings, checkpoint: str = "") -> DirectionReport:
+    """The directions ``names`` (``"adamw,muon,sgd,sign"`` or a list; :data:`curvlab.analysis.directions.DIRECTIONS`)
+    at ``target``'s W, with G and H on the evaluation batch D of ``settings``, and the real step and the
+    optimizer state from the next step's batch, as :func:`analyze` takes them (dropout off).
+
+    Raises:
+        CurvlabError: an unknown direction, a state the directions can't be formed from (see
+            :func:`curvlab.analysis.directions.counterfactual_directions`), bad settings.
+    """
+    settings.validate()
+    names = parse_directions(names)
+    start = time.perf_counter()
+    model = target.model
+    model.eval()  # dropout off, as in analyze
+    loss_fn = make_loss_fn(model)
+    G, Z = next_update(model, target.optimizer, loss_fn, target.train_batches[0], max_grad_norm=target.grad_clip)
+    D = evaluation_batches(target, settings)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    paired = paired_directions(
+        model, target.optimizer, loss_fn, params, D, G, Z, names, target.shadow, DTYPES[settings.dtype],
+        settings.hvp_method,
+    )  # fmt: skip
+    return DirectionReport(
+        checkpoint,
+        target.step,
+        target.val_loss,
+        target.optimizer_name,
+        settings,
+        paired,
+        time.perf_counter() - start,
+    )
+
+
+def checkpoint_directions(
+    path: str | Path,
+    names,
+    settings: AnalysisSettings | None = None,
+    data: str | Path | None = None,
+    device: str = "cpu",
+) -> DirectionReport:
+    """Open a checkpoint (any format :func:`open_checkpoint` reads) and compare the directions ``names``
+    at it (see :func:`analyze_directions`)."""
+    settings = settings or AnalysisSettings()
+    settings.validate()
+    names = parse_directions(names)  # (bad names fail before the checkpoint is opened)
+    return analyze_directions(open_checkpoint(path, data, device, settings.batches), names, settings, str(path))

@@ -1,0 +1,330 @@
+"""From a checkpoint to a curvature report: the next update Z, its Taylor split and block matrix.
+
+For one checkpoint (curvlab's, nanoGPT's ``ckpt.pt``, or a Hugging Face Trainer directory): rebuild
+model, optimizer and data position; take the batch the run would train on next; compute the gradient
+and the next update Z with :func:`~curvlab.optim.optimizers.next_update` (the real step: schedule, momentum,
+gradient accumulation, clipping and weight decay included); then, on the evaluation batch D (the same
+next batch by default, or fixed validation windows), the Taylor split over all parameters and over
+the hidden matrices, and the block interaction matrix. Nothing is written to the checkpoint.
+
+Two choices, stated because they differ from a literal replay of the run:
+
+* Dropout is off for Z, as it is for G and H (curvature is taken on the deterministic loss), so Z is
+  the step from the dropout-free gradient and is the same on every run. With dropout 0 it is the
+  run's own next step, bit for bit.
+* nanoGPT and the Trainer don't save their data sampler, so their next batch is curvlab's own draw
+  from ``--data``, seeded with the checkpoint's step; the report's ``next_batch`` records the seed
+  and the (shard, offset) of every row. A curvlab checkpoint resumes its own loader.
+
+Report JSON (``REPORT_SCHEMA_VERSION`` = 3)::
+
+    schema_version, checkpoint, step, val_loss (null where the checkpoint has none), optimizer,
+    settings{blocks, batch, batches, dtype, block_method, hvp_method, spectrum_top}, loss, nds,
+    first_order, curvature_penalty, predicted, realized, update_norm, grad_norm, cosine,
+    hidden{the same eight, over the hidden 2-D matrices, or null}, blocks{grouping, names, matrix,
+    within, cross, nds (the total, = sum(matrix)), rho_within, first_order[], norm[], block_nds[] (each
+    block's own NDS), asymmetry, members}, spectrum, next_batch{source, seed, micro_batches, rows},
+    paired (or null), timing{seconds, hvp_seconds}
+
+``paired``: at a checkpoint whose run keeps a shadow state of the other arm (:mod:`curvlab.optim.shadow`),
+the AdamW and Muon directions at the same W, on the same batch D, under the same H
+(:class:`curvlab.analysis.directions.PairedDirections`: the run's real step and the shadow's step, each with
+NDS, cos(G, Z) and q = cos²/NDS over all parameters and the hidden matrices); null without a shadow.
+
+Identities that always hold: sum(blocks.matrix) = blocks.nds = nds, within + cross = nds,
+predicted = first_order - curvature_penalty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from curvlab.analysis.directions import PAIRED, PairedDirections, paired_directions
+from curvlab.analysis.targets import (
+    DTYPES,
+    REPORT_SCHEMA_VERSION,
+    AnalysisSettings,
+    BatchDraw,
+    Target,
+    evaluation_batches,
+    open_checkpoint,
+)
+from curvlab.curvature.scalars import (
+    NAN_SCOPE,
+    CheckpointScalars,
+    embed_head_share,
+    layer_blocks_split,
+    taylor_error,
+    taylor_holds,
+)
+from curvlab.curvature.spectral import (
+    UpdateSpectrum,
+    hutchinson,
+    lanczos,
+    overlap_with,
+)
+from curvlab.curvature.taylor import (
+    BlockMatrix,
+    TaylorScope,
+    TaylorSplit,
+    block_matrix,
+    taylor_split,
+    taylor_split_and_block_matrix,
+)
+from curvlab.engine import params as P
+from curvlab.engine.hvp import DEFAULT_METHOD
+from curvlab.engine.loss import ModuleLoss, make_loss_fn
+from curvlab.engine.operator import hessian_operator
+from curvlab.errors import CurvlabError
+from curvlab.optim.optimizers import next_update
+from curvlab.runs.dcp import META as SHARDED_META
+from curvlab.util.atomic import atomic_write_text
+from curvlab.util.distributed import from_main, is_distributed, is_main
+
+
+@dataclass(frozen=True)
+class CurvatureReport:
+    """The curvature of one checkpoint's next step (see the module docstring for the JSON)."""
+
+    checkpoint: str
+    step: int
+    val_loss: float
+    optimizer: str
+    settings: AnalysisSettings
+    split: TaylorSplit
+    blocks: BlockMatrix
+    seconds: float
+    hvp_seconds: float
+    spectrum: UpdateSpectrum | None = None
+    next_batch: BatchDraw | None = None
+    paired: PairedDirections | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        split = self.split.to_dict()
+        hidden = split.pop("subset")
+        names = split.pop("subset_names")
+        return {
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "checkpoint": self.checkpoint,
+            "step": self.step,
+            # nanoGPT and Trainer checkpoints record no validation loss: null, not NaN (strict JSON)
+            "val_loss": self.val_loss if math.isfinite(self.val_loss) else None,
+            "optimizer": self.optimizer,
+            "settings": asdict(self.settings),
+            **split,
+            "hidden": None if hidden is None else {**hidden, "names": names},
+            "blocks": {"grouping": self.settings.blocks, **self.blocks.to_dict()},
+            "spectrum": None if self.spectrum is None else self.spectrum.to_dict(),
+            "next_batch": None if self.next_batch is None else self.next_batch.to_dict(),
+            "paired": None if self.paired is None else self.paired.to_dict(),
+            "timing": {"seconds": self.seconds, "hvp_seconds": self.hvp_seconds},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CurvatureReport:
+        """The report of :meth:`to_dict`'s JSON (see :meth:`UpdateSpectrum.from_dict
+        <curvlab.curvature.spectral.UpdateSpectrum.from_dict>` for what a saved spectrum keeps).
+
+        Raises:
+            CurvlabError: another schema version.
+        """
+        if d.get("schema_version") != REPORT_SCHEMA_VERSION:
+            raise CurvlabError(f"report schema {d.get('schema_version')} is not {REPORT_SCHEMA_VERSION}")
+        hidden = d["hidden"]
+        split = TaylorSplit.from_dict(
+            {**d, "subset": hidden, "subset_names": () if hidden is None else hidden["names"]}
+        )
+        blocks = {k: v for k, v in d["blocks"].items() if k != "grouping"}
+        return cls(
+            checkpoint=d["checkpoint"],
+            step=d["step"],
+            val_loss=math.nan if d["val_loss"] is None else d["val_loss"],
+            optimizer=d["optimizer"],
+            settings=AnalysisSettings(**d["settings"]),
+            split=split,
+            blocks=BlockMatrix.from_dict(blocks),
+            seconds=d["timing"]["seconds"],
+            hvp_seconds=d["timing"]["hvp_seconds"],
+            spectrum=None if d["spectrum"] is None else UpdateSpectrum.from_dict(d["spectrum"], split.nds),
+            next_batch=None if d["next_batch"] is None else BatchDraw.from_dict(d["next_batch"]),
+            paired=None if d.get("paired") is None else PairedDirections.from_dict(d["paired"]),
+        )
+
+    def scalars(self) -> CheckpointScalars:
+        """The scalars that tables, figures and aggregates use (both scopes; the paired directions'
+        where the run keeps a shadow state, :mod:`curvlab.analysis.directions`): both arms' directions at this
+        checkpoint's W, on its batch, under its H."""
+        split = self.split
+        within_layers, nds_layers = layer_blocks_split(self.blocks.names, self.blocks.matrix)
+        return CheckpointScalars(
+            step=self.step,
+            val_loss=self.val_loss,
+            all=TaylorScope.from_dict(split.to_dict()),
+            hidden=NAN_SCOPE if split.subset is None else split.subset,
+            within=self.blocks.within,
+            cross=self.blocks.cross,
+            rho_within=self.blocks.rho_within,
+            within_layers=within_layers,
+            nds_layers=nds_layers,
+            embed_head_share=embed_head_share(self.blocks, self.settings.blocks, split.update_norm),
+            taylor_error=taylor_error(split),
+            taylor_ok=taylor_holds(split),
+            paired={} if self.paired is None else self.paired.scalars(),
+        )
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+
+
+def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") -> CurvatureReport:
+    """The curvature report of ``target``'s next step."""
+    settings.validate()
+    start = time.perf_counter()
+    model = target.model
+    # Dropout off, for Z as for G and H (which the curvature functions take without it): the step is
+    # the one the optimizer takes from the deterministic gradient, the same on every run.
+    model.eval()
+    loss_fn: ModuleLoss = make_loss_fn(model)
+    step_batch = target.train_batches[0]  # (a list of micro-batches when the run accumulates gradients)
+    G, Z = next_update(model, target.optimizer, loss_fn, step_batch, max_grad_norm=target.grad_clip)
+    D = evaluation_batches(target, settings)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    dtype = DTYPES[settings.dtype]
+    hvp_start = time.perf_counter()
+    method = settings.hvp_method
+    if settings.block_method == "hvp":  # one point and one set of HVPs serve both
+        split, blocks = taylor_split_and_block_matrix(
+            loss_fn, params, D, Z, settings.blocks, dtype=dtype, method=method
+        )
+    else:
+        split = taylor_split(loss_fn, params, D, Z, dtype=dtype, method=method)
+        blocks = block_matrix(
+            loss_fn, params, D, Z, blocks=settings.blocks, via=settings.block_method, dtype=dtype, method=method
+        )
+    spectrum = None
+    if settings.spectrum_top:
+        spectrum = update_spectrum(loss_fn, params, D, Z, split.nds, settings.spectrum_top, dtype)
+    paired = None
+    if settings.paired and target.shadow is not None:
+        paired = paired_directions(
+            model, target.optimizer, loss_fn, params, D, G, Z, PAIRED, target.shadow, dtype, method
+        )
+    hvp_seconds = time.perf_counter() - hvp_start
+    return CurvatureReport(
+        checkpoint=checkpoint,
+        step=target.step,
+        val_loss=target.val_loss,
+        optimizer=target.optimizer_name,
+        settings=settings,
+        split=split,
+        blocks=blocks,
+        seconds=time.perf_counter() - start,
+        hvp_seconds=hvp_seconds,
+        spectrum=spectrum,
+        next_batch=target.draw,
+        paired=paired,
+    )
+
+
+def update_spectrum(
+    loss_fn,
+    params,
+    batch,
+    Z,
+    nds: float,
+    k: int,
+    dtype: torch.dtype,
+    trace_samples: int = 32,
+    method: str = DEFAULT_METHOD,
+    memory: int | None = None,
+) -> UpdateSpectrum:
+    r"""λ_max and the top-k eigenpairs of H (Lanczos, its basis within ``memory`` bytes), the share of
+    :math:`\|Z\|^2` in their span, and the trace (Hutchinson): is NDS low because the landscape is flat, or
+    because Z steers around the sharp directions? Checks NDS <= λ_max (a Rayleigh quotient can't exceed it)."""
+    op = hessian_operator(loss_fn, params, batch, dtype=dtype, method=method)
+    top = lanczos(op, k=k, max_iter=max(60, 4 * k), tol=1e-4, memory=memory)
+    lam = float(top.eigenvalues[0])
+    slack = 1e-4 * abs(lam) + float(top.residuals.max())
+    if top.converged and nds > lam + slack:
+        raise RuntimeError(f"NDS {nds:.6g} exceeds λ_max {lam:.6g}: the HVPs or the update are inconsistent")
+    trace = hutchinson(op, samples=trace_samples)
+    overlap = overlap_with(top.eigenvectors, P.flatten({n: Z[n] for n in params}))
+    return UpdateSpectrum(top, trace, overlap, nds, op.dim)
+
+
+def analyze_checkpoint(
+    path: str | Path, settings: AnalysisSettings | None = None, data: str | Path | None = None, device: str = "cpu"
+) -> CurvatureReport:
+    """Open a checkpoint and analyse its next step (see :func:`analyze`)."""
+    settings = settings or AnalysisSettings()
+    settings.validate()
+    return analyze(open_checkpoint(path, data, device, settings.batches), settings, str(path))
+
+
+def load_report(path: str | Path) -> CurvatureReport:
+    """A saved report, checked for its schema version; an unreadable or malformed file is a one-line
+    ``CurvlabError``."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CurvlabError(f"{path}: unreadable report ({e})") from e
+    try:
+        return CurvatureReport.from_dict(d)
+    except CurvlabError as e:
+        raise CurvlabError(f"{path}: {e}") from e
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CurvlabError(f"{path}: malformed report ({type(e).__name__}: {e})") from e
+
+
+def report_cache_path(cache_dir: str | Path, checkpoint: str | Path, settings: AnalysisSettings) -> Path:
+    """Where the report of ``checkpoint`` under ``settings`` is cached: the name hashes the settings
+    and the checkpoint file's identity (path, size, modification time; of a sharded checkpoint
+    directory, those of its ``curvlab.pt``, which its writer puts last).
+
+    A sharded analysis of a checkpoint gives the same report as the unsharded one (to rounding), so
+    the key doesn't say which of the two made it."""
+    checkpoint = Path(checkpoint).resolve()
+    stamped = checkpoint / SHARDED_META if (checkpoint / SHARDED_META).is_file() else checkpoint
+    stat = stamped.stat() if stamped.is_file() else None
+    ident = f"{checkpoint}:{stat.st_size if stat else 0}:{stat.st_mtime_ns if stat else 0}"
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:8]
+    return Path(cache_dir) / f"{checkpoint.parent.name}-{checkpoint.stem}-{settings.key()}-{digest}.json"
+
+
+def cached_report(
+    cache_dir: str | Path,
+    checkpoint: str | Path,
+    settings: AnalysisSettings,
+    data=None,
+    device="cpu",
+    analyze_fn: Callable[..., CurvatureReport] | None = None,
+) -> CurvatureReport:
+    """The report of ``checkpoint`` under ``settings``: read from ``cache_dir`` when it was made
+    before, else computed by ``analyze_fn`` (default :func:`analyze_checkpoint`; the sharded
+    analysis passes its own) and saved there (see :func:`report_cache_path`).
+
+    Under torch.distributed rank 0 decides whether the report is cached and hands the cached one to
+    the others: every rank then analyses, or none does (a rank that saw rank 0's fresh file while
+    another didn't would leave it alone in the analysis's collectives)."""
+    analyze_fn = analyze_fn or analyze_checkpoint
+    path = report_cache_path(cache_dir, checkpoint, settings)
+    if is_distributed():
+        cached = from_main(load_report(path) if is_main() and path.is_file() else None)
+        if cached is not None:
+            return cached
+    elif path.is_file():
+        return load_report(path)
+    report = analyze_fn(Path(checkpoint).resolve(), settings, data, device)
+    if is_main():  # under torch.distributed every rank computed it; one writes it
+        report.save(path)
+    return report

@@ -1,0 +1,226 @@
+"""What a curvature analysis reads: its settings, one checkpoint of any format as a :class:`Target`
+(curvlab's, nanoGPT's ``ckpt.pt``, a Hugging Face Trainer directory: model, optimizer, loader, next batch), and
+the evaluation batches D. The reports built from them are in :mod:`curvlab.analysis.report`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from curvlab.data.shards import TokenData, TrainBatches, validation_batches
+from curvlab.engine.hvp import check_method
+from curvlab.errors import CurvlabError
+from curvlab.models.nanogpt import load_nanogpt
+from curvlab.optim.shadow import ShadowState
+from curvlab.runs.checkpoint import check_device, read_checkpoint
+from curvlab.runs.hf import token_batch, trainer_optimizer
+from curvlab.runs.train import TrainConfig, build_run, restore
+
+REPORT_SCHEMA_VERSION = 3  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own; 3: paired
+BATCHES = ("train", "val")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class AnalysisSettings:
+    """How a checkpoint is analysed; two reports with equal settings are interchangeable."""
+
+    blocks: str = "layer"
+    batch: str = "train"
+    batches: int = 1  # train: the step's batch and the N - 1 after it; val: the first N validation batches
+    dtype: str = "float32"
+    block_method: str = "hvp"
+    hvp_method: str = "rev_rev"  # rev_rev (double backward) or fwd_rev (jvp of grad): equal to rounding
+    spectrum_top: int = 0  # > 0: also λ_max, the top-k eigenvalues, Z's overlap with them and the trace
+    paired: bool = True  # with a shadow state in the checkpoint: the AdamW and Muon directions at the same point
+
+    def validate(self) -> None:
+        if self.batch not in BATCHES:
+            raise CurvlabError(f"unknown --batch {self.batch!r}; choose train (the next step's batch) or val")
+        if self.dtype not in DTYPES:
+            raise CurvlabError(f"unknown dtype {self.dtype!r}; choose float32 or float64")
+        if self.batches < 1:
+            raise CurvlabError(f"batches must be >= 1, got {self.batches}")
+        if self.spectrum_top < 0:
+            raise CurvlabError(f"spectrum_top must be >= 0, got {self.spectrum_top}")
+        check_method(self.hvp_method)
+
+    def key(self) -> str:
+        """A short stable hash, for caching reports."""
+        text = json.dumps({**asdict(self), "schema": REPORT_SCHEMA_VERSION}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
+class BatchDraw:
+    """Where the next step's batch came from.
+
+    Attributes:
+        source: ``"checkpoint"`` (a curvlab checkpoint's own data loader, resumed: the batch the run
+            really trained on next) or ``"seeded draw"`` (nanoGPT and Hugging Face Trainer checkpoints
+            don't save their sampler, so curvlab draws the batch itself, with ``seed``).
+        seed: the seed of the draw (the checkpoint's step), or ``None``.
+        micro_batches: micro-batches accumulated into the step (``gradient_accumulation_steps``).
+        rows: ``[shard, offset]`` of every row of the step's micro-batches, in order (train shards
+            that hold a window, in file order), for a seeded draw.
+    """
+
+    source: str
+    seed: int | None = None
+    micro_batches: int = 1
+    rows: tuple[tuple[int, int], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rows": [list(r) for r in self.rows]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BatchDraw:
+        return cls(d["source"], d["seed"], d["micro_batches"], tuple(tuple(r) for r in d["rows"]))
+
+
+@dataclass
+class Target:
+    """What the analysis needs from a checkpoint, whoever wrote it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_batches: list  # one entry per step from the next one on: a batch, or a list of micro-batches
+    val_batches: list
+    grad_clip: float | None
+    step: int
+    val_loss: float
+    optimizer_name: str
+    draw: BatchDraw = BatchDraw("checkpoint")
+    shadow: ShadowState | None = None  # the run's shadow of the other arm, if it keeps one
+
+
+def open_checkpoint(path: str | Path, data: str | Path | None = None, device: str = "cpu", batches: int = 1) -> Target:
+    """Rebuild the model, optimizer and next batches of a curvlab, nanoGPT or Hugging Face Trainer
+    checkpoint (read by :func:`~curvlab.runs.checkpoint.read_checkpoint`, with its errors).
+
+    Args:
+        data: the data directory; default the one recorded in a curvlab checkpoint (required for
+            nanoGPT and Trainer checkpoints, which don't record where their data lie).
+        batches: how many steps' training batches to draw, from the next step's on, and how many
+            validation batches to provide at least (where the data hold them).
+    """
+    dev = check_device(device)
+    ckpt = read_checkpoint(path)
+    if ckpt.format == "curvlab":
+        return _curvlab_target(ckpt.path, ckpt.payload, data, device, batches)
+    if data is None:
+        raise CurvlabError(f"{ckpt.path}: a {ckpt.format} checkpoint doesn't record its data; pass --data DIR")
+    if ckpt.format == "nanogpt":
+        model, optimizer = load_nanogpt(ckpt.payload)
+        if optimizer is None:
+            raise CurvlabError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
+        model.to(dev)
+        optimizer.load_state_dict(optimizer.state_dict())  # (moves the moments to the parameters' device)
+        conf = ckpt.payload.get("config", {})
+        step = int(ckpt.payload.get("iter_num", 0))
+        micro = int(conf.get("gradient_accumulation_steps", 1))
+        train, val, draw = _seeded_draw(
+            data,
+            model.config.vocab_size,
+            int(conf.get("batch_size", 12)),
+            model.config.block_size,
+            step,
+            micro,
+            batches,
+            dev,
+        )
+        val_loss = float(ckpt.payload.get("best_val_loss", float("nan")))
+        return Target(model, optimizer, train, val, conf.get("grad_clip", 1.0) or None, step, val_loss, "adamw", draw)
+
+    hf = ckpt.payload
+    hf.model.to(dev)
+    optimizer = trainer_optimizer(hf)  # (its state lands on the parameters' device)
+    train, val, draw = _seeded_draw(
+        data, hf.model.config.vocab_size, hf.batch_size, hf.context - 1, hf.step, hf.accumulation_steps, batches, dev
+    )
+    train = [[token_batch(*b) for b in s] if isinstance(s, list) else token_batch(*s) for s in train]
+    val = [token_batch(*b) for b in val]
+    return Target(hf.model, optimizer, train, val, hf.max_grad_norm, hf.step, float("nan"), "adamw", draw)
+
+
+def analysis_config(path: Path, saved: dict, data, device: str, batches: int) -> TrainConfig:
+    """A curvlab run's config as saved, on ``device`` and (when given) other ``data``, with enough
+    validation windows for ``batches`` batches where the data hold them (the run's own come first)."""
+    fields = dict(saved)
+    if data is not None:
+        fields["data"] = str(data)
+    fields["device"] = device
+    cfg = TrainConfig.from_dict(fields)
+    cfg = replace(cfg, val_windows=max(cfg.val_windows, batches * cfg.batch_size))
+    if not Path(cfg.data).is_dir():
+        raise CurvlabError(f"{path}: its data directory {cfg.data} is gone; pass --data DIR")
+    return cfg
+
+
+def run_target(run, batches: int, val_loss: float) -> Target:
+    """A restored curvlab run (:class:`curvlab.runs.train.Run`) as an analysis target: its next ``batches``
+    training batches and its validation batches, on the run's device."""
+    return Target(
+        run.model,
+        run.optimizer,
+        [tuple(t.to(run.device) for t in run.loader.next()) for _ in range(batches)],
+        [tuple(t.to(run.device) for t in b) for b in run.val_batches],
+        run.cfg.grad_clip,
+        run.step,
+        val_loss,
+        run.cfg.optimizer,
+        shadow=run.shadow,
+    )
+
+
+def _curvlab_target(path: Path, ckpt: dict, data, device: str, batches: int) -> Target:
+    if not ckpt.get("optimizer"):  # (an empty "state" is fine: a step-0 optimizer has none yet)
+        raise CurvlabError(f"{path}: the checkpoint holds no optimizer state, so the next update can't be known")
+    run = build_run(analysis_config(path, ckpt["config"], data, device, batches))
+    restore(run, ckpt)
+    return run_target(run, batches, float(ckpt.get("val_loss", float("nan"))))
+
+
+def _seeded_draw(data, vocab_size: int, batch_size: int, seq_len: int, step: int, micro: int, steps: int, device):
+    """Training batches for ``steps`` steps of ``micro`` micro-batches, drawn from the data with the
+    checkpoint's step as seed (the sampler of nanoGPT and the Trainer isn't saved), and validation
+    batches: at least 64 windows, and enough for ``steps`` batches where the data hold them."""
+    if micro < 1:
+        raise CurvlabError(f"gradient_accumulation_steps must be >= 1, got {micro}")
+    tokens = TokenData.open(data, vocab_size)
+    loader = TrainBatches(tokens.train, batch_size, seq_len, seed=step)
+    train, rows = [], []
+    for k in range(steps):
+        step_batches = []
+        for _ in range(micro):
+            step_batches.append(tuple(t.to(device) for t in loader.next()))
+            if k == 0:
+                rows += loader.last_rows
+        train.append(step_batches if micro > 1 else step_batches[0])
+    val = validation_batches(tokens.val, batch_size, seq_len, max(64, steps * batch_size))
+    val = [tuple(t.to(device) for t in b) for b in val]
+    return train, val, BatchDraw("seeded draw", step, micro, tuple(rows))
+
+
+def evaluation_batches(target: Target, settings: AnalysisSettings):
+    """The batch D that G, H and the realized decrease are taken on: the next step's own batch (its
+    micro-batches, if it accumulates), the batches of the next ``batches`` steps, or the first
+    ``batches`` validation batches.
+
+    Raises:
+        CurvlabError: fewer batches than ``settings.batches`` exist (never silently fewer).
+    """
+    pool = target.train_batches if settings.batch == "train" else target.val_batches
+    if len(pool) < settings.batches:
+        raise CurvlabError(
+            f"--batches {settings.batches} asks for {settings.batches} {settings.batch} batches, "
+            f"but there are {len(pool)}"
+        )
+    chosen = [b for entry in pool[: settings.batches] for b in (entry if isinstance(entry, list) else [entry])]
+    return chosen[0] if len(chosen) == 1 else chosen
