@@ -30,7 +30,7 @@ def measure(rank: int, world: int, tmp: str, steps: int, result_path: str) -> No
             world_size=world,
             timeout=datetime.timedelta(seconds=60),
         )
-    import curvlab.optim.optimizers as optim
+    import curvlab.optim.muon as optim  # msign as Muon looks it up
     from curvlab.engine.loss import token_cross_entropy
     from curvlab.runs.train import TrainConfig, build_run
 

@@ -26,8 +26,9 @@ from curvlab.engine.loss import Batches, make_loss_fn, token_cross_entropy
 from curvlab.engine.operator import Operator, hessian_operator, preconditioned_operator
 from curvlab.models.roles import parameter_roles
 from curvlab.optim.build import build_optimizer
-from curvlab.optim.optimizers import next_update, trainable_parameters
+from curvlab.optim.model_optimizer import trainable_parameters
 from curvlab.optim.polar import msign
+from curvlab.optim.update import next_update
 from curvlab.runs.monitor import (
     CurvatureMonitor,
     MonitorRow,

@@ -25,8 +25,8 @@ from curvlab.engine.hvp import CurvaturePoint
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
 from curvlab.optim.build import build_optimizer
-from curvlab.optim.optimizers import next_update
 from curvlab.optim.shadow import ShadowSettings, ShadowState
+from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
 from curvlab.runs.match import MatchCriteria
 from curvlab.runs.train import TrainConfig, train

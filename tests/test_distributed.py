@@ -21,7 +21,7 @@ from curvlab.analysis.spectrum import checkpoint_spectrum
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli import app
 from curvlab.curvature.spectral import SpectrumRequest
-from curvlab.optim.optimizers import Muon
+from curvlab.optim.muon import Muon
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.train import TrainConfig, train
 from tests.conftest import SMALL_MODEL, random_direction

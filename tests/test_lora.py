@@ -15,7 +15,7 @@ from curvlab import block_matrix, build_optimizer, make_loss_fn, msign, next_upd
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.lora import AdaptedLayer, LoraMuon, PerFactorMuon, SMuon, adapter_blocks, lora_layers
-from curvlab.optim.optimizers import Muon, muon_scale
+from curvlab.optim.muon import Muon, muon_scale
 from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, POLAR_EXPRESS_NORMALIZATION, polar_express_coefficients
 from tests.reference import assert_same
 from tests.test_optim import batch_for, snapshot, train_step

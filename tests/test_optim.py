@@ -6,7 +6,8 @@ from torch import nn
 
 from curvlab import build_optimizer, make_loss_fn, msign, next_update
 from curvlab.models.gpt import GPT, get_config
-from curvlab.optim.optimizers import CombinedOptimizer, Muon, muon_scale
+from curvlab.optim.combined import CombinedOptimizer
+from curvlab.optim.muon import Muon, muon_scale
 from tests.reference import assert_same
 
 

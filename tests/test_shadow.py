@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from curvlab.cli import app
 from curvlab.errors import CurvlabError
-from curvlab.optim.optimizers import Muon
+from curvlab.optim.muon import Muon
 from curvlab.optim.shadow import ShadowSettings, ShadowState, build_shadow
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.train import TrainConfig, build_run, train

@@ -38,7 +38,7 @@ from curvlab.engine.operator import hessian_operator
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim.build import build_optimizer
-from curvlab.optim.optimizers import next_update
+from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.dcp import convert_to_sharded
 from curvlab.runs.match import MatchCriteria

@@ -16,7 +16,7 @@ from curvlab.analysis.directions import PairedDirections, directions_table, pair
 from curvlab.analysis.targets import DTYPES, AnalysisSettings, Target, evaluation_batches, open_checkpoint
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
-from curvlab.optim.optimizers import next_update
+from curvlab.optim.update import next_update
 from curvlab.util.atomic import atomic_write_text
 
 DIRECTIONS_SCHEMA_VERSION = 1

@@ -293,7 +293,7 @@ def counterfactual_directions(
 
     Args:
         G: the next step's gradient (clipped, as the optimizer sees it) and Z: the real next step,
-            both from :func:`~curvlab.optim.optimizers.next_update`.
+            both from :func:`~curvlab.optim.update.next_update`.
         shadow: the run's shadow state, if it has one (the exact other arm).
 
     Returns:

@@ -2,7 +2,7 @@
 
 For one checkpoint (curvlab's, nanoGPT's ``ckpt.pt``, or a Hugging Face Trainer directory): rebuild
 model, optimizer and data position; take the batch the run would train on next; compute the gradient
-and the next update Z with :func:`~curvlab.optim.optimizers.next_update` (the real step: schedule, momentum,
+and the next update Z with :func:`~curvlab.optim.update.next_update` (the real step: schedule, momentum,
 gradient accumulation, clipping and weight decay included); then, on the evaluation batch D (the same
 next batch by default, or fixed validation windows), the Taylor split over all parameters and over
 the hidden matrices, and the block interaction matrix. Nothing is written to the checkpoint.
@@ -85,7 +85,7 @@ from curvlab.engine.hvp import DEFAULT_METHOD
 from curvlab.engine.loss import ModuleLoss, make_loss_fn
 from curvlab.engine.operator import hessian_operator
 from curvlab.errors import CurvlabError
-from curvlab.optim.optimizers import next_update
+from curvlab.optim.update import next_update
 from curvlab.runs.dcp import META as SHARDED_META
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.distributed import from_main, is_distributed, is_main

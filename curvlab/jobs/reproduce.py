@@ -49,7 +49,8 @@ from curvlab.errors import CurvlabError
 from curvlab.jobs.finetune import Finetune, with_preset
 from curvlab.jobs.job import Job
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
-from curvlab.optim.optimizers import default_muon_rule, matrix_shape, muon_scale
+from curvlab.optim.model_optimizer import default_muon_rule
+from curvlab.optim.muon import matrix_shape, muon_scale
 from curvlab.output import plots
 from curvlab.output import text as report
 from curvlab.output.files import read_quadratic, write_quadratic

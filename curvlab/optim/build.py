@@ -1,8 +1,8 @@
 """The optimizer factory: a name gives one torch optimizer for a model.
 
-Full-model optimizers (Muon with its AdamW side, AdamW, SGD, Lion) come from :mod:`curvlab.optim.optimizers`; the
+Full-model optimizers (Muon with its AdamW side, AdamW, SGD, Lion) come from :mod:`curvlab.optim.model_optimizer`; the
 optimizers of a peft LoRA model's factors (sMuon, LoRA-Muon, per-factor Muon) from :mod:`curvlab.optim.lora`,
-which builds on :mod:`curvlab.optim.optimizers`. This module sits above both, so that neither imports the other.
+which builds on :mod:`curvlab.optim.model_optimizer`. This module sits above both, so that neither imports the other.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from curvlab.errors import CurvlabError
 from curvlab.optim.lora import build_lora_optimizer
-from curvlab.optim.optimizers import LORA_OPTIMIZERS, build_model_optimizer
+from curvlab.optim.model_optimizer import LORA_OPTIMIZERS, build_model_optimizer
 
 
 def build_optimizer(
@@ -27,7 +27,7 @@ def build_optimizer(
     """One torch optimizer for ``model`` by name.
 
     ``"muon"``, ``"adamw"``, ``"sgd"`` and ``"lion"`` train every trainable parameter
-    (:func:`curvlab.optim.optimizers.build_model_optimizer`: defaults, options and ``muon_rule`` there);
+    (:func:`curvlab.optim.model_optimizer.build_model_optimizer`: defaults, options and ``muon_rule`` there);
     ``"smuon"``, ``"lora-muon"`` and ``"per-factor-muon"`` train the factors of a peft LoRA model
     (:func:`curvlab.optim.lora.build_lora_optimizer`), and ``"adamw"`` on such a model is their baseline.
 

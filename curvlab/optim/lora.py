@@ -35,7 +35,7 @@ and on convolutions (the factors flattened to :math:`r\times(d_\text{in} k)` and
 
 Shared by the three: curvlab Muon's EMA momentum (:math:`m \leftarrow \mu m + (1-\mu) g`, Nesterov input
 :math:`g + \mu(m - g)`), a polar factor from :func:`curvlab.optim.polar.msign` (``"svd"``,
-``"newton_schulz"``, ``"polar_express"``), Muon's shape scale c (:func:`curvlab.optim.optimizers.muon_scale`) and
+``"newton_schulz"``, ``"polar_express"``), Muon's shape scale c (:func:`curvlab.optim.muon.muon_scale`) and
 *split* weight decay: with :math:`\kappa = \sqrt{1-\lambda\eta}` and :math:`\Delta A, \Delta B` the steps
 computed at the current factors,
 
@@ -67,14 +67,9 @@ import torch
 from torch import Tensor, nn
 
 from curvlab.errors import CurvlabError
-from curvlab.optim.optimizers import (
-    ADAM_SIDE_DEFAULTS,
-    LORA_OPTIMIZERS,
-    CombinedOptimizer,
-    _evaluate,
-    _reject_unknown,
-    muon_scale,
-)
+from curvlab.optim.combined import CombinedOptimizer
+from curvlab.optim.model_optimizer import ADAM_SIDE_DEFAULTS, LORA_OPTIMIZERS, _reject_unknown
+from curvlab.optim.muon import _evaluate, muon_scale
 from curvlab.optim.polar import METHODS as POLAR_METHODS
 from curvlab.optim.polar import msign
 
@@ -426,7 +421,7 @@ class SMuon(_AdapterOptimizer):
 
     so :math:`s(\Delta B\,A + B\,\Delta A) = -\eta\,c\,\operatorname{proj}_T(\Omega)`, with Muon's shape scale
     :math:`c = c(d_\text{out}, d_\text{in})` of the whole layer (``scale``,
-    :func:`~curvlab.optim.optimizers.muon_scale`):
+    :func:`~curvlab.optim.muon.muon_scale`):
     η means what it means for Muon on W, for any s. Then split weight decay (module docstring).
 
     Momentum transport. The buffers hold the factor gradients :math:`(sB^\top M, sMA^\top)` of a momentum
@@ -483,7 +478,7 @@ class PerFactorMuon(_AdapterOptimizer):
 
     s does not enter: the factors are treated as any weights, so the change of W,
     :math:`s(\Delta B\,A + B\,\Delta A)`, grows with s and the factors' norms. With ``weight_decay=0`` a
-    step equals :class:`curvlab.optim.optimizers.Muon`'s on the two factors; with decay, the split rule keeps λ's
+    step equals :class:`curvlab.optim.muon.Muon`'s on the two factors; with decay, the split rule keeps λ's
     meaning the same across the adapter optimizers (Muon would shrink the product by :math:`(1-\lambda\eta)^2`).
     """
 
@@ -502,12 +497,12 @@ def build_lora_optimizer(name: str, model: nn.Module, **hyperparameters: Any) ->
 
     The factors of every trainable LoRA layer go to it; any other trainable parameter (``modules_to_save``
     copies, LoRA biases) to ``torch.optim.AdamW``, the two combined in a
-    :class:`~curvlab.optim.optimizers.CombinedOptimizer` (only when there are such parameters).
+    :class:`~curvlab.optim.combined.CombinedOptimizer` (only when there are such parameters).
 
     Options: ``lr`` (0.02), ``momentum`` (0.95), ``nesterov`` (True), ``weight_decay`` (0, split),
     ``ns_steps`` (5), ``scale`` ("original"), ``polar`` ("newton_schulz"), ``polar_dtype`` (bfloat16),
     ``eps``; and ``adam_lr`` (0.0018), ``adam_betas`` ((0.9, 0.95)), ``adam_eps`` (1e-8),
-    ``adam_weight_decay`` (0) for the AdamW side (:data:`curvlab.optim.optimizers.ADAM_SIDE_DEFAULTS`, as Muon's).
+    ``adam_weight_decay`` (0) for the AdamW side (:data:`curvlab.optim.model_optimizer.ADAM_SIDE_DEFAULTS`, as Muon's).
 
     Raises:
         CurvlabError: an unknown name or option; a model without trainable LoRA layers; a rank larger

@@ -11,7 +11,7 @@ At a checkpoint, the shadow's step on the next gradient G gives the other arm's 
 W, which pairs with the real step (:mod:`curvlab.analysis.directions`):
 
 * **shadow Muon** (in an AdamW run), per hidden matrix W of mathematical shape r x c (as
-  :class:`curvlab.optim.optimizers.Muon` does it):
+  :class:`curvlab.optim.muon.Muon` does it):
 
   .. math::
       B \leftarrow \mu B + (1-\mu) G,\quad \tilde B = (1-\mu) G + \mu B \text{ (Nesterov)},\quad
@@ -26,7 +26,8 @@ W, which pairs with the real step (:mod:`curvlab.analysis.directions`):
       \hat m = m / (1-\beta_1^t),\ \sqrt{\hat v} = \sqrt{v} / (1-\beta_2^t)^{1/2}.
 
 The learning rate :math:`\eta` of a shadow step is a peak lr (``ShadowSettings.lr``: by default the
-other arm's default, Muon 0.02 and AdamW 0.0018 as :func:`curvlab.optim.optimizers.build_model_optimizer` has them; the
+other arm's default, Muon 0.02 and AdamW 0.0018 as
+:func:`curvlab.optim.model_optimizer.build_model_optimizer` has them; the
 reproduction passes the other arm's chosen lr) times the run's current schedule multiplier. NDS and
 the cosine on the hidden matrices don't depend on it; ||Z|| does, and so does
 everything over all parameters, where the shadow's step on the hidden matrices is joined to the run's
@@ -51,7 +52,7 @@ from torch import Tensor, nn
 from curvlab.curvature.groupings import hidden_matrices
 from curvlab.errors import CurvlabError
 from curvlab.models.roles import matrix_shapes
-from curvlab.optim.optimizers import SCALES, muon_scale
+from curvlab.optim.muon import SCALES, muon_scale
 from curvlab.optim.polar import METHODS as POLAR_METHODS
 from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
 
@@ -60,14 +61,17 @@ SHADOW_OF = {"adamw": "muon", "muon": "adamw"}  # the run's optimizer -> the arm
 _MUON_FIELDS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_eps")
 _MUON_FIELDS += ("polar", "polar_dtype", "scale")
 _ADAM_FIELDS = ("lr", "weight_decay", "betas", "eps")
-DEFAULT_LR = {"muon": 0.02, "adamw": 0.0018}  # the arms' defaults in curvlab.optim.optimizers.build_model_optimizer
+DEFAULT_LR = {
+    "muon": 0.02,
+    "adamw": 0.0018,
+}  # the arms' defaults in curvlab.optim.model_optimizer.build_model_optimizer
 
 
 @dataclass(frozen=True)
 class ShadowSettings:
     """The shadow arm's hyperparameters (defaults: the other arm's defaults in
-    :func:`curvlab.optim.optimizers.build_model_optimizer`). ``kind`` is ``"muon"`` or ``"adamw"``; the fields of the
-    other kind are unused."""
+    :func:`curvlab.optim.model_optimizer.build_model_optimizer`). ``kind`` is ``"muon"`` or ``"adamw"``;
+    the fields of the other kind are unused."""
 
     kind: str
     lr: float
@@ -270,7 +274,7 @@ class ShadowState:
 def muon_step(update: Tensor, shape: tuple[int, int], settings: ShadowSettings, lr: float) -> Tensor:
     r""":math:`\eta\, s(r, c)\, \operatorname{msign}(U)` for a momentum-averaged update U of one matrix of
     mathematical shape ``shape`` (a kernel orthogonalized as the matrix it flattens to), with the
-    polar method and scale of ``settings``, as :class:`curvlab.optim.optimizers.Muon` computes it; in U's dtype."""
+    polar method and scale of ``settings``, as :class:`curvlab.optim.muon.Muon` computes it; in U's dtype."""
     ortho = msign(
         update.reshape(update.shape[0], -1),
         method=settings.polar,

@@ -20,7 +20,7 @@ Z comes from one of two places:
   went into it (clipping, autocast, accumulation, DDP). ``curvlab train`` and the Hugging Face
   callback (:func:`curvature_callback`) do this;
 * the step it would take: :meth:`CurvatureMonitor.measure_next` at a step boundary, given the batch
-  the next step trains on, runs :func:`~curvlab.optim.optimizers.next_update` (gradient, clipping, optimizer on
+  the next step trains on, runs :func:`~curvlab.optim.update.next_update` (gradient, clipping, optimizer on
   cloned state). With the same batch, loss and clipping as the loop, that is the next step, bit for bit.
 
 Measuring changes nothing in the run: parameters, gradients and optimizer state are only read (or
@@ -61,7 +61,8 @@ from curvlab.engine.exact import exact_second_order
 from curvlab.engine.hvp import working_dtype
 from curvlab.engine.loss import LossFn, count_loss_terms, make_loss_fn, weighted_batches
 from curvlab.errors import CurvlabError
-from curvlab.optim.optimizers import Optimizers, next_update
+from curvlab.optim.combined import Optimizers
+from curvlab.optim.update import next_update
 
 MONITOR_SCHEMA_VERSION = 1
 ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training rows have none
@@ -256,7 +257,7 @@ class CurvatureMonitor:
     Args:
         model: the model being trained; its trainable parameters (``requires_grad``) are W.
         optimizer: its optimizer, or a list of them (needed only by :meth:`measure_next`; any
-            optimizer :func:`~curvlab.optim.optimizers.next_update` takes).
+            optimizer :func:`~curvlab.optim.update.next_update` takes).
         loss_fn: ``loss_fn(params, batch) -> scalar``, e.g. :func:`~curvlab.engine.loss.make_loss_fn`.
         batches: the held-out batch set D (a batch or a list of batches, accumulated with loss-term
             weights), fixed for the whole run. Move it to the model's device yourself.
@@ -329,7 +330,7 @@ class CurvatureMonitor:
 
     def measure_next(self, step: int, batch: Any) -> MonitorRow:
         """The row of the step the optimizer would take next on ``batch`` (the batch the next step
-        trains on), from :func:`~curvlab.optim.optimizers.next_update`; nothing in the run changes."""
+        trains on), from :func:`~curvlab.optim.update.next_update`; nothing in the run changes."""
         if self.optimizer is None:
             raise CurvlabError("measure_next needs the optimizer: give it to CurvatureMonitor")
         start = time.perf_counter()

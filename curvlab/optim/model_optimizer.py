@@ -1,0 +1,138 @@
+"""A model's optimizer by name (:func:`build_model_optimizer`):
+
+* ``"muon"``: :class:`~curvlab.optim.muon.Muon` on the hidden matrices, ``torch.optim.AdamW`` on embeddings, head,
+  norms and biases, as in modded-nanogpt and Moonlight, combined in one
+  :class:`~curvlab.optim.combined.CombinedOptimizer`. The roles come from the model's structure
+  (:func:`~curvlab.models.roles.parameter_roles`), not its parameter names;
+* ``"adamw"``: ``torch.optim.AdamW`` on everything;
+* ``"sgd"``: ``torch.optim.SGD`` with momentum;
+* ``"lion"``: :class:`~curvlab.optim.lion.Lion`, a sign-based member (Chen et al. 2023).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from curvlab.errors import CurvlabError
+from curvlab.models.roles import parameter_roles, stored_transposed
+from curvlab.optim.combined import CombinedOptimizer
+from curvlab.optim.lion import Lion
+from curvlab.optim.muon import Muon
+
+# AdamW's defaults (docs/science.md section 4: the paper's reference AdamW), and those of the AdamW side of
+# every hybrid (Muon's, and the LoRA optimizers' in curvlab.optim.lora): the same, the side tied to AdamW's lr
+ADAMW_DEFAULTS = {"lr": 0.0018, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+ADAM_SIDE_DEFAULTS = {f"adam_{k}": v for k, v in ADAMW_DEFAULTS.items()}
+OPTIMIZERS = ("muon", "adamw", "sgd", "lion")
+LORA_OPTIMIZERS = ("smuon", "lora-muon", "per-factor-muon")  # for peft LoRA models: curvlab.optim.lora
+
+
+def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """The model's trainable parameters (``requires_grad``), detached: the ``params`` that go with the
+    G and Z of :func:`next_update`, which cover exactly these (frozen ones, a LoRA model's base
+    weights say, keep their values inside the loss function)."""
+    return {n: p.detach() for n, p in _named_trainable(model)}
+
+
+def default_muon_rule(model: nn.Module) -> Callable[[str, Tensor], bool]:
+    """The default split: Muon on the parameters whose role is ``hidden``
+    (:func:`~curvlab.models.roles.parameter_roles`: read from the model's structure, so an embedding, the
+    head, tied or not, norms and biases never reach Muon)."""
+    roles = parameter_roles(model)
+    return lambda name, p: roles.get(name) == "hidden"
+
+
+def build_model_optimizer(
+    name: str,
+    model: nn.Module,
+    muon_rule: Callable[[str, Tensor], bool] | None = None,
+    **hyperparameters: Any,
+) -> torch.optim.Optimizer:
+    """One torch optimizer for all of ``model``'s trainable parameters by name (``"muon"``, ``"adamw"``,
+    ``"sgd"``, ``"lion"``); :func:`curvlab.optim.build.build_optimizer` dispatches here and to the LoRA
+    optimizers.
+
+    Defaults (docs/science.md sections 4-5): Muon lr 0.02, momentum 0.95, Nesterov, 5 Newton–Schulz
+    steps, weight decay 0, with its AdamW side at AdamW's defaults (:data:`ADAM_SIDE_DEFAULTS`); AdamW
+    (:data:`ADAMW_DEFAULTS`) lr 0.0018, betas (0.9, 0.95), weight decay 0; SGD lr 0.1, momentum 0.9;
+    Lion lr 1e-4, betas (0.9, 0.99).
+
+    For ``"muon"``, the options ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``,
+    ``scale``, ``polar`` and ``polar_dtype`` go to Muon, and ``adam_lr``, ``adam_betas``,
+    ``adam_eps``, ``adam_weight_decay`` to its AdamW side. ``muon_rule(name, param) -> bool`` decides
+    which parameters Muon takes (default :func:`default_muon_rule`: the hidden matrices, by
+    structure); a vector never reaches Muon. Convolution kernels go to Muon flattened to
+    out x (in * prod k) (see :class:`Muon`); Hugging Face ``Conv1D`` weights go in a group marked
+    ``transposed``, so that Muon's shape scale reads them as (out, in).
+
+    Raises:
+        CurvlabError: an unknown name or option, or a model with no 2-D weights for Muon.
+    """
+    if name in LORA_OPTIMIZERS:
+        raise CurvlabError(f"{name} trains LoRA factors: build it with curvlab.build_optimizer")
+    named = _named_trainable(model)
+    if not named:
+        raise CurvlabError("the model has no trainable parameters")
+    hp = dict(hyperparameters)
+
+    def take(defaults: dict[str, Any]) -> dict[str, Any]:
+        return {k: hp.pop(k, v) for k, v in defaults.items()}
+
+    if name == "muon":
+        muon_hp = take(
+            {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.0, "ns_steps": 5}
+            | {"scale": "original", "polar": "newton_schulz", "polar_dtype": torch.bfloat16}
+        )
+        adam_hp = take(ADAM_SIDE_DEFAULTS)
+        _reject_unknown(name, hp)
+        rule = muon_rule or default_muon_rule(model)
+        chosen = [(n, p) for n, p in named if rule(n, p)]
+        bad = [n for n, p in chosen if p.dim() < 2]
+        if bad:
+            raise CurvlabError(f"the Muon rule chose parameters that are not matrices: {bad[:3]}")
+        if not chosen:
+            raise CurvlabError("the model has no hidden weight matrices for Muon; use adamw, or pass muon_rule")
+        muon_ids = {id(p) for _, p in chosen}
+        rest = [p for _, p in named if id(p) not in muon_ids]
+        transposed = stored_transposed(model)
+        groups = [
+            {"params": [p for n, p in chosen if n not in transposed]},
+            {"params": [p for n, p in chosen if n in transposed], "transposed": True},
+        ]
+        parts = {"muon": Muon([g for g in groups if g["params"]], **muon_hp)}
+        if rest:
+            parts["adamw"] = torch.optim.AdamW(
+                rest,
+                lr=adam_hp["adam_lr"],
+                betas=tuple(adam_hp["adam_betas"]),
+                eps=adam_hp["adam_eps"],
+                weight_decay=adam_hp["adam_weight_decay"],
+            )
+        return CombinedOptimizer(parts)
+    params = [p for _, p in named]
+    if name == "adamw":
+        opt = take(ADAMW_DEFAULTS)
+        _reject_unknown(name, hp)
+        return torch.optim.AdamW(params, **{**opt, "betas": tuple(opt["betas"])})
+    if name == "sgd":
+        opt = take({"lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 0.0})
+        _reject_unknown(name, hp)
+        return torch.optim.SGD(params, **opt)
+    if name == "lion":
+        opt = take({"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0})
+        _reject_unknown(name, hp)
+        return Lion(params, **{**opt, "betas": tuple(opt["betas"])})
+    raise CurvlabError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS + LORA_OPTIMIZERS)}")
+
+
+def _reject_unknown(name: str, leftover: dict[str, Any]) -> None:
+    if leftover:
+        raise CurvlabError(f"unknown option(s) for {name}: {', '.join(sorted(leftover))}")

@@ -1,0 +1,173 @@
+"""Muon (docs/science.md section 5): momentum, then the polar factor msign(B) of each hidden matrix's update,
+scaled by its shape (:func:`muon_scale`); :class:`Muon` is ``torch.optim.Muon`` with more polar methods and scales.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from curvlab.errors import CurvlabError
+from curvlab.optim._sharded import sharded_polar_factors
+from curvlab.optim.polar import METHODS as POLAR_METHODS
+from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
+from curvlab.util.distributed import rank_and_world
+
+SCALES = ("original", "moonlight", "spectral")
+
+
+def _evaluate(closure) -> Tensor | None:
+    """The loss a ``step(closure)`` returns: the closure evaluated with gradients on, if given."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def muon_scale(shape: tuple[int, ...], scale: str) -> float:
+    r"""Muon's per-matrix learning-rate multiplier for a weight of mathematical shape ``rows x cols``
+    (:math:`d_\text{out} \times d_\text{in}`; see :func:`matrix_shape`).
+
+    ``"original"``: :math:`\max(1, r/c)^{1/2}` (Keller Jordan); ``"moonlight"``:
+    :math:`0.2\max(r, c)^{1/2}` (matches AdamW's update RMS); ``"spectral"``: :math:`(r/c)^{1/2}`.
+    """
+    rows, cols = shape[0], shape[1]
+    if scale == "original":
+        return math.sqrt(max(1, rows / cols))
+    if scale == "moonlight":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if scale == "spectral":
+        return math.sqrt(rows / cols)
+    raise CurvlabError(f"unknown Muon scale {scale!r}; choose one of {', '.join(SCALES)}")
+
+
+def matrix_shape(p: Tensor, transposed: bool = False) -> tuple[int, int]:
+    """The matrix Muon orthogonalizes for parameter ``p``: (out, in) for a 2-D weight (swapped when it
+    is stored transposed, as Hugging Face's ``Conv1D``), out x (in/groups * prod k) for a
+    convolution kernel."""
+    rows, cols = p.shape[0], math.prod(p.shape[1:])
+    return (cols, rows) if transposed else (rows, cols)
+
+
+class Muon(torch.optim.Muon):
+    r"""``torch.optim.Muon``, computing its step out of place, with a choice of polar factor and scale.
+
+    Per 2-D parameter W with gradient G (EMA momentum, as torch's):
+
+    .. math::
+        B \leftarrow \mu B + (1-\mu) G,\quad
+        \tilde B = (1-\mu) G + \mu B \text{ (Nesterov) or } B,\quad
+        W \leftarrow (1 - \eta\lambda) W - \eta\, s(W)\, \operatorname{msign}(\tilde B)
+
+    With the defaults (``polar="newton_schulz"``, ``scale="original"``) every step equals
+    ``torch.optim.Muon``'s bit for bit, and the state dict has the same layout.
+
+    Parameters of more than 2 dimensions (convolution kernels, out x in/groups x k...) are
+    orthogonalized as the out x (in/groups * prod k) matrix they flatten to, and scaled by that
+    shape, as Keller Jordan's CIFAR-10 speedrun does (``torch.optim.Muon`` refuses them). A param
+    group with ``transposed=True`` holds matrices stored (in, out), like Hugging Face's ``Conv1D``:
+    the polar factor doesn't care (msign(Xᵀ) = msign(X)ᵀ) but the scale uses the (out, in) shape.
+
+    Under torch.distributed (gradients already averaged by DDP) the polar factors are shared out: the
+    matrices, sorted by size, go round-robin to the ranks, each rank orthogonalizes its own and
+    broadcasts them, as Keller Jordan's and modded-nanogpt's distributed Muon do; momentum buffers,
+    cheap and elementwise, are updated on every rank. Unlike torch's, the
+    momentum buffer is never normalized in place (torch 2.13 does that for bf16 parameters without
+    Nesterov). ``weight_decay`` defaults to 0 (torch's to 0.1), as in the reference runs.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NEWTON_SCHULZ_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        scale: str = "original",
+        polar: str = "newton_schulz",
+        polar_dtype: torch.dtype | str = torch.bfloat16,
+    ):
+        muon_scale(torch.Size([1, 1]), scale)  # validates the name
+        if isinstance(polar_dtype, str):  # a name from a JSON config, e.g. "float32"
+            polar_dtype = getattr(torch, polar_dtype.removeprefix("torch."))
+        if polar not in POLAR_METHODS:
+            raise CurvlabError(f"unknown polar method {polar!r}; choose one of {', '.join(POLAR_METHODS)}")
+        adjust = {"original": "original", "moonlight": "match_rms_adamw", "spectral": None}[scale]
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise CurvlabError(f"Muon needs lr, momentum and weight_decay >= 0, got {lr}, {momentum}, {weight_decay}")
+        # torch.optim.Muon's own __init__ refuses parameters that aren't 2-D: set up as it does, minus that
+        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov}
+        defaults |= {"ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust}
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        flat = [tuple(p.shape) for g in self.param_groups for p in g["params"] if p.dim() < 2]
+        if flat:
+            raise CurvlabError(f"Muon takes matrices (2 or more dimensions); got parameters of shape {flat[:3]}")
+        extra = {"scale": scale, "polar": polar, "polar_dtype": polar_dtype, "transposed": False}
+        self.defaults.update(extra)
+        for group in self.param_groups:
+            for k, v in extra.items():
+                group.setdefault(k, v)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _evaluate(closure)
+        work = []  # (group, param, momentum-averaged update) for every param with a gradient
+        for group in self.param_groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - mu)
+                work.append((group, p, p.grad.lerp(buf, mu) if group["nesterov"] else buf))
+        if any(isinstance(u, DTensor) for _, _, u in work):  # FSDP2: each whole matrix on one rank
+            orthos = sharded_polar_factors(work, _polar_factor)
+        else:
+            orthos = self._replicated_polar_factors(work)
+        for (group, p, _), ortho in zip(work, orthos):
+            lr = group["lr"]
+            p.mul_(1 - lr * group["weight_decay"])
+            shape = matrix_shape(p, group.get("transposed", False))  # (a state dict from before had no flag)
+            p.add_(ortho, alpha=-(lr * muon_scale(shape, group["scale"])))
+        return loss
+
+    @staticmethod
+    def _replicated_polar_factors(work: list) -> list[Tensor]:
+        """Polar factors of replicated updates: round robin by size, each broadcast by its owner."""
+        rank, world = rank_and_world()
+        order = sorted(range(len(work)), key=lambda i: -work[i][1].numel())
+        owner = {i: k % world for k, i in enumerate(order)}  # round-robin by size
+        orthos = []
+        for i, (group, p, update) in enumerate(work):
+            if owner[i] == rank:
+                # (a tall matrix's factor is a transposed view; collectives need memory order)
+                ortho = _polar_factor(group, update).to(p.dtype).contiguous().view(p.shape)
+            else:
+                ortho = torch.empty_like(p)
+            orthos.append(ortho)
+        if world > 1:
+            for i, ortho in enumerate(orthos):
+                dist.broadcast(ortho, src=owner[i])
+        return orthos
+
+
+def _polar_factor(group: dict, update: Tensor) -> Tensor:
+    """msign of one whole update with its group's polar settings, shaped like the update."""
+    return msign(
+        update.reshape(update.shape[0], -1),  # a convolution kernel as out x (in * prod k)
+        method=group["polar"],
+        steps=group["ns_steps"],
+        dtype=group["polar_dtype"],
+        coefficients=tuple(group["ns_coefficients"]),
+        eps=group["eps"],
+    ).reshape(update.shape)
