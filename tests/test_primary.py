@@ -177,7 +177,7 @@ def test_a_design_judges_only_its_own_claims_and_holm_runs_over_those():
     assert full["between_nds_ratio"].direction == st.SUPPORTED  # the same data, judged in the full family
     with pytest.raises(CurvlabError, match="unknown primary claims: nds_ratio"):
         primary_family(data, judged=("nds_ratio",))
-    with pytest.raises(CurvlabError, match="primary names unknown claims"):
+    with pytest.raises(CurvlabError, match="unknown primary claims: paired "):
         replace(PRESETS["quick"], primary=("paired", "alignment_ratio")).validate()
     PRESETS["quick"].validate()
 

@@ -58,7 +58,7 @@ from curvlab.runs.checkpoint import read_index
 from curvlab.runs.match import PLATEAU_FRACTION, MatchCriteria, NoMatchedLevel, plateau_ceiling
 from curvlab.runs.train import TrainConfig, train
 from curvlab.studies.compare import compare_runs, track_run
-from curvlab.studies.paper import PRIMARY, REFERENCE_TRAINING
+from curvlab.studies.paper import REFERENCE_TRAINING, judged_claims
 from curvlab.studies.quadratic import quadratic_study
 from curvlab.studies.results import (
     ComparisonRecord,
@@ -213,8 +213,7 @@ class Preset:
         for name, every in (("ckpt_every", self.ckpt_every), ("sweep_ckpt_every", self.sweep_ckpt_every)):
             if self.track_interval % every:
                 raise CurvlabError(f"track_interval {self.track_interval} is not a multiple of {name} {every}")
-        if self.primary is not None and (unknown := sorted(set(self.primary) - {c.name for c in PRIMARY})):
-            raise CurvlabError(f"primary names unknown claims {unknown}; the family is curvlab.studies.paper.PRIMARY")
+        judged_claims(self.primary)
 
 
 _PAPER_LR = {arm: REFERENCE_TRAINING[arm]["lr"] for arm in ("muon", "adamw")}

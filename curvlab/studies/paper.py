@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from curvlab.errors import CurvlabError
+
 ABOUT_EQUAL = (0.8, 1.25)
 
 
@@ -165,6 +167,22 @@ PRIMARY: tuple[PrimaryClaim, ...] = (
     ),
 )
 # fmt: on
+
+
+def judged_claims(names: tuple[str, ...] | None) -> frozenset[str] | None:
+    """The primary claims a design judges (a preset's ``primary``), checked against :data:`PRIMARY`;
+    None: all of them.
+
+    Raises:
+        CurvlabError: a name that is not a primary claim.
+    """
+    if names is None:
+        return None
+    if unknown := sorted(set(names) - {c.name for c in PRIMARY}):
+        raise CurvlabError(
+            f"unknown primary claims: {', '.join(unknown)} (the family is curvlab.studies.paper.PRIMARY)"
+        )
+    return frozenset(names)
 
 
 # The paper's reference training (docs/science.md section 4), for the paper preset's FineWeb runs.

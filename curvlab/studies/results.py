@@ -59,7 +59,7 @@ from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
 from curvlab.studies import statistics as st
 from curvlab.studies.compare import Comparison
-from curvlab.studies.paper import CLAIMS, PRIMARY, Claim, PrimaryClaim
+from curvlab.studies.paper import CLAIMS, PRIMARY, Claim, PrimaryClaim, judged_claims
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
@@ -1065,10 +1065,7 @@ def primary_family(
     not measured, never a verdict. ``judged`` names the claims a design has the power to judge (a
     preset's ``primary``; None: all): the others keep their estimate and interval, as descriptive
     entries outside Holm's correction."""
-    if judged is not None and (unknown := set(judged) - {c.name for c in PRIMARY}):
-        raise CurvlabError(f"unknown primary claims: {', '.join(sorted(unknown))}")
-    chosen = None if judged is None else frozenset(judged)
-    return _judge(PRIMARY, data, data.matched(PRIMARY_COMPARISON), confidence, chosen)
+    return _judge(PRIMARY, data, data.matched(PRIMARY_COMPARISON), confidence, judged_claims(judged))
 
 
 def _false(direction: str, claim: PrimaryClaim) -> bool:
