@@ -77,10 +77,10 @@ def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
         num, den = [], []
         for r in data.matched("adamw/muon"):
             sides = [(lv.a, lv.b) for lv in r.comparison.levels]
-            if both:  # every point: both sides of every level, two directions at each
+            if both:  # every point: both sides of every level, two directions at each; the median ratio
                 pts = [s for pair in sides for s in pair]
-                num.append(np.mean([s.members[0].value(key_a) for s in pts]))
-                den.append(np.mean([s.members[0].value(key_b) for s in pts]))
+                num.append(np.median([s.members[0].value(key_a) / s.members[0].value(key_b) for s in pts]))
+                den.append(1.0)
             else:
                 num.append(np.mean([a.members[0].value(key_a) for a, _ in sides]))
                 den.append(np.mean([b.members[0].value(key_b) for _, b in sides]))
@@ -362,12 +362,45 @@ def test_the_paired_ratio_pools_the_trajectory_with_the_windows_once_per_checkpo
                 points[(t.arm, row.step)] = row
         xs = [p.value("paired_nds_adamw_hidden") for p in points.values()]
         ys = [p.value("paired_nds_muon_hidden") for p in points.values()]
-        logs.append(np.log(np.mean(xs) / np.mean(ys)))
+        logs.append(np.log(np.median(np.divide(xs, ys))))
         assert len(points) == 2 * LEVELS + 4
     assert e.n_units == 3 * (2 * LEVELS + 4)
     assert e.value == pytest.approx(np.exp(np.mean(logs)))
     ref = scipy_stats.ttest_1samp(logs, 0.0)
     assert e.ci95 == pytest.approx(list(np.exp(ref.confidence_interval(0.95))))
+
+
+def test_one_spiking_checkpoint_moves_a_seeds_paired_ratio_by_at_most_one_order_statistic():
+    """The per-seed value is the median of the per-point ratios: one checkpoint where AdamW's NDS is
+    ×1000 (as at one quick checkpoint, ×700 its neighbours) moves it to the next order statistic, where a
+    ratio of means would follow the spike; a negative ratio (the directions' signs differ) is kept."""
+    data = _experiment(np.random.default_rng(4), 3, tracks=False)
+
+    def seed_ratios(d):
+        out = []
+        for r in d.matched("adamw/muon"):
+            m = [s.members[0] for lv in r.comparison.levels for s in (lv.a, lv.b)]
+            out.append(np.sort([p.value("paired_nds_adamw_hidden") / p.value("paired_nds_muon_hidden") for p in m]))
+        return out
+
+    before = seed_ratios(data)
+    spiked = data.matched("adamw/muon")[0].comparison.levels[0].a.members[0]
+    spiked.paired["paired_nds_adamw_hidden"] *= 1000.0
+    flipped = data.matched("adamw/muon")[1].comparison.levels[0].b.members[0]
+    flipped.paired["paired_nds_adamw_hidden"] *= -1.0
+    e = _by_name(primary_family(data))["paired_direction_ratio"]
+    after = seed_ratios(data)
+    medians = [np.median(x) for x in after]
+    assert e.value == pytest.approx(np.exp(np.mean(np.log(medians))))
+    n = len(before[0])  # even: the median averages the two middle points, and one of them moves up by one
+    assert before[0][n // 2 - 1] <= medians[0] <= before[0][n // 2 + 1]
+    assert before[1][n // 2 - 2] <= medians[1] <= before[1][n // 2]  # the flipped point now sorts first
+    assert f"take the same sign at {6 * LEVELS - 1} of {6 * LEVELS} points" in e.note
+    m = [s.members[0] for lv in data.matched("adamw/muon")[0].comparison.levels for s in (lv.a, lv.b)]
+    mean_ratio = np.mean([p.value("paired_nds_adamw_hidden") for p in m]) / np.mean(
+        [p.value("paired_nds_muon_hidden") for p in m]
+    )
+    assert mean_ratio > 10 * medians[0]  # what a ratio of means would have made of that seed
 
 
 def _on_plateau(data, arm, s, seeds):

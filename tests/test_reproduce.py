@@ -9,6 +9,7 @@ import pytest
 from nbclient import NotebookClient
 
 from curvlab.curvature.scalars import CheckpointScalars
+from curvlab.errors import CurvlabError
 from curvlab.jobs.reproduce import PRESETS, Reproduction
 from curvlab.output.text import (
     readme_markers,
@@ -112,6 +113,29 @@ def test_a_moved_output_directory_reruns_and_keeps_its_windows(micro, tmp_path):
     assert window_checkpoints(levels.comparisons, moved / "analysis" / "reports")  # read by name in its new place
     headline = json.loads((moved / "summary.json").read_text())["headline"]
     assert headline == json.loads((out / "summary.json").read_text())["headline"]  # (NaN is null there)
+
+
+def test_keeping_only_the_last_checkpoints_changes_no_result(micro, tmp_path):
+    """``keep="last"`` (quick's and standard's) on a re-run of a finished directory: every run keeps its
+    last checkpoint only, the configuration guard does not refuse it, and every number is unchanged."""
+    import shutil
+
+    from curvlab.runs.checkpoint import read_index
+
+    out, _ = micro
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    shutil.rmtree(again / "finetune")  # its config names the base run by its old path, and would be refused
+    Reproduction(dataclasses.replace(PRESETS["micro"], keep="last"), again, progress=False).run()
+    for run in (p.parent for p in (again / "runs").glob("s*/*/seed*/index.json")):
+        index = read_index(run)
+        kept = sorted(p.name for p in run.glob("ckpt_*.pt"))
+        assert kept == [Path(index[-1]["path"]).name], run
+    pruned, first = (json.loads((d / "summary.json").read_text()) for d in (again, out))
+    for key in ("headline", "primary", "calibration", "final_val_loss"):
+        assert pruned[key] == first[key], key
+    with pytest.raises(CurvlabError, match="keep must be one of"):
+        Reproduction(dataclasses.replace(PRESETS["micro"], keep="some"), tmp_path / "bad", progress=False)
 
 
 def test_summary_schema(micro):

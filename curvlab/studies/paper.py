@@ -139,7 +139,7 @@ class PrimaryClaim:
 PRIMARY: tuple[PrimaryClaim, ...] = (
     PrimaryClaim(
         "paired_direction_ratio", "hidden",
-        "NDS of AdamW's next-step direction over Muon's at the same W and batch (every analysed stable-phase point)",
+        "NDS of AdamW's next-step direction over Muon's at the same W and batch (a seed's median over its points)",
         "the mechanism: at the same point, Adam's direction is sharper than Muon's", "ratio", "greater", 1.0,
         None, "> 1", data="paired-direction scalars (paired_nds_*) at the matched windows and the trajectory",
     ),

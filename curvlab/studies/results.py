@@ -789,9 +789,9 @@ def _own(arm: str, quantity: str, scope: str) -> str:
     return f"paired_{quantity}_{arm}_{scope}"
 
 
-def _sign_note(values: list[float], what: str) -> str:
+def _sign_note(values: list[float], what: str, kept: str = "the per-seed means") -> str:
     bad = sum(1 for v in values if not v > 0)
-    return f"{bad} of {len(values)} {what} <= 0 (kept in the per-seed means)" if bad else ""
+    return f"{bad} of {len(values)} {what} <= 0 (kept in {kept})" if bad else ""
 
 
 def _between(records: list[ComparisonRecord], key_of) -> _SeedValues | str:
@@ -823,18 +823,24 @@ def _between(records: list[ComparisonRecord], key_of) -> _SeedValues | str:
 
 
 def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> _SeedValues | str:
-    """Per seed, the mean over every distinct analysed checkpoint of both arms at the first s, in the
+    """Per seed, the median over every distinct analysed checkpoint of both arms at the first s, in the
     stable phase and off the plateau (the members of the matched windows and the tracked trajectory),
-    of the NDS of AdamW's and of Muon's next-step direction at that checkpoint. Both directions are at
-    the same W and batch, so any analysed point counts; pooling the trajectory with the windows gives
-    each seed a dozen points or more instead of the few the matched levels hold."""
+    of the ratio NDS(AdamW's next-step direction) / NDS(Muon's) at that checkpoint. Both directions are
+    at the same W and batch, so any analysed point counts; pooling the trajectory with the windows gives
+    each seed a dozen points or more instead of the few the matched levels hold.
+
+    A median of the per-point ratios, not a ratio of means over points: NDS spans two orders of
+    magnitude along a run, and one checkpoint where the curvature spikes (×700 its neighbours) set a
+    seed's ratio of means, and moved with float noise between a 1- and a 2-thread rerun
+    (docs/science.md section 12). The median weighs every point alike and is defined for either sign;
+    a point where Muon's NDS is exactly 0 has no ratio and is counted in a note."""
     usable = _usable(records)
     if not usable:
         return "no matched comparison with a level off the unigram plateau"
     ka, km = f"paired_nds_adamw_{scope}", f"paired_nds_muon_{scope}"
     s0 = data.s_values[0]
-    seeds, num, den, units, xs_all, ys_all = [], [], [], [], [], []
-    agree = 0
+    seeds, num, units, xs_all, ys_all = [], [], [], [], []
+    agree = undefined = 0
     for r in usable:
         points: dict[tuple[str, int], CheckpointScalars] = {}
         for lv in r.comparison.headline_levels:
@@ -851,22 +857,28 @@ def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> _Se
         xs = [p.paired[ka] for p in points.values()]
         ys = [p.paired[km] for p in points.values()]
         agree += sum((x > 0) == (y > 0) for x, y in zip(xs, ys))
+        ratios = [x / y for x, y in zip(xs, ys) if y != 0]
+        undefined += len(xs) - len(ratios)
+        if not ratios:
+            continue
         seeds.append(r.seed)
-        num.append(float(np.mean(xs)))
-        den.append(float(np.mean(ys)))
-        units.append(len(xs))
+        num.append(float(np.median(ratios)))
+        units.append(len(ratios))
         xs_all += xs
         ys_all += ys
+    if not seeds:
+        return f"no point with a nonzero {km}"
     notes = [
         n
         for n in (
-            _sign_note(xs_all, "points along AdamW's direction have NDS"),
-            _sign_note(ys_all, "along Muon's"),
+            _sign_note(xs_all, "points along AdamW's direction have NDS", "the per-seed medians of the ratios"),
+            _sign_note(ys_all, "along Muon's", "the medians, with the sign their ratios take"),
             f"both directions take the same sign at {agree} of {len(xs_all)} points",
+            f"{undefined} points with Muon's NDS exactly 0 have no ratio" if undefined else "",
         )
         if n
     ]
-    return _SeedValues(seeds, num, den, units, notes)
+    return _SeedValues(seeds, num, [1.0] * len(num), units, notes)
 
 
 def _trajectory_mean(t: TrackRecord, key: str) -> float:
