@@ -44,6 +44,11 @@ NAN_SCOPE = TaylorScope(**{k: math.nan for k in SCOPE_KEYS})
 _LAYER_BLOCK = re.compile(r"^layer\d+$")
 
 
+def scope_key(quantity: str, scope: str) -> str:
+    """The flat name of a scalar in a scope: ``nds`` over all parameters, ``hidden_nds`` on the hidden matrices."""
+    return quantity if scope == "all" else f"hidden_{quantity}"
+
+
 def taylor_error(scope: TaylorScope) -> float:
     """The scale-aware Taylor error :math:`|I_1 - I_2 - \\Delta| / \\max(|\\Delta|, |I_1|)` (Δ the realized
     decrease): how far the second-order prediction of the step's decrease is off, relative to the size

@@ -185,7 +185,8 @@ class Comparison:
         """``"a"`` or ``"b"``: the side on top of the ratios (AdamW's, or else B's)."""
         return "a" if self.optimizers == ("adamw", "muon") else "b"
 
-    def _sides(self, level: Level) -> tuple[WindowSide, WindowSide]:
+    def sides(self, level: Level) -> tuple[WindowSide, WindowSide]:
+        """(the numerator's side, the denominator's) of one of its levels: AdamW's first, against Muon."""
         return (level.a, level.b) if self.numerator == "a" else (level.b, level.a)
 
     @property
@@ -195,7 +196,7 @@ class Comparison:
     def _ratios(self, key: str) -> list[float]:
         out = []
         for lv in self.headline_levels:
-            num, den = self._sides(lv)
+            num, den = self.sides(lv)
             out.append(num.mean[key] / den.mean[key] if den.mean[key] else float("nan"))
         return out
 
@@ -213,7 +214,7 @@ class Comparison:
         """Sum over levels of one run's values over the other's: robust to near-zero levels."""
         out = {}
         for k in RATIO_KEYS:
-            sides = [self._sides(lv) for lv in self.headline_levels]
+            sides = [self.sides(lv) for lv in self.headline_levels]
             den = sum(d.mean[k] for _, d in sides)
             out[k] = sum(n.mean[k] for n, _ in sides) / den if den else float("nan")
         return out
@@ -246,7 +247,7 @@ class Comparison:
                     }
                 )
                 row.update({f"{k}_{tag}": v for k, v in side.mean.items()})
-            num, den = self._sides(lv)
+            num, den = self.sides(lv)
             row.update({f"ratio_{k}": num.mean[k] / den.mean[k] if den.mean[k] else float("nan") for k in RATIO_KEYS})
             for scope, terms in (lv.paired_terms or {}).items():
                 row.update({f"{k}_{scope}": v for k, v in terms.to_dict().items()})

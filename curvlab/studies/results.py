@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
+from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars, scope_key
 from curvlab.errors import CurvlabError
 from curvlab.studies import statistics as st
 from curvlab.studies.compare import Comparison
@@ -69,10 +69,6 @@ SUMMARY_SCHEMA_VERSION = 2  # 2: the primary family and the A/A calibration; hea
 SCOPES = ("all", "hidden")
 MATCHED = {"muon": "adamw/muon", "muon-moonlight": "adamw/muon-moonlight"}  # Muon arm -> comparison name
 RATIO_NAMES = {k: f"{k}_ratio" for k in RATIO_KEYS}  # quantity -> its headline entry
-
-
-def _key(quantity: str, scope: str) -> str:
-    return quantity if scope == "all" else f"hidden_{quantity}"
 
 
 @dataclass
@@ -449,11 +445,6 @@ def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict]
     )
 
 
-def _sides(comparison: Comparison, level):
-    """(AdamW's side, the Muon arm's side) of a level."""
-    return (level.a, level.b) if comparison.numerator == "a" else (level.b, level.a)
-
-
 def _ratio_entries(
     base: str, suffix: str, scope: str, groups, per_level, n_boot: int, note: str
 ) -> list[HeadlineEntry]:
@@ -477,12 +468,12 @@ def _matched_entries(data: LevelData, arm: str, n_boot: int) -> list[HeadlineEnt
     out = []
     for quantity, base in RATIO_NAMES.items():
         for scope in SCOPES:
-            key = _key(quantity, scope)
+            key = scope_key(quantity, scope)
             groups, per_level = {"levels": []}, []
             for r in usable:
                 rows = []
                 for lv in r.comparison.headline_levels:
-                    num, den = _sides(r.comparison, lv)
+                    num, den = r.comparison.sides(lv)
                     x, y = num.mean[key], den.mean[key]
                     rows.append([x, y])
                     per_level.append(
@@ -499,7 +490,7 @@ def _matched_entries(data: LevelData, arm: str, n_boot: int) -> list[HeadlineEnt
         for r in usable:
             shares, errors = [], []
             for lv in r.comparison.headline_levels:
-                side = _sides(r.comparison, lv)[pick]
+                side = r.comparison.sides(lv)[pick]
                 shares.append([side.mean["embed_head_share"]])
                 err = float(np.median([m.taylor_error for m in side.members]))
                 errors.append([err])
@@ -519,7 +510,7 @@ def _equal_step_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
     adam, muon = {t.seed: t for t in data.track("adamw", s0)}, {t.seed: t for t in data.track("muon", s0)}
     out = []
     for scope in SCOPES:
-        key = _key("nds", scope)
+        key = scope_key("nds", scope)
         groups, per_level = {"steps": []}, []
         for seed in sorted(set(adam) & set(muon)):
             a = {r.step: r for r in adam[seed].rows if r.phase == "stable" and not r.on_plateau}
@@ -583,7 +574,7 @@ def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], li
     s0, s1 = data.s_values[0], data.s_values[-1]
     headline, per_s = [], []
     for scope in SCOPES:
-        groups = _trajectory_groups(data, _key("nds", scope))
+        groups = _trajectory_groups(data, scope_key("nds", scope))
         named = {"a0": ("adamw", s0), "m0": ("muon", s0), "a1": ("adamw", s1), "m1": ("muon", s1)}
         for name, (needs, stat) in ZIPF_STATISTICS.items():
             missing = [f"{named[k][0]} at s = {named[k][1]:g}" for k in needs if named[k] not in groups]
@@ -717,7 +708,7 @@ def _decomposition_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
             for r in usable:
                 rows = []
                 for lv in r.comparison.headline_levels:
-                    sides = _sides(r.comparison, lv)
+                    sides = r.comparison.sides(lv)
                     mn, md = sides[i].mean, sides[j].mean
                     if kn in mn and kd in md:
                         rows.append([mn[kn], md[kd]])
@@ -754,7 +745,7 @@ def taylor_counts(data: LevelData) -> dict[str, dict[str, int]]:
         if r.comparison is None or first == arm:
             continue  # (an A/A calibration record's runs are keyed by pair, not by seed: not counted here)
         for lv in r.comparison.levels:
-            for side_arm, side in zip(("adamw", arm), _sides(r.comparison, lv)):
+            for side_arm, side in zip(("adamw", arm), r.comparison.sides(lv)):
                 for m in side.members:
                     seen.setdefault(side_arm, {})[(r.s, r.seed, m.step)] = m.taylor_ok
     for t in data.tracks:
@@ -807,7 +798,7 @@ def _between(records: list[ComparisonRecord], key_of) -> _SeedValues | str:
         xs, ys = [], []
         ka, kb = (key_of(arm) for arm in r.name.split("/"))
         for lv in r.comparison.headline_levels:
-            a, b = _sides(r.comparison, lv)
+            a, b = r.comparison.sides(lv)
             ma, mb = a.mean, b.mean  # (a property that averages every key)
             if ka not in ma or kb not in mb:
                 return f"no {ka if ka not in ma else kb} in the matched windows (older runs)"
@@ -893,7 +884,7 @@ def _zipf_gap(data: LevelData, scope: str) -> _SeedValues | str:
     if len(data.s_values) < 2:
         return "one value of s only"
     s0, s1 = data.s_values[0], data.s_values[-1]
-    key = _key("nds", scope)
+    key = scope_key("nds", scope)
     runs = {(arm, s): {t.seed: t for t in data.track(arm, s)} for arm in ("adamw", "muon") for s in (s0, s1)}
     common = sorted(set.intersection(*(set(v) for v in runs.values())))
     if not common:
@@ -955,7 +946,7 @@ def _claim_inputs(claim: PrimaryClaim, data: LevelData, records: list[Comparison
     if claim.name == "paired_direction_ratio":
         return _paired(records, data, claim.scope)
     if claim.name == "between_nds_ratio":
-        return _between(records, lambda arm: _key("nds", claim.scope))
+        return _between(records, lambda arm: scope_key("nds", claim.scope))
     if claim.name == "alignment_ratio":
         return _between(records, lambda arm: _own(arm, "cos", claim.scope))
     if claim.name == "zipf_gap_change":
