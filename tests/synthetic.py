@@ -7,7 +7,7 @@ import numpy as np
 
 from curvlab.curvature.scalars import CheckpointScalars
 from curvlab.studies.compare import Comparison, Level, WindowSide
-from curvlab.studies.results import ComparisonRecord, LevelData, TrackRecord
+from curvlab.studies.records import ComparisonRecord, LevelData, TrackRecord
 
 
 def ar1(rng: np.random.Generator, n: int, rho: float, sd: float, size: int = 1) -> np.ndarray:

@@ -8,7 +8,9 @@ import pytest
 
 from curvlab.jobs.reproduce import PRESETS
 from curvlab.output.text import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
-from curvlab.studies.results import LevelData, Summary, primary_family
+from curvlab.studies.primary import primary_family
+from curvlab.studies.records import LevelData
+from curvlab.studies.summary import Summary
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"

@@ -13,16 +13,10 @@ from curvlab.jobs.reproduce import PRESETS
 from curvlab.output.plots import primary_forest
 from curvlab.output.text import render_readme_results, render_report
 from curvlab.studies import statistics as st
+from curvlab.studies.headline import headline
 from curvlab.studies.paper import PRIMARY
-from curvlab.studies.results import (
-    Calibration,
-    PrimaryEntry,
-    QuadraticRecord,
-    Summary,
-    calibration,
-    headline,
-    primary_family,
-)
+from curvlab.studies.primary import Calibration, PrimaryEntry, calibration, primary_family
+from curvlab.studies.summary import QuadraticRecord, Summary
 from curvlab.studies.tuning import TuningRecord
 from tests.synthetic import ar1, level_data, record, track
 
@@ -315,7 +309,7 @@ def test_descriptive_decomposition_of_the_between_run_ratio():
 
 def test_aa_records_are_no_arm_of_their_own_in_the_headline_figures_or_taylor_counts(monkeypatch, tmp_path):
     from curvlab.output import plots
-    from curvlab.studies.results import taylor_counts
+    from curvlab.studies.headline import taylor_counts
 
     data = _experiment(np.random.default_rng(13), 3)
     plain = taylor_counts(data)

@@ -19,8 +19,10 @@ from curvlab.output.text import (
     value_cell,
 )
 from curvlab.studies.compare import Comparison, Level, WindowSide
-from curvlab.studies.results import ComparisonRecord, LevelData, Summary, headline
+from curvlab.studies.headline import headline
+from curvlab.studies.records import ComparisonRecord, LevelData
 from curvlab.studies.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
+from curvlab.studies.summary import Summary
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 VERDICTS = {DESCRIPTIVE}  # the headline is descriptive: only the primary family is judged
@@ -193,7 +195,7 @@ def test_every_summary_number_is_rederivable_from_the_per_level_json(micro):
     again, zipf = headline(LevelData.from_dict(raw), PRESETS["micro"].n_boot)
     assert json.dumps([e.to_dict() for e in again]) == json.dumps([e.to_dict() for e in summary.headline])
     assert [dataclasses.asdict(z) for z in zipf] == [dataclasses.asdict(z) for z in summary.zipf]
-    # and independently of curvlab.studies.results, from the raw JSON: the NDS ratio is a ratio of sums of window means
+    # and independently of curvlab.studies.headline, from the raw JSON: the NDS ratio is a ratio of sums of window means
     num = den = 0.0
     for record in raw["comparisons"]:
         if record["name"] != "adamw/muon" or record["comparison"] is None:

@@ -14,7 +14,7 @@ from curvlab.errors import CurvlabError
 from curvlab.runs.metrics import read_metrics, truncate_metrics
 from curvlab.runs.train import TrainConfig, train
 from curvlab.studies.compare import Comparison, WindowSide
-from curvlab.studies.results import LevelData, seed_band
+from curvlab.studies.records import LevelData, seed_band
 from tests.synthetic import level_data, record, track
 
 SMALL_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}

@@ -307,7 +307,7 @@ def test_trajectory_means_leave_out_the_unigram_plateau():
     """Like matched levels, tracked checkpoints on the plateau are kept out of trajectory means (and
     the rho_within thirds); warmup is left out too."""
     from curvlab.curvature.scalars import CheckpointScalars
-    from curvlab.studies.results import TrackRecord
+    from curvlab.studies.records import TrackRecord
 
     rows = [{"step": k, "nds": float(k), "on_plateau": k < 20, "taylor_ok": True} for k in range(0, 60, 10)]
     t = TrackRecord("muon", 0.0, 0, 60, 5, [CheckpointScalars.from_dict(r) for r in rows])

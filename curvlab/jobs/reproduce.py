@@ -18,8 +18,8 @@ started again, continues from what is done), each timed (``timing.json``):
    of checkpoints that no other level shares); the trajectories; and, from the second seed on, the A/A
    comparisons of this seed with the one before (AdamW vs AdamW, Muon vs Muon), which calibrate the
    verdicts. Then the previous seed's checkpoints are deleted but each run's last (``keep``);
-4. ``analysis/levels.json``, everything measured (:class:`curvlab.studies.results.LevelData`), and from it
-   alone the headline with its intervals and verdicts (:func:`curvlab.studies.results.headline`);
+4. ``analysis/levels.json``, everything measured (:class:`curvlab.studies.records.LevelData`), and from it
+   alone the headline with its intervals and verdicts (:func:`curvlab.studies.headline.headline`);
 5. with a fine-tuning preset: LoRA adaptation of the first seed's AdamW model to s = 1 under the
    adapter optimizers (:mod:`curvlab.jobs.finetune`, in ``finetune/``; its section closes ``report.md``);
 6. the quadratic model; 7. figures; 8. ``summary.json`` and ``report.md``.
@@ -58,20 +58,12 @@ from curvlab.runs.checkpoint import read_index
 from curvlab.runs.match import PLATEAU_FRACTION, MatchCriteria, NoMatchedLevel, plateau_ceiling
 from curvlab.runs.train import TrainConfig, train
 from curvlab.studies.compare import compare_runs, track_run
+from curvlab.studies.headline import headline, taylor_counts
 from curvlab.studies.paper import REFERENCE_TRAINING, judged_claims
+from curvlab.studies.primary import calibration, primary_family
 from curvlab.studies.quadratic import quadratic_study
-from curvlab.studies.results import (
-    ComparisonRecord,
-    FinewebRecord,
-    LevelData,
-    QuadraticRecord,
-    Summary,
-    TrackRecord,
-    calibration,
-    headline,
-    primary_family,
-    taylor_counts,
-)
+from curvlab.studies.records import ComparisonRecord, LevelData, TrackRecord
+from curvlab.studies.summary import FinewebRecord, QuadraticRecord, Summary
 from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, log2_grid
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_json, atomic_write_text

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from curvlab.errors import CurvlabError
-from curvlab.optim.muon import _evaluate
+from curvlab.optim.muon import evaluate_closure
 
 
 class JointState(MutableMapping):
@@ -100,7 +100,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = _evaluate(closure)
+        loss = evaluate_closure(closure)
         for o in self.optimizers.values():
             o.step()
         return loss

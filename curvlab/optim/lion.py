@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from curvlab.errors import CurvlabError
-from curvlab.optim.muon import _evaluate
+from curvlab.optim.muon import evaluate_closure
 
 
 class Lion(torch.optim.Optimizer):
@@ -23,7 +23,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = _evaluate(closure)
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:

@@ -68,8 +68,8 @@ from torch import Tensor, nn
 
 from curvlab.errors import CurvlabError
 from curvlab.optim.combined import CombinedOptimizer
-from curvlab.optim.model_optimizer import ADAM_SIDE_DEFAULTS, LORA_OPTIMIZERS, _reject_unknown
-from curvlab.optim.muon import _evaluate, muon_scale
+from curvlab.optim.model_optimizer import ADAM_SIDE_DEFAULTS, LORA_OPTIMIZERS, reject_unknown_options
+from curvlab.optim.muon import evaluate_closure, muon_scale
 from curvlab.optim.polar import METHODS as POLAR_METHODS
 from curvlab.optim.polar import msign
 
@@ -376,7 +376,7 @@ class _AdapterOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = _evaluate(closure)
+        loss = evaluate_closure(closure)
         for group in self.param_groups:  # checked before anything moves
             if group["lr"] * group["weight_decay"] >= 1:
                 decay = group["lr"] * group["weight_decay"]
@@ -513,7 +513,7 @@ def build_lora_optimizer(name: str, model: nn.Module, **hyperparameters: Any) ->
     hp = dict(hyperparameters)
     adam = {k: hp.pop(k, v) for k, v in ADAM_SIDE_DEFAULTS.items()}
     known = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "scale", "polar", "polar_dtype", "eps")
-    _reject_unknown(name, {k: v for k, v in hp.items() if k not in known})
+    reject_unknown_options(name, {k: v for k, v in hp.items() if k not in known})
     layers = lora_layers(model)
     optimizer = _CLASSES[name](layers, **hp)
     factors = {id(p) for layer in layers for p in (layer.A, layer.B)}

@@ -31,7 +31,7 @@ OPTIMIZERS = ("muon", "adamw", "sgd", "lion")
 LORA_OPTIMIZERS = ("smuon", "lora-muon", "per-factor-muon")  # for peft LoRA models: curvlab.optim.lora
 
 
-def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
@@ -39,7 +39,7 @@ def trainable_parameters(model: nn.Module) -> dict[str, Tensor]:
     """The model's trainable parameters (``requires_grad``), detached: the ``params`` that go with the
     G and Z of :func:`next_update`, which cover exactly these (frozen ones, a LoRA model's base
     weights say, keep their values inside the loss function)."""
-    return {n: p.detach() for n, p in _named_trainable(model)}
+    return {n: p.detach() for n, p in named_trainable(model)}
 
 
 def default_muon_rule(model: nn.Module) -> Callable[[str, Tensor], bool]:
@@ -78,7 +78,7 @@ def build_model_optimizer(
     """
     if name in LORA_OPTIMIZERS:
         raise CurvlabError(f"{name} trains LoRA factors: build it with curvlab.build_optimizer")
-    named = _named_trainable(model)
+    named = named_trainable(model)
     if not named:
         raise CurvlabError("the model has no trainable parameters")
     hp = dict(hyperparameters)
@@ -92,7 +92,7 @@ def build_model_optimizer(
             | {"scale": "original", "polar": "newton_schulz", "polar_dtype": torch.bfloat16}
         )
         adam_hp = take(ADAM_SIDE_DEFAULTS)
-        _reject_unknown(name, hp)
+        reject_unknown_options(name, hp)
         rule = muon_rule or default_muon_rule(model)
         chosen = [(n, p) for n, p in named if rule(n, p)]
         bad = [n for n, p in chosen if p.dim() < 2]
@@ -120,19 +120,19 @@ def build_model_optimizer(
     params = [p for _, p in named]
     if name == "adamw":
         opt = take(ADAMW_DEFAULTS)
-        _reject_unknown(name, hp)
+        reject_unknown_options(name, hp)
         return torch.optim.AdamW(params, **{**opt, "betas": tuple(opt["betas"])})
     if name == "sgd":
         opt = take({"lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 0.0})
-        _reject_unknown(name, hp)
+        reject_unknown_options(name, hp)
         return torch.optim.SGD(params, **opt)
     if name == "lion":
         opt = take({"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0})
-        _reject_unknown(name, hp)
+        reject_unknown_options(name, hp)
         return Lion(params, **{**opt, "betas": tuple(opt["betas"])})
     raise CurvlabError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS + LORA_OPTIMIZERS)}")
 
 
-def _reject_unknown(name: str, leftover: dict[str, Any]) -> None:
+def reject_unknown_options(name: str, leftover: dict[str, Any]) -> None:
     if leftover:
         raise CurvlabError(f"unknown option(s) for {name}: {', '.join(sorted(leftover))}")

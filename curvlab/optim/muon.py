@@ -20,7 +20,7 @@ from curvlab.util.distributed import rank_and_world
 SCALES = ("original", "moonlight", "spectral")
 
 
-def _evaluate(closure) -> Tensor | None:
+def evaluate_closure(closure) -> Tensor | None:
     """The loss a ``step(closure)`` returns: the closure evaluated with gradients on, if given."""
     if closure is None:
         return None
@@ -117,7 +117,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = _evaluate(closure)
+        loss = evaluate_closure(closure)
         work = []  # (group, param, momentum-averaged update) for every param with a gradient
         for group in self.param_groups:
             mu = group["momentum"]

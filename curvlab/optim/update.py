@@ -18,7 +18,7 @@ from curvlab.engine._gathered import gathering_loss
 from curvlab.engine.loss import Batches, weighted_batches
 from curvlab.errors import CurvlabError
 from curvlab.optim.combined import Optimizers, as_optimizer_list
-from curvlab.optim.model_optimizer import _named_trainable
+from curvlab.optim.model_optimizer import named_trainable
 
 
 def _reachable_optimizers(root: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
@@ -148,7 +148,7 @@ def next_update(
         CurvlabError: no trainable parameters, a non-finite loss, a trainable parameter no optimizer
             holds, optimizers sharing a parameter, or a state that can't be copied.
     """
-    named = _named_trainable(model)
+    named = named_trainable(model)
     if not named:
         raise CurvlabError("the model has no trainable parameters: there is no update")
     optimizers = as_optimizer_list(optimizer)

@@ -1,9 +1,9 @@
 """Figures, drawn from saved results only (never recomputing curvature); each saved as PNG and PDF.
 
 Every function takes what curvlab writes, as its typed records (:class:`~curvlab.analysis.report.CurvatureReport`,
-:class:`~curvlab.studies.compare.Comparison`, :class:`~curvlab.curvature.scalars.CheckpointScalars` rows, the results of
-:mod:`curvlab.studies.results`) or, for the tuning and quadratic results, their JSON, and a path stem; it draws
-them, computing nothing, and returns the paths written.
+:class:`~curvlab.studies.compare.Comparison`, :class:`~curvlab.curvature.scalars.CheckpointScalars` rows, the
+records of :mod:`curvlab.studies.records` and :mod:`curvlab.studies.summary`) or, for the tuning and quadratic
+results, their JSON, and a path stem; it draws them, computing nothing, and returns the paths written.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from curvlab.analysis.report import CurvatureReport
 from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.studies.compare import pair_reports, within_layer_gap
 from curvlab.studies.paper import CLAIMS
-from curvlab.studies.results import seed_band
+from curvlab.studies.records import seed_band
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util.atomic import atomic_write_with
 
@@ -347,7 +347,7 @@ def _two_and_five(x: float, _pos) -> str:
 
 
 def primary_forest(entries: list, stem: str | Path) -> list[Path]:
-    """The primary family as a forest plot (:class:`curvlab.studies.results.PrimaryEntry` records): each claim's
+    """The primary family as a forest plot (:class:`curvlab.studies.primary.PrimaryEntry` records): each claim's
     value and 95% seed-level interval, ratios on a log axis (left, no effect at 1) and differences on a
     linear one (right, no effect at 0), the paper's number as an open diamond, and each row labelled
     with its direction and magnitude verdicts. Unmeasured claims are listed, not drawn; an interval
@@ -393,7 +393,7 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
 
 
 def reproduction_figures(data, summary, tuning: TuningRecord, quadratic: dict[str, Any], out: str | Path):
-    """Every figure of a reproduction, from its per-level data (:class:`curvlab.studies.results.LevelData`),
+    """Every figure of a reproduction, from its per-level data (:class:`curvlab.studies.records.LevelData`),
     summary, tuning and quadratic results; returns ``{figure family: paths}``."""
 
     out = Path(out)

@@ -3,7 +3,7 @@
 Both open with the pre-registered primary family alone (value [95% CI], seeds and units, the paper's
 number, the direction and magnitude verdicts, Holm's p), its forest plot and the A/A calibration;
 the descriptive rest (no verdicts, no tally) follows. Both are rendered from the typed results alone
-(:class:`curvlab.studies.results.Summary`, and the per-level data for the report's level tables), so
+(:class:`curvlab.studies.summary.Summary`, and the per-level data for the report's level tables), so
 regenerating them is mechanical:
 ``curvlab readme-results results/quick`` rewrites the README's section between its markers and copies
 the figures it shows into ``docs/results/``.
@@ -18,8 +18,11 @@ from pathlib import Path
 
 from curvlab.errors import CurvlabError
 from curvlab.studies import statistics as st
+from curvlab.studies.headline import HeadlineEntry
 from curvlab.studies.paper import QUADRATIC_EXAMPLE
-from curvlab.studies.results import Calibration, HeadlineEntry, LevelData, PrimaryEntry, Summary
+from curvlab.studies.primary import Calibration, PrimaryEntry
+from curvlab.studies.records import LevelData
+from curvlab.studies.summary import Summary
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util.atomic import atomic_write_text, atomic_write_with
 

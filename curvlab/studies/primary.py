@@ -1,0 +1,439 @@
+"""The pre-registered **primary family** (:func:`primary_family`, a list of :class:`PrimaryEntry`, one per
+:data:`curvlab.studies.paper.PRIMARY` claim), derived from a :class:`curvlab.studies.records.LevelData`::
+
+    name, scope, quantity, statement, claimed, kind, method, value, ci95, n_seeds, n_units, paper,
+    paper_text, direction, magnitude, p, p_holm, per_seed [{seed, ...}], note
+
+Per seed, each claim aggregates that seed's units (the mean over its matched levels, the median of its
+paired points' ratios, or its trajectory), then infers across seeds
+(:func:`curvlab.studies.statistics.ratio_inference` or :func:`curvlab.studies.statistics.mean_inference`);
+Holm's correction runs over the claims that got a test (3 seeds or more, and judged by the design). And
+the **A/A calibration** (:func:`calibration`, a :class:`Calibration`)::
+
+    false_verdict_rate, n_tests, per_test [{comparison, claim, n_seeds, p_holm, direction}]
+
+from same-arm comparisons (``"adamw/adamw"``, ``"muon/muon"``: two disjoint seeds of one arm per
+record), put through the same pipeline for the claims that compare the two sides of a comparison
+(docs/science.md section 12).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from curvlab.curvature.scalars import CheckpointScalars, scope_key
+from curvlab.errors import CurvlabError
+from curvlab.studies import statistics as st
+from curvlab.studies.paper import PRIMARY, PrimaryClaim, judged_claims
+from curvlab.studies.records import (
+    PRIMARY_COMPARISON,
+    ComparisonRecord,
+    LevelData,
+    TrackRecord,
+    with_levels_off_plateau,
+)
+
+
+@dataclass(frozen=True)
+class PrimaryEntry:
+    """One claim of the primary family, judged (module docstring; :mod:`curvlab.studies.statistics`).
+
+    ``direction``: supported / contradicted / inconclusive, ``"descriptive: fewer than 3 seeds"`` or
+    ``"not measured"``; ``magnitude``: consistent / larger / smaller / uninformative against ``paper``
+    (``None`` without a paper number); ``p`` the unadjusted two-sided p-value, ``p_holm`` Holm's over
+    the family (``None`` when not tested); ``kind`` what was judged (``"ratio"``, or ``"difference"``,
+    also when a ratio's denominator had no settled sign: then ``note`` says so)."""
+
+    name: str
+    scope: str
+    quantity: str
+    statement: str
+    claimed: str  # e.g. "greater than 1"
+    kind: str
+    method: str
+    value: float | None
+    ci95: list[float] | None
+    n_seeds: int
+    n_units: int
+    paper: float | None
+    paper_text: str
+    direction: str
+    magnitude: str | None
+    p: float | None
+    p_holm: float | None
+    per_seed: list[dict[str, Any]] = field(default_factory=list)
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrimaryEntry:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The A/A calibration: the share of same-arm tests whose direction verdict asserted a difference
+    (NaN when there were no tests), over ``n_tests`` tests with 3 seeds or more, and each test."""
+
+    false_verdict_rate: float = float("nan")
+    n_tests: int = 0
+    per_test: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        return cls(d["false_verdict_rate"], d["n_tests"], d.get("per_test", []))
+
+
+# -- the primary family -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _SeedValues:
+    """What one claim infers from: per-seed aggregates (numerator and denominator for a ratio or a
+    normalized difference, values alone for a difference), with per-seed details and notes."""
+
+    seeds: list[int]
+    numerator: list[float]
+    denominator: list[float] | None
+    units: list[int]
+    notes: list[str] = field(default_factory=list)
+
+
+def _own(arm: str, quantity: str, scope: str) -> str:
+    """The paired-direction key of an arm's own step (``paired_cos_adamw_hidden`` on AdamW's side)."""
+    return f"paired_{quantity}_{arm}_{scope}"
+
+
+def _sign_note(values: list[float], what: str, kept: str = "the per-seed means") -> str:
+    bad = sum(1 for v in values if not v > 0)
+    return f"{bad} of {len(values)} {what} <= 0 (kept in {kept})" if bad else ""
+
+
+def _between(records: list[ComparisonRecord], key_of) -> _SeedValues | str:
+    """Per seed (record), the mean over its levels off the plateau of the numerator side's and the
+    denominator side's window means of ``key_of(arm)`` (the arms as the record's name gives them,
+    numerator first: ``"adamw/muon"``, or ``"adamw/adamw"`` for an A/A record); a string says what is
+    missing."""
+    usable = with_levels_off_plateau(records)
+    if not usable:
+        return "no matched comparison with a level off the unigram plateau"
+    seeds, num, den, units, raw = [], [], [], [], []
+    for r in usable:
+        xs, ys = [], []
+        ka, kb = (key_of(arm) for arm in r.name.split("/"))
+        for lv in r.comparison.headline_levels:
+            a, b = r.comparison.sides(lv)
+            ma, mb = a.mean, b.mean  # (a property that averages every key)
+            if ka not in ma or kb not in mb:
+                return f"no {ka if ka not in ma else kb} in the matched windows (older runs)"
+            xs.append(ma[ka])
+            ys.append(mb[kb])
+        seeds.append(r.seed)
+        num.append(float(np.mean(xs)))
+        den.append(float(np.mean(ys)))
+        units.append(len(xs))
+        raw += xs + ys
+    notes = [n for n in [_sign_note(raw, "window means")] if n]
+    return _SeedValues(seeds, num, den, units, notes)
+
+
+def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> _SeedValues | str:
+    """Per seed, the median over every distinct analysed checkpoint of both arms at the first s, in the
+    stable phase and off the plateau (the members of the matched windows and the tracked trajectory),
+    of the ratio NDS(AdamW's next-step direction) / NDS(Muon's) at that checkpoint. Both directions are
+    at the same W and batch, so any analysed point counts; pooling the trajectory with the windows gives
+    each seed a dozen points or more instead of the few the matched levels hold.
+
+    A median of the per-point ratios, not a ratio of means over points: NDS spans two orders of
+    magnitude along a run, and one checkpoint where the curvature spikes (×700 its neighbours) set a
+    seed's ratio of means, and moved with float noise between a 1- and a 2-thread rerun
+    (docs/science.md section 12). The median weighs every point alike and is defined for either sign;
+    a point where Muon's NDS is exactly 0 has no ratio and is counted in a note."""
+    usable = with_levels_off_plateau(records)
+    if not usable:
+        return "no matched comparison with a level off the unigram plateau"
+    ka, km = f"paired_nds_adamw_{scope}", f"paired_nds_muon_{scope}"
+    s0 = data.s_values[0]
+    seeds, num, units, xs_all, ys_all = [], [], [], [], []
+    agree = undefined = 0
+    for r in usable:
+        points: dict[tuple[str, int], CheckpointScalars] = {}
+        for lv in r.comparison.headline_levels:
+            for side in (lv.a, lv.b):
+                for m in side.members:
+                    points[(side.optimizer, m.step)] = m
+        if any(ka not in p.paired or km not in p.paired for p in points.values()):
+            return f"no {ka} / {km} in the matched windows (older runs)"
+        for arm in ("adamw", "muon"):
+            for t in (t for t in data.track(arm, s0) if t.seed == r.seed):
+                for row in t.after_warmup():
+                    if ka in row.paired and km in row.paired:  # a trajectory analysed without shadows adds nothing
+                        points.setdefault((row.optimizer or arm, row.step), row)
+        xs = [p.paired[ka] for p in points.values()]
+        ys = [p.paired[km] for p in points.values()]
+        agree += sum((x > 0) == (y > 0) for x, y in zip(xs, ys))
+        ratios = [x / y for x, y in zip(xs, ys) if y != 0]
+        undefined += len(xs) - len(ratios)
+        if not ratios:
+            continue
+        seeds.append(r.seed)
+        num.append(float(np.median(ratios)))
+        units.append(len(ratios))
+        xs_all += xs
+        ys_all += ys
+    if not seeds:
+        return f"no point with a nonzero {km}"
+    notes = [
+        n
+        for n in (
+            _sign_note(xs_all, "points along AdamW's direction have NDS", "the per-seed medians of the ratios"),
+            _sign_note(ys_all, "along Muon's", "the medians, with the sign their ratios take"),
+            f"both directions take the same sign at {agree} of {len(xs_all)} points",
+            f"{undefined} points with Muon's NDS exactly 0 have no ratio" if undefined else "",
+        )
+        if n
+    ]
+    return _SeedValues(seeds, num, [1.0] * len(num), units, notes)
+
+
+def _trajectory_mean(t: TrackRecord, key: str) -> float:
+    rows = t.after_warmup()
+    return float(np.mean([r.value(key) for r in rows])) if rows and all(r.has(key) for r in rows) else float("nan")
+
+
+def _zipf_gap(data: LevelData, scope: str) -> _SeedValues | str:
+    """Per seed (present in all four runs), the change of the AdamW − Muon trajectory-mean NDS gap from
+    the first s to the last, (a1 − m1 − a0 + m0) / m0, normalized by that seed's Muon at the first s.
+    A seed whose baseline m0 is not positive cannot be normalized: it is left out, and the note says so."""
+    if len(data.s_values) < 2:
+        return "one value of s only"
+    s0, s1 = data.s_values[0], data.s_values[-1]
+    key = scope_key("nds", scope)
+    runs = {(arm, s): {t.seed: t for t in data.track(arm, s)} for arm in ("adamw", "muon") for s in (s0, s1)}
+    common = sorted(set.intersection(*(set(v) for v in runs.values())))
+    if not common:
+        return f"no seed with trajectories of both arms at s = {s0:g} and s = {s1:g}"
+    seeds, values, units, notes = [], [], [], []
+    for seed in common:
+        m = {k: _trajectory_mean(v[seed], key) for k, v in runs.items()}
+        if not all(np.isfinite(x) for x in m.values()):
+            notes.append(f"seed {seed}: a trajectory without a checkpoint after warmup off the plateau, left out")
+            continue
+        if not m[("muon", s0)] > 0:
+            notes.append(
+                f"seed {seed}: Muon's trajectory-mean NDS at s = {s0:g} is {m[('muon', s0)]:.3g} (<= 0), left out"
+            )
+            continue
+        seeds.append(seed)
+        change = m[("adamw", s1)] - m[("muon", s1)] - m[("adamw", s0)] + m[("muon", s0)]
+        values.append(change / m[("muon", s0)])
+        units.append(sum(len(v[seed].after_warmup()) for v in runs.values()))
+    if not seeds:
+        return "; ".join(notes)
+    return _SeedValues(seeds, values, None, units, notes)
+
+
+def _rho_gap(data: LevelData, scope: str) -> _SeedValues | str:
+    """Per seed (present in both arms at the first s), the rise of rho_within from the first third of
+    training to the last, Muon's minus AdamW's (rho over a third = sum within / sum NDS there)."""
+    s0 = data.s_values[0]
+    within, total = ("within", "nds") if scope == "all" else ("within_layers", "nds_layers")
+    runs = {arm: {t.seed: t for t in data.track(arm, s0)} for arm in ("muon", "adamw")}
+    common = sorted(set(runs["muon"]) & set(runs["adamw"]))
+    if not common:
+        return f"no seed with trajectories of both arms at s = {s0:g}"
+
+    def rise(t: TrackRecord) -> tuple[float, int]:
+        rows = t.off_plateau()
+        thirds = []
+        for pick in (lambda r: r.step <= t.steps / 3, lambda r: r.step > 2 * t.steps / 3):
+            chosen = [r for r in rows if pick(r)]
+            den = sum(r.value(total) for r in chosen)
+            thirds.append(sum(r.value(within) for r in chosen) / den if chosen and den else float("nan"))
+        return thirds[1] - thirds[0], len(rows)
+
+    seeds, values, units, notes = [], [], [], []
+    for seed in common:
+        (m, nm), (a, na) = rise(runs["muon"][seed]), rise(runs["adamw"][seed])
+        if not (np.isfinite(m) and np.isfinite(a)):
+            notes.append(f"seed {seed}: no checkpoint off the plateau in the first or the last third, left out")
+            continue
+        seeds.append(seed)
+        values.append(m - a)
+        units.append(nm + na)
+    if not seeds:
+        return "; ".join(notes)
+    return _SeedValues(seeds, values, None, units, notes)
+
+
+def _claim_inputs(claim: PrimaryClaim, data: LevelData, records: list[ComparisonRecord]) -> _SeedValues | str:
+    if claim.name == "paired_direction_ratio":
+        return _paired(records, data, claim.scope)
+    if claim.name == "between_nds_ratio":
+        return _between(records, lambda arm: scope_key("nds", claim.scope))
+    if claim.name == "alignment_ratio":
+        return _between(records, lambda arm: _own(arm, "cos", claim.scope))
+    if claim.name == "zipf_gap_change":
+        return _zipf_gap(data, claim.scope)
+    if claim.name == "rho_within_change_gap":
+        return _rho_gap(data, claim.scope)
+    raise CurvlabError(f"no data rule for primary claim {claim.name!r}")
+
+
+def _claimed(claim: PrimaryClaim) -> str:
+    if claim.direction == "about":
+        lo, hi = claim.band
+        return f"about {claim.null:g} (within [{lo:g}, {hi:g}])"
+    return f"{claim.direction} than {claim.null:g}"
+
+
+def _infer(claim: PrimaryClaim, values: _SeedValues, confidence: float) -> st.SeedInference:
+    if values.denominator is None:
+        return st.mean_inference(values.numerator, claim.null, confidence)
+    return st.ratio_inference(values.numerator, values.denominator, claim.null, confidence)
+
+
+def _judge(
+    claims: tuple[PrimaryClaim, ...],
+    data: LevelData,
+    records: list[ComparisonRecord],
+    confidence: float,
+    judged: frozenset[str] | None = None,
+) -> list[PrimaryEntry]:
+    """Every claim's entry: per-seed inference, Holm over the claims tested (3 seeds or more, and named
+    in ``judged`` when given: the others are estimated but descriptive, outside the correction), verdicts."""
+    inputs = [_claim_inputs(c, data, records) for c in claims]
+    inferences = [None if isinstance(v, str) else _infer(c, v, confidence) for c, v in zip(claims, inputs)]
+    is_judged = [judged is None or c.name in judged for c in claims]
+    tested = [
+        i
+        for i, inf in enumerate(inferences)
+        if is_judged[i] and inf is not None and inf.p is not None and inf.n_seeds >= st.MIN_SEEDS
+    ]
+    adjusted = dict(zip(tested, st.holm([inferences[i].p for i in tested])))
+    entries = []
+    for i, (claim, values, inf) in enumerate(zip(claims, inputs, inferences)):
+        common = dict(
+            name=claim.name, scope=claim.scope, quantity=claim.quantity, statement=claim.statement,
+            claimed=_claimed(claim), paper=claim.paper, paper_text=claim.paper_text,
+        )  # fmt: skip
+        if inf is None:
+            entries.append(
+                PrimaryEntry(
+                    **common,
+                    kind=claim.kind,
+                    method="",
+                    value=None,
+                    ci95=None,
+                    n_seeds=0,
+                    n_units=0,
+                    direction=st.NOT_MEASURED,
+                    magnitude=None,
+                    p=None,
+                    p_holm=None,
+                    note=f"not measured: {values}; needs {claim.data}",
+                )
+            )
+            continue
+        p_holm = adjusted.get(i)
+        band = None if inf.method == st.DIFFERENCE_T else claim.band  # a fallen-back difference has no band
+        direction = st.direction_verdict(claim.direction, inf, p_holm, band) if is_judged[i] else st.DESCRIPTIVE
+        # the paper's number is on the claim's scale: a quantity that fell back to a difference (its
+        # denominator's sign not settled) cannot be set beside it
+        fell_back = inf.method == st.DIFFERENCE_T
+        kind = "difference" if fell_back else claim.kind
+        ci = None if inf.ci95 is None else list(inf.ci95)
+        if claim.paper is None or not is_judged[i]:
+            magnitude = None
+        elif fell_back:
+            magnitude = st.FEW_SEEDS if inf.n_seeds < st.MIN_SEEDS else st.UNINFORMATIVE
+        else:
+            magnitude = st.magnitude_verdict(ci, claim.paper, inf.n_seeds)
+        notes = ([inf.note] if inf.note else []) + values.notes
+        if not is_judged[i]:
+            notes.append(f"descriptive in this design: {DESCRIPTIVE_NOTE}")
+        if inf.n_seeds < 2:
+            notes.append(f"{inf.n_seeds} seed: no interval")
+        per_seed = [
+            {"seed": seed, "numerator": x, "units": u}
+            | ({} if values.denominator is None else {"denominator": values.denominator[k]})
+            | {"value": inf.per_seed[k]}
+            for k, (seed, x, u) in enumerate(zip(values.seeds, values.numerator, values.units))
+        ]
+        entries.append(
+            PrimaryEntry(
+                **common,
+                kind=kind,
+                method=inf.method,
+                value=inf.value,
+                ci95=ci,
+                n_seeds=inf.n_seeds,
+                n_units=sum(values.units),
+                direction=direction,
+                magnitude=magnitude,
+                p=inf.p,
+                p_holm=p_holm,
+                per_seed=per_seed,
+                note="; ".join(notes),
+            )
+        )
+    return entries
+
+
+DESCRIPTIVE_NOTE = "the preset judges only its own primary claims (docs/science.md section 12): no verdict, no Holm"
+
+
+def primary_family(
+    data: LevelData, confidence: float = st.CONFIDENCE, judged: tuple[str, ...] | None = None
+) -> list[PrimaryEntry]:
+    """The primary family (:data:`curvlab.studies.paper.PRIMARY`), judged from the per-level data alone: the
+    matched comparisons of AdamW and Muon (``"adamw/muon"``) and the trajectories. A claim whose data
+    are missing (e.g. older runs without paired-direction scalars, or one value of s) is an entry marked
+    not measured, never a verdict. ``judged`` names the claims a design has the power to judge (a
+    preset's ``primary``; None: all): the others keep their estimate and interval, as descriptive
+    entries outside Holm's correction."""
+    return _judge(PRIMARY, data, data.matched(PRIMARY_COMPARISON), confidence, judged_claims(judged))
+
+
+def _false(direction: str, claim: PrimaryClaim) -> bool:
+    """Whether an A/A verdict asserts a difference between two runs of one arm: any verdict on a
+    greater/less claim, and "contradicted" on an about-equal claim ("supported" is right there)."""
+    if direction in (st.SUPPORTED, st.CONTRADICTED):
+        return not (claim.direction == "about" and direction == st.SUPPORTED)
+    return False
+
+
+def calibration(records: list[ComparisonRecord], confidence: float = st.CONFIDENCE) -> Calibration:
+    """The A/A calibration from same-arm comparisons (records named ``"x/x"``, e.g. ``"adamw/adamw"``;
+    each record two seeds of one arm). The reproduction pairs neighbouring seeds (k - 1, k), so that 5
+    seeds give 4 records: neighbouring records share a seed, and their log ratios correlate by -0.5,
+    which makes the t interval over records wider than it needs to be (conservative: about 2.2x the
+    width in this design), never narrower. Each
+    same-arm family goes through the primary pipeline for the claims comparing the two sides of a
+    comparison (``between_runs``), with Holm over those claims. A test is a claim with 3 or more
+    records; the false-verdict rate is the share of tests whose direction verdict asserted a
+    difference (:func:`_false`). NaN when there is no test."""
+    names = sorted({r.name for r in records if r.name.split("/")[0] == r.name.split("/")[-1] and "/" in r.name})
+    claims = tuple(c for c in PRIMARY if c.between_runs)
+    empty = LevelData([], [], None, [0.0])
+    per_test = []
+    for name in names:
+        group = sorted((r for r in records if r.name == name), key=lambda r: r.seed)
+        for claim, e in zip(claims, _judge(claims, empty, group, confidence)):
+            if e.p_holm is None:
+                continue
+            per_test.append(
+                {"comparison": name, "claim": claim.name, "n_seeds": e.n_seeds, "p_holm": e.p_holm,
+                 "direction": e.direction, "false": _false(e.direction, claim)}
+            )  # fmt: skip
+    n = len(per_test)
+    rate = sum(t["false"] for t in per_test) / n if n else float("nan")
+    return Calibration(rate, n, per_test)

@@ -1,0 +1,170 @@
+"""What a reproduction measured, as typed data: ``analysis/levels.json`` (:class:`LevelData`,
+``LEVELS_SCHEMA_VERSION``) holds every matched comparison of every seed (:class:`ComparisonRecord`: each
+level's windows, with every analysed checkpoint's scalars) and every tracked trajectory
+(:class:`TrackRecord`). The headline (:mod:`curvlab.studies.headline`), the primary family
+(:mod:`curvlab.studies.primary`) and the figures derive from it alone, so a summary can be re-derived from
+``levels.json`` (and the tests do so).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from curvlab.curvature.scalars import CheckpointScalars
+from curvlab.studies.compare import Comparison
+from curvlab.util import schema
+from curvlab.util.atomic import atomic_write_text
+
+LEVELS_SCHEMA_VERSION = 1
+SCOPES = ("all", "hidden")
+MATCHED = {"muon": "adamw/muon", "muon-moonlight": "adamw/muon-moonlight"}  # Muon arm -> comparison name
+PRIMARY_COMPARISON = MATCHED["muon"]  # what the paired and the between-run claims read
+
+
+@dataclass
+class ComparisonRecord:
+    """One matched comparison of one seed: AdamW's run against one Muon arm's (or why there is none)."""
+
+    name: str  # "adamw/muon" or "adamw/muon-moonlight"
+    seed: int
+    s: float
+    comparison: Comparison | None
+    error: str | None = None  # why no comparison (e.g. the runs never overlap in the stable phase)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "seed": self.seed,
+            "s": self.s,
+            "error": self.error,
+            "comparison": None if self.comparison is None else self.comparison.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ComparisonRecord:
+        c = None if d["comparison"] is None else Comparison.from_dict(d["comparison"])
+        return cls(d["name"], d["seed"], d["s"], c, d["error"])
+
+
+@dataclass
+class TrackRecord:
+    """The tracked checkpoints of one run (``track_run`` rows)."""
+
+    arm: str
+    s: float
+    seed: int
+    steps: int  # the run's length (the thirds of training are thirds of it)
+    warmup_steps: int
+    rows: list[CheckpointScalars]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "arm": self.arm,
+            "s": self.s,
+            "seed": self.seed,
+            "steps": self.steps,
+            "warmup_steps": self.warmup_steps,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrackRecord:
+        rows = [CheckpointScalars.from_dict(r) for r in d["rows"]]
+        return cls(d["arm"], d["s"], d["seed"], d["steps"], d["warmup_steps"], rows)
+
+    def after_warmup(self) -> list[CheckpointScalars]:
+        """The checkpoints in the stable phase (after warmup, before the decay) and off the unigram plateau:
+        what trajectory means average. The decay phase is left out: there Z shrinks with the multiplier,
+        and the arms spend it at different losses."""
+        stable = [r for r in self.off_plateau() if r.phase in (None, "stable")]
+        return [r for r in stable if r.step >= self.warmup_steps]
+
+    def off_plateau(self) -> list[CheckpointScalars]:
+        """The checkpoints off the unigram plateau (kept out of the headline, like matched levels there:
+        NDS is tiny and changes sign there, and the arms spend different times on it)."""
+        return [r for r in self.rows if not r.on_plateau]
+
+
+@dataclass(frozen=True)
+class SeedBand:
+    """One scalar along the trajectories of several seeds: at each step every track has, the mean over
+    the seeds and the lowest and highest seed's value."""
+
+    steps: list[int]
+    mean: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+
+
+def seed_band(tracks: Sequence[TrackRecord], key: str) -> SeedBand:
+    """:class:`SeedBand` of the scalar ``key`` (a :data:`~curvlab.curvature.scalars.SCALAR_KEYS` name) over ``tracks``,
+    at the steps common to all of them."""
+    steps = sorted(set.intersection(*({r.step for r in t.rows} for t in tracks)))
+    values = np.array([[next(r.value(key) for r in t.rows if r.step == k) for k in steps] for t in tracks])
+    return SeedBand(steps, values.mean(0), values.min(0), values.max(0))
+
+
+@dataclass
+class LevelData:
+    """Everything measured in one reproduction (``analysis/levels.json``)."""
+
+    comparisons: list[ComparisonRecord]
+    tracks: list[TrackRecord]
+    plateau_ceiling: float | None
+    s_values: list[float]
+    schema_version: int = LEVELS_SCHEMA_VERSION
+    SCHEMA_VERSION: ClassVar[int] = LEVELS_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "levels.json"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "plateau_ceiling": self.plateau_ceiling,
+            "s_values": self.s_values,
+            "comparisons": [c.to_dict() for c in self.comparisons],
+            "tracks": [t.to_dict() for t in self.tracks],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LevelData:
+        schema.check(d, cls)
+        return cls(
+            [ComparisonRecord.from_dict(c) for c in d["comparisons"]],
+            [TrackRecord.from_dict(t) for t in d["tracks"]],
+            d["plateau_ceiling"],
+            d["s_values"],
+        )
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> LevelData:
+        return schema.load(path, cls)
+
+    def track(self, arm: str, s: float) -> list[TrackRecord]:
+        return sorted((t for t in self.tracks if t.arm == arm and t.s == s), key=lambda t: t.seed)
+
+    def matched(self, name: str) -> list[ComparisonRecord]:
+        return sorted((c for c in self.comparisons if c.name == name), key=lambda c: c.seed)
+
+    def against_adamw(self) -> dict[str, list[Comparison]]:
+        """Muon arm -> its comparisons with AdamW that have levels off the plateau, in seed order (the A/A
+        calibration comparisons, "adamw/adamw" and "muon/muon", are not among them)."""
+        arms: dict[str, list[Comparison]] = {}
+        for r in sorted(self.comparisons, key=lambda c: c.seed):
+            first, second = r.name.split("/")
+            if first == "adamw" != second and r.comparison is not None and r.comparison.headline_levels:
+                arms.setdefault(second, []).append(r.comparison)
+        return arms
+
+
+def with_levels_off_plateau(records: list[ComparisonRecord]) -> list[ComparisonRecord]:
+    """The records whose matched comparison has a level off the unigram plateau (what any claim reads)."""
+    return [r for r in records if r.comparison is not None and r.comparison.headline_levels]

@@ -1,0 +1,112 @@
+"""``summary.json`` (:class:`Summary`, ``SUMMARY_SCHEMA_VERSION``): what a reproduction concludes, for the
+report, the README and the figures: the headline (:mod:`curvlab.studies.headline`), the primary family and
+the A/A calibration (:mod:`curvlab.studies.primary`), the Taylor counts, the tuning record, the notes,
+the final validation losses, the quadratic model's and the FineWeb comparison's records, and the job's
+times and disk use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from curvlab.errors import CurvlabError
+from curvlab.studies.headline import HeadlineEntry, ZipfPoint
+from curvlab.studies.primary import Calibration, PrimaryEntry
+from curvlab.studies.tuning import TuningRecord
+from curvlab.util import schema
+
+SUMMARY_SCHEMA_VERSION = 2  # 2: the primary family and the A/A calibration; headline descriptive
+
+
+@dataclass(frozen=True)
+class QuadraticRecord:
+    """The quadratic model's closed-form checks in ``summary.json`` (:func:`curvlab.studies.quadratic.quadratic_study`'s
+    example): Muon's NDS, its contraction Γ² and gradient descent's two-step contraction."""
+
+    muon_nds: float
+    muon_contraction: float
+    gd_two_step_contraction: float
+
+    @classmethod
+    def from_study(cls, study: Mapping[str, Any]) -> QuadraticRecord:
+        closed = study["example"]["closed_forms"]
+        return cls(*(float(closed[k]) for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QuadraticRecord:
+        return cls(d["muon_nds"], d["muon_contraction"], d["gd_two_step_contraction"])
+
+
+@dataclass(frozen=True)
+class FinewebRecord:
+    """Muon against AdamW on FineWeb at the paper's learning rates (one seed: no interval):
+    AdamW/Muon ratios of means per quantity over ``levels`` matched levels."""
+
+    ratio_of_means: dict[str, float]
+    levels: int
+    seeds: int = 1
+    note: str = "one seed: no interval"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FinewebRecord:
+        return cls(dict(d["ratio_of_means"]), d["levels"], d["seeds"], d["note"])
+
+
+@dataclass
+class Summary:
+    """``summary.json``: the headline, the Taylor check, tuning, caveats, timings and figures."""
+
+    preset: str
+    headline: list[HeadlineEntry]
+    zipf: list[ZipfPoint]  # normalized NDS per (optimizer, s), for the figure and the report
+    taylor: dict[str, dict[str, int]]  # arm -> {"checked", "failed"}
+    tuning: TuningRecord
+    notes: list[str]
+    final_val_loss: dict[str, dict[str, list[float]]]  # s -> arm -> per seed
+    quadratic: QuadraticRecord
+    timing: dict[str, float] = field(default_factory=dict)  # stage -> seconds, over every invocation
+    seconds: float = 0.0
+    invocations: int = 1
+    figures: dict[str, list[str]] = field(default_factory=dict)
+    fineweb: FinewebRecord | None = None
+    disk_bytes: int = 0  # what the job leaves in its output directory
+    primary: list[PrimaryEntry] = field(default_factory=list)  # the primary family (primary_family)
+    calibration: Calibration = field(default_factory=Calibration)  # the A/A calibration (calibration)
+    schema_version: int = SUMMARY_SCHEMA_VERSION
+    SCHEMA_VERSION: ClassVar[int] = SUMMARY_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "summary.json"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tuning": self.tuning.to_dict()}  # tuning.json's form: grids keyed by "lr:g"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Summary:
+        schema.check(d, cls)
+        d = dict(d)
+        d["headline"] = [HeadlineEntry(**e) for e in d["headline"]]
+        d["zipf"] = [ZipfPoint(**e) for e in d["zipf"]]
+        d["primary"] = [PrimaryEntry.from_dict(e) for e in d["primary"]]
+        d["calibration"] = Calibration.from_dict(d["calibration"])
+        d["tuning"] = TuningRecord.from_dict(d["tuning"])
+        d["quadratic"] = QuadraticRecord.from_dict(d["quadratic"])
+        d["fineweb"] = None if d.get("fineweb") is None else FinewebRecord.from_dict(d["fineweb"])
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Summary:
+        return schema.load(path, cls)
+
+    def entry(self, name: str, scope: str = "all") -> HeadlineEntry:
+        for e in self.headline:
+            if e.name == name and e.scope == scope:
+                return e
+        raise CurvlabError(f"no headline entry {name!r} ({scope})")
+
+    def primary_entry(self, name: str) -> PrimaryEntry:
+        for e in self.primary:
+            if e.name == name:
+                return e
+        raise CurvlabError(f"no primary entry {name!r}")
