@@ -459,7 +459,7 @@ def track(
     With --fsdp, under torchrun on as many ranks as wrote the checkpoints, each is analysed sharded.
     """
     from curvlab.analysis.targets import AnalysisSettings
-    from curvlab.studies.compare import track_run, track_source
+    from curvlab.studies.track import track_run, track_source
 
     out = out or run / "track"
     check_output(out, directory=True)
@@ -489,7 +489,7 @@ def track(
 
 def _track_monitor(run: Path, out: Path, every: int) -> None:
     from curvlab.output.plots import curvature_during_training
-    from curvlab.studies.compare import track_monitor
+    from curvlab.studies.track import track_monitor
 
     rows = track_monitor(run, out, every)
     keys = ("step", "val_loss", "status", "nds", "hidden_nds", "predicted", "realized", "within", "cross", "rho_within")

@@ -44,7 +44,8 @@ from curvlab.runs.dcp import convert_to_sharded
 from curvlab.runs.match import MatchCriteria
 from curvlab.runs.sharded_train import train_sharded
 from curvlab.runs.train import TrainConfig, train
-from curvlab.studies.compare import compare_runs, track_run
+from curvlab.studies.compare import compare_runs
+from curvlab.studies.track import track_run
 from tests.conftest import SMALL_MODEL, random_direction
 
 REL = 1e-10

@@ -8,6 +8,7 @@ unsharded run's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from curvlab.analysis.report import CurvatureReport, analyze
@@ -46,3 +47,9 @@ def analyze_sharded_checkpoint(
     settings = settings or AnalysisSettings()
     settings.validate()
     return analyze(open_sharded_checkpoint(path, data, device, settings.batches), settings, str(path))
+
+
+def checkpoint_analyzer(fsdp: bool) -> Callable | None:
+    """The analysis of one checkpoint for :func:`~curvlab.analysis.report.cached_report`: sharded (a DCP
+    directory, every rank under torchrun), or ``None`` for the report's own (the unsharded one)."""
+    return analyze_sharded_checkpoint if fsdp else None

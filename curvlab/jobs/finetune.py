@@ -74,7 +74,7 @@ from curvlab.runs.train import (
     train_loop,
 )
 from curvlab.studies import statistics as st
-from curvlab.studies.compare import monitor_rows
+from curvlab.studies.track import monitor_rows
 from curvlab.studies.tuning import TuningRecord, TuningSettings
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text

@@ -57,13 +57,14 @@ from curvlab.output.files import read_quadratic, write_quadratic
 from curvlab.runs.checkpoint import read_index
 from curvlab.runs.match import PLATEAU_FRACTION, MatchCriteria, NoMatchedLevel, plateau_ceiling
 from curvlab.runs.train import TrainConfig, train
-from curvlab.studies.compare import compare_runs, track_run
+from curvlab.studies.compare import compare_runs
 from curvlab.studies.headline import headline, taylor_counts
 from curvlab.studies.paper import REFERENCE_TRAINING, judged_claims
 from curvlab.studies.primary import calibration, primary_family
 from curvlab.studies.quadratic import quadratic_study
 from curvlab.studies.records import ComparisonRecord, LevelData, TrackRecord
 from curvlab.studies.summary import FinewebRecord, QuadraticRecord, Summary
+from curvlab.studies.track import track_run
 from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, log2_grid
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_json, atomic_write_text

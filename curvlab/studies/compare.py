@@ -1,6 +1,6 @@
-"""Studies over many checkpoints: two optimizers at matched validation loss (``compare``), and one
-run along its trajectory (``track``). Each analysed checkpoint's report is cached (by default under
-``OUT/reports/``), so a re-run (after an interruption, say) skips what is done.
+"""Two optimizers at matched validation loss (``curvlab compare``). Each analysed checkpoint's report is
+cached (by default under ``OUT/reports/``), so a re-run (after an interruption, say) skips what is done;
+one run along its trajectory is :mod:`curvlab.studies.track`.
 
 A matched level of a comparison averages each quantity over a *window*: the matched checkpoint and its
 neighbours in the same schedule phase (see :mod:`curvlab.runs.match`). Aggregates over levels leave out the
@@ -11,10 +11,8 @@ drop a checkpoint from an NDS mean.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,29 +21,17 @@ import numpy as np
 
 from curvlab.analysis.directions import PAIRED, SCOPES, DirectionLandscape
 from curvlab.analysis.report import CurvatureReport, cached_report, load_report, report_cache_path
-from curvlab.analysis.sharded import analyze_sharded_checkpoint
+from curvlab.analysis.sharded import checkpoint_analyzer
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
-from curvlab.runs.checkpoint import read_index
-from curvlab.runs.match import Checkpoint, MatchCriteria, NoMatchedLevel, match_runs, run_checkpoints
-from curvlab.runs.metrics import METRICS_FILE, read_metrics
-from curvlab.runs.monitor import ROW_KIND, MonitorRow
+from curvlab.runs.match import Checkpoint, MatchCriteria, NoMatchedLevel, match_runs
 from curvlab.util import schema
-from curvlab.util.atomic import atomic_write_text
+from curvlab.util.atomic import atomic_write_csv, atomic_write_text
 from curvlab.util.distributed import is_main
 from curvlab.util.progress import progress as progress_bar
 
 COMPARE_SCHEMA_VERSION = 2  # 2: window means per level, plateau flags, schedule per side, no Taylor filter
-
-
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    buffer = io.StringIO()
-    fieldnames = list(dict.fromkeys(k for r in rows for k in r))  # (a level without paired terms leaves them blank)
-    writer = csv.DictWriter(buffer, fieldnames=fieldnames)
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, buffer.getvalue())
 
 
 @dataclass(frozen=True)
@@ -289,16 +275,12 @@ class Comparison:
         )
 
 
-def _analyzer(fsdp: bool) -> Callable | None:
-    """The analysis of one checkpoint: sharded (a DCP directory, every rank under torchrun), or
-    ``None`` for :func:`~curvlab.analysis.report.cached_report`'s own (the unsharded one)."""
-    return analyze_sharded_checkpoint if fsdp else None
-
-
 def _window_side(
     window: Sequence[Checkpoint], centre_step: int, cache: Path, settings, device, fsdp: bool = False
 ) -> WindowSide:
-    reports = [cached_report(cache, c.path, settings, device=device, analyze_fn=_analyzer(fsdp)) for c in window]
+    reports = [
+        cached_report(cache, c.path, settings, device=device, analyze_fn=checkpoint_analyzer(fsdp)) for c in window
+    ]
     centre = next(c for c in window if c.step == centre_step)
     paths = [str(report_cache_path(cache, c.path, settings)) for c in window]
     return WindowSide(
@@ -376,63 +358,8 @@ def compare_runs(
     )
     if is_main():
         atomic_write_text(out / "compare.json", json.dumps(result.to_dict(), indent=1))
-        _write_csv(out / "compare.csv", result.rows)
+        atomic_write_csv(out / "compare.csv", result.rows)
     return result
-
-
-def track_run(
-    run: str | Path,
-    out: str | Path,
-    settings: AnalysisSettings | None = None,
-    *,
-    every: int = 1,
-    steps: Sequence[int] | None = None,
-    plateau_ceiling: float | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-    cache: str | Path | None = None,
-    fsdp: bool = False,
-) -> list[CheckpointScalars]:
-    """Analyse every ``every``-th checkpoint of a run (step 0 excluded: there is no trajectory yet),
-    or those at ``steps``; write ``track.json`` and ``track.csv`` to ``out``. Returns the
-    per-checkpoint scalars, with the schedule (multiplier, phase) of each step and whether it sits on
-    the unigram plateau (at or above ``plateau_ceiling``). ``fsdp``: sharded checkpoints, analysed
-    sharded on every rank (as in :func:`compare_runs`)."""
-    settings = settings or AnalysisSettings()
-    settings.validate()
-    if every < 1:
-        raise CurvlabError(f"--every must be >= 1, got {every}")
-    run, out = Path(run), Path(out)
-    cache = Path(cache) if cache else out / "reports"
-    checkpoints = [c for c in run_checkpoints(run) if c.step > 0]
-    if steps is not None:
-        missing = sorted(set(steps) - {c.step for c in checkpoints})
-        if missing:
-            raise CurvlabError(f"{run}: no checkpoint with a validation loss at step(s) {missing[:5]}")
-        checkpoints = [c for c in checkpoints if c.step in set(steps)]
-    checkpoints = checkpoints[::every]
-    if not checkpoints:
-        raise CurvlabError(f"{run}: no checkpoint after step 0 to track")
-    rows = []
-    for c in progress_bar(checkpoints, desc=f"track {run.name}", disable=not progress):
-        report = cached_report(cache, c.path, settings, device=device, analyze_fn=_analyzer(fsdp))
-        spectrum = report.spectrum
-        row = report.scalars().with_context(
-            optimizer=report.optimizer,
-            multiplier=c.multiplier,
-            lr=c.lr,
-            phase=c.phase,
-            on_plateau=plateau_ceiling is not None and c.val_loss >= plateau_ceiling,
-            lambda_max=None if spectrum is None else spectrum.lambda_max,
-            overlap_top_k=None if spectrum is None else spectrum.overlap_top_k,
-        )
-        rows.append(row)
-    if is_main():
-        dicts = [r.to_dict() for r in rows]
-        track = {"run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": dicts}
-        atomic_write_text(out / "track.json", json.dumps(track, indent=1))
-        _write_csv(out / "track.csv", dicts)
-    return rows
 
 
 def pair_reports(level: Level) -> dict[str, CurvatureReport]:
@@ -461,54 +388,3 @@ def within_layer_gap(comparisons: Sequence[Comparison]) -> tuple[list[str], list
     gaps = np.array(gaps)
     se = gaps.std(axis=0, ddof=1) / np.sqrt(len(gaps)) if len(gaps) > 1 else np.full(gaps.shape[1], np.nan)
     return names, gaps.mean(axis=0).tolist(), se.tolist()
-
-
-def monitor_rows(run: str | Path) -> list[MonitorRow]:
-    """The curvature rows that ``curvlab train --curvature-every K`` wrote to ``RUN/metrics.jsonl``,
-    by step (read by :func:`curvlab.runs.metrics.read_metrics`)."""
-    if not (Path(run) / METRICS_FILE).is_file():
-        raise CurvlabError(f"{run}: no {METRICS_FILE}")
-    rows = [MonitorRow.from_dict(r) for r in read_metrics(run) if r.get("kind") == ROW_KIND]
-    return sorted(rows, key=lambda r: r.step)
-
-
-def _validation_losses(run: Path) -> dict[int, float]:
-    """Step -> validation loss, from the checkpoint index and the training rows of metrics.jsonl."""
-    losses = {e["step"]: e["val_loss"] for e in read_index(run) if e.get("val_loss") is not None}
-    losses.update({r["step"]: r["val_loss"] for r in read_metrics(run) if r.get("kind") is None and "val_loss" in r})
-    return losses
-
-
-def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[CheckpointScalars]:
-    """:func:`track_run` without checkpoints: every ``every``-th curvature row a monitored run
-    recorded while it trained (nothing is recomputed), each with the validation loss of its step
-    where one was evaluated (else NaN); write ``track.json`` and ``track.csv`` to ``out``. Rows whose
-    status is not ``ok`` stay, with their message, and count as Taylor failures."""
-    if every < 1:
-        raise CurvlabError(f"--every must be >= 1, got {every}")
-    run, out = Path(run), Path(out)
-    rows = monitor_rows(run)[::every]
-    if not rows:
-        raise CurvlabError(f"{run}: metrics.jsonl holds no curvature rows (train with --curvature-every K)")
-    config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
-    val = _validation_losses(run)
-    summaries = [r.scalars(val.get(r.step, float("nan")), config.get("optimizer", "")) for r in rows]
-    if is_main():
-        dicts = [r.to_dict() for r in summaries]
-        track = {"run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens, "rows": dicts}
-        atomic_write_text(out / "track.json", json.dumps(track, indent=1))
-        _write_csv(out / "track.csv", dicts)
-    return summaries
-
-
-TRACK_SOURCES = ("auto", "monitor", "checkpoints")
-
-
-def track_source(run: str | Path, source: str = "auto") -> str:
-    """``"monitor"`` or ``"checkpoints"``: what ``curvlab track`` draws for ``source``; ``"auto"``
-    takes the monitor's rows when the run's metrics.jsonl holds any, else analyses the checkpoints."""
-    if source not in TRACK_SOURCES:
-        raise CurvlabError(f"unknown track source {source!r}; choose one of {', '.join(TRACK_SOURCES)}")
-    if source != "auto":
-        return source
-    return "monitor" if (Path(run) / METRICS_FILE).is_file() and monitor_rows(run) else "checkpoints"

@@ -6,13 +6,15 @@ A crash or a full disk mid-write leaves the previous file (or none) in place, ne
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import json
 import math
 import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from curvlab.errors import CurvlabError
 
@@ -39,6 +41,15 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_open(path, "w") as f:
         f.write(text)
+
+
+def atomic_write_csv(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as a CSV with a header of every key in order of appearance (a key a row lacks is blank)."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buffer.getvalue())
 
 
 def atomic_write_with(path: str | Path, write: Callable[[IO], None]) -> None:
