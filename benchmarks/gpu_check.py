@@ -21,9 +21,8 @@ import torch
 
 from curvlab import CurvaturePoint, make_loss_fn
 from curvlab.analysis.report import analyze_checkpoint
-from curvlab.analysis.spectrum import checkpoint_spectrum
+from curvlab.analysis.spectrum import SpectrumRequest, checkpoint_spectrum
 from curvlab.analysis.targets import AnalysisSettings
-from curvlab.curvature.spectral import SpectrumRequest
 from curvlab.data.dataset import generate_pcfg_dataset
 from curvlab.runs.train import TrainConfig, build_run, train
 

@@ -529,9 +529,8 @@ def spectrum(
 
     Under torchrun the ranks share the batches (--batches N, N >= the ranks); rank 0 prints and writes.
     """
-    from curvlab.analysis.spectrum import checkpoint_spectrum
+    from curvlab.analysis.spectrum import SpectrumRequest, checkpoint_spectrum
     from curvlab.analysis.targets import AnalysisSettings
-    from curvlab.curvature.spectral import SpectrumRequest
     from curvlab.output.files import write_spectrum
 
     settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype, hvp_method=method)

@@ -17,10 +17,9 @@ import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 from curvlab import make_loss_fn, taylor_split
-from curvlab.analysis.spectrum import checkpoint_spectrum
+from curvlab.analysis.spectrum import SpectrumRequest, checkpoint_spectrum
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli import app
-from curvlab.curvature.spectral import SpectrumRequest
 from curvlab.optim.muon import Muon
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.train import TrainConfig, train

@@ -6,9 +6,6 @@ from torch.utils._pytree import tree_leaves
 
 from curvlab import make_loss_fn
 from curvlab.curvature.spectral import (
-    adam_edge_of_stability,
-    adam_preconditioner,
-    adam_step_settings,
     eigsh_extremes,
     hutch_plus_plus,
     hutchinson,
@@ -18,6 +15,7 @@ from curvlab.curvature.spectral import (
     vector_bytes,
 )
 from curvlab.engine.operator import Operator, hessian_operator, preconditioned_operator
+from curvlab.optim.adam import adam_edge_of_stability, adam_preconditioner, adam_step_settings
 from tests.reference import MLP, dense_hessian
 
 

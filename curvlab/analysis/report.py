@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from curvlab.analysis.directions import PAIRED, PairedDirections, paired_directions
@@ -66,12 +67,7 @@ from curvlab.curvature.scalars import (
     taylor_error,
     taylor_holds,
 )
-from curvlab.curvature.spectral import (
-    UpdateSpectrum,
-    hutchinson,
-    lanczos,
-    overlap_with,
-)
+from curvlab.curvature.spectral import EigenResult, TraceResult, hutchinson, lanczos, overlap_with
 from curvlab.curvature.taylor import (
     BlockMatrix,
     TaylorScope,
@@ -89,6 +85,59 @@ from curvlab.optim.update import next_update
 from curvlab.runs.dcp import META as SHARDED_META
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.distributed import from_main, is_distributed, is_main
+
+
+@dataclass(frozen=True)
+class UpdateSpectrum:
+    r"""λ_max and the top-k eigenvalues of H at a checkpoint, the share of :math:`\|Z\|^2` of its next
+    update Z in their span, and the trace (the ``spectrum`` of a curvature report)."""
+
+    top: EigenResult
+    trace: TraceResult
+    overlap_top_k: float
+    nds: float
+    dim: int
+
+    @property
+    def lambda_max(self) -> float:
+        return float(self.top.eigenvalues[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        lam = self.lambda_max
+        return {
+            "lambda_max": lam,
+            "top": self.top.eigenvalues.tolist(),
+            "residuals": self.top.residuals.tolist(),
+            "converged": self.top.converged,
+            "num_hvps": self.top.num_matvecs + self.trace.num_matvecs,
+            "overlap_top_k": self.overlap_top_k,
+            "nds_over_lambda_max": self.nds / lam if lam else float("nan"),
+            "trace": self.trace.trace,
+            "trace_std_error": self.trace.std_error,
+            "trace_per_parameter": self.trace.trace / self.dim,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], nds: float) -> UpdateSpectrum:
+        """The spectrum of a saved report (``nds``: the report's NDS of Z). The JSON keeps no
+        eigenvectors (the loaded ones are empty), nor how its ``num_hvps`` split between Lanczos and
+        the trace (all are counted on Lanczos'), nor Hutchinson's sample count; the rest is exact, so
+        :meth:`to_dict` gives the same JSON back."""
+        top = np.asarray(d["top"], dtype=float)
+        per = d["trace_per_parameter"]
+        dim = round(d["trace"] / per) if per and math.isfinite(per) else 1
+        eigen = EigenResult(
+            top,
+            torch.zeros(0, len(top), dtype=torch.float64),
+            np.asarray(d["residuals"], dtype=float),
+            d["num_hvps"],
+            0,
+            d["converged"],
+            "lanczos",
+            "largest",
+        )
+        trace = TraceResult(d["trace"], d["trace_std_error"], 0, "hutchinson", 0)
+        return cls(eigen, trace, d["overlap_top_k"], nds, dim)
 
 
 @dataclass(frozen=True)
@@ -132,7 +181,7 @@ class CurvatureReport:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CurvatureReport:
         """The report of :meth:`to_dict`'s JSON (see :meth:`UpdateSpectrum.from_dict
-        <curvlab.curvature.spectral.UpdateSpectrum.from_dict>` for what a saved spectrum keeps).
+        <curvlab.analysis.report.UpdateSpectrum.from_dict>` for what a saved spectrum keeps).
 
         Raises:
             CurvlabError: another schema version.

@@ -1,19 +1,21 @@
 """The Hessian spectrum of one checkpoint (``curvlab spectrum``): extreme eigenvalues, traces, densities,
-per-block and preconditioned sharpness, on the checkpoint's target and evaluation batches.
+per-block and preconditioned sharpness, on the checkpoint's target and evaluation batches. What is asked
+(:class:`SpectrumRequest`), what comes back (:class:`CheckpointSpectrum`, JSON ``SPECTRUM_SCHEMA_VERSION``)
+and :func:`checkpoint_spectrum`, which computes one from the other.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from curvlab.analysis.targets import DTYPES, AnalysisSettings, evaluation_batches, open_checkpoint
 from curvlab.curvature.groupings import group_parameters
 from curvlab.curvature.spectral import (
-    CheckpointSpectrum,
-    PreconditionedSharpness,
-    SpectrumRequest,
-    adam_preconditioner,
-    adam_step_settings,
+    DensityResult,
+    EigenResult,
+    TraceResult,
     hutch_plus_plus,
     hutchinson,
     lanczos,
@@ -21,6 +23,111 @@ from curvlab.curvature.spectral import (
 )
 from curvlab.engine.loss import make_loss_fn
 from curvlab.engine.operator import hessian_operator, preconditioned_operator
+from curvlab.errors import CurvlabError
+from curvlab.optim.adam import adam_edge_of_stability, adam_preconditioner, adam_step_settings
+
+SPECTRUM_SCHEMA_VERSION = 1  # the JSON of CheckpointSpectrum (``curvlab spectrum --out``)
+
+
+@dataclass(frozen=True)
+class PreconditionedSharpness:
+    r""":math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` for Adam's P, beside its edge of stability
+    :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)` (:func:`adam_edge_of_stability`)."""
+
+    eigen: EigenResult
+    lr: float
+    beta1: float
+
+    @property
+    def edge_of_stability(self) -> float:
+        return adam_edge_of_stability(self.lr, self.beta1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.eigen.to_dict(), "lr": self.lr, "beta1": self.beta1, "edge_of_stability": self.edge_of_stability}
+
+
+# -- results of the analysis pipeline ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpectrumRequest:
+    """Which parts of a checkpoint's Hessian spectrum :func:`curvlab.analysis.spectrum.checkpoint_spectrum`
+    computes (``curvlab spectrum``'s options; the batches, dtype and HVP method are its
+    :class:`curvlab.analysis.targets.AnalysisSettings`).
+
+    Attributes:
+        top, bottom: how many of the largest and smallest eigenvalues (Lanczos; 0: none).
+        trace: the trace by Hutchinson and by Hutch++.
+        density: the spectral density by stochastic Lanczos quadrature.
+        blocks: also λ_max of each block of this grouping (``layer``, ``tensor``, ``kind``), or None.
+        preconditioned: Adam's preconditioned sharpness (AdamW checkpoints).
+        max_iter: Lanczos iterations (HVPs) at most, per eigenproblem.
+        memory: bytes every stored Lanczos basis may take (thick restart beyond); None: unbounded.
+    """
+
+    top: int = 5
+    bottom: int = 0
+    trace: bool = False
+    density: bool = False
+    blocks: str | None = None
+    preconditioned: bool = False
+    max_iter: int = 100
+    memory: int | None = None
+
+    def validate(self) -> None:
+        for name in ("top", "bottom"):
+            if getattr(self, name) < 0:
+                raise CurvlabError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_iter < 1:
+            raise CurvlabError(f"max_iter must be >= 1, got {self.max_iter}")
+        if self.memory is not None and self.memory <= 0:
+            raise CurvlabError(f"memory must be > 0 bytes (or None: unbounded), got {self.memory}")
+
+
+def _maybe(x: Any) -> Any:
+    return None if x is None else x.to_dict()
+
+
+@dataclass(frozen=True)
+class CheckpointSpectrum:
+    """The Hessian spectrum at one checkpoint (:func:`curvlab.analysis.spectrum.checkpoint_spectrum`); every
+    part is ``None`` when it wasn't asked for. JSON: ``SPECTRUM_SCHEMA_VERSION``."""
+
+    SCHEMA_VERSION: ClassVar[int] = SPECTRUM_SCHEMA_VERSION
+
+    checkpoint: str
+    step: int
+    optimizer: str
+    method: str  # the HVP method
+    dtype: str
+    top: EigenResult | None = None
+    bottom: EigenResult | None = None
+    hutchinson: TraceResult | None = None
+    hutch_plus_plus: TraceResult | None = None
+    density: DensityResult | None = None
+    blocks: dict[str, EigenResult] | None = None
+    preconditioned: PreconditionedSharpness | None = None
+
+    def traces(self) -> dict[str, TraceResult]:
+        """The trace estimates taken, by estimator name."""
+        both = {"hutchinson": self.hutchinson, "hutch++": self.hutch_plus_plus}
+        return {k: v for k, v in both.items() if v is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.SCHEMA_VERSION,
+            "checkpoint": self.checkpoint,
+            "step": self.step,
+            "optimizer": self.optimizer,
+            "method": self.method,
+            "dtype": self.dtype,
+            "top": _maybe(self.top),
+            "bottom": _maybe(self.bottom),
+            "trace": {k: v.to_dict() for k, v in self.traces().items()} or None,
+            "density": _maybe(self.density),
+            "blocks": None if self.blocks is None else {k: v.to_dict() for k, v in self.blocks.items()},
+            "preconditioned": _maybe(self.preconditioned),
+        }
 
 
 def checkpoint_spectrum(

@@ -1,5 +1,6 @@
-r"""The curvature landscape beyond one direction: extreme eigenvalues, trace, spectral density, and
-Adam's preconditioned sharpness, exact through :mod:`curvlab.hvp` on any model.
+"""The curvature landscape beyond one direction: extreme eigenvalues, trace and spectral density, exact
+through :mod:`curvlab.engine.hvp` on any model (Adam's preconditioner is :mod:`curvlab.optim.adam`; what
+``curvlab spectrum`` asks for and returns, :mod:`curvlab.analysis.spectrum`).
 
 Every estimator takes a symmetric :class:`~curvlab.engine.operator.Operator`: the Hessian
 (:func:`~curvlab.engine.operator.hessian_operator`, or a block of it), a preconditioned Hessian, any
@@ -26,9 +27,8 @@ GPT-2 in float32). Lanczos keeps an orthonormal basis of such vectors; ``memory`
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +36,6 @@ from torch import Tensor
 
 from curvlab.engine.operator import Operator
 from curvlab.errors import CurvlabError
-
-SPECTRUM_SCHEMA_VERSION = 1  # the JSON of CheckpointSpectrum (``curvlab spectrum --out``)
 
 
 def vector_bytes(op: Operator) -> int:
@@ -487,215 +485,6 @@ def spectral_density(
     density /= sigma * math.sqrt(2 * math.pi)
     density /= np.trapezoid(density, grid)
     return DensityResult(grid, density, nodes, weights, float(sigma), op.num_matvecs - start, keep_basis)
-
-
-# -- preconditioned sharpness ------------------------------------------------------------------------
-
-
-def adam_preconditioner(optimizer: torch.optim.Optimizer, model: torch.nn.Module, names: Sequence[str]) -> Tensor:
-    r"""Adam's diagonal :math:`P = \sqrt{\hat v} + \epsilon`, :math:`\hat v = v / (1 - \beta_2^t)`, from an
-    optimizer's state, flattened in the order of ``names`` (on the state's device, in float64).
-
-    Raises:
-        CurvlabError: a parameter without Adam state (``exp_avg_sq``), e.g. Muon's matrices.
-    """
-    table = dict(model.named_parameters())
-    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    pieces = []
-    for n in names:
-        p = table[n]
-        state = optimizer.state.get(p, {})
-        if "exp_avg_sq" not in state:
-            raise CurvlabError(
-                f"{n} has no Adam state (exp_avg_sq): the preconditioned sharpness needs an Adam checkpoint"
-            )
-        group = group_of[id(p)]
-        beta2, eps = group["betas"][1], group["eps"]
-        step = float(state["step"])
-        v_hat = state["exp_avg_sq"].double() / (1 - beta2**step)
-        pieces.append((v_hat.sqrt() + eps).reshape(-1))
-    return torch.cat(pieces)
-
-
-def adam_edge_of_stability(lr: float, beta1: float) -> float:
-    r"""Adam's edge of stability :math:`(2 + 2\beta_1) / ((1 - \beta_1)\eta)`: on a quadratic, heavy-ball
-    momentum :math:`\beta_1` with step :math:`\eta` is stable while the (preconditioned) sharpness stays
-    below it (Cohen et al. 2022, "Adaptive gradient methods at the edge of stability"); 38/η at
-    :math:`\beta_1 = 0.9`, and gradient descent's 2/η at :math:`\beta_1 = 0`."""
-    if not lr > 0:
-        raise CurvlabError(f"the learning rate must be positive for an edge of stability, got {lr}")
-    if not 0 <= beta1 < 1:
-        raise CurvlabError(f"beta1 must lie in [0, 1), got {beta1}")
-    return (2 + 2 * beta1) / ((1 - beta1) * lr)
-
-
-def adam_step_settings(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
-    """The ``(lr, beta1)`` that every Adam group of ``optimizer`` shares (the edge of stability needs one of each).
-
-    Raises:
-        CurvlabError: no Adam group, or groups that disagree.
-    """
-    pairs = {(float(g["lr"]), float(g["betas"][0])) for g in optimizer.param_groups if "betas" in g}
-    if len(pairs) != 1:
-        raise CurvlabError(
-            "the preconditioned sharpness needs one Adam learning rate and beta1, "
-            f"found {len(pairs)} (lr, beta1) pairs among the optimizer's groups"
-        )
-    return pairs.pop()
-
-
-@dataclass(frozen=True)
-class PreconditionedSharpness:
-    r""":math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` for Adam's P, beside its edge of stability
-    :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)` (:func:`adam_edge_of_stability`)."""
-
-    eigen: EigenResult
-    lr: float
-    beta1: float
-
-    @property
-    def edge_of_stability(self) -> float:
-        return adam_edge_of_stability(self.lr, self.beta1)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**self.eigen.to_dict(), "lr": self.lr, "beta1": self.beta1, "edge_of_stability": self.edge_of_stability}
-
-
-# -- results of the analysis pipeline ---------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class SpectrumRequest:
-    """Which parts of a checkpoint's Hessian spectrum :func:`curvlab.analysis.spectrum.checkpoint_spectrum`
-    computes (``curvlab spectrum``'s options; the batches, dtype and HVP method are its
-    :class:`curvlab.analysis.targets.AnalysisSettings`).
-
-    Attributes:
-        top, bottom: how many of the largest and smallest eigenvalues (Lanczos; 0: none).
-        trace: the trace by Hutchinson and by Hutch++.
-        density: the spectral density by stochastic Lanczos quadrature.
-        blocks: also λ_max of each block of this grouping (``layer``, ``tensor``, ``kind``), or None.
-        preconditioned: Adam's preconditioned sharpness (AdamW checkpoints).
-        max_iter: Lanczos iterations (HVPs) at most, per eigenproblem.
-        memory: bytes every stored Lanczos basis may take (thick restart beyond); None: unbounded.
-    """
-
-    top: int = 5
-    bottom: int = 0
-    trace: bool = False
-    density: bool = False
-    blocks: str | None = None
-    preconditioned: bool = False
-    max_iter: int = 100
-    memory: int | None = None
-
-    def validate(self) -> None:
-        for name in ("top", "bottom"):
-            if getattr(self, name) < 0:
-                raise CurvlabError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_iter < 1:
-            raise CurvlabError(f"max_iter must be >= 1, got {self.max_iter}")
-        if self.memory is not None and self.memory <= 0:
-            raise CurvlabError(f"memory must be > 0 bytes (or None: unbounded), got {self.memory}")
-
-
-def _maybe(x: Any) -> Any:
-    return None if x is None else x.to_dict()
-
-
-@dataclass(frozen=True)
-class CheckpointSpectrum:
-    """The Hessian spectrum at one checkpoint (:func:`curvlab.analysis.spectrum.checkpoint_spectrum`); every
-    part is ``None`` when it wasn't asked for. JSON: ``SPECTRUM_SCHEMA_VERSION``."""
-
-    SCHEMA_VERSION: ClassVar[int] = SPECTRUM_SCHEMA_VERSION
-
-    checkpoint: str
-    step: int
-    optimizer: str
-    method: str  # the HVP method
-    dtype: str
-    top: EigenResult | None = None
-    bottom: EigenResult | None = None
-    hutchinson: TraceResult | None = None
-    hutch_plus_plus: TraceResult | None = None
-    density: DensityResult | None = None
-    blocks: dict[str, EigenResult] | None = None
-    preconditioned: PreconditionedSharpness | None = None
-
-    def traces(self) -> dict[str, TraceResult]:
-        """The trace estimates taken, by estimator name."""
-        both = {"hutchinson": self.hutchinson, "hutch++": self.hutch_plus_plus}
-        return {k: v for k, v in both.items() if v is not None}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.SCHEMA_VERSION,
-            "checkpoint": self.checkpoint,
-            "step": self.step,
-            "optimizer": self.optimizer,
-            "method": self.method,
-            "dtype": self.dtype,
-            "top": _maybe(self.top),
-            "bottom": _maybe(self.bottom),
-            "trace": {k: v.to_dict() for k, v in self.traces().items()} or None,
-            "density": _maybe(self.density),
-            "blocks": None if self.blocks is None else {k: v.to_dict() for k, v in self.blocks.items()},
-            "preconditioned": _maybe(self.preconditioned),
-        }
-
-
-@dataclass(frozen=True)
-class UpdateSpectrum:
-    r"""λ_max and the top-k eigenvalues of H at a checkpoint, the share of :math:`\|Z\|^2` of its next
-    update Z in their span, and the trace (the ``spectrum`` of a curvature report)."""
-
-    top: EigenResult
-    trace: TraceResult
-    overlap_top_k: float
-    nds: float
-    dim: int
-
-    @property
-    def lambda_max(self) -> float:
-        return float(self.top.eigenvalues[0])
-
-    def to_dict(self) -> dict[str, Any]:
-        lam = self.lambda_max
-        return {
-            "lambda_max": lam,
-            "top": self.top.eigenvalues.tolist(),
-            "residuals": self.top.residuals.tolist(),
-            "converged": self.top.converged,
-            "num_hvps": self.top.num_matvecs + self.trace.num_matvecs,
-            "overlap_top_k": self.overlap_top_k,
-            "nds_over_lambda_max": self.nds / lam if lam else float("nan"),
-            "trace": self.trace.trace,
-            "trace_std_error": self.trace.std_error,
-            "trace_per_parameter": self.trace.trace / self.dim,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], nds: float) -> UpdateSpectrum:
-        """The spectrum of a saved report (``nds``: the report's NDS of Z). The JSON keeps no
-        eigenvectors (the loaded ones are empty), nor how its ``num_hvps`` split between Lanczos and
-        the trace (all are counted on Lanczos'), nor Hutchinson's sample count; the rest is exact, so
-        :meth:`to_dict` gives the same JSON back."""
-        top = np.asarray(d["top"], dtype=float)
-        per = d["trace_per_parameter"]
-        dim = round(d["trace"] / per) if per and math.isfinite(per) else 1
-        eigen = EigenResult(
-            top,
-            torch.zeros(0, len(top), dtype=torch.float64),
-            np.asarray(d["residuals"], dtype=float),
-            d["num_hvps"],
-            0,
-            d["converged"],
-            "lanczos",
-            "largest",
-        )
-        trace = TraceResult(d["trace"], d["trace_std_error"], 0, "hutchinson", 0)
-        return cls(eigen, trace, d["overlap_top_k"], nds, dim)
 
 
 def overlap_with(U: Tensor, z: Tensor) -> float:

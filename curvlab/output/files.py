@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from curvlab.curvature.spectral import CheckpointSpectrum
+from curvlab.analysis.spectrum import CheckpointSpectrum
 from curvlab.errors import CurvlabError
 from curvlab.output.plots import quadratic_phase, quadratic_trajectories, spectral_density_plot
 from curvlab.studies.quadratic import QUADRATIC_SCHEMA_VERSION
