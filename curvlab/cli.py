@@ -620,7 +620,8 @@ def reproduce(
 ) -> None:
     """The whole reproduction: data, tuning, training, paired directions and matched-loss analysis, A/A
     calibration, quadratic model, figures, report.md; prints the primary family."""
-    from curvlab.jobs.reproduce import PRESETS, Reproduction
+    from curvlab.jobs.presets import PRESETS
+    from curvlab.jobs.reproduce import Reproduction
     from curvlab.output.text import calibration_line, primary_table
 
     if preset not in PRESETS:
@@ -654,7 +655,8 @@ def finetune(
 ) -> None:
     """LoRA fine-tuning at s = 1 of a model pretrained at s = 0, under sMuon, LoRA-Muon, per-factor Muon and
     AdamW (each lr tuned alike): NDS and Taylor split of the adapter steps at matched validation loss."""
-    from curvlab.jobs.finetune import Finetune, with_preset
+    from curvlab.jobs.finetune import Finetune
+    from curvlab.jobs.presets import with_preset
     from curvlab.output.text import finetune_table
 
     if rank is not None and rank < 1:

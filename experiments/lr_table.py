@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from curvlab.jobs.reproduce import PRESETS, search_lr_table
+from curvlab.jobs.presets import PRESETS
+from curvlab.jobs.reproduce import search_lr_table
 
 if __name__ == "__main__":
     name = sys.argv[1]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from curvlab.jobs.reproduce import PRESETS
+from curvlab.jobs.presets import PRESETS
 from curvlab.output.text import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
 from curvlab.studies.primary import primary_family
 from curvlab.studies.records import LevelData

@@ -13,20 +13,11 @@ from curvlab import block_matrix, make_loss_fn, taylor_split
 from curvlab.cli import app
 from curvlab.engine import params as P
 from curvlab.errors import CurvlabError
-from curvlab.jobs.finetune import (
-    ADAPTER_ARMS,
-    LEVEL_KEYS,
-    MUON_VARIANTS,
-    FinetuneResult,
-    _side_means,
-    adapter_targets,
-    curvature_rows,
-    estimates,
-    lora_model,
-)
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.lora import adapter_blocks, lora_layers
+from curvlab.runs.adapt import adapter_targets, curvature_rows, lora_model
 from curvlab.runs.checkpoint import read_index, save_checkpoint
+from curvlab.studies.adapters import ADAPTER_ARMS, LEVEL_KEYS, MUON_VARIANTS, FinetuneResult, _side_means, estimates
 from tests.reference import dense_gradient, dense_hessian
 
 runner = CliRunner()
@@ -215,7 +206,7 @@ def test_a_finished_run_is_not_reused_under_other_settings(micro, tmp_path):
     import dataclasses
     import shutil
 
-    from curvlab.jobs.finetune import adapt
+    from curvlab.runs.adapt import adapt
     from curvlab.runs.train import TrainConfig
 
     out, _ = micro

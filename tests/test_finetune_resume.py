@@ -10,8 +10,8 @@ import torch
 
 from curvlab.data.shards import TrainBatches
 from curvlab.errors import CurvlabError
-from curvlab.jobs.finetune import adapt
 from curvlab.models.gpt import GPT, get_config
+from curvlab.runs.adapt import adapt
 from curvlab.runs.checkpoint import load_checkpoint, read_index, save_checkpoint
 from curvlab.runs.train import TrainConfig
 from tests.conftest import SMALL_MODEL, crash_training_after

@@ -115,8 +115,7 @@ def test_a_job_guards_its_directory_and_sums_its_invocations(tmp_path):
 
 
 def test_tuning_seeds_are_disjoint_from_the_measured_ones_in_both_jobs():
-    from curvlab.jobs.finetune import FINETUNE_PRESETS
-    from curvlab.jobs.reproduce import PRESETS
+    from curvlab.jobs.presets import FINETUNE_PRESETS, PRESETS
 
     for preset in (*PRESETS.values(), *FINETUNE_PRESETS.values()):
         assert not set(preset.tuning_settings.seeds()) & set(range(preset.seeds)), preset.name

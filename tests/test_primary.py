@@ -9,7 +9,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from curvlab.errors import CurvlabError
-from curvlab.jobs.reproduce import PRESETS
+from curvlab.jobs.presets import PRESETS
 from curvlab.output.plots import primary_forest
 from curvlab.output.text import render_readme_results, render_report
 from curvlab.studies import statistics as st

@@ -10,7 +10,8 @@ from nbclient import NotebookClient
 
 from curvlab.curvature.scalars import CheckpointScalars
 from curvlab.errors import CurvlabError
-from curvlab.jobs.reproduce import PRESETS, Reproduction
+from curvlab.jobs.presets import PRESETS
+from curvlab.jobs.reproduce import Reproduction
 from curvlab.output.text import (
     readme_markers,
     render_readme_results,

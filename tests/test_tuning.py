@@ -139,7 +139,7 @@ def test_a_table_entry_made_under_other_settings_is_not_used(tmp_path, monkeypat
 
 
 def test_a_corrupt_table_is_a_one_line_error(tmp_path):
-    from curvlab.jobs.reproduce import read_lr_table
+    from curvlab.jobs.lr_table import read_lr_table
 
     bad = tmp_path / "lr_table.json"
     bad.write_text("{not json")

@@ -24,7 +24,7 @@ started again, continues from what is done), each timed (``timing.json``):
    adapter optimizers (:mod:`curvlab.jobs.finetune`, in ``finetune/``; its section closes ``report.md``);
 6. the quadratic model; 7. figures; 8. ``summary.json`` and ``report.md``.
 
-Presets: ``micro`` (the test suite's, seconds), ``quick`` (the CPU default, ten minutes on two cores:
+Presets (:data:`curvlab.jobs.presets.PRESETS`): ``micro`` (the test suite's, seconds), ``quick`` (the CPU default, ten minutes on two cores:
 AdamW and Muon, 5 seeds, s = 0, the paired design), ``standard`` (CPU, within an hour: 5 seeds, the
 paper's 4412-token grammar, the Zipf sweep and the control arm) and ``paper`` (a GPU: ``pcfg-9m`` on the
 s sweep, and ``gpt2-124m`` on FineWeb shards the user provides).
@@ -32,11 +32,10 @@ s sweep, and ``gpt2-124m`` on FineWeb shards the user provides).
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from scipy.stats import t as t_dist
@@ -46,20 +45,21 @@ from curvlab.analysis.targets import AnalysisSettings
 from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
 from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError
-from curvlab.jobs.finetune import Finetune, with_preset
+from curvlab.jobs.finetune import Finetune
 from curvlab.jobs.job import Job
-from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
+from curvlab.jobs.lr_table import LR_TABLE, LrTable, optimum_moved, read_lr_table
+from curvlab.jobs.presets import ARMS, CONTROL_ARM, PRESETS, Preset, with_preset
+from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.model_optimizer import default_muon_rule
 from curvlab.optim.muon import matrix_shape, muon_scale
 from curvlab.output import plots
 from curvlab.output import text as report
 from curvlab.output.files import read_quadratic, write_quadratic
 from curvlab.runs.checkpoint import read_index
-from curvlab.runs.match import PLATEAU_FRACTION, MatchCriteria, NoMatchedLevel, plateau_ceiling
+from curvlab.runs.match import MatchCriteria, NoMatchedLevel, plateau_ceiling
 from curvlab.runs.train import TrainConfig, train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.headline import headline, taylor_counts
-from curvlab.studies.paper import REFERENCE_TRAINING, judged_claims
 from curvlab.studies.primary import calibration, primary_family
 from curvlab.studies.quadratic import quadratic_study
 from curvlab.studies.records import ComparisonRecord, LevelData, TrackRecord
@@ -68,265 +68,6 @@ from curvlab.studies.track import track_run
 from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, log2_grid
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_json, atomic_write_text
-
-ADAM_SIDES = ("tied", "tuned")
-LR_SOURCES = ("table", "search")
-KEEP = ("last", "windows", "all")
-CONTROL_ARM = "muon-moonlight"
-LR_TABLE = Path(__file__).with_name("lr_table.json")
-LR_TABLE_SCHEMA_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One optimizer as compared: a ``build_optimizer`` name and the options that set it apart."""
-
-    name: str
-    optimizer: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def hybrid(self) -> bool:
-        """Muon on the hidden matrices with an AdamW side (whose lr is ``adam_lr``)."""
-        return self.optimizer == "muon"
-
-
-ARMS = {
-    "adamw": Arm("adamw", "adamw"),
-    "muon": Arm("muon", "muon"),
-    # the step-size control: RMS-matched scaling 0.2 sqrt(max(rows, cols)) (docs/science.md section 10, width)
-    "muon-moonlight": Arm("muon-moonlight", "muon", {"scale": "moonlight"}),
-}
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    model: str = "tiny"
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    s_values: tuple[float, ...] = (0.0, 0.5, 1.0)
-    grammar: dict[str, Any] = field(default_factory=dict)  # make_grammar options (e.g. a smaller vocabulary)
-    tokens: str = "2M"
-    val_tokens: str = "100k"
-    steps: int = 200
-    batch_size: int = 16
-    warmup_steps: int = 10
-    schedule: str = "wsd"
-    cooldown_frac: float = 0.2
-    seeds: int = 5  # per arm, measurement seeds 0 .. seeds - 1
-    arms: tuple[str, ...] = ("adamw", "muon", "muon-moonlight")  # at the first s
-    sweep_arms: tuple[str, ...] = ("adamw", "muon")  # at every s
-    ckpt_every: int = 2  # at the first s: matched levels at a 1% tolerance need dense checkpoints
-    sweep_ckpt_every: int = 10  # at the other s (trajectories only)
-    val_windows: int = 64
-    # tuning (at the first s), on seeds tune_seed_base, tune_seed_base + 1, ... (disjoint from the measured ones)
-    lr_centers: dict[str, float] = field(default_factory=lambda: {"adamw": 0.004, "muon": 0.02})
-    grid_points: int = 5
-    tune_seeds: int = 2
-    tune_seed_base: int = 1000
-    tune_steps: int | None = None  # None: the compared horizon (``steps``), so the lr is tuned for the runs compared
-    max_extensions: int = 3
-    adam_side: str = "tied"  # the hybrids' Adam-side lr: tied to AdamW's tuned lr, or tuned on its own grid
-    # "table": the learning rates of the committed table (curvlab/jobs/lr_table.json, made by the full search
-    # under this preset's name), checked on a 3-point grid around each; "search": the full search here
-    lr_source: str = "table"
-    check_points: int = 3
-    check_seeds: int = 1  # the table check's seeds: check_seed_base, ... (disjoint from the table's and the measured)
-    check_seed_base: int = 2000
-    # the primary claims this design judges (curvlab.studies.paper.PRIMARY names; None: all five). The others are
-    # estimated and shown, but descriptive: no verdict, outside Holm's correction (docs/science.md section 12)
-    primary: tuple[str, ...] | None = None
-    calibration: bool = True  # A/A comparisons: AdamW vs AdamW and Muon vs Muon on neighbouring seeds
-    # which checkpoints stay once a seed's analyses are saved (every number is then in analysis/, the reports
-    # in analysis/reports): "last" (each run's last, which a re-run resumes from), "windows" (and the matched
-    # windows' members, for a look at the levels themselves) or "all"
-    keep: str = "last"
-    # matched comparison
-    phase: str = "stable"
-    plateau_fraction: float = PLATEAU_FRACTION  # levels within this fraction of the unigram entropy are flagged
-    compare_levels: int = 6
-    tolerance: float = 0.01
-    window: int = 1  # neighbours on each side of a matched checkpoint
-    analysis_batches: int = 4  # G, H and ΔD on the step's batch and the next ones
-    # trajectories
-    track_interval: int = 20  # steps between tracked checkpoints
-    track_batches: int = 2
-    n_boot: int = 2000  # kept for the headline's signature; the seed-level intervals draw no replicates
-    quadratic: dict[str, Any] = field(default_factory=dict)
-    finetune: str | None = None  # a `curvlab finetune` preset, run on the first seed's AdamW model at the first s
-    fineweb: bool = False  # the paper preset also trains gpt2-124m on FineWeb shards
-    fineweb_model: str = "gpt2-124m"
-    fineweb_model_overrides: dict[str, Any] = field(default_factory=dict)
-    fineweb_steps: int = REFERENCE_TRAINING["steps"]  # docs/science.md section 4: the modded-nanogpt comparison
-    fineweb_batch_size: int = 512  # x 1024 tokens = 524k tokens per step
-    fineweb_lr: dict[str, float] = field(default_factory=lambda: dict(_PAPER_LR))
-    fineweb_ckpt_every: int = 250  # a gpt2-124m checkpoint with AdamW state is ~1.5 GB
-    device: str = "auto"
-
-    @property
-    def tuning_steps(self) -> int:
-        return self.steps if self.tune_steps is None else self.tune_steps
-
-    @property
-    def tuning_settings(self) -> TuningSettings:
-        return TuningSettings.of(self, self.tuning_steps)
-
-    def tuning_seeds(self) -> list[int]:
-        return self.tuning_settings.seeds()
-
-    @property
-    def matching(self) -> MatchCriteria:
-        return MatchCriteria(levels=self.compare_levels, tolerance=self.tolerance, window=self.window, phase=self.phase)
-
-    def check_seed_list(self) -> list[int]:
-        return [self.check_seed_base + i for i in range(self.check_seeds)]
-
-    def tuning_fingerprint(self) -> dict[str, Any]:
-        """What a tuned learning rate depends on: a table entry made under other values is not used."""
-        fields = ("model", "model_overrides", "grammar", "tokens", "val_tokens", "batch_size", "warmup_steps",
-                  "schedule", "cooldown_frac", "val_windows", "adam_side")  # fmt: skip
-        return json.loads(json.dumps(
-            {**{k: getattr(self, k) for k in fields}, "horizon_steps": self.tuning_steps, "s": self.s_values[0]}
-        ))  # fmt: skip
-
-    def validate(self) -> None:
-        if self.lr_source not in LR_SOURCES:
-            raise CurvlabError(f"lr_source must be one of {', '.join(LR_SOURCES)}, got {self.lr_source!r}")
-        if self.seeds < 1:
-            raise CurvlabError("a preset needs seeds >= 1")
-        self.tuning_settings.validate(self.seeds)
-        if set(self.check_seed_list()) & set(range(self.seeds)):
-            raise CurvlabError(
-                f"check seeds {self.check_seed_list()} overlap the measurement seeds 0..{self.seeds - 1}: "
-                "raise check_seed_base"
-            )
-        if self.keep not in KEEP:
-            raise CurvlabError(f"keep must be one of {', '.join(KEEP)}, got {self.keep!r}")
-        if self.adam_side not in ADAM_SIDES:
-            raise CurvlabError(f"adam_side must be one of {', '.join(ADAM_SIDES)}, got {self.adam_side!r}")
-        unknown = sorted(set(self.arms) - set(ARMS))
-        if unknown or "adamw" not in self.arms or "muon" not in self.arms:
-            raise CurvlabError(f"arms must include adamw and muon, from {', '.join(ARMS)}; got {self.arms}")
-        if not set(self.sweep_arms) <= set(self.arms):
-            raise CurvlabError(f"sweep_arms {self.sweep_arms} must be among arms {self.arms}")
-        for name, every in (("ckpt_every", self.ckpt_every), ("sweep_ckpt_every", self.sweep_ckpt_every)):
-            if self.track_interval % every:
-                raise CurvlabError(f"track_interval {self.track_interval} is not a multiple of {name} {every}")
-        judged_claims(self.primary)
-
-
-_PAPER_LR = {arm: REFERENCE_TRAINING[arm]["lr"] for arm in ("muon", "adamw")}
-PRESETS = {
-    "micro": Preset(
-        "micro",
-        model_overrides=MICRO_OVERRIDES,
-        s_values=(0.0, 1.0),
-        grammar={"n_tokens": 300},
-        tokens="100k",
-        val_tokens="10k",
-        steps=20,
-        batch_size=8,
-        warmup_steps=2,
-        seeds=4,  # 3 A/A pairs per arm: the fewest that calibrate
-        ckpt_every=2,
-        sweep_ckpt_every=5,
-        val_windows=16,
-        keep="windows",  # the suite checks what the windows read
-        plateau_fraction=-0.2,  # its toy runs never leave the unigram plateau: flag only far above it
-        lr_centers={"adamw": 0.008, "muon": 0.04},
-        grid_points=2,
-        tune_seeds=1,
-        tune_steps=4,
-        lr_source="search",
-        max_extensions=1,
-        compare_levels=2,
-        tolerance=0.05,
-        window=1,
-        analysis_batches=1,
-        track_interval=10,
-        track_batches=1,
-        n_boot=200,
-        finetune="micro",
-        quadratic={
-            "steps": 8,
-            "fixed_lr_steps": 10,
-            "sweep_steps": 8,
-            "rhos": (2.0, 20.0, 200.0),
-            "alphas": (0.1, 0.3),
-            "ratios": (1.0, 2.0),
-        },
-        device="cpu",
-    ),
-    # The paired design with power, on a CPU in ten minutes: AdamW and Muon, 5 seeds each, at s = 0 on a
-    # 1024-token version of the grammar (with the paper's 4412 tokens, 70% of `tiny` is embedding and
-    # head, and two CPUs for a few minutes don't get it past unigram statistics). The learning rates come
-    # from the committed table (made by the full search at this size and horizon), checked on a
-    # 3-point grid with one tuning seed. The Zipf sweep and the step-size control arm are `standard`'s.
-    # Sized from a pilot of the per-run spread (docs/science.md section 11): the paired log ratio's SD
-    # between seeds is about 0.1, so 5 seeds resolve a factor of 1.2; the between-run ratio's is 10x that.
-    # So quick judges the paired claims only: at 200 steps AdamW barely leaves the unigram plateau, each
-    # seed has 1-3 matched levels, and the between-run ratio's verdict flipped between a 1- and a 2-thread
-    # rerun (docs/science.md section 12). It is shown, descriptive; `standard` judges it. Two evaluation
-    # batches per matched checkpoint: with one, AdamW's cos(G, Z) across a window's three members ranged
-    # 0.10-0.38 from gradient noise alone, and a seed's alignment rests on one to three such windows.
-    "quick": Preset(
-        "quick",
-        model_overrides={"vocab_size": 1088},
-        grammar={"n_tokens": 1024},
-        s_values=(0.0,),
-        arms=("adamw", "muon"),
-        steps=200,
-        seeds=5,
-        primary=("paired_direction_ratio", "alignment_ratio"),
-        ckpt_every=4,
-        analysis_batches=2,
-        track_interval=20,
-        track_batches=1,
-        device="cpu",
-    ),
-    # The full design on the paper's 4412-token grammar (5 seeds, s = 0, 0.5, 1, the step-size control
-    # arm, two evaluation batches per matched checkpoint), on a CPU within an hour. With four batches a
-    # seed took 15 minutes on 2 cores, 12 of them in the four matched comparisons (AdamW/Muon, the
-    # control arm, two A/A): 76 minutes in all, so the batches were halved before any result was read.
-    "standard": Preset(
-        "standard",
-        model_overrides={"vocab_size": 4416},
-        tokens="4M",
-        val_tokens="200k",
-        steps=400,
-        seeds=5,
-        ckpt_every=4,
-        sweep_ckpt_every=20,
-        val_windows=64,
-        analysis_batches=2,
-        track_interval=40,
-        track_batches=1,  # a trajectory mean already averages the stable phase's checkpoints
-        device="cpu",
-    ),
-    "paper": Preset(
-        "paper",
-        model="pcfg-9m",
-        tokens="200M",
-        val_tokens="5M",
-        steps=5000,
-        batch_size=64,
-        warmup_steps=100,
-        seeds=3,
-        ckpt_every=50,
-        sweep_ckpt_every=250,
-        val_windows=512,
-        # the paper's learning rates; the RMS-matched Muon's steps are AdamW-sized, so it starts from AdamW's
-        lr_centers={"adamw": _PAPER_LR["adamw"], "muon": _PAPER_LR["muon"]},
-        lr_source="search",
-        adam_side="tuned",
-        compare_levels=10,
-        window=2,
-        track_interval=250,
-        track_batches=4,
-        finetune="standard",
-        fineweb=True,
-    ),
-}
 
 
 def _s_name(s: float) -> str:
@@ -347,49 +88,6 @@ def final_loss_note(final: dict[str, dict[str, list]], steps: int) -> str:
             elif len(x):
                 parts.append(f"{arm} at s = {s}: {x.mean():.4f} (n = 1)")
     return f"Final validation loss at step {steps}, mean [95% t interval over seeds]: " + "; ".join(parts) + "."
-
-
-def optimum_moved(check: LrSearch, table_lr: float, table_search: dict[str, Any] | None) -> bool:
-    """Whether the check's grid says the table's learning rate is no longer the optimum: its best point
-    is another lr and beats the table's by more than one standard error. The check may run on one
-    seed, which has no standard error of its own, so the error is the table search's (two seeds per
-    point), combined over the two points: sqrt(se_table² + se_best²). Without it (a point the table
-    did not train), any other winner counts as a move."""
-    if check.chosen == table_lr:
-        return False
-    if table_lr in check.ties:
-        return False
-    gap = check.mean(table_lr) - check.mean(check.chosen)
-    full = LrSearch.from_dict(table_search) if table_search else None
-    if full is None or table_lr not in full.grid or check.chosen not in full.grid:
-        return True
-    se = math.hypot(full.stderr(table_lr), full.stderr(check.chosen))
-    return not gap <= se  # a NaN error (a diverged point) counts as a move
-
-
-@dataclass(frozen=True)
-class LrTable:
-    """The committed learning-rate table (:data:`LR_TABLE`): preset name -> the full search's entry
-    (``fingerprint``, ``chosen``, ``seeds``, ``horizon_steps``, ``adam_side``, ``searches``)."""
-
-    SCHEMA_VERSION: ClassVar[int] = LR_TABLE_SCHEMA_VERSION
-    WHAT: ClassVar[str] = "learning-rate table"
-
-    presets: dict[str, dict[str, Any]]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": self.SCHEMA_VERSION, "presets": self.presets}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LrTable:
-        if not isinstance(d["presets"], dict):
-            raise TypeError("presets is not an object")
-        return cls(d["presets"])
-
-
-def read_lr_table(path: Path = LR_TABLE) -> dict[str, Any]:
-    """The committed learning-rate table's entries by preset name (none when there is no table)."""
-    return schema.load(path, LrTable).presets if path.is_file() else {}
 
 
 def search_lr_table(preset: Preset, out: str | Path, progress: bool = True) -> dict[str, Any]:

@@ -422,7 +422,7 @@ def reproduction_figures(data, summary, tuning: TuningRecord, quadratic: dict[st
 
 
 def finetune_ratios(result, stem: str | Path) -> list[Path]:
-    """The fine-tuning comparison (:class:`curvlab.jobs.finetune.FinetuneResult`): left, AdamW over each
+    """The fine-tuning comparison (:class:`curvlab.studies.adapters.FinetuneResult`): left, AdamW over each
     Muon variant of NDS, I1 and I2 at matched validation loss, with 95% seed-level intervals as bars;
     right, each level's NDS of both sides against the matched loss (one marker per seed)."""
 

@@ -477,7 +477,7 @@ FINETUNE_ROWS = ("nds_ratio", "nds_ratio_median", "first_order_ratio", "curvatur
 
 
 def finetune_table(result) -> list[str]:
-    """The markdown table of a fine-tuning comparison (:class:`curvlab.jobs.finetune.FinetuneResult`):
+    """The markdown table of a fine-tuning comparison (:class:`curvlab.studies.adapters.FinetuneResult`):
     every entry with its interval, its seeds and its levels over all seeds."""
     lines = ["| quantity | comparison | value [95% CI] | seeds, levels in all |", "|---|---|---:|---:|"]
     for c in result.comparisons:

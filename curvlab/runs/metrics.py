@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from curvlab.runs.monitor import ROW_KIND
+from curvlab.errors import CurvlabError
+from curvlab.runs.monitor import ROW_KIND, MonitorRow
 from curvlab.util.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
@@ -53,3 +54,12 @@ def truncate_metrics(run: str | Path, upto: int) -> None:
     path = Path(run) / METRICS_FILE
     if path.is_file():
         atomic_write_text(path, "".join(line + "\n" for line, _ in _lines(path, upto)))
+
+
+def monitor_rows(run: str | Path) -> list[MonitorRow]:
+    """The curvature rows that ``curvlab train --curvature-every K`` wrote to ``RUN/metrics.jsonl``,
+    by step (read by :func:`read_metrics`)."""
+    if not (Path(run) / METRICS_FILE).is_file():
+        raise CurvlabError(f"{run}: no {METRICS_FILE}")
+    rows = [MonitorRow.from_dict(r) for r in read_metrics(run) if r.get("kind") == ROW_KIND]
+    return sorted(rows, key=lambda r: r.step)

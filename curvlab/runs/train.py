@@ -6,7 +6,7 @@ loop (:func:`train_loop`), which evaluates the validation loss on fixed windows 
 (atomically) every ``ckpt_every`` steps, plus one at step 0. Metrics go to ``metrics.jsonl``.
 
 The loop is the same for a full-model run (:func:`train`) and an adapter run (peft LoRA,
-:func:`curvlab.jobs.finetune.adapt`): it trains the model's trainable parameters with the run's optimizer;
+:func:`curvlab.runs.adapt.adapt`): it trains the model's trainable parameters with the run's optimizer;
 a run on a frozen base (``Run.base``) checkpoints those parameters and the base's reference only.
 """
 

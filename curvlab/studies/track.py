@@ -17,8 +17,7 @@ from curvlab.curvature.scalars import CheckpointScalars
 from curvlab.errors import CurvlabError
 from curvlab.runs.checkpoint import read_index
 from curvlab.runs.match import run_checkpoints
-from curvlab.runs.metrics import METRICS_FILE, read_metrics
-from curvlab.runs.monitor import ROW_KIND, MonitorRow
+from curvlab.runs.metrics import METRICS_FILE, monitor_rows, read_metrics
 from curvlab.util.atomic import atomic_write_csv, atomic_write_text
 from curvlab.util.distributed import is_main
 from curvlab.util.progress import progress as progress_bar
@@ -77,15 +76,6 @@ def track_run(
         atomic_write_text(out / "track.json", json.dumps(track, indent=1))
         atomic_write_csv(out / "track.csv", dicts)
     return rows
-
-
-def monitor_rows(run: str | Path) -> list[MonitorRow]:
-    """The curvature rows that ``curvlab train --curvature-every K`` wrote to ``RUN/metrics.jsonl``,
-    by step (read by :func:`curvlab.runs.metrics.read_metrics`)."""
-    if not (Path(run) / METRICS_FILE).is_file():
-        raise CurvlabError(f"{run}: no {METRICS_FILE}")
-    rows = [MonitorRow.from_dict(r) for r in read_metrics(run) if r.get("kind") == ROW_KIND]
-    return sorted(rows, key=lambda r: r.step)
 
 
 def _validation_losses(run: Path) -> dict[int, float]:
