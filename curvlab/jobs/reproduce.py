@@ -24,10 +24,10 @@ started again, continues from what is done), each timed (``timing.json``):
    adapter optimizers (:mod:`curvlab.jobs.finetune`, in ``finetune/``; its section closes ``report.md``);
 6. the quadratic model; 7. figures; 8. ``summary.json`` and ``report.md``.
 
-Presets (:data:`curvlab.jobs.presets.PRESETS`): ``micro`` (the test suite's, seconds), ``quick`` (the CPU default, ten minutes on two cores:
-AdamW and Muon, 5 seeds, s = 0, the paired design), ``standard`` (CPU, within an hour: 5 seeds, the
-paper's 4412-token grammar, the Zipf sweep and the control arm) and ``paper`` (a GPU: ``pcfg-9m`` on the
-s sweep, and ``gpt2-124m`` on FineWeb shards the user provides).
+Presets (:data:`curvlab.jobs.presets.PRESETS`): ``micro`` (the test suite's, seconds), ``quick`` (the CPU
+default, ten minutes on two cores: AdamW and Muon, 5 seeds, s = 0, the paired design), ``standard`` (CPU,
+within an hour: 5 seeds, the paper's 4412-token grammar, the Zipf sweep and the control arm) and
+``paper`` (a GPU: ``pcfg-9m`` on the s sweep, and ``gpt2-124m`` on FineWeb shards the user provides).
 """
 
 from __future__ import annotations
