@@ -361,7 +361,7 @@ def test_fineweb_stage_plumbing_with_a_small_model(tmp_path):
         fineweb_batch_size=8,
         fineweb_ckpt_every=2,
         fineweb_model_overrides={"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "vocab_size": 320},
-        tolerance=0.2,
+        matching=dataclasses.replace(PRESETS["micro"].matching, tolerance=0.2),
     )
     reproduction = Reproduction(preset, tmp_path / "out", fineweb=shards, progress=False)
     result = reproduction.fineweb_comparison()  # the stage alone: the rest is the micro run above

@@ -3,6 +3,7 @@ import math
 import numpy as np
 import pytest
 
+from curvlab.jobs.presets import PRESETS
 from curvlab.studies.tuning import LrSearch, log2_grid, search_lr
 
 
@@ -86,7 +87,8 @@ def _table_tuning(tmp_path, monkeypatch, best, searches=None):
     import curvlab.jobs.reproduce as reproduce
 
     chosen = {"adamw": {"lr": 0.004}, "muon": {"lr": 0.02, "adam_lr": 0.004}}
-    preset = dataclasses.replace(reproduce.PRESETS["micro"], lr_source="table", tune_seeds=1)
+    micro = PRESETS["micro"]
+    preset = dataclasses.replace(micro, lr_source="table", tuning=dataclasses.replace(micro.tuning, tune_seeds=1))
     entry = {"chosen": chosen, "seeds": [1000, 1001], "searches": searches or {}}
     table = {"micro": {**entry, "fingerprint": preset.tuning_fingerprint()}}
     monkeypatch.setattr(reproduce, "read_lr_table", lambda: table)
@@ -128,7 +130,8 @@ def test_a_table_entry_made_under_other_settings_is_not_used(tmp_path, monkeypat
 
     import curvlab.jobs.reproduce as reproduce
 
-    preset = dataclasses.replace(reproduce.PRESETS["micro"], lr_source="table", tune_seeds=1)
+    micro = PRESETS["micro"]
+    preset = dataclasses.replace(micro, lr_source="table", tuning=dataclasses.replace(micro.tuning, tune_seeds=1))
     other = dataclasses.replace(preset, batch_size=preset.batch_size * 2).tuning_fingerprint()  # other batches
     entry = {"chosen": {"adamw": {"lr": 0.004}, "muon": {"lr": 0.02, "adam_lr": 0.004}}, "seeds": [1000, 1001]}
     monkeypatch.setattr(reproduce, "read_lr_table", lambda: {"micro": {**entry, "fingerprint": other}})

@@ -210,17 +210,15 @@ class Finetune(Job):
         notes = [
             f"LoRA rank {p.rank} (alpha {2 * p.rank}) on every attention and MLP linear of `{p.model}`; "
             f"{p.steps} adaptation steps at s = 1, warmup-stable-decay, the same for every optimizer.",
-            f"Learning rates tuned on a {p.grid_points}-point log2 grid (extended up to {p.max_extensions} times "
-            f"at an edge), {p.tune_seeds} seed(s) per point, {p.tune_steps}-step runs.",
+            f"Learning rates tuned on {p.tuning_settings.description()}.",
             f"Curvature of the step taken at each checkpoint of the stable phase ({p.ckpt_every} steps apart), over "
             f"the adapter parameters, on {p.heldout_windows} held-out validation windows at s = 1 (the main "
             "comparison measures on the step's training batches).",
-            f"Matched levels: {p.levels} targets in the stable phase, tolerance {p.tolerance:.0%}, windows of up to "
-            f"{2 * p.window + 1} checkpoints; no level is dropped.",
+            f"Matched levels: {p.matching.description()}; no level is dropped.",
         ]
         if p.seeds < 3:
             notes.append(f"{p.seeds} seeds per optimizer (3 in the standard preset): the intervals are rough.")
-        if p.grid_points < 5 or p.tune_seeds < 2:
+        if p.tuning.grid_points < 5 or p.tuning.tune_seeds < 2:
             notes.append("Reduced tuning (the standard preset: 5-point grids, 2 seeds per point).")
         return notes
 

@@ -20,6 +20,13 @@ from curvlab.studies.tuning import TuningSettings
 # -- curvlab reproduce -----------------------------------------------------------------------------
 
 
+# The settings both jobs embed: 6 matched levels in the stable phase at a 1% tolerance, each averaged over
+# a window of the matched checkpoint and one neighbour on each side; and each job's tuning defaults
+STABLE_MATCHING = MatchCriteria(levels=6, tolerance=0.01, phase="stable", window=1)
+REPRODUCE_TUNING = TuningSettings({"adamw": 0.004, "muon": 0.02})  # at the compared horizon
+FINETUNE_TUNING = TuningSettings(
+    {"adamw": 0.008, "smuon": 0.04, "lora-muon": 0.04, "per-factor-muon": 0.04}, horizon_steps=60, max_extensions=2
+)
 ADAM_SIDES = ("tied", "tuned")
 LR_SOURCES = ("table", "search")
 KEEP = ("last", "windows", "all")
@@ -68,13 +75,8 @@ class Preset:
     ckpt_every: int = 2  # at the first s: matched levels at a 1% tolerance need dense checkpoints
     sweep_ckpt_every: int = 10  # at the other s (trajectories only)
     val_windows: int = 64
-    # tuning (at the first s), on seeds tune_seed_base, tune_seed_base + 1, ... (disjoint from the measured ones)
-    lr_centers: dict[str, float] = field(default_factory=lambda: {"adamw": 0.004, "muon": 0.02})
-    grid_points: int = 5
-    tune_seeds: int = 2
-    tune_seed_base: int = 1000
-    tune_steps: int | None = None  # None: the compared horizon (``steps``), so the lr is tuned for the runs compared
-    max_extensions: int = 3
+    # tuning (at the first s), on seeds disjoint from the measured ones, at the compared horizon (``steps``)
+    tuning: TuningSettings = REPRODUCE_TUNING
     adam_side: str = "tied"  # the hybrids' Adam-side lr: tied to AdamW's tuned lr, or tuned on its own grid
     # "table": the learning rates of the committed table (curvlab/jobs/lr_table.json, made by the full search
     # under this preset's name), checked on a 3-point grid around each; "search": the full search here
@@ -90,12 +92,9 @@ class Preset:
     # in analysis/reports): "last" (each run's last, which a re-run resumes from), "windows" (and the matched
     # windows' members, for a look at the levels themselves) or "all"
     keep: str = "last"
-    # matched comparison
-    phase: str = "stable"
+    # matched comparison: 6 levels in the stable phase at 1%, each a window of the checkpoint and its neighbours
+    matching: MatchCriteria = STABLE_MATCHING
     plateau_fraction: float = PLATEAU_FRACTION  # levels within this fraction of the unigram entropy are flagged
-    compare_levels: int = 6
-    tolerance: float = 0.01
-    window: int = 1  # neighbours on each side of a matched checkpoint
     analysis_batches: int = 4  # G, H and ΔD on the step's batch and the next ones
     # trajectories
     track_interval: int = 20  # steps between tracked checkpoints
@@ -113,19 +112,16 @@ class Preset:
     device: str = "auto"
 
     @property
-    def tuning_steps(self) -> int:
-        return self.steps if self.tune_steps is None else self.tune_steps
+    def tuning_settings(self) -> TuningSettings:
+        """:attr:`tuning` with its horizon set (the compared one, ``steps``, unless it names another)."""
+        return self.tuning.at(self.steps)
 
     @property
-    def tuning_settings(self) -> TuningSettings:
-        return TuningSettings.of(self, self.tuning_steps)
+    def tuning_steps(self) -> int:
+        return self.tuning_settings.horizon_steps
 
     def tuning_seeds(self) -> list[int]:
         return self.tuning_settings.seeds()
-
-    @property
-    def matching(self) -> MatchCriteria:
-        return MatchCriteria(levels=self.compare_levels, tolerance=self.tolerance, window=self.window, phase=self.phase)
 
     def check_seed_list(self) -> list[int]:
         return [self.check_seed_base + i for i in range(self.check_seeds)]
@@ -182,15 +178,11 @@ PRESETS = {
         val_windows=16,
         keep="windows",  # the suite checks what the windows read
         plateau_fraction=-0.2,  # its toy runs never leave the unigram plateau: flag only far above it
-        lr_centers={"adamw": 0.008, "muon": 0.04},
-        grid_points=2,
-        tune_seeds=1,
-        tune_steps=4,
+        tuning=TuningSettings(
+            {"adamw": 0.008, "muon": 0.04}, grid_points=2, tune_seeds=1, horizon_steps=4, max_extensions=1
+        ),
         lr_source="search",
-        max_extensions=1,
-        compare_levels=2,
-        tolerance=0.05,
-        window=1,
+        matching=replace(STABLE_MATCHING, levels=2, tolerance=0.05),
         analysis_batches=1,
         track_interval=10,
         track_batches=1,
@@ -265,11 +257,10 @@ PRESETS = {
         sweep_ckpt_every=250,
         val_windows=512,
         # the paper's learning rates; the RMS-matched Muon's steps are AdamW-sized, so it starts from AdamW's
-        lr_centers={"adamw": _PAPER_LR["adamw"], "muon": _PAPER_LR["muon"]},
+        tuning=TuningSettings({"adamw": _PAPER_LR["adamw"], "muon": _PAPER_LR["muon"]}),
         lr_source="search",
         adam_side="tuned",
-        compare_levels=10,
-        window=2,
+        matching=replace(STABLE_MATCHING, levels=10, window=2),
         track_interval=250,
         track_batches=4,
         finetune="standard",
@@ -299,36 +290,25 @@ class FinetunePreset:
     warmup_steps: int = 10
     cooldown_frac: float = 0.2
     seeds: int = 3
-    lr_centers: dict[str, float] = field(
-        default_factory=lambda: {"adamw": 0.008, "smuon": 0.04, "lora-muon": 0.04, "per-factor-muon": 0.04}
-    )
-    grid_points: int = 5
-    tune_seeds: int = 2
-    tune_seed_base: int = 1000  # tuning seeds tune_seed_base, ... (disjoint from the measured ones)
-    tune_steps: int = 60
-    max_extensions: int = 2
+    # every adapter optimizer's lr alike, on seeds disjoint from the measured ones, in 60-step runs
+    tuning: TuningSettings = FINETUNE_TUNING
     ckpt_every: int = 4
     val_windows: int = 32
     heldout_windows: int = 8  # the curvature's held-out batch D: the first windows of the validation split
-    levels: int = 6
-    tolerance: float = 0.01
-    window: int = 1
+    matching: MatchCriteria = STABLE_MATCHING  # as the main comparison
     n_boot: int = 2000
     device: str = "cpu"
 
     @property
     def tuning_settings(self) -> TuningSettings:
-        return TuningSettings.of(self, self.tune_steps)
-
-    @property
-    def matching(self) -> MatchCriteria:  # in the stable phase, as the main comparison
-        return MatchCriteria(levels=self.levels, tolerance=self.tolerance, window=self.window)
+        """:attr:`tuning` with its horizon set (the compared one, ``steps``, unless it names another)."""
+        return self.tuning.at(self.steps)
 
     def validate(self) -> None:
         if self.seeds < 1:
             raise CurvlabError("a fine-tuning preset needs seeds >= 1")
         self.tuning_settings.validate(self.seeds)
-        missing = sorted(set(ADAPTER_ARMS) - set(self.lr_centers))
+        missing = sorted(set(ADAPTER_ARMS) - set(self.tuning.lr_centers))
         if missing:
             raise CurvlabError(f"lr_centers lacks {', '.join(missing)}")
         if self.rank < 1:
@@ -350,15 +330,11 @@ FINETUNE_PRESETS = {
         batch_size=8,
         warmup_steps=2,
         seeds=2,
-        grid_points=2,
-        tune_seeds=1,
-        tune_steps=4,
-        max_extensions=1,
+        tuning=replace(FINETUNE_TUNING, grid_points=2, tune_seeds=1, horizon_steps=4, max_extensions=1),
         ckpt_every=2,
         val_windows=8,
         heldout_windows=4,
-        levels=2,
-        tolerance=0.05,
+        matching=replace(STABLE_MATCHING, levels=2, tolerance=0.05),
         n_boot=200,
     ),
     # One thread, about seven minutes: the quick reproduction's 1024-token grammar, 3 seeds, a 4-point grid
@@ -374,15 +350,11 @@ FINETUNE_PRESETS = {
         steps=120,
         warmup_steps=8,
         seeds=3,
-        grid_points=4,
-        tune_seeds=2,
-        tune_steps=30,
-        max_extensions=2,
+        tuning=replace(FINETUNE_TUNING, grid_points=4, horizon_steps=30),
         ckpt_every=4,
         val_windows=16,
         heldout_windows=4,
-        levels=6,
-        tolerance=0.02,
+        matching=replace(STABLE_MATCHING, tolerance=0.02),
     ),
     # The full design on the paper's 4412-token grammar: 3 seeds, 5-point grids with 2 seeds per point.
     "standard": FinetunePreset(

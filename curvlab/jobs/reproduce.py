@@ -94,7 +94,9 @@ def search_lr_table(preset: Preset, out: str | Path, progress: bool = True) -> d
     """The committed table's entry for ``preset``, made by the full protocol: ``grid_points``-point log2
     grids extended at their edges, 2 tuning seeds per point (disjoint from the measured ones), runs at the
     compared horizon. Writes it into :data:`LR_TABLE` (other presets' entries are kept)."""
-    full = replace(preset, lr_source="search", tune_seeds=max(2, preset.tune_seeds))
+    full = replace(
+        preset, lr_source="search", tuning=replace(preset.tuning, tune_seeds=max(2, preset.tuning.tune_seeds))
+    )
     if set(full.tuning_seeds()) & set(full.check_seed_list()):
         raise CurvlabError(f"the table's seeds {full.tuning_seeds()} overlap the check's {full.check_seed_list()}")
     job = Reproduction(full, out, progress=progress)
@@ -240,22 +242,20 @@ class Reproduction(Job):
             self._say(f"{fallback}: the full search runs here")
         searches: dict[str, LrSearch] = {}
         seeds = p.tuning_seeds() if table is None else p.check_seed_list()
+        t = p.tuning_settings
         if table is None:
             mode = "search"
-            searches["adamw.lr"] = self._search(
-                data, "adamw", "lr", log2_grid(p.lr_centers["adamw"], p.grid_points), {}, p.max_extensions, seeds
-            )
+            searches["adamw.lr"] = self._search(data, "adamw", "lr", t.grid("adamw"), {}, t.max_extensions, seeds)
             chosen = {"adamw": {"lr": searches["adamw.lr"].chosen}}
             adam_lr = chosen["adamw"]["lr"]
             s = searches["muon.lr"] = self._search(
-                data, "muon", "lr", log2_grid(p.lr_centers["muon"], p.grid_points), {"adam_lr": adam_lr},
-                p.max_extensions, seeds,
-            )  # fmt: skip
+                data, "muon", "lr", t.grid("muon"), {"adam_lr": adam_lr}, t.max_extensions, seeds
+            )
             chosen["muon"] = {"lr": s.chosen, "adam_lr": adam_lr}
             if p.adam_side == "tuned":  # a second, one-dimensional search at the chosen Muon lr
                 s = searches["muon.adam_lr"] = self._search(
-                    data, "muon", "adam_lr", log2_grid(adam_lr, p.grid_points), {"lr": chosen["muon"]["lr"]},
-                    p.max_extensions, seeds,
+                    data, "muon", "adam_lr", log2_grid(adam_lr, t.grid_points), {"lr": chosen["muon"]["lr"]},
+                    t.max_extensions, seeds,
                 )  # fmt: skip
                 chosen["muon"]["adam_lr"] = s.chosen
             moved = {}
@@ -520,8 +520,7 @@ class Reproduction(Job):
                 f"{control['set_from_seed']}'s matched levels."
             )
         notes.append(
-            f"Matched levels: {p.compare_levels} targets in the {p.phase} phase, tolerance {p.tolerance:.0%}, each "
-            f"averaged over a window of up to {2 * p.window + 1} checkpoints {p.ckpt_every} steps apart (windows share "
+            f"Matched levels: {p.matching.description()} {p.ckpt_every} steps apart (windows share "
             f"no checkpoint), each analysed on {p.analysis_batches} batch(es) of {tokens} tokens; trajectories on "
             f"{p.track_batches}, stable phase only."
         )

@@ -111,6 +111,14 @@ class MatchCriteria:
     window: int = 0
     plateau_ceiling: float | None = None
 
+    def description(self) -> str:
+        """The criteria in words, for a report's notes."""
+        levels = f"{self.levels} targets" if isinstance(self.levels, int) else f"the targets {list(self.levels)}"
+        return (
+            f"{levels} in the {self.phase} phase, tolerance {self.tolerance:.0%}, each averaged over a window of "
+            f"up to {2 * self.window + 1} checkpoints"
+        )
+
     def validate(self) -> None:
         if self.phase not in PHASES:
             raise CurvlabError(f"unknown phase {self.phase!r}; choose one of {', '.join(PHASES)}")

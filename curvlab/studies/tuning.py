@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -153,23 +153,28 @@ class TuningSettings:
     """How a job tunes its learning rates (the same rule for every optimizer it compares): a
     ``grid_points``-point log2 grid around each centre, extended up to ``max_extensions`` times at an
     edge, ``tune_seeds`` seeds from ``tune_seed_base`` on (disjoint from the measured seeds), runs of
-    ``horizon_steps`` steps."""
+    ``horizon_steps`` steps (None in a preset: the compared horizon, its ``steps``; :meth:`at` sets it)."""
 
     lr_centers: dict[str, float]
-    grid_points: int
-    tune_seeds: int
-    tune_seed_base: int
-    horizon_steps: int
-    max_extensions: int
+    grid_points: int = 5
+    tune_seeds: int = 2
+    tune_seed_base: int = 1000
+    horizon_steps: int | None = None
+    max_extensions: int = 3
 
-    @classmethod
-    def of(cls, preset: Any, horizon_steps: int) -> TuningSettings:
-        """The settings of a job preset with same-named fields (``lr_centers``, ``grid_points``, ...)."""
-        names = ("grid_points", "tune_seeds", "tune_seed_base")
-        return cls(dict(preset.lr_centers), *(getattr(preset, k) for k in names), horizon_steps, preset.max_extensions)
+    def at(self, steps: int) -> TuningSettings:
+        """These settings with an unset horizon set to ``steps``."""
+        return self if self.horizon_steps is not None else replace(self, horizon_steps=steps)
 
     def seeds(self) -> list[int]:
         return [self.tune_seed_base + i for i in range(self.tune_seeds)]
+
+    def description(self) -> str:
+        """The rule in words, for a report's notes."""
+        return (
+            f"a {self.grid_points}-point log2 grid (extended up to {self.max_extensions} times at an edge), "
+            f"{self.tune_seeds} seed(s) per point, {self.horizon_steps}-step runs"
+        )
 
     def grid(self, arm: str) -> list[float]:
         return log2_grid(self.lr_centers[arm], self.grid_points)
