@@ -13,13 +13,33 @@ import os
 from pathlib import Path
 
 import numpy as np
+import torch
 import typer
 
 import curvlab
+from curvlab.analysis.direction_report import checkpoint_directions
+from curvlab.analysis.report import analyze_checkpoint
+from curvlab.analysis.sharded import analyze_sharded_checkpoint
+from curvlab.analysis.spectrum import SpectrumRequest, checkpoint_spectrum
+from curvlab.analysis.targets import AnalysisSettings
+from curvlab.curvature.scalars import RATIO_KEYS, SCOPE_KEYS
+from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.engine.hvp import DEFAULT_METHOD
 from curvlab.errors import CurvlabError
+from curvlab.jobs.finetune import Finetune
+from curvlab.jobs.presets import PRESETS, with_preset
+from curvlab.jobs.reproduce import Reproduction
+from curvlab.output.files import write_quadratic, write_spectrum
+from curvlab.output.plots import curvature_during_training, lambda_max_along_run
+from curvlab.output.text import calibration_line, finetune_table, primary_table, update_readme
 from curvlab.runs.match import MatchCriteria
+from curvlab.runs.monitor import MonitorSettings
+from curvlab.runs.sharded_train import train_sharded
 from curvlab.runs.train import TrainConfig
+from curvlab.runs.train import train as run_training
+from curvlab.studies.compare import compare_runs
+from curvlab.studies.quadratic import TwoLevelSpec, quadratic_study
+from curvlab.studies.track import track_monitor, track_run, track_source
 from curvlab.util.atomic import check_output
 from curvlab.util.distributed import distributed_context
 
@@ -70,7 +90,6 @@ def _fmt(x) -> str:
 @app.command()
 def version() -> None:
     """Print curvlab's version and the torch it runs on."""
-    import torch
 
     typer.echo(f"curvlab {curvlab.__version__} (torch {torch.__version__})")
 
@@ -90,7 +109,6 @@ def pcfg_generate(
     rule_s: float = typer.Option(0.0, help="Rule probabilities proportional to rank^-rule_s."),
 ) -> None:
     """Write train/validation shards, grammar.json and stats.json for a Zipf-PCFG language."""
-    from curvlab.data.dataset import generate_pcfg_dataset
 
     stats = generate_pcfg_dataset(
         out, s, tokens, val_tokens, val_s, seed, shard_tokens, {"depth": depth, "width": width, "rule_s": rule_s}
@@ -103,7 +121,6 @@ def pcfg_generate(
 @one_line_errors
 def pcfg_stats(data_dir: Path = typer.Argument(..., help="A directory written by `curvlab pcfg generate`.")) -> None:
     """Print a Zipf-PCFG data directory's statistics."""
-    from curvlab.data.dataset import read_stats
 
     _print_pcfg_stats(read_stats(data_dir))
 
@@ -213,8 +230,6 @@ def train(
     cross-layer NDS) on fixed validation windows: rows of kind "curvature" in metrics.jsonl, drawn by
     `curvlab track`. Training is the same, bit for bit, with or without it.
     """
-    from curvlab.runs.monitor import MonitorSettings
-    from curvlab.runs.train import train as run_training
 
     given = {
         "data": None if data is None else str(data),
@@ -256,8 +271,6 @@ def train(
         raise CurvlabError("--curvature-every, --tensorboard and --shadow are not available with --fsdp yet")
     with distributed_context() as (rank, world):
         if fsdp:
-            from curvlab.runs.sharded_train import train_sharded
-
             result = train_sharded(cfg, progress=not quiet)
         else:
             result = run_training(
@@ -273,7 +286,6 @@ def train(
 
 
 def _settings(blocks: str, batch: str, batches: int, dtype: str, block_method: str, hvp_method: str):
-    from curvlab.analysis.targets import AnalysisSettings
 
     settings = AnalysisSettings(
         blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, hvp_method=hvp_method
@@ -323,10 +335,6 @@ def nds(
     Z is the optimizer's next step, with dropout off as for G and H (see --data for its batch).
     With --fsdp, under torchrun, the model is sharded by FSDP2 over the ranks (curvlab.analysis.sharded).
     """
-    from curvlab.analysis.direction_report import checkpoint_directions
-    from curvlab.analysis.report import analyze_checkpoint
-    from curvlab.analysis.sharded import analyze_sharded_checkpoint
-    from curvlab.curvature.scalars import SCOPE_KEYS
 
     if out:
         check_output(out)  # before the analysis, not after it
@@ -409,8 +417,6 @@ def compare(
 
     With --fsdp, under torchrun on as many ranks as wrote the checkpoints, each is analysed sharded.
     """
-    from curvlab.curvature.scalars import RATIO_KEYS
-    from curvlab.studies.compare import compare_runs
 
     settings = _settings(blocks, batch, batches, dtype, "hvp", hvp_method)
     criteria = MatchCriteria(levels=levels, tolerance=tolerance, phase=phase, window=window)
@@ -458,8 +464,6 @@ def track(
 
     With --fsdp, under torchrun on as many ranks as wrote the checkpoints, each is analysed sharded.
     """
-    from curvlab.analysis.targets import AnalysisSettings
-    from curvlab.studies.track import track_run, track_source
 
     out = out or run / "track"
     check_output(out, directory=True)
@@ -481,15 +485,11 @@ def track(
     print_table([tuple(r.to_dict().get(k) for k in keys) for r in rows], keys)
     written = [out / "track.csv", out / "track.json"]
     if spectrum:
-        from curvlab.output.plots import lambda_max_along_run
-
         written += lambda_max_along_run({rows[0].optimizer: rows}, out / "lambda_max_vs_nds")
     typer.echo("wrote " + ", ".join(map(str, written)))
 
 
 def _track_monitor(run: Path, out: Path, every: int) -> None:
-    from curvlab.output.plots import curvature_during_training
-    from curvlab.studies.track import track_monitor
 
     rows = track_monitor(run, out, every)
     keys = ("step", "val_loss", "status", "nds", "hidden_nds", "predicted", "realized", "within", "cross", "rho_within")
@@ -529,9 +529,6 @@ def spectrum(
 
     Under torchrun the ranks share the batches (--batches N, N >= the ranks); rank 0 prints and writes.
     """
-    from curvlab.analysis.spectrum import SpectrumRequest, checkpoint_spectrum
-    from curvlab.analysis.targets import AnalysisSettings
-    from curvlab.output.files import write_spectrum
 
     settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype, hvp_method=method)
     settings.validate()
@@ -586,8 +583,6 @@ def quadratic(
     outside_theorem: bool = typer.Option(False, help="Allow an example that breaks the theorem's assumptions."),
 ) -> None:
     """The stylized Kronecker quadratic model: the worked example and the phase sweep, with figures."""
-    from curvlab.output.files import write_quadratic
-    from curvlab.studies.quadratic import TwoLevelSpec, quadratic_study
 
     check_output(out, directory=True)
     spec = TwoLevelSpec(d, d, q, m, w_high, w_low, sigma_high, sigma_low)
@@ -620,9 +615,6 @@ def reproduce(
 ) -> None:
     """The whole reproduction: data, tuning, training, paired directions and matched-loss analysis, A/A
     calibration, quadratic model, figures, report.md; prints the primary family."""
-    from curvlab.jobs.presets import PRESETS
-    from curvlab.jobs.reproduce import Reproduction
-    from curvlab.output.text import calibration_line, primary_table
 
     if preset not in PRESETS:
         raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -655,9 +647,6 @@ def finetune(
 ) -> None:
     """LoRA fine-tuning at s = 1 of a model pretrained at s = 0, under sMuon, LoRA-Muon, per-factor Muon and
     AdamW (each lr tuned alike): NDS and Taylor split of the adapter steps at matched validation loss."""
-    from curvlab.jobs.finetune import Finetune
-    from curvlab.jobs.presets import with_preset
-    from curvlab.output.text import finetune_table
 
     if rank is not None and rank < 1:
         raise CurvlabError(f"--rank must be >= 1, got {rank}")
@@ -682,7 +671,6 @@ def readme_results(
 ) -> None:
     """Regenerate the README's results section (the primary family) and the whole results page (caveats,
     descriptive quantities, figures) from a reproduction's summary.json."""
-    from curvlab.output.text import update_readme
 
     update_readme(results, readme, figures, note, page, rerun)
     typer.echo(f"rewrote the results section of {readme} and {page}; figures in {figures}")
