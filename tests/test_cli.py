@@ -91,7 +91,7 @@ def test_quadratic_command_writes_results_and_figures(tmp_path):
 def test_train_flags_override_the_config_file_over_the_defaults(tmp_path, monkeypatch):
     import json
 
-    import curvlab.runs.train
+    import curvlab.cli
     from curvlab.runs.train import TrainConfig, TrainResult
 
     seen = []
@@ -100,7 +100,7 @@ def test_train_flags_override_the_config_file_over_the_defaults(tmp_path, monkey
         seen.append(cfg)
         return TrainResult(cfg.out, cfg.steps, 1.0, 1.0, 0)
 
-    monkeypatch.setattr(curvlab.runs.train, "train", fake_train)
+    monkeypatch.setattr(curvlab.cli, "run_training", fake_train)  # what `curvlab train` calls
     path = tmp_path / "cfg.json"
     fields = {
         "data": "d",

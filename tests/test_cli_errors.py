@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import curvlab.analysis.report
+import curvlab.cli
 from curvlab.cli import app
 
 runner = CliRunner()
@@ -123,7 +123,7 @@ def read_only_dir(tmp_path):
 def test_a_bad_out_is_refused_before_computing(trainer_checkpoint, tmp_path, read_only_dir, monkeypatch):
     path, data = trainer_checkpoint
     calls = []
-    monkeypatch.setattr(curvlab.analysis.report, "analyze_checkpoint", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(curvlab.cli, "analyze_checkpoint", lambda *a, **k: calls.append(a))  # what nds calls
     out = read_only_dir / "report.json"
     assert_refused(["nds", path, "--data", data, "--out", out], str(read_only_dir), "can't write", out=out)
     existing = tmp_path / "a-directory"
