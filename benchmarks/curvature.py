@@ -64,7 +64,8 @@ def nds_seconds(repeats: int) -> None:
     from curvlab.analysis.report import analyze_checkpoint
     from curvlab.analysis.targets import AnalysisSettings
     from curvlab.data.dataset import generate_pcfg_dataset
-    from curvlab.runs.train import TrainConfig, train
+    from curvlab.runs.config import TrainConfig
+    from curvlab.runs.train import train
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"

@@ -32,7 +32,8 @@ def measure(rank: int, world: int, tmp: str, steps: int, result_path: str) -> No
         )
     import curvlab.optim.muon as optim  # msign as Muon looks it up
     from curvlab.engine.loss import token_cross_entropy
-    from curvlab.runs.train import TrainConfig, build_run
+    from curvlab.runs.config import TrainConfig
+    from curvlab.runs.train import build_run
 
     spent = {"ns": 0.0}
     original = optim.msign

@@ -24,7 +24,8 @@ from curvlab.analysis.report import analyze_checkpoint
 from curvlab.analysis.spectrum import SpectrumRequest, checkpoint_spectrum
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.data.dataset import generate_pcfg_dataset
-from curvlab.runs.train import TrainConfig, build_run, train
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.train import build_run, train
 
 
 def peak_bytes(fn, device: torch.device) -> int:

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from curvlab.data.dataset import generate_pcfg_dataset
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.monitor import MonitorSettings
-from curvlab.runs.train import TrainConfig, train
+from curvlab.runs.train import train
 
 SETTINGS = {  # name -> (batches, windows per batch, blocks)
     "1 batch of 16 windows (the training batch)": (1, 16, None),

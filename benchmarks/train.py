@@ -16,7 +16,8 @@ from curvlab.data.dataset import generate_pcfg_dataset
 from curvlab.engine.loss import token_cross_entropy
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.build import build_optimizer
-from curvlab.runs.train import TrainConfig, build_run
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.train import build_run
 
 
 def step_seconds(run, steps: int) -> float:

@@ -32,10 +32,10 @@ from curvlab.jobs.reproduce import Reproduction
 from curvlab.output.files import write_quadratic, write_spectrum
 from curvlab.output.plots import curvature_during_training, lambda_max_along_run
 from curvlab.output.text import calibration_line, finetune_table, primary_table, update_readme
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria
 from curvlab.runs.monitor import MonitorSettings
 from curvlab.runs.sharded_train import train_sharded
-from curvlab.runs.train import TrainConfig
 from curvlab.runs.train import train as run_training
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.quadratic import TwoLevelSpec, quadratic_study

@@ -15,8 +15,9 @@ from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli import app
 from curvlab.models.nanogpt import load_nanogpt
 from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria, match_runs
-from curvlab.runs.train import TrainConfig, build_run, restore, train
+from curvlab.runs.train import build_run, restore, train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.track import track_run
 from tests.conftest import SMALL_MODEL

@@ -92,7 +92,8 @@ def test_train_flags_override_the_config_file_over_the_defaults(tmp_path, monkey
     import json
 
     import curvlab.cli
-    from curvlab.runs.train import TrainConfig, TrainResult
+    from curvlab.runs.config import TrainConfig
+    from curvlab.runs.train import TrainResult
 
     seen = []
 

@@ -28,8 +28,9 @@ from curvlab.optim.build import build_optimizer
 from curvlab.optim.shadow import ShadowSettings, ShadowState
 from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria
-from curvlab.runs.train import TrainConfig, train
+from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
 from tests.conftest import SMALL_MODEL
 

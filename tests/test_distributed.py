@@ -22,7 +22,8 @@ from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli import app
 from curvlab.optim.muon import Muon
 from curvlab.runs.checkpoint import load_checkpoint, read_index
-from curvlab.runs.train import TrainConfig, train
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.train import train
 from tests.conftest import SMALL_MODEL, random_direction
 from tests.reference import TinyTransformer
 

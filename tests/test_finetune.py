@@ -207,7 +207,7 @@ def test_a_finished_run_is_not_reused_under_other_settings(micro, tmp_path):
     import shutil
 
     from curvlab.runs.adapt import adapt
-    from curvlab.runs.train import TrainConfig
+    from curvlab.runs.config import TrainConfig
 
     out, _ = micro
     run = tmp_path / "run"

@@ -13,7 +13,7 @@ from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
 from curvlab.runs.adapt import adapt
 from curvlab.runs.checkpoint import load_checkpoint, read_index, save_checkpoint
-from curvlab.runs.train import TrainConfig
+from curvlab.runs.config import TrainConfig
 from tests.conftest import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same
 

@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria, match_runs, plateau_ceiling, run_checkpoints
-from curvlab.runs.train import TrainConfig, lr_multiplier
+from curvlab.runs.schedule import lr_multiplier
 
 
 def make_run(path, losses, schedule="wsd", steps=100, warmup=10, lr=0.01, every=2):

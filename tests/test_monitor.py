@@ -18,8 +18,9 @@ from curvlab.engine.loss import ModuleLoss, make_loss_fn, token_cross_entropy, w
 from curvlab.models.gpt import GPT, GPTConfig, get_config
 from curvlab.optim.build import build_optimizer
 from curvlab.runs.checkpoint import load_checkpoint, read_index
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature
-from curvlab.runs.train import TrainConfig, train
+from curvlab.runs.train import train
 from tests.conftest import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same
 

@@ -11,8 +11,9 @@ from curvlab.analysis.report import CurvatureReport, analyze_checkpoint, load_re
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.curvature.scalars import SCALAR_KEYS, SCOPE_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.metrics import read_metrics, truncate_metrics
-from curvlab.runs.train import TrainConfig, train
+from curvlab.runs.train import train
 from curvlab.studies.compare import Comparison, WindowSide
 from curvlab.studies.records import LevelData, seed_band
 from tests.synthetic import level_data, record, track

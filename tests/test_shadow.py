@@ -11,7 +11,8 @@ from curvlab.errors import CurvlabError
 from curvlab.optim.muon import Muon
 from curvlab.optim.shadow import ShadowSettings, ShadowState, build_shadow
 from curvlab.runs.checkpoint import load_checkpoint, read_index
-from curvlab.runs.train import TrainConfig, build_run, train
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.train import build_run, train
 from tests.conftest import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same
 

@@ -40,10 +40,11 @@ from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim.build import build_optimizer
 from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.dcp import convert_to_sharded
 from curvlab.runs.match import MatchCriteria
 from curvlab.runs.sharded_train import train_sharded
-from curvlab.runs.train import TrainConfig, train
+from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.track import track_run
 from tests.conftest import SMALL_MODEL, random_direction

@@ -9,7 +9,8 @@ from curvlab.engine.loss import make_loss_fn
 from curvlab.models.gpt import CONFIGS, GPT
 from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
-from curvlab.runs.train import TrainConfig, TrainingDiverged, build_run, restore, train
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.train import TrainingDiverged, build_run, restore, train
 from tests.conftest import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same
 

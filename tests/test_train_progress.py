@@ -1,5 +1,7 @@
 from curvlab.data.dataset import generate_pcfg_dataset
-from curvlab.runs.train import TrainConfig, schedule_phase, train
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.schedule import schedule_phase
+from curvlab.runs.train import train
 
 
 def test_progress_bar_shows_no_validation_loss_before_the_first_evaluation(tmp_path, monkeypatch, capfd):

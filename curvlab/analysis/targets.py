@@ -19,8 +19,9 @@ from curvlab.errors import CurvlabError
 from curvlab.models.nanogpt import load_nanogpt
 from curvlab.optim.shadow import ShadowState
 from curvlab.runs.checkpoint import check_device, read_checkpoint
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.hf import token_batch, trainer_optimizer
-from curvlab.runs.train import TrainConfig, build_run, restore
+from curvlab.runs.train import build_run, restore
 
 REPORT_SCHEMA_VERSION = 3  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own; 3: paired
 BATCHES = ("train", "val")

@@ -49,10 +49,8 @@ from curvlab.output import plots
 from curvlab.output import text as report
 from curvlab.runs.adapt import adapt, check_rank, check_vocab, load_base
 from curvlab.runs.checkpoint import read_index
-from curvlab.runs.train import (
-    TrainConfig,
-    train,
-)
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.train import train
 from curvlab.studies.adapters import ADAPTER_ARMS, FinetuneResult, compare_adapters, estimates
 from curvlab.studies.tuning import TuningRecord, TuningSettings
 from curvlab.util.atomic import atomic_write_text

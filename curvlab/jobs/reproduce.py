@@ -56,8 +56,9 @@ from curvlab.output import plots
 from curvlab.output import text as report
 from curvlab.output.files import read_quadratic, write_quadratic
 from curvlab.runs.checkpoint import read_index
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria, NoMatchedLevel, plateau_ceiling
-from curvlab.runs.train import TrainConfig, train
+from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.headline import headline, taylor_counts
 from curvlab.studies.primary import calibration, primary_family

@@ -20,17 +20,11 @@ from curvlab.models.gpt import GPT, GPTConfig
 from curvlab.optim.build import build_optimizer
 from curvlab.optim.lora import adapter_blocks
 from curvlab.runs.checkpoint import load_checkpoint, read_index
+from curvlab.runs.config import TrainConfig, config_difference
 from curvlab.runs.metrics import monitor_rows
 from curvlab.runs.monitor import CurvatureMonitor, MonitorRow
-from curvlab.runs.train import (
-    Run,
-    TrainConfig,
-    config_difference,
-    lr_multiplier,
-    pick_device,
-    schedule_phase,
-    train_loop,
-)
+from curvlab.runs.schedule import lr_multiplier, schedule_phase
+from curvlab.runs.train import Run, pick_device, train_loop
 from curvlab.util.atomic import atomic_write_text
 
 ADAPTER_FILE = "adapter.json"  # the LoRA settings of an adaptation run, beside its config.json

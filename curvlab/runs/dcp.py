@@ -35,7 +35,9 @@ from torch.distributed.tensor import distribute_tensor
 from curvlab.engine._dtensors import require_process_group
 from curvlab.errors import CurvlabError
 from curvlab.optim.build import build_optimizer
-from curvlab.runs.train import Run, TrainConfig, build_run, lr_multiplier, restore
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.schedule import lr_multiplier
+from curvlab.runs.train import Run, build_run, restore
 from curvlab.util.distributed import barrier, rank_and_world
 
 FORMAT = "curvlab-dcp"

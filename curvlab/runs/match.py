@@ -39,7 +39,8 @@ import numpy as np
 
 from curvlab.errors import CurvlabError
 from curvlab.runs.checkpoint import read_index
-from curvlab.runs.train import TrainConfig, lr_multiplier, schedule_phase
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.schedule import lr_multiplier, schedule_phase
 
 PHASES = ("stable", "multiplier", "any")
 PLATEAU_FRACTION = 0.05  # a loss within 5% of the unigram entropy sits on the unigram plateau

@@ -26,9 +26,10 @@ from curvlab.engine._dtensors import require_process_group
 from curvlab.engine.loss import count_loss_terms, token_cross_entropy
 from curvlab.errors import CurvlabError
 from curvlab.runs.checkpoint import add_to_index, read_index
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.dcp import load_sharded_into, save_sharded_checkpoint, shard_run
 from curvlab.runs.metrics import METRICS_FILE, truncate_metrics
-from curvlab.runs.train import Run, TrainConfig, TrainingDiverged, TrainResult, build_run, check_resume
+from curvlab.runs.train import Run, TrainingDiverged, TrainResult, build_run, check_resume
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.distributed import all_reduce_sum, barrier, device_for_rank, rank_and_world
 

@@ -1,0 +1,147 @@
+"""A training run's settings (:class:`TrainConfig`): defaults, a config file merged with flags
+(:meth:`TrainConfig.from_sources`), validation, and which changes a resumed run may take
+(:data:`RESUMABLE_CHANGES`, :func:`config_difference`).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from curvlab.errors import CurvlabError
+
+SCHEDULES = ("cosine", "wsd", "constant")
+# Fields that may change between a run and its resumption: they don't change the math of a step.
+RESUMABLE_CHANGES = {"out", "device", "compile", "eval_every", "ckpt_every"}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run (``curvlab train`` exposes every field as an option)."""
+
+    data: str
+    out: str
+    model: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "muon"
+    optimizer_options: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 16
+    seq_len: int | None = None  # default: the model's block size
+    steps: int = 600
+    warmup_steps: int = 20
+    schedule: str = "wsd"  # has a stable phase, which `curvlab compare` pairs in by default; cosine has none
+    cooldown_frac: float = 0.2  # the final share of steps that decays, for "wsd"
+    min_lr_frac: float = 0.1  # the schedule's floor, as a fraction of the peak lr
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    ckpt_every: int = 50
+    val_windows: int = 64
+    device: str = "auto"
+    compile: bool = False
+    # A shadow state of the other arm on the hidden matrices (curvlab.optim.shadow): updated, never applied.
+    shadow: bool = False
+    shadow_options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self)))  # plain JSON types (tuples become lists)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise CurvlabError(f"unknown training config field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_sources(cls, file: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+        """The config of ``curvlab train``: the dataclass defaults, then the JSON object in ``file``, then
+        ``overrides`` (the options given on the command line), each over the one before. The dict fields
+        (``optimizer_options``, ``model_overrides``, ``shadow_options``) merge key by key.
+
+        Raises:
+            CurvlabError: a missing or corrupt file, a field this config doesn't have (named), a value
+                of the wrong type, or no ``data`` or ``out``.
+        """
+        merged: dict[str, Any] = {}
+        for where, source in ((str(file), _read_config_file(file) if file else {}), ("overrides", overrides or {})):
+            _check_fields(source, where)
+            for key, value in source.items():
+                merged[key] = {**merged[key], **value} if key in MERGED_FIELDS and key in merged else value
+        for required in ("data", "out"):
+            if not merged.get(required):
+                raise CurvlabError(f"--{required} is required (or give {required} in the config file)")
+        return cls(**merged)  # build_run validates it (after the CLI has checked that out is writable)
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise CurvlabError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        for name in ("batch_size", "steps", "eval_every", "ckpt_every", "val_windows"):
+            if getattr(self, name) < 1:
+                raise CurvlabError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise CurvlabError(f"warmup_steps must lie in [0, steps), got {self.warmup_steps}")
+
+
+MERGED_FIELDS = ("optimizer_options", "model_overrides", "shadow_options")
+
+
+def _read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise CurvlabError(f"{path}: no such config file")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise CurvlabError(f"{path}: a training config is a JSON object of fields, got {type(d).__name__}")
+    return d
+
+
+def _check_fields(d: Mapping[str, Any], where: str) -> None:
+    """Every key of ``d`` is a :class:`TrainConfig` field and its value has the field's type (an int
+    passes for a float; a bool passes for nothing but a bool)."""
+    hints = typing.get_type_hints(TrainConfig)
+    unknown = sorted(set(d) - set(hints))
+    if unknown:
+        raise CurvlabError(f"{where}: unknown training config field(s): {', '.join(unknown)}")
+    for key, value in d.items():
+        allowed = typing.get_args(hints[key]) if isinstance(hints[key], types.UnionType) else (hints[key],)
+        if not any(_has_type(value, t) for t in allowed):
+            expected = " or ".join("null" if t is type(None) else getattr(t, "__name__", str(t)) for t in allowed)
+            raise CurvlabError(f"{where}: {key} must be {expected}, got {value!r}")
+
+
+def _has_type(value: Any, t: Any) -> bool:
+    t = typing.get_origin(t) or t
+    if t is type(None) or t is bool:
+        return type(value) is t
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, t)
+
+
+def config_difference(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Fields whose values differ (ignoring those a resume may change)."""
+    keys = sorted((set(saved) | set(new)) - RESUMABLE_CHANGES)
+    saved = {**_config_defaults(), **saved}  # a field added since the run was saved has its default there
+    return [f"{k}: {saved.get(k)!r} -> {new.get(k)!r}" for k in keys if saved.get(k) != new.get(k)]
+
+
+def _config_defaults() -> dict[str, Any]:
+    out = {}
+    for f in fields(TrainConfig):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return json.loads(json.dumps(out))
