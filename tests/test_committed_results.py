@@ -1,10 +1,13 @@
 """The committed results (docs/results/<preset>/) are what the README and the results pages show, and the
 committed summaries follow from the committed per-level data: nothing in those tables is copied by hand."""
 
+import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+from scipy import stats
 
 from curvlab.jobs.presets import PRESETS
 from curvlab.output.text import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
@@ -71,5 +74,12 @@ def test_the_rerun_table_says_whether_each_estimate_lies_in_the_other_interval()
     for e in measured:
         o = others[e.name]
         inside = ["yes" if lo <= v <= hi else "no" for v, (lo, hi) in ((e.value, o.ci95), (o.value, e.ci95))]
-        assert rows[e.name][-2:] == inside, e.name
+        assert rows[e.name][5:7] == inside, e.name
         assert rows[e.name][4] == f"{e.direction} / {o.direction}"
+        if e.method == o.method == "log-t":  # the shift, paired by seed, against scipy's paired t-test
+            a_log = {r["seed"]: math.log(r["value"]) for r in e.per_seed}
+            b_log = {r["seed"]: math.log(r["value"]) for r in o.per_seed}
+            seeds = sorted(set(a_log) & set(b_log))
+            ref = stats.ttest_rel([b_log[k] for k in seeds], [a_log[k] for k in seeds])
+            factor = math.exp(np.mean([b_log[k] - a_log[k] for k in seeds]))
+            assert rows[e.name][7].startswith(f"×{factor:.3g} [") and rows[e.name][7].endswith(f"p {ref.pvalue:.2g}")

@@ -22,6 +22,7 @@ from curvlab.studies.headline import HeadlineEntry
 from curvlab.studies.paper import QUADRATIC_EXAMPLE
 from curvlab.studies.primary import Calibration, PrimaryEntry
 from curvlab.studies.records import LevelData
+from curvlab.studies.rerun import RerunComparison, compare_reruns
 from curvlab.studies.summary import Summary
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util.atomic import atomic_write_text, atomic_write_with
@@ -387,31 +388,37 @@ def render_readme_results(summary: Summary, figures_dir: str = "docs/results", n
     return "\n".join(lines) + "\n"
 
 
-def _inside(value: float | None, ci: list[float] | None) -> str:
-    if value is None or ci is None:
+def _yes_no(inside: bool | None) -> str:
+    return "—" if inside is None else "yes" if inside else "no"
+
+
+def _shift_cell(row: RerunComparison) -> str:
+    """The paired shift between the runs: a factor on the log scale, a difference otherwise."""
+    if row.shift is None or row.shift.ci95 is None:
         return "—"
-    return "yes" if ci[0] <= value <= ci[1] else "no"
+    m, (lo, hi) = row.shift.value, row.shift.ci95
+    if row.log_scale:
+        return f"×{math.exp(m):.3g} [{math.exp(lo):.3g}, {math.exp(hi):.3g}], p {row.shift.p:.2g}"
+    return f"{m:+.3g} [{lo:+.3g}, {hi:+.3g}], p {row.shift.p:.2g}"
 
 
 def rerun_agreement(summary: Summary, rerun: Summary) -> list[str]:
-    """Two runs of one preset (for example on 1 and on 2 threads: floats change trajectories) side by
-    side: per primary claim each run's estimate and interval, both direction verdicts, and whether each
-    estimate lies inside the other run's interval."""
+    """Two runs of one preset side by side (:func:`curvlab.studies.rerun.compare_reruns`): per primary
+    claim each run's estimate and interval, both direction verdicts, whether each estimate lies inside
+    the other run's interval, and the rerun's shift from this run, paired by seed."""
     threads = (summary.timing.get("threads", "?"), rerun.timing.get("threads", "?"))
     rows = [
         f"Rerun agreement: this run ({threads[0]} torch thread(s)) against a rerun ({threads[1]}):",
         "",
-        "| claim | scope | this run | rerun | verdicts | this estimate in the rerun's interval | the rerun's in this |",
-        "|---|---|---:|---:|---|---|---|",
+        "| claim | scope | this run | rerun | verdicts | this estimate in the rerun's interval | the rerun's in this "
+        "| the rerun's shift, paired by seed [95% CI] |",
+        "|---|---|---:|---:|---|---|---|---:|",
     ]
-    others = {(e.name, e.scope): e for e in rerun.primary}
-    for e in summary.primary:
-        o = others.get((e.name, e.scope))
-        if o is None or (e.value is None and o.value is None):
-            continue
+    for r in compare_reruns(summary, rerun):
+        e, o = r.this, r.other
         rows.append(
             f"| {e.name} | {e.scope} | {primary_cell(e)} | {primary_cell(o)} | {e.direction} / {o.direction} | "
-            f"{_inside(e.value, o.ci95)} | {_inside(o.value, e.ci95)} |"
+            f"{_yes_no(r.this_in_other)} | {_yes_no(r.other_in_this)} | {_shift_cell(r)} |"
         )
     return [*rows, ""]
 
