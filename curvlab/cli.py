@@ -586,17 +586,17 @@ def quadratic(
 
     check_output(out, directory=True)
     spec = TwoLevelSpec(d, d, q, m, w_high, w_low, sigma_high, sigma_low)
-    result = quadratic_study(spec, steps=steps, sweep_steps=sweep_steps, outside_theorem=outside_theorem)
-    paths = write_quadratic(result, out)
-    closed = result["example"]["closed_forms"]
+    study = quadratic_study(spec, steps=steps, sweep_steps=sweep_steps, outside_theorem=outside_theorem)
+    paths = write_quadratic(study, out)
+    closed = study.closed_forms
     rows = [
-        (name, traj["loss"][-1] - closed["optimal_loss"], float(np.mean(traj["nds"])), traj.get("lr") or "line search")
-        for name, traj in {**result["example"]["line_search"], **result["example"]["fixed_lr"]}.items()
+        (name, traj.loss[-1] - closed.optimal_loss, float(np.mean(traj.nds)), traj.lr or "line search")
+        for name, traj in study.trajectories.items()
     ]
     print_table(rows, ("method", "final gap", "mean NDS", "step size"))
     typer.echo(
-        f"closed forms: Muon NDS {closed['muon_nds']:.6g}, Muon Γ² {closed['muon_contraction']:.6f}, "
-        f"GD two-step {closed['gd_two_step_contraction']:.6f}; theorem condition holds: {closed['theorem_condition']}"
+        f"closed forms: Muon NDS {closed.muon_nds:.6g}, Muon Γ² {closed.muon_contraction:.6f}, "
+        f"GD two-step {closed.gd_two_step_contraction:.6f}; theorem condition holds: {closed.theorem_condition}"
     )
     typer.echo("wrote " + ", ".join(map(str, paths)))
 

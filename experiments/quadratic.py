@@ -9,17 +9,14 @@ import json
 import sys
 from pathlib import Path
 
-from curvlab.output.plots import quadratic_phase, quadratic_trajectories
+from curvlab.output.files import write_quadratic
 from curvlab.studies.quadratic import quadratic_study
-from curvlab.util.atomic import atomic_write_text
 
 
 def main(out: Path) -> None:
-    result = quadratic_study()
-    atomic_write_text(out / "quadratic.json", json.dumps(result))
-    quadratic_trajectories(result, out / "quadratic_trajectories")
-    quadratic_phase(result, out / "quadratic_phase")
-    print(json.dumps(result["example"]["closed_forms"], indent=1))
+    study = quadratic_study()
+    write_quadratic(study, out)  # quadratic.json and both figures
+    print(json.dumps(study.closed_forms.to_dict(), indent=1))
 
 
 if __name__ == "__main__":

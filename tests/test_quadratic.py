@@ -1,4 +1,6 @@
+import dataclasses
 import itertools
+import json
 import math
 
 import numpy as np
@@ -6,8 +8,13 @@ import pytest
 import torch
 
 from curvlab import hvp, taylor_split
+from curvlab.errors import CurvlabError
+from curvlab.output.files import read_quadratic, write_quadratic
 from curvlab.studies.quadratic import (
+    QUADRATIC_SCHEMA_VERSION,
     KroneckerQuadratic,
+    QuadraticStudy,
+    Trajectory,
     TwoLevelSpec,
     best_fixed_lr,
     gd_contraction,
@@ -17,12 +24,14 @@ from curvlab.studies.quadratic import (
     optimal_loss,
     phase_sweep,
     power_law,
+    quadratic_study,
     run_fixed_lr,
     run_line_search,
     scalar_two_level,
     theorem_condition,
     two_level,
 )
+from curvlab.studies.summary import QuadraticRecord
 
 EXAMPLE = TwoLevelSpec(d1=96, d2=96, q=88, m=8, w_H=100.0, w_L=1.0, sigma_H=3.0, sigma_L=1.0)
 
@@ -154,11 +163,11 @@ def test_theorem_part_two_on_the_matrix_model():
 
 def test_phase_sweep_agrees_with_the_condition_where_it_holds():
     sweep = phase_sweep(rhos=[2, 10, 100, 1000], alphas=[0.05, 0.1, 0.3, 0.45], ratios=[0.5, 1.0, 3.0], steps=20)
-    cond = np.array(sweep["condition"])
-    always = np.array(sweep["muon_below_every_step"])
+    cond = np.array(sweep.condition)
+    always = np.array(sweep.muon_below_every_step)
     assert cond.any() and not cond.all()
     assert np.all(always[cond])  # sufficient: wherever it holds, Muon is below GD at every step
-    assert np.array(sweep["muon_wins"]).shape == (3, 4, 4)
+    assert np.array(sweep.muon_wins).shape == (3, 4, 4)
 
 
 def test_newton_schulz_polar_express_adam_and_sign_run():
@@ -198,3 +207,118 @@ def test_bad_specs_name_the_failing_assumption():
     with pytest.raises(ValueError, match="unknown method"):
         run_line_search(two_level(TwoLevelSpec()), "adam", 3)
     assert isinstance(two_level(TwoLevelSpec(d1=12, d2=12, q=10, m=2)), KroneckerQuadratic)
+
+
+# -- the study's record (quadratic.json) ---------------------------------------------------------
+
+SMALL = TwoLevelSpec(d1=16, d2=16, q=10, m=2, w_H=20.0, w_L=1.0, sigma_H=2.0, sigma_L=1.0, seed=1)
+SMALL_RUN = dict(steps=4, fixed_lr_steps=5, lr_grid=(1e-2, 1e-1), rhos=(2.0, 50.0, 300.0), alphas=(0.1, 0.3),
+                 ratios=(1.0, 3.0), sweep_steps=4)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_study():
+    return quadratic_study(SMALL, **SMALL_RUN)
+
+
+def old_example_dict(spec, steps, fixed_lr_steps, lr_grid):
+    """The example part of quadratic.json as the dict-returning quadratic_study assembled it, from the
+    building blocks (what files written before the typed record hold)."""
+    p = two_level(spec)
+    line = {"gd": run_line_search(p, "gd", steps).to_dict()}
+    for polar in ("svd", "newton_schulz", "polar_express"):
+        t = run_line_search(p, "muon", steps, polar=polar)
+        line[t.method] = t.to_dict()
+    fixed = {
+        f"{m}-fixed-lr": best_fixed_lr(p, m, lr_grid, fixed_lr_steps).to_dict() for m in ("gd", "muon", "adam", "sign")
+    }
+    P0 = gd_initial_share(spec)
+    closed = {
+        "optimal_loss": optimal_loss(spec),
+        "muon_nds": muon_nds(spec),
+        "muon_contraction": muon_contraction(spec),
+        "gd_two_step_contraction": gd_contraction(spec, P0) * gd_contraction(spec, 1 - P0),
+        "gd_initial_share": P0,
+        "theorem_condition": theorem_condition(spec),
+    }
+    title = "q=10, m=2, w_H=20, w_L=1, σ_H=2, σ_L=1 (d=16x16)"
+    return {"spec": dataclasses.asdict(spec), "title": title, "closed_forms": closed, "line_search": line,
+            "fixed_lr": fixed}  # fmt: skip
+
+
+def test_the_study_record_round_trips_and_its_json_is_the_old_dict(small_study, tmp_path):
+    study = small_study
+    assert QuadraticStudy.from_dict(study.to_dict()) == study
+    paths = write_quadratic(study, tmp_path, figures=False)
+    assert paths == [tmp_path / "quadratic.json"]
+    d = json.loads((tmp_path / "quadratic.json").read_text())
+    assert read_quadratic(tmp_path / "quadratic.json") == study
+    # the file holds what the dict form held: same keys, same values
+    assert list(d) == ["schema_version", "example", "sweep"] and d["schema_version"] == QUADRATIC_SCHEMA_VERSION == 1
+    run = {k: SMALL_RUN[k] for k in ("steps", "fixed_lr_steps", "lr_grid")}
+    assert d["example"] == old_example_dict(SMALL, **run)
+    assert list(d["example"]["closed_forms"]) == ["optimal_loss", "muon_nds", "muon_contraction",
+                                                  "gd_two_step_contraction", "gd_initial_share", "theorem_condition"]  # fmt: skip
+    assert list(d["example"]["line_search"]) == ["gd", "muon", "muon-newton_schulz", "muon-polar_express"]
+    alpha = SMALL.m / SMALL.q
+    assert d["example"]["closed_forms"]["muon_nds"] == pytest.approx(alpha * 20.0 + (1 - alpha) * 1.0, rel=1e-15)
+    assert d["example"]["closed_forms"]["optimal_loss"] == pytest.approx(-0.5 * (2 * 4 / 20 + 8 * 1 / 1), rel=1e-15)
+    assert d["example"]["closed_forms"]["theorem_condition"] is True  # ρ + 1 = 21 > 1/α = 5 > 1 + σ_H/σ_L = 3
+    sweep = d["sweep"]
+    assert list(sweep) == ["rhos", "alphas", "ratios", "steps", "q", "muon_wins", "muon_below_every_step",
+                           "condition", "log10_suboptimality_ratio"]  # fmt: skip
+    assert (sweep["rhos"], sweep["alphas"], sweep["ratios"]) == ([2.0, 50.0, 300.0], [0.1, 0.3], [1.0, 3.0])
+    assert (sweep["steps"], sweep["q"]) == (4, 100)
+    assert np.array(sweep["muon_wins"]).shape == (2, 2, 3) and isinstance(sweep["condition"][0][0][0], bool)
+    # one point by hand: σ_H/σ_L = 3, α = 0.1, ρ = 50 on the scalar model, T = 4
+    point = TwoLevelSpec(d1=100, d2=100, q=100, m=10, w_H=50.0, w_L=1.0, sigma_H=3.0, sigma_L=1.0)
+    best = optimal_loss(point)
+    muon = scalar_two_level(point, "muon", 4).loss[-1] - best
+    gd = scalar_two_level(point, "gd", 4).loss[-1] - best
+    assert sweep["muon_wins"][1][0][1] == (muon < gd) and sweep["condition"][1][0][1] == theorem_condition(point)
+    assert sweep["log10_suboptimality_ratio"][1][0][1] == pytest.approx(math.log10(muon / gd), rel=1e-12)
+    assert study.title == d["example"]["title"]
+    assert QuadraticRecord.from_study(study) == QuadraticRecord(muon_nds(SMALL), muon_contraction(SMALL),
+                                                                d["example"]["closed_forms"]["gd_two_step_contraction"])  # fmt: skip
+
+
+def test_a_file_of_the_dict_era_reads_as_the_record(small_study, tmp_path):
+    """A quadratic.json written by ``json.dumps`` of the dict (``Infinity``/``NaN`` allowed) reads back."""
+    old = json.loads(json.dumps(small_study.to_dict()))
+    diverged = {"method": "gd", "loss": [0.0, math.inf], "nds": [math.nan], "step_norm": [1.0], "first_order": [-1.0],
+                "lr": 10.0}  # fmt: skip
+    old["example"]["fixed_lr"]["gd-diverged"] = diverged
+    (tmp_path / "quadratic.json").write_text(json.dumps(old))  # the old writer
+    study = read_quadratic(tmp_path / "quadratic.json")
+    assert study.line_search == small_study.line_search and study.sweep == small_study.sweep
+    t = study.fixed_lr["gd-diverged"]
+    assert t.loss == [0.0, math.inf] and math.isnan(t.nds[0]) and t.lr == 10.0
+    # written again, strictly (non-finite as null), it reads back the same: null loss is inf, null NDS nan
+    write_quadratic(study, tmp_path / "again", figures=False)
+    text = (tmp_path / "again" / "quadratic.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text)["example"]["fixed_lr"]["gd-diverged"]["loss"] == [0.0, None]
+    t = read_quadratic(tmp_path / "again" / "quadratic.json").fixed_lr["gd-diverged"]
+    assert (
+        t.loss == [0.0, math.inf] and math.isnan(t.nds[0]) and t == Trajectory("gd", t.loss, t.nds, [1.0], [-1.0], 10.0)
+    )
+
+
+def test_read_quadratic_of_another_version_or_none_is_none_and_a_corrupt_file_an_error(small_study, tmp_path):
+    path = tmp_path / "quadratic.json"
+    assert read_quadratic(path) is None  # absent: a study to compute
+    d = small_study.to_dict()
+    path.write_text(json.dumps({**d, "schema_version": QUADRATIC_SCHEMA_VERSION + 1}))
+    assert read_quadratic(path) is None  # another version: a study to recompute
+    path.write_text(json.dumps({k: v for k, v in d.items() if k != "schema_version"}))
+    assert read_quadratic(path) is None  # written before schema_version existed
+    path.write_text('{"schema_version": 1, "exam')
+    with pytest.raises(CurvlabError, match="corrupt JSON") as e:
+        read_quadratic(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+    path.write_text(json.dumps({**d, "example": {k: v for k, v in d["example"].items() if k != "closed_forms"}}))
+    with pytest.raises(CurvlabError, match="not a quadratic study record .KeyError") as e:
+        read_quadratic(path)
+    assert "\n" not in str(e.value)
+    with pytest.raises(CurvlabError, match="quadratic study schema 2 is not 1"):
+        QuadraticStudy.from_dict({**d, "schema_version": 2})

@@ -62,7 +62,7 @@ from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.headline import headline, taylor_counts
 from curvlab.studies.primary import calibration, primary_family
-from curvlab.studies.quadratic import quadratic_study
+from curvlab.studies.quadratic import QuadraticStudy, quadratic_study
 from curvlab.studies.records import ComparisonRecord, LevelData, TrackRecord
 from curvlab.studies.summary import FinewebRecord, QuadraticRecord, Summary
 from curvlab.studies.track import track_run
@@ -457,16 +457,16 @@ class Reproduction(Job):
         )
         return result.run()
 
-    def quadratic(self) -> dict[str, Any]:
+    def quadratic(self) -> QuadraticStudy:
         cached = read_quadratic(self.out / "quadratic" / "quadratic.json")
         if cached is not None:
             return cached
-        result = quadratic_study(**self.preset.quadratic)
-        write_quadratic(result, self.out / "quadratic", figures=False)  # the report's figures draw it
+        study = quadratic_study(**self.preset.quadratic)
+        write_quadratic(study, self.out / "quadratic", figures=False)  # the report's figures draw it
         self._say("quadratic model done")
-        return result
+        return study
 
-    def figures(self, data: LevelData, summary: Summary, tuning: TuningRecord, quadratic: dict[str, Any]):
+    def figures(self, data: LevelData, summary: Summary, tuning: TuningRecord, quadratic: QuadraticStudy):
         fig = self.out / "figures"
         written = plots.reproduction_figures(data, summary, tuning, quadratic, fig)
         return {k: [str(p.relative_to(self.out)) for p in v] for k, v in written.items()}

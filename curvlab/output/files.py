@@ -8,16 +8,12 @@ other ranks).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from curvlab.analysis.spectrum import CheckpointSpectrum
-from curvlab.errors import CurvlabError
 from curvlab.output.plots import quadratic_phase, quadratic_trajectories, spectral_density_plot
-from curvlab.studies.quadratic import QUADRATIC_SCHEMA_VERSION
+from curvlab.studies.quadratic import QuadraticStudy
 from curvlab.util import schema
-from curvlab.util.atomic import atomic_write_text
 from curvlab.util.distributed import is_main
 
 
@@ -34,26 +30,24 @@ def write_spectrum(result: CheckpointSpectrum, out: str | Path) -> list[Path]:
     return written
 
 
-def write_quadratic(result: dict[str, Any], out: str | Path, figures: bool = True) -> list[Path]:
-    """``out/quadratic.json`` (the :func:`curvlab.studies.quadratic.quadratic_study` record,
-    ``QUADRATIC_SCHEMA_VERSION``) and, with ``figures``, those of its trajectories and phase sweep."""
+def write_quadratic(study: QuadraticStudy, out: str | Path, figures: bool = True) -> list[Path]:
+    """``out/quadratic.json`` (:class:`~curvlab.studies.quadratic.QuadraticStudy`, ``QUADRATIC_SCHEMA_VERSION``;
+    a non-finite value as null) and, with ``figures``, those of its trajectories and phase sweep."""
     if not is_main():
         return []
-    if result.get("schema_version") != QUADRATIC_SCHEMA_VERSION:
-        raise CurvlabError(f"quadratic study schema {result.get('schema_version')} is not {QUADRATIC_SCHEMA_VERSION}")
     out = Path(out)
-    atomic_write_text(out / "quadratic.json", json.dumps(result))
+    schema.save(out / "quadratic.json", study)
     if not figures:
         return [out / "quadratic.json"]
     return [
         out / "quadratic.json",
-        *quadratic_trajectories(result, out / "quadratic_trajectories"),
-        *quadratic_phase(result, out / "quadratic_phase"),
+        *quadratic_trajectories(study, out / "quadratic_trajectories"),
+        *quadratic_phase(study, out / "quadratic_phase"),
     ]
 
 
-def read_quadratic(path: str | Path) -> dict[str, Any] | None:
-    """The quadratic study record at ``path``, or None when there is none of this schema (a file
+def read_quadratic(path: str | Path) -> QuadraticStudy | None:
+    """The quadratic study at ``path``, or None when there is none of this schema (no file, a file
     written before ``schema_version`` existed, or by another version: a study to recompute).
 
     Raises:
@@ -63,7 +57,6 @@ def read_quadratic(path: str | Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        result = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
-    return result if isinstance(result, dict) and result.get("schema_version") == QUADRATIC_SCHEMA_VERSION else None
+        return schema.load(path, QuadraticStudy)
+    except schema.OtherVersion:
+        return None

@@ -2,8 +2,9 @@
 
 Every function takes what curvlab writes, as its typed records (:class:`~curvlab.analysis.report.CurvatureReport`,
 :class:`~curvlab.studies.compare.Comparison`, :class:`~curvlab.curvature.scalars.CheckpointScalars` rows, the
-records of :mod:`curvlab.studies.records` and :mod:`curvlab.studies.summary`) or, for the tuning and quadratic
-results, their JSON, and a path stem; it draws them, computing nothing, and returns the paths written.
+records of :mod:`curvlab.studies.records` and :mod:`curvlab.studies.summary`, the
+:class:`~curvlab.studies.tuning.TuningRecord`, the :class:`~curvlab.studies.quadratic.QuadraticStudy`) or, for
+a spectral density, its JSON, and a path stem; it draws them, computing nothing, and returns the paths written.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from curvlab.analysis.report import CurvatureReport
 from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.studies.compare import pair_reports, within_layer_gap
 from curvlab.studies.paper import CLAIMS
+from curvlab.studies.quadratic import QuadraticStudy
 from curvlab.studies.records import seed_band
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util.atomic import atomic_write_with
@@ -54,34 +56,31 @@ def _color(name: str) -> str:
     return COLORS.get(name, COLORS.get(name.split("-")[0]))
 
 
-def quadratic_trajectories(result: dict[str, Any], stem: str | Path) -> list[Path]:
+def quadratic_trajectories(study: QuadraticStudy, stem: str | Path) -> list[Path]:
     """The quadratic model: NDS and suboptimality per step for each method (paper figure 7, left)."""
-    example = result["example"]
-    best = example["closed_forms"]["optimal_loss"]
+    best = study.closed_forms.optimal_loss
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     variant_style = {"muon-newton_schulz": "--", "muon-polar_express": "-."}
-    for name, traj in {**example["line_search"], **example["fixed_lr"]}.items():
-        style = variant_style.get(name, "-") if name in example["line_search"] else ":"
-        label = name if traj.get("lr") is None else f"{name} (lr {traj['lr']:g})"
-        axes[0].plot(range(len(traj["nds"])), traj["nds"], style, label=label, color=_color(name))
-        gap = np.maximum(np.array(traj["loss"]) - best, 1e-16)
+    for name, traj in study.trajectories.items():
+        style = variant_style.get(name, "-") if name in study.line_search else ":"
+        label = name if traj.lr is None else f"{name} (lr {traj.lr:g})"
+        axes[0].plot(range(len(traj.nds)), traj.nds, style, label=label, color=_color(name))
+        gap = np.maximum(np.array(traj.loss) - best, 1e-16)
         axes[1].semilogy(range(len(gap)), gap, style, label=label, color=_color(name))
-    axes[0].axhline(example["closed_forms"]["muon_nds"], color="gray", lw=0.8, ls="--", label="α w_H + (1-α) w_L")
+    axes[0].axhline(study.closed_forms.muon_nds, color="gray", lw=0.8, ls="--", label="α w_H + (1-α) w_L")
     axes[0].set(xlabel="step", ylabel="NDS  <Z,HZ>/||Z||²", title="directional sharpness", yscale="log")
     axes[1].set(xlabel="step", ylabel="Q(Y) − Q*", title="suboptimality")
     axes[1].legend(fontsize=7)
-    fig.suptitle(example["title"], fontsize=9)
+    fig.suptitle(study.title, fontsize=9)
     return save_figure(fig, stem)
 
 
-def quadratic_phase(result: dict[str, Any], stem: str | Path) -> list[Path]:
+def quadratic_phase(study: QuadraticStudy, stem: str | Path) -> list[Path]:
     """Where Muon ends below GD after T steps over (ρ, α), one panel per σ_H/σ_L, with the theorem's
     sufficient region outlined (paper figure 7, right)."""
-    sweep = result["sweep"]
-    rhos, alphas, ratios = np.array(sweep["rhos"]), np.array(sweep["alphas"]), sweep["ratios"]
-    wins = np.array(sweep["muon_wins"])
-    condition = np.array(sweep["condition"])
-    log_ratio = np.array(sweep["log10_suboptimality_ratio"])
+    sweep = study.sweep
+    rhos, alphas, ratios = np.array(sweep.rhos), np.array(sweep.alphas), sweep.ratios
+    wins, condition, log_ratio = sweep.muon_wins, sweep.condition, sweep.log10_suboptimality_ratio
     fig, axes = plt.subplots(1, len(ratios), figsize=(4 * len(ratios), 3.6), squeeze=False)
     for k, (ax, ratio) in enumerate(zip(axes[0], ratios)):
         limit = max(1e-9, min(12.0, np.abs(log_ratio[k]).max()))
@@ -91,7 +90,7 @@ def quadratic_phase(result: dict[str, Any], stem: str | Path) -> list[Path]:
         ax.set(xscale="log", xlabel="ρ = w_H / w_L", ylabel="α = m / q", title=f"σ_H/σ_L = {ratio:g}")
     fig.colorbar(mesh, ax=axes[0].tolist(), label="log10 (Muon gap / GD gap) after T steps")
     fig.suptitle(
-        f"T = {sweep['steps']}: blue = Muon lower; black: the theorem's sufficient condition; gold dashed: Muon wins",
+        f"T = {sweep.steps}: blue = Muon lower; black: the theorem's sufficient condition; gold dashed: Muon wins",
         fontsize=9,
     )
     return save_figure(fig, stem)
@@ -392,7 +391,7 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
     return save_figure(fig, stem)
 
 
-def reproduction_figures(data, summary, tuning: TuningRecord, quadratic: dict[str, Any], out: str | Path):
+def reproduction_figures(data, summary, tuning: TuningRecord, quadratic: QuadraticStudy, out: str | Path):
     """Every figure of a reproduction, from its per-level data (:class:`curvlab.studies.records.LevelData`),
     summary, tuning and quadratic results; returns ``{figure family: paths}``."""
 

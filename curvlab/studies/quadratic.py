@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from curvlab.curvature.taylor import nds
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.errors import CurvlabError
 from curvlab.optim.polar import msign
+from curvlab.util import schema
 
 LINE_SEARCH_METHODS = ("gd", "muon")
 FIXED_LR_METHODS = ("gd", "muon", "adam", "sign")
@@ -186,9 +188,17 @@ def power_law(
     return _kronecker_model([a], [torch.ones(d2, dtype=torch.float64)], sigma, seed, d1, d2)
 
 
+def _floats(values, null: float) -> list[float]:
+    """A list of floats read from strict JSON, where a non-finite value was written as null."""
+    return [null if x is None else float(x) for x in values]
+
+
 @dataclass
 class Trajectory:
-    """Per-step records of one method on one quadratic; index t is the step taken from Y_t."""
+    """Per-step records of one method on one quadratic; index t is the step taken from Y_t.
+
+    Mutable on purpose: the runs below append to its lists step by step (a diverged run's loss ends in
+    ``inf``; an NDS of a zero direction is ``nan``)."""
 
     method: str
     loss: list[float] = field(default_factory=list)  # Q(Y_t), t = 0..T
@@ -199,6 +209,20 @@ class Trajectory:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        """The inverse of :meth:`to_dict`, also of its strict-JSON form: a null loss is a diverged run's
+        ``inf`` (the only non-finite loss the runs record), any other null ``nan``."""
+        lr = d["lr"]
+        return cls(
+            str(d["method"]),
+            _floats(d["loss"], math.inf),
+            _floats(d["nds"], math.nan),
+            _floats(d["step_norm"], math.nan),
+            _floats(d["first_order"], math.nan),
+            None if lr is None else float(lr),
+        )
 
 
 def _direction(method: str, R: Tensor, polar: str) -> Tensor:
@@ -360,11 +384,66 @@ def theorem_condition(spec: TwoLevelSpec) -> bool:
     return spec.sigma_H >= spec.sigma_L and spec.rho + 1 > inv > 1 + spec.sigma_H / spec.sigma_L
 
 
-def phase_sweep(rhos, alphas, ratios, steps: int = 20, q: int = 100) -> dict[str, Any]:
+@dataclass(frozen=True, eq=False)
+class PhaseSweep:
+    """:func:`phase_sweep`'s grid: the axes ρ = w_H/w_L (``rhos``), α = m/q (``alphas``) and σ_H/σ_L
+    (``ratios``), the steps T and the size q of every point, and per point (arrays shaped
+    ``(len(ratios), len(alphas), len(rhos))``): whether Muon's suboptimality after T steps is below GD's
+    (``muon_wins``), below or equal at every step 1..T (``muon_below_every_step``), whether
+    :func:`theorem_condition` holds (``condition``), and log10 of Muon's over GD's suboptimality after
+    T steps (``log10_suboptimality_ratio``)."""
+
+    rhos: tuple[float, ...]
+    alphas: tuple[float, ...]
+    ratios: tuple[float, ...]
+    steps: int
+    q: int
+    muon_wins: np.ndarray  # bool
+    muon_below_every_step: np.ndarray  # bool
+    condition: np.ndarray  # bool
+    log10_suboptimality_ratio: np.ndarray  # float64
+
+    ARRAYS: ClassVar[tuple[str, ...]] = ("muon_wins", "muon_below_every_step", "condition", "log10_suboptimality_ratio")
+
+    def __eq__(self, other: object) -> bool:
+        # arrays compare by value (dataclass equality would ask an array for its truth value)
+        if not isinstance(other, PhaseSweep):
+            return NotImplemented
+        same = (self.rhos, self.alphas, self.ratios, self.steps, self.q)
+        return same == (other.rhos, other.alphas, other.ratios, other.steps, other.q) and all(
+            np.array_equal(getattr(self, k), getattr(other, k), equal_nan=True) for k in self.ARRAYS
+        )
+
+    __hash__ = None  # arrays are not hashable
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rhos": list(self.rhos),
+            "alphas": list(self.alphas),
+            "ratios": list(self.ratios),
+            "steps": self.steps,
+            "q": self.q,
+            **{k: getattr(self, k).tolist() for k in self.ARRAYS},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PhaseSweep:
+        """The inverse of :meth:`to_dict` (a null log ratio, a non-finite one in strict JSON, is ``nan``)."""
+        axes = [tuple(float(x) for x in d[k]) for k in ("rhos", "alphas", "ratios")]
+        shape = (len(axes[2]), len(axes[1]), len(axes[0]))
+        arrays = [np.array(d[k], dtype=bool) for k in cls.ARRAYS[:3]]
+        arrays.append(np.array(d["log10_suboptimality_ratio"], dtype=float))
+        for k, a in zip(cls.ARRAYS, arrays):
+            if a.shape != shape:
+                raise CurvlabError(f"phase sweep {k} has shape {a.shape}, its axes {shape}")
+        return cls(*axes, int(d["steps"]), int(d["q"]), *arrays)
+
+
+def phase_sweep(rhos, alphas, ratios, steps: int = 20, q: int = 100) -> PhaseSweep:
     """Where Muon ends below GD after ``steps`` line-search steps, on the scalar model, over a grid of
     ρ = w_H/w_L, α = m/q and σ_H/σ_L; with the theorem's condition at each point.
 
-    Returns a dict of the axes and boolean/float arrays shaped ``(len(ratios), len(alphas), len(rhos))``.
+    Returns the axes and boolean/float arrays shaped ``(len(ratios), len(alphas), len(rhos))``.
     """
     shape = (len(ratios), len(alphas), len(rhos))
     muon_wins = np.zeros(shape, dtype=bool)
@@ -386,17 +465,8 @@ def phase_sweep(rhos, alphas, ratios, steps: int = 20, q: int = 100) -> dict[str
                 always[a, b, c] = bool(np.all(muon[1:k] <= gd[1:k] * (1 + 1e-9)))
                 condition[a, b, c] = theorem_condition(spec)
                 log_ratio[a, b, c] = math.log10(muon[k - 1] / gd[k - 1])
-    return {
-        "rhos": list(map(float, rhos)),
-        "alphas": list(map(float, alphas)),
-        "ratios": list(map(float, ratios)),
-        "steps": steps,
-        "q": q,
-        "muon_wins": muon_wins.tolist(),
-        "muon_below_every_step": always.tolist(),
-        "condition": condition.tolist(),
-        "log10_suboptimality_ratio": log_ratio.tolist(),
-    }
+    axes = [tuple(map(float, x)) for x in (rhos, alphas, ratios)]
+    return PhaseSweep(*axes, steps, q, muon_wins, always, condition, log_ratio)
 
 
 QUADRATIC_SCHEMA_VERSION = 1  # the record of quadratic_study (``quadratic.json``)
@@ -404,6 +474,105 @@ DEFAULT_EXAMPLE = TwoLevelSpec()
 SWEEP_RHOS = tuple(float(x) for x in np.logspace(0, 3, 13))
 SWEEP_ALPHAS = tuple(float(x) for x in np.linspace(0.02, 0.48, 12))
 SWEEP_RATIOS = (1.0, 2.0, 4.0)
+
+
+@dataclass(frozen=True)
+class ClosedForms:
+    """The theorem's closed forms on one :class:`TwoLevelSpec` (docs/science.md section 7):
+    :func:`optimal_loss`, :func:`muon_nds`, :func:`muon_contraction` Γ², GD's two-step contraction
+    C(P_0) C(1 - P_0) (:func:`gd_contraction`), P_0 (:func:`gd_initial_share`) and
+    :func:`theorem_condition`."""
+
+    optimal_loss: float
+    muon_nds: float
+    muon_contraction: float
+    gd_two_step_contraction: float
+    gd_initial_share: float
+    theorem_condition: bool
+
+    @classmethod
+    def of(cls, spec: TwoLevelSpec) -> ClosedForms:
+        P0 = gd_initial_share(spec)
+        return cls(
+            optimal_loss(spec),
+            muon_nds(spec),
+            muon_contraction(spec),
+            gd_contraction(spec, P0) * gd_contraction(spec, 1 - P0),
+            P0,
+            theorem_condition(spec),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ClosedForms:
+        return cls(
+            *(float(d[k]) for k in ("optimal_loss", "muon_nds", "muon_contraction", "gd_two_step_contraction")),
+            float(d["gd_initial_share"]),
+            bool(d["theorem_condition"]),
+        )
+
+
+@dataclass(frozen=True)
+class QuadraticStudy:
+    """``quadratic.json`` (``QUADRATIC_SCHEMA_VERSION``): :func:`quadratic_study`'s worked example on
+    ``spec`` (its closed forms, and the trajectories by method name: ``line_search`` for GD and Muon
+    with each polar factor, ``fixed_lr`` for ``"<method>-fixed-lr"`` at its best learning rate) and the
+    phase sweep.
+
+    JSON form: ``{"schema_version", "example": {"spec", "title", "closed_forms", "line_search",
+    "fixed_lr"}, "sweep"}``; ``title`` is derived from ``spec`` and not read back."""
+
+    spec: TwoLevelSpec
+    closed_forms: ClosedForms
+    line_search: dict[str, Trajectory]
+    fixed_lr: dict[str, Trajectory]
+    sweep: PhaseSweep
+    SCHEMA_VERSION: ClassVar[int] = QUADRATIC_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "quadratic study"
+
+    @property
+    def title(self) -> str:
+        spec = self.spec
+        return (
+            f"q={spec.q}, m={spec.m}, w_H={spec.w_H:g}, w_L={spec.w_L:g}, "
+            f"σ_H={spec.sigma_H:g}, σ_L={spec.sigma_L:g} (d={spec.d1}x{spec.d2})"
+        )
+
+    @property
+    def trajectories(self) -> dict[str, Trajectory]:
+        """Every trajectory by name, the line-search ones first."""
+        return {**self.line_search, **self.fixed_lr}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.SCHEMA_VERSION,
+            "example": {
+                "spec": asdict(self.spec),
+                "title": self.title,
+                "closed_forms": self.closed_forms.to_dict(),
+                "line_search": {k: v.to_dict() for k, v in self.line_search.items()},
+                "fixed_lr": {k: v.to_dict() for k, v in self.fixed_lr.items()},
+            },
+            "sweep": self.sweep.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuadraticStudy:
+        schema.check(d, cls)
+        example = d["example"]
+        return cls(
+            TwoLevelSpec(**example["spec"]),
+            ClosedForms.from_dict(example["closed_forms"]),
+            {k: Trajectory.from_dict(v) for k, v in example["line_search"].items()},
+            {k: Trajectory.from_dict(v) for k, v in example["fixed_lr"].items()},
+            PhaseSweep.from_dict(d["sweep"]),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> QuadraticStudy:
+        return schema.load(path, cls)
 
 
 def quadratic_study(
@@ -416,11 +585,11 @@ def quadratic_study(
     ratios: tuple[float, ...] = SWEEP_RATIOS,
     sweep_steps: int = 20,
     outside_theorem: bool = False,
-) -> dict[str, Any]:
+) -> QuadraticStudy:
     """The theorem's worked example (line search: GD, Muon with the exact, Newton–Schulz and Polar
     Express polar factors; fixed learning rates: GD and Muon with momentum, Adam, sign descent, each at
-    its best lr of ``lr_grid``), and the phase sweep over (ρ, α, σ_H/σ_L), as plain JSON-ready data
-    (``QUADRATIC_SCHEMA_VERSION``; :func:`curvlab.output.files.write_quadratic` writes it)."""
+    its best lr of ``lr_grid``), and the phase sweep over (ρ, α, σ_H/σ_L), as a :class:`QuadraticStudy`
+    (:func:`curvlab.output.files.write_quadratic` writes it)."""
     problem = two_level(spec, outside_theorem)
     line = {"gd": run_line_search(problem, "gd", steps)}
     for polar in ("svd", "newton_schulz", "polar_express"):
@@ -430,25 +599,4 @@ def quadratic_study(
         f"{method}-fixed-lr": best_fixed_lr(problem, method, lr_grid, fixed_lr_steps)
         for method in ("gd", "muon", "adam", "sign")
     }
-    P0 = gd_initial_share(spec)
-    return {
-        "schema_version": QUADRATIC_SCHEMA_VERSION,
-        "example": {
-            "spec": asdict(spec),
-            "title": (
-                f"q={spec.q}, m={spec.m}, w_H={spec.w_H:g}, w_L={spec.w_L:g}, "
-                f"σ_H={spec.sigma_H:g}, σ_L={spec.sigma_L:g} (d={spec.d1}x{spec.d2})"
-            ),
-            "closed_forms": {
-                "optimal_loss": optimal_loss(spec),
-                "muon_nds": muon_nds(spec),
-                "muon_contraction": muon_contraction(spec),
-                "gd_two_step_contraction": gd_contraction(spec, P0) * gd_contraction(spec, 1 - P0),
-                "gd_initial_share": P0,
-                "theorem_condition": theorem_condition(spec),
-            },
-            "line_search": {k: v.to_dict() for k, v in line.items()},
-            "fixed_lr": {k: v.to_dict() for k, v in fixed.items()},
-        },
-        "sweep": phase_sweep(rhos, alphas, ratios, steps=sweep_steps),
-    }
+    return QuadraticStudy(spec, ClosedForms.of(spec), line, fixed, phase_sweep(rhos, alphas, ratios, steps=sweep_steps))

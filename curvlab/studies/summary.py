@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from curvlab.errors import CurvlabError
 from curvlab.studies.headline import HeadlineEntry, ZipfPoint
 from curvlab.studies.primary import Calibration, PrimaryEntry
+from curvlab.studies.quadratic import QuadraticStudy
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util import schema
 
@@ -23,17 +24,18 @@ SUMMARY_SCHEMA_VERSION = 2  # 2: the primary family and the A/A calibration; hea
 
 @dataclass(frozen=True)
 class QuadraticRecord:
-    """The quadratic model's closed-form checks in ``summary.json`` (:func:`curvlab.studies.quadratic.quadratic_study`'s
-    example): Muon's NDS, its contraction Γ² and gradient descent's two-step contraction."""
+    """The quadratic model's closed-form checks in ``summary.json`` (the example of
+    :class:`~curvlab.studies.quadratic.QuadraticStudy`): Muon's NDS, its contraction Γ² and gradient
+    descent's two-step contraction."""
 
     muon_nds: float
     muon_contraction: float
     gd_two_step_contraction: float
 
     @classmethod
-    def from_study(cls, study: Mapping[str, Any]) -> QuadraticRecord:
-        closed = study["example"]["closed_forms"]
-        return cls(*(float(closed[k]) for k in ("muon_nds", "muon_contraction", "gd_two_step_contraction")))
+    def from_study(cls, study: QuadraticStudy) -> QuadraticRecord:
+        closed = study.closed_forms
+        return cls(closed.muon_nds, closed.muon_contraction, closed.gd_two_step_contraction)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> QuadraticRecord:

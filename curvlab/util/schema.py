@@ -8,6 +8,9 @@ the key ``schema_version`` in ``to_dict`` and builds itself from such a dict in 
 * :func:`load`: the record in a file; a missing file, invalid JSON, a schema version other than the
   class's or a malformed record is a one-line :class:`~curvlab.errors.CurvlabError` naming the file.
 * :func:`check`: the version test itself, for a ``from_dict`` that is also fed dicts not read here.
+
+Another version (or no version: not a record at all) is an :class:`OtherVersion`, a ``CurvlabError``, so
+that a reader of a cache can tell "recompute it" from a corrupt file.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ class Record(Protocol):
 R = TypeVar("R")
 
 
+class OtherVersion(CurvlabError):
+    """A JSON value that is not a record of the expected class's ``SCHEMA_VERSION``."""
+
+
 def _name(cls: type) -> str:
     return getattr(cls, "WHAT", cls.__name__)
 
@@ -37,12 +44,12 @@ def check(d: Any, cls: type, where: str | Path | None = None) -> dict[str, Any]:
     """``d`` itself when it is a dict whose ``schema_version`` is ``cls.SCHEMA_VERSION``.
 
     Raises:
-        CurvlabError: ``d`` is not a JSON object, or holds another schema version.
+        OtherVersion: ``d`` is not a JSON object, or holds another schema version.
     """
     prefix = f"{where}: " if where is not None else ""
     version = d.get("schema_version") if isinstance(d, dict) else None
     if not isinstance(d, dict) or version != cls.SCHEMA_VERSION:
-        raise CurvlabError(f"{prefix}{_name(cls)} schema {version} is not {cls.SCHEMA_VERSION}")
+        raise OtherVersion(f"{prefix}{_name(cls)} schema {version} is not {cls.SCHEMA_VERSION}")
     return d
 
 
@@ -55,8 +62,8 @@ def load(path: str | Path, cls: type[R]) -> R:
     """``cls.from_dict`` of the JSON in ``path``, after :func:`check`.
 
     Raises:
-        CurvlabError: a missing or unreadable file, invalid JSON, another schema version, or a record
-            ``from_dict`` can't parse (a missing key, a wrong type).
+        CurvlabError: a missing or unreadable file, invalid JSON, another schema version
+            (:class:`OtherVersion`), or a record ``from_dict`` can't parse (a missing key, a wrong type).
     """
     path = Path(path)
     try:
