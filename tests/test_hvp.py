@@ -1,3 +1,4 @@
+import json
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from curvlab import (
     quadratic_forms,
 )
 from curvlab.engine import params as P
+from curvlab.engine.finite_difference import FiniteDifferenceHVP, finite_difference_hvp
+from curvlab.errors import CurvlabError
 from tests.conftest import random_direction
 from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
 
@@ -290,3 +293,20 @@ def test_the_engine_keeps_the_parameters_dtype_and_never_creates_tensors_without
             taylor_split(loss_fn, params, batch, z, method=method)
             block_matrix(loss_fn, params, batch, z, method=method)
             block_matrix(loss_fn, params, batch, z, via="alpha", method=method)
+
+
+def test_finite_difference_hvp_within_its_stated_error_and_its_record(mlp_problem):
+    loss_fn, params, batch = mlp_problem
+    v = random_direction(params)
+    fd = finite_difference_hvp(loss_fn, params, batch, v)
+    exact = dense_hessian(loss_fn, params, batch) @ P.flatten(v)
+    assert float((P.flatten(fd.hvp) - exact).norm()) <= fd.error < 1e-6 * float(exact.norm())
+    d = json.loads(json.dumps(fd.to_dict()))
+    assert d["schema_version"] == 1 and "schema" not in d
+    back = FiniteDifferenceHVP.from_dict(d)
+    assert (back.step, back.error, back.norm) == (fd.step, fd.error, fd.norm) and back.hvp == {}
+    old = {("schema" if k == "schema_version" else k): x for k, x in d.items()}  # the key before it was renamed
+    assert FiniteDifferenceHVP.from_dict(old).error == fd.error
+    for bad in ({**d, "schema_version": 2}, {**old, "schema": 2}):
+        with pytest.raises(CurvlabError, match="finite-difference record schema 2 is not 1"):
+            FiniteDifferenceHVP.from_dict(bad)

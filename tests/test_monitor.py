@@ -15,6 +15,7 @@ from curvlab.curvature.taylor import block_matrix, taylor_split
 from curvlab.data.shards import TokenData, validation_batches
 from curvlab.engine import params as P
 from curvlab.engine.loss import ModuleLoss, make_loss_fn, token_cross_entropy, weighted_batches
+from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, GPTConfig, get_config
 from curvlab.optim.build import build_optimizer
 from curvlab.runs.checkpoint import load_checkpoint, read_index
@@ -287,6 +288,8 @@ def test_bad_steps_give_rows_that_say_so():
         monitor.measure_next(0, D)
     with pytest.raises(ValueError, match="not a curvature row"):
         MonitorRow.from_dict({"step": 1, "train_loss": 2.0})
+    with pytest.raises(CurvlabError, match="^curvature row schema 2 is not 1$"):
+        MonitorRow.from_dict({**row.to_dict(), "schema_version": 2})
 
 
 def test_resumed_monitored_run_equals_an_uninterrupted_one(runs, pcfg_data, tmp_path, monkeypatch):

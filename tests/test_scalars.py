@@ -7,7 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from curvlab.analysis.report import CurvatureReport, analyze_checkpoint, load_report
+from curvlab.analysis.direction_report import DirectionReport
+from curvlab.analysis.directions import PairedDirections
+from curvlab.analysis.report import CurvatureReport, analyze_checkpoint, cached_report, load_report, report_cache_path
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.curvature.scalars import SCALAR_KEYS, SCOPE_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
@@ -53,6 +55,45 @@ def test_a_real_report_round_trips_through_its_json(report, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({**d, "schema_version": 2}))
     with pytest.raises(CurvlabError, match="report schema 2 is not 3"):
         load_report(tmp_path / "old.json")
+
+
+def test_a_cached_report_of_another_schema_version_is_a_cache_miss(report, tmp_path):
+    checkpoint, cache = tmp_path / "ckpt_000002.pt", tmp_path / "cache"
+    checkpoint.write_bytes(b"")  # (the cache key reads the file's identity only)
+    path = report_cache_path(cache, checkpoint, report.settings)
+    calls = []
+
+    def analyze_fn(ckpt, settings, data, device):
+        calls.append(ckpt)
+        return report
+
+    cache.mkdir()
+    report.save(path)
+    read = cached_report(cache, checkpoint, report.settings, analyze_fn=analyze_fn)
+    assert calls == [] and _json(read.to_dict()) == _json(report.to_dict())  # this version's report: read back
+    path.write_text(json.dumps({**report.to_dict(), "schema_version": 2}))
+    assert cached_report(cache, checkpoint, report.settings, analyze_fn=analyze_fn) is report
+    assert calls == [checkpoint.resolve()]  # another version's: recomputed, and replaced
+    assert json.loads(path.read_text())["schema_version"] == 3
+    path.write_text(json.dumps({**report.to_dict(), "blocks": {"names": []}}))
+    with pytest.raises(CurvlabError, match="malformed report"):  # this version's, broken: no miss, an error
+        cached_report(cache, checkpoint, report.settings, analyze_fn=analyze_fn)
+
+
+def test_paired_directions_and_direction_reports_of_another_schema_version_are_refused(report):
+    paired = report.to_dict()["paired"]
+    assert _json(PairedDirections.from_dict(paired).to_dict()) == _json(paired)
+    with pytest.raises(CurvlabError, match="^paired-directions schema 2 is not 1$"):
+        PairedDirections.from_dict({**paired, "schema_version": 2})
+    r = report
+    d = json.loads(
+        json.dumps(DirectionReport(r.checkpoint, r.step, r.val_loss, r.optimizer, r.settings, r.paired, 1.0).to_dict())
+    )
+    assert _json(DirectionReport.from_dict(d).to_dict()) == _json(d)
+    with pytest.raises(CurvlabError, match="^directions schema 2 is not 1$"):
+        DirectionReport.from_dict({**d, "schema_version": 2})
+    with pytest.raises(CurvlabError, match="^paired-directions schema 0 is not 1$"):
+        DirectionReport.from_dict({**d, "paired": {**paired, "schema_version": 0}})
 
 
 def test_the_scalars_of_a_report_are_its_numbers(report):

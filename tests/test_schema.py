@@ -2,10 +2,12 @@
 
 import json
 import math
+from types import MappingProxyType
 
 import pytest
 
 from curvlab.errors import CurvlabError
+from curvlab.runs.monitor import MonitorRow
 from curvlab.studies.tuning import LrSearch, TuningRecord
 from curvlab.util import schema
 
@@ -54,3 +56,20 @@ def test_check_refuses_another_version_without_a_file():
     assert schema.check(d, TuningRecord) is d
     with pytest.raises(CurvlabError, match="tuning schema 0 is not 1"):
         TuningRecord.from_dict({**d, "schema_version": 0})
+
+
+def test_matches_is_what_check_accepts_and_fixed_keys_come_before_the_version():
+    d = _record().to_dict()
+    assert schema.matches(d, TuningRecord) and schema.matches(MappingProxyType(d), TuningRecord)
+    no_version = {k: v for k, v in d.items() if k != "schema_version"}
+    for bad in ({**d, "schema_version": 0}, no_version, [d], None):
+        assert not schema.matches(bad, TuningRecord)
+        with pytest.raises(CurvlabError, match="tuning schema (0|None) is not 1"):
+            schema.check(bad, TuningRecord)
+    # a record with FIXED_KEYS: a curvature row among the training rows of metrics.jsonl
+    assert schema.matches({"kind": "curvature", "schema_version": 1}, MonitorRow)
+    for training_row in ({"step": 1, "train_loss": 2.0}, {"kind": "train", "schema_version": 9}):
+        assert not schema.matches(training_row, MonitorRow)
+        with pytest.raises(CurvlabError, match=r"^m.jsonl: not a curvature row \(kind .* is not 'curvature'\)$"):
+            schema.check(training_row, MonitorRow, "m.jsonl")
+    assert not schema.matches({"kind": "curvature", "schema_version": 2}, MonitorRow)

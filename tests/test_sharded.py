@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,7 +42,7 @@ from curvlab.optim.build import build_optimizer
 from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.config import TrainConfig
-from curvlab.runs.dcp import convert_to_sharded
+from curvlab.runs.dcp import convert_to_sharded, read_meta
 from curvlab.runs.match import MatchCriteria
 from curvlab.runs.sharded_train import train_sharded
 from curvlab.runs.train import train
@@ -512,3 +513,22 @@ def test_track_spectrum_with_fsdp_is_refused_in_one_line(tmp_path):
     r = CliRunner().invoke(app, ["track", str(tmp_path), "--fsdp", "--spectrum", "2", "--out", str(tmp_path / "t")])
     assert r.exit_code == 2 and "--spectrum is not available with --fsdp" in r.output
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "t").exists()
+
+
+def test_a_sharded_checkpoint_of_another_format_or_schema_is_refused_in_one_line(tmp_path):
+    meta = {"format": "curvlab-dcp", "schema_version": 1, "world_size": 2}
+    cases = [
+        (meta, None),
+        ({**meta, "schema_version": 2}, "curvlab sharded checkpoint schema 2 is not 1"),
+        ({**meta, "format": "other"}, r"not a curvlab sharded checkpoint \(format 'other' is not 'curvlab-dcp'\)"),
+        ([meta], "curvlab sharded checkpoint schema None is not 1"),
+    ]
+    for i, (payload, match) in enumerate(cases):
+        path = tmp_path / f"ckpt_{i}"
+        path.mkdir()
+        torch.save(payload, path / "curvlab.pt")
+        if match is None:
+            assert read_meta(path) == meta
+            continue
+        with pytest.raises(CurvlabError, match=f"^{re.escape(str(path))}: {match}$"):
+            read_meta(path)

@@ -10,13 +10,13 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from curvlab.analysis.directions import PairedDirections, directions_table, paired_directions, parse_directions
 from curvlab.analysis.targets import DTYPES, AnalysisSettings, Target, evaluation_batches, open_checkpoint
 from curvlab.engine.loss import make_loss_fn
-from curvlab.errors import CurvlabError
 from curvlab.optim.update import next_update
+from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
 
 DIRECTIONS_SCHEMA_VERSION = 1
@@ -42,6 +42,8 @@ class DirectionReport:
     settings: AnalysisSettings
     paired: PairedDirections
     seconds: float
+    SCHEMA_VERSION: ClassVar[int] = DIRECTIONS_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "directions"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,8 +59,7 @@ class DirectionReport:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DirectionReport:
-        if d.get("schema_version") != DIRECTIONS_SCHEMA_VERSION:
-            raise CurvlabError(f"directions schema {d.get('schema_version')} is not {DIRECTIONS_SCHEMA_VERSION}")
+        schema.check(d, cls)
         return cls(
             d["checkpoint"],
             d["step"],

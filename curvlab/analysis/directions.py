@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -68,6 +68,7 @@ from curvlab.engine.hvp import CurvaturePoint
 from curvlab.errors import CurvlabError
 from curvlab.models.roles import matrix_shapes
 from curvlab.optim.shadow import ShadowSettings, ShadowState, muon_step
+from curvlab.util import schema
 
 DIRECTIONS = ("adamw", "muon", "sgd", "sign")
 PAIRED = ("adamw", "muon")  # the two arms, paired at every checkpoint that carries a shadow
@@ -170,6 +171,8 @@ class PairedDirections:
     hidden_names: tuple[str, ...]
     multiplier: float
     shadow: dict[str, Any] | None = None
+    SCHEMA_VERSION: ClassVar[int] = PAIRED_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "paired-directions"
 
     def get(self, name: str) -> PairedDirection:
         for d in self.directions:
@@ -207,8 +210,7 @@ class PairedDirections:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PairedDirections:
-        if d.get("schema_version") != PAIRED_SCHEMA_VERSION:
-            raise CurvlabError(f"paired-directions schema {d.get('schema_version')} is not {PAIRED_SCHEMA_VERSION}")
+        schema.check(d, cls)
         return cls(
             d["base"],
             d["real"],

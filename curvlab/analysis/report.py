@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -83,6 +83,7 @@ from curvlab.engine.operator import hessian_operator
 from curvlab.errors import CurvlabError
 from curvlab.optim.update import next_update
 from curvlab.runs.dcp import META as SHARDED_META
+from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.distributed import from_main, is_distributed, is_main
 
@@ -156,6 +157,8 @@ class CurvatureReport:
     spectrum: UpdateSpectrum | None = None
     next_batch: BatchDraw | None = None
     paired: PairedDirections | None = None
+    SCHEMA_VERSION: ClassVar[int] = REPORT_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "report"
 
     def to_dict(self) -> dict[str, Any]:
         split = self.split.to_dict()
@@ -186,8 +189,7 @@ class CurvatureReport:
         Raises:
             CurvlabError: another schema version.
         """
-        if d.get("schema_version") != REPORT_SCHEMA_VERSION:
-            raise CurvlabError(f"report schema {d.get('schema_version')} is not {REPORT_SCHEMA_VERSION}")
+        schema.check(d, cls)
         hidden = d["hidden"]
         split = TaylorSplit.from_dict(
             {**d, "subset": hidden, "subset_names": () if hidden is None else hidden["names"]}
@@ -323,16 +325,32 @@ def load_report(path: str | Path) -> CurvatureReport:
     """A saved report, checked for its schema version; an unreadable or malformed file is a one-line
     ``CurvlabError``."""
     path = Path(path)
+    return _report_of(path, _report_json(path))
+
+
+def _report_json(path: Path) -> Any:
     try:
-        d = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CurvlabError(f"{path}: unreadable report ({e})") from e
+
+
+def _report_of(path: Path, d: Any) -> CurvatureReport:
     try:
         return CurvatureReport.from_dict(d)
     except CurvlabError as e:
         raise CurvlabError(f"{path}: {e}") from e
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CurvlabError(f"{path}: malformed report ({type(e).__name__}: {e})") from e
+
+
+def _cached(path: Path) -> CurvatureReport | None:
+    """The report cached at ``path``; ``None`` (a cache miss) without a file, or for a report of another
+    schema version (stale: recomputed)."""
+    if not path.is_file():
+        return None
+    d = _report_json(path)
+    return _report_of(path, d) if schema.matches(d, CurvatureReport) else None
 
 
 def report_cache_path(cache_dir: str | Path, checkpoint: str | Path, settings: AnalysisSettings) -> Path:
@@ -358,9 +376,10 @@ def cached_report(
     device="cpu",
     analyze_fn: Callable[..., CurvatureReport] | None = None,
 ) -> CurvatureReport:
-    """The report of ``checkpoint`` under ``settings``: read from ``cache_dir`` when it was made
-    before, else computed by ``analyze_fn`` (default :func:`analyze_checkpoint`; the sharded
-    analysis passes its own) and saved there (see :func:`report_cache_path`).
+    """The report of ``checkpoint`` under ``settings``: read from ``cache_dir`` when this schema version
+    made it before (a stale one is recomputed and replaced), else computed by ``analyze_fn`` (default
+    :func:`analyze_checkpoint`; the sharded analysis passes its own) and saved there (see
+    :func:`report_cache_path`).
 
     Under torch.distributed rank 0 decides whether the report is cached and hands the cached one to
     the others: every rank then analyses, or none does (a rank that saw rank 0's fresh file while
@@ -368,11 +387,11 @@ def cached_report(
     analyze_fn = analyze_fn or analyze_checkpoint
     path = report_cache_path(cache_dir, checkpoint, settings)
     if is_distributed():
-        cached = from_main(load_report(path) if is_main() and path.is_file() else None)
-        if cached is not None:
-            return cached
-    elif path.is_file():
-        return load_report(path)
+        cached = from_main(_cached(path) if is_main() else None)
+    else:
+        cached = _cached(path)
+    if cached is not None:
+        return cached
     report = analyze_fn(Path(checkpoint).resolve(), settings, data, device)
     if is_main():  # under torch.distributed every rank computed it; one writes it
         report.save(path)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -35,6 +35,7 @@ from curvlab.engine import params as P
 from curvlab.engine.hvp import CurvaturePoint, working_dtype
 from curvlab.engine.loss import LossFn
 from curvlab.errors import CurvlabError
+from curvlab.util import schema
 
 SCHEMA_VERSION = 1
 
@@ -58,16 +59,23 @@ class FiniteDifferenceHVP:
     truncation: float
     rounding: float
     norm: float
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
+    WHAT: ClassVar[str] = "finite-difference record"
 
     def to_dict(self) -> dict[str, Any]:
         """The scalars (not the tensors), with the schema version."""
         keys = ("step", "error", "truncation", "rounding", "norm")
-        return {"schema": SCHEMA_VERSION, **{k: getattr(self, k) for k in keys}}
+        return {"schema_version": SCHEMA_VERSION, **{k: getattr(self, k) for k in keys}}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FiniteDifferenceHVP:
-        if d.get("schema") != SCHEMA_VERSION:
-            raise CurvlabError(f"finite-difference record schema {d.get('schema')!r}, expected {SCHEMA_VERSION}")
+        """The scalars of :meth:`to_dict`'s JSON (the loaded ``hvp`` is empty: the JSON keeps no tensors).
+
+        Raises:
+            CurvlabError: another schema version.
+        """
+        d = {"schema_version": d.get("schema"), **d}  # (JSON written before the key was schema_version: "schema")
+        schema.check(d, cls)
         return cls(hvp={}, **{k: float(d[k]) for k in ("step", "error", "truncation", "rounding", "norm")})
 
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +55,7 @@ from curvlab.models.roles import matrix_shapes
 from curvlab.optim.muon import SCALES, muon_scale
 from curvlab.optim.polar import METHODS as POLAR_METHODS
 from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
+from curvlab.util import schema
 
 SHADOW_SCHEMA_VERSION = 1
 SHADOW_OF = {"adamw": "muon", "muon": "adamw"}  # the run's optimizer -> the arm its shadow keeps
@@ -146,6 +147,9 @@ class ShadowState:
         shapes: ``{name: (rows, cols)}``, the mathematical (out, in) shape of each matrix (Muon's scale
             reads it; :func:`curvlab.models.roles.matrix_shapes`).
     """
+
+    SCHEMA_VERSION: ClassVar[int] = SHADOW_SCHEMA_VERSION  # of the checkpoint payload (state_dict)
+    WHAT: ClassVar[str] = "shadow state"
 
     def __init__(self, settings: ShadowSettings, shapes: Mapping[str, tuple[int, int]]):
         settings.validate()
@@ -247,7 +251,7 @@ class ShadowState:
         Raises:
             CurvlabError: another schema version, another shadow arm or other settings, or other matrices.
         """
-        check_payload(d)
+        schema.check(d, type(self))
         saved = ShadowSettings.from_dict(d["settings"])
         if saved != self.settings:
             raise CurvlabError(f"the saved shadow's settings {saved} differ from this run's {self.settings}")
@@ -258,7 +262,7 @@ class ShadowState:
     @classmethod
     def from_state_dict(cls, d: Mapping[str, Any]) -> ShadowState:
         """A shadow rebuilt from its checkpoint payload alone."""
-        check_payload(d)
+        schema.check(d, cls)
         shadow = cls(ShadowSettings.from_dict(d["settings"]), {n: tuple(s) for n, s in d["shapes"].items()})
         shadow.load_state_dict(d)
         return shadow
@@ -284,12 +288,6 @@ def muon_step(update: Tensor, shape: tuple[int, int], settings: ShadowSettings, 
         eps=settings.ns_eps,
     ).to(update.dtype)
     return ortho.contiguous().view(update.shape) * (lr * muon_scale(shape, settings.scale))
-
-
-def check_payload(d: Any) -> None:
-    if not isinstance(d, Mapping) or d.get("schema_version") != SHADOW_SCHEMA_VERSION:
-        version = d.get("schema_version") if isinstance(d, Mapping) else None
-        raise CurvlabError(f"shadow state schema {version} is not {SHADOW_SCHEMA_VERSION}")
 
 
 def build_shadow(optimizer: str, model: nn.Module, **options: Any) -> ShadowState:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -38,11 +38,21 @@ from curvlab.optim.build import build_optimizer
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.schedule import lr_multiplier
 from curvlab.runs.train import Run, build_run, restore
+from curvlab.util import schema
 from curvlab.util.distributed import barrier, rank_and_world
 
 FORMAT = "curvlab-dcp"
 SCHEMA_VERSION = 1
 META = "curvlab.pt"
+
+
+class ShardedMeta:
+    """What a sharded checkpoint's ``META`` is, for :mod:`curvlab.util.schema`: its format and schema
+    version (it is read as the dict it is: tensors and loader states, for ``torch.load``)."""
+
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
+    WHAT: ClassVar[str] = "curvlab sharded checkpoint"
+    FIXED_KEYS: ClassVar[dict[str, Any]] = {"format": FORMAT}
 
 
 def shard_run(run: Run) -> None:
@@ -100,10 +110,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not (path / META).is_file():
         raise CurvlabError(f"{path}: not a curvlab sharded checkpoint (no {META})")
-    meta = torch.load(path / META, weights_only=False)
-    if meta.get("format") != FORMAT or meta.get("schema_version") != SCHEMA_VERSION:
-        raise CurvlabError(f"{path}: sharded checkpoint format {meta.get('format')!r} v{meta.get('schema_version')}")
-    return meta
+    return schema.check(torch.load(path / META, weights_only=False), ShardedMeta, path)
 
 
 def convert_to_sharded(checkpoint: dict[str, Any], path: str | Path, data: str | Path | None = None) -> Path:

@@ -48,7 +48,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +63,7 @@ from curvlab.engine.loss import LossFn, count_loss_terms, make_loss_fn, weighted
 from curvlab.errors import CurvlabError
 from curvlab.optim.combined import Optimizers
 from curvlab.optim.update import next_update
+from curvlab.util import schema
 
 MONITOR_SCHEMA_VERSION = 1
 ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training rows have none
@@ -162,6 +163,9 @@ class MonitorRow:
     heldout_tokens: int
     seconds: float
     hidden_names: tuple[str, ...] = ()
+    SCHEMA_VERSION: ClassVar[int] = MONITOR_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "curvature row"
+    FIXED_KEYS: ClassVar[dict[str, Any]] = {"kind": ROW_KIND}  # (metrics.jsonl holds training rows too)
 
     @property
     def ok(self) -> bool:
@@ -189,11 +193,7 @@ class MonitorRow:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MonitorRow:
         """A row read back from its JSON; refuses another kind or schema version."""
-        if d.get("kind") != ROW_KIND or d.get("schema_version") != MONITOR_SCHEMA_VERSION:
-            raise CurvlabError(
-                f"not a curvature row of schema {MONITOR_SCHEMA_VERSION} "
-                f"(kind {d.get('kind')!r}, schema {d.get('schema_version')!r})"
-            )
+        schema.check(d, cls)
         hidden = d.get("hidden")
         return cls(
             step=int(d["step"]),

@@ -1,13 +1,18 @@
 """Versioned JSON records: one writer and one reader for every typed record a job keeps on disk.
 
 A record class declares its version once, as ``SCHEMA_VERSION`` (a class attribute), writes it under
-the key ``schema_version`` in ``to_dict`` and builds itself from such a dict in ``from_dict``.
+the key ``schema_version`` in ``to_dict`` and builds itself from such a dict in ``from_dict``. A record
+that shares its file with others, or names its format, declares those keys' values once as
+``FIXED_KEYS`` (``{"kind": "curvature"}``, a metrics row; ``{"format": ...}``, a checkpoint); they are
+tested before the version. ``WHAT`` (default: the class name) names the record in messages.
 
 * :func:`save`: ``record.to_dict()`` as strict JSON (a non-finite float is written as ``null``; ``NaN``
   is not JSON), atomically (:mod:`curvlab.util.atomic`): a crash leaves the previous file or none.
 * :func:`load`: the record in a file; a missing file, invalid JSON, a schema version other than the
   class's or a malformed record is a one-line :class:`~curvlab.errors.CurvlabError` naming the file.
 * :func:`check`: the version test itself, for a ``from_dict`` that is also fed dicts not read here.
+* :func:`matches`: the same test as a predicate, where another version is no error (a stale cache
+  entry, recomputed).
 
 Another version (or no version: not a record at all) is an :class:`OtherVersion`, a ``CurvlabError``, so
 that a reader of a cache can tell "recompute it" from a corrupt file.
@@ -16,6 +21,7 @@ that a reader of a cache can tell "recompute it" from a corrupt file.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -30,6 +36,7 @@ class Record(Protocol):
 
 
 R = TypeVar("R")
+D = TypeVar("D")
 
 
 class OtherVersion(CurvlabError):
@@ -40,16 +47,33 @@ def _name(cls: type) -> str:
     return getattr(cls, "WHAT", cls.__name__)
 
 
-def check(d: Any, cls: type, where: str | Path | None = None) -> dict[str, Any]:
-    """``d`` itself when it is a dict whose ``schema_version`` is ``cls.SCHEMA_VERSION``.
+def _mismatch(d: Any, cls: type) -> str | None:
+    """Why ``d`` is not a record of ``cls`` (its ``FIXED_KEYS``, then its version), or ``None``."""
+    if not isinstance(d, Mapping):
+        return f"{_name(cls)} schema None is not {cls.SCHEMA_VERSION}"
+    for key, value in getattr(cls, "FIXED_KEYS", {}).items():
+        if d.get(key) != value:
+            return f"not a {_name(cls)} ({key} {d.get(key)!r} is not {value!r})"
+    version = d.get("schema_version")
+    return None if version == cls.SCHEMA_VERSION else f"{_name(cls)} schema {version} is not {cls.SCHEMA_VERSION}"
+
+
+def matches(d: Any, cls: type) -> bool:
+    """Whether ``d`` is a JSON object of ``cls``'s ``FIXED_KEYS`` and ``SCHEMA_VERSION`` (what :func:`check`
+    accepts)."""
+    return _mismatch(d, cls) is None
+
+
+def check(d: D, cls: type, where: str | Path | None = None) -> D:
+    """``d`` itself when it is a JSON object (a mapping) with ``cls``'s ``FIXED_KEYS`` whose
+    ``schema_version`` is ``cls.SCHEMA_VERSION``.
 
     Raises:
-        OtherVersion: ``d`` is not a JSON object, or holds another schema version.
+        OtherVersion: ``d`` is not a JSON object, lacks a fixed key's value, or holds another schema version.
     """
-    prefix = f"{where}: " if where is not None else ""
-    version = d.get("schema_version") if isinstance(d, dict) else None
-    if not isinstance(d, dict) or version != cls.SCHEMA_VERSION:
-        raise OtherVersion(f"{prefix}{_name(cls)} schema {version} is not {cls.SCHEMA_VERSION}")
+    problem = _mismatch(d, cls)
+    if problem is not None:
+        raise OtherVersion(f"{where}: {problem}" if where is not None else problem)
     return d
 
 
