@@ -406,9 +406,16 @@ def rerun_agreement(summary: Summary, rerun: Summary) -> list[str]:
     """Two runs of one preset side by side (:func:`curvlab.studies.rerun.compare_reruns`): per primary
     claim each run's estimate and interval, both direction verdicts, whether each estimate lies inside
     the other run's interval, and the rerun's shift from this run, paired by seed."""
-    threads = (summary.timing.get("threads", "?"), rerun.timing.get("threads", "?"))
+
+    def threads(s: Summary) -> str:
+        n = s.timing.get("threads")
+        return "?" if n is None else f"{int(n)}"
+
     rows = [
-        f"Rerun agreement: this run ({threads[0]} torch thread(s)) against a rerun ({threads[1]}):",
+        f"Rerun agreement: the same preset on {threads(summary)} torch thread(s) (this run) and on "
+        f"{threads(rerun)} (the rerun). Floats change trajectories, so the rerun replicates the whole "
+        "design; mutual inclusion holds for 81% of exact-interval replicate pairs at 5 seeds, and the shift "
+        "paired by seed tests whether the rerun moved (docs/science.md section 12):",
         "",
         "| claim | scope | this run | rerun | verdicts | this estimate in the rerun's interval | the rerun's in this "
         "| the rerun's shift, paired by seed [95% CI] |",
