@@ -38,7 +38,8 @@ from curvlab.runs.monitor import MonitorSettings
 from curvlab.runs.sharded_train import train_sharded
 from curvlab.runs.train import train as run_training
 from curvlab.studies.compare import compare_runs
-from curvlab.studies.quadratic import TwoLevelSpec, quadratic_study
+from curvlab.studies.quadratic import quadratic_study
+from curvlab.studies.quadratic_model import TwoLevelSpec
 from curvlab.studies.track import track_monitor, track_run, track_source
 from curvlab.util.atomic import check_output
 from curvlab.util.distributed import distributed_context

@@ -10,10 +10,9 @@ import torch
 from curvlab import hvp, taylor_split
 from curvlab.errors import CurvlabError
 from curvlab.output.files import read_quadratic, write_quadratic
-from curvlab.studies.quadratic import (
-    QUADRATIC_SCHEMA_VERSION,
+from curvlab.studies.quadratic import QUADRATIC_SCHEMA_VERSION, QuadraticStudy, phase_sweep, quadratic_study
+from curvlab.studies.quadratic_model import (
     KroneckerQuadratic,
-    QuadraticStudy,
     Trajectory,
     TwoLevelSpec,
     best_fixed_lr,
@@ -22,9 +21,7 @@ from curvlab.studies.quadratic import (
     muon_contraction,
     muon_nds,
     optimal_loss,
-    phase_sweep,
     power_law,
-    quadratic_study,
     run_fixed_lr,
     run_line_search,
     scalar_two_level,
