@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from scipy.sparse.linalg import ArpackNoConvergence, eigsh
 from torch import Tensor
 
 from curvlab.engine.operator import Operator
@@ -290,7 +291,6 @@ def eigsh_extremes(
     """The same as :func:`lanczos` through ``scipy.sparse.linalg.eigsh`` on ``op.to_scipy()``
     (ARPACK's implicitly restarted Lanczos, with its basis in host memory): ``memory`` bytes set its
     number of Lanczos vectors ``ncv`` (default scipy's, ``max(2k + 1, 20)``)."""
-    from scipy.sparse.linalg import ArpackNoConvergence, eigsh
 
     _check_which(which)
     if not 1 <= k < op.dim:

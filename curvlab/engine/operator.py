@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from scipy.sparse.linalg import LinearOperator
 from torch import Tensor
 
 from curvlab.engine import params as P
@@ -75,7 +76,6 @@ class Operator:
         """This operator as a ``scipy.sparse.linalg.LinearOperator`` (float64 when the operator is,
         else float32), e.g. ``eigsh(op.to_scipy(), k=1)``. Each product moves its vectors to the
         operator's device and the result back to the host."""
-        from scipy.sparse.linalg import LinearOperator
 
         np_dtype = np.float64 if self.dtype == torch.float64 else np.float32
 

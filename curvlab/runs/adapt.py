@@ -73,7 +73,7 @@ def lora_model(base: nn.Module, rank: int, targets: list[str] | None = None) -> 
     Raises:
         CurvlabError: no linear layer to adapt, or a rank larger than a layer's smaller side.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # optional (the hf extra): only adapter runs need it
 
     targets = check_rank(base, rank, targets)
     return get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets))
