@@ -128,7 +128,7 @@ def global_step(path: Path) -> int:
 def load_model(path: Path) -> nn.Module:
     """The model of a checkpoint directory, by the class its ``config.json`` names, in eval mode
     (nothing is downloaded: ``local_files_only``)."""
-    import transformers
+    import transformers  # optional (the hf extra): only Hugging Face checkpoints need it
 
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
@@ -151,7 +151,7 @@ def trainer_optimizer(ckpt: TrainerCheckpoint) -> torch.optim.Optimizer:
     ``Trainer.get_decay_parameter_names`` chooses, weight-decayed; the other trainable ones), then
     checked against the saved groups' sizes and the moments' shapes before the state is loaded.
     """
-    from transformers import Trainer
+    from transformers import Trainer  # optional (the hf extra)
 
     optim = str(getattr(ckpt.args.optim, "value", ckpt.args.optim))
     if optim not in ADAMW:

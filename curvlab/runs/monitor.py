@@ -487,7 +487,7 @@ def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = Fals
     ``global_step`` after the measured step. (A callback is handed no trainer by transformers, and
     one added to a Trainer runs after the integrations, so it needs the trainer to log through.)
     """
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback  # optional (the hf extra): only this callback needs it
 
     class CurvatureCallback(TrainerCallback):
         def __init__(self):
