@@ -58,7 +58,7 @@ def _conv1d_types() -> tuple[type, ...]:
     """Hugging Face's ``Conv1D`` (weight stored in x out), if transformers is loaded (else no model has one)."""
     if "transformers" not in sys.modules:
         return ()
-    from transformers.pytorch_utils import Conv1D  # optional: only loaded, never imported here
+    from transformers.pytorch_utils import Conv1D  # optional: only once the user has imported transformers
 
     return (Conv1D,)
 
