@@ -6,7 +6,7 @@ import math
 import pytest
 
 from curvlab.errors import CurvlabError
-from curvlab.jobs.job import DIVERGED, Job, StageClock, guard_config, record_invocation
+from curvlab.jobs.job import CONFIG_VERSION, DIVERGED, Job, StageClock, guard_config, record_invocation
 from curvlab.runs.checkpoint import add_to_index, read_index
 from curvlab.runs.train import TrainingDiverged
 from curvlab.studies.tuning import TuningRecord, TuningSettings
@@ -18,7 +18,21 @@ def test_a_directory_keeps_one_configuration(tmp_path):
     guard_config(path, {"steps": 10, "arms": ["a", "b"]}, "a job")  # the same, as it reads back
     with pytest.raises(CurvlabError, match="holds a job of another configuration"):
         guard_config(path, {"steps": 11, "arms": ["a", "b"]}, "a job")
-    assert json.loads(path.read_text()) == {"steps": 10, "arms": ["a", "b"]}
+    assert json.loads(path.read_text()) == {"steps": 10, "arms": ["a", "b"], "config_version": CONFIG_VERSION}
+
+
+def test_a_directory_an_older_curvlab_wrote_is_refused_as_such(tmp_path):
+    """A config without ``config_version`` (version 1: flat tuning and matching fields) names the version
+    change, not "another configuration", and the file is left as it was."""
+    path = tmp_path / "job" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"steps": 10, "compare_levels": 6}))
+    with pytest.raises(
+        CurvlabError,
+        match=f"written by another curvlab version \\(config version 1, this one writes {CONFIG_VERSION}\\)",
+    ):
+        guard_config(path, {"steps": 10}, "a job")
+    assert json.loads(path.read_text()) == {"steps": 10, "compare_levels": 6}
 
 
 def test_a_resumed_job_reports_the_time_of_all_its_invocations(tmp_path):
@@ -102,7 +116,7 @@ def test_the_job_search_finds_the_bowls_minimum_and_saves_a_typed_record(tmp_pat
 def test_a_job_guards_its_directory_and_sums_its_invocations(tmp_path):
     job = _BowlJob(tmp_path)
     job.start()
-    assert json.loads((tmp_path / "bowl.json").read_text()) == {"bowl": 1}
+    assert json.loads((tmp_path / "bowl.json").read_text()) == {"bowl": 1, "config_version": CONFIG_VERSION}
     with job.clock("tune"):
         pass
     assert job.timing()["invocations"] == 1

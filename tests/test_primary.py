@@ -397,6 +397,30 @@ def test_one_spiking_checkpoint_moves_a_seeds_paired_ratio_by_at_most_one_order_
     assert mean_ratio > 10 * medians[0]  # what a ratio of means would have made of that seed
 
 
+def test_a_seed_without_a_paired_ratio_is_named_and_a_negative_median_is_a_t_interval_on_the_medians():
+    """Muon's NDS 0 at every point of a seed: no ratio, the seed is left out and named. A seed whose
+    median ratio is negative: no log, the interval is the t interval on the arithmetic mean of the medians."""
+    data = _experiment(np.random.default_rng(5), 4, tracks=False)
+    records = data.matched("adamw/muon")
+
+    def members(r):
+        return [s.members[0] for lv in r.comparison.levels for s in (lv.a, lv.b)]
+
+    for m in members(records[3]):
+        m.paired["paired_nds_muon_hidden"] = 0.0
+    for m in members(records[1]):
+        m.paired["paired_nds_adamw_hidden"] *= -1.0
+    e = _by_name(primary_family(data))["paired_direction_ratio"]
+    assert e.n_seeds == 3 and "seeds [3]: Muon's NDS is 0 at every point, left out" in e.note
+    medians = [np.median([m.value("paired_nds_adamw_hidden") / m.value("paired_nds_muon_hidden") for m in members(r)])
+               for r in records[:3]]  # fmt: skip
+    assert medians[1] < 0 and e.method == st.FIELLER
+    ref = scipy_stats.ttest_1samp(medians, 1.0)
+    assert e.value == pytest.approx(np.mean(medians))
+    assert e.ci95 == pytest.approx(list(ref.confidence_interval(0.95)))
+    assert f"same sign at {2 * 2 * LEVELS} of {3 * 2 * LEVELS} points" in e.note
+
+
 def _on_plateau(data, arm, s, seeds):
     """``data`` with the tracks of ``arm`` at ``s`` of ``seeds`` wholly on the unigram plateau."""
     for t in data.tracks:

@@ -35,15 +35,26 @@ from curvlab.util.atomic import atomic_write_json, atomic_write_text
 CONDITIONS = ("load", "threads", "cpus")
 
 
+CONFIG_VERSION = 2  # 2: presets embed their tuning and matching settings
+
+
 def guard_config(path: Path, config: dict[str, Any], what: str) -> None:
-    """Write ``config`` to ``path`` on the first run; refuse a later run whose config differs.
+    """Write ``config`` (with ``config_version``: :data:`CONFIG_VERSION`) to ``path`` on the first run;
+    refuse a later run whose config differs.
 
     Raises:
-        CurvlabError: the directory holds ``what`` of another configuration.
+        CurvlabError: the directory holds ``what`` of another configuration, or one that an older
+            curvlab wrote in another form (another ``config_version``).
     """
-    config = json.loads(json.dumps(config))  # as it reads back (tuples become lists)
+    config = json.loads(json.dumps({**config, "config_version": CONFIG_VERSION}))  # as it reads back
     if path.is_file():
-        if json.loads(path.read_text()) != config:
+        saved = json.loads(path.read_text())
+        if saved.get("config_version") != CONFIG_VERSION:
+            raise CurvlabError(
+                f"{path.parent} holds {what} written by another curvlab version (config version "
+                f"{saved.get('config_version', 1)}, this one writes {CONFIG_VERSION}): choose a fresh --out"
+            )
+        if saved != config:
             raise CurvlabError(
                 f"{path.parent} holds {what} of another configuration; refusing to mix them: choose a fresh --out"
             )

@@ -88,9 +88,9 @@ class Preset:
     # estimated and shown, but descriptive: no verdict, outside Holm's correction (docs/science.md section 12)
     primary: tuple[str, ...] | None = None
     calibration: bool = True  # A/A comparisons: AdamW vs AdamW and Muon vs Muon on neighbouring seeds
-    # which checkpoints stay once a seed's analyses are saved (every number is then in analysis/, the reports
-    # in analysis/reports): "last" (each run's last, which a re-run resumes from), "windows" (and the matched
-    # windows' members, for a look at the levels themselves) or "all"
+    # which checkpoints stay once a seed's analyses are saved (every number is then in analysis/, which a
+    # re-run reads): "last" (each run's last, which a re-run resumes from), "windows" (and the matched
+    # windows' members, for a look at the levels themselves) or "all" (to analyse again with other settings)
     keep: str = "last"
     # matched comparison: 6 levels in the stable phase at 1%, each a window of the checkpoint and its neighbours
     matching: MatchCriteria = STABLE_MATCHING

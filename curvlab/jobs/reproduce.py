@@ -405,8 +405,10 @@ class Reproduction(Job):
     def prune(self, seed: int, levels: list[LevelData]) -> None:
         """Delete the checkpoints of ``seed``'s runs but each run's last (and, with ``keep="windows"``, the
         matched windows' members), once all its analyses (the A/A ones with its neighbours included, in
-        ``levels``) are done and saved: every number is then in ``analysis/seed<k>.json``, and every
-        analysed checkpoint's report in ``analysis/reports``."""
+        ``levels``) are done and saved: every number is then in ``analysis/seed<k>.json``, which a re-run
+        reads, and every analysed checkpoint's report stays in ``analysis/reports`` for a look. An analysis
+        with other settings needs the checkpoints again (a report's cache key names its checkpoint file):
+        use ``keep="all"`` for that."""
         if self.preset.keep == "all":
             return
         keep = set()

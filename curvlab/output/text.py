@@ -413,9 +413,10 @@ def rerun_agreement(summary: Summary, rerun: Summary) -> list[str]:
 
     rows = [
         f"Rerun agreement: the same preset on {threads(summary)} torch thread(s) (this run) and on "
-        f"{threads(rerun)} (the rerun). Floats change trajectories, so the rerun replicates the whole "
-        "design; mutual inclusion holds for 81% of exact-interval replicate pairs at 5 seeds, and the shift "
-        "paired by seed tests whether the rerun moved (docs/science.md section 12):",
+        f"{threads(rerun)} (the rerun). Floats change trajectories, so the rerun replicates the design on "
+        "the same seeds; mutual inclusion holds for 81% of independent replicate pairs with exact intervals "
+        "at 5 seeds (a same-seed rerun should do better), and the shift paired by seed tests whether the rerun "
+        "moved (docs/science.md section 12):",
         "",
         "| claim | scope | this run | rerun | verdicts | this estimate in the rerun's interval | the rerun's in this "
         "| the rerun's shift, paired by seed [95% CI] |",

@@ -156,13 +156,18 @@ def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> _Se
     magnitude along a run, and one checkpoint where the curvature spikes (×700 its neighbours) set a
     seed's ratio of means, and moved with float noise between a 1- and a 2-thread rerun
     (docs/science.md section 12). The median weighs every point alike and is defined for either sign;
-    a point where Muon's NDS is exactly 0 has no ratio and is counted in a note."""
+    a point where Muon's NDS is exactly 0 has no ratio and is counted in a note, as are points where
+    both NDS are negative (a positive ratio there does not say AdamW's direction is the sharper).
+
+    Each seed's value is its median (``denominator`` 1): inferred across seeds as a log-t interval when
+    every median is positive; otherwise Fieller's interval with unit denominators, which is the t
+    interval on the arithmetic mean of the medians."""
     usable = with_levels_off_plateau(records)
     if not usable:
         return "no matched comparison with a level off the unigram plateau"
     ka, km = f"paired_nds_adamw_{scope}", f"paired_nds_muon_{scope}"
     s0 = data.s_values[0]
-    seeds, num, units, xs_all, ys_all = [], [], [], [], []
+    seeds, num, units, xs_all, ys_all, dropped = [], [], [], [], [], []
     agree = undefined = 0
     for r in usable:
         points: dict[tuple[str, int], CheckpointScalars] = {}
@@ -179,11 +184,12 @@ def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> _Se
                         points.setdefault((row.optimizer or arm, row.step), row)
         xs = [p.paired[ka] for p in points.values()]
         ys = [p.paired[km] for p in points.values()]
-        agree += sum((x > 0) == (y > 0) for x, y in zip(xs, ys))
         ratios = [x / y for x, y in zip(xs, ys) if y != 0]
         undefined += len(xs) - len(ratios)
         if not ratios:
+            dropped.append(r.seed)
             continue
+        agree += sum((x > 0) == (y > 0) for x, y in zip(xs, ys))
         seeds.append(r.seed)
         num.append(float(np.median(ratios)))
         units.append(len(ratios))
@@ -191,13 +197,19 @@ def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> _Se
         ys_all += ys
     if not seeds:
         return f"no point with a nonzero {km}"
+    both_negative = sum(x < 0 and y < 0 for x, y in zip(xs_all, ys_all))
     notes = [
         n
         for n in (
             _sign_note(xs_all, "points along AdamW's direction have NDS", "the per-seed medians of the ratios"),
-            _sign_note(ys_all, "along Muon's", "the medians, with the sign their ratios take"),
+            _sign_note(ys_all, "along Muon's", "the medians"),
             f"both directions take the same sign at {agree} of {len(xs_all)} points",
+            f"{both_negative} of them with both NDS < 0, where a positive ratio does not mean AdamW's direction "
+            "is the sharper"
+            if both_negative
+            else "",
             f"{undefined} points with Muon's NDS exactly 0 have no ratio" if undefined else "",
+            f"seeds {dropped}: Muon's NDS is 0 at every point, left out" if dropped else "",
         )
         if n
     ]

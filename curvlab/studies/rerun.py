@@ -5,9 +5,10 @@ claim by claim (docs/science.md section 12, reruns):
   independent replicates with exact intervals at 5 seeds this holds with probability 0.81 only;
 * the shift between the runs, paired by seed: the mean over their common seeds of the difference of
   the two runs' per-seed values (of their logs, for a claim judged on the log scale), with its t
-  interval and p-value (:func:`curvlab.studies.statistics.mean_inference`). A rerun keeps each seed's
-  initialization and data order, so the pairing removes the seed-to-seed spread, and what is left is
-  what the change of floats did. Under "the rerun changes nothing systematic" p is uniform.
+  interval and p-value (:func:`curvlab.studies.statistics.mean_inference`), where both runs judged the
+  claim by the same t method. A rerun keeps each seed's initialization and data order, so the pairing
+  removes the seed-to-seed spread, and what is left is what the change of floats did. Under "the
+  rerun changes nothing systematic" p is uniform.
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ def compare_reruns(summary: Summary, rerun: Summary) -> list[RerunComparison]:
         o = others.get((e.name, e.scope))
         if o is None or (e.value is None and o.value is None):
             continue
-        log_scale = e.method == st.LOG_T and o.method == st.LOG_T  # the scale both were judged on
+        # the scale both were judged on: per-seed values that are comparable (a Fieller entry's per-seed
+        # ratios are not its estimate, a ratio of means, and blow up where a denominator nears 0)
+        log_scale = e.method == o.method == st.LOG_T
+        comparable = e.method == o.method and e.method in (st.LOG_T, st.MEAN_T)
         a, b = _per_seed(e, log_scale), _per_seed(o, log_scale)
         common = sorted(set(a) & set(b))
-        shift = st.mean_inference([b[s] - a[s] for s in common]) if len(common) >= 2 else None
+        shift = st.mean_inference([b[s] - a[s] for s in common]) if comparable and len(common) >= 2 else None
         rows.append(RerunComparison(e, o, _inside(e.value, o.ci95), _inside(o.value, e.ci95), shift, log_scale))
     return rows
