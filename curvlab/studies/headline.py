@@ -307,23 +307,23 @@ def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], li
 
 def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
     s0 = data.s_values[0]
+    few = "two checkpoints in the stable phase off the plateau"
     out = []
 
     def rows_of(arm: str, scope: str, notes: list[str]) -> dict[int, np.ndarray]:
-        """{seed: rows (within, total, in the first third, in the last third)} of the tracks with a
-        checkpoint off the plateau; the others are left out, with a note."""
+        """{seed: rows (within, total, early, late)} of the tracks with an early and a late third
+        (:meth:`~curvlab.studies.records.TrackRecord.early_and_late`); the others are left out, with a note."""
         within, total = ("within", "nds") if scope == "all" else ("within_layers", "nds_layers")
         seeds = {}
         for t in data.track(arm, s0):
-            third = t.steps / 3
-            rows = t.off_plateau()
-            x = np.array(
-                [[r.value(within), r.value(total), r.step <= third, r.step > 2 * third] for r in rows], dtype=float
-            ).reshape(-1, 4)  # (0, 4) for a track wholly on the plateau, not (0,)
-            if len(x):
-                seeds[t.seed] = x
+            early, late = t.early_and_late()  # (disjoint)
+            if early:
+                seeds[t.seed] = np.array(
+                    [[r.value(within), r.value(total), 1, 0] for r in early]
+                    + [[r.value(within), r.value(total), 0, 1] for r in late]
+                )
             else:
-                notes.append(f"{arm} seed {t.seed}: every checkpoint on the unigram plateau, left out")
+                notes.append(f"{arm} seed {t.seed}: fewer than {few}, left out")
         return seeds
 
     def rho(rows: np.ndarray, col: int) -> float:
@@ -336,7 +336,7 @@ def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
         groups = {arm: rows_of(arm, scope, notes) for arm in ("muon", "adamw")}
         if not all(groups[a] for a in groups):
             out += [
-                _entry(n, scope, None, [], "; ".join(["no trajectory off the plateau at the first s", *notes]))
+                _entry(n, scope, None, [], "; ".join([f"no trajectory with {few} at the first s", *notes]))
                 for n in (
                     "rho_within_muon_early",
                     "rho_within_muon_late",

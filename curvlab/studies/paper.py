@@ -161,9 +161,10 @@ PRIMARY: tuple[PrimaryClaim, ...] = (
         data="trajectories of both arms at the first and the last s (standard preset)",
     ),
     PrimaryClaim(
-        "rho_within_change_gap", "all", "rise of rho_within (first to last third of training), Muon's minus AdamW's",
+        "rho_within_change_gap", "all",
+        "rise of rho_within (first to last third of the stable phase off the plateau), Muon's minus AdamW's",
         "Muon's within-layer share grows more than Adam's (+0.30 vs +0.07)", "difference", "greater", 0.0, 0.23,
-        "+0.23", data="trajectories of both arms at the first s with checkpoints in both thirds (standard preset)",
+        "+0.23", data="trajectories of both arms at the first s, each with two stable checkpoints off the plateau",
     ),
 )
 # fmt: on

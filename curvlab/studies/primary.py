@@ -254,8 +254,9 @@ def _zipf_gap(data: LevelData, scope: str) -> _SeedValues | str:
 
 
 def _rho_gap(data: LevelData, scope: str) -> _SeedValues | str:
-    """Per seed (present in both arms at the first s), the rise of rho_within from the first third of
-    training to the last, Muon's minus AdamW's (rho over a third = sum within / sum NDS there)."""
+    """Per seed (present in both arms at the first s), the rise of rho_within from early to late
+    (:meth:`~curvlab.studies.records.TrackRecord.early_and_late`: the first and the last third of the
+    stable phase off the plateau), Muon's minus AdamW's (rho over a third = sum within / sum NDS there)."""
     s0 = data.s_values[0]
     within, total = ("within", "nds") if scope == "all" else ("within_layers", "nds_layers")
     runs = {arm: {t.seed: t for t in data.track(arm, s0)} for arm in ("muon", "adamw")}
@@ -264,19 +265,17 @@ def _rho_gap(data: LevelData, scope: str) -> _SeedValues | str:
         return f"no seed with trajectories of both arms at s = {s0:g}"
 
     def rise(t: TrackRecord) -> tuple[float, int]:
-        rows = t.off_plateau()
         thirds = []
-        for pick in (lambda r: r.step <= t.steps / 3, lambda r: r.step > 2 * t.steps / 3):
-            chosen = [r for r in rows if pick(r)]
+        for chosen in t.early_and_late():
             den = sum(r.value(total) for r in chosen)
             thirds.append(sum(r.value(within) for r in chosen) / den if chosen and den else float("nan"))
-        return thirds[1] - thirds[0], len(rows)
+        return thirds[1] - thirds[0], len(t.after_warmup())
 
     seeds, values, units, notes = [], [], [], []
     for seed in common:
         (m, nm), (a, na) = rise(runs["muon"][seed]), rise(runs["adamw"][seed])
         if not (np.isfinite(m) and np.isfinite(a)):
-            notes.append(f"seed {seed}: no checkpoint off the plateau in the first or the last third, left out")
+            notes.append(f"seed {seed}: fewer than two checkpoints in the stable phase off the plateau, left out")
             continue
         seeds.append(seed)
         values.append(m - a)

@@ -90,6 +90,21 @@ class TrackRecord:
         NDS is tiny and changes sign there, and the arms spend different times on it)."""
         return [r for r in self.rows if not r.on_plateau]
 
+    def early_and_late(self) -> tuple[list[CheckpointScalars], list[CheckpointScalars]]:
+        """The first and the last third, by step, of the analysed segment (:meth:`after_warmup`: the
+        stable phase off the plateau), where rho_within is read early and late (docs/science.md section 3).
+
+        Thirds of the segment, not of training: a short run spends its first third of training on the
+        unigram plateau (standard's 400 steps: every checkpoint up to step 133), where nothing is
+        analysed, and its last third partly in the decay, which trajectory statistics leave out. A
+        segment of fewer than two checkpoints has neither."""
+        rows = sorted(self.after_warmup(), key=lambda r: r.step)
+        if len(rows) < 2:
+            return [], []
+        first, last = rows[0].step, rows[-1].step
+        third = (last - first) / 3
+        return [r for r in rows if r.step <= first + third], [r for r in rows if r.step >= last - third]
+
 
 @dataclass(frozen=True)
 class SeedBand:

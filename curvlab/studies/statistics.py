@@ -338,7 +338,8 @@ def estimate(
     confidence: float = CONFIDENCE,
     denominator: Statistic | None = None,
 ) -> Estimate:
-    """The statistic on the shared seeds' data pooled, and a seed-level interval for it.
+    """The statistic and a seed-level interval for it: the statistic on the shared seeds' data pooled,
+    except where the interval is the t interval of per-seed values, whose mean is then the value.
 
     Only the seeds every group has rows for enter (:func:`shared_seeds`: seeds are paired by id, so a
     seed missing from one group, or without rows there, is left out of every group, never replaced by
@@ -379,8 +380,10 @@ def estimate(
     if failed:
         return Estimate(value, None, n_seeds, n_units, 0, failed, seeds=ids)
     if dens is None:
+        # the value is the interval's centre, the mean of the per-seed values: for a statistic that isn't
+        # linear in the rows (a ratio of sums, as rho_within) the pooled value can lie outside the interval
         inf = mean_inference(values, 0.0, confidence)
-        return Estimate(value, inf.ci95, n_seeds, n_units, method=MEAN_T, seeds=ids)
+        return Estimate(inf.value, inf.ci95, n_seeds, n_units, method=MEAN_T, seeds=ids)
     inf = ratio_inference(values * dens, dens, 1.0, confidence)
     if inf.method == DIFFERENCE_T:
         return Estimate(value, None, n_seeds, n_units, denominator_spans_zero=True, seeds=ids)
