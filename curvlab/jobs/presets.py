@@ -205,9 +205,9 @@ PRESETS = {
     # 3-point grid with one tuning seed. The Zipf sweep and the step-size control arm are `standard`'s.
     # Sized from a pilot of the per-run spread (docs/science.md section 11): the paired log ratio's SD
     # between seeds is about 0.1, so 5 seeds resolve a factor of 1.2; the between-run ratio's is 10x that.
-    # So quick judges the paired claims only: at 200 steps AdamW barely leaves the unigram plateau, each
-    # seed has 1-3 matched levels, and the between-run ratio's verdict flipped between a 1- and a 2-thread
-    # rerun (docs/science.md section 12). It is shown, descriptive; `standard` judges it. A checkpoint
+    # So quick judges the paired ratio and the alignment only: at 200 steps AdamW barely leaves the unigram
+    # plateau, each seed has 1-4 matched levels, and the between-run ratio's verdict flipped between a 1-
+    # and a 2-thread rerun (docs/science.md section 12). It is shown, descriptive; `standard` judges it. A checkpoint
     # every 2 steps: at 4, Muon's loss fell ~2% between checkpoints near the plateau's edge, so 5 of a
     # seed's 6 levels found no pair within the 1% tolerance, and the alignment rested on 3-9 AdamW
     # checkpoints, each with a cos(G, Z) spread of 33% that a rerun draws afresh. One evaluation batch:
