@@ -11,6 +11,7 @@ from scipy import stats
 
 from curvlab.jobs.presets import PRESETS
 from curvlab.output.text import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
+from curvlab.studies.headline import headline
 from curvlab.studies.primary import primary_family
 from curvlab.studies.records import LevelData
 from curvlab.studies.summary import Summary
@@ -62,6 +63,22 @@ def test_the_committed_primary_family_follows_from_the_committed_levels(name):
             continue
         assert e.value == pytest.approx(committed.value, rel=1e-9)
         assert e.ci95 == pytest.approx(committed.ci95, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
+def test_the_committed_headline_follows_from_the_committed_levels(name):
+    """Every descriptive entry and Zipf point, re-derived from levels.json by the code as it is now."""
+    summary = Summary.load(RESULTS / name / "summary.json")
+    entries, zipf = headline(LevelData.load(RESULTS / name / "levels.json"), PRESETS[summary.preset].n_boot)
+    assert [(e.name, e.scope) for e in entries] == [(e.name, e.scope) for e in summary.headline]
+    for e, committed in zip(entries, summary.headline):
+        assert (e.n_seeds, e.n_levels, e.quantity) == (committed.n_seeds, committed.n_levels, committed.quantity)
+        assert e.value == pytest.approx(committed.value, rel=1e-9, nan_ok=True), (e.name, e.scope)
+        assert (e.ci95 is None) == (committed.ci95 is None), (e.name, e.scope)
+        if e.ci95 is not None:
+            assert e.ci95 == pytest.approx(committed.ci95, rel=1e-9), (e.name, e.scope)
+    assert [(z.arm, z.s, z.scope) for z in zipf] == [(z.arm, z.s, z.scope) for z in summary.zipf]
+    assert [z.value for z in zipf] == pytest.approx([z.value for z in summary.zipf], rel=1e-9, nan_ok=True)
 
 
 def test_the_rerun_table_says_whether_each_estimate_lies_in_the_other_interval():

@@ -442,8 +442,9 @@ def _rho(t, third):
 def test_rho_within_reads_the_thirds_of_the_stable_phase_off_the_plateau():
     """Tracks of 12 checkpoints (steps 10-120) whose first four are on the unigram plateau and last two in
     the decay, as in a short run: early and late are the first and last third of steps 50-100 (50, 60
-    and 90, 100), not of training, whose first third is all plateau. The primary gap and the headline's
-    early values match a hand computation; a seed with one analysable checkpoint is left out, named."""
+    and 90, 100), not of training, whose first third is all plateau. The primary gap (value, interval,
+    units) and the headline's early, late and change values match a hand computation; a seed with one
+    analysable checkpoint is left out, named; a segment at a single step has no thirds."""
     rng = np.random.default_rng(3)
     tracks = []
     for seed in range(4):
@@ -465,10 +466,19 @@ def test_rho_within_reads_the_thirds_of_the_stable_phase_off_the_plateau():
     assert gap.n_seeds == 3 and gap.value == pytest.approx(np.mean(gaps))
     ref = scipy_stats.ttest_1samp(gaps, 0.0).confidence_interval(0.95)
     assert gap.ci95 == pytest.approx([ref.low, ref.high])
-    assert "seed 3: fewer than two checkpoints" in gap.note
-    early = _by_name([x for x in headline(data)[0] if x.scope == "all"])["rho_within_muon_early"]
-    assert [x["early"] for x in early.per_level] == pytest.approx([_rho(by["muon", k], 0) for k in range(3)])
-    assert "muon seed 3" in early.note
+    assert gap.n_units == 3 * 2 * 4  # three seeds, two arms, two checkpoints early and two late
+    assert "seed 3: muon: fewer than two stable checkpoints off the plateau" in gap.note
+    e = _by_name([x for x in headline(data)[0] if x.scope == "all"])
+    for arm in ("muon", "adamw"):
+        early, late = (e[f"rho_within_{arm}_{k}"] for k in ("early", "late"))
+        assert [x["early"] for x in early.per_level] == pytest.approx([_rho(by[arm, k], 0) for k in range(3)])
+        assert [x["late"] for x in late.per_level] == pytest.approx([_rho(by[arm, k], 1) for k in range(3)])
+        rises = [_rho(by[arm, k], 1) - _rho(by[arm, k], 0) for k in range(3)]
+        assert e[f"rho_within_{arm}_change"].value == pytest.approx(np.mean(rises))
+        assert f"{arm} seed 3" in early.note
+    assert e["rho_within_change_gap"].value == pytest.approx(np.mean(gaps))
+    one_step = replace(by["muon", 0], rows=[replace(r, step=70) for r in by["muon", 0].rows])
+    assert one_step.early_and_late() == ([], [])
 
 
 def test_a_track_wholly_on_the_plateau_is_left_out_of_rho_within_with_a_note():
@@ -497,7 +507,7 @@ def test_a_track_wholly_on_the_plateau_is_left_out_of_rho_within_with_a_note():
 
     data = _on_plateau(_experiment(np.random.default_rng(7), 2), "adamw", 0.0, {0, 1})
     e = _by_name([x for x in headline(data)[0] if x.scope == "all"])["rho_within_change_gap"]
-    assert e.value is None and "no trajectory with two checkpoints" in e.note and "adamw seed 0" in e.note
+    assert e.value is None and "no trajectory with two stable checkpoints" in e.note and "adamw seed 0" in e.note
 
 
 def test_zipf_entries_pair_seeds_by_id_not_by_position():

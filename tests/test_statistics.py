@@ -227,16 +227,22 @@ def test_span():
     assert st.span((0.0, 1.0)) == np.inf and st.span((-1.0, 1.0)) == np.inf and st.span(None) == np.inf
 
 
-def test_estimate_pools_the_value_and_gives_a_seed_level_interval():
-    """The older interface: the value on all data pooled; the interval over per-seed statistics, paired
-    by index across groups (here per-seed ratios 0.5 and 1.5: a t_1 interval around their mean)."""
+def test_estimate_gives_a_seed_level_interval_and_the_value_it_is_about():
+    """The older interface: the interval over per-seed statistics, paired by index across groups. A
+    ratio with its denominator keeps the pooled ratio of means; any other statistic's value is the
+    mean of its per-seed values, the interval's centre (here per-seed 0.5 and 1.5: a t_1 interval
+    around 1.0, where the pooled statistic, (5/3)/2, would lie off-centre); one seed: its own value."""
     a = [np.array([[2.0, 1.0], [4.0, 2.0]]), np.array([[6.0, 3.0]])]
     est = st.estimate({"pairs": a}, lambda g: st.ratio_of_means(g["pairs"]))
     assert est.value == 2.0 and est.ci95 == pytest.approx((2.0, 2.0))  # every seed has ratio 2
-    groups = {"x": [np.array([[1.0]]), np.array([[3.0]])], "base": [np.array([[2.0]]), np.array([[2.0]])]}
-    est = st.estimate(groups, lambda g: st.mean(g["x"]) / st.mean(g["base"]))
+    groups = {"x": [np.array([[1.0], [1.0]]), np.array([[3.0]])], "base": [np.array([[2.0]]), np.array([[2.0]])]}
+    stat = lambda g: st.mean(g["x"]) / st.mean(g["base"])  # noqa: E731
+    est = st.estimate(groups, stat)
     half = scipy_stats.t.ppf(0.975, 1) * 0.5
-    assert est.value == 1.0 and est.ci95 == pytest.approx((1.0 - half, 1.0 + half))
+    assert est.value == pytest.approx(1.0) and est.ci95 == pytest.approx((1.0 - half, 1.0 + half))
+    assert stat({k: np.concatenate(v) for k, v in groups.items()}) == pytest.approx(5.0 / 6.0)
+    one = st.estimate({k: v[:1] for k, v in groups.items()}, stat)
+    assert one.value == pytest.approx(0.5) and one.ci95 is None
     ratio = st.ratio_estimates([np.array([[2.0, 1.0], [3.0, 1.0]]), np.array([[4.0, 1.0]]), np.array([[3.0, 2.0]])])
     per_seed = np.array([2.5, 4.0, 1.5])
     ref = scipy_stats.ttest_1samp(np.log(per_seed), 0.0).confidence_interval(0.95)

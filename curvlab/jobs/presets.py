@@ -208,7 +208,7 @@ PRESETS = {
     # So quick judges the paired ratio and the alignment only: at 200 steps AdamW barely leaves the unigram
     # plateau, each seed has 1-4 matched levels, and the between-run ratio's verdict flipped between a 1-
     # and a 2-thread rerun (docs/science.md section 12). It is shown, descriptive; `standard` judges it. A checkpoint
-    # every 2 steps: at 4, Muon's loss fell ~2% between checkpoints near the plateau's edge, so 5 of a
+    # every 2 steps: at 4, Muon's loss fell ~2% between checkpoints near the plateau's edge, so 3-5 of a
     # seed's 6 levels found no pair within the 1% tolerance, and the alignment rested on 3-9 AdamW
     # checkpoints, each with a cos(G, Z) spread of 33% that a rerun draws afresh. One evaluation batch:
     # that spread is the update's own (it stays with 16 batches), and the saved time pays for the levels.

@@ -300,10 +300,12 @@ def render_report(summary: Summary, levels: LevelData | None = None) -> str:
         "",
         "Ratios are AdamW over the Muon arm at matched levels off the unigram plateau (in the stable phase of a "
         "warmup-stable-decay schedule), twice: as the ratio of means (sums over seeds and levels, the paper's kind of "
-        "average) and as the median of per-level ratios, which a single step outside the quadratic regime (a loss "
+        "average) and as each seed's median of its per-level ratios, averaged over seeds, which a single step "
+        "outside the quadratic regime (a loss "
         "spike, with NDS of either sign and hundreds of times the usual size) cannot swing; no level is dropped from "
         "either. Intervals: 95% seed-level t intervals (on the per-seed log ratios when all are positive, else "
-        "Fieller's; none when a denominator's sign is not settled) around the pooled value. These cells are "
+        "Fieller's; none when a denominator's sign is not settled) around the ratio of means; a t interval around "
+        "the mean of the per-seed values for the other entries. These cells are "
         "correlated and many are claims the paper never made: they are described, not judged. The paper's numbers "
         "are over all parameters.",
         "",

@@ -156,8 +156,8 @@ ENTRY_SPECS = (
 
 def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> list[FinetuneEntry]:
     """Every summary entry, from the per-level data alone: for each comparison and each of
-    :data:`ENTRY_SPECS`, the ratio of sums over seeds and levels of the window means, and the median
-    of the per-level ratios (``_median``), each with its seed-level interval
+    :data:`ENTRY_SPECS`, the ratio of sums over seeds and levels of the window means, and each seed's
+    median of its per-level ratios averaged over seeds (``_median``), each with its seed-level interval
     (:func:`curvlab.studies.statistics.ratio_estimates`). No level is dropped."""
     entries = []
     for c in comparisons:
@@ -171,11 +171,11 @@ def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> 
             ]
             if not rows:
                 for suffix in ("", "_median"):
-                    label = quantity + (" (median over levels)" if suffix else "")
+                    label = quantity + (" (per-seed median over levels, mean of seeds)" if suffix else "")
                     entries.append(FinetuneEntry(name + suffix, c.variant, label, math.nan, None, 0, 0, [], "no level"))
                 continue
             for suffix, est in st.ratio_estimates(rows, n_boot).items():
-                label = quantity + (" (median over levels)" if suffix else "")
+                label = quantity + (" (per-seed median over levels, mean of seeds)" if suffix else "")
                 note = "" if est.ci95 is not None else f"{est.n_seeds} seed(s): no interval"
                 if est.denominator_spans_zero:
                     note = st.DENOMINATOR_NOTE

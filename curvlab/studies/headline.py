@@ -8,16 +8,19 @@ with the statistics of :mod:`curvlab.studies.statistics` and the claims of :mod:
 
 * matched-loss ratios (AdamW over Muon, and over the RMS-matched Muon arm): ratio of the sums over
   seeds and levels off the unigram plateau of the window means, e.g. sum NDS_AdamW / sum NDS_Muon;
-* each optimizer's embedding+head share of ||Z||² at matched loss: the mean over levels;
-* the Taylor error |predicted − realized| / max(|realized|, |I1|): the median over levels of each
-  window's median (judges the claim "predicted ≈ realized", and nothing else);
+* each optimizer's embedding+head share of ||Z||² at matched loss: per seed the mean over levels,
+  then the mean over seeds;
+* the Taylor error |predicted − realized| / max(|realized|, |I1|): per seed the median over levels of
+  each window's median, then the mean over seeds (judges "predicted ≈ realized", and nothing else);
 * the equal-step NDS ratio: tracked checkpoints at equal steps, both in the stable phase and off
   the plateau;
 * the Zipf sweep: trajectory-mean NDS (all tracked checkpoints after warmup, unfiltered) divided by
   Muon's at the first s, pooled over seeds; the Muon baseline is part of each seed's statistic, so its
   uncertainty is carried;
-* rho_within in the first and last third of training (s = first s): sum(within) / sum(NDS) over the
-  tracked checkpoints there; the hidden scope uses the transformer-layer blocks only.
+* rho_within early and late (s = first s): sum(within) / sum(NDS) over the tracked checkpoints in the
+  first and the last third of each run's stable phase off the plateau
+  (:meth:`~curvlab.studies.records.TrackRecord.early_and_late`), per seed, then the mean over seeds;
+  the hidden scope uses the transformer-layer blocks only.
 
 Headline intervals are seed-level (:func:`curvlab.studies.statistics.estimate`): every headline entry is
 *descriptive* (no verdict, no tally); only :mod:`curvlab.studies.primary` judges.
@@ -81,7 +84,8 @@ class ZipfPoint:
 
 def claim_for(name: str) -> Claim:
     """The paper's claim about headline quantity ``name``. Variants of a claimed ratio inherit its
-    direction: ``*_median`` (the median of per-level ratios, beside the ratio of means) keeps the
+    direction: ``*_median`` (each seed's median of its per-level ratios, averaged over seeds, beside the
+    ratio of means) keeps the
     paper's number; ``*_moonlight`` (the RMS-matched Muon arm, which the paper did not run) does not."""
     if name in CLAIMS:
         return CLAIMS[name]
@@ -94,7 +98,7 @@ def claim_for(name: str) -> Claim:
     c = CLAIMS[base]
     quantity = c.quantity.replace("AdamW/Muon", "AdamW/Muon-moonlight") if moonlight else c.quantity
     if median:
-        quantity = quantity.replace("ratio of means", "median of per-level ratios")
+        quantity = quantity.replace("ratio of means", "per-seed median of per-level ratios, mean over seeds")
     paper = None if moonlight else c.paper
     text = c.paper_text if paper is not None or c.paper is None else f"> {c.null:g}"  # the direction only
     return Claim(name, quantity, c.statement, paper, text, c.direction, c.null, c.band)
@@ -307,7 +311,7 @@ def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], li
 
 def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
     s0 = data.s_values[0]
-    few = "two checkpoints in the stable phase off the plateau"
+    few = "two stable checkpoints off the plateau"
     out = []
 
     def rows_of(arm: str, scope: str, notes: list[str]) -> dict[int, np.ndarray]:

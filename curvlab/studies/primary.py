@@ -264,18 +264,24 @@ def _rho_gap(data: LevelData, scope: str) -> _SeedValues | str:
     if not common:
         return f"no seed with trajectories of both arms at s = {s0:g}"
 
-    def rise(t: TrackRecord) -> tuple[float, int]:
+    def rise(t: TrackRecord) -> tuple[float, int, str]:
+        """(late minus early, the checkpoints read, why there is no value: "" when there is one)."""
+        early, late = t.early_and_late()
+        if not early:
+            return float("nan"), 0, f"{t.arm}: fewer than two stable checkpoints off the plateau"
         thirds = []
-        for chosen in t.early_and_late():
+        for chosen in (early, late):
             den = sum(r.value(total) for r in chosen)
-            thirds.append(sum(r.value(within) for r in chosen) / den if chosen and den else float("nan"))
-        return thirds[1] - thirds[0], len(t.after_warmup())
+            thirds.append(sum(r.value(within) for r in chosen) / den if den else float("nan"))
+        change = thirds[1] - thirds[0]
+        why = "" if np.isfinite(change) else f"{t.arm}: a third whose NDS sums to 0 or is not finite"
+        return change, len(early) + len(late), why
 
     seeds, values, units, notes = [], [], [], []
     for seed in common:
-        (m, nm), (a, na) = rise(runs["muon"][seed]), rise(runs["adamw"][seed])
-        if not (np.isfinite(m) and np.isfinite(a)):
-            notes.append(f"seed {seed}: fewer than two checkpoints in the stable phase off the plateau, left out")
+        (m, nm, wm), (a, na, wa) = rise(runs["muon"][seed]), rise(runs["adamw"][seed])
+        if wm or wa:
+            notes.append(f"seed {seed}: {'; '.join(w for w in (wm, wa) if w)}, left out")
             continue
         seeds.append(seed)
         values.append(m - a)

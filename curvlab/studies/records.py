@@ -59,7 +59,7 @@ class TrackRecord:
     arm: str
     s: float
     seed: int
-    steps: int  # the run's length (the thirds of training are thirds of it)
+    steps: int  # the run's length
     warmup_steps: int
     rows: list[CheckpointScalars]
 
@@ -94,14 +94,15 @@ class TrackRecord:
         """The first and the last third, by step, of the analysed segment (:meth:`after_warmup`: the
         stable phase off the plateau), where rho_within is read early and late (docs/science.md section 3).
 
-        Thirds of the segment, not of training: a short run spends its first third of training on the
-        unigram plateau (standard's 400 steps: every checkpoint up to step 133), where nothing is
-        analysed, and its last third partly in the decay, which trajectory statistics leave out. A
-        segment of fewer than two checkpoints has neither."""
+        Thirds of the segment, not of training: a short run can spend its first third of training on the
+        unigram plateau (in standard's 400 steps, every AdamW checkpoint up to step 133), where nothing is
+        analysed, and its last third partly in the decay, which trajectory statistics leave out. Each
+        run's segment is its own, so an arm that leaves the plateau later reads a later, shorter span. A
+        segment of fewer than two distinct steps has neither."""
         rows = sorted(self.after_warmup(), key=lambda r: r.step)
-        if len(rows) < 2:
+        first, last = (rows[0].step, rows[-1].step) if rows else (0, 0)
+        if first == last:
             return [], []
-        first, last = rows[0].step, rows[-1].step
         third = (last - first) / 3
         return [r for r in rows if r.step <= first + third], [r for r in rows if r.step >= last - third]
 

@@ -39,8 +39,10 @@ Verdicts (:func:`direction_verdict`, :func:`magnitude_verdict`):
   difference, how many-fold its magnitude is pinned down), and infinite when the interval touches or
   contains 0 (it cannot tell the paper's effect from none) or is unbounded.
 
-:func:`estimate` keeps its older interface for the descriptive tables: the statistic on the data of the
-seeds every group has, pooled, with a seed-level interval (seeds paired by seed id across groups).
+:func:`estimate` keeps its older interface for the descriptive tables: a statistic on the data of the
+seeds every group has, with a seed-level interval (seeds paired by seed id across groups). A ratio's value
+is the statistic on the pooled data (the ratio of means); any other statistic's is the mean of its
+per-seed values, the centre of its t interval.
 """
 
 from __future__ import annotations
@@ -278,12 +280,12 @@ def magnitude_verdict(ci: Sequence[float] | None, paper: float | None, n_seeds: 
     return UNINFORMATIVE if span(ci) > MAGNITUDE_SPAN else CONSISTENT
 
 
-# -- the older interface: pooled statistics with seed-level intervals ---------------------------
+# -- the older interface: descriptive statistics with seed-level intervals ----------------------
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """A statistic on the shared seeds' data pooled, with its seed-level 95% interval (``None`` with
+    """A statistic on the shared seeds' data (see :func:`estimate`), with its seed-level 95% interval (``None`` with
     fewer than two seeds, a non-finite per-seed value, or a ratio whose denominator's sign is not
     settled), the number of seeds (those every group has) and of units (levels or checkpoints, summed)."""
 
@@ -411,9 +413,9 @@ def ratio_estimates(seeds: SeedRows, n_boot: int = N_BOOT) -> dict[str, Estimate
     """Both estimates of one ratio from the same (numerator, denominator) rows, one array per seed
     (``{seed: rows}``, or a list whose positions are the seeds):
     ``""`` the ratio of means (the paper's kind of average; its denominator checked for 0) and
-    ``"_median"`` the median of the per-unit ratios, which one unit outside the quadratic regime (a
-    loss spike, NDS of either sign and hundreds of times the usual size) cannot swing. No unit is
-    dropped from either."""
+    ``"_median"`` each seed's median of its per-unit ratios, averaged over seeds, which one unit outside
+    the quadratic regime (a loss spike, NDS of either sign and hundreds of times the usual size) cannot
+    swing. No unit is dropped from either."""
     groups = {"units": seeds}
     return {
         "": estimate(
