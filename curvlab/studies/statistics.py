@@ -341,7 +341,8 @@ def estimate(
     denominator: Statistic | None = None,
 ) -> Estimate:
     """The statistic and a seed-level interval for it: the statistic on the shared seeds' data pooled,
-    except where the interval is the t interval of per-seed values, whose mean is then the value.
+    except where the interval is the t interval of per-seed values, whose mean is then the value (with
+    no interval, as with one seed or a non-finite per-seed value, the value stays the pooled one).
 
     Only the seeds every group has rows for enter (:func:`shared_seeds`: seeds are paired by id, so a
     seed missing from one group, or without rows there, is left out of every group, never replaced by
