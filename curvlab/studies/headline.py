@@ -85,8 +85,8 @@ class ZipfPoint:
 def claim_for(name: str) -> Claim:
     """The paper's claim about headline quantity ``name``. Variants of a claimed ratio inherit its
     direction: ``*_median`` (each seed's median of its per-level ratios, averaged over seeds, beside the
-    ratio of means) keeps the
-    paper's number; ``*_moonlight`` (the RMS-matched Muon arm, which the paper did not run) does not."""
+    ratio of means) keeps the paper's number; ``*_moonlight`` (the RMS-matched Muon arm, which the paper
+    did not run) does not."""
     if name in CLAIMS:
         return CLAIMS[name]
     base = name.removesuffix("_moonlight")
