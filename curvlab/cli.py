@@ -1,7 +1,9 @@
 """The ``curvlab`` command line. Thin: every command parses options and calls the library.
 
 Errors the library raises as ``CurvlabError`` (bad input: missing or corrupt files, mismatched
-shapes, non-finite values) become one line on stderr and exit status 2.
+shapes, non-finite values, a failed write) become one line on stderr and exit status 2; a SIGINT or
+SIGTERM that ``train``, ``reproduce`` or ``finetune`` honoured at a safe point
+(:mod:`curvlab.util.safe_stop`) is one line too, with status 130 or 143.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def one_line_errors(fn):
             world = int(os.environ.get("WORLD_SIZE", "1"))
             where = f"rank {os.environ.get('RANK', '0')}/{world}: " if world > 1 else ""
             typer.echo(f"error: {where}{e}".splitlines()[0], err=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(getattr(e, "exit_code", 2)) from None  # (a stop by a signal: 128 + its number)
 
     return wrapper
 

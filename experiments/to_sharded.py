@@ -1,4 +1,4 @@
-"""Write a curvlab checkpoint as a sharded (DCP) checkpoint for N ranks, under torchrun:
+"""Write a curvlab checkpoint as a sharded (DCP) checkpoint for N ranks (one included), under torchrun:
 
     torchrun --standalone --nproc_per_node 2 experiments/to_sharded.py runs/muon/ckpt_000300.pt runs/muon-dcp
 

@@ -1,7 +1,14 @@
-import pytest
-import torch
+import platform
 
+import numpy
+import pytest
+import scipy
+import torch
+import transformers
+
+import curvlab
 from curvlab import make_loss_fn
+from curvlab.data.shards import write_shard
 from tests.reference import MLP, TinyTransformer, perturb_norms
 
 
@@ -63,3 +70,37 @@ def crash_training_after(monkeypatch, steps: int):
 
     monkeypatch.setattr(TrainBatches, "next", crashing_next)
     return lambda: monkeypatch.setattr(TrainBatches, "next", original_next)
+
+
+def assert_made_with_these_packages(versions: dict) -> None:
+    """A record's ``versions`` name the packages this process imported (their own ``__version__``)."""
+    assert versions == {
+        "python": platform.python_version(),
+        "curvlab": curvlab.__version__,
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "scipy": scipy.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+TRAINER_VOCAB = 50
+
+
+@pytest.fixture(scope="session")
+def trainer_checkpoint(tmp_path_factory):
+    """A real Trainer checkpoint (tiny GPT-2, 2 AdamW steps) and a data directory for its next batch."""
+    out = tmp_path_factory.mktemp("trainer")
+    torch.manual_seed(0)
+    ids = torch.randint(1, TRAINER_VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, save_steps=2,
+        lr_scheduler_type="constant", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    config = transformers.GPT2Config(vocab_size=TRAINER_VOCAB, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=data).train()
+    rng = numpy.random.default_rng(0)
+    write_shard(out / "data" / "train_000000.bin", rng.integers(0, TRAINER_VOCAB, 4000))
+    write_shard(out / "data" / "val_000000.bin", rng.integers(0, TRAINER_VOCAB, 2000))
+    return out / "checkpoint-2", out / "data"

@@ -20,7 +20,7 @@ from curvlab.runs.match import MatchCriteria, match_runs
 from curvlab.runs.train import build_run, restore, train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.track import track_run
-from tests.conftest import SMALL_MODEL
+from tests.conftest import SMALL_MODEL, assert_made_with_these_packages
 
 runner = CliRunner()
 
@@ -46,6 +46,7 @@ def runs(pcfg_data, tmp_path_factory):
 def test_report_identities_and_schema(runs):
     report = analyze_checkpoint(runs / "muon" / "ckpt_000008.pt", AnalysisSettings(blocks="layer")).to_dict()
     b = report["blocks"]
+    assert_made_with_these_packages(report["versions"])
     assert report["schema_version"] == 3 and report["step"] == 8 and report["optimizer"] == "muon"
     assert sum(map(sum, b["matrix"])) == pytest.approx(report["nds"], rel=1e-5)
     assert b["within"] + b["cross"] == pytest.approx(report["nds"], rel=1e-5)

@@ -8,39 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
 import curvlab.cli
 from curvlab.cli import app
 
 runner = CliRunner()
-VOCAB = 50
-
-
-@pytest.fixture(scope="module")
-def trainer_checkpoint(tmp_path_factory):
-    """A real Trainer checkpoint (tiny GPT-2, 2 AdamW steps) and a data directory for its next batch."""
-    import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from curvlab.data.shards import write_shard
-
-    out = tmp_path_factory.mktemp("trainer")
-    torch.manual_seed(0)
-    ids = torch.randint(1, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
-    args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, save_steps=2,
-        lr_scheduler_type="constant",
-        report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
-    )  # fmt: skip
-    config = GPT2Config(vocab_size=VOCAB, n_positions=8, n_embd=16, n_layer=1, n_head=2)
-    data = [{"input_ids": x, "labels": x} for x in ids]
-    transformers.Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data).train()
-    rng = np.random.default_rng(0)
-    write_shard(out / "data" / "train_000000.bin", rng.integers(0, VOCAB, 4000))
-    write_shard(out / "data" / "val_000000.bin", rng.integers(0, VOCAB, 2000))
-    return out / "checkpoint-2", out / "data"
 
 
 def broken_copy(checkpoint: Path, tmp_path: Path, name: str, content: bytes) -> Path:

@@ -20,7 +20,9 @@ import contextlib
 import re
 import shlex
 import socket
+import subprocess
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -340,3 +342,39 @@ def test_no_citation_outside_the_repository():
             if not (ROOT / doc).is_file():
                 bad.append(f"{file.relative_to(ROOT)}: {doc}")
     assert not bad, bad
+
+
+# What a newcomer types, word for word: a change here is a change of what every user runs first.
+MAIN_JOB = "pip install -e . && curvlab reproduce"
+TESTS = 'pip install -e ".[dev]" && python -m pytest'
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+LOCAL_CPU_TORCH = "pip install torch==2.13.0"
+
+
+def test_the_readme_quick_start_is_the_two_commands_ci_runs():
+    """The README's ``# main job`` and ``# tests`` lines are these literal strings, ``.ci/run`` extracts the
+    test line with its own ``sed`` (run here as CI runs it), installs the same local CPU wheel the README
+    names, and the CPU install line points at PyTorch's CPU wheel index."""
+    readme = (ROOT / "README.md").read_text()
+    tagged = {tag: [line for line in readme.splitlines() if line.endswith(f"# {tag}")] for tag in ("main job", "tests")}
+    assert tagged == {"main job": [f"{MAIN_JOB}  # main job"], "tests": [f"{TESTS}  # tests"]}
+    ci = (ROOT / ".ci" / "run").read_text()
+    sed = re.search(r"\$\((sed -n .*? README\.md) \| head -n 1\)", ci)
+    assert sed, ".ci/run no longer extracts the README's test line"
+    extracted = subprocess.run(["bash", "-c", sed.group(1)], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert extracted.stdout.splitlines() == [TESTS]
+    assert "python3 -m venv" in ci  # a fresh virtual environment, then the same CPU wheel as the README's
+    assert re.search(r"^python -m pip install (-q )?" + re.escape(LOCAL_CPU_TORCH.split()[-1]) + "$", ci, re.M)
+    assert CPU_TORCH in readme and LOCAL_CPU_TORCH in readme
+
+
+def test_the_quick_start_installs_what_it_runs():
+    """``.[dev]`` names pytest and the test suite's packages, every core dependency states its supported
+    range, and ``curvlab`` is an installed command (read from the installed package's own metadata)."""
+    requirements = metadata.requires("curvlab")
+    dev = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0] for r in requirements if 'extra == "dev"' in r}
+    assert {"pytest", "transformers", "peft", "nbclient", "lightning"} <= dev
+    for requirement in (r for r in requirements if "extra ==" not in r):
+        assert re.fullmatch(r"[\w-]+(<[\d.]+,>=[\d.]+|>=[\d.]+,<[\d.]+)", requirement), requirement
+    scripts = {e.name: e.value for e in metadata.entry_points(group="console_scripts")}
+    assert scripts.get("curvlab") == "curvlab.cli:app"

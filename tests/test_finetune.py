@@ -18,6 +18,7 @@ from curvlab.optim.lora import adapter_blocks, lora_layers
 from curvlab.runs.adapt import adapter_targets, curvature_rows, lora_model
 from curvlab.runs.checkpoint import read_index, save_checkpoint
 from curvlab.studies.adapters import ADAPTER_ARMS, LEVEL_KEYS, MUON_VARIANTS, FinetuneResult, _side_means, estimates
+from tests.conftest import assert_made_with_these_packages
 from tests.reference import dense_gradient, dense_hessian
 
 runner = CliRunner()
@@ -95,6 +96,7 @@ def test_micro_writes_typed_reloadable_results(micro):
         assert (out / name).is_file(), name
     result = FinetuneResult.load(out / "finetune.json")
     assert FinetuneResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+    assert_made_with_these_packages(json.loads((out / "finetune.json").read_text())["versions"])
     assert [c.variant for c in result.comparisons] == list(MUON_VARIANTS)
     nds = result.entry("nds_ratio", "smuon")
     assert nds.n_seeds == 2 and nds.n_levels == len(nds.per_level) >= 2 and nds.ci95 is not None

@@ -23,6 +23,7 @@ from curvlab import (
 )
 from curvlab.engine import params as P
 from curvlab.engine.finite_difference import FiniteDifferenceHVP, finite_difference_hvp
+from curvlab.engine.hvp import METHODS
 from curvlab.errors import CurvlabError
 from tests.conftest import random_direction
 from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
@@ -99,6 +100,34 @@ def test_uneven_batches_are_weighted_by_loss_terms(transformer_problem):
     gz, zhz = quadratic_form(loss_fn, params, parts, v)
     assert zhz == pytest.approx(float(P.flatten(v) @ ref), rel=1e-10)
     assert gz == pytest.approx(float(P.flatten(v) @ dense_gradient(loss_fn, params, whole)), rel=1e-10)
+
+
+def test_a_batch_with_every_label_ignored_weighs_nothing(transformer_problem):
+    """Its mean loss is 0/0, but its weight is 0: the list means the other batches' loss, exactly."""
+    loss_fn, params, (idx, tgt) = transformer_problem
+    tgt = tgt.clone()
+    tgt[0] = -100  # the first row holds no loss term
+    parts = [(idx[:1], tgt[:1]), (idx[1:], tgt[1:])]
+    v = random_direction(params)
+    ref = dense_hessian(loss_fn, params, (idx[1:], tgt[1:])) @ P.flatten(v)
+    for method in METHODS:
+        assert rel_err(P.flatten(hvp(loss_fn, params, parts, v, method=method)), ref) <= 1e-10, method
+    gz, zhz = quadratic_form(loss_fn, params, parts, v)
+    assert zhz == pytest.approx(float(P.flatten(v) @ ref), rel=1e-10)
+    assert gz == pytest.approx(float(P.flatten(v) @ dense_gradient(loss_fn, params, (idx[1:], tgt[1:]))), rel=1e-10)
+    with pytest.raises(CurvlabError, match="hold no loss terms"):
+        hvp(loss_fn, params, [parts[0], parts[0]], v)  # every batch empty: no loss at all
+
+
+def test_a_direction_on_the_meta_device_is_refused_in_one_line(transformer_problem):
+    loss_fn, params, batch = transformer_problem
+    v = {k: torch.empty_like(t, device="meta") for k, t in random_direction(params).items()}
+    with pytest.raises(CurvlabError, match="meta device") as e:
+        hvp(loss_fn, params, batch, v)
+    assert "\n" not in str(e.value)
+    stacked = {k: t.unsqueeze(0) for k, t in v.items()}
+    with pytest.raises(CurvlabError, match="meta device"):
+        gradient_and_hvps(loss_fn, params, batch, stacked)
 
 
 @pytest.mark.parametrize("problem", PROBLEMS)

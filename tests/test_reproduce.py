@@ -24,6 +24,7 @@ from curvlab.studies.headline import headline
 from curvlab.studies.records import ComparisonRecord, LevelData
 from curvlab.studies.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
 from curvlab.studies.summary import Summary
+from tests.conftest import assert_made_with_these_packages
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 VERDICTS = {DESCRIPTIVE}  # the headline is descriptive: only the primary family is judged
@@ -154,6 +155,8 @@ def test_summary_schema(micro):
             assert lo <= hi
     for name in ("nds_ratio", "update_norm_ratio", "gap_s0"):
         assert {e["scope"] for e in data["headline"] if e["name"] == name} == {"all", "hidden"}  # both scopes
+    assert_made_with_these_packages(data["versions"])
+    assert "Made with Python " in (out / "report.md").read_text()
     for e in data.get("primary", []):
         assert {"name", "scope", "value", "ci95", "n_seeds", "n_units", "paper", "direction", "magnitude"} <= set(e)
         if e["n_seeds"] >= 3:  # judged, Holm-corrected

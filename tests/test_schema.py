@@ -1,5 +1,6 @@
 """One writer and one reader for versioned records (curvlab.util.schema)."""
 
+import hashlib
 import json
 import math
 from types import MappingProxyType
@@ -8,6 +9,7 @@ import pytest
 
 from curvlab.errors import CurvlabError
 from curvlab.runs.monitor import MonitorRow
+from curvlab.studies.records import LevelData
 from curvlab.studies.tuning import LrSearch, TuningRecord
 from curvlab.util import schema
 
@@ -73,3 +75,38 @@ def test_matches_is_what_check_accepts_and_fixed_keys_come_before_the_version():
         with pytest.raises(CurvlabError, match=r"^m.jsonl: not a curvature row \(kind .* is not 'curvature'\)$"):
             schema.check(training_row, MonitorRow, "m.jsonl")
     assert not schema.matches({"kind": "curvature", "schema_version": 2}, MonitorRow)
+
+
+def test_a_sealed_record_refuses_an_edit_and_an_unsealed_one_still_reads(tmp_path):
+    """Every saved record carries the SHA-256 of its content (recomputed here with hashlib, not curvlab's
+    digest): an edit into other valid JSON is refused in one line, a file without a seal (written by an
+    older curvlab, or by hand) is read as it is."""
+    path = tmp_path / "tuning.json"
+    schema.save(path, _record())
+    d = json.loads(path.read_text())
+    rest = {k: v for k, v in d.items() if k != schema.SEAL}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"))
+    assert d[schema.SEAL] == hashlib.sha256(canonical.encode()).hexdigest()
+    d["chosen"]["adamw"]["lr"] = 0.008  # a plausible value, valid JSON: only the seal can tell
+    path.write_text(json.dumps(d, indent=1))
+    with pytest.raises(CurvlabError, match="edited or corrupt tuning record") as e:
+        schema.load(path, TuningRecord)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+    del d[schema.SEAL]
+    path.write_text(json.dumps(d))
+    assert schema.load(path, TuningRecord).chosen["adamw"]["lr"] == 0.008
+
+
+def test_levels_keep_their_nan_and_refuse_an_edit(tmp_path):
+    """``levels.json`` and each ``seed<k>.json`` are sealed too (with NaN kept, as the per-level values
+    need): an edited one is refused, never read into a summary."""
+    levels = LevelData([], [], float("nan"), [0.0, 1.0])
+    path = tmp_path / "seed0.json"
+    levels.save(path)
+    back = LevelData.load(path)
+    assert math.isnan(back.plateau_ceiling) and back.s_values == [0.0, 1.0]
+    d = json.loads(path.read_text())
+    d["s_values"] = [0.0, 0.5]
+    path.write_text(json.dumps(d))
+    with pytest.raises(CurvlabError, match="edited or corrupt levels.json record"):
+        LevelData.load(path)

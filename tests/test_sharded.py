@@ -6,6 +6,7 @@ gets one-line errors."""
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import socket
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from typer.testing import CliRunner
@@ -250,21 +252,40 @@ def test_next_update_under_fsdp2_equals_one_process(tmp_path, optimizer):
             assert float((got - t).abs().max()) <= rel * float(t.abs().max()), (key, n)
 
 
+def _one_process_hvp(model, params, batches, v):
+    """The unsharded HVP, computed in a worker before its process group exists (plain parameters under
+    one are shared out as data parallel): a fresh process like the ranks, not the test's own, whose
+    global state earlier tests may have changed."""
+    with CurvaturePoint(make_loss_fn(model), params, batches) as point:
+        return point.hvp(v)
+
+
+# the dead-rank test's process-group timeout from the failure on (set-up runs under _init's 60 s): 4 s for
+# a stalled rank (the wait under test); 10 s for a dead one, whose two survivors must meet in the roll call
+# within a quarter of it although the load may delay either (one may wait out the timeout in the failed
+# collective first)
+FAILURE_TIMEOUT_S = {"stall": 4, "exit": 10}
+LOAD_SLACK_S = 20  # (start-up and compute on a loaded machine: a liveness bound, not a speed target)
+
+
 def _failing_worker(rank, tmp, world, how):
     """One HVP on every rank; then rank 1 stalls, or its process exits, as the second starts: the others'
     HVP fails, and each rank that survives writes its error."""
-    mesh = _init(rank, tmp, world, timeout=4)
     model, params, batches, v, z = _problem()
+    reference = _one_process_hvp(model, params, batches, v) if rank == 0 else None
+    mesh = _init(rank, tmp, world)
     sharded = {k: distribute_tensor(p, mesh, [Shard(0)]) for k, p in params.items()}
     point = CurvaturePoint(make_loss_fn(model), sharded, batches)
     first = full(point.hvp(shard_like(v, sharded)))
     if rank == 0:
-        torch.save(first, f"{tmp}/first.pt")
+        torch.save({"sharded": first, "one_process": reference}, f"{tmp}/first.pt")
     zs = shard_like(z, sharded)
+    dist.barrier()  # every rank is set up: the timeout under test holds from here
+    _set_pg_timeout(datetime.timedelta(seconds=FAILURE_TIMEOUT_S[how]))
     if rank == 1:
         if how == "exit":
             os._exit(0)  # dies (a clean exit code, so that the spawn waits for the others' errors)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # (far past the test's bound: a roll call that waited for it fails)
         while not Path(tmp, "error0.txt").is_file() and time.monotonic() < deadline:
             time.sleep(0.2)  # stalls until rank 0 has given up on it
         os._exit(0)
@@ -279,16 +300,83 @@ def _failing_worker(rank, tmp, world, how):
 @pytest.mark.parametrize("how,world", [("stall", 2), ("exit", 3)])
 def test_a_rank_that_dies_or_stalls_mid_hvp_is_named_by_every_surviving_rank(tmp_path, how, world):
     _spawn(_failing_worker, tmp_path, world, how)
+    timeout = FAILURE_TIMEOUT_S[how]
     for rank in {0, 2} & set(range(world)):  # every survivor, rank 0 (which hosts the store) and not
         seconds, message = Path(tmp_path, f"error{rank}.txt").read_text().split("\n", 1)
         assert message.startswith(f"rank 1 of {world} died or stalled during hvps: a collective failed on rank {rank}")
         assert "\n" not in message
-        # a dead rank: at once; a stalled one: after the group's timeout (4 s) and the roll call's wait (5 s)
-        assert float(seconds) < (2 if how == "exit" else 4 + 5 + 3)
+        # named within the group's timeout (the failed collective) and the roll call's wait (1.25 timeouts)
+        assert float(seconds) < timeout + 1.25 * timeout + LOAD_SLACK_S
     # the HVP before the failure: on 3 ranks, 4 batches share out unevenly (one rank runs a weight-0 batch)
+    first = torch.load(tmp_path / "first.pt")
+    _close(first["sharded"], first["one_process"], "hvp")
+
+
+STRESS_REL = 1e-12  # float64 reduction-order noise is 1.8e-15 here (8 eps); the incident was 1.35e-10
+STRESS_SPAWNS, STRESS_REPEATS = 5, 5  # per half: 5 fresh sets of 3 ranks, each 5 HVPs (25 alone, 25 loaded)
+
+
+def _repeat_worker(rank, tmp, world, repeats):
+    """The dead-rank test's 3-rank uneven-shard HVP, ``repeats`` times (a new point each), and rank 0's
+    one-process HVP in this fresh process."""
     model, params, batches, v, _ = _problem()
-    with CurvaturePoint(make_loss_fn(model), params, batches) as point:
-        _close(torch.load(tmp_path / "first.pt"), point.hvp(v), "hvp")
+    reference = _one_process_hvp(model, params, batches, v) if rank == 0 else None
+    mesh = _init(rank, tmp, world)
+    sharded = {k: distribute_tensor(p, mesh, [Shard(0)]) for k, p in params.items()}
+    vs = shard_like(v, sharded)
+    got = []
+    for _ in range(repeats):
+        with CurvaturePoint(make_loss_fn(model), sharded, batches) as point:
+            got.append(full(point.hvp(vs)))
+    _leave()
+    if rank == 0:
+        torch.save({"one_process": reference, "sharded": got}, f"{tmp}/repeats.pt")
+
+
+def _relative_error(got, want):
+    """max over tensors of max|got - want| / max|want| (what _close bounds by REL)."""
+    return max(float((got[n] - want[n]).abs().max()) / float(want[n].abs().max()) for n in want)
+
+
+@pytest.mark.slow
+def test_the_sharded_hvp_equals_one_process_in_every_repeat_alone_and_under_load(tmp_path):
+    """50 HVPs of 3 DTensor-sharded ranks (uneven shards and shares), each within float64 reduction-order
+    noise of the one-process HVP of a fresh process; half of them with a busy loop on every core. The
+    fresh processes' one-process HVPs equal this process's too. (Slow: python -m pytest -m slow.)
+
+    Written after one CI run of the dead-rank test saw 1.35e-10 against a reference computed in the
+    pytest process. Not reproduced (this test: at most 1.77e-15, the same value every repeat). The global
+    state earlier tests could change moves the reference by at most 2e-17 of its largest entry: torch's
+    thread count 1-16, flush-denormal, mkldnn off, deterministic algorithms, float32 matmul precision;
+    the ranks give bit-identical HVPs on 1 and 2 threads; the suite's only global change,
+    set_num_threads(1) in the compare/track test, is restored. So no such state explains 1e-10 (which is
+    10^5 times float64 reduction-order noise); the reference is now computed in a fresh process anyway."""
+    model, params, batches, v, _ = _problem()
+    here = _one_process_hvp(model, params, batches, v)
+    errors, load = {}, {}
+    for half in ("alone", "loaded"):
+        cores = len(os.sched_getaffinity(0))
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores * (half == "loaded"))]
+        try:
+            for i in range(STRESS_SPAWNS):
+                run = tmp_path / f"{half}-{i}"
+                run.mkdir()
+                _spawn(_repeat_worker, run, 3, STRESS_REPEATS)
+                saved = torch.load(run / "repeats.pt")
+                errors[half, "one process", i] = _relative_error(saved["one_process"], here)
+                for j, hv in enumerate(saved["sharded"]):
+                    errors[half, "sharded", i, j] = _relative_error(hv, saved["one_process"])
+            load[half] = os.getloadavg()[0]
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+    assert len(errors) == 2 * STRESS_SPAWNS * (STRESS_REPEATS + 1)
+    for half, what in [(h, w) for h in load for w in ("sharded", "one process")]:  # (shown with pytest -s)
+        mine = [e for k, e in errors.items() if k[:2] == (half, what)]
+        print(f"{half} (load {load[half]:.1f}), {what}: {len(mine)} errors, largest {max(mine):.3g}")
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= STRESS_REL, {k: e for k, e in errors.items() if e > STRESS_REL}
 
 
 def _convert_worker(rank, tmp, world, ckpt):
@@ -322,7 +410,7 @@ def test_nds_on_a_sharded_checkpoint_under_torchrun_equals_the_unsharded_run(pcf
     assert one.returncode == 0, one.stderr[-3000:]
     got, want = (json.loads((tmp_path / f).read_text()) for f in ("sharded.json", "one.json"))
     for d in (got, want):
-        d.pop("checkpoint"), d.pop("timing")
+        d.pop("checkpoint"), d.pop("timing"), d.pop("digests", None)  # (the files: their names, times, digests)
     _close(got, want, "report")
     # curvlab train --fsdp writes sharded checkpoints that nds --fsdp reads
     fsdp_run = tmp_path / "fsdp-run"
@@ -336,15 +424,46 @@ def test_nds_on_a_sharded_checkpoint_under_torchrun_equals_the_unsharded_run(pcf
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "trained muon to step 2 on 2 ranks" in trained.stdout
     assert [e["path"] for e in read_index(fsdp_run)] == ["ckpt_000000", "ckpt_000002"]
-    assert (fsdp_run / "ckpt_000002" / "curvlab.pt").is_file()
+    assert (fsdp_run / "ckpt_000002" / "curvlab.json").is_file()
     # another world size, another model config: one line each
     with pytest.raises(CurvlabError, match=r"written by 2 ranks, opened on 1"):
         open_sharded_checkpoint(sharded)
-    meta = torch.load(sharded / "curvlab.pt", weights_only=False)
+    meta = json.loads((sharded / "curvlab.json").read_text())
     meta["config"]["model_overrides"]["n_embd"] = 48
-    torch.save(meta, sharded / "curvlab.pt")
+    (sharded / "curvlab.json").write_text(json.dumps(meta))
     with pytest.raises(CurvlabError, match=r"from another model config"):
         open_sharded_checkpoint(sharded)
+
+
+def test_a_one_rank_sharded_checkpoint_is_written_under_torchrun_and_gives_the_unsharded_nds(pcfg_data, tmp_path):
+    """``torchrun --nproc_per_node 1 experiments/to_sharded.py`` (a one-rank process group, started by
+    distributed_context under torchrun), then ``nds --fsdp`` on one rank equals the unsharded checkpoint's
+    (both in fresh processes: three start torch, hence 25-40 s on 2 shared cores)."""
+    cfg = TrainConfig(
+        data=str(pcfg_data), out=str(tmp_path / "run"), model_overrides=SMALL_MODEL, optimizer="adamw", batch_size=4,
+        steps=2, warmup_steps=1, eval_every=2, ckpt_every=2, val_windows=8, device="cpu",
+    )  # fmt: skip
+    train(cfg, progress=False)
+    ckpt, sharded = tmp_path / "run" / "ckpt_000002.pt", tmp_path / "one-rank"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    script = Path(__file__).resolve().parents[1] / "experiments" / "to_sharded.py"
+    r = subprocess.run([*torchrun, script, ckpt, sharded], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_meta(sharded)["world_size"] == 1
+    options = ["--dtype", "float64", "--batches", "2", "--device", "cpu"]
+    reports = {
+        "sharded": [*torchrun, "-m", "curvlab", "nds", str(sharded), "--fsdp"],
+        "one": [sys.executable, "-m", "curvlab", "nds", str(ckpt)],
+    }
+    for name, cmd in reports.items():
+        out = ["--out", str(tmp_path / f"{name}.json")]
+        r = subprocess.run([*cmd, *out, *options], capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+    got, want = (json.loads((tmp_path / f"{name}.json").read_text()) for name in reports)
+    for d in (got, want):
+        d.pop("checkpoint"), d.pop("timing"), d.pop("digests", None)  # (the files: their names, times, digests)
+    _close(got, want, "report")
 
 
 def _spectral(loss_fn, params, batches):
@@ -516,19 +635,32 @@ def test_track_spectrum_with_fsdp_is_refused_in_one_line(tmp_path):
 
 
 def test_a_sharded_checkpoint_of_another_format_or_schema_is_refused_in_one_line(tmp_path):
-    meta = {"format": "curvlab-dcp", "schema_version": 1, "world_size": 2}
+    rng = torch.get_rng_state()
+    meta = {"format": "curvlab-dcp", "schema_version": 2, "world_size": 2, "rng": bytes(rng.tolist()).hex(),
+            "val_loss": None, "train_loss": 3.5}  # fmt: skip
     cases = [
         (meta, None),
-        ({**meta, "schema_version": 2}, "curvlab sharded checkpoint schema 2 is not 1"),
+        ({**meta, "schema_version": 3}, "curvlab sharded checkpoint schema 3 is not 2"),
         ({**meta, "format": "other"}, r"not a curvlab sharded checkpoint \(format 'other' is not 'curvlab-dcp'\)"),
-        ([meta], "curvlab sharded checkpoint schema None is not 1"),
+        ([meta], "curvlab sharded checkpoint schema None is not 2"),
+        ({**meta, "rng": "not hex"}, "not a curvlab sharded checkpoint record \\(ValueError: .*\\)"),
     ]
     for i, (payload, match) in enumerate(cases):
         path = tmp_path / f"ckpt_{i}"
         path.mkdir()
-        torch.save(payload, path / "curvlab.pt")
+        (path / "curvlab.json").write_text(json.dumps(payload))
         if match is None:
-            assert read_meta(path) == meta
+            got = read_meta(path)
+            assert torch.equal(got.pop("rng"), rng) and math.isnan(got.pop("val_loss"))
+            assert got == {k: v for k, v in meta.items() if k not in ("rng", "val_loss")}
             continue
-        with pytest.raises(CurvlabError, match=f"^{re.escape(str(path))}: {match}$"):
+        with pytest.raises(CurvlabError, match=f"^{re.escape(str(path / 'curvlab.json'))}: {match}$"):
             read_meta(path)
+    # schema 1 kept its metadata in curvlab.pt, a pickle: refused by name, never opened (here: not even a pickle)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "curvlab.pt").write_bytes(b"unopened")
+    with pytest.raises(CurvlabError, match=f"^{re.escape(str(old))}: a sharded checkpoint written by an older curvlab"):
+        read_meta(old)
+    with pytest.raises(CurvlabError, match=f"^{re.escape(str(tmp_path))}: not a curvlab sharded checkpoint"):
+        read_meta(tmp_path)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from curvlab.engine.loss import make_loss_fn
+from curvlab.errors import CurvlabError
 from curvlab.models.gpt import CONFIGS, GPT
 from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
@@ -93,7 +94,7 @@ def test_crash_during_checkpoint_write_keeps_the_last_good_one(pcfg_data, tmp_pa
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", dying_save)
-    with pytest.raises(OSError, match="disk died"):
+    with pytest.raises(CurvlabError, match=r"ckpt_000004.pt: write failed \(disk died\)"):  # one line
         train(cfg, progress=False)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no temporary files left
     assert [e["step"] for e in read_index(out)] == [0]

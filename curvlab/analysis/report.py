@@ -24,7 +24,10 @@ Report JSON (``REPORT_SCHEMA_VERSION`` = 3)::
     hidden{the same eight, over the hidden 2-D matrices, or null}, blocks{grouping, names, matrix,
     within, cross, nds (the total, = sum(matrix)), rho_within, first_order[], norm[], block_nds[] (each
     block's own NDS), asymmetry, members}, spectrum, next_batch{source, seed, micro_batches, rows},
-    paired (or null), timing{seconds, hvp_seconds}
+    paired (or null), timing{seconds, hvp_seconds}, versions{python, curvlab, torch, numpy, scipy,
+    transformers} (:mod:`curvlab.util.versions`; null in a report from before they were kept),
+    digests{report (SHA-256 of the rest, checked on load), checkpoint (SHA-256 of the checkpoint's
+    bytes, in a cache entry; else null)} (:meth:`CurvatureReport.save`)
 
 ``paired``: at a checkpoint whose run keeps a shadow state of the other arm (:mod:`curvlab.optim.shadow`),
 the AdamW and Muon directions at the same W, on the same batch D, under the same H
@@ -41,6 +44,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,7 +89,10 @@ from curvlab.optim.update import next_update
 from curvlab.runs.dcp import META as SHARDED_META
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
-from curvlab.util.distributed import from_main, is_distributed, is_main
+from curvlab.util.digest import json_digest, path_digest
+from curvlab.util.distributed import from_main, is_distributed, is_main, rank_and_world
+from curvlab.util.safe_stop import check_stop
+from curvlab.util.versions import SoftwareVersions
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,7 @@ class CurvatureReport:
     spectrum: UpdateSpectrum | None = None
     next_batch: BatchDraw | None = None
     paired: PairedDirections | None = None
+    versions: SoftwareVersions | None = None  # what it was made with (None: a report from before they were kept)
     SCHEMA_VERSION: ClassVar[int] = REPORT_SCHEMA_VERSION
     WHAT: ClassVar[str] = "report"
 
@@ -179,6 +187,7 @@ class CurvatureReport:
             "next_batch": None if self.next_batch is None else self.next_batch.to_dict(),
             "paired": None if self.paired is None else self.paired.to_dict(),
             "timing": {"seconds": self.seconds, "hvp_seconds": self.hvp_seconds},
+            "versions": None if self.versions is None else self.versions.to_dict(),
         }
 
     @classmethod
@@ -208,6 +217,7 @@ class CurvatureReport:
             spectrum=None if d["spectrum"] is None else UpdateSpectrum.from_dict(d["spectrum"], split.nds),
             next_batch=None if d["next_batch"] is None else BatchDraw.from_dict(d["next_batch"]),
             paired=None if d.get("paired") is None else PairedDirections.from_dict(d["paired"]),
+            versions=SoftwareVersions.from_dict(d.get("versions")),
         )
 
     def scalars(self) -> CheckpointScalars:
@@ -232,8 +242,15 @@ class CurvatureReport:
             paired={} if self.paired is None else self.paired.scalars(),
         )
 
-    def save(self, path: str | Path) -> None:
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+    def save(self, path: str | Path, checkpoint_digest: str | None = None) -> None:
+        """Write the report's JSON to ``path`` (atomically) with its ``digests``: ``report``, the SHA-256
+        of its own content (:func:`~curvlab.util.digest.json_digest` of the JSON without ``digests``),
+        which :func:`load_report` checks, and ``checkpoint``, that of the checkpoint it was computed from
+        (:func:`~curvlab.util.digest.path_digest`; a cache entry's, which :func:`cached_report`
+        checks; null otherwise)."""
+        d = json.loads(json.dumps(self.to_dict(), allow_nan=True))  # (the digest is of the JSON read back)
+        d[DIGESTS] = {"report": json_digest(d), "checkpoint": checkpoint_digest}
+        atomic_write_text(path, json.dumps(d, indent=1, allow_nan=True))
 
 
 def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") -> CurvatureReport:
@@ -283,6 +300,7 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
         spectrum=spectrum,
         next_batch=target.draw,
         paired=paired,
+        versions=SoftwareVersions.current(),
     )
 
 
@@ -321,17 +339,29 @@ def analyze_checkpoint(
     return analyze(open_checkpoint(path, data, device, settings.batches), settings, str(path))
 
 
+DIGESTS = "digests"  # the key of a saved report's digests (CurvatureReport.save)
+
+
+class StaleReport(UserWarning):
+    """A cached report that can't be trusted (unreadable, truncated, edited, of another schema version,
+    or made from other checkpoint bytes): it is recomputed, and this note says why."""
+
+
 def load_report(path: str | Path) -> CurvatureReport:
-    """A saved report, checked for its schema version; an unreadable or malformed file is a one-line
+    """A saved report, checked for its schema version and, where it records one, its content digest
+    (:meth:`CurvatureReport.save`); an unreadable, malformed or edited file is a one-line
     ``CurvlabError``."""
     path = Path(path)
-    return _report_of(path, _report_json(path))
+    d = _report_json(path)
+    if isinstance(d, dict) and _edited(d):
+        raise CurvlabError(f"{path}: edited or corrupt report (its content does not match its digest)")
+    return _report_of(path, d)
 
 
 def _report_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # (ValueError: invalid JSON, or bytes that are no text)
         raise CurvlabError(f"{path}: unreadable report ({e})") from e
 
 
@@ -344,19 +374,53 @@ def _report_of(path: Path, d: Any) -> CurvatureReport:
         raise CurvlabError(f"{path}: malformed report ({type(e).__name__}: {e})") from e
 
 
-def _cached(path: Path) -> CurvatureReport | None:
-    """The report cached at ``path``; ``None`` (a cache miss) without a file, or for a report of another
-    schema version (stale: recomputed)."""
+def _edited(d: dict[str, Any]) -> bool:
+    """Whether ``d`` records a content digest that its content does not match."""
+    digests = d.get(DIGESTS)
+    if not isinstance(digests, dict) or "report" not in digests:
+        return False
+    return json_digest({k: v for k, v in d.items() if k != DIGESTS}) != digests["report"]
+
+
+def _distrust(d: Any, checkpoint_digest: str | None) -> str | None:
+    """Why the cache entry ``d`` can't stand for the report of a checkpoint whose bytes have
+    ``checkpoint_digest`` (``None``: it is gone), or ``None`` when it can."""
+    if not isinstance(d, dict) or not schema.matches(d, CurvatureReport):
+        version = d.get("schema_version") if isinstance(d, dict) else None
+        return f"is of another schema version ({version}, this curvlab's is {REPORT_SCHEMA_VERSION})"
+    digests = d.get(DIGESTS)
+    if not isinstance(digests, dict) or not digests.get("checkpoint"):
+        return "records no digests (an older curvlab wrote it)"
+    if _edited(d):
+        return "was edited or is corrupt (its content does not match its digest)"
+    if digests["checkpoint"] != checkpoint_digest:
+        return "was made from other checkpoint bytes than those there now"
+    return None
+
+
+def _cached(path: Path, checkpoint_digest: str | None) -> CurvatureReport | None:
+    """The report cached at ``path``; ``None`` (a cache miss) without a file, and, with a
+    :class:`StaleReport` note saying why, for one that can't be trusted: unreadable or truncated,
+    edited (its content digest), of another schema version, or made from other bytes than the
+    checkpoint's now (``checkpoint_digest``). A cache is derived data: never trusted, never fatal."""
     if not path.is_file():
         return None
-    d = _report_json(path)
-    return _report_of(path, d) if schema.matches(d, CurvatureReport) else None
+    try:
+        d = _report_json(path)
+        why = _distrust(d, checkpoint_digest)
+        if why is None:
+            return _report_of(path, d)
+    except CurvlabError as e:  # unreadable, truncated, malformed
+        why = f"is unreadable ({str(e).removeprefix(f'{path}: ')})"
+    warnings.warn(f"{path}: the cached report {why}: recomputed", StaleReport, stacklevel=3)
+    return None
 
 
 def report_cache_path(cache_dir: str | Path, checkpoint: str | Path, settings: AnalysisSettings) -> Path:
     """Where the report of ``checkpoint`` under ``settings`` is cached: the name hashes the settings
     and the checkpoint file's identity (path, size, modification time; of a sharded checkpoint
-    directory, those of its ``curvlab.pt``, which its writer puts last).
+    directory, those of its ``curvlab.json``, which its writer puts last). The entry itself records
+    the digest of the checkpoint's bytes, which :func:`cached_report` checks.
 
     A sharded analysis of a checkpoint gives the same report as the unsharded one (to rounding), so
     the key doesn't say which of the two made it."""
@@ -376,23 +440,32 @@ def cached_report(
     device="cpu",
     analyze_fn: Callable[..., CurvatureReport] | None = None,
 ) -> CurvatureReport:
-    """The report of ``checkpoint`` under ``settings``: read from ``cache_dir`` when this schema version
-    made it before (a stale one is recomputed and replaced), else computed by ``analyze_fn`` (default
+    """The report of ``checkpoint`` under ``settings``: read from ``cache_dir`` when it was saved there
+    before from these very checkpoint bytes, else computed by ``analyze_fn`` (default
     :func:`analyze_checkpoint`; the sharded analysis passes its own) and saved there (see
-    :func:`report_cache_path`).
+    :func:`report_cache_path`) with the digests of the checkpoint and of itself
+    (:meth:`CurvatureReport.save`).
+
+    An entry that can't be trusted (unreadable, truncated, edited, another schema version, made from
+    other checkpoint bytes) is recomputed and replaced, with a :class:`StaleReport` note; a corrupt
+    checkpoint is refused by the analysis (a one-line ``CurvlabError``). A report is a safe point for
+    a stop that SIGINT or SIGTERM asked for (:func:`~curvlab.util.safe_stop.check_stop`).
 
     Under torch.distributed rank 0 decides whether the report is cached and hands the cached one to
     the others: every rank then analyses, or none does (a rank that saw rank 0's fresh file while
     another didn't would leave it alone in the analysis's collectives)."""
     analyze_fn = analyze_fn or analyze_checkpoint
     path = report_cache_path(cache_dir, checkpoint, settings)
+    digest = path_digest(checkpoint) if is_main() else None  # (rank 0 alone reads and writes the cache)
     if is_distributed():
-        cached = from_main(_cached(path) if is_main() else None)
+        cached = from_main(_cached(path, digest) if is_main() else None)
     else:
-        cached = _cached(path)
-    if cached is not None:
-        return cached
-    report = analyze_fn(Path(checkpoint).resolve(), settings, data, device)
-    if is_main():  # under torch.distributed every rank computed it; one writes it
-        report.save(path)
+        cached = _cached(path, digest)
+    report = cached
+    if report is None:
+        report = analyze_fn(Path(checkpoint).resolve(), settings, data, device)
+        if is_main():  # under torch.distributed every rank computed it; one writes it
+            report.save(path, digest)
+    where = f"after the report of {checkpoint} (saved in {cache_dir}): run the same command again to continue"
+    check_stop(where, rank_and_world()[1])
     return report

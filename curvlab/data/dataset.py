@@ -3,14 +3,22 @@
 Layout of ``out/``: ``train_000000.bin ...`` and ``val_000000.bin`` (headered shards), ``grammar.json``
 and ``stats.json`` (the generation config, the vocabulary size, and per-split token statistics).
 Everything is written into a temporary sibling directory that is renamed into place at the end, so
-an interrupted generation leaves nothing behind; asking again for the same config is a no-op.
+an interrupted generation leaves nothing that is read (and the next generation removes what a killed one
+left); asking again for the same config is a no-op, and when
+two processes make the same directory at once, the one that finishes second uses the first's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import json
+import os
+import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +92,10 @@ def generate_pcfg_dataset(
         raise CurvlabError(f"{out} exists and is not empty; choose another --out")
     grammar = make_grammar(seed=seed, **config["grammar_options"])
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_generations(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    busy = os.open(tmp / GENERATING, os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(busy, fcntl.LOCK_EX)  # held while this process writes tmp (the kernel drops it if killed)
     try:
         split_stats = {}
         for split, n, exponent, stream_seed in [
@@ -110,13 +121,73 @@ def generate_pcfg_dataset(
         stats = {"version": STATS_VERSION, "config": config, "vocab_size": grammar.vocab_size, **split_stats}
         grammar.save(tmp / "grammar.json")
         atomic_write_text(tmp / "stats.json", json.dumps(stats, indent=1))
-        if out.exists():
-            out.rmdir()  # empty, checked above
         make_public(tmp)
-        tmp.rename(out)
+        (tmp / GENERATING).unlink()  # (the lock stays held on the open descriptor until it is closed)
+        theirs = _publish(tmp, out, config)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(busy)
+    if theirs is not None:  # another process made the same dataset first: ours (identical) goes
+        shutil.rmtree(tmp, ignore_errors=True)
+        return theirs
+    return stats
+
+
+GENERATING = ".generating"  # in a generation's temporary directory, locked by the process that writes it
+STALE_AFTER_S = 60.0  # a temporary directory without its lock file is a killed generation's after this
+
+
+def _remove_stale_generations(out: Path) -> list[Path]:
+    """Remove the temporary siblings ``.<out.name>.XXXXXXXX`` that a generation killed mid-way (kill -9)
+    left: those whose :data:`GENERATING` file no live process holds locked (or that have none, once
+    older than :data:`STALE_AFTER_S`: a process killed between making the directory and locking).
+    Returns what was removed."""
+    removed = []
+    for tmp in out.parent.glob(f".{glob.escape(out.name)}.*"):
+        if not re.fullmatch(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}", tmp.name) or not tmp.is_dir():
+            continue
+        try:
+            fd = os.open(tmp / GENERATING, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            if time.time() - tmp.stat().st_mtime > STALE_AFTER_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a live generation's
+            continue
+        finally:
+            os.close(fd)
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
+def _publish(tmp: Path, out: Path, config: dict) -> dict | None:
+    """Rename the finished ``tmp`` to ``out``; ``None`` when done, or the stats of the same dataset
+    that another process put at ``out`` first (two jobs sharing a data folder race here).
+
+    Raises:
+        CurvlabError: ``out`` was filled meanwhile with something else (another config, other files).
+    """
+    try:
+        with contextlib.suppress(FileNotFoundError):  # (none, or removed by the other process)
+            out.rmdir()  # empty, checked above, unless another process has filled it since
+        tmp.rename(out)
+        return None
+    except OSError:  # ENOTEMPTY or EEXIST: the other process's rename came first
+        if not out.is_dir():
+            raise
+    theirs = out / "stats.json"  # written before their rename, so whole if it is there
+    try:
+        stats = json.loads(theirs.read_text())
+    except (OSError, ValueError) as e:
+        raise CurvlabError(f"{out}: another process filled it while this one generated; choose another --out") from e
+    if stats.get("config") != config:
+        raise CurvlabError(f"{out}: another process wrote a dataset of another config there meanwhile")
     return stats
 
 

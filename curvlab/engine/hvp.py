@@ -362,6 +362,7 @@ class CurvaturePoint:
                     f"directions[{n!r}] has shape {tuple(t.shape)}, expected ({k}, *{tuple(self.params[n].shape)})"
                 )
             check_layout(self.params[n], t, f"directions[{n!r}]", stacked=True)
+            P.check_device(self.params[n], t, f"directions[{n!r}]")
             if not all_finite([t]):
                 raise CurvlabError(f"directions[{n!r}] holds non-finite values (NaN or inf)")
         return list(vs), k

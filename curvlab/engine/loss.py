@@ -362,7 +362,7 @@ def weighted_batches(batch: Any, loss_fn: Any = None) -> list[tuple[Any, float]]
     A ``list`` or :class:`Batches` is several batches; anything else (a tuple, a dict, a tensor) is
     one. Each batch's weight is its number of loss terms: ``loss_fn.loss_terms(batch_j)`` when the
     loss function has that method (a :class:`ModuleLoss`: after the causal shift and ignored labels),
-    else :func:`count_loss_terms`.
+    else :func:`count_loss_terms`. A batch with no loss terms (weight 0) is left out.
     """
     count = getattr(loss_fn, "loss_terms", None) or count_loss_terms
     if isinstance(batch, Batches):
@@ -379,4 +379,5 @@ def weighted_batches(batch: Any, loss_fn: Any = None) -> list[tuple[Any, float]]
     total = float(sum(weights))
     if not total > 0:
         raise CurvlabError(f"the batches hold no loss terms (weights sum to {total})")
-    return [(b, float(w) / total) for b, w in zip(batches, weights)]
+    # a batch without loss terms (every label ignored) weighs 0: its mean loss is 0/0, and it adds nothing
+    return [(b, float(w) / total) for b, w in zip(batches, weights) if w > 0]

@@ -111,8 +111,25 @@ def check_like(params: Mapping[str, Tensor], direction: Mapping[str, Tensor], wh
         if tuple(d.shape) != tuple(p.shape):
             raise CurvlabError(f"{what}[{k!r}] has shape {tuple(d.shape)}, parameter has {tuple(p.shape)}")
         check_layout(p, d, f"{what}[{k!r}]")
+        check_device(p, d, f"{what}[{k!r}]")
         if not all_finite([d]):
             raise CurvlabError(f"{what}[{k!r}] holds non-finite values (NaN or inf)")
+
+
+def check_device(param: Tensor, direction: Tensor, what: str) -> None:
+    """Raise ``CurvlabError`` unless ``direction`` lives on ``param``'s device and holds values (a tensor on
+    the ``meta`` device has a shape and no data: nothing can be computed along it)."""
+    if direction.is_meta or param.is_meta:
+        which = "it" if direction.is_meta else "the parameter"
+        raise CurvlabError(
+            f"{what}: {which} is on the meta device (a shape, no values): materialize it first (e.g. .to_empty and "
+            "an initialization, or a load)"
+        )
+    if direction.device != param.device:
+        raise CurvlabError(
+            f"{what} is on {direction.device}, the parameter on {param.device}: create directions on the parameters' "
+            "device"
+        )
 
 
 def names_text(keys: list[str], most: int = 4) -> str:

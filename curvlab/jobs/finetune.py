@@ -54,6 +54,7 @@ from curvlab.runs.train import train
 from curvlab.studies.adapters import ADAPTER_ARMS, FinetuneResult, compare_adapters, estimates
 from curvlab.studies.tuning import TuningRecord, TuningSettings
 from curvlab.util.atomic import atomic_write_text
+from curvlab.util.versions import SoftwareVersions
 
 # -- the job ----------------------------------------------------------------------------------------
 
@@ -245,6 +246,7 @@ class Finetune(Job):
             final,
             self.notes(),
             timing,
+            SoftwareVersions.current(),
         )
         result.save(self.out / "finetune.json")
         plots.finetune_ratios(result, self.out / "figures" / "finetune_ratios")

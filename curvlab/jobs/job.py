@@ -3,7 +3,8 @@
 * :class:`Job`: the base of both jobs (:class:`curvlab.jobs.reproduce.Reproduction`,
   :class:`curvlab.jobs.finetune.Finetune`): the output directory and its config guard, the stage clock
   and the invocation times, progress lines, and the learning-rate tuning machinery, with one
-  short-run objective and one policy for a run that diverges (:meth:`Job._tuning_loss`).
+  short-run objective and one policy for a run that diverges (:meth:`Job._tuning_loss`). A job's
+  ``run`` owns its output directory: a second process on it is refused (:mod:`curvlab.util.lock`).
 * :func:`guard_config`: the directory belongs to one configuration; a re-run with the same one
   continues it, any other is refused (results of two configurations are never mixed).
 * :class:`StageClock`: wall and CPU seconds per stage, and the machine's load at the end of each.
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -30,7 +32,9 @@ from curvlab.runs.checkpoint import read_index
 from curvlab.runs.train import TrainingDiverged
 from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, search_lr
 from curvlab.util import schema
-from curvlab.util.atomic import atomic_write_json, atomic_write_text
+from curvlab.util.atomic import atomic_write_json, atomic_write_text, remove_stale_temporaries
+from curvlab.util.lock import own_directory
+from curvlab.util.safe_stop import check_stop
 
 CONDITIONS = ("load", "threads", "cpus")
 
@@ -111,17 +115,41 @@ def record_invocation(path: Path, invocation: dict[str, float]) -> dict[str, flo
 DIVERGED = "diverged.json"  # in a tuning run that diverged: a re-run scores it +inf without training it again
 
 
+def _owning(run):
+    """``run`` (a job's), holding the job's output directory from its first step to its last
+    (:func:`curvlab.util.lock.own_directory`): a second process on the same ``out`` is refused."""
+
+    @functools.wraps(run)
+    def owned(self, *args, **kwargs):
+        with own_directory(self.out, self.TAG) as previous:
+            if previous is not None:
+                self._say(f"took {self.out} over from {previous.describe()}, which is no longer running")
+            return run(self, *args, **kwargs)
+
+    return owned
+
+
 class Job:
     """One job in one output directory ``out``: a subclass names its progress tag (``TAG``), its config
     file (``CONFIG_FILE``) and what its results are (``WHAT``), and gives its configuration
     (:meth:`config`), its tuning settings (:meth:`tuning_settings`) and one short training run
     (:meth:`_short_run`). The base keeps the rest: the guard that one directory holds one
     configuration, the stage clock, the invocation times (``timing.json``), progress lines, and the
-    learning-rate searches on the short-run objective (:meth:`_tuning_loss`, :meth:`_search`)."""
+    learning-rate searches on the short-run objective (:meth:`_tuning_loss`, :meth:`_search`).
+
+    A subclass's ``run`` holds ``out`` for its whole length, one owner per directory: another process
+    (or thread) running a job there is refused, naming the owner (:func:`curvlab.util.lock.own_directory`).
+    """
 
     TAG: ClassVar[str] = "job"
     CONFIG_FILE: ClassVar[str] = "job.json"
     WHAT: ClassVar[str] = "a job"
+
+    def __init_subclass__(cls, **kwargs):
+        # wrapped here, for every subclass that defines ``run``, so that no job can forget to own its out
+        super().__init_subclass__(**kwargs)
+        if "run" in cls.__dict__:
+            cls.run = _owning(cls.__dict__["run"])
 
     def __init__(self, out: str | Path, progress: bool = True):
         self.out, self.progress = Path(out), progress
@@ -157,9 +185,17 @@ class Job:
             print(f"[{self.TAG}] {message}", flush=True)
 
     def start(self) -> None:
-        """A fresh invocation: its clock starts, and the directory's configuration is checked."""
+        """A fresh invocation: its clock starts, what killed writes left in the directory is removed
+        (:func:`~curvlab.util.atomic.remove_stale_temporaries`, everywhere below ``out``), and the
+        directory's configuration is checked."""
         self.clock = StageClock()
+        remove_stale_temporaries(self.out, recursive=True)
         self._check_config()
+
+    def safe_point(self, done: str) -> None:
+        """Stop here if a SIGINT or SIGTERM asked to (:mod:`curvlab.util.safe_stop`): ``done`` is saved,
+        and a re-run continues from it."""
+        check_stop(f"after {done} in {self.out}: run the same command again to continue")
 
     def timing(self) -> dict[str, float]:
         """Record this invocation's times in ``timing.json``; the job's, over every invocation."""

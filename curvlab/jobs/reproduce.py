@@ -55,7 +55,7 @@ from curvlab.optim.muon import matrix_shape, muon_scale
 from curvlab.output import plots
 from curvlab.output import text as report
 from curvlab.output.files import read_quadratic, write_quadratic
-from curvlab.runs.checkpoint import read_index
+from curvlab.runs.checkpoint import INDEX, read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria, NoMatchedLevel, plateau_ceiling
 from curvlab.runs.train import train
@@ -68,7 +68,10 @@ from curvlab.studies.summary import FinewebRecord, QuadraticRecord, Summary
 from curvlab.studies.track import track_run
 from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, log2_grid
 from curvlab.util import schema
-from curvlab.util.atomic import atomic_write_json, atomic_write_text
+from curvlab.util.atomic import atomic_write_text
+from curvlab.util.paths import inside
+from curvlab.util.safe_stop import stop_at_safe_points
+from curvlab.util.versions import SoftwareVersions
 
 
 def _s_name(s: float) -> str:
@@ -136,25 +139,29 @@ def _run_key(path: str | Path) -> Path:
 
 def window_checkpoints(records: list[ComparisonRecord], reports: Path | None = None) -> set[Path]:
     """Every checkpoint a matched comparison read, as :func:`_run_key`: the members of its windows, read
-    back from their reports (looked up by name in ``reports`` when the recorded path is gone)."""
+    back from their reports. With ``reports`` (the reproduction's report cache) a report is looked up by
+    its file name there, wherever the record says it was (the directory may have moved; and a record
+    naming a file outside it is refused, :func:`~curvlab.util.paths.inside`). A report's checkpoint
+    path only becomes a key: it keeps a checkpoint, never names one to read or delete."""
     keep = set()
     for r in records:
         for level in r.comparison.levels if r.comparison else []:
             for side in (level.a, level.b):
                 for path in map(Path, side.reports):
-                    found = path if path.is_file() or reports is None else reports / path.name
+                    found = path if reports is None else inside(reports, path.name, f"the record of {r.name}")
                     keep.add(_run_key(load_report(found).checkpoint))
     return keep
 
 
 def prune_run(run: Path, keep: set[Path]) -> int:
     """Delete the checkpoints of ``run`` outside ``keep`` (:func:`_run_key` s), except its last (a finished
-    run resumes from it as finished); the index keeps every entry (validation losses stay). Returns the
-    bytes freed."""
+    run resumes from it as finished); the index keeps every entry (validation losses stay). Only files
+    inside ``run`` are deleted: an index naming one elsewhere is refused (:func:`read_index`). Returns
+    the bytes freed."""
     index = read_index(run)
     freed = 0
     for entry in index[:-1]:
-        path = run / entry["path"]
+        path = inside(run, entry["path"], run / INDEX)
         if _run_key(path.resolve()) not in keep and path.is_file():
             freed += path.stat().st_size
             path.unlink()
@@ -556,6 +563,13 @@ class Reproduction(Job):
     # -- the whole job ----------------------------------------------------------------------
 
     def run(self) -> Summary:
+        """The whole job (module docstring). A SIGINT or SIGTERM stops it at the next safe point (after
+        a training step, a cached report or a seed's analysis: :mod:`curvlab.util.safe_stop`) with a
+        :class:`~curvlab.util.safe_stop.Stopped`; running it again continues from what is saved."""
+        with stop_at_safe_points():
+            return self._run()
+
+    def _run(self) -> Summary:
         self.start()
         p = self.preset
         with self.clock("data"):
@@ -568,6 +582,7 @@ class Reproduction(Job):
         per_seed: list[LevelData] = []
         for seed in range(p.seeds):
             per_seed.append(self.seed(seed, data, self.tuning, plateaus))
+            self.safe_point(f"seed {seed}'s analysis")
             if seed > 0:  # the previous seed's last analysis (its A/A with this one) is done
                 self.prune(seed - 1, per_seed[-2:])
         self.prune(p.seeds - 1, per_seed[-1:])
@@ -595,7 +610,7 @@ class Reproduction(Job):
         notes = self.notes(tuning, levels, plateaus, final)
         summary = Summary(
             p.name, entries, zipf, taylor_counts(levels), tuning, notes, final, QuadraticRecord.from_study(quadratic),
-            fineweb=fineweb, primary=primary, calibration=calibrated,
+            fineweb=fineweb, primary=primary, calibration=calibrated, versions=SoftwareVersions.current(),
         )  # fmt: skip
         with self.clock("figures"):
             summary.figures = self.figures(levels, summary, tuning, quadratic)
@@ -603,7 +618,7 @@ class Reproduction(Job):
         summary.seconds = summary.timing["total"]  # over every invocation, when a run was interrupted and resumed
         summary.invocations = int(summary.timing["invocations"])
         summary.disk_bytes = sum(f.stat().st_size for f in self.out.rglob("*") if f.is_file())
-        atomic_write_json(self.out / "summary.json", summary.to_dict())  # NaN as null: strict JSON
+        schema.save(self.out / "summary.json", summary)  # NaN as null (strict JSON), sealed
         text = report.render_report(summary, levels)
         if finetune is not None:
             text += "\n" + "\n".join(report.finetune_section(finetune)) + "\n"

@@ -285,6 +285,8 @@ def render_report(summary: Summary, levels: LevelData | None = None) -> str:
         f"{_stage_times(summary)} ({_conditions(summary)}). Tiny models on a synthetic language are not the paper's "
         "124M model on FineWeb: the verdicts say whether the paper's direction holds *here*.",
         "",
+        f"Made with {summary.versions.text()}." if summary.versions else "Package versions: not recorded.",
+        "",
         "## Primary family (pre-registered; the only claims judged)",
         "",
         *primary_section(summary, _figure(summary, "fig0_primary_forest")),

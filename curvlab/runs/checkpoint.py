@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import re
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from curvlab.errors import CurvlabError
 from curvlab.models.nanogpt import is_nanogpt_checkpoint
 from curvlab.runs import hf
 from curvlab.util.atomic import atomic_open, atomic_write_text
+from curvlab.util.paths import inside
 
 FORMAT = "curvlab-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -69,6 +71,8 @@ _CORRUPT = (
     RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, IndexError, KeyError, ValueError,
     struct.error, OverflowError,
 )  # fmt: skip
+# how torch's weights_only unpickler says it refused a global (a class or function outside tensors and plain data)
+_REFUSED_GLOBAL = re.compile(r"Weights only load failed.*?GLOBAL ([\w.]+)", re.DOTALL)
 
 
 def check_not_lfs_pointer(path: str | Path, what: str) -> None:
@@ -80,8 +84,9 @@ def check_not_lfs_pointer(path: str | Path, what: str) -> None:
 
 def read_file(path: str | Path, what: str = "checkpoint", map_location: str | torch.device = "cpu") -> Any:
     """``torch.load`` of one file (tensors only, ``weights_only=True``), with curvlab's errors: a
-    missing file, a Git LFS pointer, a file ``torch.save`` didn't write (text, random bytes), and a
-    corrupt or unreadable one, each a one-line ``CurvlabError`` naming ``path``."""
+    missing file, a Git LFS pointer, a file ``torch.save`` didn't write (text, random bytes), a corrupt
+    or unreadable one, and one whose pickle names a class or function beyond tensors and plain data
+    (which could run code: refused, never unpickled), each a one-line ``CurvlabError`` naming ``path``."""
     path = Path(path)
     if not path.is_file():
         raise CurvlabError(f"{path}: no such {what}")
@@ -92,10 +97,32 @@ def read_file(path: str | Path, what: str = "checkpoint", map_location: str | to
         raise CurvlabError(
             f"{path}: corrupt or unreadable {what}: not a whole file torch.save wrote (cut short, or other bytes)"
         )
+    if head != _LEGACY_TORCH:
+        _check_crcs(path, what)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = _REFUSED_GLOBAL.search(str(e))
+        if refused is None:
+            raise CurvlabError(f"{path}: corrupt or unreadable {what} (UnpicklingError)") from e
+        raise CurvlabError(
+            f"{path}: the {what} names {refused.group(1)}, not only tensors and plain data; refusing to unpickle "
+            "it (it could run code)"
+        ) from None
     except _CORRUPT as e:
         raise CurvlabError(f"{path}: corrupt or unreadable {what} ({type(e).__name__})") from e
+
+
+def _check_crcs(path: Path, what: str) -> None:
+    """Raise ``CurvlabError`` if a record of the zip archive ``torch.save`` wrote fails its CRC-32 (torch's
+    reader doesn't check them: a flipped byte in a tensor would load as another value)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise CurvlabError(f"{path}: corrupt or unreadable {what} ({type(e).__name__})") from e
+    if bad is not None:
+        raise CurvlabError(f"{path}: corrupt {what}: its record {bad} fails its checksum")
 
 
 def check_safetensors(path: str | Path) -> None:
@@ -182,11 +209,13 @@ def _read_trainer_directory(path: Path):
     args_file, scheduler = path / "training_args.bin", path / "scheduler.pt"
     with torch.serialization.safe_globals(hf.training_args_classes(args_file)):
         args = hf.check_training_args(read_file(args_file, "training arguments"), args_file)
-    optimizer_state = read_file(path / "optimizer.pt", "optimizer state")  # (cheap checks before the model)
+    # (the cheap reads before the model, whose loading prints progress)
+    optimizer_state = read_file(path / "optimizer.pt", "optimizer state")
+    scheduler_state = read_file(scheduler, "scheduler state") if scheduler.is_file() else None
     return hf.TrainerCheckpoint(
         model=hf.load_model(path),
         optimizer_state=optimizer_state,
-        scheduler_state=read_file(scheduler, "scheduler state") if scheduler.is_file() else None,
+        scheduler_state=scheduler_state,
         step=hf.global_step(path),
         args=args,
     )
@@ -207,19 +236,36 @@ def check_checkpoint(ckpt: Any, path: str | Path) -> dict[str, Any]:
 
 
 def read_index(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The run's checkpoint index, sorted by step (``[]`` if there is none yet)."""
+    """The run's checkpoint index, sorted by step (``[]`` if there is none yet).
+
+    Every entry's ``path`` is a name inside the run (:func:`curvlab.util.paths.inside`): an index that
+    names a file elsewhere (``../x``, an absolute path, a link out) is refused, so that nothing that
+    reads, resumes from or prunes a run's checkpoints touches a file outside it.
+
+    Raises:
+        CurvlabError: the index is not JSON, an entry lacks an integer ``step`` or a ``path``, or a
+            ``path`` leads outside the run.
+    """
     path = Path(run_dir) / INDEX
     if not path.is_file():
         return []
     try:
         entries = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CurvlabError(f"{path}: corrupt index ({e})") from e
+    if not isinstance(entries, list):
+        raise CurvlabError(f"{path}: corrupt index (a list of entries expected, found {type(entries).__name__})")
+    for k, entry in enumerate(entries):
+        if not (isinstance(entry, dict) and type(entry.get("step")) is int and "path" in entry):
+            raise CurvlabError(f"{path}: corrupt index (entry {k} is not {{step, val_loss, path}})")
+        inside(run_dir, entry["path"], path)
     return sorted(entries, key=lambda e: e["step"])
 
 
 def add_to_index(run_dir: str | Path, step: int, val_loss: float, name: str) -> None:
-    """Record a checkpoint in the run's index (rewritten atomically; an entry of the same step is replaced)."""
+    """Record a checkpoint in the run's index (rewritten atomically; an entry of the same step is replaced).
+    ``name`` must lie inside the run, as :func:`read_index` requires."""
+    inside(run_dir, name, Path(run_dir) / INDEX)
     entries = [e for e in read_index(run_dir) if e["step"] != step]
     entries.append({"step": step, "val_loss": None if math.isnan(val_loss) else val_loss, "path": name})
     atomic_write_text(Path(run_dir) / INDEX, json.dumps(sorted(entries, key=lambda e: e["step"]), indent=1))

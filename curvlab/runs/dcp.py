@@ -2,8 +2,11 @@
 
 A sharded checkpoint is a directory: DCP's files (each rank writes its shards of the model and of
 the optimizer state, taken by ``get_model_state_dict`` / ``get_optimizer_state_dict``) and
-``curvlab.pt``, written by rank 0, with what isn't sharded: the format and world size, the training
-config, the step, the schedule's, loader's and RNG states and the validation loss.
+``curvlab.json``, written by rank 0, with what isn't sharded: the format and world size, the training
+config, the step, the schedule's, loader's and RNG states and the validation loss, as plain JSON (torch's
+RNG state as a hex string of its bytes). Nothing here unpickles anything but tensors and plain data: torch's own
+files are read through :mod:`curvlab.runs._dcp_reader`, and the ``curvlab.pt`` (a pickle) of schema 1
+is refused unread.
 
 :func:`load_sharded_into` puts such a checkpoint into a run sharded by :func:`shard_run` (FSDP2,
 ``fully_shard`` per transformer block and at the root, the optimizer on the sharded parameters),
@@ -35,24 +38,34 @@ from torch.distributed.tensor import distribute_tensor
 from curvlab.engine._dtensors import require_process_group
 from curvlab.errors import CurvlabError
 from curvlab.optim.build import build_optimizer
+from curvlab.runs import _dcp_reader
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.schedule import lr_multiplier
 from curvlab.runs.train import Run, build_run, restore
 from curvlab.util import schema
+from curvlab.util.atomic import atomic_write_json
 from curvlab.util.distributed import barrier, rank_and_world
 
 FORMAT = "curvlab-dcp"
-SCHEMA_VERSION = 1
-META = "curvlab.pt"
+SCHEMA_VERSION = 2  # 2: curvlab.json (plain JSON); 1 was curvlab.pt, a torch.save pickle
+META = "curvlab.json"
+OLD_META = "curvlab.pt"  # schema 1's: refused by name, never unpickled
 
 
 class ShardedMeta:
     """What a sharded checkpoint's ``META`` is, for :mod:`curvlab.util.schema`: its format and schema
-    version (it is read as the dict it is: tensors and loader states, for ``torch.load``)."""
+    version. It is read as the dict it is, with its JSON forms decoded (:meth:`from_dict`)."""
 
     SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
     WHAT: ClassVar[str] = "curvlab sharded checkpoint"
     FIXED_KEYS: ClassVar[dict[str, Any]] = {"format": FORMAT}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> dict[str, Any]:
+        """``d`` with torch's RNG state (hex) as the uint8 tensor it is and a null loss (strict JSON's NaN) as NaN."""
+        rng = bytes.fromhex(d["rng"])  # (a ValueError, or a TypeError for a non-string: one line in schema.load)
+        losses = {k: float("nan") if d.get(k) is None else float(d[k]) for k in ("val_loss", "train_loss")}
+        return {**d, "rng": torch.frombuffer(bytearray(rng), dtype=torch.uint8), **losses}
 
 
 def shard_run(run: Run) -> None:
@@ -94,23 +107,27 @@ def save_sharded_checkpoint(run: Run, path: str | Path, val_loss: float, train_l
             "model_config": run.model.config.to_dict(),
             "scheduler": run.scheduler.state_dict(),
             "data": run.loader.state_dict(),
-            "rng": torch.get_rng_state(),
+            "rng": bytes(torch.get_rng_state().tolist()).hex(),
             "val_loss": val_loss,
             "train_loss": train_loss,
         }
-        tmp = path / (META + ".tmp")
-        torch.save(meta, tmp)
-        tmp.replace(path / META)  # (atomic: a reader never sees half a file)
+        atomic_write_json(path / META, meta)  # (a reader never sees half a file)
     barrier()
     return path
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """The ``curvlab.pt`` of a sharded checkpoint, checked for its format and schema."""
+    """The ``curvlab.json`` of a sharded checkpoint, checked for its format and schema (a directory of
+    schema 1, with a pickled ``curvlab.pt``, is refused without opening it)."""
     path = Path(path)
     if not (path / META).is_file():
+        if (path / OLD_META).is_file():
+            raise CurvlabError(
+                f"{path}: a sharded checkpoint written by an older curvlab ({OLD_META}, schema 1; this one reads "
+                f"{META}, schema {SCHEMA_VERSION}): convert its unsharded checkpoint again (experiments/to_sharded.py)"
+            )
         raise CurvlabError(f"{path}: not a curvlab sharded checkpoint (no {META})")
-    return schema.check(torch.load(path / META, weights_only=False), ShardedMeta, path)
+    return schema.load(path / META, ShardedMeta)
 
 
 def convert_to_sharded(checkpoint: dict[str, Any], path: str | Path, data: str | Path | None = None) -> Path:
@@ -135,7 +152,7 @@ def convert_to_sharded(checkpoint: dict[str, Any], path: str | Path, data: str |
 
 def check_shapes(path: Path, run: Run) -> None:
     """The checkpoint's model tensors against the model its config builds (a different config: refused)."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = _dcp_reader.read_metadata(path).state_dict_metadata
     for name, p in run.model.named_parameters():
         key = f"model.{name}"
         meta = stored.get(key)
@@ -162,7 +179,7 @@ def load_sharded_into(run: Run, path: str | Path, meta: dict[str, Any] | None = 
     check_shapes(path, run)
     has_state = bool(meta.get("optimizer_state", True))
     state = _state(run, has_state)  # (the optimizer's is a template here: every value is loaded over it)
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp_reader.load(state, path)
     set_model_state_dict(run.model, state["model"])
     if has_state:
         set_optimizer_state_dict(run.model, run.optimizer, state["optimizer"])

@@ -18,7 +18,9 @@ training_args.bin   ``TrainingArguments``: batch size, gradient accumulation, cl
 
 ``training_args.bin`` is a pickle. It is unpickled with ``weights_only=True`` and only the
 transformers and accelerate classes it names allowed, so a file that names anything else is refused,
-never run. The files are read by :func:`curvlab.runs.checkpoint.read_checkpoint`, with the errors of
+never run. ``optimizer.pt`` and ``scheduler.pt`` are unpickled with ``weights_only=True``, and so is a
+``pytorch_model.bin`` (by transformers); a file among them that names anything beyond tensors and plain
+data is refused in one line. The files are read by :func:`curvlab.runs.checkpoint.read_checkpoint`, with the errors of
 every other checkpoint; this module supplies what only transformers knows.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,7 +130,8 @@ def global_step(path: Path) -> int:
 
 def load_model(path: Path) -> nn.Module:
     """The model of a checkpoint directory, by the class its ``config.json`` names, in eval mode
-    (nothing is downloaded: ``local_files_only``)."""
+    (nothing is downloaded: ``local_files_only``; a ``pytorch_model.bin`` is unpickled by transformers
+    with ``weights_only=True``, and one that names anything beyond tensors is refused)."""
     import transformers  # optional (the hf extra): only Hugging Face checkpoints need it
 
     try:
@@ -140,6 +144,13 @@ def load_model(path: Path) -> nn.Module:
         raise CurvlabError(f"{path}/config.json: model class {architectures[:1]} isn't in this transformers")
     try:
         return cls.from_pretrained(path, local_files_only=True).eval()
+    except pickle.UnpicklingError as e:  # from torch's weights_only unpickler, which transformers passes on
+        if "GLOBAL" not in str(e):  # (how it names a refused class or function)
+            raise CurvlabError(f"{path}: a weights file (pytorch_model*.bin) is corrupt (UnpicklingError)") from None
+        raise CurvlabError(
+            f"{path}: a weights file (pytorch_model*.bin) names objects beyond tensors; refusing to unpickle it "
+            "(it could run code)"
+        ) from None
     except (OSError, ValueError, RuntimeError) as e:
         raise CurvlabError(f"{path}: the weights don't load into {cls.__name__} ({type(e).__name__})") from e
 

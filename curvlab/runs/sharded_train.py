@@ -30,8 +30,10 @@ from curvlab.runs.config import TrainConfig
 from curvlab.runs.dcp import load_sharded_into, save_sharded_checkpoint, shard_run
 from curvlab.runs.metrics import METRICS_FILE, truncate_metrics
 from curvlab.runs.train import Run, TrainingDiverged, TrainResult, build_run, check_resume
-from curvlab.util.atomic import atomic_write_text
+from curvlab.util.atomic import atomic_write_text, remove_stale_temporaries
 from curvlab.util.distributed import all_reduce_sum, barrier, device_for_rank, rank_and_world
+from curvlab.util.lock import own_directory
+from curvlab.util.safe_stop import check_stop, stop_at_safe_points
 
 
 def sharded_checkpoint_name(step: int) -> str:
@@ -66,15 +68,25 @@ def train_sharded(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes with FSDP2 over the ranks of the process group.
 
     Raises:
-        CurvlabError: no process group; a resume with another config or from unsharded checkpoints.
+        CurvlabError: no process group; another process holds ``out`` (:mod:`curvlab.util.lock`); a
+            resume with another config or from unsharded checkpoints.
         TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
+        Stopped: a SIGINT or SIGTERM, honoured after the step in progress on every rank
+            (:mod:`curvlab.util.safe_stop`); the rerun resumes from the last checkpoint.
     """
+    with stop_at_safe_points(), own_directory(cfg.out, "train"):  # rank 0 holds out for every rank
+        return _train_sharded(cfg, progress)
+
+
+def _train_sharded(cfg: TrainConfig, progress: bool) -> TrainResult:
     require_process_group()
     rank, world = rank_and_world()
     out, is_main = Path(cfg.out), rank == 0
     cfg = replace(cfg, device=device_for_rank(cfg.device))
     run = build_run(cfg, rank, world)
     shard_run(run)
+    if is_main:  # what a killed write left (kill -9 mid-index-write): never read, so removed
+        remove_stale_temporaries(out)
     index = read_index(out)
     barrier()  # every rank has decided whether to resume before rank 0 writes anything
     resumed_from = 0
@@ -97,6 +109,7 @@ def train_sharded(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     run.model.train()
     tokens_per_step = cfg.batch_size * run.loader.seq_len
     val_loss, elapsed, steps_done = float("nan"), 0.0, 0
+    last_checkpoint = run.step
     bar = tqdm(range(run.step, cfg.steps), desc=f"train {cfg.optimizer} (fsdp)", disable=not (progress and is_main))
     with open(metrics_path, "a") if is_main else contextlib.nullcontext() as log:
         for _ in bar:
@@ -129,6 +142,12 @@ def train_sharded(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 log.flush()
             if checkpoint_now:
                 _save(run, out, val_loss, float(global_loss), is_main)
+                last_checkpoint = run.step
+            check_stop(  # (every rank agrees: the ranks stop after the same step)
+                f"after step {run.step} in {out}; its last checkpoint is step {last_checkpoint}: run the same "
+                "command again to resume from it",
+                world,
+            )
     barrier()
     index = read_index(out)
     tps = tokens_per_step * steps_done / elapsed if elapsed else float("nan")

@@ -37,9 +37,11 @@ from curvlab.runs.config import TrainConfig, config_difference
 from curvlab.runs.metrics import METRICS_FILE, truncate_metrics
 from curvlab.runs.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
 from curvlab.runs.schedule import lr_multiplier
-from curvlab.util.atomic import atomic_write_text
+from curvlab.util.atomic import atomic_write_text, remove_stale_temporaries, write_errors
 from curvlab.util.distributed import all_reduce_sum, barrier, device_for_rank, my_share, rank_and_world
+from curvlab.util.lock import own_directory
 from curvlab.util.progress import progress as progress_bar
+from curvlab.util.safe_stop import check_stop, stop_at_safe_points
 
 
 def pick_device(name: str) -> torch.device:
@@ -196,10 +198,25 @@ def _save(run: Run, out: Path, val_loss: float, train_loss: float, is_main: bool
         add_to_index(out, run.step, val_loss, name)
 
 
-def _record_curvature(row: MonitorRow, log, stop: bool) -> None:
+def _open_metrics(path: Path, is_main: bool):
+    """``metrics.jsonl`` open for appending on rank 0 (a context that gives ``None`` elsewhere)."""
+    if not is_main:
+        return contextlib.nullcontext()
+    with write_errors(path):
+        return open(path, "a")
+
+
+def _write_row(log, path: Path, row: dict[str, Any]) -> None:
+    """Append ``row`` to the open ``metrics.jsonl`` (rank 0's; ``None`` elsewhere); a failed write (no
+    space) is one line naming the file (a line it cut short ends the file for readers: runs.metrics)."""
     if log is not None:
-        log.write(json.dumps(row.to_dict()) + "\n")
-        log.flush()
+        with write_errors(path):
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+
+
+def _record_curvature(row: MonitorRow, log, path: Path, stop: bool) -> None:
+    _write_row(log, path, row.to_dict())
     if stop and row.status == "non-finite":
         raise NonFiniteCurvature(f"non-finite curvature at step {row.step} ({row.message}); stopped as asked")
 
@@ -302,21 +319,35 @@ def train_loop(
     With ``curvature``, the step taken from step k is measured when ``measure_at(k)`` (default
     ``curvature.due``) and written to ``metrics.jsonl`` as a row of kind ``"curvature"``.
 
+    The run holds ``out`` while it trains (:func:`curvlab.util.lock.own_directory`): a second process
+    training there is refused, naming this one, and ``compare`` and ``track`` refuse to read it.
+
     Raises:
-        CurvlabError: a resume with a different config, a corrupt checkpoint.
+        CurvlabError: another process holds ``out``, a resume with a different config, a corrupt checkpoint.
         TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
         NonFiniteCurvature: a non-finite curvature row, with ``stop_on_nonfinite``.
     """
     with contextlib.ExitStack() as stack:  # (holds the TensorBoard writer)
+        stack.enter_context(own_directory(run.cfg.out, "train"))  # before anything in out is read or removed
+        stack.enter_context(stop_at_safe_points())
         return _loop(
             run, progress, rank, world, curvature, measure_at, stop_on_nonfinite, tensorboard, desc, leave, stack
         )
+
+
+def _stopped_where(out: Path, step: int, last_checkpoint: int) -> str:
+    return (
+        f"after step {step} in {out}; its last checkpoint is step {last_checkpoint}: run the same command "
+        "again to resume from it"
+    )
 
 
 def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorboard, desc, leave, stack) -> TrainResult:
     cfg = run.cfg
     out = Path(cfg.out)
     is_main = rank == 0
+    if is_main:  # what a killed write left (kill -9 mid-checkpoint): never read, so removed
+        remove_stale_temporaries(out)
     index = read_index(out)
     barrier()  # every rank has decided whether to resume before rank 0 writes anything
     resumed_from = 0
@@ -345,8 +376,9 @@ def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorbo
     val_loss, elapsed, steps_done = float("nan"), 0.0, 0
     shown_val = float("nan")
     desc = desc or f"train {cfg.optimizer}"
+    last_checkpoint = run.step
     bar = progress_bar(range(run.step, cfg.steps), desc=desc, disable=not (progress and is_main), leave=leave)
-    with open(metrics_path, "a") if is_main else contextlib.nullcontext() as log:
+    with _open_metrics(metrics_path, is_main) as log:
         for _ in bar:
             start = time.perf_counter()
             x, y = (t.to(run.device) for t in run.loader.next())
@@ -378,17 +410,19 @@ def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorbo
             record = {"step": run.step, "train_loss": train_loss, "lr": lr, "tokens": run.step * tokens_per_step}
             if evaluate_now:
                 record["val_loss"] = val_loss
-            if log is not None:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+            _write_row(log, metrics_path, record)
             scalars = {"train/loss": train_loss, "train/lr": lr} | ({"val/loss": val_loss} if evaluate_now else {})
             _write_scalars(writer, run.step, scalars)
             if before is not None:  # every rank measures (the held-out batches are shared out); rank 0 writes
                 row = curvature.measure_taken(run.step - 1, before)
                 _write_scalars(writer, row.step, row.log_scalars())
-                _record_curvature(row, log, stop)
+                _record_curvature(row, log, metrics_path, stop)
             if checkpoint_now:
                 _save(run, out, val_loss, train_loss, is_main)
+                last_checkpoint = run.step
+            # the safe point: this step's checkpoint (if due) and metrics are written; the rerun resumes
+            # from the last checkpoint and retakes the steps after it, bit for bit
+            check_stop(_stopped_where(out, run.step, last_checkpoint), world)
             tps = tokens_per_step * steps_done / max(elapsed, 1e-9)
             shown_val = val_loss if evaluate_now else shown_val
             val_text = {} if math.isnan(shown_val) else {"val": f"{shown_val:.3f}"}  # none before the first evaluation

@@ -22,6 +22,7 @@ from curvlab.runs.monitor import MonitorRow
 from curvlab.studies import statistics as st
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
+from curvlab.util.versions import SoftwareVersions
 
 FINETUNE_SCHEMA_VERSION = 1
 ADAPTER_ARMS = ("adamw", "smuon", "lora-muon", "per-factor-muon")
@@ -112,6 +113,7 @@ class FinetuneResult:
     final_loss: dict[str, list[float]]  # arm -> final validation loss per seed
     notes: list[str]
     timing: dict[str, float] = field(default_factory=dict)
+    versions: SoftwareVersions | None = None  # what it was made with (None: a result from before they were kept)
 
     def entry(self, name: str, variant: str) -> FinetuneEntry:
         found = [e for e in self.entries if e.name == name and e.variant == variant]
@@ -134,10 +136,11 @@ class FinetuneResult:
             d["final_loss"],
             d["notes"],
             d["timing"],
+            SoftwareVersions.from_dict(d.get("versions")),
         )
 
     def save(self, path: str | Path) -> None:
-        atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=1))
+        atomic_write_text(Path(path), json.dumps(schema.sealed(self.to_dict(), strict=False), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> FinetuneResult:

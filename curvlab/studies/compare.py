@@ -27,11 +27,15 @@ from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
 from curvlab.runs.match import Checkpoint, MatchCriteria, NoMatchedLevel, match_runs
 from curvlab.util import schema
-from curvlab.util.atomic import atomic_write_csv, atomic_write_text
+from curvlab.util.atomic import atomic_write_csv, atomic_write_text, remove_stale_temporaries
 from curvlab.util.distributed import is_main
+from curvlab.util.lock import check_not_owned, own_directory
 from curvlab.util.progress import progress as progress_bar
 
 COMPARE_SCHEMA_VERSION = 2  # 2: window means per level, plateau flags, schedule per side, no Taylor filter
+# a run still training is refused, not read up to where it has got: its matched levels, and the reports
+# cached from them, would depend on the moment of the reading
+STILL_TRAINING = "its checkpoint series is still being written; compare or track it once it is done"
 
 
 @dataclass(frozen=True)
@@ -317,8 +321,12 @@ def compare_runs(
             rank under torchrun analyses each one sharded (:mod:`curvlab.analysis.sharded`); the
             reports equal the unsharded ones, rank 0 writes the outputs.
 
+    A run that a live process still trains (its directory held: :mod:`curvlab.util.lock`) is refused;
+    ``out`` is held while the comparison writes there (a second comparison into it is refused).
+
     Raises:
-        CurvlabError: bad runs (see :func:`curvlab.runs.match.match_runs`), or no level within tolerance.
+        CurvlabError: a run still training, ``out`` in use by another process, bad runs (see
+            :func:`curvlab.runs.match.match_runs`), or no level within tolerance.
     """
     criteria = criteria or MatchCriteria()
     criteria.validate()
@@ -327,6 +335,8 @@ def compare_runs(
     out = Path(out)
     cache = Path(cache) if cache else out / "reports"
     levels, phase, window, plateau_ceiling = criteria.levels, criteria.phase, criteria.window, criteria.plateau_ceiling
+    for run in (run_a, run_b):
+        check_not_owned(run, STILL_TRAINING)
     matching = match_runs(
         run_a,
         run_b,
@@ -338,27 +348,29 @@ def compare_runs(
     )
     if not matching.pairs:
         raise NoMatchedLevel("no matched pair within tolerance: " + "; ".join(matching.refused))
-    result_levels = []
-    for pair in progress_bar(matching.pairs, desc="compare", disable=not progress):
-        a = _window_side(pair.window_a, pair.a.step, cache, settings, device, fsdp)
-        b = _window_side(pair.window_b, pair.b.step, cache, settings, device, fsdp)
-        result_levels.append(Level(pair.target, pair.mismatch, pair.on_plateau, a, b))
-    names = (result_levels[0].a.optimizer, result_levels[0].b.optimizer)
-    label = "adamw/muon" if set(names) == {"muon", "adamw"} else f"B/A ({names[1]}/{names[0]})"
-    result = Comparison(
-        result_levels,
-        label,
-        matching.refused,
-        names,
-        phase,
-        window,
-        plateau_ceiling,
-        (str(run_a), str(run_b)),
-        asdict(settings),
-    )
-    if is_main():
-        atomic_write_text(out / "compare.json", json.dumps(result.to_dict(), indent=1))
-        atomic_write_csv(out / "compare.csv", result.rows)
+    with own_directory(out, "compare"):
+        remove_stale_temporaries(out, cache)  # (what killed writes left: never read)
+        result_levels = []
+        for pair in progress_bar(matching.pairs, desc="compare", disable=not progress):
+            a = _window_side(pair.window_a, pair.a.step, cache, settings, device, fsdp)
+            b = _window_side(pair.window_b, pair.b.step, cache, settings, device, fsdp)
+            result_levels.append(Level(pair.target, pair.mismatch, pair.on_plateau, a, b))
+        names = (result_levels[0].a.optimizer, result_levels[0].b.optimizer)
+        label = "adamw/muon" if set(names) == {"muon", "adamw"} else f"B/A ({names[1]}/{names[0]})"
+        result = Comparison(
+            result_levels,
+            label,
+            matching.refused,
+            names,
+            phase,
+            window,
+            plateau_ceiling,
+            (str(run_a), str(run_b)),
+            asdict(settings),
+        )
+        if is_main():
+            atomic_write_text(out / "compare.json", json.dumps(result.to_dict(), indent=1))
+            atomic_write_csv(out / "compare.csv", result.rows)
     return result
 
 

@@ -158,7 +158,9 @@ class LevelData:
         )
 
     def save(self, path: str | Path) -> None:
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+        """Write the JSON (``NaN`` kept, as the per-level values need it), sealed (:func:`schema.sealed
+        <curvlab.util.schema.sealed>`): :meth:`load` refuses an edited or damaged file."""
+        atomic_write_text(path, json.dumps(schema.sealed(self.to_dict(), strict=False), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> LevelData:

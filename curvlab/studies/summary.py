@@ -1,8 +1,8 @@
 """``summary.json`` (:class:`Summary`, ``SUMMARY_SCHEMA_VERSION``): what a reproduction concludes, for the
 report, the README and the figures: the headline (:mod:`curvlab.studies.headline`), the primary family and
 the A/A calibration (:mod:`curvlab.studies.primary`), the Taylor counts, the tuning record, the notes,
-the final validation losses, the quadratic model's and the FineWeb comparison's records, and the job's
-times and disk use.
+the final validation losses, the quadratic model's and the FineWeb comparison's records, the job's
+times and disk use, and the package versions it was made with.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from curvlab.studies.primary import Calibration, PrimaryEntry
 from curvlab.studies.quadratic import QuadraticStudy
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util import schema
+from curvlab.util.versions import SoftwareVersions
 
 SUMMARY_SCHEMA_VERSION = 2  # 2: the primary family and the A/A calibration; headline descriptive
 
@@ -77,6 +78,7 @@ class Summary:
     disk_bytes: int = 0  # what the job leaves in its output directory
     primary: list[PrimaryEntry] = field(default_factory=list)  # the primary family (primary_family)
     calibration: Calibration = field(default_factory=Calibration)  # the A/A calibration (calibration)
+    versions: SoftwareVersions | None = None  # what it was made with (None: a summary from before they were kept)
     schema_version: int = SUMMARY_SCHEMA_VERSION
     SCHEMA_VERSION: ClassVar[int] = SUMMARY_SCHEMA_VERSION
     WHAT: ClassVar[str] = "summary.json"
@@ -95,6 +97,7 @@ class Summary:
         d["tuning"] = TuningRecord.from_dict(d["tuning"])
         d["quadratic"] = QuadraticRecord.from_dict(d["quadratic"])
         d["fineweb"] = None if d.get("fineweb") is None else FinewebRecord.from_dict(d["fineweb"])
+        d["versions"] = SoftwareVersions.from_dict(d.get("versions"))
         return cls(**d)
 
     @classmethod

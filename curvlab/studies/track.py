@@ -18,8 +18,10 @@ from curvlab.errors import CurvlabError
 from curvlab.runs.checkpoint import read_index
 from curvlab.runs.match import run_checkpoints
 from curvlab.runs.metrics import METRICS_FILE, monitor_rows, read_metrics
-from curvlab.util.atomic import atomic_write_csv, atomic_write_text
+from curvlab.studies.compare import STILL_TRAINING
+from curvlab.util.atomic import atomic_write_csv, atomic_write_text, remove_stale_temporaries
 from curvlab.util.distributed import is_main
+from curvlab.util.lock import check_not_owned, own_directory
 from curvlab.util.progress import progress as progress_bar
 
 
@@ -40,13 +42,15 @@ def track_run(
     or those at ``steps``; write ``track.json`` and ``track.csv`` to ``out``. Returns the
     per-checkpoint scalars, with the schedule (multiplier, phase) of each step and whether it sits on
     the unigram plateau (at or above ``plateau_ceiling``). ``fsdp``: sharded checkpoints, analysed
-    sharded on every rank (as in :func:`compare_runs`)."""
+    sharded on every rank (as in :func:`compare_runs`). A run still training is refused, and ``out`` is
+    held while the track writes there, as in :func:`~curvlab.studies.compare.compare_runs`."""
     settings = settings or AnalysisSettings()
     settings.validate()
     if every < 1:
         raise CurvlabError(f"--every must be >= 1, got {every}")
     run, out = Path(run), Path(out)
     cache = Path(cache) if cache else out / "reports"
+    check_not_owned(run, STILL_TRAINING)
     checkpoints = [c for c in run_checkpoints(run) if c.step > 0]
     if steps is not None:
         missing = sorted(set(steps) - {c.step for c in checkpoints})
@@ -57,24 +61,26 @@ def track_run(
     if not checkpoints:
         raise CurvlabError(f"{run}: no checkpoint after step 0 to track")
     rows = []
-    for c in progress_bar(checkpoints, desc=f"track {run.name}", disable=not progress):
-        report = cached_report(cache, c.path, settings, device=device, analyze_fn=checkpoint_analyzer(fsdp))
-        spectrum = report.spectrum
-        row = report.scalars().with_context(
-            optimizer=report.optimizer,
-            multiplier=c.multiplier,
-            lr=c.lr,
-            phase=c.phase,
-            on_plateau=plateau_ceiling is not None and c.val_loss >= plateau_ceiling,
-            lambda_max=None if spectrum is None else spectrum.lambda_max,
-            overlap_top_k=None if spectrum is None else spectrum.overlap_top_k,
-        )
-        rows.append(row)
-    if is_main():
-        dicts = [r.to_dict() for r in rows]
-        track = {"run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": dicts}
-        atomic_write_text(out / "track.json", json.dumps(track, indent=1))
-        atomic_write_csv(out / "track.csv", dicts)
+    with own_directory(out, "track"):
+        remove_stale_temporaries(out, cache)  # (what killed writes left: never read)
+        for c in progress_bar(checkpoints, desc=f"track {run.name}", disable=not progress):
+            report = cached_report(cache, c.path, settings, device=device, analyze_fn=checkpoint_analyzer(fsdp))
+            spectrum = report.spectrum
+            row = report.scalars().with_context(
+                optimizer=report.optimizer,
+                multiplier=c.multiplier,
+                lr=c.lr,
+                phase=c.phase,
+                on_plateau=plateau_ceiling is not None and c.val_loss >= plateau_ceiling,
+                lambda_max=None if spectrum is None else spectrum.lambda_max,
+                overlap_top_k=None if spectrum is None else spectrum.overlap_top_k,
+            )
+            rows.append(row)
+        if is_main():
+            dicts = [r.to_dict() for r in rows]
+            track = {"run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": dicts}
+            atomic_write_text(out / "track.json", json.dumps(track, indent=1))
+            atomic_write_csv(out / "track.csv", dicts)
     return rows
 
 
@@ -89,7 +95,10 @@ def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[Chec
     """:func:`track_run` without checkpoints: every ``every``-th curvature row a monitored run
     recorded while it trained (nothing is recomputed), each with the validation loss of its step
     where one was evaluated (else NaN); write ``track.json`` and ``track.csv`` to ``out``. Rows whose
-    status is not ``ok`` stay, with their message, and count as Taylor failures."""
+    status is not ``ok`` stay, with their message, and count as Taylor failures.
+
+    A run still training may be drawn: its rows are whole lines, each final once written, so this is
+    the rows recorded so far (watching a run as it trains); only checkpoints are refused while written."""
     if every < 1:
         raise CurvlabError(f"--every must be >= 1, got {every}")
     run, out = Path(run), Path(out)
@@ -99,11 +108,12 @@ def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[Chec
     config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
     val = _validation_losses(run)
     summaries = [r.scalars(val.get(r.step, float("nan")), config.get("optimizer", "")) for r in rows]
-    if is_main():
-        dicts = [r.to_dict() for r in summaries]
-        track = {"run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens, "rows": dicts}
-        atomic_write_text(out / "track.json", json.dumps(track, indent=1))
-        atomic_write_csv(out / "track.csv", dicts)
+    with own_directory(out, "track"):
+        if is_main():
+            dicts = [r.to_dict() for r in summaries]
+            track = {"run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens, "rows": dicts}
+            atomic_write_text(out / "track.json", json.dumps(track, indent=1))
+            atomic_write_csv(out / "track.csv", dicts)
     return summaries
 
 

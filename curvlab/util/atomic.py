@@ -1,16 +1,26 @@
 """Atomic file writes: write to a temporary name in the same folder, fsync, then rename.
 
-A crash or a full disk mid-write leaves the previous file (or none) in place, never half of one.
+A crash or a full disk mid-write leaves the previous file (or none) in place, never half of one:
+
+* a write that fails (no space, a file-size limit, no permission, a read-only file system) removes its
+  temporary and raises one :class:`~curvlab.errors.CurvlabError` naming the file and the cause
+  (:func:`atomic_open`; torch's writer, which reports a failed write as a ``RuntimeError``, included);
+* a write whose process was killed (kill -9) leaves its temporary, ``.<name>.<8 random>.tmp``, beside
+  the file; :func:`remove_stale_temporaries` removes such leftovers when a command next opens the
+  folder for writing. A writer holds an exclusive ``flock`` on its temporary until the rename, so a
+  live one's is never taken for a leftover (the kernel drops a killed process's lock).
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import io
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,24 +28,99 @@ from typing import IO, Any
 
 from curvlab.errors import CurvlabError
 
+# what tempfile.mkstemp(prefix=".<name>.", suffix=".tmp") makes: 8 characters of [a-z0-9_] in between
+TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")
+
+
+def write_failure(error: BaseException, *names: str | Path) -> OSError | None:
+    """The ``OSError`` behind ``error`` when it is the failure of a write (to an open file, or on one of
+    ``names``), else ``None``: ``error`` itself, or the ``OSError`` a ``RuntimeError`` of torch's
+    writer was raised in handling (``torch.save`` into a full file: "[enforce fail at
+    inline_container.cc] unexpected pos", whose context is the write's ``OSError``)."""
+    names = {str(n) for n in names}
+    for e in (error, error.__context__ if isinstance(error, RuntimeError) else None):
+        if isinstance(e, OSError) and (e.filename is None or str(e.filename) in names):
+            return e
+    return None
+
+
+def _cause(e: OSError) -> str:
+    return e.strerror or str(e) or type(e).__name__
+
+
+@contextlib.contextmanager
+def write_errors(path: str | Path, *names: str | Path) -> Iterator[None]:
+    """Inside, a failed write (:func:`write_failure`: to an open file, or on ``path`` or ``names``) is
+    one ``CurvlabError`` naming ``path`` and its cause; anything else keeps its traceback."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        failure = write_failure(e, path, *names)
+        if failure is None:
+            raise
+        raise CurvlabError(f"{path}: can't write ({_cause(failure)})") from e
+
 
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file beside ``path``; on success it replaces ``path``, on error it vanishes."""
+    """Open a temporary file beside ``path``; on success it replaces ``path``, on error it vanishes.
+
+    Raises:
+        CurvlabError: a write failed (no space, a file-size limit, permissions, a read-only file
+            system): one line naming ``path`` and the cause; ``path`` is as it was before.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:  # (no folder can be made there, or no file in it)
+        raise CurvlabError(f"{path}: write failed ({_cause(e)}); the previous file, if any, is unchanged") from e
+    f = os.fdopen(fd, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename: remove_stale_temporaries leaves this one
+        yield f
+        f.flush()
+        os.fsync(fd)
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        with contextlib.suppress(OSError, ValueError):  # (closing flushes what is buffered: it may fail again)
+            f.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
+        failure = write_failure(e, tmp, path)
+        if failure is None:
+            raise
+        raise CurvlabError(f"{path}: write failed ({_cause(failure)}); the previous file, if any, is unchanged") from e
+    f.close()
+
+
+def remove_stale_temporaries(*directories: str | Path, recursive: bool = False) -> list[Path]:
+    """Remove the temporaries that :func:`atomic_open` left in ``directories`` (and, with ``recursive``,
+    in the folders below them) when its process was killed mid-write: the files named like its own
+    (:data:`TEMPORARY`) that no live writer holds locked. Call it once the folder's owner lock is held
+    (:mod:`curvlab.util.lock`). Returns the paths removed."""
+    found = set()
+    for directory in map(Path, directories):
+        if directory.is_dir():
+            found.update(directory.rglob(".*.tmp") if recursive else directory.glob(".*.tmp"))
+    removed = []
+    for p in sorted(found):
+        if not TEMPORARY.match(p.name) or p.is_symlink() or not p.is_file():
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # gone already, or not ours to read
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(p)
+            removed.append(p)
+        except (BlockingIOError, FileNotFoundError):  # a live writer's, or renamed into place meanwhile
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

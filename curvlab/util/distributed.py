@@ -2,8 +2,10 @@
 
 Under ``torchrun --nproc_per_node N``, :func:`distributed_context` initializes the process group
 (NCCL on GPUs, gloo on CPUs) with a bounded timeout, so that a rank that dies makes the others fail
-within that time instead of hanging, and names the rank in every error it reports. Outside torchrun
-everything here is a no-op, and code that calls it runs as a single process.
+within that time instead of hanging, and names the rank in every error it reports. Under torchrun
+with one rank it starts a one-rank group too (sharded tensors need a process group, so that a
+one-rank sharded checkpoint can be written and read), and the rest runs as a single process.
+Outside torchrun everything here is a no-op, and code that calls it runs as a single process.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ def is_main() -> bool:
 
 @contextlib.contextmanager
 def distributed_context(timeout_s: float | None = None) -> Iterator[tuple[int, int]]:
-    """``(rank, world)``; under torchrun (``WORLD_SIZE > 1``) the process group is set up and torn down here.
+    """``(rank, world)``; under torchrun (or ``WORLD_SIZE > 1``) the process group is set up and torn down here.
 
     On CUDA machines each rank takes ``cuda:LOCAL_RANK``. The timeout (``CURVLAB_DIST_TIMEOUT`` seconds,
-    default 120) bounds how long a rank waits for one that failed.
+    default 120) bounds how long a rank waits for one that failed. Under ``torchrun --nproc_per_node 1``
+    the group has one rank: nothing is shared out or reduced, but sharded (DTensor) code has its group.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or dist.is_initialized():
+    if dist.is_initialized() or not (world > 1 or dist.is_torchelastic_launched()):
         yield rank_and_world()
         return
     timeout = timeout_s or float(os.environ.get("CURVLAB_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
@@ -112,8 +115,8 @@ def barrier() -> None:
         dist.barrier()
 
 
-# the roll-call group of the default process group: (default group, gloo group, its timeout in seconds)
-_ROLL_CALL: tuple[Any, Any, float] | None = None
+# the roll-call group of the default process group: (default group, gloo group)
+_ROLL_CALL: tuple[Any, Any] | None = None
 _ROLL_CALL_TAG = 0x6C6C  # (point-to-point messages of the roll call, apart from everything else)
 
 
@@ -133,9 +136,8 @@ def watch_ranks() -> None:
     global _ROLL_CALL
     if not is_distributed() or (_ROLL_CALL is not None and _ROLL_CALL[0] is dist.group.WORLD):
         return
-    timeout = _group_timeout()
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-    _ROLL_CALL = (dist.group.WORLD, group, timeout)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_group_timeout()))
+    _ROLL_CALL = (dist.group.WORLD, group)
 
 
 def unanswered_ranks() -> list[int] | None:
@@ -144,15 +146,18 @@ def unanswered_ranks() -> list[int] | None:
     Each rank that gets here sends its number to every other rank, point to point on the roll-call
     group, and waits for theirs; a rank that died answers at once with a closed connection, one that
     stalls (or hangs in a collective of its own) doesn't answer in time. The wait is the process
-    group's timeout and a quarter: a surviving rank that hangs in the failed collective leaves it
-    within one timeout of this rank's failure and answers then. So every surviving rank names the
-    same ranks, within twice the timeout of the failure, whichever rank died (``torch.distributed``'s
-    ``monitored_barrier`` names the missing ranks on rank 0 alone: the others hear only that rank 0
-    didn't answer them). ``None`` where no roll call was set up (:func:`watch_ranks`).
+    group's timeout (as it is now: a timeout changed after :func:`watch_ranks`, e.g. by
+    ``torch.distributed.distributed_c10d._set_pg_timeout``, counts) and a quarter: a surviving rank
+    that hangs in the failed collective leaves it within one timeout of this rank's failure and
+    answers then. So every surviving rank names the same ranks, within twice the timeout of the
+    failure, whichever rank died (``torch.distributed``'s ``monitored_barrier`` names the missing
+    ranks on rank 0 alone: the others hear only that rank 0 didn't answer them). ``None`` where no
+    roll call was set up (:func:`watch_ranks`).
     """
     if _ROLL_CALL is None or _ROLL_CALL[0] is not dist.group.WORLD:
         return None
-    _, group, timeout = _ROLL_CALL
+    _, group = _ROLL_CALL
+    timeout = _group_timeout()
     rank, world = rank_and_world()
     peers = [q for q in range(world) if q != rank]
     sends, recvs, missing = [], {}, set()

@@ -7,9 +7,12 @@ that shares its file with others, or names its format, declares those keys' valu
 tested before the version. ``WHAT`` (default: the class name) names the record in messages.
 
 * :func:`save`: ``record.to_dict()`` as strict JSON (a non-finite float is written as ``null``; ``NaN``
-  is not JSON), atomically (:mod:`curvlab.util.atomic`): a crash leaves the previous file or none.
-* :func:`load`: the record in a file; a missing file, invalid JSON, a schema version other than the
-  class's or a malformed record is a one-line :class:`~curvlab.errors.CurvlabError` naming the file.
+  is not JSON), atomically (:mod:`curvlab.util.atomic`): a crash leaves the previous file or none. The
+  file is sealed (:func:`sealed`): it carries ``content_digest``, the SHA-256 of the rest.
+* :func:`load`: the record in a file; a missing file, invalid JSON, a seal its content does not match
+  (an edited file), a schema version other than the class's or a malformed record is a one-line
+  :class:`~curvlab.errors.CurvlabError` naming the file. A file without a seal (one an older curvlab
+  wrote, or a record written by hand) is read as it is.
 * :func:`check`: the version test itself, for a ``from_dict`` that is also fed dicts not read here.
 * :func:`matches`: the same test as a predicate, where another version is no error (a stale cache
   entry, recomputed).
@@ -26,7 +29,10 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from curvlab.errors import CurvlabError
-from curvlab.util.atomic import atomic_write_json
+from curvlab.util.atomic import atomic_write_json, strict_json
+from curvlab.util.digest import json_digest
+
+SEAL = "content_digest"  # a sealed record's key: the SHA-256 of the rest of its JSON (util.digest.json_digest)
 
 
 class Record(Protocol):
@@ -77,9 +83,31 @@ def check(d: D, cls: type, where: str | Path | None = None) -> D:
     return d
 
 
+def sealed(d: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
+    """``d`` as it reads back from JSON (``strict``: non-finite floats as ``null``), with :data:`SEAL`,
+    the digest of that content, so that a reader can tell an edited or damaged file from the one written."""
+    d = json.loads(json.dumps(strict_json(d) if strict else d, allow_nan=not strict))
+    return {**d, SEAL: json_digest(d)}
+
+
+def unsealed(d: Any, where: str | Path, what: str) -> Any:
+    """``d`` without its :data:`SEAL`, once its content matches it (``d`` as it is when it has none).
+
+    Raises:
+        CurvlabError: the content does not match the seal: the file was edited or damaged after it
+            was written, so nothing in it is trusted.
+    """
+    if not isinstance(d, Mapping) or SEAL not in d:
+        return d
+    rest = {k: v for k, v in d.items() if k != SEAL}
+    if json_digest(rest) != d[SEAL]:
+        raise CurvlabError(f"{where}: edited or corrupt {what} (its content does not match its digest): not trusted")
+    return rest
+
+
 def save(path: str | Path, record: Record) -> None:
-    """Write ``record.to_dict()`` to ``path`` as strict JSON, atomically."""
-    atomic_write_json(path, record.to_dict())
+    """Write ``record.to_dict()`` to ``path`` as strict JSON, sealed (:func:`sealed`), atomically."""
+    atomic_write_json(path, sealed(record.to_dict()))
 
 
 def load(path: str | Path, cls: type[R]) -> R:
@@ -96,10 +124,13 @@ def load(path: str | Path, cls: type[R]) -> R:
         raise CurvlabError(f"{path}: no such file (a {_name(cls)} record)") from None
     except OSError as e:
         raise CurvlabError(f"{path}: unreadable {_name(cls)} record ({e.strerror or type(e).__name__})") from None
+    except UnicodeDecodeError:  # (binary bytes: a pickle, say, in a record's place)
+        raise CurvlabError(f"{path}: corrupt JSON in a {_name(cls)} record (not UTF-8 text)") from None
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
         raise CurvlabError(f"{path}: corrupt JSON in a {_name(cls)} record ({e})") from None
+    d = unsealed(d, path, f"{_name(cls)} record")
     check(d, cls, path)
     try:
         return cls.from_dict(d)  # type: ignore[attr-defined]

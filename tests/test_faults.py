@@ -1,0 +1,422 @@
+"""Faults lose nothing and leave nothing trusted (curvlab.util.atomic, curvlab.util.safe_stop, the report cache).
+
+Each fault is simulated, not waited for: a full disk is a file-size limit (``RLIMIT_FSIZE``: the write
+fails with EFBIG, as with ENOSPC; Python ignores the SIGXFSZ that comes with it); a refused write is
+``/sys`` (where not even root may create a file; the tests run as root, whom permission bits don't
+bind) or a folder that is a file; kill -9, SIGTERM and SIGINT are sent by the process to itself at a
+chosen point (mid-checkpoint-write, mid-step), so each lands exactly there.
+"""
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from curvlab.analysis.report import StaleReport, cached_report, load_report, report_cache_path
+from curvlab.analysis.targets import AnalysisSettings
+from curvlab.data.dataset import generate_pcfg_dataset
+from curvlab.data.shards import TrainBatches
+from curvlab.errors import CurvlabError
+from curvlab.jobs.presets import PRESETS
+from curvlab.jobs.reproduce import Reproduction
+from curvlab.runs.checkpoint import load_checkpoint, read_index
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.match import MatchCriteria
+from curvlab.runs.train import train
+from curvlab.studies.compare import compare_runs
+from curvlab.studies.records import LevelData
+from curvlab.util import schema
+from curvlab.util.atomic import atomic_open, atomic_write_json, remove_stale_temporaries
+from curvlab.util.safe_stop import Stopped, check_stop, stop_at_safe_points
+from tests.conftest import SMALL_MODEL
+
+STEPS, EVERY = 6, 2
+
+
+def _config(data: Path, out: Path, **overrides) -> TrainConfig:
+    fields = dict(
+        data=str(data), out=str(out), model_overrides=SMALL_MODEL, batch_size=4, steps=STEPS, warmup_steps=1,
+        eval_every=EVERY, ckpt_every=EVERY, val_windows=4,
+    )  # fmt: skip
+    return TrainConfig(**{**fields, **overrides})
+
+
+def _train_args(data: Path, out: Path) -> list[str]:
+    """``curvlab train`` of :func:`_config`."""
+    model = [a for k, v in SMALL_MODEL.items() for a in ("--model-opt", f"{k}={v}")]
+    return ["train", "--data", str(data), "--out", str(out), *model, "--batch-size", "4", "--steps", str(STEPS),
+            "--warmup-steps", "1", "--eval-every", str(EVERY), "--ckpt-every", str(EVERY), "--val-windows", "4",
+            "--quiet"]  # fmt: skip
+
+
+def _curvlab(args: list[str], before: str = "", file_size: int | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a fresh process, after the Python lines ``before`` (the fault's hook), optionally under a
+    file-size limit of ``file_size`` bytes."""
+    code = f"{before}\nfrom curvlab.cli import app\napp({args!r}, prog_name='curvlab')\n"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+        preexec_fn=limit if file_size else None, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+def _resume(out: Path):
+    """Run the run in ``out`` again (in this process) under the config it was started with."""
+    return train(TrainConfig.from_dict(json.loads((out / "config.json").read_text())), progress=False)
+
+
+def _assert_same_final_state(out: Path, reference: Path) -> None:
+    mine, ref = (load_checkpoint(d / f"ckpt_{STEPS:06d}.pt") for d in (out, reference))
+    assert mine["model"].keys() == ref["model"].keys()
+    assert all(torch.equal(mine["model"][k], ref["model"][k]) for k in ref["model"])
+    assert str(mine["optimizer"]["param_groups"]) == str(ref["optimizer"]["param_groups"])
+    assert all(
+        torch.equal(a, b)
+        for s, r in zip(mine["optimizer"]["state"].values(), ref["optimizer"]["state"].values())
+        for a, b in zip(s.values(), r.values())
+        if isinstance(a, torch.Tensor)
+    )
+    assert (out / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()  # no row lost or doubled
+    assert [e["step"] for e in read_index(out)] == [e["step"] for e in read_index(reference)]
+
+
+def _temporaries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.rglob("*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def reference(pcfg_data, tmp_path_factory) -> Path:
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("faults") / "reference"
+    train(_config(pcfg_data, out), progress=False)
+    return out
+
+
+@contextlib.contextmanager
+def file_size_limit(n: int):
+    """This process's writes stop at ``n`` bytes a file (EFBIG), until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+# -- failed writes ---------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_write_past_the_file_size_limit_is_one_line_and_the_run_resumes(pcfg_data, reference, tmp_path):
+    small, large = ((reference / f"ckpt_{s:06d}.pt").stat().st_size for s in (0, EVERY))
+    assert small < large  # (step 0 has no optimizer state yet: its checkpoint fits, step 2's does not)
+    out = tmp_path / "run"
+    r = _curvlab(_train_args(pcfg_data, out), file_size=(small + large) // 2)
+    target = out / f"ckpt_{EVERY:06d}.pt"
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"error: {target}: write failed (File too large); the previous file, if any, is unchanged"
+    ]  # not torch's multi-line "[enforce fail at inline_container.cc] unexpected pos"
+    assert not target.exists() and _temporaries(out) == []  # no partial file
+    assert [e["step"] for e in read_index(out)] == [0]
+    load_checkpoint(out / "ckpt_000000.pt")  # the previous checkpoint is whole
+    assert _resume(out).resumed_from == 0
+    _assert_same_final_state(out, reference)
+
+
+def test_a_json_write_past_the_file_size_limit_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "levels.json"
+    atomic_write_json(path, {"previous": True})
+    before = path.read_bytes()
+    with file_size_limit(1000), pytest.raises(CurvlabError) as e:
+        atomic_write_json(path, {"rows": list(range(1000))})
+    assert str(e.value) == f"{path}: write failed (File too large); the previous file, if any, is unchanged"
+    assert path.read_bytes() == before and _temporaries(tmp_path) == []
+
+
+@pytest.mark.parametrize("where, cause", [("/sys", "Permission denied"), ("a-file", "Not a directory")])
+def test_a_refused_write_is_one_line_naming_the_path_and_the_cause(tmp_path, where, cause):
+    if where == "a-file":
+        (tmp_path / "a-file").write_text("")
+        where = tmp_path / "a-file" / "sub"  # a folder that is a file
+    path = Path(where) / "report.json"
+    with pytest.raises(CurvlabError) as e:
+        atomic_write_json(path, {})
+    assert str(e.value) == f"{path}: write failed ({cause}); the previous file, if any, is unchanged"
+
+
+def test_an_unexpected_failure_inside_a_write_keeps_its_traceback(tmp_path):
+    with pytest.raises(ZeroDivisionError), atomic_open(tmp_path / "x.bin") as f:
+        f.write(b"half")
+        1 / 0
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- temporaries left by a killed write -------------------------------------------------------------
+
+
+def test_kill_9_mid_checkpoint_leaves_a_temporary_that_the_next_run_removes(pcfg_data, reference, tmp_path):
+    out = tmp_path / "run"
+    kill = """
+import io, os, signal, torch
+real, calls = torch.save, []
+def save(obj, f, *args, **kwargs):  # the second checkpoint (step 2): half written, then kill -9
+    calls.append(1)
+    if len(calls) == 2:
+        buffer = io.BytesIO()
+        real(obj, buffer, *args, **kwargs)
+        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+"""
+    r = _curvlab(_train_args(pcfg_data, out), before=kill)
+    assert r.returncode == -signal.SIGKILL
+    left = _temporaries(out)
+    assert len(left) == 1 and left[0].startswith(f".ckpt_{EVERY:06d}.pt.")  # the half-written checkpoint
+    assert [e["step"] for e in read_index(out)] == [0]  # never listed: nothing reads it
+    assert _resume(out).resumed_from == 0
+    assert _temporaries(out) == []  # removed by the next run
+    _assert_same_final_state(out, reference)
+
+
+def test_only_a_dead_writers_temporaries_are_removed(tmp_path):
+    stale = tmp_path / ".index.json.ab_3xyz9.tmp"  # atomic_open's pattern, no writer: a leftover
+    stale.write_text("[")
+    others = [tmp_path / n for n in (".index.json.tmp", "notes.abcdefgh.tmp", ".x.ABCDEFGH.tmp")]
+    for p in others:
+        p.write_text("mine")
+    nested = tmp_path / "runs" / "seed0"
+    nested.mkdir(parents=True)
+    (nested / ".ckpt_000002.pt.k2j4h5g6.tmp").write_bytes(b"PK")
+    with atomic_open(tmp_path / "live.json", "w") as f:  # a live writer's temporary, mid-write
+        f.write("{")
+        assert remove_stale_temporaries(tmp_path) == [stale]
+        live = [p for p in tmp_path.glob(".live.json.*.tmp")]
+        assert len(live) == 1  # locked by its writer: left alone
+        f.write("}")
+    assert (tmp_path / "live.json").read_text() == "{}"
+    assert all(p.read_text() == "mine" for p in others)  # not atomic_open's names
+    assert (nested / ".ckpt_000002.pt.k2j4h5g6.tmp").exists()  # not recursive unless asked
+    assert remove_stale_temporaries(tmp_path, recursive=True) == [nested / ".ckpt_000002.pt.k2j4h5g6.tmp"]
+
+
+# -- SIGINT and SIGTERM stop at a safe point --------------------------------------------------------
+
+MID_STEP = """
+import os, signal
+from curvlab.data.shards import TrainBatches
+real, calls = TrainBatches.next, []
+def next_batch(self):  # the batch of step 3, between checkpoints: the signal lands mid-step
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.{sig})
+    return real(self)
+TrainBatches.next = next_batch
+"""
+MID_CHECKPOINT = """
+import os, signal, torch
+real, calls = torch.save, []
+def save(obj, f, *args, **kwargs):  # the third checkpoint (step 4): the signal lands mid-write
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.{sig})
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+"""
+
+
+@pytest.mark.parametrize(
+    "sig, hook, step, last",
+    [("SIGINT", MID_STEP, 3, 2), ("SIGTERM", MID_CHECKPOINT, 4, 4)],
+    ids=["sigint-mid-step", "sigterm-mid-checkpoint"],
+)
+def test_a_signal_stops_training_at_a_safe_point_and_the_rerun_resumes_bit_for_bit(
+    pcfg_data, reference, tmp_path, sig, hook, step, last
+):
+    out = tmp_path / "run"
+    r = _curvlab(_train_args(pcfg_data, out), before=hook.format(sig=sig))
+    signum = getattr(signal, sig)
+    assert r.returncode == 128 + signum, r.stderr  # 130, 143: as a shell reports the signal
+    assert r.stderr.splitlines() == [
+        f"error: stopped by {sig} after step {step} in {out}; its last checkpoint is step {last}: run the same "
+        "command again to resume from it"
+    ]
+    assert _temporaries(out) == [] and [e["step"] for e in read_index(out)][-1] == last  # the write finished
+    load_checkpoint(out / f"ckpt_{last:06d}.pt")
+    assert _resume(out).resumed_from == last
+    _assert_same_final_state(out, reference)
+
+
+def test_a_stop_is_checked_only_inside_the_context_and_a_second_signal_stops_at_once():
+    check_stop("nowhere")  # nothing pending
+    before = signal.getsignal(signal.SIGTERM)
+    with stop_at_safe_points():
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a second signal while one is pending
+        with pytest.raises(Stopped) as e:
+            check_stop("after the test")
+    assert str(e.value) == "stopped by SIGTERM after the test" and e.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    check_stop("after the context")  # the request ended with it
+
+
+# -- caches are derived: recomputed, never trusted; inputs are refused --------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_runs(pcfg_data, tmp_path_factory) -> Path:
+    runs = tmp_path_factory.mktemp("faults_runs")
+    for optimizer in ("adamw", "muon"):
+        train(_config(pcfg_data, runs / optimizer, optimizer=optimizer, steps=8, schedule="constant"), progress=False)
+    return runs
+
+
+def _compare(runs: Path, out: Path):
+    criteria = MatchCriteria(levels=2, tolerance=1.0, phase="any", window=0)
+    compare_runs(runs / "adamw", runs / "muon", out, criteria, AnalysisSettings(batches=1), progress=False)
+    d = json.loads((out / "compare.json").read_text())
+    return d
+
+
+def test_a_truncated_or_edited_cached_report_is_recomputed_with_a_note(two_runs, tmp_path):
+    out = tmp_path / "compare"
+    clean = _compare(two_runs, out)
+    reports = sorted((out / "reports").iterdir())
+    assert len(reports) >= 2
+    truncated, edited = reports[0], reports[1]
+    truncated.write_text(truncated.read_text()[:100])  # cut short
+    d = json.loads(edited.read_text())
+    d["nds"] = d["nds"] * 1000 + 1.0  # another valid JSON: what an edit leaves
+    edited.write_text(json.dumps(d, indent=1))
+    (out / ".compare.json.abcd_123.tmp").write_text("{")  # what killed writes left, here and in the cache
+    (out / "reports" / f".{edited.name}.x1y2z3w4.tmp").write_text("{")
+    with pytest.warns(StaleReport) as notes:
+        again = _compare(two_runs, out)
+    assert _temporaries(out) == []
+    said = sorted(str(n.message) for n in notes)
+    assert any(m.startswith(f"{truncated}: the cached report is unreadable") for m in said), said
+    assert f"{edited}: the cached report was edited or is corrupt (its content does not match its digest): " \
+        "recomputed" in said  # fmt: skip
+    assert again == clean  # the same comparison as the clean run's
+    load_report(edited)  # replaced by the recomputed one
+
+
+def test_a_cached_report_of_other_checkpoint_bytes_is_recomputed_and_a_corrupt_checkpoint_refused(two_runs, tmp_path):
+    checkpoint = tmp_path / "ckpt_000008.pt"
+    checkpoint.write_bytes((two_runs / "adamw" / "ckpt_000008.pt").read_bytes())
+    settings = AnalysisSettings(batches=1)
+    first = cached_report(tmp_path / "cache", checkpoint, settings)
+    path = report_cache_path(tmp_path / "cache", checkpoint, settings)
+    stat = checkpoint.stat()
+    data = bytearray(checkpoint.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte inside a tensor: same size, and the time put back
+    checkpoint.write_bytes(bytes(data))
+    os.utime(checkpoint, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert report_cache_path(tmp_path / "cache", checkpoint, settings) == path  # the same entry's name
+    with pytest.raises(CurvlabError) as e, warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always")
+        cached_report(tmp_path / "cache", checkpoint, settings)
+    assert [n.category for n in notes] == [StaleReport] and "made from other checkpoint bytes" in str(notes[0].message)
+    assert str(e.value).startswith(f"{checkpoint}: corrupt checkpoint: its record ") and "checksum" in str(e.value)
+    assert load_report(path).split.nds == first.split.nds  # the entry stays until a good report replaces it
+
+
+def test_an_edited_report_is_refused_on_load_and_a_truncated_levels_file_too(two_runs, tmp_path):
+    report = cached_report(tmp_path / "cache", two_runs / "muon" / "ckpt_000008.pt", AnalysisSettings(batches=1))
+    report.save(tmp_path / "r.json")
+    load_report(tmp_path / "r.json")
+    d = json.loads((tmp_path / "r.json").read_text())
+    d["cosine"] = 0.5
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    with pytest.raises(CurvlabError, match="edited or corrupt report"):
+        load_report(tmp_path / "r.json")
+    levels = tmp_path / "levels.json"
+    schema.save(levels, LevelData([], [], 3.0, [0.0]))
+    levels.write_text(levels.read_text()[:20])
+    with pytest.raises(CurvlabError, match="corrupt JSON"):
+        LevelData.load(levels)
+
+
+def test_a_report_is_a_safe_point_and_reproduce_stops_at_one(two_runs, tmp_path, monkeypatch):
+    checkpoint = two_runs / "muon" / "ckpt_000008.pt"
+    with stop_at_safe_points(), pytest.raises(Stopped) as e:
+        os.kill(os.getpid(), signal.SIGTERM)  # mid-analysis: the report is finished and saved first
+        cached_report(tmp_path / "cache", checkpoint, AnalysisSettings(batches=1))
+    assert str(e.value).startswith(f"stopped by SIGTERM after the report of {checkpoint}")
+    load_report(report_cache_path(tmp_path / "cache", checkpoint, AnalysisSettings(batches=1)))
+    # a reproduction: SIGINT at its first training step (tuning) stops it there, in one line
+    real = TrainBatches.next
+
+    def interrupted(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(self)
+
+    monkeypatch.setattr(TrainBatches, "next", interrupted)
+    out = tmp_path / "micro"
+    (out / "runs").mkdir(parents=True)
+    (out / "runs" / ".tuning.json.abcd1234.tmp").write_text("{")  # left by a killed write
+    with pytest.raises(Stopped) as e:
+        Reproduction(PRESETS["micro"], out, progress=False).run()
+    assert e.value.exit_code == 130 and "stopped by SIGINT after step 1 in " in str(e.value)
+    assert _temporaries(out) == []  # the leftover removed, and no new one
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are back
+
+
+_GENERATE_THEN_HANG = """
+import os, sys, time
+from pathlib import Path
+import curvlab.data.dataset as dataset
+write = dataset.write_shard
+def hang(path, tokens):  # the first shard is written, then this generation waits to be killed
+    write(path, tokens)
+    Path(sys.argv[2]).touch()
+    time.sleep(600)
+dataset.write_shard = hang
+dataset.generate_pcfg_dataset(sys.argv[1], s=0.0, tokens="20k", val_tokens="5k", shard_tokens="10k", progress=False)
+"""
+
+
+def test_a_killed_generations_temporary_directory_is_removed_by_the_next_and_a_live_ones_kept(tmp_path):
+    out, ready = tmp_path / "data", tmp_path / "ready"
+    killed = subprocess.Popen([sys.executable, "-c", _GENERATE_THEN_HANG, str(out), str(ready)])
+    live = None
+    try:
+        _wait_for(ready, killed)
+        (left,) = tmp_path.glob(".data.*")  # the killed generation's, with its first shard in it
+        killed.kill()
+        killed.wait()
+        ready.unlink()
+        live = subprocess.Popen([sys.executable, "-c", _GENERATE_THEN_HANG, str(tmp_path / "other"), str(ready)])
+        _wait_for(ready, live)
+        (busy,) = tmp_path.glob(".other.*")
+        generate_pcfg_dataset(out, s=0.0, tokens="20k", val_tokens="5k", shard_tokens="10k", progress=False)
+        assert not left.exists() and (out / "stats.json").is_file()
+        assert not list(tmp_path.glob(".data.*"))
+        generate_pcfg_dataset(tmp_path / "third", s=0.0, tokens="20k", val_tokens="5k", progress=False)
+        assert busy.is_dir()  # a live generation's directory (of another --out, even) is never taken
+    finally:
+        for p in (killed, live):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _wait_for(path: Path, process: subprocess.Popen) -> None:
+    """Until ``path`` exists (the child reached its hook) or the child ended."""
+    while not path.exists():
+        assert process.poll() is None, "the generation ended before its hook"
+        time.sleep(0.05)

@@ -1,0 +1,273 @@
+"""Hostile files run nothing: a pickle whose ``__reduce__`` calls ``os.system`` (to touch a marker file),
+planted in every file curvlab reads (its checkpoints and their shadow state, a nanoGPT ``ckpt.pt``, a
+Trainer directory's ``optimizer.pt``, ``scheduler.pt``, ``training_args.bin`` and ``pytorch_model.bin``,
+a sharded checkpoint's ``curvlab.json``, a schema-1 ``curvlab.pt``, torch's DCP ``.metadata``, a DCP
+byte item and a tensor item, the lr table), is refused by the CLI command and by the library loader
+that read it: the marker stays absent, the exit status is 2 and the error one line."""
+
+import dataclasses
+import datetime
+import io
+import json
+import os
+import pickle
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from typer.testing import CliRunner
+
+from curvlab.analysis.sharded import open_sharded_checkpoint
+from curvlab.cli import app
+from curvlab.errors import CurvlabError
+from curvlab.jobs.lr_table import read_lr_table
+from curvlab.runs._dcp_reader import read_metadata
+from curvlab.runs.checkpoint import load_checkpoint, read_checkpoint
+from curvlab.runs.config import TrainConfig
+from curvlab.runs.dcp import convert_to_sharded, read_meta
+from curvlab.runs.train import train
+from tests.conftest import SMALL_MODEL
+from tests.test_analysis import nanogpt_checkpoint
+from tests.test_cli_errors import assert_refused as assert_cli_refuses
+
+runner = CliRunner()
+
+
+class Hostile:
+    """Unpickled, it runs ``touch MARKER``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def poisoned_copy(src: Path, dst: Path) -> tuple[Path, Path]:
+    """A copy of file or directory ``src`` at ``dst``, and the marker path its poison would touch."""
+    (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    return dst, dst.parent / f"{dst.name}.ran"
+
+
+def assert_library_refuses(load, *expected) -> str:
+    with pytest.raises(CurvlabError) as e:
+        load()
+    message = str(e.value)
+    assert "\n" not in message
+    for text in expected:
+        assert text in message, message
+    return message
+
+
+REFUSED = "refusing to unpickle it (it could run code)"
+
+
+@pytest.fixture(scope="module")
+def curvlab_run(pcfg_data, tmp_path_factory):
+    """A real curvlab run (2 steps, with a shadow state) and its step-2 checkpoint."""
+    out = tmp_path_factory.mktemp("hostile") / "run"
+    cfg = TrainConfig(
+        data=str(pcfg_data), out=str(out), model_overrides=SMALL_MODEL, batch_size=4, steps=2, warmup_steps=1,
+        eval_every=2, ckpt_every=2, val_windows=8, device="cpu", shadow=True,
+    )  # fmt: skip
+    train(cfg, progress=False)
+    return out, out / "ckpt_000002.pt"
+
+
+@pytest.mark.parametrize("entry", ["scheduler", "shadow"])
+def test_a_curvlab_checkpoint_or_its_shadow_state_that_would_run_code_is_refused(curvlab_run, tmp_path, entry):
+    run, ckpt = curvlab_run
+    payload = torch.load(ckpt, weights_only=True)
+    assert entry in payload  # (the run keeps a shadow state: the poison replaces a real entry)
+    bad_run, marker = poisoned_copy(run, tmp_path / "run")
+    for path in bad_run.glob("ckpt_*.pt"):
+        torch.save({**payload, entry: Hostile(marker)}, path)
+    bad = bad_run / ckpt.name
+    for load in (lambda: load_checkpoint(bad), lambda: read_checkpoint(bad)):
+        assert_library_refuses(load, str(bad), "names posix.system", REFUSED)
+    assert_cli_refuses(["nds", bad, "--out", tmp_path / "r.json"], str(bad), "names posix.system", REFUSED)
+    assert_cli_refuses(["track", bad_run, "--out", tmp_path / "t"], "names posix.system", REFUSED)
+    assert not marker.exists()
+
+
+def test_a_nanogpt_checkpoint_that_would_run_code_is_refused(pcfg_data, tmp_path):
+    nanogpt_checkpoint(tmp_path)
+    ckpt = tmp_path / "ckpt.pt"
+    marker = tmp_path / "ckpt.ran"
+    payload = torch.load(ckpt, weights_only=True)
+    torch.save({**payload, "optimizer": Hostile(marker)}, ckpt)
+    assert_library_refuses(lambda: read_checkpoint(ckpt), str(ckpt), "names posix.system", REFUSED)
+    assert_cli_refuses(["nds", ckpt, "--data", pcfg_data, "--out", tmp_path / "r.json"], "names posix.system")
+    # and one in torch's legacy (pre-zip) format
+    torch.save({**payload, "optimizer": Hostile(marker)}, ckpt, _use_new_zipfile_serialization=False)
+    assert_cli_refuses(["nds", ckpt, "--data", pcfg_data], "names posix.system", REFUSED)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("optimizer.pt", "names posix.system"),
+        ("scheduler.pt", "names posix.system"),
+        ("training_args.bin", "holds ['posix.system']"),
+        ("pytorch_model.bin", "names objects beyond tensors"),
+    ],
+)
+def test_a_trainer_file_that_would_run_code_is_refused(trainer_checkpoint, tmp_path, name, expected):
+    path, data = trainer_checkpoint
+    bad, marker = poisoned_copy(path, tmp_path / "ckpt")
+    if name == "pytorch_model.bin":  # (an older checkpoint's weights file: transformers unpickles it)
+        (bad / "model.safetensors").unlink()
+        torch.save({"transformer.wte.weight": Hostile(marker)}, bad / name)
+    elif name == "training_args.bin":
+        torch.save(Hostile(marker), bad / name)
+    else:
+        torch.save({**torch.load(path / name, weights_only=True), "state": Hostile(marker)}, bad / name)
+    assert_library_refuses(lambda: read_checkpoint(bad), expected, "unpickle it")
+    assert_cli_refuses(["nds", bad, "--data", data, "--out", tmp_path / "r.json"], expected, "unpickle it")
+    assert not marker.exists()
+
+
+def test_a_pytorch_model_bin_of_plain_tensors_still_loads(trainer_checkpoint, tmp_path):
+    """The refusal is of the poison, not of the format: the same directory with honest
+    ``pytorch_model.bin`` weights reads."""
+    path, _ = trainer_checkpoint
+    good, _ = poisoned_copy(path, tmp_path / "ckpt")
+    ref = read_checkpoint(path).payload.model
+    (good / "model.safetensors").unlink()
+    torch.save(ref.state_dict(), good / "pytorch_model.bin")
+    model = read_checkpoint(good).payload.model
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+
+
+# --- sharded checkpoints -------------------------------------------------------------------------------
+
+
+def _poison_old_meta(ckpt: Path, marker: Path) -> None:
+    """A schema-1 directory: its metadata a pickled curvlab.pt (here one that would run code)."""
+    (ckpt / "curvlab.json").unlink()
+    torch.save({"format": "curvlab-dcp", "schema_version": 1, "rng": Hostile(marker)}, ckpt / "curvlab.pt")
+
+
+def _poison_json_meta(ckpt: Path, marker: Path) -> None:
+    (ckpt / "curvlab.json").write_bytes(pickle.dumps(Hostile(marker)))
+
+
+def _poison_metadata(ckpt: Path, marker: Path) -> None:
+    """torch's real .metadata, with one more attribute: the poison."""
+    metadata = read_metadata(ckpt)
+    metadata.planner_data = {"x": Hostile(marker)}
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _repoint(ckpt: Path, fqn: str, content: bytes) -> None:
+    """Append ``content`` to the .distcp file holding item ``fqn`` and point the .metadata's entry at it."""
+    metadata = read_metadata(ckpt)
+    key = next(k for k in metadata.storage_data if k.fqn == fqn)
+    info = metadata.storage_data[key]
+    file = ckpt / info.relative_path
+    offset = file.stat().st_size
+    with open(file, "ab") as f:
+        f.write(content)
+    metadata.storage_data[key] = dataclasses.replace(info, offset=offset, length=len(content))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _torch_saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _poison_byte_item(ckpt: Path, marker: Path) -> None:
+    """One of the optimizer's param-group values (a DCP byte item), replaced by the poison."""
+    _repoint(ckpt, "optimizer.param_groups.0.lr", _torch_saved(Hostile(marker)))
+
+
+def _poison_tensor_item(ckpt: Path, marker: Path) -> None:
+    _repoint(ckpt, "model.transformer.wte.weight", _torch_saved(Hostile(marker)))
+
+
+def _poison_shard_path(ckpt: Path, marker: Path) -> None:
+    """No code: a .metadata that sends torch's reader to a file outside the checkpoint."""
+    metadata = read_metadata(ckpt)
+    key = next(iter(metadata.storage_data))
+    metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], relative_path="../../outside.distcp")
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+SHARDED = {
+    "old curvlab.pt": (_poison_old_meta, "written by an older curvlab"),
+    "curvlab.json": (_poison_json_meta, "corrupt JSON"),
+    ".metadata": (_poison_metadata, f"names 'posix.system', not only torch's checkpoint metadata; {REFUSED}"),
+    "byte item": (
+        _poison_byte_item,
+        f"byte item 'optimizer.param_groups.0.lr' names objects beyond tensors and plain data; {REFUSED}",
+    ),
+    "tensor item": (_poison_tensor_item, f"a tensor in a shard names objects beyond tensors; {REFUSED}"),
+    "shard outside": (_poison_shard_path, "names '../../outside.distcp', which lies outside"),
+}
+NEED_A_GROUP = ("byte item", "tensor item")  # read by dcp.load, after the model is sharded
+
+
+def _probe(ckpt: Path, name: str, out: Path) -> dict:
+    bad, marker = poisoned_copy(ckpt, out / name.replace(" ", "-"))
+    SHARDED[name][0](bad, marker)
+    try:
+        open_sharded_checkpoint(bad)
+        library = None
+    except CurvlabError as e:
+        library = str(e)
+    r = runner.invoke(app, ["nds", str(bad), "--fsdp", "--out", str(out / f"{bad.name}.json")])
+    return {"library": library, "exit": r.exit_code, "output": r.output, "ran": marker.exists()}
+
+
+def _sharded_worker(rank, tmp, world, ckpt):
+    """One rank under a gloo group: write the sharded checkpoint, then probe every poison in it."""
+    tmp = Path(tmp)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        convert_to_sharded(load_checkpoint(ckpt), tmp / "sharded")
+        results = {name: _probe(tmp / "sharded", name, tmp / "grouped") for name in SHARDED}
+        (tmp / "results.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_checkpoint_that_would_run_code_is_refused(curvlab_run, tmp_path):
+    _, ckpt = curvlab_run
+    (tmp_path / "grouped").mkdir()
+    mp.spawn(_sharded_worker, args=(str(tmp_path), 1, str(ckpt)), nprocs=1, join=True)
+    assert read_meta(tmp_path / "sharded")["world_size"] == 1  # (the real checkpoint reads)
+    grouped = json.loads((tmp_path / "results.json").read_text())
+    (tmp_path / "alone").mkdir()
+    for name, (_, expected) in SHARDED.items():
+        # under a process group (every reader, dcp.load included), and in one process without one
+        # (the readers before the model is sharded; the issue's route to the code)
+        results = [grouped[name]] + (
+            [] if name in NEED_A_GROUP else [_probe(tmp_path / "sharded", name, tmp_path / "alone")]
+        )
+        for got in results:
+            assert not got["ran"], name
+            assert got["library"] is not None and "\n" not in got["library"] and expected in got["library"], got
+            lines = got["output"].strip().splitlines()
+            assert got["exit"] == 2 and len(lines) == 1 and lines[0].startswith("error:"), got
+            assert expected in lines[0], got
+
+
+# --- the lr table ---------------------------------------------------------------------------------------
+
+
+def test_an_lr_table_that_would_run_code_is_refused(tmp_path):
+    """The lr table is JSON (read by curvlab.util.schema): a pickle in its place is no table."""
+    table, marker = tmp_path / "lr_table.json", tmp_path / "lr_table.ran"
+    table.write_bytes(pickle.dumps(Hostile(marker)))
+    assert_library_refuses(lambda: read_lr_table(table), str(table), "corrupt JSON")
+    assert not marker.exists()
