@@ -4,6 +4,8 @@ import numpy
 import pytest
 import scipy
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 import transformers
 
 import curvlab
@@ -104,3 +106,90 @@ def trainer_checkpoint(tmp_path_factory):
     write_shard(out / "data" / "train_000000.bin", rng.integers(0, TRAINER_VOCAB, 4000))
     write_shard(out / "data" / "val_000000.bin", rng.integers(0, TRAINER_VOCAB, 2000))
     return out / "checkpoint-2", out / "data"
+
+
+class NanoBlock(nn.Module):
+    """nanoGPT's block, written here as the reference: fused c_attn, LayerNorm with bias, GELU MLP."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = nn.Module()
+        self.attn.c_attn = nn.Linear(d, 3 * d)
+        self.attn.c_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = nn.Linear(d, 4 * d)
+        self.mlp.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.attn.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.attn.c_proj(y)
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab=64, block=16, layers=2, heads=2, d=16):
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, d),
+                "wpe": nn.Embedding(block, d),
+                "h": nn.ModuleList(NanoBlock(d, heads) for _ in range(layers)),
+                "ln_f": nn.LayerNorm(d),
+            }
+        )
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def configure_optimizers(self, lr):  # nanoGPT's grouping: dim >= 2 decays
+        params = {n: p for n, p in self.named_parameters()}
+        decay = [p for p in params.values() if p.dim() >= 2]
+        no_decay = [p for p in params.values() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def nanogpt_checkpoint(tmp_path, dropout=0.0, accumulation=None, name="ckpt.pt"):
+    """A nanoGPT ``ckpt.pt`` (the reference model above, 3 AdamW steps) written at ``tmp_path / name``;
+    returns the model, its optimizer and the payload."""
+    torch.manual_seed(0)
+    ref = NanoGPT()
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.normal_(1.0, 0.2)
+                m.bias.normal_(0.0, 0.2)
+    opt = ref.configure_optimizers(lr=1e-2)
+    for _ in range(3):
+        idx = torch.randint(0, 64, (4, 17))
+        loss = F.cross_entropy(ref(idx[:, :-1]).reshape(-1, 64), idx[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model_args = {
+        "n_layer": 2,
+        "n_head": 2,
+        "n_embd": 16,
+        "block_size": 16,
+        "bias": True,
+        "vocab_size": 64,
+        "dropout": dropout,
+    }
+    config = {"batch_size": 4, "grad_clip": 1.0}
+    if accumulation is not None:
+        config["gradient_accumulation_steps"] = accumulation
+    ckpt = {"model": ref.state_dict(), "optimizer": opt.state_dict(), "model_args": model_args, "iter_num": 3,
+            "best_val_loss": 4.0, "config": config}  # fmt: skip
+    torch.save(ckpt, tmp_path / name)
+    return ref, opt, ckpt

@@ -5,7 +5,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typer.testing import CliRunner
@@ -20,7 +19,7 @@ from curvlab.runs.match import MatchCriteria, match_runs
 from curvlab.runs.train import build_run, restore, train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.track import track_run
-from tests.conftest import SMALL_MODEL, assert_made_with_these_packages
+from tests.conftest import SMALL_MODEL, assert_made_with_these_packages, nanogpt_checkpoint
 
 runner = CliRunner()
 
@@ -143,6 +142,7 @@ def test_compare_and_track_write_results_and_reuse_reports(runs, tmp_path, monke
     assert result.ratio_label == "adamw/muon"
     data = json.loads((out / "compare.json").read_text())
     assert len(data["pairs"]) == len(result.rows) >= 1
+    assert_made_with_these_packages(data["versions"])
     row = result.rows[0]
     assert row["ratio_nds"] == pytest.approx(row["nds_b"] / row["nds_a"])  # run B is the AdamW one
     assert (out / "compare.csv").read_text().startswith("target,mismatch,")
@@ -159,93 +159,9 @@ def test_compare_and_track_write_results_and_reuse_reports(runs, tmp_path, monke
     rows = track_run(runs / "muon", tmp_path / "track", every=4, progress=False)
     assert [r.step for r in rows] == [2, 10]
     assert all(r.within + r.cross == pytest.approx(r.all.nds, rel=1e-5) for r in rows)
+    assert_made_with_these_packages(json.loads((tmp_path / "track" / "track.json").read_text())["versions"])
     for p in (tmp_path / "track" / "reports").iterdir():
         load_report(p)
-
-
-class NanoBlock(nn.Module):
-    """nanoGPT's block, written here as the reference: fused c_attn, LayerNorm with bias, GELU MLP."""
-
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln_1 = nn.LayerNorm(d)
-        self.attn = nn.Module()
-        self.attn.c_attn = nn.Linear(d, 3 * d)
-        self.attn.c_proj = nn.Linear(d, d)
-        self.ln_2 = nn.LayerNorm(d)
-        self.mlp = nn.Module()
-        self.mlp.c_fc = nn.Linear(d, 4 * d)
-        self.mlp.c_proj = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.attn.c_attn(self.ln_1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.attn.c_proj(y)
-        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
-
-
-class NanoGPT(nn.Module):
-    def __init__(self, vocab=64, block=16, layers=2, heads=2, d=16):
-        super().__init__()
-        self.transformer = nn.ModuleDict(
-            {
-                "wte": nn.Embedding(vocab, d),
-                "wpe": nn.Embedding(block, d),
-                "h": nn.ModuleList(NanoBlock(d, heads) for _ in range(layers)),
-                "ln_f": nn.LayerNorm(d),
-            }
-        )
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight
-
-    def forward(self, idx):
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))
-        for block in self.transformer.h:
-            x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
-
-    def configure_optimizers(self, lr):  # nanoGPT's grouping: dim >= 2 decays
-        params = {n: p for n, p in self.named_parameters()}
-        decay = [p for p in params.values() if p.dim() >= 2]
-        no_decay = [p for p in params.values() if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-
-
-def nanogpt_checkpoint(tmp_path, dropout=0.0, accumulation=None, name="ckpt.pt"):
-    torch.manual_seed(0)
-    ref = NanoGPT()
-    with torch.no_grad():
-        for m in ref.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.weight.normal_(1.0, 0.2)
-                m.bias.normal_(0.0, 0.2)
-    opt = ref.configure_optimizers(lr=1e-2)
-    for _ in range(3):
-        idx = torch.randint(0, 64, (4, 17))
-        loss = F.cross_entropy(ref(idx[:, :-1]).reshape(-1, 64), idx[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model_args = {
-        "n_layer": 2,
-        "n_head": 2,
-        "n_embd": 16,
-        "block_size": 16,
-        "bias": True,
-        "vocab_size": 64,
-        "dropout": dropout,
-    }
-    config = {"batch_size": 4, "grad_clip": 1.0}
-    if accumulation is not None:
-        config["gradient_accumulation_steps"] = accumulation
-    ckpt = {"model": ref.state_dict(), "optimizer": opt.state_dict(), "model_args": model_args, "iter_num": 3,
-            "best_val_loss": 4.0, "config": config}  # fmt: skip
-    torch.save(ckpt, tmp_path / name)
-    return ref, opt, ckpt
 
 
 def token_data(tmp_path, val_tokens=2000):

@@ -32,7 +32,7 @@ from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria
 from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
-from tests.conftest import SMALL_MODEL
+from tests.conftest import SMALL_MODEL, assert_made_with_these_packages
 
 runner = CliRunner()
 
@@ -286,6 +286,7 @@ def test_cli_directions_on_adamw_and_muon_checkpoints(runs, tmp_path):
         assert result.exit_code == 0, result.output
         assert "NDS hidden" in result.output and f"{optimizer}: real step" in result.output
         record = DirectionReport.from_dict(json.loads(out.read_text()))
+        assert_made_with_these_packages(record.versions.to_dict())
         assert record.paired.names == ("adamw", "muon", "sgd", "sign") and record.step == 4
         own = analyze_checkpoint(path).to_dict()
         real = record.paired.get(optimizer)

@@ -3,18 +3,19 @@
 Each fault is simulated, not waited for: a full disk is a file-size limit (``RLIMIT_FSIZE``: the write
 fails with EFBIG, as with ENOSPC; Python ignores the SIGXFSZ that comes with it); a refused write is
 ``/sys`` (where not even root may create a file; the tests run as root, whom permission bits don't
-bind) or a folder that is a file; kill -9, SIGTERM and SIGINT are sent by the process to itself at a
+bind; its cause, "Permission denied" or "Read-only file system", is the one a plain ``os.open`` there
+gets) or a folder that is a file; kill -9, SIGTERM and SIGINT are sent by the process to itself at a
 chosen point (mid-checkpoint-write, mid-step), so each lands exactly there.
 """
 
 import contextlib
+import errno
 import json
 import os
 import resource
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -34,10 +35,11 @@ from curvlab.runs.match import MatchCriteria
 from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.records import LevelData
-from curvlab.util import schema
-from curvlab.util.atomic import atomic_open, atomic_write_json, remove_stale_temporaries
+from curvlab.util import atomic, schema
+from curvlab.util.atomic import TEMPORARY_SUFFIX, atomic_open, atomic_write_json, remove_stale_temporaries
 from curvlab.util.safe_stop import Stopped, check_stop, stop_at_safe_points
 from tests.conftest import SMALL_MODEL
+from tests.generating import generating, wait_for_it
 
 STEPS, EVERY = 6, 2
 
@@ -93,7 +95,7 @@ def _assert_same_final_state(out: Path, reference: Path) -> None:
 
 
 def _temporaries(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.rglob("*.tmp"))
+    return sorted(p.name for p in directory.rglob(f"*{TEMPORARY_SUFFIX}"))
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +147,25 @@ def test_a_json_write_past_the_file_size_limit_keeps_the_previous_file(tmp_path)
     assert path.read_bytes() == before and _temporaries(tmp_path) == []
 
 
-@pytest.mark.parametrize("where, cause", [("/sys", "Permission denied"), ("a-file", "Not a directory")])
-def test_a_refused_write_is_one_line_naming_the_path_and_the_cause(tmp_path, where, cause):
+def _refusal(folder: str) -> str:
+    """Why a new file in ``folder`` is refused, as the system says it."""
+    try:
+        fd = os.open(Path(folder) / ".curvlab-probe", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError as e:
+        return e.strerror
+    os.close(fd)
+    os.unlink(Path(folder) / ".curvlab-probe")
+    pytest.fail(f"{folder} took a new file")
+
+
+@pytest.mark.parametrize("where", ["/sys", "a-file"])
+def test_a_refused_write_is_one_line_naming_the_path_and_the_cause(tmp_path, where):
     if where == "a-file":
         (tmp_path / "a-file").write_text("")
         where = tmp_path / "a-file" / "sub"  # a folder that is a file
+        cause = "Not a directory"
+    else:
+        cause = _refusal(where)  # (EACCES or EROFS, depending on the container)
     path = Path(where) / "report.json"
     with pytest.raises(CurvlabError) as e:
         atomic_write_json(path, {})
@@ -161,6 +177,41 @@ def test_an_unexpected_failure_inside_a_write_keeps_its_traceback(tmp_path):
         f.write(b"half")
         1 / 0
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        TimeoutError("timed out"),
+        ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+        OSError(errno.ENOMEM, "Cannot allocate memory"),
+        BrokenPipeError(errno.EPIPE, "Broken pipe"),
+        RuntimeError("the server went away"),
+        RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"),
+    ],
+    ids=["timeout", "connection-reset", "enomem", "broken-pipe", "runtime-error", "torch-writer-error"],
+)
+def test_an_error_that_is_no_failed_write_keeps_its_type_and_traceback_and_the_temporary_goes(tmp_path, error):
+    with pytest.raises(type(error)) as e, atomic_open(tmp_path / "x.bin") as f:
+        f.write(b"half")
+        try:
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")  # not a write's
+        except OSError:
+            raise error  # noqa: B904  (raised in handling it: the OSError is its context)
+    assert e.value is error and isinstance(error.__context__, ConnectionResetError)  # as raised, not one line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_on_a_file_system_without_flock_goes_on_and_its_temporaries_stay(tmp_path, monkeypatch):
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(atomic.fcntl, "flock", no_flock)
+    left = tmp_path / f".index.json.ab_3xyz9{TEMPORARY_SUFFIX}"
+    left.write_text("[")
+    atomic_write_json(tmp_path / "index.json", [])
+    assert json.loads((tmp_path / "index.json").read_text()) == []
+    assert remove_stale_temporaries(tmp_path) == [] and left.exists()  # no lock to tell a live writer's: kept
 
 
 # -- temporaries left by a killed write -------------------------------------------------------------
@@ -193,24 +244,48 @@ torch.save = save
 
 
 def test_only_a_dead_writers_temporaries_are_removed(tmp_path):
-    stale = tmp_path / ".index.json.ab_3xyz9.tmp"  # atomic_open's pattern, no writer: a leftover
+    stale = tmp_path / f".index.json.ab_3xyz9{TEMPORARY_SUFFIX}"  # atomic_open's pattern, no writer: a leftover
     stale.write_text("[")
-    others = [tmp_path / n for n in (".index.json.tmp", "notes.abcdefgh.tmp", ".x.ABCDEFGH.tmp")]
+    names = (
+        ".index.json.ab_3xyz9.tmp",
+        ".index.json.tmp",
+        f"notes.abcdefgh{TEMPORARY_SUFFIX}",
+        f".x.AB{TEMPORARY_SUFFIX}",
+    )
+    others = [tmp_path / n for n in names]  # (the first: another program's mkstemp, of the same name)
     for p in others:
         p.write_text("mine")
     nested = tmp_path / "runs" / "seed0"
     nested.mkdir(parents=True)
-    (nested / ".ckpt_000002.pt.k2j4h5g6.tmp").write_bytes(b"PK")
+    (nested / f".ckpt_000002.pt.k2j4h5g6{TEMPORARY_SUFFIX}").write_bytes(b"PK")
     with atomic_open(tmp_path / "live.json", "w") as f:  # a live writer's temporary, mid-write
         f.write("{")
         assert remove_stale_temporaries(tmp_path) == [stale]
-        live = [p for p in tmp_path.glob(".live.json.*.tmp")]
+        live = [p for p in tmp_path.glob(f".live.json.*{TEMPORARY_SUFFIX}")]
         assert len(live) == 1  # locked by its writer: left alone
         f.write("}")
     assert (tmp_path / "live.json").read_text() == "{}"
     assert all(p.read_text() == "mine" for p in others)  # not atomic_open's names
-    assert (nested / ".ckpt_000002.pt.k2j4h5g6.tmp").exists()  # not recursive unless asked
-    assert remove_stale_temporaries(tmp_path, recursive=True) == [nested / ".ckpt_000002.pt.k2j4h5g6.tmp"]
+    assert (nested / f".ckpt_000002.pt.k2j4h5g6{TEMPORARY_SUFFIX}").exists()  # not recursive unless asked
+    assert remove_stale_temporaries(tmp_path, recursive=True) == [
+        nested / f".ckpt_000002.pt.k2j4h5g6{TEMPORARY_SUFFIX}"
+    ]
+
+
+def test_a_temporary_removed_before_its_writer_locked_it_is_made_again(tmp_path, monkeypatch):
+    real, made = atomic.tempfile.mkstemp, []
+
+    def mkstemp_then_a_remover(**options):  # a remover runs between mkstemp and the writer's flock
+        fd, name = real(**options)
+        made.append(name)
+        if len(made) == 1:
+            assert remove_stale_temporaries(tmp_path) == [Path(name)]  # unlocked yet: taken for a leftover
+        return fd, name
+
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", mkstemp_then_a_remover)
+    atomic_write_json(tmp_path / "index.json", [1])
+    assert len(made) == 2 and json.loads((tmp_path / "index.json").read_text()) == [1]
+    assert _temporaries(tmp_path) == []
 
 
 # -- SIGINT and SIGTERM stop at a safe point --------------------------------------------------------
@@ -302,8 +377,8 @@ def test_a_truncated_or_edited_cached_report_is_recomputed_with_a_note(two_runs,
     d = json.loads(edited.read_text())
     d["nds"] = d["nds"] * 1000 + 1.0  # another valid JSON: what an edit leaves
     edited.write_text(json.dumps(d, indent=1))
-    (out / ".compare.json.abcd_123.tmp").write_text("{")  # what killed writes left, here and in the cache
-    (out / "reports" / f".{edited.name}.x1y2z3w4.tmp").write_text("{")
+    (out / f".compare.json.abcd_123{TEMPORARY_SUFFIX}").write_text("{")  # what killed writes left, here and in
+    (out / "reports" / f".{edited.name}.x1y2z3w4{TEMPORARY_SUFFIX}").write_text("{")  # the cache
     with pytest.warns(StaleReport) as notes:
         again = _compare(two_runs, out)
     assert _temporaries(out) == []
@@ -368,7 +443,7 @@ def test_a_report_is_a_safe_point_and_reproduce_stops_at_one(two_runs, tmp_path,
     monkeypatch.setattr(TrainBatches, "next", interrupted)
     out = tmp_path / "micro"
     (out / "runs").mkdir(parents=True)
-    (out / "runs" / ".tuning.json.abcd1234.tmp").write_text("{")  # left by a killed write
+    (out / "runs" / f".tuning.json.abcd1234{TEMPORARY_SUFFIX}").write_text("{")  # left by a killed write
     with pytest.raises(Stopped) as e:
         Reproduction(PRESETS["micro"], out, progress=False).run()
     assert e.value.exit_code == 130 and "stopped by SIGINT after step 1 in " in str(e.value)
@@ -376,47 +451,28 @@ def test_a_report_is_a_safe_point_and_reproduce_stops_at_one(two_runs, tmp_path,
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are back
 
 
-_GENERATE_THEN_HANG = """
-import os, sys, time
-from pathlib import Path
-import curvlab.data.dataset as dataset
-write = dataset.write_shard
-def hang(path, tokens):  # the first shard is written, then this generation waits to be killed
-    write(path, tokens)
-    Path(sys.argv[2]).touch()
-    time.sleep(600)
-dataset.write_shard = hang
-dataset.generate_pcfg_dataset(sys.argv[1], s=0.0, tokens="20k", val_tokens="5k", shard_tokens="10k", progress=False)
-"""
+GENERATION = dict(s=0.0, tokens="20k", val_tokens="5k", shard_tokens="10k")
 
 
-def test_a_killed_generations_temporary_directory_is_removed_by_the_next_and_a_live_ones_kept(tmp_path):
-    out, ready = tmp_path / "data", tmp_path / "ready"
-    killed = subprocess.Popen([sys.executable, "-c", _GENERATE_THEN_HANG, str(out), str(ready)])
-    live = None
-    try:
-        _wait_for(ready, killed)
-        (left,) = tmp_path.glob(".data.*")  # the killed generation's, with its first shard in it
+def test_a_killed_generations_directory_is_removed_by_the_next_and_a_live_one_is_waited_for(tmp_path, monkeypatch):
+    out = tmp_path / "data"
+    with generating(out, tmp_path / "killed", **GENERATION) as killed:
+        (left,) = tmp_path.glob(f".data.*{TEMPORARY_SUFFIX}")  # the killed generation's, its first shard in it
+        assert (left / "train_000000.bin").is_file()
         killed.kill()
         killed.wait()
-        ready.unlink()
-        live = subprocess.Popen([sys.executable, "-c", _GENERATE_THEN_HANG, str(tmp_path / "other"), str(ready)])
-        _wait_for(ready, live)
-        (busy,) = tmp_path.glob(".other.*")
-        generate_pcfg_dataset(out, s=0.0, tokens="20k", val_tokens="5k", shard_tokens="10k", progress=False)
-        assert not left.exists() and (out / "stats.json").is_file()
-        assert not list(tmp_path.glob(".data.*"))
-        generate_pcfg_dataset(tmp_path / "third", s=0.0, tokens="20k", val_tokens="5k", progress=False)
-        assert busy.is_dir()  # a live generation's directory (of another --out, even) is never taken
-    finally:
-        for p in (killed, live):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def _wait_for(path: Path, process: subprocess.Popen) -> None:
-    """Until ``path`` exists (the child reached its hook) or the child ended."""
-    while not path.exists():
-        assert process.poll() is None, "the generation ended before its hook"
-        time.sleep(0.05)
+    with generating(out, tmp_path / "live", **GENERATION) as live:
+        (busy,) = tmp_path.glob(f".data.*{TEMPORARY_SUFFIX}")  # the live generation's
+        assert busy != left and not left.exists()  # the killed one's removed, under the generation lock
+        shards = wait_for_it(monkeypatch, live, busy)
+        stats = generate_pcfg_dataset(out, progress=False, **GENERATION)  # waits for the live one
+        assert live.wait(timeout=120) == 0  # (it finished undisturbed)
+    assert stats == json.loads((out / "stats.json").read_text()) and shards == []  # its dataset, not a second
+    assert sorted(p.name for p in out.iterdir()) == [
+        "grammar.json",
+        "stats.json",
+        "train_000000.bin",
+        "train_000001.bin",
+        "val_000000.bin",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "data", "killed", "live"]

@@ -3,21 +3,26 @@ planted in every file curvlab reads (its checkpoints and their shadow state, a n
 Trainer directory's ``optimizer.pt``, ``scheduler.pt``, ``training_args.bin`` and ``pytorch_model.bin``,
 a sharded checkpoint's ``curvlab.json``, a schema-1 ``curvlab.pt``, torch's DCP ``.metadata``, a DCP
 byte item and a tensor item, the lr table), is refused by the CLI command and by the library loader
-that read it: the marker stays absent, the exit status is 2 and the error one line."""
+that read it: the marker stays absent, the exit status is 2 and the error one line. So is a ``.metadata``
+that would change a class for the whole process, or whose parts aren't torch's, and a corrupt shard."""
 
 import dataclasses
 import datetime
 import io
 import json
 import os
+import pathlib
 import pickle
 import shlex
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
 import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
@@ -30,8 +35,8 @@ from curvlab.runs.checkpoint import load_checkpoint, read_checkpoint
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.dcp import convert_to_sharded, read_meta
 from curvlab.runs.train import train
-from tests.conftest import SMALL_MODEL
-from tests.test_analysis import nanogpt_checkpoint
+from curvlab.util.paths import inside
+from tests.conftest import SMALL_MODEL, nanogpt_checkpoint
 from tests.test_cli_errors import assert_refused as assert_cli_refuses
 
 runner = CliRunner()
@@ -192,6 +197,11 @@ def _poison_tensor_item(ckpt: Path, marker: Path) -> None:
     _repoint(ckpt, "model.transformer.wte.weight", _torch_saved(Hostile(marker)))
 
 
+def _corrupt_tensor_item(ckpt: Path, marker: Path) -> None:
+    """No code: a tensor item whose bytes are a broken zip (torch's reader fails on them)."""
+    _repoint(ckpt, "model.transformer.wte.weight", b"PK\x03\x04" + bytes(200))
+
+
 def _poison_shard_path(ckpt: Path, marker: Path) -> None:
     """No code: a .metadata that sends torch's reader to a file outside the checkpoint."""
     metadata = read_metadata(ckpt)
@@ -210,8 +220,9 @@ SHARDED = {
     ),
     "tensor item": (_poison_tensor_item, f"a tensor in a shard names objects beyond tensors; {REFUSED}"),
     "shard outside": (_poison_shard_path, "names '../../outside.distcp', which lies outside"),
+    "corrupt tensor": (_corrupt_tensor_item, "corrupt shard: torch failed reading a tensor item in it (RuntimeError)"),
 }
-NEED_A_GROUP = ("byte item", "tensor item")  # read by dcp.load, after the model is sharded
+NEED_A_GROUP = ("byte item", "tensor item", "corrupt tensor")  # read by dcp.load, after the model is sharded
 
 
 def _probe(ckpt: Path, name: str, out: Path) -> dict:
@@ -260,6 +271,108 @@ def test_a_sharded_checkpoint_that_would_run_code_is_refused(curvlab_run, tmp_pa
             lines = got["output"].strip().splitlines()
             assert got["exit"] == 2 and len(lines) == 1 and lines[0].startswith("error:"), got
             assert expected in lines[0], got
+
+
+# --- torch's .metadata: what it may build, and its parts ------------------------------------------------
+
+# pickle's BUILD on a class object (not an instance): pathlib.PosixPath.is_relative_to = StorageMeta (a
+# truthy class), for the whole process, which the C unpickler does (with only its globals vetted)
+_SET_A_CLASS = (
+    b"\x80\x02cpathlib\nPosixPath\nN}X\x0e\x00\x00\x00is_relative_to"
+    b"ctorch.distributed.checkpoint.metadata\nStorageMeta\ns\x86b."
+)
+_REAL_IS_RELATIVE_TO = pathlib.PosixPath.is_relative_to
+
+
+def test_the_build_on_a_class_probe_changes_the_class_for_the_whole_process():
+    """The probe is real: the C unpickler changes the class (undone here at once)."""
+    try:
+        assert pickle.loads(_SET_A_CLASS) is pathlib.PosixPath
+        assert pathlib.PosixPath.is_relative_to is dcp_metadata.StorageMeta
+    finally:
+        del pathlib.PosixPath.is_relative_to
+    assert pathlib.PosixPath.is_relative_to is _REAL_IS_RELATIVE_TO
+
+
+@pytest.mark.parametrize(
+    "pickled,expected",
+    [
+        (_SET_A_CLASS, "would change the class pathlib.PosixPath"),
+        # BUILD on torch's own metadata class, an enum member (one object for the whole process), and a
+        # dunder attribute of a metadata instance
+        (
+            b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\nN}X\x01\x00\x00\x00xK\x01s\x86b.",
+            "would change the class torch.distributed.checkpoint.metadata.Metadata",
+        ),
+        (
+            b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R}X\x06\x00\x00\x00_name_X\x01\x00\x00\x00xs"
+            b"b.",
+            "would change a torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+        ),
+        (
+            b"\x80\x02ctorch.distributed.checkpoint.metadata\nStorageMeta\n)\x81N}X\x09\x00\x00\x00__class__"
+            b"cpathlib\nPosixPath\ns\x86b.",
+            "would change the attributes ['__class__'] of a torch.distributed.checkpoint.metadata.StorageMeta",
+        ),
+        # SETITEM on a class (its __dict__ is no dict)
+        (b"\x80\x02cpathlib\nPosixPath\nX\x01\x00\x00\x00xK\x01s.", "would change the class pathlib.PosixPath"),
+    ],
+)
+def test_a_metadata_that_would_change_a_class_is_refused(tmp_path, pickled, expected):
+    (tmp_path / ".metadata").write_bytes(pickled)
+    assert_library_refuses(lambda: read_metadata(tmp_path), str(tmp_path / ".metadata"), expected, "refusing")
+    assert pathlib.PosixPath.is_relative_to is _REAL_IS_RELATIVE_TO
+    assert vars(dcp_metadata.Metadata).get("x") is None
+    assert dcp_metadata._MEM_FORMAT_ENCODING(0).name == "TORCH_CONTIGUOUS_FORMAT"
+    with pytest.raises(CurvlabError, match="outside"):
+        inside(tmp_path, "../x", "src")
+
+
+@pytest.fixture(scope="module")
+def dcp_directory(tmp_path_factory):
+    """A real DCP directory (torch's writer, one process): a tensor item and a byte item."""
+    path = tmp_path_factory.mktemp("dcp")
+    with warnings.catch_warnings():  # (that it saves in one process, without a process group: meant)
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({"w": torch.zeros(2, 3), "lr": 0.1}, checkpoint_id=path)
+    return path
+
+
+def _index(metadata, fqn):
+    return next(k for k in metadata.storage_data if k.fqn == fqn)
+
+
+def _bad_storage_item(metadata, **fields):
+    key = _index(metadata, "w")
+    metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], **fields)
+
+
+@pytest.mark.parametrize(
+    "malform,expected",
+    [
+        (lambda m: setattr(m, "storage_data", [1]), "its storage_data is a list"),
+        (lambda m: setattr(m, "storage_data", 5), "its storage_data is 5"),
+        (lambda m: setattr(m, "storage_data", "x"), "its storage_data is 'x'"),
+        (lambda m: setattr(m, "storage_data", {"w": 1}), "a storage_data key is 'w', not a MetadataIndex"),
+        (lambda m: m.storage_data.update({_index(m, "w"): 7}), "storage item 'w' is 7, not a _StorageInfo"),
+        (lambda m: _bad_storage_item(m, relative_path=5), "storage item 'w''s relative_path is 5"),
+        (lambda m: _bad_storage_item(m, offset=-1), "storage item 'w''s offset is -1, not an int >= 0"),
+        (lambda m: _bad_storage_item(m, length="3"), "storage item 'w''s length is '3'"),
+        (lambda m: setattr(m, "state_dict_metadata", [1]), "its state_dict_metadata is a list"),
+        (lambda m: m.state_dict_metadata.update({"w": 1}), "entry 'w' is 1, not tensor or bytes metadata"),
+        (lambda m: setattr(m.state_dict_metadata["w"], "size", [2, 3]), "entry 'w''s size is a list"),
+        (lambda m: setattr(m.state_dict_metadata["w"], "chunks", [1]), "a chunk of 'w' is 1"),
+        (lambda m: setattr(m, "storage_meta", 5), "its storage_meta is 5, not None or a StorageMeta"),
+    ],
+)
+def test_a_metadata_whose_parts_are_not_torchs_is_refused(dcp_directory, tmp_path, malform, expected):
+    read_metadata(dcp_directory)  # (the real one reads)
+    bad = tmp_path / "dcp"
+    shutil.copytree(dcp_directory, bad)
+    metadata = read_metadata(bad)
+    malform(metadata)
+    (bad / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert_library_refuses(lambda: read_metadata(bad), f"{bad / '.metadata'}: {expected}", "not DCP metadata")
 
 
 # --- the lr table ---------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ data folder both end with the one dataset."""
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -16,7 +17,6 @@ import pytest
 from typer.testing import CliRunner
 
 from curvlab.cli import app
-from curvlab.data import dataset
 from curvlab.data.dataset import generate_pcfg_dataset
 from curvlab.errors import CurvlabError
 from curvlab.jobs.presets import PRESETS
@@ -29,16 +29,17 @@ from curvlab.studies.compare import compare_runs
 from curvlab.studies.track import track_monitor, track_run
 from curvlab.util.lock import LOCK_FILE, OWNER_FILE, own_directory, read_owner
 from tests.conftest import SMALL_MODEL
+from tests.generating import HANG_GUARD_S, generating, wait_for_it
 
 runner = CliRunner()
 TINY_DATA = dict(s=1.0, tokens="20k", val_tokens="4k", progress=False)
 
 HOLD = """
-import sys, time
+import signal, sys
 from curvlab.util.lock import own_directory
 with own_directory(sys.argv[1], sys.argv[2]):
     print("held", flush=True)
-    time.sleep(600)
+    signal.pause()  # until killed
 """
 
 
@@ -49,7 +50,8 @@ def held(directory: Path, what: str = "train"):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(directory), what], stdout=subprocess.PIPE, text=True,
                               env=env)  # fmt: skip
     try:
-        assert holder.stdout.readline().strip() == "held"  # (an empty line: it died before holding)
+        ready, _, _ = select.select([holder.stdout], [], [], HANG_GUARD_S)  # (a guard against a hang)
+        assert ready and holder.stdout.readline().strip() == "held"  # (an empty line: it died before holding)
         yield holder
     finally:
         holder.kill()
@@ -178,7 +180,7 @@ def test_track_draws_the_monitor_rows_of_a_run_still_being_trained(data, tmp_pat
 
     thread = threading.Thread(target=trainer)
     thread.start()
-    holding.wait()
+    assert holding.wait(timeout=HANG_GUARD_S)
     try:
         with pytest.raises(CurvlabError, match="still being written"):
             track_run(run, tmp_path / "track", progress=False)
@@ -191,30 +193,23 @@ def test_track_draws_the_monitor_rows_of_a_run_still_being_trained(data, tmp_pat
 
 
 def test_two_processes_making_the_same_data_folder_both_end_with_one_dataset(tmp_path, monkeypatch):
-    """The other process's rename lands while this one is finishing (forced here, at the last step
-    before the rename): this one discards its copy and returns the other's dataset."""
+    """The second waits for the first (another process, stopped while this one starts) and takes its
+    dataset; of another config, it is refused in one line."""
     out = tmp_path / "data" / "s1"
-    real = dataset.make_public
-    theirs = {}
-
-    def the_other_finishes_first(directory):
-        monkeypatch.setattr(dataset, "make_public", real)  # (the other one runs unhindered)
-        theirs["stats"] = generate_pcfg_dataset(out, **TINY_DATA)
-        real(directory)
-
-    monkeypatch.setattr(dataset, "make_public", the_other_finishes_first)
-    ours = generate_pcfg_dataset(out, **TINY_DATA)
-    assert ours == theirs["stats"] == json.loads((out / "stats.json").read_text())
-    assert sorted(p.name for p in out.parent.iterdir()) == ["s1"]  # our temporary copy is gone
+    with generating(out, tmp_path / "first", **TINY_DATA) as first:
+        (busy,) = out.parent.glob(".s1.*.curvlab-tmp")
+        shards = wait_for_it(monkeypatch, first, busy)
+        ours = generate_pcfg_dataset(out, **TINY_DATA)
+        assert first.wait(timeout=HANG_GUARD_S) == 0
+    assert shards == [] and ours == json.loads((out / "stats.json").read_text())  # theirs, not made twice
+    assert sorted(p.name for p in out.parent.iterdir()) == [".s1.lock", "s1"]  # (the lock file stays)
 
     other = tmp_path / "other" / "s1"
-
-    def another_config_first(directory):
-        monkeypatch.setattr(dataset, "make_public", real)
-        generate_pcfg_dataset(other, **{**TINY_DATA, "s": 0.5})
-        real(directory)
-
-    monkeypatch.setattr(dataset, "make_public", another_config_first)
-    with pytest.raises(CurvlabError, match="another config") as e:
-        generate_pcfg_dataset(other, **TINY_DATA)
-    assert "\n" not in str(e.value) and sorted(p.name for p in other.parent.iterdir()) == ["s1"]
+    monkeypatch.undo()
+    with generating(other, tmp_path / "another", **{**TINY_DATA, "s": 0.5}) as another:
+        (busy,) = other.parent.glob(".s1.*.curvlab-tmp")
+        wait_for_it(monkeypatch, another, busy)
+        with pytest.raises(CurvlabError, match="another config") as e:
+            generate_pcfg_dataset(other, **TINY_DATA)
+        assert another.wait(timeout=HANG_GUARD_S) == 0
+    assert "\n" not in str(e.value) and sorted(p.name for p in other.parent.iterdir()) == [".s1.lock", "s1"]

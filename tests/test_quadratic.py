@@ -250,8 +250,9 @@ def test_the_study_record_round_trips_and_its_json_is_the_old_dict(small_study, 
     assert paths == [tmp_path / "quadratic.json"]
     d = json.loads((tmp_path / "quadratic.json").read_text())
     assert read_quadratic(tmp_path / "quadratic.json") == study
-    # the file holds what the dict form held: same keys, same values
-    assert list(d) == ["schema_version", "example", "sweep"] and d["schema_version"] == QUADRATIC_SCHEMA_VERSION == 1
+    # the file holds what the dict form held: same keys, same values, and its seal (curvlab.util.schema)
+    assert list(d) == ["schema_version", "example", "sweep", "content_digest"]
+    assert d["schema_version"] == QUADRATIC_SCHEMA_VERSION == 1
     run = {k: SMALL_RUN[k] for k in ("steps", "fixed_lr_steps", "lr_grid")}
     assert d["example"] == old_example_dict(SMALL, **run)
     assert list(d["example"]["closed_forms"]) == ["optimal_loss", "muon_nds", "muon_contraction",

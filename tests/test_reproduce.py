@@ -1,6 +1,8 @@
 import dataclasses
 import json
 import math
+import os
+import signal
 from pathlib import Path
 
 import nbformat
@@ -9,6 +11,7 @@ import pytest
 from nbclient import NotebookClient
 
 from curvlab.curvature.scalars import CheckpointScalars
+from curvlab.data.shards import TrainBatches
 from curvlab.errors import CurvlabError
 from curvlab.jobs.presets import PRESETS
 from curvlab.jobs.reproduce import Reproduction
@@ -24,6 +27,7 @@ from curvlab.studies.headline import headline
 from curvlab.studies.records import ComparisonRecord, LevelData
 from curvlab.studies.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
 from curvlab.studies.summary import Summary
+from curvlab.util.safe_stop import Stopped
 from tests.conftest import assert_made_with_these_packages
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
@@ -140,6 +144,37 @@ def test_keeping_only_the_last_checkpoints_changes_no_result(micro, tmp_path):
         assert pruned[key] == first[key], key
     with pytest.raises(CurvlabError, match="keep must be one of"):
         Reproduction(dataclasses.replace(PRESETS["micro"], keep="some"), tmp_path / "bad", progress=False)
+
+
+def test_a_reproduction_stopped_by_sigterm_mid_training_resumes_to_the_same_numbers(micro, tmp_path, monkeypatch):
+    """A real SIGTERM in the middle of seed 1's training: the job stops at the next safe point (exit
+    status 143, one line), and running it again ends with every number of an uninterrupted run."""
+    out, _ = micro
+    real_seed, real_next = Reproduction.seed, TrainBatches.next
+    state = {"seed": None, "sent": False}
+
+    def seed(self, seed, *args):
+        state["seed"] = seed
+        return real_seed(self, seed, *args)
+
+    def next_batch(self):
+        if state["seed"] == 1 and not state["sent"]:
+            state["sent"] = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_next(self)
+
+    monkeypatch.setattr(Reproduction, "seed", seed)
+    monkeypatch.setattr(TrainBatches, "next", next_batch)
+    again = tmp_path / "again"
+    with pytest.raises(Stopped) as e:
+        Reproduction(PRESETS["micro"], again, progress=False).run()
+    assert state["sent"] and e.value.exit_code == 143 and "\n" not in str(e.value)
+    assert not (again / "summary.json").exists() and (again / "analysis" / "seed0.json").is_file()
+    monkeypatch.undo()
+    Reproduction(PRESETS["micro"], again, progress=False).run()
+    resumed, first = (json.loads((d / "summary.json").read_text()) for d in (again, out))
+    for key in ("headline", "primary", "calibration", "final_val_loss", "zipf", "taylor"):
+        assert resumed[key] == first[key], key
 
 
 def test_summary_schema(micro):

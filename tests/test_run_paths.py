@@ -75,10 +75,19 @@ def test_pruning_a_sound_run_still_deletes_inside_it(tmp_path, victim):
     assert [e["step"] for e in read_index(run)] == [0, 1, 2]  # the index keeps every entry
 
 
+def test_pruning_deletes_checkpoints_only_never_the_runs_other_files(tmp_path):
+    run = plant(tmp_path / "r", "config.json", "metrics.jsonl")
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    assert prune_run(run, keep=set()) == 0
+    assert (run / "config.json").read_text() == "{}" and (run / "metrics.jsonl").exists()
+
+
 def test_a_malformed_index_is_one_line(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
-    for content in ('{"step": 0}', '[{"step": "0", "path": "a"}]', '[{"step": 0}]', "[3]", "\xff"):
+    bad_loss = '[{"step": 0, "path": "a", "val_loss": "x"}]'
+    for content in ('{"step": 0}', '[{"step": "0", "path": "a"}]', '[{"step": 0}]', "[3]", "\xff", bad_loss):
         (run / "index.json").write_text(content, errors="surrogateescape")
         with pytest.raises(CurvlabError, match="corrupt index") as e:
             read_index(run)
@@ -102,6 +111,18 @@ def test_inside_names_the_file_that_named_the_path(tmp_path):
         with pytest.raises(CurvlabError) as e:
             inside(tmp_path, bad, "x.json")
         assert str(e.value).startswith("x.json: names ")
+
+
+def test_inside_holds_when_a_path_method_is_replaced(tmp_path, monkeypatch):
+    """Containment is decided on strings (os.path), not by methods of pathlib's classes, which code in the
+    same process (a crafted pickle, say) could replace."""
+    for name in ("is_relative_to", "resolve", "__eq__"):
+        monkeypatch.setattr(type(tmp_path), name, lambda *a, **k: True)
+    for bad in ("../a", "/etc/passwd", "."):
+        with pytest.raises(CurvlabError, match="outside"):
+            inside(tmp_path, bad, "x.json")
+    monkeypatch.undo()
+    assert inside(tmp_path, "a/b.pt", "x.json") == tmp_path / "a" / "b.pt"
 
 
 @pytest.mark.parametrize("command", ["compare", "track"])

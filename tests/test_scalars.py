@@ -10,6 +10,7 @@ import pytest
 from curvlab.analysis.direction_report import DirectionReport
 from curvlab.analysis.directions import PairedDirections
 from curvlab.analysis.report import (
+    DIGESTS,
     CurvatureReport,
     StaleReport,
     analyze_checkpoint,
@@ -25,7 +26,7 @@ from curvlab.runs.metrics import read_metrics, truncate_metrics
 from curvlab.runs.train import train
 from curvlab.studies.compare import Comparison, WindowSide
 from curvlab.studies.records import LevelData, seed_band
-from curvlab.util.digest import path_digest
+from curvlab.util.digest import json_digest, path_digest
 from tests.synthetic import level_data, record, track
 
 SMALL_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
@@ -88,6 +89,14 @@ def test_a_cached_report_of_another_schema_version_is_a_cache_miss(report, tmp_p
     with pytest.warns(StaleReport, match="records no digests"):  # a cache is derived: recomputed, never fatal
         assert cached_report(cache, checkpoint, report.settings, analyze_fn=analyze_fn) is report
     assert len(calls) == 2
+    broken = {**json.loads(path.read_text()), "blocks": {"names": []}}  # this version's, malformed content
+    del broken[DIGESTS]
+    digests = {"report": json_digest(broken), "checkpoint": path_digest(checkpoint)}  # whose digests hold
+    path.write_text(json.dumps({**broken, DIGESTS: digests}))
+    with pytest.warns(StaleReport, match=r"is unreadable \(malformed report \(") as notes:
+        assert cached_report(cache, checkpoint, report.settings, analyze_fn=analyze_fn) is report
+    assert len(calls) == 3 and len(notes) == 1 and str(notes[0].message).startswith(f"{path}: the cached report")
+    assert load_report(path).blocks.names == report.blocks.names  # replaced by the recomputed one
 
 
 def test_paired_directions_and_direction_reports_of_another_schema_version_are_refused(report):

@@ -18,6 +18,7 @@ from curvlab.engine.loss import make_loss_fn
 from curvlab.optim.update import next_update
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
+from curvlab.util.versions import SoftwareVersions
 
 DIRECTIONS_SCHEMA_VERSION = 1
 
@@ -32,7 +33,8 @@ class DirectionReport:
 
         schema_version, checkpoint, step, val_loss (or null), optimizer, settings{...}, paired{base, real, multiplier,
         hidden_names, shadow (its settings, or null), directions[{name, source, scaling, all{nds,
-        first_order, curvature_penalty, update_norm, grad_norm, cosine, q}, hidden{...}}]}, seconds
+        first_order, curvature_penalty, update_norm, grad_norm, cosine, q}, hidden{...}}]}, seconds,
+        versions (:mod:`curvlab.util.versions`; null in a report from before they were kept)
     """
 
     checkpoint: str
@@ -42,6 +44,7 @@ class DirectionReport:
     settings: AnalysisSettings
     paired: PairedDirections
     seconds: float
+    versions: SoftwareVersions | None = None  # what it was made with
     SCHEMA_VERSION: ClassVar[int] = DIRECTIONS_SCHEMA_VERSION
     WHAT: ClassVar[str] = "directions"
 
@@ -55,6 +58,7 @@ class DirectionReport:
             "settings": asdict(self.settings),
             "paired": self.paired.to_dict(),
             "seconds": self.seconds,
+            "versions": None if self.versions is None else self.versions.to_dict(),
         }
 
     @classmethod
@@ -68,6 +72,7 @@ class DirectionReport:
             AnalysisSettings(**d["settings"]),
             PairedDirections.from_dict(d["paired"]),
             d["seconds"],
+            SoftwareVersions.from_dict(d.get("versions")),
         )
 
     def text(self) -> str:
@@ -110,6 +115,7 @@ def analyze_directions(target: Target, names, settings: AnalysisSettings, checkp
         settings,
         paired,
         time.perf_counter() - start,
+        SoftwareVersions.current(),
     )
 
 

@@ -2,32 +2,31 @@
 
 Layout of ``out/``: ``train_000000.bin ...`` and ``val_000000.bin`` (headered shards), ``grammar.json``
 and ``stats.json`` (the generation config, the vocabulary size, and per-split token statistics).
-Everything is written into a temporary sibling directory that is renamed into place at the end, so
-an interrupted generation leaves nothing that is read (and the next generation removes what a killed one
-left); asking again for the same config is a no-op, and when
-two processes make the same directory at once, the one that finishes second uses the first's.
+Everything is written into a temporary sibling directory, ``.<out.name>.<8 random>.curvlab-tmp``, that
+is renamed into place at the end, so an interrupted generation leaves nothing that is read. A generation
+holds the lock ``.<out.name>.lock`` beside ``out`` (:func:`generation_lock`) from its check of ``out`` to
+the rename: a second process making the same directory waits for the first and then uses its dataset
+(asking again for the same config is a no-op), and a temporary directory of ``out`` found while holding
+the lock is a killed generation's, which is removed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import json
-import os
-import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
+import filelock
 import numpy as np
 from tqdm.auto import tqdm
 
 from curvlab.data.pcfg import count_stats, make_grammar
 from curvlab.data.shards import find_shards, read_shard, write_shard
 from curvlab.errors import CurvlabError
-from curvlab.util.atomic import atomic_write_text, make_public
+from curvlab.util.atomic import TEMPORARY_SUFFIX, atomic_write_text, make_public, temporary_of, temporary_options
 from curvlab.util.progress import refresh_interval
 
 STATS_VERSION = 1
@@ -82,6 +81,64 @@ def generate_pcfg_dataset(
         "shard_tokens": parse_count(shard_tokens),
         "grammar_options": dict(grammar_options or {}),
     }
+    stats = _existing(out, config)
+    if stats is not None:  # (read without the lock: a published dataset is whole)
+        return stats
+    grammar = make_grammar(seed=seed, **config["grammar_options"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with generation_lock(out):  # a second generation of out waits here for the first, then finds its dataset
+        stats = _existing(out, config)
+        if stats is not None:
+            return stats
+        _remove_stale_generations(out)
+        tmp = Path(tempfile.mkdtemp(**temporary_options(out)))
+        try:
+            split_stats = {}
+            for split, n, exponent, stream_seed in [
+                ("train", config["tokens"], s, seed * 1000 + 1),
+                ("val", config["val_tokens"], val_s, seed * 1000 + 2),
+            ]:
+                counts = np.zeros(grammar.vocab_size, dtype=np.int64)
+                pending, shard = np.empty(0, dtype=np.int64), 0
+                desc = f"pcfg {split} (s={exponent:g})"
+                every = refresh_interval()  # (a log, not a terminal: a redraw every 30 s)
+                bar = tqdm(total=n, desc=desc, unit="tok", unit_scale=True, disable=not progress, mininterval=every)
+                for chunk in grammar.stream(n, exponent, stream_seed):
+                    counts += np.bincount(chunk, minlength=grammar.vocab_size)
+                    pending = np.concatenate([pending, chunk])
+                    bar.update(chunk.size)
+                    while pending.size >= config["shard_tokens"]:
+                        write_shard(tmp / f"{split}_{shard:06d}.bin", pending[: config["shard_tokens"]])
+                        pending, shard = pending[config["shard_tokens"] :], shard + 1
+                bar.close()
+                if pending.size:
+                    write_shard(tmp / f"{split}_{shard:06d}.bin", pending)
+                split_stats[split] = {"s": exponent, **count_stats(counts, grammar)}
+            stats = {"version": STATS_VERSION, "config": config, "vocab_size": grammar.vocab_size, **split_stats}
+            grammar.save(tmp / "grammar.json")
+            atomic_write_text(tmp / "stats.json", json.dumps(stats, indent=1))
+            make_public(tmp)
+            _publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return stats
+
+
+def generation_lock(out: str | Path) -> filelock.FileLock:
+    """The lock that a generation of ``out`` holds from its check of ``out`` to the rename:
+    ``.<out.name>.lock`` beside ``out`` (an ``flock``, which the kernel drops when its process ends,
+    however it ends). The file stays: removing a lock file races with a process about to take it."""
+    out = Path(out)
+    return filelock.FileLock(out.parent / f".{out.name}.lock")
+
+
+def _existing(out: Path, config: dict) -> dict | None:
+    """The stats of the dataset of ``config`` at ``out``; ``None`` when ``out`` is missing or empty.
+
+    Raises:
+        CurvlabError: ``out`` holds a dataset of another config, or other files.
+    """
     existing = out / "stats.json"
     if existing.is_file():
         stats = json.loads(existing.read_text())
@@ -90,105 +147,36 @@ def generate_pcfg_dataset(
         raise CurvlabError(f"{out} already holds a dataset made with another config; choose another --out")
     if out.exists() and any(out.iterdir()):
         raise CurvlabError(f"{out} exists and is not empty; choose another --out")
-    grammar = make_grammar(seed=seed, **config["grammar_options"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_generations(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    busy = os.open(tmp / GENERATING, os.O_CREAT | os.O_WRONLY, 0o644)
-    fcntl.flock(busy, fcntl.LOCK_EX)  # held while this process writes tmp (the kernel drops it if killed)
-    try:
-        split_stats = {}
-        for split, n, exponent, stream_seed in [
-            ("train", config["tokens"], s, seed * 1000 + 1),
-            ("val", config["val_tokens"], val_s, seed * 1000 + 2),
-        ]:
-            counts = np.zeros(grammar.vocab_size, dtype=np.int64)
-            pending, shard = np.empty(0, dtype=np.int64), 0
-            desc = f"pcfg {split} (s={exponent:g})"
-            every = refresh_interval()  # (a log, not a terminal: a redraw every 30 s)
-            bar = tqdm(total=n, desc=desc, unit="tok", unit_scale=True, disable=not progress, mininterval=every)
-            for chunk in grammar.stream(n, exponent, stream_seed):
-                counts += np.bincount(chunk, minlength=grammar.vocab_size)
-                pending = np.concatenate([pending, chunk])
-                bar.update(chunk.size)
-                while pending.size >= config["shard_tokens"]:
-                    write_shard(tmp / f"{split}_{shard:06d}.bin", pending[: config["shard_tokens"]])
-                    pending, shard = pending[config["shard_tokens"] :], shard + 1
-            bar.close()
-            if pending.size:
-                write_shard(tmp / f"{split}_{shard:06d}.bin", pending)
-            split_stats[split] = {"s": exponent, **count_stats(counts, grammar)}
-        stats = {"version": STATS_VERSION, "config": config, "vocab_size": grammar.vocab_size, **split_stats}
-        grammar.save(tmp / "grammar.json")
-        atomic_write_text(tmp / "stats.json", json.dumps(stats, indent=1))
-        make_public(tmp)
-        (tmp / GENERATING).unlink()  # (the lock stays held on the open descriptor until it is closed)
-        theirs = _publish(tmp, out, config)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        os.close(busy)
-    if theirs is not None:  # another process made the same dataset first: ours (identical) goes
-        shutil.rmtree(tmp, ignore_errors=True)
-        return theirs
-    return stats
-
-
-GENERATING = ".generating"  # in a generation's temporary directory, locked by the process that writes it
-STALE_AFTER_S = 60.0  # a temporary directory without its lock file is a killed generation's after this
+    return None
 
 
 def _remove_stale_generations(out: Path) -> list[Path]:
-    """Remove the temporary siblings ``.<out.name>.XXXXXXXX`` that a generation killed mid-way (kill -9)
-    left: those whose :data:`GENERATING` file no live process holds locked (or that have none, once
-    older than :data:`STALE_AFTER_S`: a process killed between making the directory and locking).
-    Returns what was removed."""
+    """Remove the temporary directories of ``out`` (``.<out.name>.<8 random>.curvlab-tmp``) that
+    generations killed mid-way (kill -9) left. Call it holding :func:`generation_lock`: every other
+    generation of ``out`` is then a dead one. Returns what was removed."""
     removed = []
-    for tmp in out.parent.glob(f".{glob.escape(out.name)}.*"):
-        if not re.fullmatch(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}", tmp.name) or not tmp.is_dir():
-            continue
-        try:
-            fd = os.open(tmp / GENERATING, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            if time.time() - tmp.stat().st_mtime > STALE_AFTER_S:
-                shutil.rmtree(tmp, ignore_errors=True)
-                removed.append(tmp)
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # a live generation's
-            continue
-        finally:
-            os.close(fd)
-        shutil.rmtree(tmp, ignore_errors=True)
-        removed.append(tmp)
+    for tmp in sorted(out.parent.glob(f".{glob.escape(out.name)}.*{TEMPORARY_SUFFIX}")):
+        if temporary_of(tmp) == out.name and tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
     return removed
 
 
-def _publish(tmp: Path, out: Path, config: dict) -> dict | None:
-    """Rename the finished ``tmp`` to ``out``; ``None`` when done, or the stats of the same dataset
-    that another process put at ``out`` first (two jobs sharing a data folder race here).
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out`` (an empty folder there is replaced). Called holding
+    :func:`generation_lock`, so no other generation of ``out`` renames meanwhile.
 
     Raises:
-        CurvlabError: ``out`` was filled meanwhile with something else (another config, other files).
+        CurvlabError: something other than a curvlab generation filled ``out`` meanwhile.
     """
     try:
-        with contextlib.suppress(FileNotFoundError):  # (none, or removed by the other process)
-            out.rmdir()  # empty, checked above, unless another process has filled it since
+        with contextlib.suppress(FileNotFoundError):
+            out.rmdir()  # empty, checked under the lock
         tmp.rename(out)
-        return None
-    except OSError:  # ENOTEMPTY or EEXIST: the other process's rename came first
+    except OSError as e:  # ENOTEMPTY or EEXIST
         if not out.is_dir():
             raise
-    theirs = out / "stats.json"  # written before their rename, so whole if it is there
-    try:
-        stats = json.loads(theirs.read_text())
-    except (OSError, ValueError) as e:
-        raise CurvlabError(f"{out}: another process filled it while this one generated; choose another --out") from e
-    if stats.get("config") != config:
-        raise CurvlabError(f"{out}: another process wrote a dataset of another config there meanwhile")
-    return stats
+        raise CurvlabError(f"{out}: filled by another program while this one generated; choose another --out") from e
 
 
 def read_stats(data_dir: str | Path) -> dict:

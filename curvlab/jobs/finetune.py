@@ -54,6 +54,7 @@ from curvlab.runs.train import train
 from curvlab.studies.adapters import ADAPTER_ARMS, FinetuneResult, compare_adapters, estimates
 from curvlab.studies.tuning import TuningRecord, TuningSettings
 from curvlab.util.atomic import atomic_write_text
+from curvlab.util.safe_stop import stop_at_safe_points
 from curvlab.util.versions import SoftwareVersions
 
 # -- the job ----------------------------------------------------------------------------------------
@@ -201,6 +202,7 @@ class Finetune(Job):
                 cfg = self._config(data, run, arm, chosen[arm]["lr"], seed, p.steps, p.ckpt_every)
                 adapt(cfg, base, p.rank, p.heldout_windows, progress=self.progress)
                 runs[(arm, seed)] = run
+                self.safe_point(f"the {arm} run of seed {seed}")
         self._say(f"adapted {len(runs)} runs")
         return runs
 
@@ -222,11 +224,19 @@ class Finetune(Job):
         return notes
 
     def run(self) -> FinetuneResult:
+        """The whole job (module docstring). A SIGINT or SIGTERM stops it at the next safe point (after a
+        training step, a finished adaptation run, or a stage: :mod:`curvlab.util.safe_stop`) with a
+        :class:`~curvlab.util.safe_stop.Stopped`; running it again continues from what is saved."""
+        with stop_at_safe_points():
+            return self._run()
+
+    def _run(self) -> FinetuneResult:
         self.start()
         with self.clock("prepare"):
             data, base = self.prepare()
         with self.clock("tune"):
             tuning = self.tune(data, base)
+        self.safe_point("the learning-rate search")
         with self.clock("adapt"):
             runs = self.adapt_all(data, base, tuning.chosen)
         with self.clock("compare"):

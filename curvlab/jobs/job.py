@@ -185,12 +185,13 @@ class Job:
             print(f"[{self.TAG}] {message}", flush=True)
 
     def start(self) -> None:
-        """A fresh invocation: its clock starts, what killed writes left in the directory is removed
-        (:func:`~curvlab.util.atomic.remove_stale_temporaries`, everywhere below ``out``), and the
-        directory's configuration is checked."""
+        """A fresh invocation: its clock starts, the directory's configuration is checked, and then
+        (the directory is this job's) what killed writes left there is removed
+        (:func:`~curvlab.util.atomic.remove_stale_temporaries`, everywhere below ``out``: only curvlab's
+        temporaries are named so)."""
         self.clock = StageClock()
-        remove_stale_temporaries(self.out, recursive=True)
         self._check_config()
+        remove_stale_temporaries(self.out, recursive=True)
 
     def safe_point(self, done: str) -> None:
         """Stop here if a SIGINT or SIGTERM asked to (:mod:`curvlab.util.safe_stop`): ``done`` is saved,

@@ -55,7 +55,7 @@ from curvlab.optim.muon import matrix_shape, muon_scale
 from curvlab.output import plots
 from curvlab.output import text as report
 from curvlab.output.files import read_quadratic, write_quadratic
-from curvlab.runs.checkpoint import INDEX, read_index
+from curvlab.runs.checkpoint import INDEX, is_checkpoint_name, read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria, NoMatchedLevel, plateau_ceiling
 from curvlab.runs.train import train
@@ -155,13 +155,16 @@ def window_checkpoints(records: list[ComparisonRecord], reports: Path | None = N
 
 def prune_run(run: Path, keep: set[Path]) -> int:
     """Delete the checkpoints of ``run`` outside ``keep`` (:func:`_run_key` s), except its last (a finished
-    run resumes from it as finished); the index keeps every entry (validation losses stay). Only files
-    inside ``run`` are deleted: an index naming one elsewhere is refused (:func:`read_index`). Returns
-    the bytes freed."""
+    run resumes from it as finished); the index keeps every entry (validation losses stay). Only
+    checkpoint files inside ``run`` are deleted: an index naming one elsewhere is refused
+    (:func:`read_index`), and one naming another of the run's files (``config.json``) deletes nothing.
+    Returns the bytes freed."""
     index = read_index(run)
     freed = 0
     for entry in index[:-1]:
         path = inside(run, entry["path"], run / INDEX)
+        if not is_checkpoint_name(path.name):
+            continue
         if _run_key(path.resolve()) not in keep and path.is_file():
             freed += path.stat().st_size
             path.unlink()
@@ -467,7 +470,14 @@ class Reproduction(Job):
         return result.run()
 
     def quadratic(self) -> QuadraticStudy:
-        cached = read_quadratic(self.out / "quadratic" / "quadratic.json")
+        """The quadratic model's study, read back when done before: a derived cache, so an unreadable,
+        truncated or edited one (:mod:`curvlab.util.schema`'s seal) is recomputed, with a note."""
+        path = self.out / "quadratic" / "quadratic.json"
+        try:
+            cached = read_quadratic(path)
+        except CurvlabError as e:
+            self._say(f"{e}; the quadratic model is recomputed")
+            cached = None
         if cached is not None:
             return cached
         study = quadratic_study(**self.preset.quadratic)

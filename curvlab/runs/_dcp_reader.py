@@ -9,30 +9,42 @@ its pickle names. Here:
 
 * :func:`read_metadata` unpickles ``.metadata`` with :class:`_MetadataUnpickler`, which resolves only
   torch's checkpoint-metadata classes and the few types they hold (``torch.Size``, dtypes, layouts,
-  paths); a file that names anything else is refused in one line, before any of it is built, and so is
-  one whose shard files lie outside its directory (``../`` or an absolute path: torch would read them).
+  paths), and sets attributes and items only on the metadata objects, lists and dicts it builds (never
+  on a class, a module or a shared value such as an enum member: that would change them for the whole
+  process); a file that names or does anything else is refused in one line, and so is one whose parts
+  are not what torch's reader takes (its storage items, state-dict entries, storage meta), or whose
+  shard files lie outside its directory (``../`` or an absolute path: torch would read them).
 * :class:`VettedReader` is torch's ``FileSystemReader`` whose metadata is that one, read once.
 * :class:`VettedLoadPlanner` reads byte items with ``torch.load(..., weights_only=True)``.
 * :func:`load` is ``dcp.load`` with both; a refusal raised inside torch's collectives (wrapped in its
-  ``CheckpointException``, a traceback per rank) comes back as its one line.
+  ``CheckpointException``, a traceback per rank) comes back as its one line, and so does a shard that
+  torch's reader fails to read (a corrupt tensor item).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import os
 import pickle
 import pickletools
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.default_planner as dcp_default_planner
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from curvlab.errors import CurvlabError
 from curvlab.util.paths import inside
+from curvlab.util.weights_only import is_weights_only_refusal
 
 METADATA = ".metadata"
 # what a .metadata curvlab writes names besides torch.distributed.checkpoint.metadata's own classes
@@ -45,11 +57,23 @@ _ALLOWED = {
     ("collections", "OrderedDict"),
     *((m, c) for m in ("pathlib", "pathlib._local") for c in ("PosixPath", "PurePosixPath", "PureWindowsPath")),
 }
-_WEIGHTS_ONLY = "Weights only load failed"  # how torch's weights_only unpickler starts a refusal
+# the objects whose attributes a .metadata may set (pickle's BUILD): instances of torch's metadata
+# dataclasses, which the unpickler creates itself (never a class, a module, a dtype or an enum member)
+_BUILDABLE = frozenset(
+    {dcp_filesystem._StorageInfo}
+    | {
+        obj for obj in vars(dcp_metadata).values()
+        if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__ and dataclasses.is_dataclass(obj)
+    }
+)  # fmt: skip
 
 
 class _Refused(pickle.UnpicklingError):
     """A global the restricted unpickler won't resolve."""
+
+
+class _Changes(pickle.UnpicklingError):
+    """An object the restricted unpickler won't change (its description)."""
 
 
 def _allowed(module: str, name: str) -> bool:
@@ -63,13 +87,73 @@ def _allowed(module: str, name: str) -> bool:
     return False
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that resolves only the globals of torch's checkpoint metadata."""
+def _describe(obj: Any) -> str:
+    if isinstance(obj, type):
+        return f"the class {obj.__module__}.{obj.__qualname__}"
+    return f"a {type(obj).__module__}.{type(obj).__qualname__}"
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python ``pickle`` unpickler (whose opcodes are Python methods, and so can be vetted:
+    the C one's can't) that resolves only the globals of torch's checkpoint metadata and changes only
+    what it builds: BUILD (set attributes) only on a metadata dataclass instance, and never its dunder
+    attributes; SETITEM(S) only on a dict, APPEND(S) only on a list, ADDITEMS only on a set. An
+    allowed class is an object like any other on the stack: without these checks, BUILD on one
+    ``setattr``s on the class itself, for the whole process."""
+
+    dispatch: ClassVar[dict[int, Callable]] = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         if not _allowed(module, name):
             raise _Refused(f"{module}.{name}")
         return super().find_class(module, name)
+
+    def _target(self, depth: int, kinds: tuple[type, ...], marked: bool = False) -> None:
+        """Refuse unless the object the next opcode changes, ``depth`` down its stack (the stack below
+        the last mark, for an opcode that pops one), is of one of ``kinds``."""
+        stack = (self.metastack[-1] if self.metastack else []) if marked else self.stack
+        target = stack[-depth] if len(stack) >= depth else None
+        if type(target) not in kinds:
+            raise _Changes(_describe(target))
+
+    def _build(self) -> None:
+        self._target(2, tuple(_BUILDABLE))
+        state = self.stack[-1]
+        if not hasattr(self.stack[-2], "__setstate__"):  # (TensorProperties' takes a tuple of its fields)
+            dicts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+            for d in dicts:
+                if d is not None and (
+                    type(d) is not dict or not all(type(k) is str and not k.startswith("__") for k in d)
+                ):
+                    raise _Changes(f"the attributes {list(d)[:3]!r} of {_describe(self.stack[-2])}")
+        pickle._Unpickler.load_build(self)
+
+    def _setitem(self) -> None:
+        self._target(3, (dict, OrderedDict))
+        pickle._Unpickler.load_setitem(self)
+
+    def _setitems(self) -> None:
+        self._target(1, (dict, OrderedDict), marked=True)
+        pickle._Unpickler.load_setitems(self)
+
+    def _append(self) -> None:
+        self._target(2, (list,))
+        pickle._Unpickler.load_append(self)
+
+    def _appends(self) -> None:
+        self._target(1, (list,), marked=True)
+        pickle._Unpickler.load_appends(self)
+
+    def _additems(self) -> None:
+        self._target(1, (set,), marked=True)
+        pickle._Unpickler.load_additems(self)
+
+    dispatch[pickle.BUILD[0]] = _build
+    dispatch[pickle.SETITEM[0]] = _setitem
+    dispatch[pickle.SETITEMS[0]] = _setitems
+    dispatch[pickle.APPEND[0]] = _append
+    dispatch[pickle.APPENDS[0]] = _appends
+    dispatch[pickle.ADDITEMS[0]] = _additems
 
 
 def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
@@ -77,14 +161,16 @@ def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
 
     Raises:
         CurvlabError: no ``.metadata``; one that names a global other than torch's checkpoint-metadata
-            classes (refused, never built); a corrupt one, or one that holds something else.
+            classes (refused, never built), or that would change an object it didn't build (a class);
+            a corrupt one, one that holds something else, or one whose parts aren't what torch's reader
+            takes; one that names a shard file outside ``path``.
     """
     file = Path(path) / METADATA
     try:
         data = file.read_bytes()
-        # first a parse that builds nothing (pickletools, pure Python): a length field beyond the file's
-        # end, or a memo index beyond it, is refused here, where the C unpickler would first allocate
-        # that much (a crafted 1 TiB; a flipped byte's 32 GB memo)
+        # first a parse that builds nothing (pickletools): a length field beyond the file's end, or a memo
+        # index beyond it (a crafted 1 TiB; a flipped byte's 32 GB memo), is refused before any object is
+        # built
         for op, arg, _ in pickletools.genops(data):
             if op.name.endswith("PUT") and arg > len(data):
                 raise ValueError(f"memo index {arg} in a file of {len(data)} bytes")
@@ -96,6 +182,11 @@ def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
             f"{file}: names {str(e)!r}, not only torch's checkpoint metadata; refusing to unpickle it (it could "
             "run code)"
         ) from None
+    except _Changes as e:
+        raise CurvlabError(
+            f"{file}: would change {e} (it may fill in only the metadata objects it builds); refusing to "
+            "unpickle it (it could change code for the whole process)"
+        ) from None
     # (what unpickling other bytes raises: a random file reaches each of these)
     except (
         pickle.UnpicklingError, OSError, EOFError, ValueError, TypeError, AttributeError, LookupError,
@@ -104,9 +195,67 @@ def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
         raise CurvlabError(f"{file}: corrupt or unreadable DCP metadata ({type(e).__name__})") from None
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise CurvlabError(f"{file}: holds a {type(metadata).__name__}, not DCP metadata")
-    for info in (metadata.storage_data or {}).values():  # the shard files it sends torch's reader to
-        inside(path, getattr(info, "relative_path", None), file)
+    _check_parts(metadata, file)
+    for info in metadata.storage_data.values():  # the shard files it sends torch's reader to
+        inside(path, info.relative_path, file)
     return metadata
+
+
+_MISSING = object()
+
+
+def _check_parts(metadata: dcp_metadata.Metadata, file: Path) -> None:
+    """Raise ``CurvlabError`` (naming ``file``) unless ``metadata`` holds what torch's reader and
+    curvlab take: ``storage_data`` a dict of ``MetadataIndex`` to ``_StorageInfo`` (a relative path,
+    an offset and a length >= 0), ``state_dict_metadata`` a dict of names to tensor metadata (a
+    ``torch.Size``, a dtype, chunks of ``torch.Size`` offsets and sizes) or byte-item metadata, and
+    ``storage_meta`` None or a ``StorageMeta``. (A crafted file can build any of its allowed classes
+    with any fields, or leave fields out.)"""
+
+    def need(value: Any, ok: Callable[[Any], bool], what: str, expected: str) -> Any:
+        if not ok(value):
+            if value is _MISSING:
+                got = "missing"
+            elif type(value) in (int, float, str) and len(repr(value)) < 40:
+                got = repr(value)
+            else:
+                got = f"a {type(value).__name__}"
+            raise CurvlabError(f"{file}: {what} is {got}, not {expected}: not DCP metadata torch writes")
+        return value
+
+    def part(obj: Any, name: str) -> Any:
+        return getattr(obj, name, _MISSING)
+
+    def of(*kinds: type) -> Callable[[Any], bool]:
+        return lambda value: type(value) in kinds
+
+    def count(value: Any) -> bool:
+        return type(value) is int and value >= 0
+
+    tensor, nbytes, size = dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata, of(torch.Size)
+    storage = need(part(metadata, "storage_data"), of(dict), "its storage_data", "a dict of storage items")
+    for key, info in storage.items():
+        need(key, of(dcp_metadata.MetadataIndex), "a storage_data key", "a MetadataIndex")
+        fqn = need(part(key, "fqn"), of(str), "a storage_data key's fqn", "a str")
+        need(info, of(dcp_filesystem._StorageInfo), f"storage item {fqn!r}", "a _StorageInfo")
+        need(part(info, "relative_path"), of(str), f"storage item {fqn!r}'s relative_path", "a str")
+        need(part(info, "offset"), count, f"storage item {fqn!r}'s offset", "an int >= 0")
+        need(part(info, "length"), count, f"storage item {fqn!r}'s length", "an int >= 0")
+    entries = need(part(metadata, "state_dict_metadata"), of(dict), "its state_dict_metadata", "a dict of entries")
+    for name, entry in entries.items():
+        need(name, of(str), "a state_dict_metadata key", "a str")
+        if type(need(entry, of(tensor, nbytes), f"entry {name!r}", "tensor or bytes metadata")) is nbytes:
+            continue
+        need(part(entry, "size"), size, f"entry {name!r}'s size", "a torch.Size")
+        properties = part(entry, "properties")
+        need(properties, of(dcp_metadata.TensorProperties), f"entry {name!r}'s properties", "TensorProperties")
+        need(part(properties, "dtype"), of(torch.dtype), f"entry {name!r}'s dtype", "a dtype")
+        for chunk in need(part(entry, "chunks"), of(list), f"entry {name!r}'s chunks", "a list"):
+            need(chunk, of(dcp_metadata.ChunkStorageMetadata), f"a chunk of {name!r}", "ChunkStorageMetadata")
+            need(part(chunk, "offsets"), size, f"a chunk of {name!r}'s offsets", "a torch.Size")
+            need(part(chunk, "sizes"), size, f"a chunk of {name!r}'s sizes", "a torch.Size")
+    meta = part(metadata, "storage_meta")
+    need(meta, of(type(None), dcp_metadata.StorageMeta), "its storage_meta", "None or a StorageMeta")
 
 
 class VettedReader(dcp.FileSystemReader):
@@ -138,7 +287,7 @@ class VettedLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            if _WEIGHTS_ONLY not in str(e):
+            if not is_weights_only_refusal(e):
                 raise CurvlabError(f"{self.path}: corrupt byte item {fqn!r} (UnpicklingError)") from None
             raise CurvlabError(
                 f"{self.path}: byte item {fqn!r} names objects beyond tensors and plain data; refusing to "
@@ -169,9 +318,34 @@ def load(state: dict[str, Any], path: str | Path) -> None:
             if isinstance(exc, CurvlabError):
                 raise CurvlabError(str(exc)) from None
         for exc, _ in e.failures.values():
-            if isinstance(exc, pickle.UnpicklingError) and _WEIGHTS_ONLY in str(exc):
+            if is_weights_only_refusal(exc):
                 raise CurvlabError(
                     f"{path}: a tensor in a shard names objects beyond tensors; refusing to unpickle it (it "
                     "could run code)"
                 ) from None
+        for exc, stack in e.failures.values():
+            if _failed_reading_a_shard(exc, stack):
+                raise CurvlabError(
+                    f"{path}: corrupt shard: torch failed reading a tensor item in it ({type(exc).__name__})"
+                ) from None
         raise
+
+
+# what torch raises on a tensor item's bytes that are no torch file (its zip reader, torch.load, the
+# rebuild of the tensor, read_data's own size check)
+_SHARD_FAILURES = (RuntimeError, EOFError, ValueError, AssertionError, pickle.UnpicklingError)
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+
+
+def _failed_reading_a_shard(exc: BaseException, stack: traceback.StackSummary) -> bool:
+    """Whether ``exc`` (raised where ``stack`` says, as torch's ``CheckpointException`` records it) is
+    torch failing to read a shard file's bytes: one of :data:`_SHARD_FAILURES` raised in or under
+    ``FileSystemReader.read_data`` by torch's own code, never by a planner it calls (torch's or
+    curvlab's), whose failures are unexpected and keep their traceback."""
+    if not isinstance(exc, _SHARD_FAILURES):
+        return False
+    frames = list(stack)
+    reading = [i for i, f in enumerate(frames) if f.name == "read_data" and f.filename == dcp_filesystem.__file__]
+    return bool(reading) and all(
+        f.filename.startswith(_TORCH) and f.filename != dcp_default_planner.__file__ for f in frames[reading[-1] :]
+    )

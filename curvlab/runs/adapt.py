@@ -26,6 +26,7 @@ from curvlab.runs.monitor import CurvatureMonitor, MonitorRow
 from curvlab.runs.schedule import lr_multiplier, schedule_phase
 from curvlab.runs.train import Run, pick_device, train_loop
 from curvlab.util.atomic import atomic_write_text
+from curvlab.util.lock import own_directory
 
 ADAPTER_FILE = "adapter.json"  # the LoRA settings of an adaptation run, beside its config.json
 
@@ -177,8 +178,14 @@ def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | 
 
     Raises:
         CurvlabError: a bad base, data or rank; a finished or interrupted run in ``cfg.out`` with other
-            settings; :class:`~curvlab.runs.train.TrainingDiverged` on a non-finite training loss.
+            settings, or one another process is writing (:func:`~curvlab.util.lock.own_directory`);
+            :class:`~curvlab.runs.train.TrainingDiverged` on a non-finite training loss.
     """
+    with own_directory(cfg.out, "train"):  # (from the first read: a resume may delete and write before training)
+        return _adapt(cfg, base, rank, heldout_windows, progress)
+
+
+def _adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | None, progress: bool) -> float:
     out = Path(cfg.out)
     index = read_index(out)
     if index and index[-1]["step"] == cfg.steps:

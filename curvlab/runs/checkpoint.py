@@ -47,6 +47,7 @@ from curvlab.models.nanogpt import is_nanogpt_checkpoint
 from curvlab.runs import hf
 from curvlab.util.atomic import atomic_open, atomic_write_text
 from curvlab.util.paths import inside
+from curvlab.util.weights_only import refused_global
 
 FORMAT = "curvlab-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -55,6 +56,11 @@ INDEX = "index.json"
 
 def checkpoint_name(step: int) -> str:
     return f"ckpt_{step:06d}.pt"
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is one :func:`checkpoint_name` gives (what a pruning may delete, and nothing else)."""
+    return re.fullmatch(r"ckpt_\d{6,}\.pt", name) is not None
 
 
 def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> None:
@@ -71,8 +77,6 @@ _CORRUPT = (
     RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, IndexError, KeyError, ValueError,
     struct.error, OverflowError,
 )  # fmt: skip
-# how torch's weights_only unpickler says it refused a global (a class or function outside tensors and plain data)
-_REFUSED_GLOBAL = re.compile(r"Weights only load failed.*?GLOBAL ([\w.]+)", re.DOTALL)
 
 
 def check_not_lfs_pointer(path: str | Path, what: str) -> None:
@@ -102,11 +106,11 @@ def read_file(path: str | Path, what: str = "checkpoint", map_location: str | to
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        refused = _REFUSED_GLOBAL.search(str(e))
+        refused = refused_global(e)
         if refused is None:
             raise CurvlabError(f"{path}: corrupt or unreadable {what} (UnpicklingError)") from e
         raise CurvlabError(
-            f"{path}: the {what} names {refused.group(1)}, not only tensors and plain data; refusing to unpickle "
+            f"{path}: the {what} names {refused}, not only tensors and plain data; refusing to unpickle "
             "it (it could run code)"
         ) from None
     except _CORRUPT as e:
@@ -243,8 +247,8 @@ def read_index(run_dir: str | Path) -> list[dict[str, Any]]:
     reads, resumes from or prunes a run's checkpoints touches a file outside it.
 
     Raises:
-        CurvlabError: the index is not JSON, an entry lacks an integer ``step`` or a ``path``, or a
-            ``path`` leads outside the run.
+        CurvlabError: the index is not JSON, an entry lacks an integer ``step`` or a ``path``, its
+            ``val_loss`` is neither a number nor null, or a ``path`` leads outside the run.
     """
     path = Path(run_dir) / INDEX
     if not path.is_file():
@@ -258,6 +262,9 @@ def read_index(run_dir: str | Path) -> list[dict[str, Any]]:
     for k, entry in enumerate(entries):
         if not (isinstance(entry, dict) and type(entry.get("step")) is int and "path" in entry):
             raise CurvlabError(f"{path}: corrupt index (entry {k} is not {{step, val_loss, path}})")
+        loss = entry.get("val_loss")
+        if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+            raise CurvlabError(f"{path}: corrupt index (entry {k}'s val_loss {loss!r} is not a number or null)")
         inside(run_dir, entry["path"], path)
     return sorted(entries, key=lambda e: e["step"])
 

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from curvlab.errors import CurvlabError
+from curvlab.util.weights_only import is_weights_only_refusal
 
 TRAINER_FILES = ("config.json", "optimizer.pt", "trainer_state.json", "training_args.bin")
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -145,7 +146,7 @@ def load_model(path: Path) -> nn.Module:
     try:
         return cls.from_pretrained(path, local_files_only=True).eval()
     except pickle.UnpicklingError as e:  # from torch's weights_only unpickler, which transformers passes on
-        if "GLOBAL" not in str(e):  # (how it names a refused class or function)
+        if not is_weights_only_refusal(e):
             raise CurvlabError(f"{path}: a weights file (pytorch_model*.bin) is corrupt (UnpicklingError)") from None
         raise CurvlabError(
             f"{path}: a weights file (pytorch_model*.bin) names objects beyond tensors; refusing to unpickle it "

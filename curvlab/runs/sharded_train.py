@@ -29,7 +29,7 @@ from curvlab.runs.checkpoint import add_to_index, read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.dcp import load_sharded_into, save_sharded_checkpoint, shard_run
 from curvlab.runs.metrics import METRICS_FILE, truncate_metrics
-from curvlab.runs.train import Run, TrainingDiverged, TrainResult, build_run, check_resume
+from curvlab.runs.train import Run, TrainingDiverged, TrainResult, build_run, check_resume, stopped_where
 from curvlab.util.atomic import atomic_write_text, remove_stale_temporaries
 from curvlab.util.distributed import all_reduce_sum, barrier, device_for_rank, rank_and_world
 from curvlab.util.lock import own_directory
@@ -143,11 +143,8 @@ def _train_sharded(cfg: TrainConfig, progress: bool) -> TrainResult:
             if checkpoint_now:
                 _save(run, out, val_loss, float(global_loss), is_main)
                 last_checkpoint = run.step
-            check_stop(  # (every rank agrees: the ranks stop after the same step)
-                f"after step {run.step} in {out}; its last checkpoint is step {last_checkpoint}: run the same "
-                "command again to resume from it",
-                world,
-            )
+            # (every rank agrees: the ranks stop after the same step)
+            check_stop(stopped_where(out, run.step, last_checkpoint), world)
     barrier()
     index = read_index(out)
     tps = tokens_per_step * steps_done / elapsed if elapsed else float("nan")

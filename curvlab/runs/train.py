@@ -328,14 +328,17 @@ def train_loop(
         NonFiniteCurvature: a non-finite curvature row, with ``stop_on_nonfinite``.
     """
     with contextlib.ExitStack() as stack:  # (holds the TensorBoard writer)
-        stack.enter_context(own_directory(run.cfg.out, "train"))  # before anything in out is read or removed
+        previous = stack.enter_context(own_directory(run.cfg.out, "train"))  # before anything in out is read
+        if previous is not None and progress and rank == 0:
+            print(f"[train] took {run.cfg.out} over from {previous.describe()}, which is no longer running", flush=True)
         stack.enter_context(stop_at_safe_points())
         return _loop(
             run, progress, rank, world, curvature, measure_at, stop_on_nonfinite, tensorboard, desc, leave, stack
         )
 
 
-def _stopped_where(out: Path, step: int, last_checkpoint: int) -> str:
+def stopped_where(out: Path, step: int, last_checkpoint: int) -> str:
+    """What a run stopped by a signal says: where it stopped, and how to resume."""
     return (
         f"after step {step} in {out}; its last checkpoint is step {last_checkpoint}: run the same command "
         "again to resume from it"
@@ -422,7 +425,7 @@ def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorbo
                 last_checkpoint = run.step
             # the safe point: this step's checkpoint (if due) and metrics are written; the rerun resumes
             # from the last checkpoint and retakes the steps after it, bit for bit
-            check_stop(_stopped_where(out, run.step, last_checkpoint), world)
+            check_stop(stopped_where(out, run.step, last_checkpoint), world)
             tps = tokens_per_step * steps_done / max(elapsed, 1e-9)
             shown_val = val_loss if evaluate_now else shown_val
             val_text = {} if math.isnan(shown_val) else {"val": f"{shown_val:.3f}"}  # none before the first evaluation

@@ -31,6 +31,7 @@ from curvlab.util.atomic import atomic_write_csv, atomic_write_text, remove_stal
 from curvlab.util.distributed import is_main
 from curvlab.util.lock import check_not_owned, own_directory
 from curvlab.util.progress import progress as progress_bar
+from curvlab.util.versions import SoftwareVersions
 
 COMPARE_SCHEMA_VERSION = 2  # 2: window means per level, plateau flags, schedule per side, no Taylor filter
 # a run still training is refused, not read up to where it has got: its matched levels, and the reports
@@ -369,7 +370,8 @@ def compare_runs(
             asdict(settings),
         )
         if is_main():
-            atomic_write_text(out / "compare.json", json.dumps(result.to_dict(), indent=1))
+            made_with = {"versions": SoftwareVersions.current().to_dict()}
+            atomic_write_text(out / "compare.json", json.dumps({**result.to_dict(), **made_with}, indent=1))
             atomic_write_csv(out / "compare.csv", result.rows)
     return result
 

@@ -23,6 +23,7 @@ from curvlab.util.atomic import atomic_write_csv, atomic_write_text, remove_stal
 from curvlab.util.distributed import is_main
 from curvlab.util.lock import check_not_owned, own_directory
 from curvlab.util.progress import progress as progress_bar
+from curvlab.util.versions import SoftwareVersions
 
 
 def track_run(
@@ -78,7 +79,10 @@ def track_run(
             rows.append(row)
         if is_main():
             dicts = [r.to_dict() for r in rows]
-            track = {"run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": dicts}
+            track = {
+                "run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": dicts,
+                "versions": SoftwareVersions.current().to_dict(),
+            }  # fmt: skip
             atomic_write_text(out / "track.json", json.dumps(track, indent=1))
             atomic_write_csv(out / "track.csv", dicts)
     return rows
@@ -111,7 +115,10 @@ def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[Chec
     with own_directory(out, "track"):
         if is_main():
             dicts = [r.to_dict() for r in summaries]
-            track = {"run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens, "rows": dicts}
+            track = {
+                "run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens, "rows": dicts,
+                "versions": SoftwareVersions.current().to_dict(),
+            }  # fmt: skip
             atomic_write_text(out / "track.json", json.dumps(track, indent=1))
             atomic_write_csv(out / "track.csv", dicts)
     return summaries

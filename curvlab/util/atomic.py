@@ -2,19 +2,22 @@
 
 A crash or a full disk mid-write leaves the previous file (or none) in place, never half of one:
 
-* a write that fails (no space, a file-size limit, no permission, a read-only file system) removes its
-  temporary and raises one :class:`~curvlab.errors.CurvlabError` naming the file and the cause
-  (:func:`atomic_open`; torch's writer, which reports a failed write as a ``RuntimeError``, included);
-* a write whose process was killed (kill -9) leaves its temporary, ``.<name>.<8 random>.tmp``, beside
-  the file; :func:`remove_stale_temporaries` removes such leftovers when a command next opens the
-  folder for writing. A writer holds an exclusive ``flock`` on its temporary until the rename, so a
-  live one's is never taken for a leftover (the kernel drops a killed process's lock).
+* a write that fails (no space, a file-size limit or quota, no permission, a read-only file system, an
+  I/O error, a bad path) removes its temporary and raises one :class:`~curvlab.errors.CurvlabError`
+  naming the file and the cause (:func:`atomic_open`; torch's writer, which reports a failed write as a
+  ``RuntimeError``, included); any other error inside the write keeps its type and traceback;
+* a write whose process was killed (kill -9) leaves its temporary, ``.<name>.<8 random>.curvlab-tmp``
+  (:data:`TEMPORARY`: a name no other program makes), beside the file; :func:`remove_stale_temporaries`
+  removes such leftovers when a command next opens the folder for writing. A writer holds an exclusive
+  ``flock`` on its temporary until the rename, so a live one's is never taken for a leftover (the
+  kernel drops a killed process's lock).
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import fcntl
 import io
 import json
@@ -28,18 +31,46 @@ from typing import IO, Any
 
 from curvlab.errors import CurvlabError
 
-# what tempfile.mkstemp(prefix=".<name>.", suffix=".tmp") makes: 8 characters of [a-z0-9_] in between
-TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")
+# curvlab's temporaries, files (atomic_open) and directories (a data folder being generated): what
+# tempfile.mkstemp/mkdtemp(**temporary_options(path)) makes, 8 characters of [a-z0-9_] in the middle
+TEMPORARY_SUFFIX = ".curvlab-tmp"
+TEMPORARY = re.compile(rf"^\.(?P<name>.+)\.[a-z0-9_]{{8}}{re.escape(TEMPORARY_SUFFIX)}$")
+
+# the errors of a write that the user can act on: space, size or quota, permissions, a read-only file
+# system, a failing device, a bad path; anything else (a timeout, a reset connection, no memory) is
+# unexpected and keeps its traceback
+WRITE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ENOTDIR,
+     errno.EISDIR, errno.ENAMETOOLONG}
+)  # fmt: skip
+# what the RuntimeError of torch's zip writer says when the write under it failed
+TORCH_WRITER = ("inline_container", "unexpected pos", "PytorchStreamWriter")
+# flock(2) on a file system without it (some network and FUSE file systems)
+NO_FLOCK = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK})
+
+
+def temporary_options(path: str | Path) -> dict[str, Any]:
+    """The ``tempfile.mkstemp``/``mkdtemp`` arguments of a temporary for ``path``, beside it and named
+    ``.<name>.<8 random>.curvlab-tmp`` (:data:`TEMPORARY`)."""
+    path = Path(path)
+    return {"prefix": f".{path.name}.", "suffix": TEMPORARY_SUFFIX, "dir": path.parent}
+
+
+def temporary_of(path: str | Path) -> str | None:
+    """The name of the file or directory that ``path`` is a curvlab temporary of, or ``None``."""
+    match = TEMPORARY.match(Path(path).name)
+    return match["name"] if match else None
 
 
 def write_failure(error: BaseException, *names: str | Path) -> OSError | None:
-    """The ``OSError`` behind ``error`` when it is the failure of a write (to an open file, or on one of
-    ``names``), else ``None``: ``error`` itself, or the ``OSError`` a ``RuntimeError`` of torch's
-    writer was raised in handling (``torch.save`` into a full file: "[enforce fail at
-    inline_container.cc] unexpected pos", whose context is the write's ``OSError``)."""
+    """The ``OSError`` behind ``error`` when it is the failure of a write (one of :data:`WRITE_ERRNOS`,
+    to an open file or on one of ``names``), else ``None``: ``error`` itself, or the ``OSError`` that a
+    ``RuntimeError`` of torch's writer was raised in handling (``torch.save`` into a full file:
+    "[enforce fail at inline_container.cc] unexpected pos", whose context is the write's ``OSError``)."""
     names = {str(n) for n in names}
-    for e in (error, error.__context__ if isinstance(error, RuntimeError) else None):
-        if isinstance(e, OSError) and (e.filename is None or str(e.filename) in names):
+    torch_writer = isinstance(error, RuntimeError) and any(t in str(error) for t in TORCH_WRITER)
+    for e in (error, error.__context__ if torch_writer else None):
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS and (e.filename is None or str(e.filename) in names):
             return e
     return None
 
@@ -66,18 +97,19 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside ``path``; on success it replaces ``path``, on error it vanishes.
 
     Raises:
-        CurvlabError: a write failed (no space, a file-size limit, permissions, a read-only file
-            system): one line naming ``path`` and the cause; ``path`` is as it was before.
+        CurvlabError: a write failed (:func:`write_failure`: no space, a file-size limit, permissions,
+            a read-only file system...): one line naming ``path`` and the cause; ``path`` is as it was
+            before. Any other error raised in the block keeps its type and traceback (and the temporary
+            is removed all the same).
     """
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = _locked_temporary(path)
     except OSError as e:  # (no folder can be made there, or no file in it)
         raise CurvlabError(f"{path}: write failed ({_cause(e)}); the previous file, if any, is unchanged") from e
     f = os.fdopen(fd, mode)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename: remove_stale_temporaries leaves this one
         yield f
         f.flush()
         os.fsync(fd)
@@ -92,32 +124,82 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
         if failure is None:
             raise
         raise CurvlabError(f"{path}: write failed ({_cause(failure)}); the previous file, if any, is unchanged") from e
-    f.close()
+    f.close()  # (releases the lock, after the rename)
+
+
+def _locked_temporary(path: Path, attempts: int = 100) -> tuple[int, str]:
+    """A new temporary for ``path`` (:func:`temporary_options`), open and locked by this process until
+    it is closed: its descriptor and name.
+
+    Between ``mkstemp`` and the lock, the file is unlocked and named like a leftover: a remover
+    (:func:`remove_stale_temporaries`) may lock and unlink it in that moment. The file the lock was taken
+    on is then no longer at that name, and another temporary is made."""
+    for _ in range(attempts):
+        fd, tmp = tempfile.mkstemp(**temporary_options(path))
+        try:
+            if not _lock(fd, wait=True):
+                # no flock on this file system: the write goes on unlocked, so a remover may not see it
+                # as live; but a remover can't lock there either, and then leaves every temporary (a
+                # killed write's stays, never read), and only curvlab's names are ever considered
+                return fd, tmp
+            if _same_file(fd, tmp):
+                return fd, tmp
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)  # (removed by a remover: its name is gone, or another file's)
+    raise OSError(errno.EAGAIN, f"each of {attempts} temporaries was removed before it could be locked")
+
+
+def _lock(fd: int, wait: bool) -> bool:
+    """Take an exclusive ``flock`` on ``fd`` (waiting for it with ``wait``); ``False`` when the file
+    system has no ``flock`` (:data:`NO_FLOCK`) or, without ``wait``, another process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError as e:
+        if e.errno in NO_FLOCK or (not wait and isinstance(e, BlockingIOError)):
+            return False
+        raise
+    return True
+
+
+def _same_file(fd: int, name: str | Path) -> bool:
+    """Whether the file open as ``fd`` is the one at ``name`` (not a symbolic link followed)."""
+    try:
+        there = os.lstat(name)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def remove_stale_temporaries(*directories: str | Path, recursive: bool = False) -> list[Path]:
     """Remove the temporaries that :func:`atomic_open` left in ``directories`` (and, with ``recursive``,
     in the folders below them) when its process was killed mid-write: the files named like its own
-    (:data:`TEMPORARY`) that no live writer holds locked. Call it once the folder's owner lock is held
-    (:mod:`curvlab.util.lock`). Returns the paths removed."""
+    (:data:`TEMPORARY`, ``.<name>.<8 random>.curvlab-tmp``) that no live writer holds locked. Call it
+    once the folder's owner lock is held (:mod:`curvlab.util.lock`). Returns the paths removed."""
     found = set()
     for directory in map(Path, directories):
         if directory.is_dir():
-            found.update(directory.rglob(".*.tmp") if recursive else directory.glob(".*.tmp"))
+            pattern = f".*{TEMPORARY_SUFFIX}"
+            found.update(directory.rglob(pattern) if recursive else directory.glob(pattern))
     removed = []
     for p in sorted(found):
-        if not TEMPORARY.match(p.name) or p.is_symlink() or not p.is_file():
+        if temporary_of(p) is None or p.is_symlink() or not p.is_file():
+            continue
+        try:  # (open for writing: on NFS an exclusive flock needs it)
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:  # gone already, or not ours to write
             continue
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:  # gone already, or not ours to read
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(p)
-            removed.append(p)
-        except (BlockingIOError, FileNotFoundError):  # a live writer's, or renamed into place meanwhile
-            pass
+            with contextlib.suppress(OSError):  # no lock, no flock here, or gone meanwhile: left alone
+                # unlocked (a dead writer's) and still the file at that name (not renamed into place,
+                # nor replaced by a new temporary of that name)
+                if _lock(fd, wait=False) and _same_file(fd, p):
+                    os.unlink(p)
+                    removed.append(p)
         finally:
             os.close(fd)
     return removed

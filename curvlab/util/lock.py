@@ -122,10 +122,12 @@ def own_directory(out: str | Path, what: str) -> Iterator[Owner | None]:
         if rank == 0:
             try:
                 previous = stack.enter_context(_hold(out, what))
-            except CurvlabError as e:
+            except BaseException as e:  # (any failure: the other ranks must hear of it, not wait for it)
                 failure = e
         if all_reduce_sum(float(failure is not None)):
-            raise failure or CurvlabError(f"{out}: rank 0 could not take it as the output directory")
+            if failure is not None:
+                raise failure
+            raise CurvlabError(f"{out}: rank 0 could not take it as the output directory")
         yield previous
 
 

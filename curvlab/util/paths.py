@@ -7,6 +7,7 @@ that curvlab reads, overwrites or deletes. :func:`inside` is the one check every
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from curvlab.errors import CurvlabError
@@ -23,9 +24,10 @@ def inside(directory: str | Path, name: str | Path, source: str | Path) -> Path:
     """
     if not isinstance(name, (str, Path)) or not str(name):
         raise CurvlabError(f"{source}: names {name!r} where a file name belongs: refused")
-    directory = Path(directory)
-    path = directory / name
-    root, resolved = directory.resolve(), path.resolve()
-    if resolved == root or not resolved.is_relative_to(root):
+    # on strings, with os.path: what decides containment is no method of a class that other code (a
+    # crafted pickle, say) could have replaced
+    root = os.path.realpath(os.fspath(directory))
+    resolved = os.path.realpath(os.path.join(root, os.fspath(name)))
+    if resolved == root or os.path.commonpath([root, resolved]) != root:
         raise CurvlabError(f"{source}: names {str(name)!r}, which lies outside {directory}: refused")
-    return path
+    return Path(directory) / name

@@ -45,8 +45,16 @@ class SoftwareVersions:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SoftwareVersions | None:
-        """The versions of :meth:`to_dict`'s dict; ``None`` for a record that predates them."""
-        return None if d is None else cls(**{k: d.get(k) for k in ("python", *PACKAGES)})
+        """The versions of :meth:`to_dict`'s dict; ``None`` for a record that predates them.
+
+        Raises:
+            TypeError: ``d`` is neither a mapping nor ``None`` (a record readers report as malformed).
+        """
+        if d is None:
+            return None
+        if not isinstance(d, Mapping):
+            raise TypeError(f"versions must be an object, not {type(d).__name__}")
+        return cls(**{k: d.get(k) for k in ("python", *PACKAGES)})
 
     def text(self) -> str:
         """One line for a report: ``Python 3.11.7, torch 2.13.0+cpu, ...`` (absent packages left out)."""
