@@ -63,14 +63,17 @@ def _train_args(data: Path, out: Path) -> list[str]:
 def _curvlab(args: list[str], before: str = "", file_size: int | None = None) -> subprocess.CompletedProcess:
     """The CLI in a fresh process, after the Python lines ``before`` (the fault's hook), optionally under a
     file-size limit of ``file_size`` bytes."""
-    code = f"{before}\nfrom curvlab.cli import app\napp({args!r}, prog_name='curvlab')\n"
+    # as a command typed at a terminal: SIGINT not ignored (a background job's would be), and on as many
+    # threads as this process, which trains the references and the resumed runs (floats depend on it)
+    foreground = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    code = f"{foreground}{before}\nfrom curvlab.cli import app\napp({args!r}, prog_name='curvlab')\n"
 
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
 
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-        preexec_fn=limit if file_size else None, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=limit if file_size else None, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
     )  # fmt: skip
 
 
@@ -290,6 +293,32 @@ def test_a_temporary_removed_before_its_writer_locked_it_is_made_again(tmp_path,
 
 # -- SIGINT and SIGTERM stop at a safe point --------------------------------------------------------
 
+
+@pytest.fixture
+def foreground_signals():
+    """SIGINT and SIGTERM as a process started at a terminal has them (pytest itself may run as a
+    background job, whose SIGINT is ignored); the handlers of before afterwards."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+def test_an_ignored_signal_stays_ignored(foreground_signals):
+    """``nohup`` and a shell's background jobs ignore signals on purpose: inside, they still are."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with stop_at_safe_points():
+        os.kill(os.getpid(), signal.SIGINT)
+        check_stop("nowhere")  # nothing pending: the signal was ignored
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)  # (not ignored: honoured at the safe point)
+        with pytest.raises(Stopped):
+            check_stop("after the test")
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 MID_STEP = """
 import os, signal
 from curvlab.data.shards import TrainBatches
@@ -335,7 +364,7 @@ def test_a_signal_stops_training_at_a_safe_point_and_the_rerun_resumes_bit_for_b
     _assert_same_final_state(out, reference)
 
 
-def test_a_stop_is_checked_only_inside_the_context_and_a_second_signal_stops_at_once():
+def test_a_stop_is_checked_only_inside_the_context_and_a_second_signal_stops_at_once(foreground_signals):
     check_stop("nowhere")  # nothing pending
     before = signal.getsignal(signal.SIGTERM)
     with stop_at_safe_points():
@@ -426,7 +455,7 @@ def test_an_edited_report_is_refused_on_load_and_a_truncated_levels_file_too(two
         LevelData.load(levels)
 
 
-def test_a_report_is_a_safe_point_and_reproduce_stops_at_one(two_runs, tmp_path, monkeypatch):
+def test_a_report_is_a_safe_point_and_reproduce_stops_at_one(two_runs, tmp_path, monkeypatch, foreground_signals):
     checkpoint = two_runs / "muon" / "ckpt_000008.pt"
     with stop_at_safe_points(), pytest.raises(Stopped) as e:
         os.kill(os.getpid(), signal.SIGTERM)  # mid-analysis: the report is finished and saved first

@@ -18,6 +18,7 @@ from curvlab.optim.lora import adapter_blocks, lora_layers
 from curvlab.runs.adapt import adapter_targets, curvature_rows, lora_model
 from curvlab.runs.checkpoint import read_index, save_checkpoint
 from curvlab.studies.adapters import ADAPTER_ARMS, LEVEL_KEYS, MUON_VARIANTS, FinetuneResult, _side_means, estimates
+from curvlab.util import schema
 from tests.conftest import assert_made_with_these_packages
 from tests.reference import dense_gradient, dense_hessian
 
@@ -103,6 +104,10 @@ def test_micro_writes_typed_reloadable_results(micro):
     assert "adamw/smuon" in output and "Curvature of adapter steps" in (out / "report.md").read_text()
     data = json.loads((out / "finetune.json").read_text())
     data["schema_version"] = 0
+    (out / "edited.json").write_text(json.dumps(data))
+    with pytest.raises(CurvlabError, match="edited or corrupt"):  # the seal no longer matches
+        FinetuneResult.load(out / "edited.json")
+    del data[schema.SEAL]  # (another version written as such: no seal to break)
     (out / "bad.json").write_text(json.dumps(data))
     with pytest.raises(CurvlabError, match="schema 0"):
         FinetuneResult.load(out / "bad.json")

