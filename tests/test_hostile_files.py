@@ -119,7 +119,7 @@ def test_a_nanogpt_checkpoint_that_would_run_code_is_refused(pcfg_data, tmp_path
         ("optimizer.pt", "names posix.system"),
         ("scheduler.pt", "names posix.system"),
         ("training_args.bin", "holds ['posix.system']"),
-        ("pytorch_model.bin", "names objects beyond tensors"),
+        ("pytorch_model.bin", "a weights file (pytorch_model*.bin) names posix.system"),
     ],
 )
 def test_a_trainer_file_that_would_run_code_is_refused(trainer_checkpoint, tmp_path, name, expected):
@@ -219,9 +219,12 @@ SHARDED = {
     ".metadata": (_poison_metadata, f"names 'posix.system', not only torch's checkpoint metadata; {REFUSED}"),
     "byte item": (
         _poison_byte_item,
-        f"byte item 'optimizer.param_groups.0.lr' names objects beyond tensors and plain data; {REFUSED}",
+        f"byte item 'optimizer.param_groups.0.lr' names posix.system, not only tensors and plain data; {REFUSED}",
     ),
-    "tensor item": (_poison_tensor_item, f"a tensor in a shard names objects beyond tensors; {REFUSED}"),
+    "tensor item": (
+        _poison_tensor_item,
+        f"a tensor in a shard names posix.system, not only tensors and plain data; {REFUSED}",
+    ),
     "shard outside": (_poison_shard_path, f"names {OUTSIDE!r}, which lies outside"),
     "corrupt tensor": (_corrupt_tensor_item, "corrupt shard: torch failed reading a tensor item in it (RuntimeError)"),
 }

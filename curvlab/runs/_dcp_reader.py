@@ -4,8 +4,8 @@ A DCP checkpoint directory holds ``.metadata``, a plain pickle of torch's ``Meta
 ``__R_S.distcp`` files: tensors, which torch reads with ``weights_only=True``, and *byte items*, the
 state dict's other values ``torch.save``'d one by one (curvlab's are the optimizer's param groups:
 learning rates, betas, flags, parameter names), which torch's ``DefaultLoadPlanner`` unpickles with
-``weights_only=False``. Read as torch reads them, a crafted ``.metadata`` or byte item runs whatever
-its pickle names. Here:
+no restriction at all. Read as torch reads them, a crafted ``.metadata`` or byte item runs whatever its
+pickle names. Here:
 
 * :func:`read_metadata` unpickles ``.metadata`` with :class:`_MetadataUnpickler`, which resolves only
   torch's checkpoint-metadata classes and the few types they hold (``torch.Size``, dtypes, layouts,
@@ -15,7 +15,8 @@ its pickle names. Here:
   are not what torch's reader takes (its storage items, state-dict entries, storage meta), or whose
   shard files lie outside its directory (``../`` or an absolute path: torch would read them).
 * :class:`VettedReader` is torch's ``FileSystemReader`` whose metadata is that one, read once.
-* :class:`VettedLoadPlanner` reads byte items with ``torch.load(..., weights_only=True)``.
+* :class:`VettedLoadPlanner` reads byte items with ``torch.load(..., weights_only=True)`` and places
+  them itself (torch's own ``load_bytes`` is never called).
 * :func:`load` is ``dcp.load`` with both; a refusal raised inside torch's collectives (wrapped in its
   ``CheckpointException``, a traceback per rank) comes back as its one line, and so does a shard that
   torch's reader fails to read (a corrupt tensor item).
@@ -39,12 +40,13 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.default_planner as dcp_default_planner
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from curvlab.errors import CurvlabError
 from curvlab.util.paths import inside
-from curvlab.util.weights_only import is_weights_only_refusal
+from curvlab.util.weights_only import is_weights_only_refusal, unpickling_error
 
 METADATA = ".metadata"
 # what a .metadata curvlab writes names besides torch.distributed.checkpoint.metadata's own classes
@@ -287,20 +289,14 @@ class VettedLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            if not is_weights_only_refusal(e):
-                raise CurvlabError(f"{self.path}: corrupt byte item {fqn!r} (UnpicklingError)") from None
-            raise CurvlabError(
-                f"{self.path}: byte item {fqn!r} names objects beyond tensors and plain data; refusing to "
-                "unpickle it (it could run code)"
-            ) from None
+            raise unpickling_error(e, self.path, f"byte item {fqn!r}") from None
         except (RuntimeError, EOFError, ValueError, KeyError, IndexError) as e:
             raise CurvlabError(f"{self.path}: corrupt byte item {fqn!r} ({type(e).__name__})") from None
-        # torch's planner unpickles what it is given with weights_only=False: give it bytes written here
-        # from the vetted value (tensors and plain data), never the file's own
-        clean = io.BytesIO()
-        torch.save(obj, clean)
-        clean.seek(0)
-        super().load_bytes(read_item, clean)
+        # placed as torch's planner places a byte item, without its own unpickling of the bytes
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
 
 
 def load(state: dict[str, Any], path: str | Path) -> None:
@@ -319,10 +315,7 @@ def load(state: dict[str, Any], path: str | Path) -> None:
                 raise CurvlabError(str(exc)) from None
         for exc, _ in e.failures.values():
             if is_weights_only_refusal(exc):
-                raise CurvlabError(
-                    f"{path}: a tensor in a shard names objects beyond tensors; refusing to unpickle it (it "
-                    "could run code)"
-                ) from None
+                raise unpickling_error(exc, path, "a tensor in a shard") from None
         for exc, stack in e.failures.values():
             if _failed_reading_a_shard(exc, stack):
                 raise CurvlabError(

@@ -47,7 +47,7 @@ from curvlab.models.nanogpt import is_nanogpt_checkpoint
 from curvlab.runs import hf
 from curvlab.util.atomic import atomic_open, atomic_write_text
 from curvlab.util.paths import inside
-from curvlab.util.weights_only import refused_global
+from curvlab.util.weights_only import unpickling_error
 
 FORMAT = "curvlab-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -106,13 +106,7 @@ def read_file(path: str | Path, what: str = "checkpoint", map_location: str | to
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        refused = refused_global(e)
-        if refused is None:
-            raise CurvlabError(f"{path}: corrupt or unreadable {what} (UnpicklingError)") from e
-        raise CurvlabError(
-            f"{path}: the {what} names {refused}, not only tensors and plain data; refusing to unpickle "
-            "it (it could run code)"
-        ) from None
+        raise unpickling_error(e, path, f"the {what}") from None
     except _CORRUPT as e:
         raise CurvlabError(f"{path}: corrupt or unreadable {what} ({type(e).__name__})") from e
 

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from curvlab.errors import CurvlabError
-from curvlab.util.weights_only import is_weights_only_refusal
+from curvlab.util.weights_only import unpickling_error
 
 TRAINER_FILES = ("config.json", "optimizer.pt", "trainer_state.json", "training_args.bin")
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -146,12 +146,7 @@ def load_model(path: Path) -> nn.Module:
     try:
         return cls.from_pretrained(path, local_files_only=True).eval()
     except pickle.UnpicklingError as e:  # from torch's weights_only unpickler, which transformers passes on
-        if not is_weights_only_refusal(e):
-            raise CurvlabError(f"{path}: a weights file (pytorch_model*.bin) is corrupt (UnpicklingError)") from None
-        raise CurvlabError(
-            f"{path}: a weights file (pytorch_model*.bin) names objects beyond tensors; refusing to unpickle it "
-            "(it could run code)"
-        ) from None
+        raise unpickling_error(e, path, "a weights file (pytorch_model*.bin)") from None
     except (OSError, ValueError, RuntimeError) as e:
         raise CurvlabError(f"{path}: the weights don't load into {cls.__name__} ({type(e).__name__})") from e
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import pickle
 import re
+from pathlib import Path
+
+from curvlab.errors import CurvlabError
 
 # torch.load's message opens with this and, for a refused global, names it as ``GLOBAL module.name``
 # (an unsupported one, or one of a blocked module)
@@ -28,3 +31,15 @@ def refused_global(error: BaseException) -> str | None:
 def is_weights_only_refusal(error: BaseException) -> bool:
     """Whether ``error`` is torch's weights-only unpickler refusing a global (not a corrupt file)."""
     return refused_global(error) is not None
+
+
+def unpickling_error(error: pickle.UnpicklingError, where: str | Path, what: str) -> CurvlabError:
+    """The one line for ``error``, raised by ``torch.load(..., weights_only=True)`` of ``what`` (``"the
+    checkpoint"``, ``"byte item 'lr'"``) in ``where``: a refusal names the global it would not resolve,
+    anything else is a corrupt file."""
+    refused = refused_global(error)
+    if refused is None:
+        return CurvlabError(f"{where}: corrupt or unreadable {what} (UnpicklingError)")
+    return CurvlabError(
+        f"{where}: {what} names {refused}, not only tensors and plain data; refusing to unpickle it (it could run code)"
+    )
