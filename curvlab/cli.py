@@ -609,7 +609,7 @@ def quadratic(
 def reproduce(
     preset: str = typer.Option(
         "quick",
-        help="micro (seconds), quick (CPU, ~10 min: AdamW and Muon, 5 seeds, s = 0), standard (CPU, < 1 h: "
+        help="micro (seconds), quick (CPU, ~11 min: AdamW and Muon, 6 seeds, s = 0), standard (CPU, < 1 h: "
         "5 seeds, 4412 tokens, the Zipf sweep, the control arm) or paper (GPU).",
     ),
     out: Path = typer.Option(None, help="Output directory; a re-run continues it.", show_default="results/<preset>"),

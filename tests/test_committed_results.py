@@ -1,6 +1,7 @@
 """The committed results (docs/results/<preset>/) are what the README and the results pages show, and the
 committed summaries follow from the committed per-level data: nothing in those tables is copied by hand."""
 
+import json
 import math
 import os
 from pathlib import Path
@@ -11,19 +12,23 @@ from scipy import stats
 
 from curvlab.jobs.presets import PRESETS
 from curvlab.output.text import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
+from curvlab.studies.controls import controls, stability
 from curvlab.studies.headline import headline
-from curvlab.studies.primary import primary_family
+from curvlab.studies.primary import calibration, primary_family
 from curvlab.studies.records import LevelData
 from curvlab.studies.summary import Summary
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-# preset, its page, the rerun the README sets beside it
-SECTIONS = (("quick", "docs/results.md", "quick-1thread"), ("standard", "docs/results-standard.md", None))
-# the --note both pages were generated with (`curvlab readme-results ... --note NOTE`)
-NOTE = (
+# the --note a page was generated with (`curvlab readme-results ... --note NOTE`): the standard run's
+STANDARD_NOTE = (
     "The run's process group had scheduling priority over the other jobs on the machine (autogroup nice -19), "
     "so its wall time is close to a quiet machine's."
+)
+# preset, its page, the rerun the README sets beside it, its note
+SECTIONS = (
+    ("quick", "docs/results.md", "quick-1thread", ""),
+    ("standard", "docs/results-standard.md", None, STANDARD_NOTE),
 )
 
 
@@ -34,8 +39,8 @@ def _section(preset: str) -> str:
     return text.split(begin, 1)[1].split(end, 1)[0]
 
 
-@pytest.mark.parametrize(("preset", "page", "rerun"), SECTIONS)
-def test_the_readme_and_the_page_are_generated_from_the_committed_summary(preset, page, rerun):
+@pytest.mark.parametrize(("preset", "page", "rerun", "note"), SECTIONS)
+def test_the_readme_and_the_page_are_generated_from_the_committed_summary(preset, page, rerun, note):
     summary = Summary.load(RESULTS / preset / "summary.json")
     assert summary.preset == preset
     figures = RESULTS / preset / "figures"
@@ -46,7 +51,7 @@ def test_the_readme_and_the_page_are_generated_from_the_committed_summary(preset
         assert again.preset == preset
         assert "\n".join(rerun_agreement(summary, again)) in section
     shown = Path(os.path.relpath(figures, (ROOT / page).parent)).as_posix()
-    assert render_readme_results(summary, shown, NOTE) in (ROOT / page).read_text()
+    assert render_readme_results(summary, shown, note) in (ROOT / page).read_text()
 
 
 @pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
@@ -110,3 +115,20 @@ def test_the_rerun_table_says_whether_each_estimate_lies_in_the_other_interval()
             ref = stats.ttest_rel([b_log[k] for k in seeds], [a_log[k] for k in seeds])
             factor = math.exp(np.mean([b_log[k] - a_log[k] for k in seeds]))
             assert rows[e.name][7].startswith(f"×{factor:.3g} [") and rows[e.name][7].endswith(f"p {ref.pvalue:.2g}")
+
+
+@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
+def test_the_committed_controls_and_calibration_follow_from_the_committed_levels(name):
+    """The controls, the edge-of-stability context and the A/A calibration (its estimates, exact p-values
+    and simulated power included), re-derived from levels.json by the code as it is now."""
+    summary = Summary.load(RESULTS / name / "summary.json")
+    levels = LevelData.load(RESULTS / name / "levels.json")
+    pairs = [tuple(p) for p in summary.calibration.pairs]
+    again = calibration(levels.comparisons, data=levels if summary.controls else None, pairs=pairs)
+    assert json.dumps(again.to_dict()) == json.dumps(summary.calibration.to_dict())
+    assert json.dumps([c.to_dict() for c in controls(levels)] if summary.controls else []) == json.dumps(
+        [c.to_dict() for c in summary.controls]
+    )
+    assert json.dumps([e.to_dict() for e in stability(levels)] if summary.controls else []) == json.dumps(
+        [e.to_dict() for e in summary.edge_of_stability]
+    )

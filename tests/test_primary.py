@@ -250,16 +250,18 @@ def test_summary_schema_round_trips_the_primary_family_and_calibration():
     cal = calibration(_aa_records(np.random.default_rng(8), 3))
     summary = _summary(primary, cal)
     d = json.loads(json.dumps(summary.to_dict()))
-    assert d["schema_version"] == 2 and set(d["calibration"]) >= {"false_verdict_rate", "n_tests"}
+    assert d["schema_version"] == 3
+    assert set(d["calibration"]) >= {"false_verdict_rate", "n_tests", "pairs", "claims", "power"}
+    assert set(d["calibration"]["power"]) == {"x1.5", "x2"}
     for entry in d["primary"]:
         keys = {"name", "scope", "value", "ci95", "n_seeds", "n_units", "paper", "direction", "magnitude", "p_holm"}
-        assert keys <= set(entry)
+        assert keys | {"p_exact", "p_exact_min"} <= set(entry)
     back = Summary.from_dict(d)
     assert back.primary == primary and back.calibration == cal
     assert isinstance(back.primary[0], PrimaryEntry) and isinstance(back.calibration, Calibration)
     assert back.primary_entry("between_nds_ratio").paper == 1.76
-    with pytest.raises(ValueError, match="schema 1 is not 2"):
-        Summary.from_dict({**d, "schema_version": 1})
+    with pytest.raises(ValueError, match="schema 2 is not 3"):
+        Summary.from_dict({**d, "schema_version": 2})
 
 
 def test_report_and_readme_open_with_the_primary_family_then_calibration_then_the_rest():
@@ -537,3 +539,105 @@ def test_the_primary_family_tests_claims_from_min_seeds_seeds(monkeypatch):
     monkeypatch.setattr(st, "MIN_SEEDS", 2)
     e = _by_name(primary_family(_experiment(np.random.default_rng(1), 2)))["between_nds_ratio"]
     assert e.n_seeds == 2 and e.p_holm is not None and e.direction != st.FEW_SEEDS
+
+
+def _hand_sign_flip(x, null, alternative):
+    """The sign-flip p by explicit enumeration of the 2^n sign vectors (the reference)."""
+    import itertools
+
+    d = [v - null for v in x]
+    observed = sum(d)
+    count = 0
+    for signs in itertools.product((1, -1), repeat=len(d)):
+        t = sum(s * v for s, v in zip(signs, d))
+        if alternative == "greater":
+            count += t >= observed - 1e-12
+        elif alternative == "less":
+            count += t <= observed + 1e-12
+        else:
+            count += abs(t) >= abs(observed) - 1e-12
+    return count / 2 ** len(d)
+
+
+def test_exact_p_beside_the_t_model_matches_a_hand_enumeration_at_5_seeds():
+    """Each judged claim's p_exact is the sign-flip p of its per-seed log ratios (or values) against the
+    null, one-sided in the claim's direction (two-sided for an "about" claim), enumerated by hand; the
+    floor is 1/32 one-sided and 1/16 two-sided at 5 seeds; a verdict that only the t model backs says so."""
+    entries = {e.name: e for e in primary_family(_experiment(np.random.default_rng(21), 5))}
+    paired = entries["paired_direction_ratio"]
+    logs = [math.log(s["value"]) for s in paired.per_seed]
+    assert paired.p_exact == pytest.approx(_hand_sign_flip(logs, 0.0, "greater"), abs=1e-15)
+    assert paired.p_exact_min == 1 / 32 and paired.exact_test.startswith("sign flips")
+    alignment = entries["alignment_ratio"]  # an "about" claim: two-sided
+    logs = [math.log(s["value"]) for s in alignment.per_seed]
+    assert alignment.p_exact == pytest.approx(_hand_sign_flip(logs, 0.0, "two-sided"), abs=1e-15)
+    assert alignment.p_exact_min == 1 / 16 and "within each seed's pair" in alignment.exact_test
+    gap = entries["rho_within_change_gap"]  # a difference: the values themselves against 0
+    values = [s["value"] for s in gap.per_seed]
+    assert gap.p_exact == pytest.approx(_hand_sign_flip(values, 0.0, "greater"), abs=1e-15)
+    # every log ratio above 1 at 5 seeds: the exact p sits at its floor, and Holm over the family can't reach
+    # 0.05 with it, so a t-model verdict is labelled
+    supported = [e for e in entries.values() if e.direction == st.SUPPORTED and e.exact_backed is False]
+    for e in supported:
+        assert e.verdict_text.startswith(f"{st.SUPPORTED} (t model; ")
+    assert all(e.verdict_text == e.direction for e in entries.values() if e.exact_backed is not False)
+
+
+def test_an_exact_floor_that_holm_cannot_pass_is_labelled():
+    """5 seeds, all on the claimed side: p_exact = 1/32 = the floor; Holm over two or more claims needs a
+    p below 0.025, so the exact test can't back the t model's verdict and the table says so."""
+    entries = {e.name: e for e in primary_family(_experiment(np.random.default_rng(22), 5))}
+    paired = entries["paired_direction_ratio"]
+    assert paired.direction == st.SUPPORTED and paired.p_exact == 1 / 32
+    assert paired.exact_backed is False
+    assert paired.verdict_text == "supported (t model; the exact floor is 1/32)"
+    eight = {e.name: e for e in primary_family(_experiment(np.random.default_rng(22), 8))}["paired_direction_ratio"]
+    assert eight.p_exact == 1 / 256 and eight.exact_backed is True and eight.verdict_text == st.SUPPORTED
+
+
+def test_disjoint_aa_pairs_and_power_against_the_noncentral_t():
+    from curvlab.studies.exact import aa_power_closed_form
+
+    assert PRESETS["micro"].aa_seed_pairs() == [(0, 1), (1, 2), (2, 3)]
+    disjoint = replace(PRESETS["standard"], seeds=8, aa_pairs="disjoint")
+    assert disjoint.aa_seed_pairs() == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert replace(disjoint, calibration=False).aa_seed_pairs() == []
+    with pytest.raises(CurvlabError, match="aa_pairs"):
+        replace(disjoint, aa_pairs="random").validate()
+    records = _aa_records(np.random.default_rng(23), 4)
+    for k, r in enumerate(records):
+        r.seed = 2 * k + 1
+    c = calibration(records, pairs=disjoint.aa_seed_pairs(), sims=20000)
+    assert c.pairs == [[0, 1], [2, 3], [4, 5], [6, 7]] and c.kind == "smoke test"  # 2 tests: too few for a rate
+    assert c.claims == ["between_nds_ratio", "alignment_ratio"]
+    for t, claim in zip(c.per_test, ("between_nds_ratio", "alignment_ratio")):
+        e = {x.name: x for x in _judge_aa(records)}[claim]
+        logs = np.log([s["value"] for s in e.per_seed])
+        sd = float(logs.std(ddof=1))
+        for label, factor in (("x1.5", 1.5), ("x2", 2.0)):
+            hand = aa_power_closed_form(sd, logs.size, factor, 0.05, 2)
+            se = math.sqrt(hand * (1 - hand) / 20000)
+            assert abs(t["power"][label] - hand) <= 4 * se + 1e-12, (claim, label)
+    assert c.power["x2"] == pytest.approx(np.mean([t["power"]["x2"] for t in c.per_test]))
+
+
+def _judge_aa(records):
+    from curvlab.studies.primary import _judge
+
+    claims = tuple(c for c in PRIMARY if c.between_runs)
+    return _judge(claims, level_data(s_values=(0.0,)), records, st.CONFIDENCE)
+
+
+def test_the_exact_test_takes_the_side_of_the_ratio_when_denominators_are_negative():
+    """Fieller with every denominator negative: a/b > 1 is a - b < 0, so the contrast's sign is flipped
+    before the one-sided flip test (else a ratio above 1 would read as evidence below it)."""
+    from curvlab.studies.primary import _exact, _SeedValues
+
+    claim = next(c for c in PRIMARY if c.name == "between_nds_ratio")  # greater than 1
+    num, den = [-3.0, -2.5, 0.5, -3.5, -2.8], [-1.0, -1.1, -0.9, -1.2, -1.0]  # seed 2's ratio is negative
+    inf = st.ratio_inference(num, den, claim.null)
+    assert inf.method == st.FIELLER and inf.value > 1
+    ex = _exact(claim, _SeedValues(list(range(5)), num, den, [1] * 5), inf, st.SUPPORTED)
+    contrast = [-(a - b) for a, b in zip(num, den)]  # (a - b) < 0 is the ratio above 1
+    assert ex.p == pytest.approx(_hand_sign_flip(contrast, 0.0, "greater")) and ex.p < 0.1
+    assert _hand_sign_flip([a - b for a, b in zip(num, den)], 0.0, "greater") > 0.9  # the unflipped side

@@ -23,6 +23,7 @@ from curvlab.output.text import (
     value_cell,
 )
 from curvlab.studies.compare import Comparison, Level, WindowSide
+from curvlab.studies.controls import CONTROL_NAMES, TWIN_TOLERANCE
 from curvlab.studies.headline import headline
 from curvlab.studies.records import ComparisonRecord, LevelData
 from curvlab.studies.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
@@ -201,9 +202,24 @@ def test_summary_schema(micro):
     assert {e["name"] for e in data["primary"]} >= {"paired_direction_ratio", "between_nds_ratio"}
     paired = next(e for e in data["primary"] if e["name"] == "paired_direction_ratio")
     assert paired["n_seeds"] == PRESETS["micro"].seeds and paired["value"] is not None  # the shadows are measured
-    # 4 seeds: A/A pairs (0, 1), (1, 2), (2, 3) for each arm, put through the between-run claims
-    assert data["calibration"]["n_tests"] == 4  # 2 arms x the 2 between-run claims, each over 3 A/A pairs
-    assert data["calibration"]["false_verdict_rate"] == sum(t["false"] for t in data["calibration"]["per_test"]) / 4
+    # 4 seeds: A/A pairs (0, 1), (1, 2), (2, 3) for each arm, put through the between-run claims; and each
+    # arm's hyperparameter twin through the paired claim
+    cal = data["calibration"]
+    assert cal["n_tests"] == 6 and cal["pairs"] == [[0, 1], [1, 2], [2, 3]] and cal["kind"] == "smoke test"
+    assert cal["claims"] == ["paired_direction_ratio", "between_nds_ratio", "alignment_ratio"]
+    assert cal["false_verdict_rate"] == sum(t["false"] for t in cal["per_test"]) / 6
+    assert all(t["value"] is not None and t["p_exact"] is not None for t in cal["per_test"])
+    # every control, per arm, measured (micro's runs keep their twins)
+    names = [(c["name"], c["arm"]) for c in data["controls"]]
+    for arm in ("adamw", "muon"):
+        assert [n for n, a in names if a == arm] == list(CONTROL_NAMES)
+    twins = [c for c in data["controls"] if c["name"] == "twin_shadow"]
+    assert all(c["passed"] is True and c["detail"]["max_abs_deviation"] <= TWIN_TOLERANCE for c in twins), twins
+    assert {(e["arm"], e["quantity"]) for e in data["edge_of_stability"]} >= {
+        ("adamw", "lambda_max"),
+        ("muon", "lambda_max"),
+    }
+    assert all(e["value"] is not None for e in data["edge_of_stability"] if e["quantity"] == "lambda_max")
     nds = next(e for e in data["headline"] if e["name"] == "nds_ratio" and e["scope"] == "all")
     assert (
         nds["n_seeds"] == PRESETS["micro"].seeds

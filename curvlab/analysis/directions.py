@@ -289,14 +289,18 @@ def counterfactual_directions(
     Z: Mapping[str, Tensor],
     names: Sequence[str],
     shadow: ShadowState | None = None,
+    controls: Mapping[str, ShadowState] | None = None,
 ) -> tuple[str, float, list[Direction]]:
     r"""The directions ``names`` at the model's current W (see the module docstring), from the
-    optimizer's state on the hidden matrices after the next gradient G, and the shadow's.
+    optimizer's state on the hidden matrices after the next gradient G, and the shadow's; then one
+    direction per control shadow (``controls``: the run's twins, :func:`curvlab.optim.shadow.build_controls`),
+    named by its key, at its own peak lr times the schedule multiplier.
 
     Args:
         G: the next step's gradient (clipped, as the optimizer sees it) and Z: the real next step,
             both from :func:`~curvlab.optim.update.next_update`.
         shadow: the run's shadow state, if it has one (the exact other arm).
+        controls: shadow states of the run's own arm, by name (``twin``, ``hp_twin``).
 
     Returns:
         ``(base, multiplier, directions)``: ``"adam"`` or ``"muon"``, the schedule multiplier, and the
@@ -337,6 +341,12 @@ def counterfactual_directions(
             scaling = "matched"
         z = {n: on_hidden.get(n, t).to(params[n].dtype) for n, t in Z.items()}
         out.append(Direction(name, z, source, scaling))
+    for name, control in (controls or {}).items():
+        if set(control.names) != set(W):
+            raise CurvlabError(f"the {name} shadow covers other matrices than the model's hidden ones")
+        on_hidden = control.direction(Gh, W, multiplier)
+        z = {n: on_hidden.get(n, t).to(params[n].dtype) for n, t in Z.items()}
+        out.append(Direction(name, z, f"{name} shadow ({control.settings.kind})", "lr"))
     return base, multiplier, out
 
 
@@ -420,17 +430,29 @@ def paired_directions(
     shadow: ShadowState | None = None,
     dtype: torch.dtype | None = None,
     method: str = "rev_rev",
+    controls: Mapping[str, ShadowState] | None = None,
 ) -> PairedDirections:
-    """The directions ``names`` (:func:`counterfactual_directions`) measured at ``params`` on ``batch``
-    (:func:`measure_directions`), over all parameters and the hidden matrices."""
-    base, multiplier, directions = counterfactual_directions(model, optimizer, G, Z, names, shadow)
+    """The directions ``names`` and one per control shadow (:func:`counterfactual_directions`) measured at
+    ``params`` on ``batch`` (:func:`measure_directions`), over all parameters and the hidden matrices."""
+    return measured_directions(model, optimizer, loss_fn, params, batch, G, Z, names, shadow, dtype, method, controls)[
+        0
+    ]
+
+
+def measured_directions(
+    model, optimizer, loss_fn, params, batch, G, Z, names=PAIRED, shadow=None, dtype=None, method="rev_rev",
+    controls=None,
+) -> tuple[PairedDirections, list[Direction]]:  # fmt: skip
+    """:func:`paired_directions` with the directions themselves (for measures beyond this point's H)."""
+    base, multiplier, directions = counterfactual_directions(model, optimizer, G, Z, names, shadow, controls)
     hidden = hidden_matrices({n: params[n] for n in params}, model)
     with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
         measured = measure_directions(point, directions, hidden)
     used = shadow is not None and any(d.source.startswith("shadow") for d in directions)
-    return PairedDirections(
+    paired = PairedDirections(
         base, BASES[base], measured, tuple(hidden), multiplier, shadow.settings.to_dict() if used else None
     )
+    return paired, directions
 
 
 # -- between runs ---------------------------------------------------------------------------------

@@ -46,14 +46,15 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from curvlab.analysis.directions import PAIRED, PairedDirections, paired_directions
+from curvlab.analysis.controls import PointControls, held_out_nds, stability_controls
+from curvlab.analysis.directions import PAIRED, PairedDirections, measured_directions
 from curvlab.analysis.targets import (
     DTYPES,
     REPORT_SCHEMA_VERSION,
@@ -165,6 +166,7 @@ class CurvatureReport:
     next_batch: BatchDraw | None = None
     paired: PairedDirections | None = None
     versions: SoftwareVersions | None = None  # what it was made with (None: a report from before they were kept)
+    controls: PointControls | None = None  # the controls beyond the paired directions, where asked for
     SCHEMA_VERSION: ClassVar[int] = REPORT_SCHEMA_VERSION
     WHAT: ClassVar[str] = "report"
 
@@ -188,6 +190,7 @@ class CurvatureReport:
             "paired": None if self.paired is None else self.paired.to_dict(),
             "timing": {"seconds": self.seconds, "hvp_seconds": self.hvp_seconds},
             "versions": None if self.versions is None else self.versions.to_dict(),
+            "controls": None if self.controls is None else self.controls.to_dict(),
         }
 
     @classmethod
@@ -218,6 +221,7 @@ class CurvatureReport:
             next_batch=None if d["next_batch"] is None else BatchDraw.from_dict(d["next_batch"]),
             paired=None if d.get("paired") is None else PairedDirections.from_dict(d["paired"]),
             versions=SoftwareVersions.from_dict(d.get("versions")),
+            controls=None if d.get("controls") is None else PointControls.from_dict(d["controls"]),
         )
 
     def scalars(self) -> CheckpointScalars:
@@ -239,7 +243,10 @@ class CurvatureReport:
             embed_head_share=embed_head_share(self.blocks, self.settings.blocks, split.update_norm),
             taylor_error=taylor_error(split),
             taylor_ok=taylor_holds(split),
-            paired={} if self.paired is None else self.paired.scalars(),
+            paired={
+                **({} if self.paired is None else self.paired.scalars()),
+                **({} if self.controls is None else self.controls.scalars()),
+            },
         )
 
     def save(self, path: str | Path, checkpoint_digest: str | None = None) -> None:
@@ -281,11 +288,9 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
     spectrum = None
     if settings.spectrum_top:
         spectrum = update_spectrum(loss_fn, params, D, Z, split.nds, settings.spectrum_top, dtype)
-    paired = None
+    paired, controls = None, None
     if settings.paired and target.shadow is not None:
-        paired = paired_directions(
-            model, target.optimizer, loss_fn, params, D, G, Z, PAIRED, target.shadow, dtype, method
-        )
+        paired, controls = _paired_and_controls(target, settings, loss_fn, params, D, G, Z, dtype)
     hvp_seconds = time.perf_counter() - hvp_start
     return CurvatureReport(
         checkpoint=checkpoint,
@@ -301,7 +306,34 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
         next_batch=target.draw,
         paired=paired,
         versions=SoftwareVersions.current(),
+        controls=controls,
     )
+
+
+def _paired_and_controls(target: Target, settings: AnalysisSettings, loss_fn, params, D, G, Z, dtype):
+    """Both arms' directions at the point (:mod:`curvlab.analysis.directions`) and, as ``settings`` ask, the
+    controls' (:mod:`curvlab.analysis.controls`): the twins' and momentum SGD's directions in the same
+    batched call, the held-out H, lambda_max, the preconditioned sharpness and the injected directions."""
+    model, optimizer, method = target.model, target.optimizer, settings.hvp_method
+    names = (*PAIRED, "sgd") if settings.controls else PAIRED
+    twins = target.controls if settings.controls else None
+    paired, directions = measured_directions(
+        model, optimizer, loss_fn, params, D, G, Z, names, target.shadow, dtype, method, twins
+    )
+    hidden = paired.hidden_names
+    if not (settings.held_out or settings.stability):
+        return paired, None
+    arms = [d for d in directions if d.name in PAIRED]
+    controls = PointControls()
+    if settings.stability:
+        muon = next(d for d in arms if d.name == "muon")
+        controls = stability_controls(loss_fn, model, optimizer, params, D, muon, G, settings.stability, method, dtype)
+    if settings.held_out:
+        if not target.val_batches:
+            raise CurvlabError("the held-out control needs a validation batch, and this checkpoint's data has none")
+        held = held_out_nds(loss_fn, params, target.val_batches[0], arms, hidden, method, dtype)
+        controls = replace(controls, held_out=held)
+    return paired, controls
 
 
 def update_spectrum(

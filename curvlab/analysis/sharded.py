@@ -36,6 +36,7 @@ def open_sharded_checkpoint(
     shard_run(run)
     load_sharded_into(run, path, meta)
     run.shadow = None  # a DCP checkpoint holds no shadow state: no paired directions from an empty one
+    run.controls = {}
     return run_target(run, batches, float(meta.get("val_loss", float("nan"))))
 
 

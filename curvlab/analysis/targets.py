@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,13 @@ class AnalysisSettings:
     hvp_method: str = "rev_rev"  # rev_rev (double backward) or fwd_rev (jvp of grad): equal to rounding
     spectrum_top: int = 0  # > 0: also λ_max, the top-k eigenvalues, Z's overlap with them and the trace
     paired: bool = True  # with a shadow state in the checkpoint: the AdamW and Muon directions at the same point
+    # the controls (docs/science.md section 14): the twins' directions (where the checkpoint keeps them) and
+    # momentum SGD's, with the paired ones; ``stability`` > 0 also takes, in at most that many Lanczos
+    # iterations each, lambda_max(H), the arm's preconditioned sharpness and the injected sharp directions;
+    # ``held_out``: both arms' directions under the H of the first validation batch as well
+    controls: bool = False
+    stability: int = 0
+    held_out: bool = False
 
     def validate(self) -> None:
         if self.batch not in BATCHES:
@@ -50,6 +58,8 @@ class AnalysisSettings:
             raise CurvlabError(f"batches must be >= 1, got {self.batches}")
         if self.spectrum_top < 0:
             raise CurvlabError(f"spectrum_top must be >= 0, got {self.spectrum_top}")
+        if self.stability < 0:
+            raise CurvlabError(f"stability (Lanczos iterations) must be >= 0, got {self.stability}")
         check_method(self.hvp_method)
 
     def key(self) -> str:
@@ -99,6 +109,7 @@ class Target:
     optimizer_name: str
     draw: BatchDraw = BatchDraw("checkpoint")
     shadow: ShadowState | None = None  # the run's shadow of the other arm, if it keeps one
+    controls: Mapping[str, ShadowState] = field(default_factory=dict)  # its twins, if it keeps them
 
 
 def open_checkpoint(path: str | Path, data: str | Path | None = None, device: str = "cpu", batches: int = 1) -> Target:
@@ -177,6 +188,7 @@ def run_target(run, batches: int, val_loss: float) -> Target:
         val_loss,
         run.cfg.optimizer,
         shadow=run.shadow,
+        controls=run.controls,
     )
 
 

@@ -8,7 +8,8 @@ a shadow state, the paired directions. Window means, track rows and the headline
 JSON (flat, one object per checkpoint; the shape of a compare window member and of a track row)::
 
     step, val_loss, <SCOPE_KEYS>, hidden_<SCOPE_KEYS>, within, cross, rho_within, within_layers,
-    nds_layers, embed_head_share, taylor_error, taylor_ok, [paired_{nds,cos,q,norm}_{arm}_{scope}],
+    nds_layers, embed_head_share, taylor_error, taylor_ok, [paired_{nds,cos,q,norm}_{direction}_{scope}],
+    [control_*],
     [optimizer, multiplier, lr, phase, on_plateau, lambda_max, overlap_top_k, status, message]
 
 The bracketed context keys are written only where known (a track row has them, a window member not).
@@ -40,6 +41,7 @@ CONTEXT_KEYS = (
     *("status", "message"),  # a monitored step's
 )
 TAYLOR_TOLERANCE = 0.5
+PAIRED_PREFIXES = ("paired_", "control_")  # the keys of CheckpointScalars.paired
 NAN_SCOPE = TaylorScope(**{k: math.nan for k in SCOPE_KEYS})
 _LAYER_BLOCK = re.compile(r"^layer\d+$")
 
@@ -104,7 +106,9 @@ class CheckpointScalars:
             grouping is ``layer``).
         taylor_error, taylor_ok: :func:`taylor_error` and :func:`taylor_holds` (a monitored step whose
             status is not ``ok`` fails it).
-        paired: ``paired_{nds,cos,q,norm}_{arm}_{scope}`` of the paired directions (empty without a shadow).
+        paired: ``paired_{nds,cos,q,norm}_{direction}_{scope}`` of the paired directions (empty without a
+            shadow), and the ``control_*`` scalars of the controls where they were taken
+            (:mod:`curvlab.analysis.controls`).
         optimizer ... message: where the checkpoint sits (a track row's context), ``None`` where unknown.
     """
 
@@ -177,6 +181,6 @@ class CheckpointScalars:
             hidden=TaylorScope(**hidden),
             **{k: _float(d.get(k)) for k in (*BLOCK_KEYS, *CHECK_KEYS)},
             taylor_ok=bool(d["taylor_ok"]),
-            paired={k: _float(v) for k, v in d.items() if k.startswith("paired_")},
+            paired={k: _float(v) for k, v in d.items() if k.startswith(PAIRED_PREFIXES)},
             **{k: d.get(k) for k in CONTEXT_KEYS},
         )

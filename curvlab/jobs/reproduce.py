@@ -15,9 +15,11 @@ started again, continues from what is done), each timed (``timing.json``):
 3. per measurement seed (``analysis/seed<k>.json``): every arm's run at the first s and AdamW and Muon
    at the other s, all under a warmup-stable-decay schedule; AdamW against each Muon arm at matched
    validation loss inside the stable phase (:mod:`curvlab.runs.match`, each level averaged over a window
-   of checkpoints that no other level shares); the trajectories; and, from the second seed on, the A/A
-   comparisons of this seed with the one before (AdamW vs AdamW, Muon vs Muon), which calibrate the
-   verdicts. Then the previous seed's checkpoints are deleted but each run's last (``keep``);
+   of checkpoints that no other level shares); the trajectories (every ``stability_interval`` steps with
+   the controls' held-out H, lambda_max and injected directions); and the A/A comparisons whose later
+   seed this is (AdamW vs AdamW, Muon vs Muon: neighbouring or disjoint seed pairs, ``aa_pairs``), which
+   calibrate the verdicts. Every run keeps its twins (``controls``), measured at every analysed point.
+   Then the previous seed's checkpoints are deleted but each run's last (``keep``);
 4. ``analysis/levels.json``, everything measured (:class:`curvlab.studies.records.LevelData`), and from it
    alone the headline with its intervals and verdicts (:func:`curvlab.studies.headline.headline`);
 5. with a fine-tuning preset: LoRA adaptation of the first seed's AdamW model to s = 1 under the
@@ -25,9 +27,10 @@ started again, continues from what is done), each timed (``timing.json``):
 6. the quadratic model; 7. figures; 8. ``summary.json`` and ``report.md``.
 
 Presets (:data:`curvlab.jobs.presets.PRESETS`): ``micro`` (the test suite's, seconds), ``quick`` (the CPU
-default, ten minutes on two cores: AdamW and Muon, 5 seeds, s = 0, the paired design), ``standard`` (CPU,
-within an hour: 5 seeds, the paper's 4412-token grammar, the Zipf sweep and the control arm) and
-``paper`` (a GPU: ``pcfg-9m`` on the s sweep, and ``gpt2-124m`` on FineWeb shards the user provides).
+default, eleven minutes on two cores: AdamW and Muon, 6 seeds, s = 0, the paired design and its
+controls), ``standard`` (CPU, within an hour: 5 seeds, the paper's 4412-token grammar, the Zipf sweep
+and the control arm) and ``paper`` (a GPU: ``pcfg-9m`` on the s sweep, and ``gpt2-124m`` on FineWeb
+shards the user provides).
 """
 
 from __future__ import annotations
@@ -60,10 +63,11 @@ from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria, NoMatchedLevel, plateau_ceiling
 from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
+from curvlab.studies.controls import controls, stability
 from curvlab.studies.headline import headline, taylor_counts
 from curvlab.studies.primary import calibration, primary_family
 from curvlab.studies.quadratic import QuadraticStudy, quadratic_study
-from curvlab.studies.records import ComparisonRecord, LevelData, TrackRecord
+from curvlab.studies.records import PRIMARY_COMPARISON, ComparisonRecord, LevelData, TrackRecord
 from curvlab.studies.summary import FinewebRecord, QuadraticRecord, Summary
 from curvlab.studies.track import track_run
 from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, log2_grid
@@ -326,14 +330,33 @@ class Reproduction(Job):
         other = "muon" if ARMS[arm].optimizer == "adamw" else "adamw"
         cfg = self._train_config(
             data[s], run, arm, options, seed, eval_every=every, ckpt_every=every, shadow=True,
-            shadow_options={"lr": chosen[other]["lr"]},
+            shadow_options={"lr": chosen[other]["lr"]}, controls=self.preset.controls,
         )  # fmt: skip
         with self.clock("train"):
             train(cfg, progress=self.progress)
         return run
 
-    def _settings(self, batches: int) -> AnalysisSettings:
-        return AnalysisSettings(blocks="layer", batch="train", batches=batches)
+    def _settings(self, batches: int, tracked: bool = False, controls: bool = True) -> AnalysisSettings:
+        """How a checkpoint is analysed: with the controls' directions where the preset keeps controls (not
+        in the A/A and control-arm comparisons, whose points the controls don't read: the twins there
+        tripled their cost), and at a tracked checkpoint of :meth:`_stability_steps` also the held-out H
+        and the stability context (a subset: their Lanczos runs cost more than everything else at a point)."""
+        p = self.preset
+        extra = tracked and p.controls
+        return AnalysisSettings(
+            blocks="layer", batch="train", batches=batches, controls=p.controls and controls,
+            stability=p.stability_iterations if extra else 0, held_out=extra,
+        )  # fmt: skip
+
+    def _stability_steps(self) -> list[int]:
+        """The tracked steps that take the controls' held-out H and stability context: every
+        ``stability_interval`` steps inside the stable phase (the aggregates read no other)."""
+        p = self.preset
+        stable_end = p.steps - int(p.cooldown_frac * p.steps) if p.schedule == "wsd" else p.steps
+        return [
+            k for k in self._track_steps()
+            if p.controls and k % p.stability_interval == 0 and p.warmup_steps <= k <= stable_end
+        ]  # fmt: skip
 
     def _criteria(self, plateau: float | None) -> MatchCriteria:
         return replace(self.preset.matching, plateau_ceiling=plateau)
@@ -347,7 +370,8 @@ class Reproduction(Job):
             with self.clock("compare"):
                 c = compare_runs(
                     run_a, run_b, self.out / "analysis" / out, self._criteria(plateau),
-                    self._settings(p.analysis_batches), progress=self.progress, cache=self.out / "analysis" / "reports",
+                    self._settings(p.analysis_batches, controls=name == PRIMARY_COMPARISON), progress=self.progress,
+                    cache=self.out / "analysis" / "reports",
                 )  # fmt: skip
             return ComparisonRecord(name, seed, s0, c)
         except NoMatchedLevel as e:  # no stable phase, no overlap, no level within tolerance (a broken file raises)
@@ -364,14 +388,15 @@ class Reproduction(Job):
             rows = track_run(
                 self._run_dir(s, arm, seed), self.out / "analysis" / f"track-{_s_name(s)}-{arm}-seed{seed}",
                 settings=self._settings(p.track_batches), progress=self.progress, plateau_ceiling=plateau,
+                settings_at=dict.fromkeys(self._stability_steps(), self._settings(p.track_batches, tracked=True)),
                 cache=self.out / "analysis" / "reports", steps=self._track_steps(),
             )  # fmt: skip
         return TrackRecord(arm, s, seed, p.steps, p.warmup_steps, rows)
 
     def seed(self, seed: int, data: dict[float, Path], tuning: TuningRecord, plateaus: dict[float, float]) -> LevelData:
         """Everything measured on one measurement seed (``analysis/seed<k>.json``; a re-run reads it):
-        its runs at every s, AdamW against each Muon arm at matched loss, the trajectories, and (from
-        the second seed on) the A/A comparisons of this seed with the one before. The first seed also
+        its runs at every s, AdamW against each Muon arm at matched loss, the trajectories, and the A/A
+        comparisons whose later seed this is (:meth:`~curvlab.jobs.presets.Preset.aa_seed_pairs`). The first seed also
         sets the control arm's lr (:meth:`control_lr`), into ``tuning.json`` and :attr:`tuning`."""
         p = self.preset
         path = self.out / "analysis" / f"seed{seed}.json"
@@ -396,16 +421,16 @@ class Reproduction(Job):
             records.append(self._compare(f"adamw/{CONTROL_ARM}", seed, adamw, self._run_dir(s0, CONTROL_ARM, seed),
                                          plateaus[s0], f"compare-{CONTROL_ARM}-seed{seed}"))  # fmt: skip
         tracks = [self._track(s, arm, seed, plateaus[s]) for s in p.s_values for arm in p.sweep_arms]
-        if p.calibration and seed > 0:
+        for first, second in (pair for pair in p.aa_seed_pairs() if pair[1] == seed):
             for arm in ("adamw", "muon"):
                 records.append(
                     self._compare(
                         f"{arm}/{arm}",
                         seed,
-                        self._run_dir(s0, arm, seed - 1),
-                        self._run_dir(s0, arm, seed),
+                        self._run_dir(s0, arm, first),
+                        self._run_dir(s0, arm, second),
                         plateaus[s0],
-                        f"aa-{arm}-seed{seed - 1}-{seed}",
+                        f"aa-{arm}-seed{first}-{second}",
                     )
                 )
         result = LevelData(records, tracks, plateaus[s0], list(p.s_values))
@@ -611,7 +636,11 @@ class Reproduction(Job):
             quadratic = self.quadratic()
         with self.clock("summary"):
             entries, zipf = headline(levels, p.n_boot)
-            primary, calibrated = primary_family(levels, judged=p.primary), calibration(levels.comparisons)
+            primary, calibrated = (
+                primary_family(levels, judged=p.primary),
+                calibration(levels.comparisons, data=levels, pairs=p.aa_seed_pairs()),
+            )
+            checks, context = controls(levels), stability(levels)
         final = {}
         for (s, arm, _), run in runs.items():
             index = read_index(run)
@@ -621,6 +650,7 @@ class Reproduction(Job):
         summary = Summary(
             p.name, entries, zipf, taylor_counts(levels), tuning, notes, final, QuadraticRecord.from_study(quadratic),
             fineweb=fineweb, primary=primary, calibration=calibrated, versions=SoftwareVersions.current(),
+            controls=checks, edge_of_stability=context,
         )  # fmt: skip
         with self.clock("figures"):
             summary.figures = self.figures(levels, summary, tuning, quadratic)

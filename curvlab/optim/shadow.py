@@ -25,6 +25,11 @@ W, which pairs with the real step (:mod:`curvlab.analysis.directions`):
       Z = \eta\lambda W + \eta\, \hat m / (\sqrt{\hat v} + \epsilon),\quad
       \hat m = m / (1-\beta_1^t),\ \sqrt{\hat v} = \sqrt{v} / (1-\beta_2^t)^{1/2}.
 
+**Controls** (:func:`build_controls`, docs/science.md section 14): a run can also keep shadows of its *own*
+arm, from step 0 and fed the same gradient: a *twin* with the run's own settings (:func:`own_settings`,
+read from the optimizer's param group), whose step at a point must be the real step to float rounding,
+and a *hyperparameter twin* with one nudge (:func:`hyperparameter_twin`), an approximate null.
+
 The learning rate :math:`\eta` of a shadow step is a peak lr (``ShadowSettings.lr``: by default the
 other arm's default, Muon 0.02 and AdamW 0.0018 as
 :func:`curvlab.optim.model_optimizer.build_model_optimizer` has them; the
@@ -43,7 +48,7 @@ Checkpoint payload ``"shadow"`` (``SHADOW_SCHEMA_VERSION`` = 1)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -290,6 +295,15 @@ def muon_step(update: Tensor, shape: tuple[int, int], settings: ShadowSettings, 
     return ortho.contiguous().view(update.shape) * (lr * muon_scale(shape, settings.scale))
 
 
+def _hidden_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    names = hidden_matrices(params, model)
+    if not names:
+        raise CurvlabError("the model has no hidden matrices to keep a shadow state on")
+    shapes = matrix_shapes(model)
+    return {n: shapes[n] for n in names}
+
+
 def build_shadow(optimizer: str, model: nn.Module, **options: Any) -> ShadowState:
     """The shadow of the other arm for a run of ``optimizer`` (``"adamw"`` keeps a shadow Muon,
     ``"muon"`` a shadow Adam) over the model's hidden matrices, with ``options`` over the other arm's
@@ -300,9 +314,60 @@ def build_shadow(optimizer: str, model: nn.Module, **options: Any) -> ShadowStat
     """
     if optimizer not in SHADOW_OF:
         raise CurvlabError(f"shadow states exist for the adamw and muon arms, not for {optimizer!r}")
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    names = hidden_matrices(params, model)
-    if not names:
-        raise CurvlabError("the model has no hidden matrices to keep a shadow state on")
-    shapes = matrix_shapes(model)
-    return ShadowState(ShadowSettings.for_kind(SHADOW_OF[optimizer], **options), {n: shapes[n] for n in names})
+    return ShadowState(ShadowSettings.for_kind(SHADOW_OF[optimizer], **options), _hidden_shapes(model))
+
+
+# -- controls: shadows of the run's own arm -----------------------------------------------------------
+
+# The hyperparameter twin's one change (docs/science.md section 14): Muon's momentum 0.95 -> 0.94, Adam's
+# beta2 0.95 -> 0.951. Small enough that the direction hardly moves: its spread is what "no difference"
+# looks like on real curvature.
+MOMENTUM_NUDGE = -0.01
+BETA2_NUDGE = 0.001
+CONTROLS = ("twin", "hp_twin")  # the control shadows a run keeps (``TrainConfig.controls``)
+
+
+def own_settings(optimizer: torch.optim.Optimizer, model: nn.Module) -> ShadowSettings:
+    """The run's own optimizer on its hidden matrices, as shadow settings (a *twin*, whose step at a point
+    must be the real step to float rounding): the param group that holds them, at its peak lr
+    (``initial_lr``, which torch's schedulers record).
+
+    Raises:
+        CurvlabError: the hidden matrices lie in several groups, or in a group that is neither Muon nor
+            a plain Adam (AMSGrad, maximize).
+    """
+    shapes = _hidden_shapes(model)
+    params = dict(model.named_parameters())
+    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    groups = {group_of.get(id(params[n])) for n in shapes}
+    if len(groups) != 1 or None in groups:
+        raise CurvlabError("the hidden matrices are not all in one param group of the optimizer: no single twin")
+    g = optimizer.param_groups[groups.pop()]
+    lr = float(g.get("initial_lr", g["lr"]))
+    if "ns_steps" in g and "momentum" in g:
+        dtype = g.get("polar_dtype", torch.bfloat16)
+        return ShadowSettings.for_kind(
+            "muon", lr=lr, weight_decay=g["weight_decay"], momentum=g["momentum"], nesterov=g["nesterov"],
+            ns_steps=g["ns_steps"], ns_coefficients=g["ns_coefficients"], ns_eps=g["eps"],
+            polar=g.get("polar", "newton_schulz"), polar_dtype=str(dtype), scale=g.get("scale", "original"),
+        )  # fmt: skip
+    if "betas" in g and not g.get("amsgrad") and not g.get("maximize"):
+        return ShadowSettings.for_kind("adamw", lr=lr, weight_decay=g["weight_decay"], betas=g["betas"], eps=g["eps"])
+    raise CurvlabError(f"{type(optimizer).__name__} keeps neither a Muon nor a plain Adam state: no twin")
+
+
+def hyperparameter_twin(settings: ShadowSettings) -> ShadowSettings:
+    """``settings`` with its one nudge (:data:`MOMENTUM_NUDGE` on Muon's momentum, :data:`BETA2_NUDGE` on
+    Adam's beta2): the approximate null of the controls."""
+    if settings.kind == "muon":
+        return replace(settings, momentum=round(settings.momentum + MOMENTUM_NUDGE, 6))
+    beta1, beta2 = settings.betas
+    return replace(settings, betas=(beta1, round(beta2 + BETA2_NUDGE, 6)))
+
+
+def build_controls(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, ShadowState]:
+    """The control shadows of a run (:data:`CONTROLS`): its *twin* (its own arm with its own settings) and
+    its *hyperparameter twin*, both from step 0, over the hidden matrices."""
+    own = own_settings(optimizer, model)
+    shapes = _hidden_shapes(model)
+    return {"twin": ShadowState(own, shapes), "hp_twin": ShadowState(hyperparameter_twin(own), shapes)}

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from curvlab.errors import CurvlabError
 from curvlab.studies import statistics as st
+from curvlab.studies.exact import floor_text
 from curvlab.studies.headline import HeadlineEntry
-from curvlab.studies.paper import QUADRATIC_EXAMPLE
+from curvlab.studies.paper import POST_HOC_RULES, QUADRATIC_EXAMPLE
 from curvlab.studies.primary import Calibration, PrimaryEntry
 from curvlab.studies.records import LevelData
 from curvlab.studies.rerun import RerunComparison, compare_reruns
@@ -101,16 +102,20 @@ def primary_cell(e: PrimaryEntry) -> str:
 def primary_table(entries: list[PrimaryEntry]) -> list[str]:
     """The markdown table of the primary family: one row per claim (at most 8)."""
     lines = [
-        "| claim | scope | curvlab [95% CI] | seeds, units | paper | direction | magnitude | p (Holm) |",
-        "|---|---|---:|---:|---:|---|---|---:|",
+        "| claim | scope | curvlab [95% CI] | seeds, units | paper | direction | magnitude | p (Holm) "
+        "| exact p, the verdict's side (floor) | rule set |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---|",
     ]
     for e in entries[:8]:
         units = f"{e.n_seeds}, {e.n_units}" if e.n_seeds else "—"
         p = "—" if e.p_holm is None else f"{e.p_holm:.2g}"
         magnitude = e.magnitude or "—"
+        shown = e.p_exact if e.p_exact_verdict is None else e.p_exact_verdict
+        exact = "—" if shown is None else f"{shown:.3g} ({floor_text(e.p_exact_min)})"
+        when = "after data" if e.name in POST_HOC_RULES else "before"
         lines.append(
             f"| {e.quantity}: {e.claimed} | {e.scope} | {primary_cell(e)} | {units} | {e.paper_text} | "
-            f"{e.direction} | {magnitude} | {p} |"
+            f"{e.verdict_text} | {magnitude} | {p} | {exact} | {when} |"
         )
     return lines
 
@@ -125,22 +130,88 @@ PRIMARY_METHOD = (
     "verdict below 3 seeds, nor on a claim the preset does not judge (*descriptive*: shown with its interval, "
     "outside Holm). Magnitude against the paper's number: *larger* / *smaller* when the interval "
     "excludes it, *consistent* when it contains it, *uninformative* when it contains it but spans more than "
-    "×4 (max/min of |bounds|; infinite when it contains 0)."
+    "×4 (max/min of |bounds|; infinite when it contains 0). Exact p: the seed-level sign-flip test beside the "
+    "t model (one-sided for a greater/less claim; for between-run claims AdamW's and Muon's labels swapped within "
+    "each seed's pair), with the smallest p this many seeds allow; a verdict the exact test, Holm-adjusted, "
+    "cannot back says 't model'. Rule set: 'after data' marks a claim whose rule, or whose judging here, was "
+    "chosen after seeing data (docs/science.md section 12)."
 )
 
 
 def calibration_line(c: Calibration) -> str:
-    """One line: the A/A false-verdict rate, or that there were no A/A tests."""
+    """One line: the A/A false-verdict rate, what the A/A is, and its power; or that there were no tests."""
     if not c.n_tests:
         return (
             "A/A calibration: no same-arm comparison with 3 or more seed pairs, so the false-verdict rate is not "
             "measured here."
         )
     false = sum(t["false"] for t in c.per_test)
+    pairs = ", ".join(f"({a}, {b})" for a, b in c.pairs) or "none"
+    power = ", ".join(f"{k} {v:.0%}" for k, v in c.power.items() if v is not None) or "not estimable"
     return (
-        f"A/A calibration (two seeds of one arm against each other, through the same pipeline): {false} of "
-        f"{c.n_tests} tests gave a verdict asserting a difference (false-verdict rate {c.false_verdict_rate:.0%})."
+        f"A/A calibration{', a smoke test' if c.kind == 'smoke test' else ''} (two runs of one arm against "
+        f"each other, through the same pipeline; seed pairs {pairs}; "
+        f"claims {', '.join(c.claims)}): {false} of {c.n_tests} tests gave a verdict asserting a difference "
+        f"(false-verdict rate {c.false_verdict_rate:.0%}). Power to flag a same-arm bias, by simulation on "
+        f"these tests' own spreads: {power}."
     )
+
+
+def calibration_table(c: Calibration) -> list[str]:
+    """Each A/A test with its estimate, interval and p-values (the count alone says little)."""
+    if not c.per_test:
+        return []
+    lines = [
+        "| A/A test | claim | seeds | estimate [95% CI] | p (t) | exact p (the verdict's side) | verdict |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for t in c.per_test:
+        ci = "" if t.get("ci95") is None else f" [{fmt(t['ci95'][0])}, {fmt(t['ci95'][1])}]"
+        exact = "—" if t.get("p_exact_verdict") is None else f"{t['p_exact_verdict']:.3g}"
+        p = "—" if t.get("p_holm") is None else f"{t['p_holm']:.2g}"
+        lines.append(
+            f"| {t['comparison']} | {t['claim']} | {t['n_seeds']} | {fmt(t.get('value'))}{ci} | "
+            f"{p} | {exact} | {t['direction']} |"
+        )
+    return lines
+
+
+def _passed(x: bool | None) -> str:
+    return {True: "pass", False: "**FAIL**", None: "not measured"}[x]
+
+
+def controls_section(summary: Summary) -> list[str]:
+    """The controls table and the edge-of-stability table (docs/science.md section 14)."""
+    if not summary.controls:
+        return ["No controls in this summary (made before they were kept, or a preset without them).", ""]
+    lines = [
+        "| control | arm | compares | value [95% CI] | seeds, points | expected | result |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
+    for e in summary.controls:
+        ci = "" if e.ci95 is None else f" [{fmt(e.ci95[0])}, {fmt(e.ci95[1])}]"
+        extra = ""
+        if e.name == "twin_shadow" and e.detail:
+            extra = f"; largest deviation {e.detail['max_abs_deviation']:.1e}"
+        lines.append(
+            f"| {e.name} | {e.arm} | {e.scope} | {fmt(e.value)}{ci} | {e.n_seeds}, {e.n_points} | {e.expected} | "
+            f"{_passed(e.passed)}{extra} |"
+        )
+    passed = sum(e.passed is True for e in summary.controls)
+    lines += ["", f"{passed} of {len(summary.controls)} controls passed.", ""]
+    if summary.edge_of_stability:
+        lines += [
+            "Edge-of-stability context at the tracked checkpoints (per arm: the geometric mean over seeds of each "
+            "seed's median, with its log-t interval):",
+            "",
+            "| arm | quantity | value [95% CI] | seeds, points |",
+            "|---|---|---:|---:|",
+        ]
+        for e in summary.edge_of_stability:
+            ci = "" if e.ci95 is None else f" [{fmt(e.ci95[0])}, {fmt(e.ci95[1])}]"
+            lines.append(f"| {e.arm} | {e.quantity} | {fmt(e.value)}{ci} | {e.n_seeds}, {e.n_points} |")
+        lines.append("")
+    return lines
 
 
 def primary_section(summary: Summary, figure: str | None, brief: bool = False) -> list[str]:
@@ -155,7 +226,11 @@ def primary_section(summary: Summary, figure: str | None, brief: bool = False) -
         lines += notes + ([""] if notes else [])
     if figure:
         lines += [f"![fig0_primary_forest]({figure})", ""]
-    return [*lines, calibration_line(summary.calibration), ""]
+    lines += [calibration_line(summary.calibration), ""]
+    if not brief:
+        table = calibration_table(summary.calibration)
+        lines += [*table, ""] if table else []
+    return lines
 
 
 def _stage_times(summary: Summary) -> str:
@@ -290,6 +365,9 @@ def render_report(summary: Summary, levels: LevelData | None = None) -> str:
         "## Primary family (pre-registered; the only claims judged)",
         "",
         *primary_section(summary, _figure(summary, "fig0_primary_forest")),
+        "## Controls (docs/science.md section 14)",
+        "",
+        *controls_section(summary),
         "## Where we disagree with the paper",
         "",
         *_disagreements(summary),
@@ -375,6 +453,9 @@ def render_readme_results(summary: Summary, figures_dir: str = "docs/results", n
         "Primary family (pre-registered; the only claims judged):",
         "",
         *primary_section(summary, forest),
+        "Controls (docs/science.md section 14):",
+        "",
+        *controls_section(summary),
         "Where the primary family disagrees with the paper:",
         "",
         *_disagreements(summary),

@@ -14,6 +14,7 @@ rng        torch's RNG state (dropout)
 val_loss   validation loss at this step (NaN if not evaluated)
 train_loss the last training loss
 shadow     (runs with ``shadow`` on) the other arm's shadow state: :mod:`curvlab.optim.shadow`
+controls   (runs with ``controls`` on) ``{twin, hp_twin}``: shadow states of the run's own arm
 ========== =====================================================================
 
 Writes go to a temporary file that is renamed into place, so a crash mid-write leaves the previous

@@ -47,6 +47,9 @@ class TrainConfig:
     # A shadow state of the other arm on the hidden matrices (curvlab.optim.shadow): updated, never applied.
     shadow: bool = False
     shadow_options: dict[str, Any] = field(default_factory=dict)
+    # The control shadows of the run's own arm (curvlab.optim.shadow.build_controls): its twin and its
+    # hyperparameter twin, updated like the shadow, never applied (docs/science.md section 14).
+    controls: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(asdict(self)))  # plain JSON types (tuples become lists)

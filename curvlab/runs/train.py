@@ -18,7 +18,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from curvlab.engine.loss import count_loss_terms, token_cross_entropy
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.build import build_optimizer
-from curvlab.optim.shadow import ShadowState, build_shadow
+from curvlab.optim.shadow import ShadowState, build_controls, build_shadow
 from curvlab.runs.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
 from curvlab.runs.config import TrainConfig, config_difference
 from curvlab.runs.metrics import METRICS_FILE, truncate_metrics
@@ -70,6 +70,7 @@ class Run:
     device: torch.device
     step: int = 0
     shadow: ShadowState | None = None
+    controls: dict[str, ShadowState] = field(default_factory=dict)  # the twins (TrainConfig.controls)
     base: dict[str, Any] | None = None
 
     def autocast(self):
@@ -100,7 +101,8 @@ def build_run(cfg: TrainConfig, rank: int = 0, world: int = 1) -> Run:
     loader = TrainBatches(data.train, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world=world)
     val = validation_batches(data.val, cfg.batch_size, seq_len, cfg.val_windows)
     shadow = build_shadow(cfg.optimizer, model, **cfg.shadow_options) if cfg.shadow else None
-    return Run(cfg, model, optimizer, scheduler, loader, val, device, shadow=shadow)
+    controls = build_controls(optimizer, model) if cfg.controls else {}
+    return Run(cfg, model, optimizer, scheduler, loader, val, device, shadow=shadow, controls=controls)
 
 
 def restore(run: Run, ckpt: dict[str, Any]) -> None:
@@ -119,6 +121,13 @@ def restore(run: Run, ckpt: dict[str, Any]) -> None:
             raise CurvlabError(f"the checkpoint of step {run.step} holds no shadow state, which this run keeps")
         run.shadow.load_state_dict(ckpt["shadow"])
         run.shadow.to(run.device)
+    if run.controls:
+        saved = ckpt.get("controls", {})
+        if set(saved) != set(run.controls):
+            raise CurvlabError(f"the checkpoint of step {run.step} holds no control shadows, which this run keeps")
+        for name, control in run.controls.items():
+            control.load_state_dict(saved[name])
+            control.to(run.device)
 
 
 @torch.no_grad()
@@ -175,6 +184,7 @@ def checkpoint_payload(run: Run, val_loss: float, train_loss: float) -> dict[str
         "val_loss": val_loss,
         "train_loss": train_loss,
         **({"shadow": run.shadow.state_dict()} if run.shadow is not None else {}),
+        **({"controls": {k: c.state_dict() for k, c in run.controls.items()}} if run.controls else {}),
     }
 
 
@@ -398,6 +408,8 @@ def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorbo
                 torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
             if run.shadow is not None:  # the gradient the optimizer sees (clipped); reads it, changes nothing
                 run.shadow.update_from(run.model)
+            for control in run.controls.values():
+                control.update_from(run.model)
             lr = run.optimizer.param_groups[0]["lr"]
             before = curvature.snapshot() if due is not None and due(run.step) else None
             run.optimizer.step()

@@ -174,6 +174,15 @@ PRIMARY: tuple[PrimaryClaim, ...] = (
 )
 # fmt: on
 
+# The claims whose rule (or whose judging in a preset) was set after seeing data (docs/science.md section 12):
+# the tables mark them, so no reader takes them for pre-registered.
+POST_HOC_RULES = {
+    "paired_direction_ratio": "a seed's median of per-point ratios (not the ratio of means), over the matched "
+    "windows and the trajectory pooled (not the windows alone): both after reruns disagreed",
+    "between_nds_ratio": "descriptive in quick, after its verdict flipped between a 1- and a 2-thread rerun",
+    "rho_within_change_gap": "early and late read in the stable phase's thirds, after a run reported not measured",
+}
+
 
 def judged_claims(names: tuple[str, ...] | None) -> frozenset[str] | None:
     """The primary claims a design judges (a preset's ``primary``), checked against :data:`PRIMARY`;

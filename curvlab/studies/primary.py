@@ -2,15 +2,18 @@
 :data:`curvlab.studies.paper.PRIMARY` claim), derived from a :class:`curvlab.studies.records.LevelData`::
 
     name, scope, quantity, statement, claimed, kind, method, value, ci95, n_seeds, n_units, paper,
-    paper_text, direction, magnitude, p, p_holm, per_seed [{seed, ...}], note
+    paper_text, direction, magnitude, p, p_holm, per_seed [{seed, ...}], note, p_exact, p_exact_min,
+    exact_test, exact_backed
 
 Per seed, each claim aggregates that seed's units (the mean over its matched levels, the median of its
 paired points' ratios, or its trajectory), then infers across seeds
 (:func:`curvlab.studies.statistics.ratio_inference` or :func:`curvlab.studies.statistics.mean_inference`);
-Holm's correction runs over the claims that got a test (3 seeds or more, and judged by the design). And
+Holm's correction runs over the claims that got a test (3 seeds or more, and judged by the design); beside
+the t model, each claim's exact sign-flip test (:mod:`curvlab.studies.exact`), Holm-adjusted alike. And
 the **A/A calibration** (:func:`calibration`, a :class:`Calibration`)::
 
-    false_verdict_rate, n_tests, per_test [{comparison, claim, n_seeds, p_holm, direction}]
+    false_verdict_rate, n_tests, per_test [{comparison, claim, n_seeds, value, ci95, p, p_holm, p_exact,
+    direction, false, power}], pairs, claims, power {x1.5, x2}, kind
 
 from same-arm comparisons (``"adamw/adamw"``, ``"muon/muon"``: two disjoint seeds of one arm per
 record), put through the same pipeline for the claims that compare the two sides of a comparison
@@ -24,15 +27,19 @@ from typing import Any
 
 import numpy as np
 
-from curvlab.curvature.scalars import CheckpointScalars, scope_key
+from curvlab.curvature.scalars import scope_key
 from curvlab.errors import CurvlabError
+from curvlab.studies import exact
 from curvlab.studies import statistics as st
+from curvlab.studies.controls import NULL_BAND, hp_twin_medians
+from curvlab.studies.exact import floor_text
 from curvlab.studies.paper import PRIMARY, PrimaryClaim, judged_claims
 from curvlab.studies.records import (
     PRIMARY_COMPARISON,
     ComparisonRecord,
     LevelData,
     TrackRecord,
+    analysed_points,
     with_levels_off_plateau,
 )
 
@@ -66,6 +73,16 @@ class PrimaryEntry:
     p_holm: float | None
     per_seed: list[dict[str, Any]] = field(default_factory=list)
     note: str = ""
+    # the exact seed-level test beside the t model (curvlab.studies.exact): its p (one-sided for a
+    # greater/less claim), the smallest p this many seeds can give, and whether the exact test, Holm-adjusted
+    # over the same family, backs the verdict (None: no verdict to back)
+    p_exact: float | None = None
+    p_exact_min: float | None = None
+    exact_test: str = ""
+    exact_backed: bool | None = None
+    # the exact p that backs the verdict: the opposite side for a contradicted greater/less claim, the
+    # larger of two one-sided tests against the band for a supported "about" claim, else p_exact
+    p_exact_verdict: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,22 +91,46 @@ class PrimaryEntry:
     def from_dict(cls, d: dict[str, Any]) -> PrimaryEntry:
         return cls(**d)
 
+    @property
+    def verdict_text(self) -> str:
+        """The direction verdict, with what the exact test says where it cannot back it: e.g.
+        ``"supported (t model; the exact floor is 1/32)"``."""
+        if self.exact_backed is not False:
+            return self.direction
+        p = self.p_exact_verdict
+        if self.p_exact_min is not None and p is not None and p <= self.p_exact_min:
+            return f"{self.direction} (t model; the exact floor is {floor_text(self.p_exact_min)})"
+        return f"{self.direction} (t model; exact p = {p:.3g})"
+
 
 @dataclass(frozen=True)
 class Calibration:
-    """The A/A calibration: the share of same-arm tests whose direction verdict asserted a difference
-    (NaN when there were no tests), over ``n_tests`` tests with 3 seeds or more, and each test."""
+    """The A/A calibration (:func:`calibration`): the share of same-arm tests whose direction verdict
+    asserted a difference (NaN when there were no tests), over ``n_tests`` tests with 3 seeds or more;
+    each test with its estimate, interval and p-values (``per_test``); the seed ``pairs`` of the
+    between-run tests, the ``claims`` covered, the ``power`` to flag a same-arm bias of x1.5 and x2 (by
+    simulation on the run's own spreads: :func:`curvlab.studies.exact.aa_power`, the mean over the
+    tests), and what it is (``kind``: a smoke test when its pairs share seeds or it has fewer than
+    :data:`MIN_CALIBRATION_TESTS` tests, too few to estimate a 5% rate)."""
 
     false_verdict_rate: float = float("nan")
     n_tests: int = 0
     per_test: list[dict[str, Any]] = field(default_factory=list)
+    pairs: list[list[int]] = field(default_factory=list)
+    claims: list[str] = field(default_factory=list)
+    power: dict[str, float | None] = field(default_factory=lambda: {"x1.5": None, "x2": None})
+    kind: str = "smoke test"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
-        return cls(d["false_verdict_rate"], d["n_tests"], d.get("per_test", []))
+        return cls(**d)
+
+
+MIN_CALIBRATION_TESTS = 10
+POWER_FACTORS = {"x1.5": 1.5, "x2": 2.0}
 
 
 # -- the primary family -------------------------------------------------------------------------
@@ -166,22 +207,16 @@ def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> _Se
     if not usable:
         return "no matched comparison with a level off the unigram plateau"
     ka, km = f"paired_nds_adamw_{scope}", f"paired_nds_muon_{scope}"
-    s0 = data.s_values[0]
     seeds, num, units, xs_all, ys_all, dropped = [], [], [], [], [], []
     agree = undefined = 0
     for r in usable:
-        points: dict[tuple[str, int], CheckpointScalars] = {}
-        for lv in r.comparison.headline_levels:
-            for side in (lv.a, lv.b):
-                for m in side.members:
-                    points[(side.optimizer, m.step)] = m
-        if any(ka not in p.paired or km not in p.paired for p in points.values()):
+        points = analysed_points(r, data)
+        windows = {(side.optimizer, m.step) for lv in r.comparison.headline_levels for side in (lv.a, lv.b)
+                   for m in side.members}  # fmt: skip
+        if any(ka not in points[k].paired or km not in points[k].paired for k in windows):
             return f"no {ka} / {km} in the matched windows (older runs)"
-        for arm in ("adamw", "muon"):
-            for t in (t for t in data.track(arm, s0) if t.seed == r.seed):
-                for row in t.after_warmup():
-                    if ka in row.paired and km in row.paired:  # a trajectory analysed without shadows adds nothing
-                        points.setdefault((row.optimizer or arm, row.step), row)
+        # a trajectory analysed without shadows adds nothing
+        points = {k: p for k, p in points.items() if ka in p.paired and km in p.paired}
         xs = [p.paired[ka] for p in points.values()]
         ys = [p.paired[km] for p in points.values()]
         ratios = [x / y for x, y in zip(xs, ys) if y != 0]
@@ -318,6 +353,58 @@ def _infer(claim: PrimaryClaim, values: _SeedValues, confidence: float) -> st.Se
     return st.ratio_inference(values.numerator, values.denominator, claim.null, confidence)
 
 
+@dataclass(frozen=True)
+class _Exact:
+    """A claim's exact seed-level test (:mod:`curvlab.studies.exact`): the p in the claimed direction, the
+    p that would back the verdict (the opposite side for a contradicted greater/less claim; two one-sided
+    tests against the band for a supported "about" claim), and the design's floor."""
+
+    p: float
+    p_for_verdict: float | None
+    floor: float
+    test: str
+
+
+def _exact_values(claim: PrimaryClaim, values: _SeedValues, inf: st.SeedInference) -> tuple[np.ndarray, float]:
+    """The per-seed values the exact test flips, and their null: log ratios against log null (log-t), the
+    linear contrast a - null b against 0 (Fieller, or a fallen-back difference), or the values themselves."""
+    if inf.method == st.LOG_T:
+        return np.log(np.asarray(inf.per_seed)), float(np.log(claim.null))
+    if values.denominator is not None:
+        # a - null b has the sign of a/b - null times that of b: negative denominators flip the side
+        b = np.asarray(values.denominator)
+        sign = -1.0 if np.all(b < 0) else 1.0
+        return sign * (np.asarray(values.numerator) - claim.null * b), 0.0
+    return np.asarray(values.numerator), claim.null
+
+
+def _exact(claim: PrimaryClaim, values: _SeedValues, inf: st.SeedInference, direction: str) -> _Exact | None:
+    """The claim's exact test, or ``None`` with more seeds than it enumerates."""
+    x, null = _exact_values(claim, values, inf)
+    if x.size > exact.MAX_SIGN_FLIP_N:
+        return None
+    n = x.size
+    test = "sign flips of the per-seed values" + (
+        " (AdamW's and Muon's labels swapped within each seed's pair)" if claim.between_runs else ""
+    )
+    if claim.direction == "about":
+        p = exact.sign_flip_p(x, null, "two-sided")
+        backing = p
+        if direction == st.SUPPORTED:  # equivalence: two one-sided tests against the band's edges
+            if claim.band is None or inf.method != st.LOG_T:
+                backing = None  # (a Fieller interval inside the band has no exact counterpart here)
+            else:
+                lo, hi = np.log(claim.band)
+                backing = max(exact.sign_flip_p(x, lo, "greater"), exact.sign_flip_p(x, hi, "less"))
+        return _Exact(p, backing, exact.sign_flip_floor(n, "two-sided"), test)
+    side = claim.direction
+    p = exact.sign_flip_p(x, null, side)
+    backing = (
+        exact.sign_flip_p(x, null, "less" if side == "greater" else "greater") if direction == st.CONTRADICTED else p
+    )
+    return _Exact(p, backing, exact.sign_flip_floor(n, side), test)
+
+
 def _judge(
     claims: tuple[PrimaryClaim, ...],
     data: LevelData,
@@ -336,6 +423,19 @@ def _judge(
         if is_judged[i] and inf is not None and inf.p is not None and inf.n_seeds >= st.MIN_SEEDS
     ]
     adjusted = dict(zip(tested, st.holm([inferences[i].p for i in tested])))
+    directions = {
+        i: st.direction_verdict(c.direction, inf, adjusted.get(i), None if inf.method == st.DIFFERENCE_T else c.band)
+        for i, (c, inf) in enumerate(zip(claims, inferences)) if inf is not None and is_judged[i]
+    }  # fmt: skip
+    exacts = {}
+    for i, (c, v, inf) in enumerate(zip(claims, inputs, inferences)):
+        if inf is not None and inf.n_seeds >= 2 and (ex := _exact(c, v, inf, directions.get(i, st.DESCRIPTIVE))):
+            exacts[i] = ex
+    # Holm over the exact tests of the same claims, as over the t model's: an "about" claim enters with its
+    # two-sided p, and its equivalence stands on its own two one-sided tests at (1 - confidence) / 2 each, as
+    # its t-model verdict stands on its interval (outside Holm)
+    holm_p = {i: (ex.p if claims[i].direction == "about" else ex.p_for_verdict) for i, ex in exacts.items()}
+    exact_holm = dict(zip(tested, st.holm([holm_p[i] for i in tested]) if all(i in exacts for i in tested) else []))
     entries = []
     for i, (claim, values, inf) in enumerate(zip(claims, inputs, inferences)):
         common = dict(
@@ -361,8 +461,14 @@ def _judge(
             )
             continue
         p_holm = adjusted.get(i)
-        band = None if inf.method == st.DIFFERENCE_T else claim.band  # a fallen-back difference has no band
-        direction = st.direction_verdict(claim.direction, inf, p_holm, band) if is_judged[i] else st.DESCRIPTIVE
+        direction = directions.get(i, st.DESCRIPTIVE)  # (a fallen-back difference has no band)
+        ex = exacts.get(i)
+        backed = None
+        if ex is not None and direction in (st.SUPPORTED, st.CONTRADICTED) and i in exact_holm:
+            if claim.direction == "about" and direction == st.SUPPORTED:
+                backed = None if ex.p_for_verdict is None else ex.p_for_verdict < (1 - confidence) / 2
+            else:
+                backed = exact_holm[i] < st.ALPHA
         # the paper's number is on the claim's scale: a quantity that fell back to a difference (its
         # denominator's sign not settled) cannot be set beside it
         fell_back = inf.method == st.DIFFERENCE_T
@@ -400,6 +506,11 @@ def _judge(
                 p_holm=p_holm,
                 per_seed=per_seed,
                 note="; ".join(notes),
+                p_exact=None if ex is None else ex.p,
+                p_exact_min=None if ex is None else ex.floor,
+                exact_test="" if ex is None else ex.test,
+                exact_backed=backed,
+                p_exact_verdict=None if ex is None else ex.p_for_verdict,
             )
         )
     return entries
@@ -428,29 +539,99 @@ def _false(direction: str, claim: PrimaryClaim) -> bool:
     return False
 
 
-def calibration(records: list[ComparisonRecord], confidence: float = st.CONFIDENCE) -> Calibration:
+def _aa_test(
+    comparison: str, claim: PrimaryClaim, e: PrimaryEntry, values, n_family: int, sims: int, false: bool
+) -> dict:
+    """One A/A test's row: its verdict, estimate, interval and p-values, whether the verdict is false, and
+    its power to flag a same-arm bias of x1.5 and x2 on its own spread (the SD of its per-unit log values;
+    Bonferroni over its family)."""
+    logs = np.log(values) if e.method == st.LOG_T else None
+    power = {}
+    for label, factor in POWER_FACTORS.items():
+        if logs is None or logs.size < st.MIN_SEEDS:
+            power[label] = None
+        else:
+            power[label] = exact.aa_power(float(logs.std(ddof=1)), logs.size, factor, st.ALPHA, n_family, sims=sims)
+    return {
+        "comparison": comparison, "claim": claim.name, "n_seeds": e.n_seeds, "value": e.value, "ci95": e.ci95,
+        "p": e.p, "p_holm": e.p_holm, "p_exact": e.p_exact, "p_exact_verdict": e.p_exact_verdict,
+        "direction": e.direction,
+        "false": false, "power": power,
+    }  # fmt: skip
+
+
+def calibration(
+    records: list[ComparisonRecord],
+    confidence: float = st.CONFIDENCE,
+    *,
+    data: LevelData | None = None,
+    pairs: list[tuple[int, int]] | None = None,
+    sims: int = 4000,
+) -> Calibration:
     """The A/A calibration from same-arm comparisons (records named ``"x/x"``, e.g. ``"adamw/adamw"``;
-    each record two seeds of one arm). The reproduction pairs neighbouring seeds (k - 1, k), so that 5
-    seeds give 4 records: neighbouring records share a seed, and their log ratios correlate by -0.5,
-    which makes the t interval over records wider than it needs to be (conservative: about 2.2x the
-    width in this design), never narrower. Each
-    same-arm family goes through the primary pipeline for the claims comparing the two sides of a
-    comparison (``between_runs``), with Holm over those claims. A test is a claim with 3 or more
-    records; the false-verdict rate is the share of tests whose direction verdict asserted a
-    difference (:func:`_false`). NaN when there is no test."""
+    each record two seeds of one arm, ``pairs``: default each record's seed and the one before, as the
+    reproduction's neighbouring pairs). Each same-arm family goes through the primary pipeline for the
+    claims comparing the two sides of a comparison (``between_runs``), with Holm over those claims. With
+    ``data``, the paired claim's A/A too: each arm's hyperparameter twin (its direction over a twin's with
+    one nudged hyperparameter, :func:`curvlab.studies.controls.hp_twin_medians`), per seed, through the
+    paired claim's estimator and test, at level 0.05 on its own (the primary family tests it with Holm over
+    the preset's judged claims: the A/A is the stricter, by that factor). A test is a claim with 3 or more
+    seeds or pairs; the false-verdict
+    rate is the share of tests whose direction verdict asserted a difference (:func:`_false`), NaN when
+    there is no test. The hyperparameter twin is an approximate null (its nudge is real, if tiny): its
+    verdict is false when it asserts a difference and its estimate lies outside the null band
+    (:data:`curvlab.studies.controls.NULL_BAND`, ±10%).
+
+    Neighbouring pairs (k - 1, k) share a seed: their log ratios correlate by -0.5, so the t interval over
+    records is about 2.2x too wide and a correct pipeline flags far fewer than 5% (docs/science.md section
+    12). Disjoint pairs (``aa_pairs="disjoint"``) are independent."""
     names = sorted({r.name for r in records if r.name.split("/")[0] == r.name.split("/")[-1] and "/" in r.name})
     claims = tuple(c for c in PRIMARY if c.between_runs)
     empty = LevelData([], [], None, [0.0])
     per_test = []
+    used_pairs: set[tuple[int, int]] = set()
+    known = {b: (a, b) for a, b in pairs or []}
     for name in names:
         group = sorted((r for r in records if r.name == name), key=lambda r: r.seed)
+        used_pairs |= {known.get(r.seed, (r.seed - 1, r.seed)) for r in group}
         for claim, e in zip(claims, _judge(claims, empty, group, confidence)):
             if e.p_holm is None:
                 continue
-            per_test.append(
-                {"comparison": name, "claim": claim.name, "n_seeds": e.n_seeds, "p_holm": e.p_holm,
-                 "direction": e.direction, "false": _false(e.direction, claim)}
+            values = np.asarray([x["value"] for x in e.per_seed], dtype=float)
+            per_test.append(_aa_test(name, claim, e, values, len(claims), sims, _false(e.direction, claim)))
+    covered = {c.name for c in claims}
+    if data is not None:
+        paired = next(c for c in PRIMARY if c.name == "paired_direction_ratio")
+        for arm in ("adamw", "muon"):
+            m = hp_twin_medians(data, arm)
+            if len(m.seeds) < st.MIN_SEEDS:
+                continue
+            inf = st.ratio_inference(m.medians, [1.0] * len(m.medians), paired.null, confidence)
+            verdict = st.direction_verdict(paired.direction, inf, inf.p)
+            ex = _exact(paired, _SeedValues(m.seeds, m.medians, [1.0] * len(m.seeds), [1] * len(m.seeds)), inf, verdict)
+            e = PrimaryEntry(
+                paired.name, paired.scope, paired.quantity, paired.statement, _claimed(paired), "ratio", inf.method,
+                inf.value, None if inf.ci95 is None else list(inf.ci95), inf.n_seeds, m.n_points, paired.paper,
+                paper_text=paired.paper_text, direction=verdict, magnitude=None, p=inf.p, p_holm=inf.p,
+                per_seed=[{"seed": s, "value": x} for s, x in zip(m.seeds, m.medians)],
+                p_exact=None if ex is None else ex.p, p_exact_min=None if ex is None else ex.floor,
+                p_exact_verdict=None if ex is None else ex.p_for_verdict,
             )  # fmt: skip
+            # an approximate null: a verdict is false when it asserts more than the null band's difference
+            lo, hi = NULL_BAND
+            false = _false(verdict, paired) and not lo <= inf.value <= hi
+            per_test.append(_aa_test(f"{arm} hyperparameter twin", paired, e, np.asarray(m.medians), 1, sims, false))
+            covered.add(paired.name)
     n = len(per_test)
     rate = sum(t["false"] for t in per_test) / n if n else float("nan")
-    return Calibration(rate, n, per_test)
+    ordered = sorted(used_pairs)
+    seeds = [s for pair in ordered for s in pair]
+    shared = len(seeds) != len(set(seeds))
+    kind = "smoke test" if shared or n < MIN_CALIBRATION_TESTS else "calibration"
+    power = {}
+    for label in POWER_FACTORS:
+        got = [t["power"][label] for t in per_test if t["power"][label] is not None]
+        power[label] = float(np.mean(got)) if got else None
+    return Calibration(
+        rate, n, per_test, [list(p) for p in ordered], [c.name for c in PRIMARY if c.name in covered], power, kind
+    )

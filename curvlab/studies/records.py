@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -186,3 +186,32 @@ class LevelData:
 def with_levels_off_plateau(records: list[ComparisonRecord]) -> list[ComparisonRecord]:
     """The records whose matched comparison has a level off the unigram plateau (what any claim reads)."""
     return [r for r in records if r.comparison is not None and r.comparison.headline_levels]
+
+
+def analysed_points(record: ComparisonRecord, data: LevelData) -> dict[tuple[str, int], CheckpointScalars]:
+    """Every distinct analysed checkpoint of one seed's matched comparison at the first s, by (optimizer,
+    step): the members of its matched windows (off the plateau), then the tracked trajectory's
+    checkpoints of both arms in the stable phase off the plateau (a window member analysed again for the
+    trajectory counts once). These are the points of the paired claim and of the controls: at each, every
+    direction is measured at one W, on one batch, under one H."""
+    points: dict[tuple[str, int], CheckpointScalars] = {}
+    for lv in record.comparison.headline_levels if record.comparison else []:
+        for side in (lv.a, lv.b):
+            for m in side.members:
+                points[(side.optimizer, m.step)] = m
+    s0 = data.s_values[0]
+    for arm in ("adamw", "muon"):
+        for t in (t for t in data.track(arm, s0) if t.seed == record.seed):
+            for row in t.after_warmup():
+                key = (row.optimizer or arm, row.step)
+                if key not in points:
+                    points[key] = row
+                    continue
+                # the same checkpoint, analysed for a window and for the trajectory: the window member's
+                # scalars stand, and the controls only the trajectory took (held-out H, stability) join them
+                extra = {
+                    k: v for k, v in row.paired.items() if k.startswith("control_") and k not in points[key].paired
+                }
+                if extra:
+                    points[key] = replace(points[key], paired={**points[key].paired, **extra})
+    return points

@@ -1,6 +1,7 @@
 """``summary.json`` (:class:`Summary`, ``SUMMARY_SCHEMA_VERSION``): what a reproduction concludes, for the
 report, the README and the figures: the headline (:mod:`curvlab.studies.headline`), the primary family and
-the A/A calibration (:mod:`curvlab.studies.primary`), the Taylor counts, the tuning record, the notes,
+the A/A calibration (:mod:`curvlab.studies.primary`), the controls and the edge-of-stability context
+(:mod:`curvlab.studies.controls`), the Taylor counts, the tuning record, the notes,
 the final validation losses, the quadratic model's and the FineWeb comparison's records, the job's
 times and disk use, and the package versions it was made with.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from curvlab.errors import CurvlabError
+from curvlab.studies.controls import ControlEntry, StabilityEntry
 from curvlab.studies.headline import HeadlineEntry, ZipfPoint
 from curvlab.studies.primary import Calibration, PrimaryEntry
 from curvlab.studies.quadratic import QuadraticStudy
@@ -20,7 +22,8 @@ from curvlab.studies.tuning import TuningRecord
 from curvlab.util import schema
 from curvlab.util.versions import SoftwareVersions
 
-SUMMARY_SCHEMA_VERSION = 2  # 2: the primary family and the A/A calibration; headline descriptive
+SUMMARY_SCHEMA_VERSION = 3  # 2: the primary family and the A/A calibration; headline descriptive; 3: controls,
+# edge of stability, exact p-values, the calibration's pairs, claims and power
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class Summary:
     primary: list[PrimaryEntry] = field(default_factory=list)  # the primary family (primary_family)
     calibration: Calibration = field(default_factory=Calibration)  # the A/A calibration (calibration)
     versions: SoftwareVersions | None = None  # what it was made with (None: a summary from before they were kept)
+    controls: list[ControlEntry] = field(default_factory=list)  # curvlab.studies.controls.controls
+    edge_of_stability: list[StabilityEntry] = field(default_factory=list)  # curvlab.studies.controls.stability
     schema_version: int = SUMMARY_SCHEMA_VERSION
     SCHEMA_VERSION: ClassVar[int] = SUMMARY_SCHEMA_VERSION
     WHAT: ClassVar[str] = "summary.json"
@@ -98,6 +103,8 @@ class Summary:
         d["quadratic"] = QuadraticRecord.from_dict(d["quadratic"])
         d["fineweb"] = None if d.get("fineweb") is None else FinewebRecord.from_dict(d["fineweb"])
         d["versions"] = SoftwareVersions.from_dict(d.get("versions"))
+        d["controls"] = [ControlEntry.from_dict(e) for e in d["controls"]]
+        d["edge_of_stability"] = [StabilityEntry.from_dict(e) for e in d["edge_of_stability"]]
         return cls(**d)
 
     @classmethod

@@ -6,7 +6,7 @@ re-run skips what is done) or from the rows ``curvlab train --monitor`` wrote as
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -38,15 +38,20 @@ def track_run(
     progress: bool = True,
     cache: str | Path | None = None,
     fsdp: bool = False,
+    settings_at: Mapping[int, AnalysisSettings] | None = None,
 ) -> list[CheckpointScalars]:
     """Analyse every ``every``-th checkpoint of a run (step 0 excluded: there is no trajectory yet),
     or those at ``steps``; write ``track.json`` and ``track.csv`` to ``out``. Returns the
     per-checkpoint scalars, with the schedule (multiplier, phase) of each step and whether it sits on
     the unigram plateau (at or above ``plateau_ceiling``). ``fsdp``: sharded checkpoints, analysed
-    sharded on every rank (as in :func:`compare_runs`). A run still training is refused, and ``out`` is
-    held while the track writes there, as in :func:`~curvlab.studies.compare.compare_runs`."""
+    sharded on every rank (as in :func:`compare_runs`). ``settings_at``: steps analysed with other
+    settings (a reproduction takes the controls' stability context at a subset of the tracked steps). A
+    run still training is refused, and ``out`` is held while the track writes there, as in
+    :func:`~curvlab.studies.compare.compare_runs`."""
     settings = settings or AnalysisSettings()
-    settings.validate()
+    settings_at = dict(settings_at or {})
+    for s in (settings, *settings_at.values()):
+        s.validate()
     if every < 1:
         raise CurvlabError(f"--every must be >= 1, got {every}")
     run, out = Path(run), Path(out)
@@ -65,7 +70,8 @@ def track_run(
     with own_directory(out, "track"):
         remove_stale_temporaries(out, cache)  # (what killed writes left: never read)
         for c in progress_bar(checkpoints, desc=f"track {run.name}", disable=not progress):
-            report = cached_report(cache, c.path, settings, device=device, analyze_fn=checkpoint_analyzer(fsdp))
+            chosen = settings_at.get(c.step, settings)
+            report = cached_report(cache, c.path, chosen, device=device, analyze_fn=checkpoint_analyzer(fsdp))
             spectrum = report.spectrum
             row = report.scalars().with_context(
                 optimizer=report.optimizer,
@@ -81,6 +87,7 @@ def track_run(
             dicts = [r.to_dict() for r in rows]
             track = {
                 "run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": dicts,
+                "settings_at": {str(k): asdict(v) for k, v in sorted(settings_at.items())},
                 "versions": SoftwareVersions.current().to_dict(),
             }  # fmt: skip
             atomic_write_text(out / "track.json", json.dumps(track, indent=1))

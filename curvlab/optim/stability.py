@@ -1,0 +1,584 @@
+r"""Edge-of-stability quantities at one point: injected sharp directions, Muon's preconditioned sharpness,
+the momentum methods' stability thresholds, and all of them together (:func:`stability_point`).
+
+**Injected sharp direction.** For a direction Z and the top eigenpair :math:`(\lambda_1, v_1)` of H
+(:math:`\|v_1\| = 1`), :math:`Z' = Z + c\,v_1` has
+
+.. math::
+    \operatorname{NDS}(Z') = \frac{\langle Z,HZ\rangle + 2c\,\langle v_1,HZ\rangle + c^2\lambda_1}
+                                  {\langle Z,Z\rangle + 2c\,\langle v_1,Z\rangle + c^2}
+
+(with :math:`\langle v_1,Hv_1\rangle = \lambda_1`, which holds for *any* unit :math:`v_1` when
+:math:`\lambda_1` is taken as its Rayleigh quotient, :attr:`InjectionScalars.vhv`). Asking for
+:math:`\operatorname{NDS}(Z') = t = r\,\operatorname{NDS}(Z)` is the quadratic
+:math:`(\lambda_1 - t)c^2 + 2\beta c + (\langle Z,HZ\rangle - t\langle Z,Z\rangle) = 0`,
+:math:`\beta = \langle v_1,HZ\rangle - t\langle v_1,Z\rangle`. For :math:`r > 1`,
+:math:`\operatorname{NDS}(Z) > 0` and :math:`\lambda_1 > t` the constant term is negative and the leading
+one positive: always two real roots, one of each sign. *Sign convention*: :func:`injection_coefficient`
+returns the root of smallest :math:`|c|` (signed). Flipping :math:`v_1` flips :math:`\langle v_1,Z\rangle`,
+:math:`\langle v_1,HZ\rangle` and so c, so :math:`Z'` is the same whichever sign the eigensolver gave
+:math:`v_1`; it is the smallest change of Z that reaches the ratio, and it strengthens Z's existing
+alignment with :math:`v_1` instead of overshooting through it. Equivalently: orient :math:`v_1` so that
+:math:`\beta \ge 0` (for an exact eigenvector, :math:`\langle v_1, Z\rangle \ge 0`) and take the
+non-negative root; when :math:`\beta = 0` (Z ⟂ v_1) the roots are ±c and the non-negative one is returned.
+
+**Muon's preconditioner.** Muon steps :math:`-\eta\,s\,\operatorname{msign}(\tilde B)` on a hidden matrix,
+:math:`\tilde B` its Nesterov-averaged momentum (:func:`nesterov_momenta`) and s its shape scale
+(:func:`~curvlab.optim.muon.muon_scale`). With :math:`\tilde B = U \Sigma V^\top` and the polar method
+mapping each singular value :math:`\sigma \mapsto \varphi(\sigma)`, :math:`\operatorname{msign}(\tilde B)
+= U\varphi(\Sigma)V^\top = \bigl(U\,\varphi(\Sigma)\Sigma^{-1}U^\top\bigr)\tilde B` for rows <= cols (and
+:math:`\tilde B\,\bigl(V\varphi(\Sigma)\Sigma^{-1}V^\top\bigr)` for a tall matrix). Frozen at the point,
+that is the linear, symmetric, positive semi-definite preconditioner
+
+.. math::
+    P^{-1}: X \mapsto s\,U g(\Sigma) U^\top X \ \text{(rows <= cols)},\qquad
+            X \mapsto s\,X\,V g(\Sigma) V^\top \ \text{(rows > cols)},\qquad g(\sigma) = \varphi(\sigma)/\sigma,
+
+which for the exact polar factor is :math:`s(\tilde B\tilde B^\top)^{-1/2}` (:math:`s(\tilde B^\top
+\tilde B)^{-1/2}`), and which maps :math:`\tilde B` to the step's direction exactly:
+:math:`P^{-1}\tilde B = s\,\operatorname{msign}(\tilde B)`. *Tiny singular values*: g is the polar
+method's own map, computed from a float64 SVD of :math:`\tilde B` (more accurate than an
+eigendecomposition of :math:`\tilde B\tilde B^\top`, which loses half the digits of the small ones):
+
+* ``"svd"`` (exact): :math:`g = 1/\sigma` above :func:`~curvlab.optim.polar.msign`'s own rank floor,
+  :math:`\sigma > \sigma_{\max}\max(r, c)\,\epsilon` (ε of the momentum's dtype), and 0 below it, where
+  msign sets the singular value to 0: a pseudo-inverse square root, never a huge gain on a null direction;
+* ``"newton_schulz"`` and ``"polar_express"``: :math:`\varphi` is the composition of the iteration's odd
+  quintics on :math:`\sigma/N` (N the Frobenius normalization msign divides by), so
+  :math:`g(\sigma) = \prod_k (a_k + b_k y_k^2 + c_k y_k^4) / N` with :math:`y_0 = \sigma/N`,
+  :math:`y_{k+1} = p_k(y_k)`: bounded as :math:`\sigma \to 0` (:math:`\prod_k a_k / N`), because the
+  iteration never inverts small singular values, it only amplifies them by its polynomials' slope.
+  No floor is needed. The polynomials are evaluated in float64 (Muon runs them in bfloat16, whose
+  rounding is not linear and is left out).
+
+The preconditioned sharpness is :math:`\lambda_{\max}(P^{-1/2} H_{hh} P^{-1/2})` on the hidden matrices
+(:func:`muon_preconditioned_operator`), the quantity whose stability the step :math:`-\eta P^{-1}\tilde B`
+depends on, against Muon's own threshold (:func:`muon_edge_of_stability`).
+
+**Thresholds.** On a 1-D quadratic :math:`L = \lambda x^2/2` with :math:`h = \eta\lambda`, Muon's momentum
+(:math:`b \leftarrow \mu b + (1-\mu)g`, :math:`u = (1-\mu)g + \mu b`, :math:`x \leftarrow x - \eta u`) is
+linear in :math:`(x, \eta b)` with matrix :math:`\begin{psmallmatrix}1-(1-\mu^2)h & -\mu^2\\ (1-\mu)h &
+\mu\end{psmallmatrix}`: trace :math:`T = 1 + \mu - (1-\mu^2)h`, determinant :math:`D = \mu - \mu(1-\mu)h`.
+Jury's conditions :math:`1 - T + D = (1-\mu)h > 0`, :math:`|D| < 1` (:math:`h < (1+\mu)/(\mu(1-\mu))`) and
+:math:`1 + T + D = 2(1+\mu) - (1-\mu)(1+2\mu)h > 0`; the last binds, so it is stable iff
+
+.. math::  \eta\lambda < \frac{2(1+\mu)}{(1-\mu)(1+2\mu)}
+
+(2 at μ = 0, 26.9 at μ = 0.95). Heavy ball with the same EMA (:math:`x \leftarrow x - \eta b`) has
+:math:`D = \mu` and threshold :math:`(2+2\mu)/(1-\mu)`: Adam's (:func:`~curvlab.optim.adam.adam_edge_of_stability`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from curvlab.curvature.spectral import EigenResult, lanczos
+from curvlab.engine import params as P
+from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
+from curvlab.engine.loss import LossFn
+from curvlab.engine.operator import Operator, hessian_operator, preconditioned_operator
+from curvlab.errors import CurvlabError
+from curvlab.optim.adam import adam_edge_of_stability, adam_preconditioner, adam_step_settings
+from curvlab.optim.muon import matrix_shape, muon_scale
+from curvlab.optim.polar import METHODS as POLAR_METHODS
+from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, POLAR_EXPRESS_NORMALIZATION, polar_express_coefficients
+
+UNIT_TOLERANCE = 1e-4  # |<v1, v1> - 1| accepted as a unit vector (a float32 Lanczos vector is unit to ~1e-7)
+
+# -- injected sharp direction ------------------------------------------------------------------------
+
+
+def _finite(**values: float) -> None:
+    bad = [k for k, v in values.items() if not math.isfinite(v)]
+    if bad:
+        raise CurvlabError(f"non-finite {', '.join(bad)}: no injected direction")
+
+
+def injected_nds(zhz: float, zz: float, vz: float, vhz: float, lam1: float, c: float) -> float:
+    r"""The NDS of :math:`Z' = Z + c\,v_1` in closed form (module docstring), from
+    :math:`\langle Z,HZ\rangle`, :math:`\langle Z,Z\rangle`, :math:`\langle v_1,Z\rangle`,
+    :math:`\langle v_1,HZ\rangle` and :math:`\lambda_1 = \langle v_1,Hv_1\rangle`, for a unit :math:`v_1`.
+
+    Raises:
+        CurvlabError: non-finite input, or :math:`Z' = 0`.
+    """
+    _finite(zhz=zhz, zz=zz, vz=vz, vhz=vhz, lam1=lam1, c=c)
+    den = zz + 2 * c * vz + c * c
+    if not den > 0:
+        raise CurvlabError(f"Z + c v1 is zero (||Z'||² = {den:.3g}): its NDS is undefined")
+    return (zhz + 2 * c * vhz + c * c * lam1) / den
+
+
+def injection_coefficient(zhz: float, zz: float, vz: float, vhz: float, lam1: float, ratio: float) -> float:
+    r"""The c with :math:`\operatorname{NDS}(Z + c\,v_1) = r\,\operatorname{NDS}(Z)`, r = ``ratio`` >= 1:
+    the root of smallest :math:`|c|`, signed (module docstring: Z' does not depend on v_1's sign; for
+    β >= 0 it is the non-negative root). Solved by the cancellation-free quadratic formula.
+
+    Raises:
+        CurvlabError: a zero direction, ratio < 1, :math:`\operatorname{NDS}(Z) \le 0`, or
+            :math:`\lambda_1 \le r\,\operatorname{NDS}(Z)` (no multiple of v_1 reaches it: NDS(Z') < λ_1).
+    """
+    _finite(zhz=zhz, zz=zz, vz=vz, vhz=vhz, lam1=lam1, ratio=ratio)
+    if not zz > 0:
+        raise CurvlabError("the direction is zero: NDS = <Z,HZ>/||Z||² is undefined")
+    if not ratio >= 1:
+        raise CurvlabError(f"the injected ratio must be >= 1, got {ratio}")
+    nds = zhz / zz
+    if not nds > 0:
+        raise CurvlabError(f"NDS(Z) = {nds:.6g} <= 0: no ratio of it can be injected")
+    if ratio == 1:
+        return 0.0
+    t = ratio * nds
+    a = lam1 - t
+    if not a > 0:
+        raise CurvlabError(
+            f"lambda_1 = {lam1:.6g} <= {ratio:g} × NDS(Z) = {t:.6g}: no multiple of v1 reaches the ratio"
+        )
+    beta = vhz - t * vz
+    const = zhz - t * zz  # < 0: r > 1 and NDS(Z) > 0
+    disc = beta * beta - a * const
+    if not disc >= 0:  # (cannot happen when a > 0 > const; kept for rounding)
+        raise CurvlabError(f"no real c reaches ratio {ratio:g} (discriminant {disc:.3g})")
+    q = -(beta + math.copysign(math.sqrt(disc), beta))  # |q| >= sqrt(disc): no cancellation
+    return const / q  # the smaller root in magnitude (the other is q / a)
+
+
+def inject(z: Mapping[str, Tensor], v1: Mapping[str, Tensor], c: float) -> P.Params:
+    r""":math:`Z + c\,v_1`, key by key, in Z's dtype (summed in float64)."""
+    P.check_like(z, v1, "v1")
+    return {k: (t.double() + c * v1[k].double()).to(t.dtype) for k, t in z.items()}
+
+
+@dataclass(frozen=True)
+class InjectionScalars:
+    r"""The inner products the injected direction needs: :math:`\langle Z,HZ\rangle`, :math:`\langle Z,Z\rangle`,
+    :math:`\langle v_1,Z\rangle`, :math:`\langle v_1,HZ\rangle` and :math:`\langle v_1,Hv_1\rangle`
+    (the λ_1 to use: exact for any unit v_1)."""
+
+    zhz: float
+    zz: float
+    vz: float
+    vhz: float
+    vhv: float
+
+    @property
+    def nds(self) -> float:
+        return self.zhz / self.zz
+
+    def coefficient(self, ratio: float) -> float:
+        """:func:`injection_coefficient` with λ_1 = ⟨v1, H v1⟩."""
+        return injection_coefficient(self.zhz, self.zz, self.vz, self.vhz, self.vhv, ratio)
+
+    def nds_at(self, c: float) -> float:
+        """:func:`injected_nds` with λ_1 = ⟨v1, H v1⟩."""
+        return injected_nds(self.zhz, self.zz, self.vz, self.vhz, self.vhv, c)
+
+    def to_dict(self) -> dict[str, float]:
+        return dict(vars(self))
+
+
+def injection_scalars(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    z: Mapping[str, Tensor],
+    v1: Mapping[str, Tensor],
+    dtype: torch.dtype | None = None,
+    method: str = DEFAULT_METHOD,
+) -> InjectionScalars:
+    """:class:`InjectionScalars` of a direction ``z`` and a unit vector ``v1`` (dicts like ``params``), by
+    two HVPs at one :class:`~curvlab.engine.hvp.CurvaturePoint`.
+
+    Raises:
+        CurvlabError: z or v1 mismatched with the parameters or non-finite, z zero, v1 not a unit vector.
+    """
+    P.check_like(params, z, "direction")
+    P.check_like(params, v1, "v1")
+    with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
+        zc, vc = P.cast(z, point.dtype), P.cast(v1, point.dtype)
+        zz, vv = P.dot(zc, zc), P.dot(vc, vc)
+        if zz == 0:
+            raise CurvlabError("the direction is zero: NDS = <Z,HZ>/||Z||² is undefined")
+        if abs(vv - 1) > UNIT_TOLERANCE:
+            raise CurvlabError(f"v1 must be a unit vector, ||v1||² = {vv:.6g}")
+        hz, hv = point.hvp_each([zc, vc])
+        return InjectionScalars(P.dot(zc, hz), zz, P.dot(vc, zc), P.dot(vc, hz), P.dot(vc, hv))
+
+
+# -- Muon's preconditioner -----------------------------------------------------------------------------
+
+
+def nesterov_momenta(
+    buffers: Mapping[str, Tensor | None], gradients: Mapping[str, Tensor], momentum: float, nesterov: bool = True
+) -> P.Params:
+    r"""The matrices Muon's next step orthogonalizes, as :class:`~curvlab.optim.muon.Muon` computes them:
+    :math:`B \leftarrow \operatorname{lerp}(B, G, 1-\mu)`, then :math:`\tilde B = \operatorname{lerp}(G, B, \mu)`
+    (Nesterov) or B. ``buffers`` are the momentum buffers (``None`` or missing: zeros, as a first step has);
+    the result is in each buffer's dtype (the gradient's where there is none), on its device."""
+    if not 0 <= momentum < 1:
+        raise CurvlabError(f"the momentum must lie in [0, 1), got {momentum}")
+    out = {}
+    for name, g in gradients.items():
+        buf = buffers.get(name)
+        buf = torch.zeros_like(g) if buf is None else buf
+        if tuple(buf.shape) != tuple(g.shape):
+            raise CurvlabError(f"the momentum of {name!r} has shape {tuple(buf.shape)}, its gradient {tuple(g.shape)}")
+        g = g.detach().to(device=buf.device, dtype=buf.dtype)
+        b = buf.detach().lerp(g, 1 - momentum)
+        out[name] = g.lerp(b, momentum) if nesterov else b
+    return out
+
+
+@dataclass(frozen=True)
+class MuonFactor:
+    r"""Muon's frozen preconditioner on one matrix: :math:`P^{-1} X = Q\,\operatorname{diag}(g)\,Q^\top X`
+    (``side="left"``, rows <= cols) or :math:`X\,Q\,\operatorname{diag}(g)\,Q^\top` (``"right"``), with
+    ``basis`` Q (n × n orthogonal, n = min(rows, cols), float64) and ``gains`` g >= 0 (its eigenvalues,
+    the shape scale included); ``shape`` is the stored tensor's (a kernel acts as its rows × rest)."""
+
+    shape: tuple[int, ...]
+    side: str
+    basis: Tensor = field(repr=False, compare=False)
+    gains: Tensor = field(repr=False, compare=False)
+    scale: float
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    def matrix(self, power: float = 1.0) -> Tensor:
+        r""":math:`Q\,\operatorname{diag}(g^{p})\,Q^\top` (n × n, float64): :math:`P^{-p}`, e.g. :math:`P^{-1/2}`."""
+        return (self.basis * self.gains.pow(power)) @ self.basis.T
+
+    def apply(self, X: Tensor, power: float = 1.0) -> Tensor:
+        """:math:`P^{-p}` applied to X, a tensor of ``shape`` or a stack of them ``(..., *shape)``, in X's dtype."""
+        lead = X.shape[: X.dim() - len(self.shape)]
+        if tuple(X.shape[len(lead) :]) != self.shape:
+            raise CurvlabError(f"the preconditioner acts on shape {self.shape}, got {tuple(X.shape)}")
+        M = X.reshape(-1, self.rows, math.prod(self.shape) // self.rows)
+        R = self.matrix(power).to(device=X.device, dtype=X.dtype)
+        return (R @ M if self.side == "left" else M @ R).reshape(X.shape)
+
+
+def _polar_gains(
+    S: Tensor, shape: tuple[int, int], rank_dtype: torch.dtype, polar: str, steps: int, coefficients, eps: float
+) -> Tensor:
+    r""":math:`g(\sigma) = \varphi(\sigma)/\sigma` of the polar method on the singular values S (float64)."""
+    if polar == "svd":  # msign's own rank floor: below it the singular value goes to 0, so does the gain
+        keep = S.amax() * max(shape) * torch.finfo(rank_dtype).eps < S
+        return torch.where(keep, 1 / torch.where(keep, S, 1.0), 0.0)
+    frobenius = float(S.pow(2).sum().sqrt())
+    if polar == "newton_schulz":
+        schedule = [tuple(coefficients or NEWTON_SCHULZ_COEFFICIENTS)] * steps
+        norm = max(frobenius, eps)  # msign: x / ||x||_F.clamp(min=eps)
+    else:
+        schedule = polar_express_coefficients(steps)
+        norm = frobenius * POLAR_EXPRESS_NORMALIZATION + eps
+    y, gain = S / norm, torch.ones_like(S)
+    for a, b, c in schedule:  # p(y) = y (a + b y² + c y⁴): the factor is p(y)/y, defined at y = 0
+        f = a + b * y * y + c * y.pow(4)
+        gain, y = gain * f, y * f
+    if not bool((gain >= 0).all()):
+        raise CurvlabError(f"the {polar} polynomials flip a singular value's sign: no positive preconditioner")
+    return gain / norm
+
+
+def muon_factor(
+    momentum: Tensor,
+    scale: float,
+    polar: str = "newton_schulz",
+    steps: int = 5,
+    coefficients: tuple[float, float, float] | None = None,
+    eps: float = 1e-7,
+) -> MuonFactor:
+    r""":class:`MuonFactor` of one momentum matrix :math:`\tilde B` (a tensor of 2 or more dimensions,
+    acting as rows × rest) and its shape scale s (a number: :func:`~curvlab.optim.muon.muon_scale`), for the
+    polar method with msign's settings (module docstring), from a float64 SVD.
+
+    Raises:
+        CurvlabError: an unknown polar method, a non-matrix, a non-finite or all-zero momentum.
+    """
+    if polar not in POLAR_METHODS:
+        raise CurvlabError(f"unknown polar method {polar!r}; choose one of {', '.join(POLAR_METHODS)}")
+    if momentum.dim() < 2:
+        raise CurvlabError(f"Muon's preconditioner acts on matrices, got shape {tuple(momentum.shape)}")
+    if not bool(torch.isfinite(momentum).all()):
+        raise CurvlabError("the momentum holds non-finite values (NaN or inf)")
+    if not bool(momentum.any()):
+        raise CurvlabError("the momentum is zero: Muon's step is 0 and its preconditioner undefined")
+    rows = momentum.shape[0]
+    B = momentum.detach().reshape(rows, -1).double()
+    U, S, Vh = torch.linalg.svd(B, full_matrices=False)
+    rank_dtype = momentum.dtype if momentum.is_floating_point() else torch.float64
+    gains = float(scale) * _polar_gains(S, tuple(B.shape), rank_dtype, polar, steps, coefficients, eps)
+    left = B.shape[0] <= B.shape[1]
+    return MuonFactor(tuple(momentum.shape), "left" if left else "right", U if left else Vh.T, gains, float(scale))
+
+
+def muon_preconditioner(
+    momenta: Mapping[str, Tensor],
+    scale: str = "original",
+    *,
+    shapes: Mapping[str, tuple[int, int]] | None = None,
+    polar: str = "newton_schulz",
+    steps: int = 5,
+    coefficients: tuple[float, float, float] | None = None,
+    eps: float = 1e-7,
+) -> dict[str, MuonFactor]:
+    """Muon's frozen preconditioner on each matrix of ``momenta`` (name -> :math:`\\tilde B`, e.g. from
+    :func:`nesterov_momenta`), in their order: :func:`muon_factor` with the shape scale ``scale`` of each
+    matrix's mathematical (out, in) shape, ``shapes[name]`` (e.g. :func:`~curvlab.models.roles.matrix_shapes`;
+    default the stored rows × rest)."""
+    if not momenta:
+        raise CurvlabError("no momentum matrices given")
+    out = {}
+    for name, B in momenta.items():
+        shape = tuple(shapes[name]) if shapes is not None and name in shapes else matrix_shape(B)
+        out[name] = muon_factor(B, muon_scale(shape, scale), polar, steps, coefficients, eps)
+    return out
+
+
+def muon_preconditioned_operator(h_hidden: Operator, factors: Mapping[str, MuonFactor]) -> Operator:
+    r""":math:`P^{-1/2} H P^{-1/2}` for Muon's frozen P on the hidden matrices: ``h_hidden`` is their
+    Hessian block (``hessian_operator(..., subset=names)``, flat in ``names``' order, each tensor
+    row-major) and ``factors`` the :class:`MuonFactor` of each, in the same order. Symmetric positive
+    semi-definite congruence: its largest eigenvalue is Muon's preconditioned sharpness."""
+    if not factors:
+        raise CurvlabError("no Muon factors given")
+    sizes = [math.prod(f.shape) for f in factors.values()]
+    if sum(sizes) != h_hidden.dim:
+        raise CurvlabError(f"the Muon factors cover {sum(sizes)} entries, the operator {h_hidden.dim}")
+    roots = [f.matrix(0.5).to(device=h_hidden.device, dtype=h_hidden.dtype) for f in factors.values()]
+    layout = [(f.rows, size // f.rows, f.side == "left") for f, size in zip(factors.values(), sizes)]
+
+    def half(X: Tensor) -> Tensor:  # P^{-1/2} on each column, matrix by matrix
+        k = X.shape[1]
+        pieces = []
+        for (rows, cols, left), R, piece in zip(layout, roots, X.split(sizes, dim=0)):
+            M = piece.T.reshape(k, rows, cols)
+            pieces.append((R @ M if left else M @ R).reshape(k, -1).T)
+        return torch.cat(pieces, dim=0)
+
+    return Operator(h_hidden.dim, lambda X: half(h_hidden.matmat(half(X))), h_hidden.device, h_hidden.dtype)
+
+
+def muon_preconditioned_sharpness(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    momenta: Mapping[str, Tensor],
+    scale: str = "original",
+    *,
+    shapes: Mapping[str, tuple[int, int]] | None = None,
+    polar: str = "newton_schulz",
+    steps: int = 5,
+    coefficients: tuple[float, float, float] | None = None,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,
+    method: str = DEFAULT_METHOD,
+    max_iter: int = 60,
+    tol: float = 1e-6,
+    seed: int = 0,
+    memory: int | None = None,
+) -> EigenResult:
+    r""":math:`\lambda_{\max}(P^{-1/2} H_{hh} P^{-1/2})` by :func:`~curvlab.curvature.spectral.lanczos`, over
+    the matrices of ``momenta`` (hidden matrices of ``params``, name -> :math:`\tilde B`; the Hessian
+    block over them, in their order), with Muon's frozen preconditioner (:func:`muon_preconditioner`).
+    The eigenvector is in the preconditioned coordinates.
+
+    Raises:
+        CurvlabError: a momentum naming no parameter or shaped unlike it, and :func:`muon_factor`'s errors.
+    """
+    names = list(momenta)
+    unknown = [n for n in names if n not in params]
+    if unknown:
+        raise CurvlabError(f"the momenta name unknown parameters: {P.names_text(unknown)}")
+    for n in names:
+        if tuple(momenta[n].shape) != tuple(params[n].shape):
+            shape, want = tuple(momenta[n].shape), tuple(params[n].shape)
+            raise CurvlabError(f"the momentum of {n!r} has shape {shape}, the parameter {want}")
+    factors = muon_preconditioner(
+        momenta, scale, shapes=shapes, polar=polar, steps=steps, coefficients=coefficients, eps=eps
+    )
+    H = hessian_operator(loss_fn, params, batch, dtype=dtype, subset=names, method=method)
+    return lanczos(muon_preconditioned_operator(H, factors), k=1, max_iter=max_iter, tol=tol, seed=seed, memory=memory)
+
+
+# -- thresholds ----------------------------------------------------------------------------------------
+
+
+def muon_edge_of_stability(lr: float, momentum: float, nesterov: bool = True) -> float:
+    r"""The largest sharpness (of :math:`P^{-1/2}HP^{-1/2}`) at which Muon's momentum is stable on a quadratic
+    (module docstring): :math:`2(1+\mu)/((1-\mu)(1+2\mu)\eta)` with Nesterov (26.9/η at μ = 0.95),
+    :math:`(2+2\mu)/((1-\mu)\eta)` without (heavy ball: :func:`~curvlab.optim.adam.adam_edge_of_stability`);
+    2/η at μ = 0."""
+    if not nesterov:
+        return adam_edge_of_stability(lr, momentum)
+    if not lr > 0:
+        raise CurvlabError(f"the learning rate must be positive for an edge of stability, got {lr}")
+    if not 0 <= momentum < 1:
+        raise CurvlabError(f"the momentum must lie in [0, 1), got {momentum}")
+    return 2 * (1 + momentum) / ((1 - momentum) * (1 + 2 * momentum) * lr)
+
+
+# -- from an optimizer's state --------------------------------------------------------------------------
+
+
+def _principal_block(op: Operator, sizes: Mapping[str, int], subset: Sequence[str]) -> Operator:
+    """The block of ``op`` (flat over ``sizes``' names, in order) on ``subset``: zero-padded products, by
+    slices (each parameter is contiguous in the layout: no index vector as long as the block)."""
+    offsets, at = {}, 0
+    for n, size in sizes.items():
+        offsets[n], at = at, at + size
+    if at != op.dim:
+        raise CurvlabError(f"the parameters named cover {at} entries, the operator {op.dim}")
+    spans = [(offsets[n], sizes[n]) for n in subset]
+
+    def matmat(X: Tensor) -> Tensor:
+        padded = X.new_zeros((op.dim, X.shape[1]))
+        for (start, size), piece in zip(spans, X.split([s for _, s in spans], dim=0)):
+            padded[start : start + size] = piece
+        out = op.matmat(padded)
+        return torch.cat([out[start : start + size] for start, size in spans], dim=0)
+
+    return Operator(sum(size for _, size in spans), matmat, op.device, op.dtype)
+
+
+def is_muon_group(group: Mapping[str, Any]) -> bool:
+    """Whether a param group is Muon's (curvlab's or torch's: it has Newton–Schulz settings)."""
+    return "ns_steps" in group and "momentum" in group
+
+
+class MuonSharpness(NamedTuple):
+    """Muon's preconditioned sharpness beside its threshold at the group's lr (``sharpness, edge, lr = ...``)."""
+
+    sharpness: float
+    edge_of_stability: float
+    lr: float
+
+
+def muon_sharpness(
+    op: Operator,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    hidden: Sequence[str],
+    names: Sequence[str],
+    gradient: Mapping[str, Tensor],
+    max_iter: int = 60,
+    tol: float = 1e-6,
+    seed: int = 0,
+    memory: int | None = None,
+) -> MuonSharpness:
+    r"""Muon's preconditioned sharpness from an optimizer's state, on the block ``hidden`` of ``op`` (the
+    Hessian over ``names``, flat in their order), with :math:`\tilde B` = :func:`nesterov_momenta` of the
+    state's buffers and ``gradient`` (what the next step would orthogonalize), each group's polar settings
+    and scale, and Muon's :func:`muon_edge_of_stability` at the groups' one (lr, momentum, nesterov).
+
+    Raises:
+        CurvlabError: a hidden matrix outside Muon's groups, or groups that disagree on lr, momentum, nesterov.
+    """
+    table = dict(model.named_parameters())
+    missing = [n for n in (*names, *hidden) if n not in table]
+    if missing:
+        raise CurvlabError(f"the model has no parameters {P.names_text(missing)}")
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    groups = {n: group_of.get(id(table[n])) for n in hidden}
+    outside = [n for n, g in groups.items() if g is None or not is_muon_group(g)]
+    if outside:
+        raise CurvlabError(f"{P.names_text(outside)} not in a Muon group: no Muon preconditioner there")
+    settings = {(float(g["lr"]), float(g["momentum"]), bool(g["nesterov"])) for g in groups.values()}
+    if len(settings) != 1:
+        raise CurvlabError(f"Muon's sharpness needs one lr, momentum and nesterov, found {len(settings)} sets")
+    lr, mu, nesterov = settings.pop()
+    buffers = {n: optimizer.state.get(table[n], {}).get("momentum_buffer") for n in hidden}
+    momenta = nesterov_momenta(buffers, {n: gradient[n] for n in hidden}, mu, nesterov)
+    factors = {}
+    for n in hidden:
+        g = groups[n]
+        shape = matrix_shape(table[n], g.get("transposed", False))
+        factors[n] = muon_factor(
+            momenta[n], muon_scale(shape, g.get("scale", "original")), g.get("polar", "newton_schulz"),
+            g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"],
+        )  # fmt: skip
+    block = _principal_block(op, {n: table[n].numel() for n in names}, hidden)
+    top = lanczos(muon_preconditioned_operator(block, factors), max_iter=max_iter, tol=tol, seed=seed, memory=memory)
+    return MuonSharpness(float(top.eigenvalues[0]), muon_edge_of_stability(lr, mu, nesterov), lr)
+
+
+# -- everything at one point ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StabilityPoint:
+    r"""The edge-of-stability quantities at one point: :math:`\lambda_{\max}(H)` over all parameters (and its
+    unit eigenvector, flat in ``params``' order, not serialised), the arm's preconditioned sharpness
+    (Adam: :math:`P = \sqrt{\hat v} + \epsilon` over all parameters; Muon: its frozen polar preconditioner
+    on its matrices) and its own threshold at its lr, beside gradient descent's 2/η."""
+
+    arm: str  # "adam" or "muon"
+    lr: float
+    lambda_max: float
+    lambda_residual: float
+    preconditioned_sharpness: float
+    edge_of_stability: float
+    num_matvecs: int
+    eigenvector: Tensor = field(repr=False, compare=False)
+
+    @property
+    def two_over_lr(self) -> float:
+        return 2 / self.lr
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in vars(self).items() if k != "eigenvector"}
+        return out | {"two_over_lr": self.two_over_lr}
+
+
+def stability_point(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    gradient: Mapping[str, Tensor] | None = None,
+    *,
+    max_iter: int = 40,
+    tol: float = 1e-3,
+    dtype: torch.dtype | None = None,
+    method: str = DEFAULT_METHOD,
+    seed: int = 0,
+    memory: int | None = None,
+) -> StabilityPoint:
+    """:class:`StabilityPoint` of ``model``'s parameters ``params`` (named as in the model) on ``batch``,
+    with ``optimizer``'s state: Muon's arm if it has a Muon group (the gradient at the point, ``gradient``
+    or computed here by one more forward and backward, enters its momentum), else Adam's. One Hessian
+    operator; at most ``max_iter`` HVPs per eigenproblem (the integrator's budget: 30-60, ``tol`` 1e-3).
+
+    Raises:
+        CurvlabError: an optimizer with neither Muon groups nor Adam state.
+    """
+    names = list(params)
+    muon_ids = {id(p) for g in optimizer.param_groups if is_muon_group(g) for p in g["params"]}
+    table = dict(model.named_parameters())
+    if muon_ids and gradient is None:  # (before H: the two points' graphs are never held together)
+        with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
+            gradient = point.gradient
+    H = hessian_operator(loss_fn, params, batch, dtype=dtype, method=method)
+    top = lanczos(H, k=1, max_iter=max_iter, tol=tol, seed=seed, memory=memory)
+    if muon_ids:
+        hidden = [n for n in names if n in table and id(table[n]) in muon_ids]
+        sharp, edge, lr = muon_sharpness(H, model, optimizer, hidden, names, gradient, max_iter, tol, seed, memory)
+        arm = "muon"
+    else:
+        lr, beta1 = adam_step_settings(optimizer)
+        pre = preconditioned_operator(H, adam_preconditioner(optimizer, model, names))
+        sharp = float(lanczos(pre, k=1, max_iter=max_iter, tol=tol, seed=seed, memory=memory).eigenvalues[0])
+        edge, arm = adam_edge_of_stability(lr, beta1), "adam"
+    return StabilityPoint(
+        arm, lr, float(top.eigenvalues[0]), float(top.residuals[0]), sharp, edge, H.num_matvecs, top.eigenvectors[:, 0]
+    )

@@ -1,0 +1,333 @@
+r"""The controls of a reproduction (docs/science.md section 14): checks with a known answer, on the points of
+the paired claim, derived from a :class:`curvlab.studies.records.LevelData` like the primary family.
+
+Each control is reported per arm (the runs whose checkpoints it reads) with its value, a 95% interval
+across seeds, what it must come out as, and whether it did (:class:`ControlEntry`). Per seed, a control
+reduces that seed's points (:func:`curvlab.studies.records.analysed_points`, the paired claim's) to one
+number, as the paired claim does (the median of per-point ratios), and infers across seeds with the
+primary family's log-t interval (:func:`curvlab.studies.statistics.ratio_inference`).
+
+Negative controls, which must come out null:
+
+* ``twin_shadow``: NDS(own step) / NDS(twin's step) on the hidden matrices, the twin being a shadow of the
+  run's own optimizer with its own settings from step 0 (:func:`curvlab.optim.shadow.build_controls`).
+  It must be 1 to float rounding at *every* point (:data:`TWIN_TOLERANCE`): a lagged or mis-scaled
+  state, a wrong lr or schedule multiplier, or a shadow that read another batch breaks it.
+* ``hyperparameter_twin``: NDS(own) / NDS(hyperparameter twin's), the twin differing by one nudge (Muon's
+  momentum 0.95 -> 0.94, Adam's beta2 0.95 -> 0.951): an approximate null, whose spread is the floor of
+  what "no difference" looks like on real curvature. It passes when its interval lies inside
+  :data:`NULL_BAND`. It is also the paired claim's A/A (:func:`curvlab.studies.primary.calibration`).
+* ``held_out_batch``: NDS of the arm's own direction under its own batch's H over NDS under the H of a
+  held-out batch (the first validation batch), at the points analysed with ``held_out``: the
+  same-batch coupling (G and H from one batch) must not inflate one arm. It passes when the interval
+  contains 1. The entry with arm ``adamw/muon`` is the paired ratio under the held-out H, which must
+  still be above 1 if the paired claim is not an artefact of the coupling.
+
+Positive controls, with a known answer:
+
+* ``injected_sharp_<r>``: :math:`Z' = Z_\text{muon} + c\,v_1`, :math:`v_1` the top eigenvector of H
+  (Lanczos), with c chosen in closed form (:func:`curvlab.optim.stability.injection_coefficient`) so
+  that NDS(Z') / NDS(Z_muon) is r = 1.2, 1.5 or 2 over all parameters; the measured ratio goes through
+  the paired claim's estimator. It passes when the estimate recovers r to rounding
+  (:data:`INJECTION_TOLERANCE`) and the test against 1 detects it (t model, two-sided p < 0.05); whether
+  the interval covers r is reported beside. The truth is r at every point, so the spread across seeds is
+  float rounding, and an interval on rounding covers r 95% of the time: this checks the estimator's
+  arithmetic and sign handling on the real points, not its coverage under seed-to-seed spread (the
+  suite's coverage simulations and the A/A power do that).
+* ``sgd_direction``: NDS(momentum SGD's direction) / NDS(Muon's) on the hidden matrices, momentum SGD being
+  the run's own first moment (Adam's m, or Muon's B) scaled to the real step's norm: a coarse positive
+  control, much sharper than Muon's in a pilot (x20-24). It passes when its interval lies above 1.
+
+With them, the edge-of-stability context at the same points (:class:`StabilityEntry`): lambda_max(H), the
+arm's preconditioned sharpness against its own threshold, 2/eta, and NDS / lambda_max of each direction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from curvlab.analysis.controls import INJECTED_RATIOS, STABILITY_QUANTITIES, heldout_key, injected_key
+from curvlab.curvature.scalars import CheckpointScalars
+from curvlab.studies import statistics as st
+from curvlab.studies.records import PRIMARY_COMPARISON, LevelData, analysed_points, with_levels_off_plateau
+
+CONTROL_NAMES = (
+    "twin_shadow", "hyperparameter_twin", "held_out_batch", "injected_sharp_1.2", "injected_sharp_1.5",
+    "injected_sharp_2", "sgd_direction",
+)  # fmt: skip
+TWIN_TOLERANCE = 1e-3  # |NDS(own) / NDS(twin) - 1| at every point: float32 rounding of W - W_next and the HVPs
+# the injected ratio recovered: |log(estimate / r)| at most this. The truth is r at every point, so the
+# spread is float rounding, and a 95% interval on it covers r 95% of the time, no more: coverage is
+# reported, but the pass is recovery to rounding and detection
+INJECTION_TOLERANCE = 1e-4
+NULL_BAND = (1 / 1.1, 1.1)  # an approximate null's interval must lie inside: a tenth of the paper's effect
+ARMS = ("adamw", "muon")
+
+
+@dataclass(frozen=True)
+class ControlEntry:
+    """One control, for one arm's points (module docstring). ``value`` and ``ci95`` are across seeds
+    (``None`` when not measured); ``passed`` is ``None`` when not measured; ``detail`` holds what the
+    control checks besides (the largest deviation of a twin; coverage and detection of an injection)."""
+
+    name: str
+    arm: str
+    scope: str
+    value: float | None
+    ci95: list[float] | None
+    expected: str
+    passed: bool | None
+    n_seeds: int = 0
+    n_points: int = 0
+    detail: dict[str, Any] | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ControlEntry:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class StabilityEntry:
+    """One edge-of-stability quantity for one arm's points: the geometric mean across seeds of the
+    per-seed medians, with its log-t interval (``None`` when not measured)."""
+
+    arm: str
+    quantity: str
+    value: float | None
+    ci95: list[float] | None
+    n_seeds: int
+    n_points: int
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StabilityEntry:
+        return cls(**d)
+
+
+# -- per-seed reductions -----------------------------------------------------------------------------
+
+
+def arm_points(data: LevelData, arm: str | None) -> dict[int, list[CheckpointScalars]]:
+    """Per seed, the paired claim's points in ``arm``'s runs (``None``: both arms')."""
+    out = {}
+    for r in with_levels_off_plateau(data.matched(PRIMARY_COMPARISON)):
+        points = analysed_points(r, data)
+        out[r.seed] = [p for (optimizer, _), p in sorted(points.items()) if arm is None or optimizer == arm]
+    return out
+
+
+@dataclass(frozen=True)
+class SeedMedians:
+    """Per seed, the median of a per-point value over the points that have it (and where it is finite)."""
+
+    seeds: list[int]
+    medians: list[float]
+    values: list[float]  # every point's, pooled
+    n_points: int
+    missing: int  # points without the scalars, or where the value is undefined
+
+
+def seed_medians(points: dict[int, list[CheckpointScalars]], value: Callable[[CheckpointScalars], float | None]):
+    """:class:`SeedMedians` of ``value`` (``None`` or non-finite: the point has no value)."""
+    seeds, medians, pooled, missing = [], [], [], 0
+    for seed, rows in sorted(points.items()):
+        xs = []
+        for row in rows:
+            x = value(row)
+            if x is None or not np.isfinite(x):
+                missing += 1
+            else:
+                xs.append(float(x))
+        if xs:
+            seeds.append(seed)
+            medians.append(float(np.median(xs)))
+            pooled += xs
+    return SeedMedians(seeds, medians, pooled, len(pooled), missing)
+
+
+def ratio_of(num: str, den: str, positive: bool = False) -> Callable[[CheckpointScalars], float | None]:
+    """A point's ``num / den`` (``None`` where either is missing, the denominator is 0, or, with
+    ``positive``, either is not positive: a log ratio needs both)."""
+
+    def value(row: CheckpointScalars) -> float | None:
+        if num not in row.paired or den not in row.paired:
+            return None
+        a, b = row.paired[num], row.paired[den]
+        if b == 0 or (positive and not (a > 0 and b > 0)):
+            return None
+        return a / b
+
+    return value
+
+
+def _infer(m: SeedMedians) -> st.SeedInference | None:
+    return st.ratio_inference(m.medians, [1.0] * len(m.medians)) if m.seeds else None
+
+
+def _ci(inf: st.SeedInference | None) -> list[float] | None:
+    return None if inf is None or inf.ci95 is None else [float(x) for x in inf.ci95]
+
+
+def _inside(ci: list[float] | None, lo: float, hi: float) -> bool:
+    return ci is not None and lo <= ci[0] and ci[1] <= hi
+
+
+def _missing_note(m: SeedMedians, what: str) -> str:
+    return f"{m.missing} points without {what}" if m.missing else ""
+
+
+# -- the controls ------------------------------------------------------------------------------------
+
+
+def _entry(
+    name: str, arm: str, scope: str, expected: str, m: SeedMedians, passed: Callable[[list[float]], bool], **extra
+) -> ControlEntry:
+    """A control's entry from its per-seed medians; ``passed`` judges the interval (none: not judged)."""
+    inf = _infer(m)
+    if inf is None:
+        return ControlEntry(name, arm, scope, None, None, expected, None, note=extra.get("note") or "not measured")
+    ci = _ci(inf)
+    notes = [extra.get("note", ""), _missing_note(m, "the scalars"), "" if ci else "fewer than 2 seeds: no interval"]
+    return ControlEntry(
+        name, arm, scope, inf.value, ci, expected, None if ci is None else bool(passed(ci)), len(m.seeds),
+        m.n_points, extra.get("detail"), "; ".join(n for n in notes if n),
+    )  # fmt: skip
+
+
+def _contains_one(ci: list[float]) -> bool:
+    return ci[0] <= 1 <= ci[1]
+
+
+def _above_one(ci: list[float]) -> bool:
+    return ci[0] > 1
+
+
+def twin_control(data: LevelData, arm: str) -> ControlEntry:
+    """The twin shadow of ``arm``: passed when every point's ratio is 1 within :data:`TWIN_TOLERANCE`."""
+    m = seed_medians(arm_points(data, arm), ratio_of(f"paired_nds_{arm}_hidden", "paired_nds_twin_hidden"))
+    worst = max((abs(x - 1) for x in m.values), default=float("nan"))
+    expected = f"1 at every point (within {TWIN_TOLERANCE:g})"
+    scope = "hidden: NDS(own step) / NDS(twin's step)"
+    return _entry("twin_shadow", arm, scope, expected, m, lambda ci: worst <= TWIN_TOLERANCE,
+                  detail={"max_abs_deviation": worst})  # fmt: skip
+
+
+def hp_twin_medians(data: LevelData, arm: str) -> SeedMedians:
+    """Per seed, the median of NDS(own) / NDS(hyperparameter twin's) on the hidden matrices."""
+    return seed_medians(arm_points(data, arm), ratio_of(f"paired_nds_{arm}_hidden", "paired_nds_hp_twin_hidden"))
+
+
+def hp_twin_control(data: LevelData, arm: str) -> ControlEntry:
+    nudge = "momentum 0.95 vs 0.94" if arm == "muon" else "beta2 0.95 vs 0.951"
+    lo, hi = NULL_BAND
+    return _entry(
+        "hyperparameter_twin", arm, f"hidden: NDS(own) / NDS(twin with {nudge})",
+        f"about 1 (interval within [{lo:.3g}, {hi:.3g}])", hp_twin_medians(data, arm), lambda ci: _inside(ci, lo, hi),
+    )  # fmt: skip
+
+
+def held_out_controls(data: LevelData) -> list[ControlEntry]:
+    """Per arm, own-batch over held-out NDS of its direction; then the paired ratio under the held-out H."""
+    out = []
+    for arm in ARMS:
+        m = seed_medians(arm_points(data, arm), ratio_of(f"paired_nds_{arm}_hidden", heldout_key(arm), positive=True))
+        note = "points where either NDS is <= 0 have no log ratio" if m.missing else ""
+        scope = "hidden: NDS(own direction) under its own batch's H / under a held-out H"
+        out.append(_entry("held_out_batch", arm, scope, "about 1 (interval contains 1)", m, _contains_one, note=note))
+    m = seed_medians(arm_points(data, None), ratio_of(heldout_key("adamw"), heldout_key("muon")))
+    scope = "hidden: NDS(AdamW's direction) / NDS(Muon's), both under a held-out H"
+    out.append(_entry("held_out_batch", "adamw/muon", scope, "greater than 1 (as the paired claim)", m, _above_one))
+    return out
+
+
+def _scalar(key: str) -> Callable[[CheckpointScalars], float | None]:
+    return lambda row: row.paired.get(key)
+
+
+def injected_controls(data: LevelData, arm: str) -> list[ControlEntry]:
+    """Per known ratio, the paired estimator on the injected directions: covered and detected."""
+    out = []
+    for ratio in INJECTED_RATIOS:
+        m = seed_medians(arm_points(data, arm), _scalar(injected_key(ratio)))
+        inf = _infer(m)
+        ci = _ci(inf)
+        covered = ci is not None and ci[0] <= ratio <= ci[1]
+        detected = inf is not None and inf.p is not None and inf.p < st.ALPHA and inf.value > 1
+        recovered = inf is not None and abs(math.log(inf.value / ratio)) <= INJECTION_TOLERANCE
+        detail = {"true_ratio": ratio, "recovered": recovered, "covered": covered, "detected": detected,
+                  "p": None if inf is None else inf.p}  # fmt: skip
+        unreachable = "a point where the ratio can't be reached (NDS(Z_muon) <= 0, or lambda_max too small) has none"
+        out.append(
+            _entry(
+                f"injected_sharp_{ratio:g}",
+                arm,
+                "all: NDS(Z_muon + c v1) / NDS(Z_muon), c set for the ratio",
+                f"{ratio:g} (to rounding, and detected)",
+                m,
+                lambda ci, ok=recovered and detected: ok,
+                detail=detail,
+                note=unreachable if m.missing else "",
+            )
+        )
+    return out
+
+
+def sgd_control(data: LevelData, arm: str) -> ControlEntry:
+    m = seed_medians(arm_points(data, arm), ratio_of("paired_nds_sgd_hidden", "paired_nds_muon_hidden"))
+    scope = "hidden: NDS(momentum SGD's direction) / NDS(Muon's)"
+    return _entry("sgd_direction", arm, scope, "greater than 1 (a pilot: x20-24)", m, _above_one)
+
+
+def controls(data: LevelData) -> list[ControlEntry]:
+    """Every control (:data:`CONTROL_NAMES`) for each arm, in that order (the held-out batch's paired
+    ratio after its per-arm entries). A control whose scalars no point carries is an entry with no
+    value and ``passed`` ``None``: not measured, never a pass."""
+    out = [twin_control(data, arm) for arm in ARMS]
+    out += [hp_twin_control(data, arm) for arm in ARMS]
+    out += held_out_controls(data)
+    out += [e for arm in ARMS for e in injected_controls(data, arm)]
+    out += [sgd_control(data, arm) for arm in ARMS]
+    return out
+
+
+# -- the edge of stability ---------------------------------------------------------------------------
+
+
+def _stability_entry(points, arm: str, quantity: str, value) -> StabilityEntry:
+    m = seed_medians(points, value)
+    if m.seeds and all(x > 0 for x in m.medians):
+        inf = _infer(m)
+        return StabilityEntry(arm, quantity, inf.value, _ci(inf), len(m.seeds), m.n_points)
+    note = "not measured" if not m.seeds else "a per-seed median <= 0: the mean, no log interval"
+    return StabilityEntry(arm, quantity, float(np.mean(m.medians)) if m.seeds else None, None, len(m.seeds),
+                          m.n_points, note)  # fmt: skip
+
+
+def stability(data: LevelData) -> list[StabilityEntry]:
+    """Per arm, each edge-of-stability quantity (:data:`STABILITY_QUANTITIES`), Lanczos's residual over
+    lambda_max (how far the bounded budget converged), the preconditioned sharpness over its threshold,
+    and NDS / lambda_max of both directions over all parameters."""
+    out = []
+    for arm in ARMS:
+        points = arm_points(data, arm)
+        out += [_stability_entry(points, arm, q, _scalar(key)) for q, key in STABILITY_QUANTITIES.items()]
+        residual = ratio_of("control_lambda_residual", STABILITY_QUANTITIES["lambda_max"])
+        out.append(_stability_entry(points, arm, "lambda_residual_over_lambda_max", residual))
+        edge = ratio_of(STABILITY_QUANTITIES["preconditioned_sharpness"], STABILITY_QUANTITIES["edge_of_stability"])
+        out.append(_stability_entry(points, arm, "sharpness_over_edge", edge))
+        for d in ARMS:
+            over = ratio_of(f"paired_nds_{d}_all", STABILITY_QUANTITIES["lambda_max"])
+            out.append(_stability_entry(points, arm, f"nds_{d}_over_lambda_max", over))
+    return out
