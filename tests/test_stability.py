@@ -350,6 +350,11 @@ def test_stability_point_of_an_adam_state_against_dense_references():
     assert point.lambda_max == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-9)
     assert point.preconditioned_sharpness == pytest.approx(dense, rel=1e-8)
     assert point.edge_of_stability == pytest.approx(38 / 0.004, rel=1e-14)
+    # a float32 point, cut short: its eigenvector is unit to float32 rounding all the same (the closed form
+    # of the injected direction assumes ||v1|| = 1)
+    short = stability_point(loss_fn, params, batch, model, opt, max_iter=4, tol=1e-3, dtype=torch.float32)
+    assert short.eigenvector.dtype == torch.float32
+    assert float(torch.linalg.vector_norm(short.eigenvector.double())) == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(CurvlabError, match="not in a Muon group"):
         muon_sharpness(
             hessian_operator(loss_fn, params, batch), model, opt, hidden_matrices(params, model), list(params),

@@ -127,8 +127,7 @@ def stability_controls(
     point = stability_point(
         loss_fn, params, batch, model, optimizer, G, max_iter=iterations, tol=LANCZOS_TOL, dtype=dtype, method=method
     )
-    v = point.eigenvector  # a float32 Ritz vector's norm is 1 only to ~1e-4 over a million entries: renormalize
-    v1 = P.unflatten(v / torch.linalg.vector_norm(v.double()).to(v.dtype), params)
+    v1 = P.unflatten(point.eigenvector, params)
     z = {n: muon.z[n] for n in params}
     scalars = injection_scalars(loss_fn, params, batch, z, v1, dtype, method)
     coefficients, skipped = {}, []

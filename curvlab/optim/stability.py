@@ -579,6 +579,6 @@ def stability_point(
         pre = preconditioned_operator(H, adam_preconditioner(optimizer, model, names))
         sharp = float(lanczos(pre, k=1, max_iter=max_iter, tol=tol, seed=seed, memory=memory).eigenvalues[0])
         edge, arm = adam_edge_of_stability(lr, beta1), "adam"
-    return StabilityPoint(
-        arm, lr, float(top.eigenvalues[0]), float(top.residuals[0]), sharp, edge, H.num_matvecs, top.eigenvectors[:, 0]
-    )
+    v = top.eigenvectors[:, 0]  # a float32 Ritz vector's norm is 1 only to ~1e-4 over a million entries
+    v = v / torch.linalg.vector_norm(v.double()).to(v.dtype)
+    return StabilityPoint(arm, lr, float(top.eigenvalues[0]), float(top.residuals[0]), sharp, edge, H.num_matvecs, v)

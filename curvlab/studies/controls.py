@@ -60,7 +60,8 @@ CONTROL_NAMES = (
     "twin_shadow", "hyperparameter_twin", "held_out_batch", "injected_sharp_1.2", "injected_sharp_1.5",
     "injected_sharp_2", "sgd_direction",
 )  # fmt: skip
-TWIN_TOLERANCE = 1e-3  # |NDS(own) / NDS(twin) - 1| at every point: float32 rounding of W - W_next and the HVPs
+TWIN_TOLERANCE = 1e-4  # |NDS(own) / NDS(twin) - 1| at every point: the float32 rounding of W - W_next and the
+# HVPs gave at most 1.3e-5 over quick's 265 points (two runs), a twin one step late 1e-2 and more
 # the injected ratio recovered: |log(estimate / r)| at most this. The truth is r at every point, so the
 # spread is float rounding, and a 95% interval on it covers r 95% of the time, no more: coverage is
 # reported, but the pass is recovery to rounding and detection

@@ -118,7 +118,7 @@ class Calibration:
     per_test: list[dict[str, Any]] = field(default_factory=list)
     pairs: list[list[int]] = field(default_factory=list)
     claims: list[str] = field(default_factory=list)
-    power: dict[str, float | None] = field(default_factory=lambda: {"x1.5": None, "x2": None})
+    power: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(POWER_LABELS))
     kind: str = "smoke test"
 
     def to_dict(self) -> dict[str, Any]:
@@ -130,7 +130,7 @@ class Calibration:
 
 
 MIN_CALIBRATION_TESTS = 10
-POWER_FACTORS = {"x1.5": 1.5, "x2": 2.0}
+POWER_LABELS = tuple(f"x{f:g}" for f in exact.AA_FACTORS)  # "x1.5", "x2"
 
 
 # -- the primary family -------------------------------------------------------------------------
@@ -546,12 +546,10 @@ def _aa_test(
     its power to flag a same-arm bias of x1.5 and x2 on its own spread (the SD of its per-unit log values;
     Bonferroni over its family)."""
     logs = np.log(values) if e.method == st.LOG_T else None
-    power = {}
-    for label, factor in POWER_FACTORS.items():
-        if logs is None or logs.size < st.MIN_SEEDS:
-            power[label] = None
-        else:
-            power[label] = exact.aa_power(float(logs.std(ddof=1)), logs.size, factor, st.ALPHA, n_family, sims=sims)
+    if logs is None or logs.size < st.MIN_SEEDS:
+        power = dict.fromkeys(POWER_LABELS)
+    else:
+        power = exact.aa_power_table(float(logs.std(ddof=1)), logs.size, st.ALPHA, n_family, sims)
     return {
         "comparison": comparison, "claim": claim.name, "n_seeds": e.n_seeds, "value": e.value, "ci95": e.ci95,
         "p": e.p, "p_holm": e.p_holm, "p_exact": e.p_exact, "p_exact_verdict": e.p_exact_verdict,
@@ -629,7 +627,7 @@ def calibration(
     shared = len(seeds) != len(set(seeds))
     kind = "smoke test" if shared or n < MIN_CALIBRATION_TESTS else "calibration"
     power = {}
-    for label in POWER_FACTORS:
+    for label in POWER_LABELS:
         got = [t["power"][label] for t in per_test if t["power"][label] is not None]
         power[label] = float(np.mean(got)) if got else None
     return Calibration(
