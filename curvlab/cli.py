@@ -29,11 +29,12 @@ from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.engine.hvp import DEFAULT_METHOD
 from curvlab.errors import CurvlabError
 from curvlab.jobs.finetune import Finetune
-from curvlab.jobs.presets import PRESETS, with_preset
+from curvlab.jobs.presets import PRESETS, ROBUSTNESS_PRESETS, with_preset
 from curvlab.jobs.reproduce import Reproduction
+from curvlab.jobs.robustness import Robustness
 from curvlab.output.files import write_quadratic, write_spectrum
 from curvlab.output.plots import curvature_during_training, lambda_max_along_run
-from curvlab.output.text import calibration_line, finetune_table, primary_table, update_readme
+from curvlab.output.text import calibration_line, finetune_table, primary_table, publish_robustness, update_readme
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria
 from curvlab.runs.monitor import MonitorSettings
@@ -609,8 +610,9 @@ def quadratic(
 def reproduce(
     preset: str = typer.Option(
         "quick",
-        help="micro (seconds), quick (CPU, ~11 min: AdamW and Muon, 6 seeds, s = 0), standard (CPU, < 1 h: "
-        "5 seeds, 4412 tokens, the Zipf sweep, the control arm) or paper (GPU).",
+        help="micro (seconds), quick (CPU, ~11 min: AdamW and Muon, 6 seeds, s = 0), standard (CPU, ~75 min: "
+        "8 seeds, 4412 tokens, the Zipf sweep, the control arm), paper (GPU) or robustness (CPU: the paired "
+        "ratio at 9 settings of quick's design, 3 seeds each).",
     ),
     out: Path = typer.Option(None, help="Output directory; a re-run continues it.", show_default="results/<preset>"),
     fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),
@@ -619,10 +621,20 @@ def reproduce(
     """The whole reproduction: data, tuning, training, paired directions and matched-loss analysis, A/A
     calibration, quadratic model, figures, report.md; prints the primary family."""
 
-    if preset not in PRESETS:
-        raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if preset not in PRESETS and preset not in ROBUSTNESS_PRESETS:
+        raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *ROBUSTNESS_PRESETS])}")
     out = out or Path("results") / preset
     check_output(out, directory=True)
+    if preset in ROBUSTNESS_PRESETS:
+        if fineweb is not None:
+            raise CurvlabError("--fineweb is the paper preset's; the robustness design trains on its own grammar")
+        result = Robustness(ROBUSTNESS_PRESETS[preset], out, progress=not quiet).run()
+        for x in result.settings:
+            ci = "" if x.ci95 is None else f" [{x.ci95[0]:.3g}, {x.ci95[1]:.3g}]"
+            value = "not measured" if x.paired_ratio is None else f"{x.paired_ratio:.3g}{ci}"
+            typer.echo(f"{x.label}: paired ratio {value}, {x.verdict}; controls passed: {x.controls_passed}")
+        typer.echo(f"finished in {result.seconds:.0f} s; report: {out / 'report.md'}")
+        return
     summary = Reproduction(PRESETS[preset], out, fineweb, progress=not quiet).run()
     for line in primary_table(summary.primary):
         typer.echo(line)
@@ -677,6 +689,24 @@ def readme_results(
 
     update_readme(results, readme, figures, note, page, rerun)
     typer.echo(f"rewrote the results section of {readme} and {page}; figures in {figures}")
+
+
+@app.command("robustness-page")
+@one_line_errors
+def robustness_page(
+    results: Path = typer.Argument(..., help="A robustness design's output directory (with summary.json)."),
+    docs: Path = typer.Option(
+        Path("docs/results/robustness"), help="Where summary.json, levels.json and the figure are copied."
+    ),
+    page: Path = typer.Option(Path("docs/results-robustness.md"), help="The page (rewritten)."),
+    reference: Path | None = typer.Option(
+        Path("docs/results/quick/summary.json"), help="A reproduction's summary.json, quoted beside the settings."
+    ),
+) -> None:
+    """Publish a robustness design: its summary.json, levels.json and figure into DOCS, and its page."""
+
+    publish_robustness(results, docs, page, reference)
+    typer.echo(f"wrote {page}; summary, levels and figure in {docs}")
 
 
 def main() -> None:

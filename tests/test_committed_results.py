@@ -23,7 +23,9 @@ RESULTS = ROOT / "docs" / "results"
 # the --note a page was generated with (`curvlab readme-results ... --note NOTE`): the standard run's
 STANDARD_NOTE = (
     "The run's process group had scheduling priority over the other jobs on the machine (autogroup nice -19), "
-    "so its wall time is close to a quiet machine's."
+    "so its wall time is close to a quiet machine's. It ran the earlier design: 5 seeds, A/A on neighbouring seed "
+    "pairs, and none of the controls of docs/science.md section 14, which came after it. The preset is now 8 seeds "
+    "with A/A on disjoint pairs and the controls; that design has not been run yet."
 )
 # preset, its page, the rerun the README sets beside it, its note
 SECTIONS = (
@@ -132,3 +134,19 @@ def test_the_committed_controls_and_calibration_follow_from_the_committed_levels
     assert json.dumps([e.to_dict() for e in stability(levels)] if summary.controls else []) == json.dumps(
         [e.to_dict() for e in summary.edge_of_stability]
     )
+
+
+def test_the_committed_robustness_rows_follow_from_its_levels():
+    """Every setting's row (ratio, interval, verdict, exact p, controls, stability) is what its own
+    committed levels give, and the page is generated from the summary."""
+    from curvlab.output.text import paired_reference, render_robustness
+    from curvlab.studies.robustness import RobustnessLevels, RobustnessSummary, setting_result
+
+    summary = RobustnessSummary.load(RESULTS / "robustness" / "summary.json")
+    levels = RobustnessLevels.load(RESULTS / "robustness" / "levels.json")
+    assert [x.setting for x in summary.settings] == list(levels.settings)
+    for x in summary.settings:
+        assert setting_result(x.setting, x.label, levels.settings[x.setting], x.lr) == x, x.setting
+    reference = paired_reference(Summary.load(RESULTS / "quick" / "summary.json"))
+    page = (ROOT / "docs" / "results-robustness.md").read_text()
+    assert render_robustness(summary, "results/robustness/figures", reference) in page

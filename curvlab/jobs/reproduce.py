@@ -28,9 +28,10 @@ started again, continues from what is done), each timed (``timing.json``):
 
 Presets (:data:`curvlab.jobs.presets.PRESETS`): ``micro`` (the test suite's, seconds), ``quick`` (the CPU
 default, eleven minutes on two cores: AdamW and Muon, 6 seeds, s = 0, the paired design and its
-controls), ``standard`` (CPU, within an hour: 5 seeds, the paper's 4412-token grammar, the Zipf sweep
-and the control arm) and ``paper`` (a GPU: ``pcfg-9m`` on the s sweep, and ``gpt2-124m`` on FineWeb
-shards the user provides).
+controls), ``standard`` (CPU, about 75 minutes: 8 seeds with disjoint A/A pairs, the paper's 4412-token
+grammar, the Zipf sweep and the control arm) and ``paper`` (a GPU: ``pcfg-9m`` on the s sweep, and
+``gpt2-124m`` on FineWeb shards the user provides). The robustness design, quick's paired ratio across the
+settings a reviewer would change, is :mod:`curvlab.jobs.robustness`.
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ class Reproduction(Job):
     def config(self) -> dict[str, Any]:
         preset = asdict(self.preset)
         del preset["keep"]  # what stays on disk changes no result: a re-run may prune further
+        if not preset["grammar_seed"]:  # the first draw: a directory made before the field existed continues
+            del preset["grammar_seed"]
         return {"preset": preset, "fineweb": str(self.fineweb) if self.fineweb else None}
 
     def what(self) -> str:
@@ -227,8 +230,8 @@ class Reproduction(Job):
         for s in p.s_values:
             d = self.out / "data" / _s_name(s)
             generate_pcfg_dataset(
-                d, s=s, tokens=p.tokens, val_tokens=p.val_tokens, val_s=0.0, grammar_options=p.grammar,
-                progress=self.progress,
+                d, s=s, tokens=p.tokens, val_tokens=p.val_tokens, val_s=0.0, seed=p.grammar_seed,
+                grammar_options=p.grammar, progress=self.progress,
             )  # fmt: skip
             dirs[s] = d
         self._say(f"data ready: s = {', '.join(f'{s:g}' for s in p.s_values)}")
@@ -323,18 +326,25 @@ class Reproduction(Job):
 
     def _train(self, data: dict[float, Path], s: float, arm: str, seed: int, chosen: dict[str, dict]) -> Path:
         """Train one measured run. It carries a shadow of the other arm (docs/science.md section 11): an
-        AdamW run a Muon momentum at Muon's chosen lr, a Muon run Adam's moments at AdamW's."""
+        AdamW run a Muon momentum at Muon's chosen lr, a Muon run Adam's moments at AdamW's; and its twins
+        where the controls read them (:meth:`_controlled`)."""
         run = self._run_dir(s, arm, seed)
         every = self._ckpt_every(s)
         options = {k: v for k, v in chosen[arm].items() if k in ("lr", "adam_lr")}
         other = "muon" if ARMS[arm].optimizer == "adamw" else "adamw"
         cfg = self._train_config(
             data[s], run, arm, options, seed, eval_every=every, ckpt_every=every, shadow=True,
-            shadow_options={"lr": chosen[other]["lr"]}, controls=self.preset.controls,
+            shadow_options={"lr": chosen[other]["lr"]}, controls=self._controlled(s, arm),
         )  # fmt: skip
         with self.clock("train"):
             train(cfg, progress=self.progress)
         return run
+
+    def _controlled(self, s: float, arm: str) -> bool:
+        """Whether a run keeps the controls: AdamW's and Muon's at the first s, the paired claim's runs and the
+        only ones the controls read (at the sweep's s and in the control arm, twins and Lanczos took a third
+        of `standard`'s time and fed no number)."""
+        return self.preset.controls and s == self.preset.s_values[0] and arm in ("adamw", "muon")
 
     def _settings(self, batches: int, tracked: bool = False, controls: bool = True) -> AnalysisSettings:
         """How a checkpoint is analysed: with the controls' directions where the preset keeps controls (not
@@ -384,11 +394,14 @@ class Reproduction(Job):
 
     def _track(self, s: float, arm: str, seed: int, plateau: float) -> TrackRecord:
         p = self.preset
+        controlled = self._controlled(s, arm)
+        stability_steps = self._stability_steps() if controlled else []
         with self.clock("track"):
             rows = track_run(
                 self._run_dir(s, arm, seed), self.out / "analysis" / f"track-{_s_name(s)}-{arm}-seed{seed}",
-                settings=self._settings(p.track_batches), progress=self.progress, plateau_ceiling=plateau,
-                settings_at=dict.fromkeys(self._stability_steps(), self._settings(p.track_batches, tracked=True)),
+                settings=self._settings(p.track_batches, controls=controlled), progress=self.progress,
+                plateau_ceiling=plateau,
+                settings_at=dict.fromkeys(stability_steps, self._settings(p.track_batches, tracked=True)),
                 cache=self.out / "analysis" / "reports", steps=self._track_steps(),
             )  # fmt: skip
         return TrackRecord(arm, s, seed, p.steps, p.warmup_steps, rows)

@@ -454,3 +454,43 @@ def finetune_ratios(result, stem: str | Path) -> list[Path]:
     )
     bx.invert_xaxis()
     return save_figure(fig, stem)
+
+
+def robustness_ratios(settings: list, stem: str | Path, reference: tuple[str, float, list[float] | None] | None = None):
+    """The paired direction ratio and its 95% seed-level interval at each robustness setting
+    (:class:`curvlab.studies.robustness.SettingResult` records), on a log axis with no effect at 1;
+    ``reference`` (label, value, interval: the quick reproduction's) drawn first as a shaded band. A
+    setting whose controls did not all pass is an open marker; one not measured is listed, not drawn."""
+    rows = [x for x in settings if x.paired_ratio is not None and x.paired_ratio > 0]
+    missing = [x.label for x in settings if x not in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.45 * (len(rows) + (reference is not None))))
+    labels = []
+    y = len(rows) + (reference is not None) - 1
+    if reference is not None:
+        label, value, ci = reference
+        if ci is not None:
+            ax.axvspan(ci[0], ci[1], color="tab:gray", alpha=0.2, lw=0)
+            ax.plot(ci, [y, y], color="tab:gray", lw=1.5)
+        ax.plot([value], [y], "s", color="tab:gray", ms=6)
+        labels.append((y, label))
+        y -= 1
+    for x in rows:
+        if x.ci95 is not None:
+            ax.plot(x.ci95, [y, y], color="k", lw=1.5)
+        passed = x.controls_passed is True
+        ax.plot([x.paired_ratio], [y], "o", color="tab:blue", mfc="tab:blue" if passed else "none", ms=6)
+        labels.append((y, f"{x.label} ({x.n_seeds} seeds)"))
+        y -= 1
+    ax.axvline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(_two_and_five))
+    ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=7)
+    ax.set_ylim(-0.7, len(labels) - 0.3)
+    ax.set(xlabel="NDS of AdamW's direction / Muon's, same W and batch (log scale)")
+    title = "Paired direction ratio, 95% seed-level interval; open: a control failed"
+    if missing:
+        title += "\nnot measured: " + ", ".join(missing)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, stem)

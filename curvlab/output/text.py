@@ -17,13 +17,16 @@ import shutil
 from pathlib import Path
 
 from curvlab.errors import CurvlabError
+from curvlab.output.plots import robustness_ratios
 from curvlab.studies import statistics as st
+from curvlab.studies.controls import ControlEntry, StabilityEntry
 from curvlab.studies.exact import floor_text
 from curvlab.studies.headline import HeadlineEntry
 from curvlab.studies.paper import POST_HOC_RULES, QUADRATIC_EXAMPLE
 from curvlab.studies.primary import Calibration, PrimaryEntry
 from curvlab.studies.records import LevelData
 from curvlab.studies.rerun import RerunComparison, compare_reruns
+from curvlab.studies.robustness import RobustnessSummary
 from curvlab.studies.summary import Summary
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util.atomic import atomic_write_text, atomic_write_with
@@ -180,38 +183,47 @@ def _passed(x: bool | None) -> str:
     return {True: "pass", False: "**FAIL**", None: "not measured"}[x]
 
 
-def controls_section(summary: Summary) -> list[str]:
-    """The controls table and the edge-of-stability table (docs/science.md section 14)."""
-    if not summary.controls:
-        return ["No controls in this summary (made before they were kept, or a preset without them).", ""]
+def controls_table(controls: list[ControlEntry]) -> list[str]:
+    """The controls (docs/science.md section 14) as a table, and how many passed."""
     lines = [
         "| control | arm | compares | value [95% CI] | seeds, points | expected | result |",
         "|---|---|---|---:|---:|---|---|",
     ]
-    for e in summary.controls:
-        ci = "" if e.ci95 is None else f" [{fmt(e.ci95[0])}, {fmt(e.ci95[1])}]"
+    for e in controls:
         extra = ""
         if e.name == "twin_shadow" and e.detail:
             extra = f"; largest deviation {e.detail['max_abs_deviation']:.1e}"
         lines.append(
-            f"| {e.name} | {e.arm} | {e.scope} | {fmt(e.value)}{ci} | {e.n_seeds}, {e.n_points} | {e.expected} | "
-            f"{_passed(e.passed)}{extra} |"
+            f"| {e.name} | {e.arm} | {e.scope} | {fmt(e.value)}{_ci(e.ci95)} | {e.n_seeds}, {e.n_points} | "
+            f"{e.expected} | {_passed(e.passed)}{extra} |"
         )
-    passed = sum(e.passed is True for e in summary.controls)
-    lines += ["", f"{passed} of {len(summary.controls)} controls passed.", ""]
-    if summary.edge_of_stability:
-        lines += [
-            "Edge-of-stability context at the tracked checkpoints (per arm: the geometric mean over seeds of each "
-            "seed's median, with its log-t interval):",
-            "",
-            "| arm | quantity | value [95% CI] | seeds, points |",
-            "|---|---|---:|---:|",
-        ]
-        for e in summary.edge_of_stability:
-            ci = "" if e.ci95 is None else f" [{fmt(e.ci95[0])}, {fmt(e.ci95[1])}]"
-            lines.append(f"| {e.arm} | {e.quantity} | {fmt(e.value)}{ci} | {e.n_seeds}, {e.n_points} |")
-        lines.append("")
-    return lines
+    passed = sum(e.passed is True for e in controls)
+    return [*lines, "", f"{passed} of {len(controls)} controls passed.", ""]
+
+
+def stability_table(entries: list[StabilityEntry]) -> list[str]:
+    """The edge-of-stability context (per arm and quantity) as a table."""
+    lines = [
+        "Edge-of-stability context at the tracked checkpoints (per arm: the geometric mean over seeds of each "
+        "seed's median, with its log-t interval):",
+        "",
+        "| arm | quantity | value [95% CI] | seeds, points |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [f"| {e.arm} | {e.quantity} | {fmt(e.value)}{_ci(e.ci95)} | {e.n_seeds}, {e.n_points} |" for e in entries]
+    return [*lines, ""]
+
+
+def _ci(ci: list[float] | None) -> str:
+    return "" if ci is None else f" [{fmt(ci[0])}, {fmt(ci[1])}]"
+
+
+def controls_section(summary: Summary) -> list[str]:
+    """The controls table and the edge-of-stability table (docs/science.md section 14)."""
+    if not summary.controls:
+        return ["No controls in this summary (made before they were kept, or a preset without them).", ""]
+    lines = controls_table(summary.controls)
+    return lines + (stability_table(summary.edge_of_stability) if summary.edge_of_stability else [])
 
 
 def primary_section(summary: Summary, figure: str | None, brief: bool = False) -> list[str]:
@@ -233,7 +245,7 @@ def primary_section(summary: Summary, figure: str | None, brief: bool = False) -
     return lines
 
 
-def _stage_times(summary: Summary) -> str:
+def _stage_times(summary: Summary | RobustnessSummary) -> str:
     """``stage wall s (CPU s)`` for every stage that took half a second or more."""
     t = summary.timing
     parts = [
@@ -242,7 +254,7 @@ def _stage_times(summary: Summary) -> str:
     return ", ".join(parts)
 
 
-def _conditions(summary: Summary) -> str:
+def _conditions(summary: Summary | RobustnessSummary) -> str:
     """Where the time was measured: torch threads, CPUs and the machine's load (other jobs sharing it)."""
     t = summary.timing
     if "load" not in t:
@@ -616,3 +628,83 @@ def finetune_section(result) -> list[str]:
         lines.append(f"{refused} level(s) or seed(s) found no match (see finetune.json, `refused`).")
     lines += ["", "Caveats:", "", *(f"- {n}" for n in result.notes)]
     return lines
+
+
+ROBUSTNESS_FIGURE = "robustness_ratios"
+
+
+def _lr_cell(lr: dict[str, float]) -> str:
+    return f"{lr['lr']:g}" + (f" (AdamW side {lr['adam_lr']:g})" if "adam_lr" in lr else "")
+
+
+def render_robustness(
+    summary: RobustnessSummary,
+    figures_dir: str = "figures",
+    reference: tuple[str, float, list[float] | None] | None = None,
+) -> str:
+    """The robustness design's page (docs/science.md section 15): the paired ratio at every setting, its
+    controls and edge-of-stability context, from ``summary.json`` alone; ``reference`` (a reproduction's
+    paired ratio: label, value, interval) is quoted beside it."""
+    t = summary.timing
+    lines = [
+        f"# The paired direction ratio across settings ({summary.preset})",
+        "",
+        f"`curvlab reproduce --preset {summary.preset}`: {summary.seconds / 60:.0f} minutes "
+        f"({t.get('total_cpu', float('nan')) / 60:.0f} CPU minutes; {_conditions(summary)}); by stage: "
+        f"{_stage_times(summary)}.",
+        "",
+        f"Each setting changes one thing in the `{summary.base}` design and runs both arms on seeds "
+        f"{', '.join(map(str, summary.seeds))} (disjoint from `{summary.base}`'s measured, tuning and check seeds). "
+        "The learning rates are the committed table's, times the setting's factor: nothing is re-tuned, for "
+        "either arm. Each ratio is judged alone (one claim; no Holm correction across settings), with the "
+        "exact one-sided sign-flip p beside the t model's verdict. A setting is one estimate under changed "
+        "conditions, not a test of its own.",
+        "",
+    ]
+    if reference is not None:
+        label, value, ci = reference
+        lines += [f"Reference, the {label}: {fmt(value)}{_ci(ci)}.", ""]
+    lines += [
+        "| setting | AdamW lr | Muon lr | paired ratio [95% CI] | seeds, points | verdict (alone) | exact p | "
+        "controls | failed |",
+        "|---|---:|---:|---:|---:|---|---:|---|---|",
+    ]
+    for x in summary.settings:
+        controls = {True: "all passed", False: "**not all**", None: "not measured"}[x.controls_passed]
+        lines.append(
+            f"| {x.label} | {_lr_cell(x.lr['adamw'])} | {_lr_cell(x.lr['muon'])} | "
+            f"{fmt(x.paired_ratio)}{_ci(x.ci95)} | "
+            f"{x.n_seeds}, {x.n_points} | {x.verdict} | {fmt(x.p_exact)} | {controls} | "
+            f"{', '.join(x.failed_controls) or '—'} |"
+        )
+    lines += ["", f"![{ROBUSTNESS_FIGURE}]({figures_dir}/{ROBUSTNESS_FIGURE}.png)", ""]
+    for x in summary.settings:
+        lines += [f"## {x.label}", "", *controls_table(x.controls)]
+        lines += stability_table(x.edge_of_stability) if x.edge_of_stability else []
+    return "\n".join(lines)
+
+
+def paired_reference(summary: Summary) -> tuple[str, float, list[float] | None] | None:
+    """A reproduction's paired ratio as the robustness page's reference (``None``: not measured)."""
+    e = summary.primary_entry("paired_direction_ratio")
+    return None if e.value is None else (f"{summary.preset} reproduction ({e.n_seeds} seeds)", e.value, e.ci95)
+
+
+def publish_robustness(results: Path, docs: Path, page: Path, reference: Path | None = None) -> None:
+    """Copy a robustness design's ``summary.json``, ``levels.json`` and figure into ``docs`` and write its page
+    (:func:`render_robustness`) to ``page``, quoting ``reference`` (a reproduction's ``summary.json``, e.g.
+    quick's committed one) beside it and in the figure, which is drawn again with it.
+
+    Raises:
+        CurvlabError: a missing or unreadable summary.
+    """
+    summary = RobustnessSummary.load(results / "summary.json")
+    ref = None if reference is None else paired_reference(Summary.load(reference))
+    figures = docs / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    for name in ("summary.json", "levels.json"):
+        payload = (results / name).read_bytes()
+        atomic_write_with(docs / name, lambda f, payload=payload: f.write(payload))
+    robustness_ratios(summary.settings, figures / ROBUSTNESS_FIGURE, ref)
+    relative = Path(os.path.relpath(figures, page.parent)).as_posix()
+    atomic_write_text(page, render_robustness(summary, relative, ref) + "\n")

@@ -1,0 +1,133 @@
+"""``curvlab reproduce --preset robustness``: the paired direction ratio across the settings a reviewer
+would change (:data:`curvlab.jobs.presets.ROBUSTNESS_PRESETS`, docs/science.md section 15).
+
+Each setting is a :class:`~curvlab.jobs.presets.Preset` made from the base design
+(:meth:`~curvlab.jobs.presets.RobustnessSetting.preset`) and run by the reproduction's own stages in
+``settings/<name>/`` (:class:`~curvlab.jobs.reproduce.Reproduction`: data, each seed's runs with their
+shadows and twins, the matched comparison, the trajectories with the stability context), on the design's
+fresh seeds, without A/A. Its learning rates are not tuned: they are the committed table's entry for the
+base design times the setting's factors (one rule for both arms). Then from each setting's
+``levels.json`` alone its row (:func:`curvlab.studies.robustness.setting_result`), and ``summary.json``,
+``levels.json`` (every setting's), the figure and ``report.md``. A re-run continues: a setting's seed
+whose analysis is saved is read back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from curvlab.data.dataset import unigram_plateau_nats
+from curvlab.errors import CurvlabError
+from curvlab.jobs.job import Job
+from curvlab.jobs.lr_table import read_lr_table
+from curvlab.jobs.presets import RobustnessPreset, RobustnessSetting
+from curvlab.jobs.reproduce import Reproduction
+from curvlab.output import plots
+from curvlab.output import text as report
+from curvlab.runs.match import plateau_ceiling
+from curvlab.studies.records import LevelData
+from curvlab.studies.robustness import RobustnessLevels, RobustnessSummary, setting_result
+from curvlab.studies.tuning import TuningRecord
+from curvlab.util import schema
+from curvlab.util.atomic import atomic_write_text
+from curvlab.util.safe_stop import stop_at_safe_points
+from curvlab.util.versions import SoftwareVersions
+
+
+def scaled_lrs(entry: dict[str, Any], factors: dict[str, float]) -> dict[str, dict[str, float]]:
+    """A table entry's chosen options with each arm's ``lr`` times its factor. Muon's AdamW side stays the
+    table's (tied to AdamW's tabled lr): a factor changes one arm's own step, nothing of the other's."""
+    chosen = {arm: dict(entry["chosen"][arm]) for arm in ("adamw", "muon")}
+    for arm, factor in factors.items():
+        chosen[arm]["lr"] = float(f"{chosen[arm]['lr'] * factor:.6g}")
+    return chosen
+
+
+class Robustness(Job):
+    """One robustness design in one output directory (module docstring)."""
+
+    TAG = "robustness"
+    CONFIG_FILE = "robustness.json"
+
+    def __init__(self, preset: RobustnessPreset, out: str | Path, progress: bool = True):
+        preset.validate()
+        super().__init__(out, progress)
+        self.preset = preset
+        if preset.lr_table is None:  # the base's tuning centres, Muon's AdamW side tied to AdamW's
+            centres = preset.base.tuning.lr_centers
+            entry = {
+                "chosen": {
+                    "adamw": {"lr": centres["adamw"]},
+                    "muon": {"lr": centres["muon"], "adam_lr": centres["adamw"]},
+                }
+            }
+        else:
+            entry = read_lr_table().get(preset.lr_table)
+        if entry is None:
+            raise CurvlabError(f"the committed lr table has no entry {preset.lr_table!r} to scale")
+        self.table = entry
+
+    def config(self) -> dict[str, Any]:
+        base = asdict(self.preset)
+        del base["base"]["keep"]  # as a reproduction's: what stays on disk changes no result
+        return {"preset": base, "table": self.table["chosen"]}
+
+    def what(self) -> str:
+        return f"the results of preset {self.preset.name!r}"
+
+    def run(self) -> RobustnessSummary:
+        """The whole design (module docstring); a SIGINT or SIGTERM stops it at the next safe point."""
+        with stop_at_safe_points():
+            return self._run()
+
+    def _setting(self, setting: RobustnessSetting) -> tuple[LevelData, dict[str, dict[str, float]]]:
+        """One setting's runs and analyses, in ``settings/<name>``; its :class:`LevelData` and lrs."""
+        p = self.preset
+        job = Reproduction(setting.preset(p.base), self.out / "settings" / setting.name, progress=self.progress)
+        job.clock = self.clock  # one clock: the design's stage times
+        job._check_config()
+        path = job.out / "analysis" / "levels.json"
+        chosen = scaled_lrs(self.table, setting.lr_factors)
+        if path.is_file():
+            return LevelData.load(path), chosen
+        s = job.preset.s_values[0]
+        with self.clock("data"):
+            data = job.data()
+        plateaus = {s: plateau_ceiling(unigram_plateau_nats(data[s]), job.preset.plateau_fraction)}
+        tuning = job.saved_tuning() or job.save_tuning(
+            TuningRecord("table", s, job.preset.tuning_steps, [], {}, chosen, job.preset.adam_side, None, self.table)
+        )
+        per_seed = []
+        for seed in p.seed_list():
+            per_seed.append(job.seed(seed, data, tuning, plateaus))
+            job.prune(seed, per_seed[-1:])
+            self.safe_point(f"{setting.name} seed {seed}'s analysis")
+        levels = LevelData(
+            [r for lv in per_seed for r in lv.comparisons], [t for lv in per_seed for t in lv.tracks],
+            plateaus[s], [s],
+        )  # fmt: skip
+        levels.save(path)
+        self._say(f"{setting.name}: done")
+        return levels, chosen
+
+    def _run(self) -> RobustnessSummary:
+        self.start()
+        p = self.preset
+        rows, levels = [], {}
+        for setting in p.settings:
+            levels[setting.name], chosen = self._setting(setting)
+            rows.append(setting_result(setting.name, setting.label, levels[setting.name], chosen))
+        RobustnessLevels(levels).save(self.out / "levels.json")
+        with self.clock("figures"):
+            figures = plots.robustness_ratios(rows, self.out / "figures" / "robustness_ratios")
+        timing = self.timing()
+        summary = RobustnessSummary(
+            p.name, p.base.name, p.seed_list(), rows, timing, timing["total"], SoftwareVersions.current(),
+            [str(f.relative_to(self.out)) for f in figures],
+        )  # fmt: skip
+        schema.save(self.out / "summary.json", summary)
+        atomic_write_text(self.out / "report.md", report.render_robustness(summary))
+        self._say(f"done in {summary.seconds:.0f} s: {self.out / 'report.md'}")
+        return summary

@@ -1,0 +1,135 @@
+"""What ``curvlab reproduce --preset robustness`` concludes (``summary.json``, :class:`RobustnessSummary`):
+the paired direction ratio, with its controls and edge-of-stability context, at each setting a reviewer
+would change (docs/science.md section 15), judged from each setting's own ``levels.json`` alone.
+
+A setting's ratio is the primary family's ``paired_direction_ratio`` (:func:`curvlab.studies.primary.
+primary_family`, judged alone: one claim, no Holm correction across settings, which are not a family of
+tests of one hypothesis but one estimate under changed conditions), its controls those of every
+reproduction (:func:`curvlab.studies.controls.controls`), and ``controls_passed`` whether every measured
+control passed (``None``: none was measured). Nothing is dropped: a setting whose ratio is not measured,
+or whose controls fail, is a row saying so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from curvlab.studies.controls import ControlEntry, StabilityEntry, controls, stability
+from curvlab.studies.primary import primary_family
+from curvlab.studies.records import LevelData
+from curvlab.util import schema
+from curvlab.util.atomic import atomic_write_text
+from curvlab.util.versions import SoftwareVersions
+
+ROBUSTNESS_SCHEMA_VERSION = 1
+PAIRED = "paired_direction_ratio"
+
+
+@dataclass(frozen=True)
+class SettingResult:
+    """One setting's paired ratio (geometric mean over seeds of the per-seed medians, 95% log-t interval),
+    its verdict alone, its controls, its edge-of-stability context, and the learning rates it ran at."""
+
+    setting: str
+    label: str
+    paired_ratio: float | None
+    ci95: list[float] | None
+    n_seeds: int
+    n_points: int
+    direction: str
+    verdict: str  # the direction with what the exact test says where it can't back it (PrimaryEntry.verdict_text)
+    p_exact: float | None
+    controls_passed: bool | None
+    failed_controls: list[str]
+    lr: dict[str, dict[str, float]]
+    controls: list[ControlEntry] = field(default_factory=list)
+    edge_of_stability: list[StabilityEntry] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SettingResult:
+        d = dict(d)
+        d["controls"] = [ControlEntry.from_dict(e) for e in d["controls"]]
+        d["edge_of_stability"] = [StabilityEntry.from_dict(e) for e in d["edge_of_stability"]]
+        return cls(**d)
+
+
+def setting_result(setting: str, label: str, levels: LevelData, lr: dict[str, dict[str, float]]) -> SettingResult:
+    """One setting's row, from its ``levels.json`` (module docstring)."""
+    paired = next(e for e in primary_family(levels, judged=(PAIRED,)) if e.name == PAIRED)
+    checks = controls(levels)
+    measured = [c for c in checks if c.passed is not None]
+    return SettingResult(
+        setting, label, paired.value, paired.ci95, paired.n_seeds, paired.n_units, paired.direction,
+        paired.verdict_text, paired.p_exact, all(c.passed for c in measured) if measured else None,
+        [f"{c.name} ({c.arm})" for c in measured if not c.passed], lr, checks, stability(levels),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RobustnessSummary:
+    """``summary.json`` of the robustness design: one :class:`SettingResult` per setting, in the preset's
+    order, with what the design was (``base``: the preset it varies; ``seeds``: each setting's measurement
+    seeds) and how long it took."""
+
+    preset: str
+    base: str
+    seeds: list[int]
+    settings: list[SettingResult]
+    timing: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    versions: SoftwareVersions | None = None
+    figures: list[str] = field(default_factory=list)
+    schema_version: int = ROBUSTNESS_SCHEMA_VERSION
+    SCHEMA_VERSION: ClassVar[int] = ROBUSTNESS_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "robustness summary.json"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RobustnessSummary:
+        schema.check(d, cls)
+        d = dict(d)
+        d["settings"] = [SettingResult.from_dict(e) for e in d["settings"]]
+        d["versions"] = SoftwareVersions.from_dict(d.get("versions"))
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RobustnessSummary:
+        return schema.load(path, cls)
+
+    def setting(self, name: str) -> SettingResult:
+        return next(x for x in self.settings if x.setting == name)
+
+
+@dataclass
+class RobustnessLevels:
+    """``levels.json`` of the robustness design: every setting's :class:`LevelData`, by setting name."""
+
+    settings: dict[str, LevelData]
+    schema_version: int = ROBUSTNESS_SCHEMA_VERSION
+    SCHEMA_VERSION: ClassVar[int] = ROBUSTNESS_SCHEMA_VERSION
+    WHAT: ClassVar[str] = "robustness levels.json"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": self.schema_version, "settings": {k: v.to_dict() for k, v in self.settings.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RobustnessLevels:
+        schema.check(d, cls)
+        return cls({k: LevelData.from_dict(v) for k, v in d["settings"].items()})
+
+    def save(self, path: str | Path) -> None:
+        """As :meth:`LevelData.save <curvlab.studies.records.LevelData.save>` (``NaN`` kept, sealed), unindented:
+        27 seeds' levels are 10 MB with indentation."""
+        atomic_write_text(path, json.dumps(schema.sealed(self.to_dict(), strict=False)))
+
+    @classmethod
+    def load(cls, path: str | Path) -> RobustnessLevels:
+        return schema.load(path, cls)
