@@ -152,15 +152,22 @@ class NanoGPT(nn.Module):
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))
 
-    def configure_optimizers(self, lr):  # nanoGPT's grouping: dim >= 2 decays
+    def configure_optimizers(self, lr, grouping="dimension"):
+        """nanoGPT's groups: since 2023 every parameter of dim >= 2 decays; before ("modules", as minGPT) the
+        weights of nn.Linear modules decay (not the tied head), and both groups are sorted by name."""
         params = {n: p for n, p in self.named_parameters()}
-        decay = [p for p in params.values() if p.dim() >= 2]
-        no_decay = [p for p in params.values() if p.dim() < 2]
+        if grouping == "dimension":
+            decay = [p for p in params.values() if p.dim() >= 2]
+            no_decay = [p for p in params.values() if p.dim() < 2]
+        else:
+            linear = {f"{mn}.weight" for mn, m in self.named_modules() if isinstance(m, nn.Linear)} - {"lm_head.weight"}
+            decay = [params[n] for n in sorted(linear)]
+            no_decay = [params[n] for n in sorted(set(params) - linear)]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def nanogpt_checkpoint(tmp_path, dropout=0.0, accumulation=None, name="ckpt.pt"):
+def nanogpt_checkpoint(tmp_path, dropout=0.0, accumulation=None, name="ckpt.pt", grouping="dimension"):
     """A nanoGPT ``ckpt.pt`` (the reference model above, 3 AdamW steps) written at ``tmp_path / name``;
     returns the model, its optimizer and the payload."""
     torch.manual_seed(0)
@@ -170,7 +177,7 @@ def nanogpt_checkpoint(tmp_path, dropout=0.0, accumulation=None, name="ckpt.pt")
             if isinstance(m, nn.LayerNorm):
                 m.weight.normal_(1.0, 0.2)
                 m.bias.normal_(0.0, 0.2)
-    opt = ref.configure_optimizers(lr=1e-2)
+    opt = ref.configure_optimizers(lr=1e-2, grouping=grouping)
     for _ in range(3):
         idx = torch.randint(0, 64, (4, 17))
         loss = F.cross_entropy(ref(idx[:, :-1]).reshape(-1, 64), idx[:, 1:].reshape(-1))

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from curvlab.analysis.report import analyze_checkpoint, load_report
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli import app
+from curvlab.errors import CurvlabError
 from curvlab.models.nanogpt import load_nanogpt
 from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
 from curvlab.runs.config import TrainConfig
@@ -191,8 +192,10 @@ def assert_same_parameters(ours: dict, theirs: dict, atol: float) -> None:
         assert torch.allclose(mine, p, atol=atol), name
 
 
-def test_nanogpt_import_gives_same_logits_and_same_next_step(tmp_path):
-    ref, ref_opt, _ = nanogpt_checkpoint(tmp_path)
+@pytest.mark.parametrize("grouping", ["dimension", "modules"])
+def test_nanogpt_import_gives_same_logits_and_same_next_step(tmp_path, grouping):
+    """Both of nanoGPT's optimizer groupings (by dimension since 2023, by module type and sorted before)."""
+    ref, ref_opt, _ = nanogpt_checkpoint(tmp_path, grouping=grouping)
     model, opt = load_nanogpt(torch.load(tmp_path / "ckpt.pt", weights_only=True))
     idx = torch.randint(0, 64, (3, 16))
     with sdpa_kernel(SDPBackend.MATH):
@@ -203,6 +206,20 @@ def test_nanogpt_import_gives_same_logits_and_same_next_step(tmp_path):
         F.cross_entropy(m(x[:, :-1]).reshape(-1, 64), x[:, 1:].reshape(-1)).backward()
         o.step()
     assert_same_parameters(dict(model.named_parameters()), dict(ref.named_parameters()), atol=1e-6)
+
+
+def test_a_nanogpt_optimizer_of_other_groups_is_refused(tmp_path):
+    _, _, ckpt = nanogpt_checkpoint(tmp_path)
+    state = ckpt["optimizer"]
+    first, second = state["param_groups"]
+    split = [{**first, "params": first["params"][:2]}, {**first, "params": first["params"][2:]}, second]
+    with pytest.raises(CurvlabError, match=r"groups of \[2, \d+, \d+\] parameters, which fit neither"):
+        load_nanogpt({**ckpt, "optimizer": {**state, "param_groups": split}})
+    # the right sizes with the moments in another order: the shapes tell
+    moved = dict(state["state"])
+    moved[0], moved[2] = moved[2], moved[0]  # (wte's and an attention matrix's moments swapped)
+    with pytest.raises(CurvlabError, match="its moments' shapes fit neither"):
+        load_nanogpt({**ckpt, "optimizer": {**state, "state": moved}})
 
 
 def test_nds_command_on_a_nanogpt_checkpoint(tmp_path):

@@ -48,6 +48,7 @@ from curvlab import (
 )
 from curvlab.engine import params as P
 from curvlab.engine.loss import count_loss_terms, weighted_batches
+from curvlab.errors import CurvlabError
 from curvlab.optim.polar import msign
 from tests.reference import dense_hessian, double_backward
 
@@ -480,3 +481,113 @@ def test_nds_command_on_a_trainer_checkpoint(trainer_run, tmp_path):
     torch.save({"args": Path("elsewhere")}, broken / "training_args.bin")  # a pickle naming a foreign class
     r = runner.invoke(app, ["nds", str(broken), "--data", str(data)])
     assert r.exit_code == 2 and "refusing to unpickle" in r.output
+
+
+# -- a mixture of experts as it trains: the router's load-balancing loss is part of its loss (issue 32) -------
+
+
+def mixtral(**kw) -> nn.Module:
+    torch.manual_seed(5)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+        experts_implementation="eager",
+        **kw,
+    )  # fmt: skip  (eager experts: the grouped-matmul kernel has no float64)
+    return transformers.MixtralForCausalLM(config).eval()
+
+
+def test_a_mixture_of_experts_loss_includes_its_router_loss(monkeypatch):
+    from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
+
+    model = mixtral()
+    batch = causal_batch(6)
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    own = model(**batch)
+    assert own.aux_loss is not None and float(0.5 * own.aux_loss) > 1e-3  # large enough to be missed
+    # float32, as the model's own .loss: equal to it, and the language model's loss alone is not
+    assert float(make_loss_fn(model)(params, batch)) == pytest.approx(float(own.loss), rel=1e-6)
+    alone = float(make_loss_fn(model, router_loss=False)(params, batch))
+    assert alone == pytest.approx(float(own.loss - 0.5 * own.aux_loss), rel=1e-6)
+    assert abs(alone - float(own.loss)) > 1e-3
+    # float64: gradient and HVP against double backward of the model's loss written from its outputs
+    monkeypatch.setattr(MixtralRMSNorm, "forward", float64_rms_norm)
+    model = model.double()
+    params = {k: t.detach() for k, t in model.named_parameters()}
+
+    def reference(leaves, b):
+        out = functional_call(model, leaves, (), {k: v for k, v in b.items() if k != "labels"})
+        logits, labels = out.logits[:, :-1], b["labels"][:, 1:]
+        ce = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+        return ce + model.config.router_aux_loss_coef * out.aux_loss
+
+    v = direction(params, 7)
+    loss, g_ref, (hv_ref,) = double_backward(reference, params, batch, [v])
+    loss_fn = make_loss_fn(model)
+    assert float(loss_fn(params, batch)) == pytest.approx(loss, rel=1e-13)
+    hv = hvp(loss_fn, params, batch, v)
+    assert rel_error(hv, hv_ref) < 1e-10
+    router = [k for k in params if k.endswith("gate.weight")]
+    assert router and all(g_ref[k].abs().max() > 0 for k in router)  # the router learns from its own loss
+
+
+class ZLossModel(nn.Module):
+    """A module whose output carries a router z-loss: curvlab can't know its weight in the model's loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        logits = self.linear(x)
+        return {"logits": logits, "router_z_loss": logits.pow(2).mean()}
+
+
+def test_a_router_loss_curvlab_cannot_weigh_is_refused():
+    model = ZLossModel()
+    batch = (torch.randn(2, 4), torch.randn(2, 3))
+    params = dict(model.named_parameters())
+    with pytest.raises(CurvlabError, match=r"ZLossModel returns router loss\(es\) router_z_loss .*router_loss=False"):
+        make_loss_fn(model, criterion=F.mse_loss)(params, batch)
+    plain = make_loss_fn(model, criterion=F.mse_loss, router_loss=False)(params, batch)
+    assert float(plain) == pytest.approx(float(F.mse_loss(model(batch[0])["logits"], batch[1])))
+
+
+def test_whisper_gets_its_decoder_inputs_as_its_forward_makes_them():
+    """Whisper has no prepare_decoder_input_ids_from_labels: curvlab shifts the labels right as its own
+    forward does, so the loss is the model's, and the HVP is double backward's."""
+    torch.manual_seed(8)
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=8, encoder_layers=1, decoder_layers=1, d_model=16, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=6,
+        max_target_positions=8, pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(9)
+    labels = torch.randint(3, VOCAB, (2, 5), generator=g)
+    labels[1, 3:] = -100
+    batch = {"input_features": torch.randn(2, 8, 12, generator=g), "labels": labels}
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    assert float(make_loss_fn(model)(params, batch)) == pytest.approx(float(model(**batch).loss), rel=1e-6)
+    model = model.double()
+    params = {k: t.detach() for k, t in model.named_parameters()}
+    batch = {**batch, "input_features": batch["input_features"].double()}
+
+    def reference(leaves, b):
+        out = functional_call(model, leaves, (), {**b})  # the model makes its decoder inputs itself
+        return F.cross_entropy(out.logits.reshape(-1, VOCAB), b["labels"].reshape(-1), ignore_index=-100)
+
+    v = direction(params, 10)
+    loss, _, (hv_ref,) = double_backward(reference, params, batch, [v])
+    loss_fn = make_loss_fn(model)
+    assert float(loss_fn(params, batch)) == pytest.approx(loss, rel=1e-13)
+    assert rel_error(hvp(loss_fn, params, batch, v), hv_ref) < 1e-10

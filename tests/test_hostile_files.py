@@ -149,6 +149,51 @@ def test_a_pytorch_model_bin_of_plain_tensors_still_loads(trainer_checkpoint, tm
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
 
 
+def sharded_copy(path: Path, out: Path) -> Path:
+    """The Trainer checkpoint with its weights saved as Hugging Face saves a model above its shard size:
+    ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``, no ``model.safetensors``."""
+    shutil.copytree(path, out)
+    (out / "model.safetensors").unlink()
+    read_checkpoint(path).payload.model.save_pretrained(out, max_shard_size="4KB")
+    return out
+
+
+def test_sharded_safetensors_read_as_the_whole_model(trainer_checkpoint, tmp_path):
+    path, data = trainer_checkpoint
+    sharded = sharded_copy(path, tmp_path / "sharded")
+    assert not (sharded / "model.safetensors").exists() and len(list(sharded.glob("model-*.safetensors"))) > 2
+    whole, parts = read_checkpoint(path).payload.model, read_checkpoint(sharded).payload.model
+    assert whole.state_dict().keys() == parts.state_dict().keys()
+    assert all(torch.equal(a, parts.state_dict()[k]) for k, a in whole.state_dict().items())
+    reports = {}
+    for name, ckpt in (("whole", path), ("sharded", sharded)):
+        out = tmp_path / f"{name}.json"
+        r = CliRunner().invoke(app, ["nds", str(ckpt), "--data", str(data), "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        reports[name] = json.loads(out.read_text())
+    for key in ("nds", "first_order", "curvature_penalty", "realized", "hidden", "blocks"):
+        assert reports["whole"][key] == reports["sharded"][key], key
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda index, d: {**index, "weight_map": {k: "../outside.safetensors" for k in index["weight_map"]}},
+         "names shard '../outside.safetensors', not a file of this directory"),
+        (lambda index, d: (d / sorted(set(index["weight_map"].values()))[0]).unlink() or index, "which is missing"),
+        (lambda index, d: {"weight_map": []}, "not a readable shard index"),
+    ],
+    ids=["outside", "missing", "garbled"],
+)  # fmt: skip
+def test_a_shard_index_naming_what_is_not_there_is_refused(trainer_checkpoint, tmp_path, change, expected):
+    path, data = trainer_checkpoint
+    bad = sharded_copy(path, tmp_path / "bad")
+    index_file = bad / "model.safetensors.index.json"
+    index_file.write_text(json.dumps(change(json.loads(index_file.read_text()), bad)))
+    assert_library_refuses(lambda: read_checkpoint(bad), expected)
+    assert_cli_refuses(["nds", bad, "--data", data, "--out", tmp_path / "r.json"], expected)
+
+
 # --- sharded checkpoints -------------------------------------------------------------------------------
 
 

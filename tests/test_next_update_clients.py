@@ -7,8 +7,11 @@ compares W - W_next with Z bit for bit.
 
 import copy
 import math
+import random
 
+import numpy as np
 import pytest
+import pytorch_optimizer as po
 import torch
 
 from curvlab import build_optimizer, make_loss_fn, next_update
@@ -28,18 +31,22 @@ def batch_for(model, seed=0, batch=4):
     return idx[:, :-1], idx[:, 1:]
 
 
-def real_step(model, optimizers, loss_fn, batch, closure=False):
-    """The user's loop: zero grads, loss, backward, then every optimizer's step (with a closure if asked)."""
+def real_step(model, optimizers, loss_fn, batch, closure=False, backward=True, create_graph=False):
+    """The user's loop: zero grads, loss, backward, then every optimizer's step (with a closure if asked).
+    ``backward=False``: L-BFGS's documented loop, ``step(closure)`` alone (its first call computes G);
+    ``create_graph``: a Hessian-reading optimizer's, ``backward(create_graph=True)``."""
     for o in optimizers:
         o.zero_grad(set_to_none=True)
-    loss = loss_fn(dict(model.named_parameters()), batch)
-    loss.backward()
+    if backward:
+        loss = loss_fn(dict(model.named_parameters()), batch)
+        loss.backward(create_graph=create_graph)
 
-    def again():
+    def again():  # (AliG calls it under no_grad: a user's closure enables grad itself)
         for o in optimizers:
             o.zero_grad(set_to_none=True)
-        value = loss_fn(dict(model.named_parameters()), batch)
-        value.backward()
+        with torch.enable_grad():
+            value = loss_fn(dict(model.named_parameters()), batch)
+            value.backward()
         return value
 
     for o in optimizers:
@@ -61,34 +68,71 @@ def state_of(optimizer, memo=None):
     return attrs
 
 
-def check_next_update_is_the_real_step(model, optimizers, warmup=2, closure=False, steps=3):
-    """``warmup`` real steps, then for ``steps`` steps: next_update changes nothing and equals the real step.
-    Returns the largest |Z - real step| (0 when bit-exact)."""
-    loss_fn = make_loss_fn(model)
+def module_tensors(model):
+    """Every buffer (name: (object, value)) and every plain tensor a module keeps in its ``__dict__``."""
+    buffers = {n: (b, b.clone()) for n, b in model.named_buffers()}
+    attrs = {(m, k): v for m, mod in model.named_modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)}
+    return buffers, attrs
+
+
+def assert_untouched(model, buffers, attrs):
+    now_buffers, now_attrs = module_tensors(model)
+    assert now_buffers.keys() == buffers.keys() and now_attrs.keys() == attrs.keys()
+    for n, (b, value) in buffers.items():
+        assert now_buffers[n][0] is b and torch.equal(b, value), n
+    assert all(now_attrs[k] is v for k, v in attrs.items())
+
+
+def random_streams():
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def assert_same_streams(before):
+    torch_state, numpy_state, python_state = before
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    now = np.random.get_state()
+    assert now[0] == numpy_state[0] and np.array_equal(now[1], numpy_state[1]) and now[2:] == numpy_state[2:]
+    assert random.getstate() == python_state
+
+
+def check_next_update_is_the_real_step(
+    model, optimizers, warmup=2, closure=False, steps=3, backward=True, create_graph=False, loss_fn=None, batches=None
+):
+    """``warmup`` real steps, then for ``steps`` steps: next_update changes nothing (parameters, ``.grad``,
+    optimizer state, buffers and hooks' tensors, torch's, numpy's and Python's random streams) and equals the
+    real step. ``batches(seed)`` makes a batch (default the tiny GPT's). Returns the largest |Z - real step|
+    (0 when bit-exact)."""
+    loss_fn = loss_fn or make_loss_fn(model)
+    batches = batches or (lambda seed: batch_for(model, seed=seed))
+    loop = {"closure": closure, "backward": backward, "create_graph": create_graph}
     for s in range(warmup):
-        real_step(model, optimizers, loss_fn, batch_for(model, seed=s), closure)
+        real_step(model, optimizers, loss_fn, batches(s), **loop)
     worst = 0.0
     for s in range(steps):
-        batch = batch_for(model, seed=10 + s)
-        rng = torch.get_rng_state()
+        batch = batches(10 + s)
+        streams = random_streams()
         W = {n: p.detach().clone() for n, p in model.named_parameters()}
         grads = {n: p.grad for n, p in model.named_parameters()}
         states = [state_of(o) for o in optimizers]
+        state_dicts = [copy.deepcopy(o.state_dict()) for o in optimizers]
+        buffers, attrs = module_tensors(model)
         target = optimizers if len(optimizers) > 1 else optimizers[0]
         G, Z = next_update(model, target, loss_fn, batch)
-        assert torch.equal(torch.get_rng_state(), rng)  # the user's RNG is where it was
+        assert_same_streams(streams)  # the user's random streams are where they were
         for n, p in model.named_parameters():
             assert torch.equal(p, W[n]) and p.grad is grads[n], n
-        for o, before in zip(optimizers, states):
+        for o, before, state_dict in zip(optimizers, states, state_dicts):
             assert_same(state_of(o), before)
-        real_step(model, optimizers, loss_fn, batch, closure)
+            assert_same(o.state_dict(), state_dict)
+        assert_untouched(model, buffers, attrs)
+        real_step(model, optimizers, loss_fn, batch, **loop)
         for n, p in model.named_parameters():
             real = W[n].double() - p.detach().double()
             assert Z[n].dtype == p.dtype
             worst = max(worst, float((Z[n] - real.to(p.dtype)).abs().max()))
             assert torch.equal(Z[n], real.to(p.dtype)), (s, n)
             if not closure:
-                assert torch.equal(G[n], p.grad), (s, n)
+                assert torch.equal(G[n], torch.zeros_like(p) if p.grad is None else p.grad), (s, n)
     return worst
 
 
@@ -213,10 +257,11 @@ def build_after_the_same_steps():
 
 
 def test_closure_optimizers_lbfgs_and_sam():
-    # dropout on: the closure's evaluations draw after the gradient's, as in backward() then step(closure)
+    # dropout on: the closure's evaluations away from W draw after the gradient's, each loop as documented:
+    # L-BFGS's step(closure) alone (the closure's first call, at W, is G), SAM's backward() then step(closure)
     model = tiny_gpt(dropout=0.1).train()
     lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3, history_size=4)
-    assert check_next_update_is_the_real_step(model, [lbfgs], closure=True, steps=2) == 0.0
+    assert check_next_update_is_the_real_step(model, [lbfgs], closure=True, steps=2, backward=False) == 0.0
     model = tiny_gpt(dropout=0.1).train()
     sam = SAM(model.parameters(), torch.optim.SGD, rho=0.05, lr=0.1, momentum=0.9)
     assert check_next_update_is_the_real_step(model, [sam], closure=True) == 0.0
@@ -253,3 +298,277 @@ def test_a_closure_optimizer_after_another_in_a_list():
     pair = [torch.optim.SGD(matrices, lr=0.1, momentum=0.9), SAM(rest, torch.optim.SGD, rho=0.05, lr=0.1)]
     # (deterministic model: the SGD's own evaluation of the closure in the real loop changes nothing)
     assert check_next_update_is_the_real_step(model, pair, closure=True) == 0.0
+
+
+# -- no trace: unused parameters, buffers, hooks' tensors, every random stream (issue 32) -------------------
+
+
+class WithUnused(torch.nn.Module):
+    """A network with a head it never calls: its parameters get no gradient, so ``backward()`` leaves their
+    ``.grad`` None and every optimizer skips them (AdamW's decay and any momentum included)."""
+
+    def __init__(self, norm=None):
+        super().__init__()
+        self.body = torch.nn.Linear(5, 8)
+        self.norm = norm or torch.nn.Identity()
+        self.head = torch.nn.Linear(8, 3)
+        self.unused = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.body(x))))
+
+
+def regression_batch(seed, batch=6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 5, generator=g, dtype=torch.float64), torch.randn(
+        batch, 3, generator=g, dtype=torch.float64
+    )
+
+
+def regression(model):
+    return make_loss_fn(model, criterion=torch.nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01),
+    ],
+    ids=["adamw", "sgd-momentum"],
+)
+def test_a_parameter_with_no_gradient_is_not_moved(build):
+    torch.manual_seed(0)
+    model = WithUnused().double()
+    opt = build(model.parameters())
+    loss_fn = regression(model)
+    check_next_update_is_the_real_step(model, [opt], loss_fn=loss_fn, batches=regression_batch)
+    G, Z = next_update(model, opt, loss_fn, regression_batch(3))
+    for n in ("unused.weight", "unused.bias"):
+        assert model.get_parameter(n).grad is None and model.get_parameter(n) not in opt.state
+        assert torch.equal(Z[n], torch.zeros_like(Z[n])) and torch.equal(G[n], torch.zeros_like(G[n]))
+    assert all(Z[n].abs().max() > 0 for n in ("body.weight", "head.weight"))
+
+
+def test_unused_parameters_under_accumulation_and_clipping():
+    torch.manual_seed(1)
+    model = WithUnused().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    loss_fn = regression(model)
+    micro = [regression_batch(5, batch=2), regression_batch(6, batch=4)]
+    _, Z = next_update(model, opt, loss_fn, micro, max_grad_norm=0.05)
+    assert torch.equal(Z["unused.weight"], torch.zeros_like(Z["unused.weight"]))
+    # against a twin stepped for real: the loss terms' weights, clipping, then AdamW with unused.* at None
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    twin_loss = regression(twin)
+    for b in micro:
+        (twin_loss(dict(twin.named_parameters()), b) * len(b[0]) / 6).backward()
+    torch.nn.utils.clip_grad_norm_(list(twin.parameters()), 0.05)
+    assert twin.unused.weight.grad is None
+    W = {n: p.detach().clone() for n, p in twin.named_parameters()}
+    twin_opt.step()
+    for n, p in twin.named_parameters():
+        torch.testing.assert_close(Z[n], W[n] - p.detach(), rtol=1e-12, atol=1e-15)
+
+
+def test_batch_norm_in_train_mode_leaves_its_running_statistics():
+    torch.manual_seed(2)
+    model = WithUnused(norm=torch.nn.BatchNorm1d(8)).double().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    assert check_next_update_is_the_real_step(model, [opt], warmup=0, steps=1, loss_fn=regression(model),
+                                              batches=regression_batch) == 0.0  # fmt: skip
+    # the real step moved them (so the check above could fail), and next_update alone does not
+    assert not torch.equal(model.norm.running_var, before["norm.running_var"])
+    assert int(model.norm.num_batches_tracked) == 1
+    buffers, attrs = module_tensors(model)
+    next_update(model, opt, regression(model), regression_batch(4))
+    assert_untouched(model, buffers, attrs)
+
+
+def test_spectral_norm_keeps_its_power_iteration_vectors():
+    """Both spectral norms: the parametrization's ``_u``/``_v`` buffers, and the legacy hook's ``weight_u``,
+    ``weight_v`` and the ``weight`` tensor it leaves on the module. The curvature after next_update is of
+    the same function: the buffers are bit for bit, so an HVP is too."""
+    from curvlab import hvp
+
+    torch.manual_seed(3)
+    model = WithUnused().double().train()
+    torch.nn.utils.parametrizations.spectral_norm(model.body)
+    torch.nn.utils.spectral_norm(model.head)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_fn = regression(model)
+    assert check_next_update_is_the_real_step(model, [opt], loss_fn=loss_fn, batches=regression_batch) == 0.0
+    batch = regression_batch(7)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    v = {n: torch.randn_like(p) for n, p in params.items()}
+    model.eval()  # (no power iteration in the HVP itself)
+    first = hvp(loss_fn, params, batch, v)
+    model.train()
+    next_update(model, opt, loss_fn, batch)
+    model.eval()
+    assert_same(hvp(loss_fn, params, batch, v), first)
+
+
+class NumpyNoiseSGD(torch.optim.Optimizer):
+    """SGD with noise drawn from numpy's global stream, and a step length chosen by Python's ``random``:
+    its real step after next_update takes the very draws next_update's copy took."""
+
+    def __init__(self, params, lr=1e-2, sigma=1e-3):
+        super().__init__(params, {"lr": lr, "sigma": sigma})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            scale = random.choice([0.5, 1.0, 2.0])
+            for p in group["params"]:
+                if p.grad is not None:
+                    noise = torch.from_numpy(np.random.standard_normal(tuple(p.shape))).to(p)
+                    p.add_(p.grad, alpha=-group["lr"] * scale).add_(noise, alpha=group["sigma"])
+
+
+def test_an_optimizer_drawing_from_numpy_and_python():
+    model = tiny_gpt()
+    assert check_next_update_is_the_real_step(model, [NumpyNoiseSGD(model.parameters())]) == 0.0
+
+
+class PolyakSGD(torch.optim.Optimizer):
+    """Polyak's step length: lr = (L - f*) / |G|², from the loss its closure returns (without a closure,
+    the default lr)."""
+
+    def __init__(self, params, lr=1e-3, f_star=0.0):
+        super().__init__(params, {"lr": lr, "f_star": f_star})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm2 = sum(float(g.pow(2).sum()) for g in grads)
+        for group in self.param_groups:
+            lr = group["lr"] if loss is None else (float(loss) - group["f_star"]) / (norm2 + 1e-12)
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.1 * lr)
+        return loss
+
+
+def test_an_optimizer_that_reads_its_closures_loss():
+    model = tiny_gpt()
+    opt = PolyakSGD(model.parameters())
+    # the user's loop gives it a closure; step() alone would take the default lr, 3000x shorter here
+    assert check_next_update_is_the_real_step(model, [opt], closure=True, backward=False) == 0.0
+
+
+def math_attention():
+    return torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH])
+
+
+class HutchinsonNewton(torch.optim.Optimizer):
+    """A Hessian-reading optimizer (as AdaHessian): W -= lr G / (|z ⊙ Hz| + eps), z Rademacher from torch's
+    stream, Hz by differentiating ``.grad``, which needs ``backward(create_graph=True)``."""
+
+    def __init__(self, params, lr=1e-2, eps=1e-2):
+        super().__init__(params, {"lr": lr, "eps": eps})
+
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        zs = [torch.randint_like(p, 2) * 2 - 1 for p in params]
+        hz = torch.autograd.grad([p.grad for p in params], params, grad_outputs=zs)
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p, z, h in zip(params, zs, hz):
+                    p.sub_(group["lr"] * p.grad / ((z * h).abs() + group["eps"]))
+
+
+def test_a_hessian_reading_optimizer_gets_the_gradients_graph():
+    model = tiny_gpt(dropout=0.1).double().train()  # dropout: the graph's G comes from G's own draws
+    opt = HutchinsonNewton(model.parameters())
+    with math_attention():  # flash attention has no double backward, for the user's loop as for curvlab
+        assert check_next_update_is_the_real_step(model, [opt], create_graph=True) == 0.0
+
+
+class Refusing(torch.optim.SGD):
+    def step(self, closure=None):
+        raise RuntimeError("this optimizer only steps on Tuesdays\n(a second line)")
+
+
+def test_a_step_no_way_can_take_is_refused_by_name():
+    model = tiny_gpt(dropout=0.1).train()
+    streams, (buffers, attrs) = random_streams(), module_tensors(model)
+    with pytest.raises(
+        CurvlabError, match=r"^Refusing\.step can't be taken .*closure: RuntimeError: this optimizer"
+    ) as e:
+        next_update(model, Refusing(model.parameters(), lr=0.1), make_loss_fn(model), batch_for(model))
+    assert "\n" not in str(e.value) and isinstance(e.value.__cause__, RuntimeError)
+    assert all(p.grad is None for p in model.parameters())
+    assert_same_streams(streams)
+    assert_untouched(model, buffers, attrs)
+
+
+class MovesThenAsks(torch.optim.SGD):
+    """A step whose signature can't tell (``*args, **kwargs``) that moves the parameters and draws from every
+    stream before it finds it has no closure: the try with one must start as if the first never ran."""
+
+    def step(self, *args, **kwargs):
+        closure = args[0] if args else kwargs.get("closure")
+        with torch.no_grad():
+            for p in self.param_groups[0]["params"]:
+                p.add_(torch.randn_like(p), alpha=1e-3)
+        np.random.standard_normal(3), random.random()
+        if closure is None:
+            raise ValueError("no closure")
+        with torch.no_grad():
+            for p in self.param_groups[0]["params"]:
+                p.sub_(p.grad, alpha=1e-3)
+        return super().step()
+
+
+def test_a_failed_try_changes_nothing_for_the_next():
+    model = tiny_gpt(dropout=0.1).train()
+    opt = MovesThenAsks(model.parameters(), lr=0.1, momentum=0.9)
+    assert check_next_update_is_the_real_step(model, [opt], closure=True) == 0.0
+
+
+def test_each_optimizer_of_a_list_draws_after_the_one_before():
+    model = tiny_gpt(dropout=0.1).train()
+    matrices = [p for n, p in model.named_parameters() if p.dim() == 2]
+    ids = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    pair = [NumpyNoiseSGD(matrices), SGLD(rest)]  # numpy and Python draws, then torch's, after the masks
+    assert check_next_update_is_the_real_step(model, pair) == 0.0
+
+
+class KwargsStep(torch.optim.SGD):
+    """A wrapper whose ``step(*args, **kwargs)`` signature can't tell whether it takes a closure."""
+
+    def step(self, *args, **kwargs):
+        return super().step(*args, **kwargs)
+
+
+def test_a_signature_that_cannot_tell():
+    model = tiny_gpt()
+    assert check_next_update_is_the_real_step(model, [KwargsStep(model.parameters(), lr=0.1, momentum=0.9)]) == 0.0
+
+
+# -- the real optimizers of pytorch_optimizer, each in its user's own loop ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("build", "loop"),
+    [
+        (lambda ps: po.AdaHessian(ps, lr=1e-2), {"create_graph": True}),
+        (lambda ps: po.SophiaH(ps, lr=1e-2, update_period=1), {"create_graph": True}),
+        (lambda ps: po.AliG(ps, max_lr=1e-1), {"closure": True, "backward": False}),
+        (lambda ps: po.SAM(ps, torch.optim.SGD, rho=0.05, lr=0.1), {"closure": True}),
+        (lambda ps: po.Kron(ps, lr=1e-3, preconditioner_update_probability=1.0), {}),
+    ],
+    ids=["AdaHessian", "SophiaH", "AliG", "SAM", "Kron"],
+)
+def test_pytorch_optimizers_real_steps(build, loop):
+    model = tiny_gpt().double()
+    with math_attention():
+        assert check_next_update_is_the_real_step(model, [build(model.parameters())], **loop) == 0.0

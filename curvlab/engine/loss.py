@@ -97,6 +97,36 @@ def logits_of(output: Any) -> Tensor:
     raise CurvlabError(f"can't find logits in the model's output of type {type(output).__name__}")
 
 
+def shifted_right(labels: Tensor, model: nn.Module) -> Tensor:
+    """The decoder inputs an encoder-decoder makes from its labels when it has no
+    ``prepare_decoder_input_ids_from_labels`` (Whisper, and speech and vision seq2seq models): the labels
+    one position right, ``decoder_start_token_id`` first, ignored labels as ``pad_token_id``, as their own
+    ``forward`` does (Hugging Face's ``shift_tokens_right``).
+
+    Raises:
+        CurvlabError: a config without ``decoder_start_token_id`` or ``pad_token_id``.
+    """
+    config = getattr(model, "config", None)
+    start, pad = getattr(config, "decoder_start_token_id", None), getattr(config, "pad_token_id", None)
+    if start is None or pad is None:
+        raise CurvlabError(
+            f"the encoder-decoder {type(model).__name__} has no decoder_start_token_id and pad_token_id to make "
+            "decoder inputs from labels: pass decoder_input_ids in the batch"
+        )
+    shifted = labels.new_full(labels.shape, start)
+    shifted[..., 1:] = labels[..., :-1]
+    return shifted.masked_fill(shifted == IGNORE_INDEX, pad)
+
+
+def router_losses(output: Any) -> dict[str, Tensor]:
+    """The router losses a mixture-of-experts model returns beside its logits (Hugging Face's ``aux_loss``,
+    switch transformers' ``encoder_z_loss`` and the like): every tensor field named ``*aux_loss`` or
+    ``*z_loss``. Empty when the model doesn't compute them (``output_router_logits`` off)."""
+    if not isinstance(output, Mapping):
+        return {}
+    return {k: v for k, v in output.items() if isinstance(v, Tensor) and k.endswith(("aux_loss", "z_loss"))}
+
+
 def _base(model: nn.Module) -> nn.Module:
     """The model under a peft wrapper (the model itself otherwise)."""
     return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
@@ -148,6 +178,15 @@ class ModuleLoss:
             stands for all of them.
         task: how the model's own loss is computed (:func:`hf_task`; ``None`` for a plain module).
         virtual_tokens: positions a peft prompt-tuning model prepends (their labels are -100).
+        router_loss: whether a mixture-of-experts model's load-balancing loss is added as its own
+            ``outputs.loss`` adds it (``router_aux_loss_coef * aux_loss``, whenever the config's
+            ``output_router_logits`` makes the model compute it); ``False`` leaves it out (the language
+            model's loss alone). A router loss curvlab can't weigh as the model does (a z-loss, or an
+            ``aux_loss`` with no ``router_aux_loss_coef``) is refused, never left out silently. Over a
+            list of micro-batches each one's loss, router term included, is weighted by its share of the
+            loss terms; the Trainer adds each micro-batch's router term at full weight when the model
+            takes its loss arguments (``num_items_in_batch``), which is k times curvlab's for k equal
+            micro-batches.
 
     Inside :func:`~curvlab.engine.exact.exact_second_order` the forward runs as in eval mode
     (:func:`~curvlab.engine.exact.eval_forward`); elsewhere (the real gradient of ``next_update``) the
@@ -162,8 +201,10 @@ class ModuleLoss:
         shift: bool | None = None,
         tie_weights: bool = True,
         label_key: str = "labels",
+        router_loss: bool = True,
     ):
         self.model = model
+        self.router_loss = router_loss
         self.criterion = criterion
         self.ignore_index = ignore_index
         task = hf_task(model)
@@ -175,11 +216,6 @@ class ModuleLoss:
         self.label_key = label_key
         # (token tasks only: a sequence classifier's logits don't grow with the prompt)
         self.virtual_tokens = virtual_tokens(model) if task in (_CAUSAL, _TOKENS) else 0
-        if task == _SEQ2SEQ and not callable(getattr(_base(model), "prepare_decoder_input_ids_from_labels", None)):
-            raise CurvlabError(
-                f"the encoder-decoder {type(_base(model)).__name__} can't make decoder inputs from labels "
-                "(no prepare_decoder_input_ids_from_labels): pass decoder_input_ids in the batch and criterion="
-            )
 
     def split(self, batch: Any) -> tuple[tuple, dict[str, Any], Any]:
         """``(args, kwargs, targets)`` of a tuple ``(inputs, targets)`` or a dict batch."""
@@ -205,8 +241,11 @@ class ModuleLoss:
             return kwargs
         if not isinstance(labels, Tensor):
             raise CurvlabError(f"a sequence-to-sequence batch's labels must be a tensor, got {type(labels).__name__}")
-        make = _base(self.model).prepare_decoder_input_ids_from_labels
-        return {**kwargs, "decoder_input_ids": make(labels=labels)}
+        base = _base(self.model)
+        make = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+        if callable(make):
+            return {**kwargs, "decoder_input_ids": make(labels=labels)}
+        return {**kwargs, "decoder_input_ids": shifted_right(labels, base)}
 
     def _prompted(self, targets: Any) -> Any:
         """Token labels with ``ignore_index`` in front for a prompt-tuning model's virtual tokens, as peft does."""
@@ -278,7 +317,26 @@ class ModuleLoss:
             kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
         with eval_forward(self.model):  # (inside the exact mode only: no LayerDrop, DropPath, checkpointing)
             output = functional_call(self.model, tensors, args, kwargs, tie_weights=self.tie_weights, strict=False)
-        return self.loss_from_logits(logits_of(output), targets)
+        loss = self.loss_from_logits(logits_of(output), targets)
+        return loss + self._router_loss(output) if self.router_loss else loss
+
+    def _router_loss(self, output: Any) -> Tensor | float:
+        """The router losses weighted as the model's own ``outputs.loss`` weighs them (0 without any)."""
+        found = router_losses(output)
+        if not found:
+            return 0.0
+        base = _base(self.model)
+        name = type(base).__name__
+        # (the forward reads the model's own attribute, set from the config at construction)
+        config_coef = getattr(getattr(base, "config", None), "router_aux_loss_coef", None)
+        coef = getattr(base, "router_aux_loss_coef", config_coef)
+        unknown = sorted(k for k in found if k != "aux_loss" or coef is None)
+        if unknown:
+            raise CurvlabError(
+                f"{name} returns router loss(es) {', '.join(unknown)} that curvlab can't weigh as its own loss "
+                "does: pass router_loss=False to leave them out (the language model's loss alone)"
+            )
+        return coef * found["aux_loss"]
 
     def _module_tensors(self, params: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
         """Buffers and the parameters not in ``params``, floating ones cast to ``dtype`` (untied, every
@@ -310,8 +368,10 @@ def make_loss_fn(
     ignore_index: int = IGNORE_INDEX,
     shift: bool | None = None,
     tie_weights: bool = True,
+    router_loss: bool = True,
 ) -> ModuleLoss:
-    """Build ``loss_fn(params, batch)``: ``criterion(logits, targets)`` of ``model`` on ``batch``.
+    """Build ``loss_fn(params, batch)``: ``criterion(logits, targets)`` of ``model`` on ``batch``, plus a
+    mixture-of-experts model's router loss as its own ``outputs.loss`` adds it.
 
     Args:
         model: any ``nn.Module``, including Hugging Face and peft models.
@@ -322,8 +382,13 @@ def make_loss_fn(
         shift: whether logits at t predict the target at t + 1; default: ``True`` for a Hugging Face
             causal LM (its labels are the inputs), ``False`` otherwise (targets already aligned).
         tie_weights: ``torch.func.functional_call``'s ``tie_weights``.
+        router_loss: add the load-balancing loss a mixture-of-experts model computes
+            (``router_aux_loss_coef * aux_loss``, when its config's ``output_router_logits`` is on), as
+            its own loss does; ``False``: the language model's loss alone (:class:`ModuleLoss`).
     """
-    return ModuleLoss(model, criterion, ignore_index=ignore_index, shift=shift, tie_weights=tie_weights)
+    return ModuleLoss(
+        model, criterion, ignore_index=ignore_index, shift=shift, tie_weights=tie_weights, router_loss=router_loss
+    )
 
 
 def _count(targets: Any, ignore_index: int) -> int:

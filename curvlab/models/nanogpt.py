@@ -6,8 +6,10 @@ dropout), ``model`` (its state dict, possibly with torch.compile's ``_orig_mod.`
 
 * attention fuses q, k, v into ``attn.c_attn`` (rows q, then k, then v); curvlab splits it into
   ``c_q``, ``c_k``, ``c_v``, and splits Adam's moments the same way (they are elementwise);
-* the optimizer state is indexed by position in nanoGPT's two groups: every parameter of dim >= 2 in
-  ``named_parameters`` order (weight-decayed), then every other one. The head is tied to ``wte``.
+* the optimizer state is indexed by position in nanoGPT's two groups (decayed, then not): every
+  parameter of dim >= 2 in ``named_parameters`` order, then every other one, as nanoGPT groups them
+  since 2023; or, as minGPT and nanoGPT before it, the linear maps' weights, then the biases, norms and
+  embeddings, each sorted by name (:func:`nanogpt_groupings`). The head is tied to ``wte``.
 
 nanoGPT saves a checkpoint before the step of ``iter_num`` and after setting that step's learning
 rate, so the saved group learning rates are those of the next step.
@@ -59,6 +61,50 @@ def nanogpt_parameter_names(cfg: GPTConfig) -> list[str]:
     return names + linear("transformer.ln_f")
 
 
+def nanogpt_groupings(cfg: GPTConfig) -> dict[str, list[list[str]]]:
+    """The two ways nanoGPT has grouped its parameters for AdamW, (decayed, not decayed), by name: since
+    2023 by dimension (every parameter of dim >= 2 decays, in ``named_parameters`` order); before, as
+    minGPT, by module type (the weights of the linear maps decay; biases, norms and both embeddings
+    don't), each group sorted by name."""
+    names = nanogpt_parameter_names(cfg)
+    matrix = [n for n in names if n.endswith(".weight") and ".ln_" not in n]  # (wte, wpe and the linear maps)
+    linear = [n for n in matrix if n.startswith("transformer.h.")]
+    return {
+        "by dimension": [matrix, [n for n in names if n not in matrix]],
+        "by module type": [sorted(linear), sorted(n for n in names if n not in linear)],
+    }
+
+
+def _saved_grouping(
+    saved: dict[str, Any], groupings: dict[str, list[list[str]]], shapes: dict[str, tuple[int, ...]]
+) -> list[list[str]]:
+    """The grouping (:func:`nanogpt_groupings`) whose group sizes fit the saved optimizer state, and whose
+    parameters' shapes (``shapes``, nanoGPT's names) fit its saved moments."""
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+
+    def fits(groups: list[list[str]]) -> bool:
+        return sizes == [len(g) for g in groups] and all(
+            tuple(saved["state"][i]["exp_avg"].shape) == shapes.get(name)
+            for group, names in zip(saved["param_groups"], groups)
+            for i, name in zip(group["params"], names)
+            if torch.is_tensor(saved["state"].get(i, {}).get("exp_avg"))
+        )
+
+    for groups in groupings.values():
+        if fits(groups):
+            return groups
+    known = ", ".join(f"{[len(g) for g in groups]} {how}" for how, groups in groupings.items())
+    if any(sizes == [len(g) for g in groups] for groups in groupings.values()):
+        raise CurvlabError(
+            f"nanoGPT optimizer state has groups of {sizes} parameters, but its moments' shapes fit neither of "
+            f"nanoGPT's groupings ({known}): a different model or a custom optimizer"
+        )
+    raise CurvlabError(
+        f"nanoGPT optimizer state has groups of {sizes} parameters, which fit neither of nanoGPT's groupings "
+        f"({known}): a different model or a custom optimizer"
+    )
+
+
 def curvlab_names(name: str) -> list[str]:
     """The curvlab parameter(s) one nanoGPT parameter becomes: c_attn splits into c_q, c_k, c_v."""
     if ".attn.c_attn." in name:
@@ -98,13 +144,8 @@ def load_nanogpt(ckpt: dict[str, Any]) -> tuple[GPT, torch.optim.AdamW | None]:
     if not saved:
         return model, None
     table = dict(model.named_parameters())
-    names = nanogpt_parameter_names(cfg)
-    their_groups = [
-        [n for n in names if table[curvlab_names(n)[0]].dim() >= 2],  # nanoGPT's weight-decayed group
-        [n for n in names if table[curvlab_names(n)[0]].dim() < 2],
-    ]
-    if [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in their_groups]:
-        raise CurvlabError("nanoGPT optimizer state doesn't have the expected two groups (decay, no decay)")
+    shapes = {k.removeprefix("_orig_mod."): tuple(v.shape) for k, v in ckpt["model"].items()}
+    their_groups = _saved_grouping(saved, nanogpt_groupings(cfg), shapes)
     our_groups = [[m for n in group for m in curvlab_names(n)] for group in their_groups]
     index = {m: i for i, m in enumerate(our_groups[0] + our_groups[1])}
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]

@@ -1,14 +1,16 @@
-"""The side-effect-free next update of any optimizer: :func:`next_update` returns the gradient G and the step
+r"""The side-effect-free next update of any optimizer: :func:`next_update` returns the gradient G and the step
 :math:`Z = W - W_\text{next}` that an optimizer *would* take on a batch, leaving model, gradients and optimizer
 state bit-for-bit as they were.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import enum
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ from torch import Tensor, nn
 from curvlab.engine._gathered import gathering_loss
 from curvlab.engine.loss import Batches, weighted_batches
 from curvlab.errors import CurvlabError
+from curvlab.optim._no_trace import SideState, left_as_found
 from curvlab.optim.combined import Optimizers, as_optimizer_list
 from curvlab.optim.model_optimizer import named_trainable
 
@@ -70,32 +73,6 @@ def copy_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return memo[id(optimizer)]
 
 
-def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` requires a closure (``LBFGS.step(closure)``: no default)."""
-    try:
-        closure = inspect.signature(optimizer.step).parameters.get("closure")
-    except (TypeError, ValueError):
-        return False
-    return closure is not None and closure.default is inspect.Parameter.empty
-
-
-def _asks_for_closure(error: Exception) -> bool:
-    """Whether ``step()`` failed because it wanted a closure (SAM's ``assert closure is not None``)."""
-    return isinstance(error, (AssertionError, TypeError, RuntimeError, ValueError)) and "closure" in str(error).lower()
-
-
-@contextlib.contextmanager
-def forked_rng(tensors: Sequence[Tensor]) -> Iterator[None]:
-    """Fork the CPU's random stream and those of the devices ``tensors`` live on; put back on exit."""
-    devices = {t.device for t in tensors if t.device.type not in ("cpu", "meta")}
-    kinds = {d.type for d in devices}
-    if len(kinds) > 1:
-        raise CurvlabError(f"parameters on several device types ({sorted(kinds)}): can't fork their RNGs")
-    kind = kinds.pop() if kinds else "cuda"
-    with torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices}), device_type=kind):
-        yield
-
-
 def next_update(
     model: nn.Module,
     optimizer: Optimizers,
@@ -107,14 +84,23 @@ def next_update(
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     r"""The gradient G and the step :math:`Z = W - W_\text{next}` that ``optimizer`` would take on ``batch``.
 
-    G is computed as a training step computes it (autograd through ``loss_fn`` on the model's own
-    parameters, in the model's current mode: dropout is live in train mode), optionally clipped to
-    ``max_grad_norm`` as the training loop does; then a copy of the optimizer
-    (:func:`copy_optimizer`: its state, groups, inner optimizers, counters) really steps, and the
-    parameters and their ``.grad`` (the same objects) are put back. The optimizer itself is never
-    touched. Gradient and step run under one fork of torch's RNG (CPU and the parameters' devices):
-    an optimizer that draws random numbers (SGLD, PSGD) takes the very draws its real step then
-    takes after the same gradient, and the user's RNG is where it was. Z includes learning rate,
+    Its first argument is the model, not a parameter dict, because the step is the model's: G comes from
+    autograd on the model's own parameters in its current mode (dropout is live in train mode, BatchNorm
+    uses the batch's statistics), and the optimizer holds those very parameter objects.
+
+    G is computed as a training step computes it, optionally clipped to ``max_grad_norm`` as the training
+    loop does; then a copy of the optimizer (:func:`copy_optimizer`: its state, groups, inner optimizers,
+    counters) really steps. A parameter that gets no gradient (an unused module, an expert no token was
+    routed to, a dropped layer) keeps ``.grad = None`` for the step, as ``backward()`` leaves it, and
+    moves only as the real step would move it (torch's optimizers skip it); its G is reported as zeros.
+
+    The optimizer itself is never touched, and afterwards the parameters, their ``.grad`` (the same
+    objects), every module's buffers and attributes (running statistics, spectral norm's vectors, the
+    tensors its hooks keep) and the random streams of torch (CPU and the parameters' devices), numpy and
+    Python are as before. (Not covered: what lies outside the model and the optimizer, and hooks the
+    optimizer registered, which fire as in any forward.) Gradient and step draw from those streams as the
+    real step then will: an optimizer that draws random numbers (SGLD, PSGD, Kron, Hutchinson probes)
+    takes the very draws its real step takes after the same gradient. Z includes learning rate,
     schedule, momentum, bias correction and weight decay.
 
     ``optimizer`` may be a list or tuple of optimizers over disjoint parameters (a user's own
@@ -122,10 +108,23 @@ def next_update(
     trainable parameter that no optimizer holds is refused by name (its Z would silently be 0):
     give every optimizer, or freeze it (``requires_grad=False``).
 
-    An optimizer whose step needs a closure (``torch.optim.LBFGS``; SAM, which asks for it) gets
-    one: it sets every trainable parameter's ``.grad`` to the (clipped) gradient of ``loss_fn`` on
-    ``batch`` at the point it is called, and returns the loss. G is the gradient at W, taken first,
-    and left in ``.grad`` for the step, as in a loop that runs ``backward()`` then ``step(closure)``.
+    Each optimizer's step is taken as the optimizer itself asks for it:
+
+    - with a closure whenever its ``step`` takes one, read from its signature (where the signature can't
+      tell, a plain ``step()`` that fails with any exception is tried again with one). In a list, an
+      optimizer after the first gets its optional closure only if a plain ``step()`` fails: a list stands
+      for ``backward()`` then each ``step()``. The closure sets ``.grad`` and returns the loss. Its first
+      evaluation at W, before anything has been written to a parameter, gives G: the step's gradient is
+      computed once, as in a loop where ``backward()`` or the closure's first call computes it. Every
+      other evaluation (SAM's ascent point, L-BFGS's line search, a later optimizer of a list) computes
+      the gradient where the parameters then are;
+    - with the gradient's graph (``backward(create_graph=True)``) when a step with a detached gradient
+      fails with any exception: Hessian-reading optimizers (AdaHessian, SophiaH) differentiate ``.grad``.
+      G is computed again for it, from the buffers and draws G was computed with.
+
+    Each try starts on a fresh copy from where the optimizer's turn began: its parameters there, G, and
+    the buffers and random streams there. A step that no try can take is refused in one line by the
+    optimizer's name (an out-of-memory error is raised as it is).
 
     A list of micro-batches (or :class:`~curvlab.engine.loss.Batches`) is one step with gradient
     accumulation: :math:`G = \sum_j w_j \nabla L_j` with :math:`w_j` each micro-batch's share of
@@ -146,7 +145,8 @@ def next_update(
 
     Raises:
         CurvlabError: no trainable parameters, a non-finite loss, a trainable parameter no optimizer
-            holds, optimizers sharing a parameter, or a state that can't be copied.
+            holds, optimizers sharing a parameter, a state that can't be copied, or a step that can't be
+            taken in any of the ways above.
     """
     named = named_trainable(model)
     if not named:
@@ -168,52 +168,40 @@ def next_update(
     pairs = weighted_batches(batch, loss_fn) if isinstance(batch, (list, Batches)) else [(batch, 1.0)]
     # sharded (FSDP2) parameters: every rank runs the whole batch on gathered weights, keeps its gradient shard
     loss_fn = gathering_loss(loss_fn, dict(named), partial=False)
-    copies = [_scaled(copy_optimizer(o), lr_scale) for o in optimizers]
     saved_grads = [p.grad for p in moved]
     before = [p.detach().clone() for p in moved]
-    calls = {"n": 0}
+    evaluations = 0
 
-    def gradient() -> Tensor:
-        """Set every trainable parameter's ``.grad`` to the (clipped) gradient on ``batch``; the loss."""
+    def gradient(graph: bool = False) -> tuple[Tensor, list[Tensor | None]]:
+        """Set ``.grad`` to the (clipped) gradient on ``batch`` at the parameters' values now (``None`` where
+        a parameter gets none; with its graph if ``graph``); the loss and those gradients."""
+        nonlocal evaluations
         with torch.enable_grad():
-            total, grads = None, [torch.zeros_like(p) for p in params]
+            total, grads = None, [None] * len(params)
             for b, w in pairs:
                 loss = loss_fn(dict(named), b)
-                if calls["n"] == 0 and not torch.isfinite(loss):
+                if evaluations == 0 and not torch.isfinite(loss):
                     raise CurvlabError("the loss is not finite: no update direction")
-                parts = torch.autograd.grad(loss * w, params, allow_unused=True, materialize_grads=True)
-                grads = [g + part for g, part in zip(grads, parts)] if len(pairs) > 1 else list(parts)
+                parts = torch.autograd.grad(loss * w, params, allow_unused=True, create_graph=graph)
+                grads = [part if g is None else g if part is None else g + part for g, part in zip(grads, parts)]
                 total = loss.detach() * w if total is None else total + loss.detach() * w
-        calls["n"] += 1
+        evaluations += 1
         for p, g in zip(params, grads):
-            p.grad = g.detach().clone()
+            p.grad = None if g is None else g if graph else g.detach().clone()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        return total
+        return total, [p.grad for p in params]
 
     try:
-        with forked_rng(moved):
-            gradient()
-            G = {n: p.grad.detach().to(_result_dtype(p, dtype)).clone() for n, p in zip(names, params)}
-            at_w = [p.grad.clone() for p in params]  # for a second try with a closure
-            for p in others:
-                p.grad = None  # a frozen parameter an optimizer holds takes no step
+        with left_as_found(model, moved) as before_g:
+            loss_at_w, at_w = gradient()
+            G = {
+                n: (torch.zeros_like(p) if g is None else g).detach().to(_result_dtype(p, dtype)).clone()
+                for n, p, g in zip(names, params, at_w)
+            }
+            start = _Start(model, params, others, before, loss_at_w, at_w, before_g, SideState.capture(model, moved))
             for k, o in enumerate(optimizers):
-                try:
-                    _step(copies[k], gradient, _needs_closure(o))
-                except Exception as e:
-                    if _needs_closure(o) or not _asks_for_closure(e):
-                        raise
-                    # it wanted a closure (SAM asserts one): again from W and G, on a fresh copy, with
-                    # one (G not recomputed: no random draws between the gradient and the step)
-                    own = {id(p) for g in o.param_groups for p in g["params"]}
-                    with torch.no_grad():
-                        for p, b in zip(moved, before):
-                            if id(p) in own:  # (the optimizers before it in the list have stepped)
-                                p.copy_(b)
-                    for p, g in zip(params, at_w):
-                        p.grad = g.clone()
-                    _step(_scaled(copy_optimizer(o), lr_scale), gradient, True)
+                _step_as_asked(o, start, gradient, lr_scale, first=k == 0)
         Z = {
             n: (b.double() - p.detach().double()).to(_result_dtype(p, dtype)) for n, b, p in zip(names, before, params)
         }
@@ -223,6 +211,170 @@ def next_update(
                 p.copy_(b)
                 p.grad = g
     return G, Z
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What every try of every optimizer's step starts from: the model; the trainable parameters
+    (``params``) and the frozen ones an optimizer holds (``others``), and their values at W (``before``,
+    both in that order); G (``at_w``, ``None`` where no gradient) and its loss; the model's buffers and
+    random streams before and after G."""
+
+    model: nn.Module
+    params: list[Tensor]
+    others: list[Tensor]
+    before: list[Tensor]
+    loss: Tensor
+    at_w: list[Tensor | None]
+    before_g: SideState
+    after_g: SideState
+
+
+class _Way(enum.Enum):
+    """A way of taking a step: ``step()``; ``step(closure)``; or with the gradient's graph in ``.grad``
+    (``backward(create_graph=True)``; with a closure if the step takes one)."""
+
+    PLAIN = "plain"
+    CLOSURE = "closure"
+    GRAPH = "graph"
+
+
+def _step_method(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The ``step`` a copy of ``optimizer`` runs: the instance's own if it has one (a user's patch), never an
+    LR scheduler's wrapper (:func:`copy_optimizer` leaves that out), else its class's."""
+    own = vars(optimizer).get("step")
+    return own if own is not None and not hasattr(own, "_wrapped_by_lr_sched") else type(optimizer).step
+
+
+def _takes_closure(optimizer: torch.optim.Optimizer) -> str | None:
+    """Whether the step takes a ``closure``: ``"required"`` (no default: L-BFGS), ``"optional"``, ``"no"``,
+    or ``None`` where its signature can't tell (a ``step(*args, **kwargs)`` wrapper)."""
+    try:
+        parameters = inspect.signature(_step_method(optimizer)).parameters
+    except (TypeError, ValueError):
+        return None
+    closure = parameters.get("closure")
+    if closure is not None:
+        return "required" if closure.default is inspect.Parameter.empty else "optional"
+    kinds = {x.kind for x in parameters.values()}
+    return None if kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} else "no"
+
+
+def _ways(takes: str | None, first: bool) -> list[_Way]:
+    """The tries of a step, in order. A closure first when the step requires one, or takes one and comes
+    first in the list; an optional closure of a later optimizer second (``backward()`` then each ``step()``
+    is the loop a list stands for); the graph last."""
+    if takes == "no":
+        return [_Way.PLAIN, _Way.GRAPH]
+    if takes == "required" or (takes == "optional" and first):
+        return [_Way.CLOSURE, _Way.GRAPH]
+    return [_Way.PLAIN, _Way.CLOSURE, _Way.GRAPH]
+
+
+def _step_as_asked(
+    optimizer: torch.optim.Optimizer,
+    start: _Start,
+    gradient: Callable[[bool], tuple[Tensor, list[Tensor | None]]],
+    lr_scale: float,
+    first: bool,
+) -> None:
+    """Step a copy of ``optimizer`` in the first of its :func:`_ways` that works. Every try starts from
+    where its turn began: its own parameters there, G as ``.grad``, the buffers and random streams there
+    (``first``: the first optimizer of the list, whose turn begins at W, right after G).
+
+    Raises:
+        CurvlabError: no way works (one line, naming the optimizer and each way's error).
+    """
+    own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    mine = [(p, p.detach().clone()) for p in start.params + start.others if id(p) in own]
+    turn = start.after_g if first else SideState.capture(start.model, start.params + start.others)
+    takes = _takes_closure(optimizer)
+    failures: list[str] = []
+    cause: Exception | None = None
+    for way in _ways(takes, first):
+        with torch.no_grad():
+            for p, value in mine:  # a failed try changes nothing for the next
+                p.copy_(value)
+        turn.restore()
+        try:
+            if way is _Way.GRAPH:
+                loss, grads = _graph_gradient(start, turn, gradient, first)
+            else:
+                loss, grads = start.loss, start.at_w
+                for p, g in zip(start.params, grads):
+                    p.grad = None if g is None else g.clone()
+            for p in start.others:
+                p.grad = None  # a frozen parameter an optimizer holds takes no step
+            at_w = start.before[: len(start.params)] if first else None
+            closure = _Closure(start.params, at_w, gradient, way is _Way.GRAPH, loss, grads)
+            stepped = _scaled(copy_optimizer(optimizer), lr_scale)
+            if way is _Way.CLOSURE or (way is _Way.GRAPH and takes in ("required", "optional")):
+                stepped.step(closure)
+            else:
+                stepped.step()
+            return
+        except (CurvlabError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # any other failure: the next way of taking the step
+            failures.append(f"{way.value}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            if cause is None:
+                cause = e
+                # its frames hold the failed copy of the optimizer and the gradient's graph: let them go
+                traceback.clear_frames(e.__traceback__)
+    raise CurvlabError(
+        f"{type(optimizer).__name__}.step can't be taken on a copy in any way curvlab knows ({'; '.join(failures)})"
+    ) from cause
+
+
+def _graph_gradient(
+    start: _Start,
+    turn: SideState,
+    gradient: Callable[[bool], tuple[Tensor, list[Tensor | None]]],
+    first: bool,
+) -> tuple[Tensor, list[Tensor | None]]:
+    """G again, with its graph: at W, from the buffers and draws G was computed with. The first optimizer's
+    turn then stands where the computation leaves it (the same buffers and draws as after G). A later one's
+    parameters go to W and back, in place, and its turn's buffers and streams are put back: that graph no
+    longer backs a second differentiation, as a loop's ``backward(create_graph=True)`` doesn't survive an
+    earlier optimizer's ``step()``."""
+    start.before_g.restore()
+    if first:
+        return gradient(True)
+    now = [p.detach().clone() for p in start.params]
+    with torch.no_grad():
+        for p, b in zip(start.params, start.before):
+            p.copy_(b)
+    try:
+        return gradient(True)
+    finally:
+        with torch.no_grad():
+            for p, value in zip(start.params, now):
+                p.copy_(value)
+        turn.restore()
+
+
+@dataclass
+class _Closure:
+    """A step's closure: sets ``.grad`` and returns the loss. Its first call, with the parameters still at W
+    (``at_w``, their values there; ``None``: the step began elsewhere), gives G again: one gradient per
+    step, as in a loop where ``backward()`` or the closure's first call computes it. Every other call
+    (SAM's ascent point, L-BFGS's line search) computes the gradient where the parameters then are. (W is
+    told by value: a fused kernel may move a parameter without counting a version.)"""
+
+    params: list[Tensor]
+    at_w: list[Tensor] | None
+    gradient: Callable[[bool], tuple[Tensor, list[Tensor | None]]]
+    graph: bool
+    loss: Tensor
+    grads: list[Tensor | None]
+
+    def __call__(self) -> Tensor:
+        at_w, self.at_w = self.at_w, None  # only the first call may give G again
+        if at_w is None or not all(torch.equal(p, w) for p, w in zip(self.params, at_w)):
+            return self.gradient(self.graph)[0]
+        for p, g in zip(self.params, self.grads):
+            p.grad = None if g is None else g if self.graph else g.clone()
+        return self.loss
 
 
 def _result_dtype(p: Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -235,11 +387,3 @@ def _scaled(optimizer: torch.optim.Optimizer, lr_scale: float) -> torch.optim.Op
         for g in optimizer.param_groups:
             g["lr"] = g["lr"] * lr_scale
     return optimizer
-
-
-def _step(optimizer: torch.optim.Optimizer, gradient: Callable[[], Tensor], closure: bool) -> None:
-    """One ``step()`` of ``optimizer``, given ``gradient`` as its closure if ``closure``."""
-    if closure:
-        optimizer.step(gradient)
-    else:
-        optimizer.step()

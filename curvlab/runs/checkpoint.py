@@ -200,11 +200,11 @@ def read_checkpoint(path: str | Path) -> ReadCheckpoint:
 def _read_trainer_directory(path: Path):
     """A Hugging Face Trainer checkpoint directory as a :class:`curvlab.runs.hf.TrainerCheckpoint`."""
     hf.check_trainer_directory(path)
-    weights = path / "model.safetensors"
-    if weights.is_file():
-        check_safetensors(weights)
-    elif (path / "pytorch_model.bin").is_file():
-        check_not_lfs_pointer(path / "pytorch_model.bin", "weights file")
+    for weights in hf.weight_files(path):
+        if weights.suffix == ".safetensors":
+            check_safetensors(weights)
+        else:
+            check_not_lfs_pointer(weights, "weights file")
     args_file, scheduler = path / "training_args.bin", path / "scheduler.pt"
     with torch.serialization.safe_globals(hf.training_args_classes(args_file)):
         args = hf.check_training_args(read_file(args_file, "training arguments"), args_file)

@@ -8,7 +8,8 @@ A Trainer checkpoint directory (``checkpoint-N/``) holds what the next step need
 
 =================== ======================================================================
 config.json         the model's config; ``architectures`` names the model class
-model.safetensors   the weights (``pytorch_model.bin`` in older checkpoints)
+model.safetensors   the weights (``pytorch_model.bin`` in older checkpoints; above the shard size,
+                    ``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json``)
 optimizer.pt        the optimizer's state dict: AdamW's moments and step counts, and the
                     param groups (decayed, then not decayed) with the next step's learning rate
 scheduler.pt        the LR scheduler's state (its ``_last_lr`` is checked against the groups')
@@ -41,6 +42,7 @@ from curvlab.util.weights_only import unpickling_error
 
 TRAINER_FILES = ("config.json", "optimizer.pt", "trainer_state.json", "training_args.bin")
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # sharded weights, by name
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")  # Trainer's names for torch.optim.AdamW
 _ALLOWED_MODULES = ("transformers.", "accelerate.")
 
@@ -89,10 +91,40 @@ class TrainerCheckpoint:
 def check_trainer_directory(path: Path) -> None:
     """Raise ``CurvlabError`` unless ``path`` holds the files of a Trainer checkpoint."""
     missing = [f for f in TRAINER_FILES if not (path / f).is_file()]
-    if not any((path / w).is_file() for w in WEIGHTS):
-        missing.append(" or ".join(WEIGHTS))
+    if not any((path / w).is_file() for w in WEIGHTS + SHARD_INDEXES):
+        missing.append(" or ".join(WEIGHTS + SHARD_INDEXES))
     if missing:
         raise CurvlabError(f"{path}: not a Hugging Face Trainer checkpoint (no {', '.join(missing)})")
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The files holding a checkpoint directory's weights: ``model.safetensors`` (or ``pytorch_model.bin``),
+    else every shard its index names (``model.safetensors.index.json``'s ``weight_map``), each a plain
+    file name inside ``path`` that is there.
+
+    Raises:
+        CurvlabError: an unreadable index, or one naming a shard that is missing or outside ``path``.
+    """
+    # transformers' own order: safetensors, then their index, then the pickled weights and theirs
+    found = [path / n for n in (WEIGHTS[0], SHARD_INDEXES[0], WEIGHTS[1], SHARD_INDEXES[1]) if (path / n).is_file()]
+    if not found:
+        raise CurvlabError(f"{path}: no weights ({', '.join(WEIGHTS + SHARD_INDEXES)})")
+    if found[0].name in WEIGHTS:
+        return found[:1]
+    index = found[0]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CurvlabError(f"{index}: not a readable shard index ({type(e).__name__})") from e
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise CurvlabError(f"{index}: names shard {shard!r}, not a file of this directory")
+        if not (path / shard).is_file():
+            raise CurvlabError(f"{index}: names shard {shard}, which is missing")
+    if not shards:
+        raise CurvlabError(f"{index}: names no shard")
+    return [path / shard for shard in shards]
 
 
 def training_args_classes(path: Path) -> list[type]:
