@@ -591,3 +591,17 @@ def test_whisper_gets_its_decoder_inputs_as_its_forward_makes_them():
     loss_fn = make_loss_fn(model)
     assert float(loss_fn(params, batch)) == pytest.approx(loss, rel=1e-13)
     assert rel_error(hvp(loss_fn, params, batch, v), hv_ref) < 1e-10
+
+
+def test_shifted_right_is_hugging_faces_shift_and_refuses_without_its_ids():
+    from transformers.models.bart.modeling_bart import shift_tokens_right
+
+    from curvlab.engine.loss import shifted_right
+
+    labels = torch.tensor([[5, 6, 7, -100], [8, -100, -100, -100]])
+    model = nn.Module()
+    model.config = transformers.PretrainedConfig(pad_token_id=0, decoder_start_token_id=2)
+    assert torch.equal(shifted_right(labels, model), shift_tokens_right(labels, 0, 2))
+    model.config = transformers.PretrainedConfig(pad_token_id=0)
+    with pytest.raises(CurvlabError, match="no decoder_start_token_id and pad_token_id .*pass decoder_input_ids"):
+        shifted_right(labels, model)
