@@ -135,3 +135,25 @@ def test_tuning_seeds_are_disjoint_from_the_measured_ones_in_both_jobs():
         assert not set(preset.tuning_settings.seeds()) & set(range(preset.seeds)), preset.name
     with pytest.raises(CurvlabError, match="overlap the measurement seeds"):
         TuningSettings({"adamw": 0.01}, 3, 2, 1, horizon_steps=5, max_extensions=0).validate(measured=3)
+
+
+def test_the_a_a_comparisons_read_their_own_number_of_batches(tmp_path, monkeypatch):
+    """``aa_analysis_batches`` sets the A/A comparisons' evaluation batches (standard: 1 against the claims'
+    2), and only theirs; unset, the A/A reads as many as the claims; 0 is refused."""
+    from dataclasses import replace
+
+    import curvlab.jobs.reproduce as reproduce
+    from curvlab.jobs.presets import PRESETS
+
+    seen = {}
+    monkeypatch.setattr(reproduce, "compare_runs", lambda a, b, out, criteria, settings, **kw: seen.update(
+        {out.name: settings.batches}))  # fmt: skip
+    preset = replace(PRESETS["micro"], analysis_batches=3, aa_analysis_batches=1)
+    job = reproduce.Reproduction(preset, tmp_path / "out", progress=False)
+    for name in ("adamw/muon", "adamw/sgd", "adamw/adamw", "muon/muon"):
+        job._compare(name, 1, tmp_path / "a", tmp_path / "b", 0.0, name.replace("/", "-"))
+    assert seen == {"adamw-muon": 3, "adamw-sgd": 3, "adamw-adamw": 1, "muon-muon": 1}
+    assert PRESETS["standard"].aa_batches == 1 and PRESETS["standard"].analysis_batches == 2
+    assert replace(preset, aa_analysis_batches=None).aa_batches == 3
+    with pytest.raises(CurvlabError, match="aa_analysis_batches 0 must be >= 1"):
+        replace(preset, aa_analysis_batches=0).validate()

@@ -376,11 +376,13 @@ class Reproduction(Job):
         pair of two seeds), or the reason there is none."""
         p = self.preset
         s0 = p.s_values[0]
+        first, second = name.split("/")
+        batches = p.aa_batches if first == second else p.analysis_batches
         try:
             with self.clock("compare"):
                 c = compare_runs(
                     run_a, run_b, self.out / "analysis" / out, self._criteria(plateau),
-                    self._settings(p.analysis_batches, controls=name == PRIMARY_COMPARISON), progress=self.progress,
+                    self._settings(batches, controls=name == PRIMARY_COMPARISON), progress=self.progress,
                     cache=self.out / "analysis" / "reports",
                 )  # fmt: skip
             return ComparisonRecord(name, seed, s0, c)
@@ -580,7 +582,8 @@ class Reproduction(Job):
         notes.append(
             f"Matched levels: {p.matching.description()} {p.ckpt_every} steps apart (windows share "
             f"no checkpoint), each analysed on {p.analysis_batches} batch(es) of {tokens} tokens; trajectories on "
-            f"{p.track_batches}, stable phase only."
+            f"{p.track_batches}, stable phase only"
+            + (f"; the A/A comparisons' levels on {p.aa_batches}." if p.aa_batches != p.analysis_batches else ".")
         )
         if plateaus:
             notes.append(
