@@ -46,9 +46,11 @@ from curvlab import (
     taylor_split,
     trainable_parameters,
 )
+from curvlab.curvature.groupings import hidden_matrices
 from curvlab.engine import params as P
 from curvlab.engine.loss import count_loss_terms, weighted_batches
 from curvlab.errors import CurvlabError
+from curvlab.models.roles import matrix_shapes
 from curvlab.optim.polar import msign
 from tests.reference import dense_hessian, double_backward
 
@@ -538,6 +540,49 @@ def test_a_mixture_of_experts_loss_includes_its_router_loss(monkeypatch):
     assert rel_error(hv, hv_ref) < 1e-10
     router = [k for k in params if k.endswith("gate.weight")]
     assert router and all(g_ref[k].abs().max() > 0 for k in router)  # the router learns from its own loss
+
+
+def test_fused_experts_are_hidden_matrices_one_per_expert():
+    """Mixtral's experts are two 3-D stacks per layer (experts x out x in): role hidden, Muon's, each expert
+    orthogonalized and scaled as its own matrix (against a float64 SVD per expert), in the hidden subset and
+    in the MLP's kinds; an override takes them back."""
+    model = mixtral().double()
+    names = [n for n, _ in model.named_parameters()]
+    stacks = [n for n in names if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(stacks) == 4
+    roles = parameter_roles(model)
+    assert {roles[n] for n in stacks} == {"hidden"}
+    shapes = matrix_shapes(model)
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (4, 48, 16)
+    assert shapes["model.layers.0.mlp.experts.down_proj"] == (4, 16, 24)
+    params = trainable_parameters(model)
+    assert set(stacks) <= set(hidden_matrices(params, model))
+    kinds = group_parameters(names, "kind", model)
+    assert {n for n in stacks if "gate_up" in n} <= set(kinds["mlp_in"])
+    assert {n for n in stacks if "down" in n} <= set(kinds["mlp_out"])
+
+    opt = build_optimizer("muon", model, lr=0.1, polar="svd")
+    muon = opt.optimizers["muon"]
+    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    table = dict(model.named_parameters())
+    assert in_muon == {id(table[n]) for n in names if roles[n] == "hidden"}
+    assert [g["stacked"] for g in muon.param_groups] == [False, True]
+    before = {n: table[n].detach().clone() for n in stacks}
+    model(**causal_batch(6)).loss.backward()
+    grads = {n: table[n].grad.clone() for n in stacks}
+    opt.step()
+    for n in stacks:  # the first step's momentum is a multiple of G: W_e - lr * s(out, in) * msign(G_e)
+        U, S, Vh = np.linalg.svd(grads[n].numpy(), full_matrices=False)
+        keep = S.max(axis=-1, keepdims=True) * max(grads[n].shape[1:]) * np.finfo(float).eps < S
+        polar = torch.from_numpy((U * keep[:, None, :]) @ Vh)
+        scale = math.sqrt(max(1, grads[n].shape[1] / grads[n].shape[2]))
+        torch.testing.assert_close(table[n].detach(), before[n] - 0.1 * scale * polar, rtol=0, atol=1e-12)
+
+    overridden = parameter_roles(model, {"*.experts.*": "other"})
+    opt = build_optimizer("muon", model, muon_rule=lambda n, p: overridden[n] == "hidden")
+    assert not {id(table[n]) for n in stacks} & {
+        id(p) for g in opt.optimizers["muon"].param_groups for p in g["params"]
+    }
 
 
 class ZLossModel(nn.Module):

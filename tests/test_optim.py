@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from curvlab import build_optimizer, make_loss_fn, msign, next_update
+from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.combined import CombinedOptimizer
 from curvlab.optim.muon import Muon, muon_scale
@@ -259,6 +260,34 @@ def test_muon_orthogonalizes_conv_kernels_flattened():
         assert torch.allclose(Z[name], expected, rtol=1e-4, atol=1e-8), name
     with pytest.raises(ValueError, match="matrices"):
         Muon([model.conv1.bias])
+
+
+@pytest.mark.parametrize("polar", ["svd", "newton_schulz"])
+def test_muon_steps_a_stack_of_matrices_one_matrix_at_a_time(polar):
+    """A ``stacked`` group (an MoE's fused experts, experts x out x in) steps like the same matrices given as
+    separate parameters: each its own momentum, polar factor and shape scale (a tall, a wide one here, stored
+    transposed in the second group, as GPT-OSS's experts are)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 6, 2), (2, 3, 5)]  # 3 tall 6 x 2 experts; 2 experts stored (in, out) = 3 x 5: 5 x 3, tall
+    W = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes]
+    parts = [torch.nn.Parameter(w.detach()[e].clone()) for w in W for e in range(w.shape[0])]
+    options = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.1, "polar": polar, "polar_dtype": torch.float64}
+    stacked = Muon([{"params": [W[0]], "stacked": True}, {"params": [W[1]], "stacked": True, "transposed": True}],
+                   **options)  # fmt: skip
+    apart = Muon([{"params": parts[:3]}, {"params": parts[3:], "transposed": True}], **options)
+    for _ in range(3):
+        grads = [torch.randn(w.shape, generator=g, dtype=torch.float64) for w in W]
+        for w, gr in zip(W, grads):
+            w.grad = gr
+        for p, piece in zip(parts, [gr[e] for gr in grads for e in range(gr.shape[0])]):
+            p.grad = piece.clone()
+        stacked.step()
+        apart.step()
+        torch.testing.assert_close(W[0].detach(), torch.stack([p.detach() for p in parts[:3]]), rtol=0, atol=1e-15)
+        torch.testing.assert_close(W[1].detach(), torch.stack([p.detach() for p in parts[3:]]), rtol=0, atol=1e-15)
+    assert muon_scale((6, 2), "original") != muon_scale((2, 6), "original")  # (the scale reads each shape)
+    with pytest.raises(CurvlabError, match="stacked Muon group takes 3-D"):
+        Muon([{"params": [torch.nn.Parameter(torch.zeros(3, 4))], "stacked": True}])
 
 
 def test_next_update_accumulates_micro_batches_by_their_loss_terms():

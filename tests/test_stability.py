@@ -215,6 +215,35 @@ def test_the_frozen_preconditioner_maps_the_momentum_to_the_step(polar, shape):
         np.testing.assert_allclose(M.numpy(), reference_inverse(flat, 1.7, polar), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("polar", ["svd", "newton_schulz", "polar_express"])
+def test_a_stack_of_matrices_has_one_preconditioner_per_matrix(polar):
+    # an MoE's fused experts (experts x out x in): block-diagonal, each block its own matrix's factor
+    g = torch.Generator().manual_seed(3)
+    B = torch.randn(3, 4, 6, generator=g, dtype=torch.float64)
+    B[1] *= 50.0  # (each matrix normalized by its own norm, not the stack's)
+    stack = muon_factor(B, 1.3, polar, stacked=True)
+    each = [muon_factor(B[e], 1.3, polar) for e in range(3)]
+    X = torch.randn(2, 3, 4, 6, generator=g, dtype=torch.float64)
+    expected = torch.stack([each[e].apply(X[:, e]) for e in range(3)], dim=1)
+    torch.testing.assert_close(stack.apply(X), expected, rtol=0, atol=1e-12)
+    for power in (1.0, 0.5):
+        torch.testing.assert_close(
+            stack.matrix(power), torch.stack([f.matrix(power) for f in each]), rtol=0, atol=1e-13
+        )
+    steps = torch.stack([msign(B[e], polar, dtype=torch.float64) for e in range(3)])
+    torch.testing.assert_close(stack.apply(B), 1.3 * steps, rtol=0, atol=1e-12)
+    # in the preconditioned operator (here of H = I, so P^-1), the stack is its matrices side by side
+    identity = Operator(B.numel(), lambda V: V, B.device, B.dtype)
+    V = torch.randn(B.numel(), 2, generator=g, dtype=torch.float64)
+    joint = muon_preconditioned_operator(identity, {"experts": stack}) @ V
+    apart = muon_preconditioned_operator(identity, {f"expert{e}": f for e, f in enumerate(each)}) @ V
+    torch.testing.assert_close(joint, apart, rtol=0, atol=1e-12)
+    shaped = muon_preconditioner({"experts": B}, "original", shapes={"experts": (3, 4, 6)}, polar=polar)["experts"]
+    assert shaped.stacked and shaped.scale == muon_scale((4, 6), "original")
+    with pytest.raises(CurvlabError, match="a stack of matrices is 3-D"):
+        muon_factor(B[0], 1.0, polar, stacked=True)
+
+
 def test_tiny_singular_values_are_not_inverted():
     g = torch.Generator().manual_seed(2)
     U, _ = torch.linalg.qr(torch.randn(4, 4, generator=g, dtype=torch.float64))

@@ -25,7 +25,8 @@ parameter names, which works on models that follow the usual naming conventions.
   and ``mlp_out`` for its last projection), the ones before it attention (``attn_q``, ``attn_k``,
   ``attn_v``, or ``attn_qkv`` fused, and ``attn_o``; a decoder's cross-attention ``cross_attn_*``),
   so GPT-2, GPT-NeoX, Llama, OPT, BERT, DistilBERT, ViT and T5 all get their parts whatever their
-  projections are called; biases and adapters with their projection; anything else under its role
+  projections are called; an MoE's fused experts as the MLP (their last stack ``mlp_out``); biases and
+  adapters with their projection; anything else under its role
   (``hidden``, ``bias``, ``other``). Without the model: by name (``other`` for what names don't tell).
 * a mapping ``{block: [glob patterns]}``: user-defined; a parameter matched by no block, or by two,
   is an error.
@@ -40,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from torch import Tensor, nn
 
 from curvlab.errors import CurvlabError
-from curvlab.models.roles import parameter_roles
+from curvlab.models.roles import parameter_roles, stacked_matrices
 
 GROUPINGS = ("layer", "tensor", "kind")
 
@@ -293,6 +294,17 @@ def structural_kind_blocks(model: nn.Module) -> dict[str, str]:
         module = name.rsplit(".", 1)[0] if "." in name else ""
         owner = next((m for m in _ancestors(module) if m in kind_of_module), None)
         out[name] = role if role in ("embedding", "head", "norm") or owner is None else kind_of_module[owner]
+    # A fused experts module is one projection unit holding the MLP's matrices as stacks (Mixtral's
+    # gate_up_proj, down_proj): its last stack is the MLP's output, those before it the input, whatever
+    # kind the unit got as a whole
+    units: dict[str, list[str]] = {}
+    for name in stacked_matrices(model):
+        if out.get(name) in ("mlp_in", "mlp_out"):
+            units.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    order = {n: i for i, n in enumerate(roles)}
+    for stacks in (u for u in units.values() if len(u) > 1):
+        stacks.sort(key=order.__getitem__)
+        out.update({n: "mlp_in" for n in stacks[:-1]} | {stacks[-1]: "mlp_out"})
     return out
 
 

@@ -16,8 +16,9 @@ r"""What each parameter of a model does, read from the model's structure rather 
   vectors (Llama's ``LlamaRMSNorm``, T5's ``T5LayerNorm``);
 * ``bias``: a vector registered as the ``bias`` of any other module;
 * ``hidden``: every other matrix: 2-D weights (``nn.Linear``, Hugging Face's ``Conv1D``, peft's
-  LoRA factors, a bare 2-D ``nn.Parameter``) and the kernels of convolutions;
-* ``other``: anything else (scalars, gates, learned position tables of 3 or more dimensions), and
+  LoRA factors, a bare 2-D ``nn.Parameter``), the kernels of convolutions, and stacks of matrices
+  (:func:`stacked_matrices`: an MoE's fused experts, experts x out x in, one matrix per expert);
+* ``other``: anything else (scalars, gates, learned tables of shape (1, n, d) or of 4 or more dimensions), and
   vectors stored as matrices: a bare (n, 1) or (1, n) parameter, not the weight of a linear map or
   convolution (peft IA3's scaling vectors ``ia3_l``, which multiply activations elementwise; Muon's
   orthogonalization of one would only normalize it). A linear map with one input or output (an
@@ -26,7 +27,9 @@ r"""What each parameter of a model does, read from the model's structure rather 
 The mathematical shape of a hidden matrix, :math:`d_\text{out} \times d_\text{in}`, is what
 :func:`matrix_shapes` gives: ``nn.Linear`` stores (out, in), Hugging Face's ``Conv1D`` stores
 (in, out) and is read transposed, a convolution kernel (out, in/groups, k...) is read as
-out x (in/groups * prod k). A bare 2-D parameter is taken as stored (out, in).
+out x (in/groups * prod k). A bare 2-D parameter is taken as stored (out, in); a stack as
+(experts, out, in), or (experts, in, out) where its module declares ``is_transposed = True`` (Hugging
+Face's experts modules carry the flag: Mixtral's are (experts, out, in), GPT-OSS's (experts, in, out)).
 
 Overrides ``{name or glob: role}`` settle what structure can't (a head registered before the body,
 say), and reverse any of the rules above: ``parameter_roles(model, {"*.ia3_l.*": "hidden"})``, then
@@ -61,6 +64,22 @@ def _conv1d_types() -> tuple[type, ...]:
     from transformers.pytorch_utils import Conv1D  # optional: only once the user has imported transformers
 
     return (Conv1D,)
+
+
+def _is_stack(module: nn.Module, p: nn.Parameter) -> bool:
+    """A stack of matrices: 3-D, outside a convolution (whose 3-D kernels are one matrix), with more than one
+    matrix (a (1, n, d) tensor is a table, ViT's position embeddings, not a stack)."""
+    return p.dim() == 3 and p.shape[0] > 1 and not isinstance(module, _CONVS + _conv1d_types())
+
+
+def stacked_matrices(model: nn.Module) -> set[str]:
+    """Names of the parameters that are stacks of matrices, under every name they have: 3-D parameters
+    outside a convolution whose first dimension indexes more than one matrix. These are the fused experts
+    of Hugging Face's MoE models (Mixtral's, Qwen2-MoE's and OLMoE's ``gate_up_proj`` and ``down_proj``,
+    experts x out x in), each expert's slice its own matrix: Muon orthogonalizes and scales them one by
+    one (:class:`~curvlab.optim.muon.Muon`'s ``stacked`` groups)."""
+    ids = {id(p) for m in model.modules() for p in m.parameters(recurse=False) if _is_stack(m, p)}
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -144,7 +163,7 @@ def parameter_roles(model: nn.Module, overrides: Mapping[str, str] | None = None
         for p in module.parameters(recurse=False):
             if p.dim() == 2 and 1 in p.shape and not isinstance(module, linear):
                 claim([p], "other")  # a vector stored as a matrix (IA3's)
-            elif p.dim() == 2 or (p.dim() > 2 and isinstance(module, convs)):
+            elif p.dim() == 2 or (p.dim() > 2 and isinstance(module, convs)) or _is_stack(module, p):
                 claim([p], "hidden")
     roles = {name: role_of.get(id(p), "other") for name, p in model.named_parameters(remove_duplicate=False)}
     for pattern, role in (overrides or {}).items():
@@ -159,21 +178,27 @@ def parameter_roles(model: nn.Module, overrides: Mapping[str, str] | None = None
 
 
 def stored_transposed(model: nn.Module) -> set[str]:
-    """Names of the matrices stored (in, out), the transpose of their mathematical shape: the weights
-    of Hugging Face's ``Conv1D`` (GPT-2's attention and MLP), under every name they have."""
+    """Names of the matrices stored (in, out), the transpose of their mathematical shape, under every name
+    they have: the weights of Hugging Face's ``Conv1D`` (GPT-2's attention and MLP), and the stacks
+    (:func:`stacked_matrices`) of a module that declares ``is_transposed = True`` (experts x in x out)."""
     conv1d = _conv1d_types()
-    ids = {id(m.weight) for m in model.modules() if isinstance(m, conv1d)}
-    return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids and p.dim() == 2}
+    ids = {id(m.weight) for m in model.modules() if isinstance(m, conv1d) and m.weight.dim() == 2}
+    for m in model.modules():
+        if getattr(m, "is_transposed", None) is True:
+            ids |= {id(p) for p in m.parameters(recurse=False) if _is_stack(m, p)}
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
-def matrix_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+def matrix_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     r"""The mathematical shape :math:`(d_\text{out}, d_\text{in})` of every parameter of 2 or more
-    dimensions: stored (in, out) matrices (:func:`stored_transposed`) transposed, convolution kernels
-    flattened to out x (in/groups * prod k), everything else as stored."""
-    transposed = stored_transposed(model)
+    dimensions, or :math:`(n, d_\text{out}, d_\text{in})` of a stack of n matrices
+    (:func:`stacked_matrices`): stored (in, out) matrices (:func:`stored_transposed`) transposed,
+    convolution kernels flattened to out x (in/groups * prod k), everything else as stored."""
+    transposed, stacked = stored_transposed(model), stacked_matrices(model)
     shapes = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.dim() >= 2:
-            rows, cols = p.shape[0], math.prod(p.shape[1:])
-            shapes[name] = (cols, rows) if name in transposed else (rows, cols)
+            lead = tuple(p.shape[:1]) if name in stacked else ()
+            rows, cols = p.shape[len(lead)], math.prod(p.shape[len(lead) + 1 :])
+            shapes[name] = (*lead, *((cols, rows) if name in transposed else (rows, cols)))
     return shapes

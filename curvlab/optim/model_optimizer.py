@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from curvlab.errors import CurvlabError
-from curvlab.models.roles import parameter_roles, stored_transposed
+from curvlab.models.roles import parameter_roles, stacked_matrices, stored_transposed
 from curvlab.optim.combined import CombinedOptimizer
 from curvlab.optim.lion import Lion
 from curvlab.optim.muon import Muon
@@ -71,7 +71,9 @@ def build_model_optimizer(
     which parameters Muon takes (default :func:`default_muon_rule`: the hidden matrices, by
     structure); a vector never reaches Muon. Convolution kernels go to Muon flattened to
     out x (in * prod k) (see :class:`Muon`); Hugging Face ``Conv1D`` weights go in a group marked
-    ``transposed``, so that Muon's shape scale reads them as (out, in).
+    ``transposed``, so that Muon's shape scale reads them as (out, in), and fused MoE experts (3-D
+    stacks, :func:`~curvlab.models.roles.stacked_matrices`) in a group marked ``stacked``, one matrix per
+    expert.
 
     Raises:
         CurvlabError: an unknown name or option, or a model with no 2-D weights for Muon.
@@ -102,10 +104,15 @@ def build_model_optimizer(
             raise CurvlabError("the model has no hidden weight matrices for Muon; use adamw, or pass muon_rule")
         muon_ids = {id(p) for _, p in chosen}
         rest = [p for _, p in named if id(p) not in muon_ids]
-        transposed = stored_transposed(model)
-        groups = [
-            {"params": [p for n, p in chosen if n not in transposed]},
-            {"params": [p for n, p in chosen if n in transposed], "transposed": True},
+        transposed, stacked = stored_transposed(model), stacked_matrices(model)
+        groups = [  # (in the order models without stacks had, so their optimizer state dicts still load)
+            {"params": [p for n, p in chosen if (n in transposed, n in stacked) == key], **flags}
+            for key, flags in (
+                ((False, False), {}),
+                ((True, False), {"transposed": True}),
+                ((False, True), {"stacked": True}),
+                ((True, True), {"transposed": True, "stacked": True}),
+            )
         ]
         parts = {"muon": Muon([g for g in groups if g["params"]], **muon_hp)}
         if rest:

@@ -30,12 +30,12 @@ def evaluate_closure(closure) -> Tensor | None:
 
 def muon_scale(shape: tuple[int, ...], scale: str) -> float:
     r"""Muon's per-matrix learning-rate multiplier for a weight of mathematical shape ``rows x cols``
-    (:math:`d_\text{out} \times d_\text{in}`; see :func:`matrix_shape`).
+    (:math:`d_\text{out} \times d_\text{in}`, or ``n x rows x cols`` for a stack of n; see :func:`matrix_shape`).
 
     ``"original"``: :math:`\max(1, r/c)^{1/2}` (Keller Jordan); ``"moonlight"``:
     :math:`0.2\max(r, c)^{1/2}` (matches AdamW's update RMS); ``"spectral"``: :math:`(r/c)^{1/2}`.
     """
-    rows, cols = shape[0], shape[1]
+    rows, cols = shape[-2], shape[-1]  # (a stack's leading count aside)
     if scale == "original":
         return math.sqrt(max(1, rows / cols))
     if scale == "moonlight":
@@ -45,12 +45,20 @@ def muon_scale(shape: tuple[int, ...], scale: str) -> float:
     raise CurvlabError(f"unknown Muon scale {scale!r}; choose one of {', '.join(SCALES)}")
 
 
-def matrix_shape(p: Tensor, transposed: bool = False) -> tuple[int, int]:
+def matrix_shape(p: Tensor, transposed: bool = False, stacked: bool = False) -> tuple[int, ...]:
     """The matrix Muon orthogonalizes for parameter ``p``: (out, in) for a 2-D weight (swapped when it
     is stored transposed, as Hugging Face's ``Conv1D``), out x (in/groups * prod k) for a
-    convolution kernel."""
-    rows, cols = p.shape[0], math.prod(p.shape[1:])
-    return (cols, rows) if transposed else (rows, cols)
+    convolution kernel; (n, out, in) for a stack of n matrices (``stacked``: an MoE's fused experts,
+    :func:`~curvlab.models.roles.stacked_matrices`), each orthogonalized and scaled on its own."""
+    lead = tuple(p.shape[:1]) if stacked else ()
+    rows, cols = p.shape[len(lead)], math.prod(p.shape[len(lead) + 1 :])
+    return (*lead, *((cols, rows) if transposed else (rows, cols)))
+
+
+def as_matrices(update: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``update`` as what msign acts on: its stored rows x the rest, one matrix per slice of a stack
+    (``shape`` from :func:`matrix_shape`, three entries for a stack)."""
+    return update.reshape(*update.shape[: len(shape) - 1], -1)
 
 
 class Muon(torch.optim.Muon):
@@ -70,7 +78,9 @@ class Muon(torch.optim.Muon):
     orthogonalized as the out x (in/groups * prod k) matrix they flatten to, and scaled by that
     shape, as Keller Jordan's CIFAR-10 speedrun does (``torch.optim.Muon`` refuses them). A param
     group with ``transposed=True`` holds matrices stored (in, out), like Hugging Face's ``Conv1D``:
-    the polar factor doesn't care (msign(Xᵀ) = msign(X)ᵀ) but the scale uses the (out, in) shape.
+    the polar factor doesn't care (msign(Xᵀ) = msign(X)ᵀ) but the scale uses the (out, in) shape. A
+    group with ``stacked=True`` holds 3-D stacks of matrices (an MoE's fused experts, experts x out x
+    in): each expert's matrix gets its own polar factor and scale, as if it were a parameter of its own.
 
     Under torch.distributed (gradients already averaged by DDP) the polar factors are shared out: the
     matrices, sorted by size, go round-robin to the ranks, each rank orthogonalizes its own and
@@ -109,11 +119,13 @@ class Muon(torch.optim.Muon):
         flat = [tuple(p.shape) for g in self.param_groups for p in g["params"] if p.dim() < 2]
         if flat:
             raise CurvlabError(f"Muon takes matrices (2 or more dimensions); got parameters of shape {flat[:3]}")
-        extra = {"scale": scale, "polar": polar, "polar_dtype": polar_dtype, "transposed": False}
+        extra = {"scale": scale, "polar": polar, "polar_dtype": polar_dtype, "transposed": False, "stacked": False}
         self.defaults.update(extra)
         for group in self.param_groups:
             for k, v in extra.items():
                 group.setdefault(k, v)
+            if group["stacked"] and any(p.dim() != 3 for p in group["params"]):
+                raise CurvlabError("a stacked Muon group takes 3-D stacks of matrices (n x out x in) only")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -137,7 +149,8 @@ class Muon(torch.optim.Muon):
         for (group, p, _), ortho in zip(work, orthos):
             lr = group["lr"]
             p.mul_(1 - lr * group["weight_decay"])
-            shape = matrix_shape(p, group.get("transposed", False))  # (a state dict from before had no flag)
+            # (a state dict from before has neither flag)
+            shape = matrix_shape(p, group.get("transposed", False), group.get("stacked", False))
             p.add_(ortho, alpha=-(lr * muon_scale(shape, group["scale"])))
         return loss
 
@@ -164,7 +177,7 @@ class Muon(torch.optim.Muon):
 def _polar_factor(group: dict, update: Tensor) -> Tensor:
     """msign of one whole update with its group's polar settings, shaped like the update."""
     return msign(
-        update.reshape(update.shape[0], -1),  # a convolution kernel as out x (in * prod k)
+        as_matrices(update, matrix_shape(update, stacked=group.get("stacked", False))),
         method=group["polar"],
         steps=group["ns_steps"],
         dtype=group["polar_dtype"],

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from curvlab.curvature.groupings import hidden_matrices
 from curvlab.errors import CurvlabError
 from curvlab.models.roles import matrix_shapes
-from curvlab.optim.muon import SCALES, muon_scale
+from curvlab.optim.muon import SCALES, as_matrices, muon_scale
 from curvlab.optim.polar import METHODS as POLAR_METHODS
 from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
 from curvlab.util import schema
@@ -161,7 +161,7 @@ class ShadowState:
         if not shapes:
             raise CurvlabError("a shadow state needs at least one hidden matrix")
         self.settings = settings
-        self.shapes = {n: (int(s[0]), int(s[1])) for n, s in shapes.items()}
+        self.shapes = {n: tuple(int(k) for k in s) for n, s in shapes.items()}
         self.state: dict[str, dict[str, Tensor]] = {}
 
     @property
@@ -280,12 +280,13 @@ class ShadowState:
         return self
 
 
-def muon_step(update: Tensor, shape: tuple[int, int], settings: ShadowSettings, lr: float) -> Tensor:
+def muon_step(update: Tensor, shape: tuple[int, ...], settings: ShadowSettings, lr: float) -> Tensor:
     r""":math:`\eta\, s(r, c)\, \operatorname{msign}(U)` for a momentum-averaged update U of one matrix of
-    mathematical shape ``shape`` (a kernel orthogonalized as the matrix it flattens to), with the
+    mathematical shape ``shape`` (a kernel orthogonalized as the matrix it flattens to, a stack of m
+    matrices, shape (m, out, in), one by one), with the
     polar method and scale of ``settings``, as :class:`curvlab.optim.muon.Muon` computes it; in U's dtype."""
     ortho = msign(
-        update.reshape(update.shape[0], -1),
+        as_matrices(update, shape),
         method=settings.polar,
         steps=settings.ns_steps,
         dtype=getattr(torch, settings.polar_dtype),

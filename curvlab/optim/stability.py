@@ -85,7 +85,7 @@ from curvlab.engine.loss import LossFn
 from curvlab.engine.operator import Operator, hessian_operator, preconditioned_operator
 from curvlab.errors import CurvlabError
 from curvlab.optim.adam import adam_edge_of_stability, adam_preconditioner, adam_step_settings
-from curvlab.optim.muon import matrix_shape, muon_scale
+from curvlab.optim.muon import as_matrices, matrix_shape, muon_scale
 from curvlab.optim.polar import METHODS as POLAR_METHODS
 from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, POLAR_EXPRESS_NORMALIZATION, polar_express_coefficients
 
@@ -240,28 +240,41 @@ class MuonFactor:
     r"""Muon's frozen preconditioner on one matrix: :math:`P^{-1} X = Q\,\operatorname{diag}(g)\,Q^\top X`
     (``side="left"``, rows <= cols) or :math:`X\,Q\,\operatorname{diag}(g)\,Q^\top` (``"right"``), with
     ``basis`` Q (n × n orthogonal, n = min(rows, cols), float64) and ``gains`` g >= 0 (its eigenvalues,
-    the shape scale included); ``shape`` is the stored tensor's (a kernel acts as its rows × rest)."""
+    the shape scale included); ``shape`` is the stored tensor's (a kernel acts as its rows × rest). For a
+    stack of matrices (``stacked``: an MoE's fused experts, shape (m, rows, ...)) each of the m matrices
+    has its own: ``basis`` (m, n, n), ``gains`` (m, n), and the preconditioner is block-diagonal."""
 
     shape: tuple[int, ...]
     side: str
     basis: Tensor = field(repr=False, compare=False)
     gains: Tensor = field(repr=False, compare=False)
     scale: float
+    stacked: bool = False
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The stack's count, ``(m,)``, or ``()`` for one matrix."""
+        return self.shape[:1] if self.stacked else ()
 
     @property
     def rows(self) -> int:
-        return self.shape[0]
+        return self.shape[len(self.lead)]
+
+    @property
+    def cols(self) -> int:
+        return math.prod(self.shape[len(self.lead) + 1 :])
 
     def matrix(self, power: float = 1.0) -> Tensor:
-        r""":math:`Q\,\operatorname{diag}(g^{p})\,Q^\top` (n × n, float64): :math:`P^{-p}`, e.g. :math:`P^{-1/2}`."""
-        return (self.basis * self.gains.pow(power)) @ self.basis.T
+        r""":math:`Q\,\operatorname{diag}(g^{p})\,Q^\top` (n × n, or m × n × n for a stack; float64):
+        :math:`P^{-p}`, e.g. :math:`P^{-1/2}`."""
+        return (self.basis * self.gains.pow(power).unsqueeze(-2)) @ self.basis.mT
 
     def apply(self, X: Tensor, power: float = 1.0) -> Tensor:
         """:math:`P^{-p}` applied to X, a tensor of ``shape`` or a stack of them ``(..., *shape)``, in X's dtype."""
         lead = X.shape[: X.dim() - len(self.shape)]
         if tuple(X.shape[len(lead) :]) != self.shape:
             raise CurvlabError(f"the preconditioner acts on shape {self.shape}, got {tuple(X.shape)}")
-        M = X.reshape(-1, self.rows, math.prod(self.shape) // self.rows)
+        M = X.reshape(-1, *self.lead, self.rows, self.cols)
         R = self.matrix(power).to(device=X.device, dtype=X.dtype)
         return (R @ M if self.side == "left" else M @ R).reshape(X.shape)
 
@@ -269,14 +282,15 @@ class MuonFactor:
 def _polar_gains(
     S: Tensor, shape: tuple[int, int], rank_dtype: torch.dtype, polar: str, steps: int, coefficients, eps: float
 ) -> Tensor:
-    r""":math:`g(\sigma) = \varphi(\sigma)/\sigma` of the polar method on the singular values S (float64)."""
+    r""":math:`g(\sigma) = \varphi(\sigma)/\sigma` of the polar method on the singular values S (float64;
+    ``(..., n)``, each row one matrix's)."""
     if polar == "svd":  # msign's own rank floor: below it the singular value goes to 0, so does the gain
-        keep = S.amax() * max(shape) * torch.finfo(rank_dtype).eps < S
+        keep = S.amax(dim=-1, keepdim=True) * max(shape) * torch.finfo(rank_dtype).eps < S
         return torch.where(keep, 1 / torch.where(keep, S, 1.0), 0.0)
-    frobenius = float(S.pow(2).sum().sqrt())
+    frobenius = S.pow(2).sum(dim=-1, keepdim=True).sqrt()
     if polar == "newton_schulz":
         schedule = [tuple(coefficients or NEWTON_SCHULZ_COEFFICIENTS)] * steps
-        norm = max(frobenius, eps)  # msign: x / ||x||_F.clamp(min=eps)
+        norm = frobenius.clamp(min=eps)  # msign: x / ||x||_F.clamp(min=eps)
     else:
         schedule = polar_express_coefficients(steps)
         norm = frobenius * POLAR_EXPRESS_NORMALIZATION + eps
@@ -296,10 +310,12 @@ def muon_factor(
     steps: int = 5,
     coefficients: tuple[float, float, float] | None = None,
     eps: float = 1e-7,
+    stacked: bool = False,
 ) -> MuonFactor:
     r""":class:`MuonFactor` of one momentum matrix :math:`\tilde B` (a tensor of 2 or more dimensions,
-    acting as rows × rest) and its shape scale s (a number: :func:`~curvlab.optim.muon.muon_scale`), for the
-    polar method with msign's settings (module docstring), from a float64 SVD.
+    acting as rows × rest; with ``stacked``, a 3-D stack of matrices, each its own) and its shape scale s
+    (a number: :func:`~curvlab.optim.muon.muon_scale`), for the polar method with msign's settings (module
+    docstring), from a float64 SVD.
 
     Raises:
         CurvlabError: an unknown polar method, a non-matrix, a non-finite or all-zero momentum.
@@ -312,13 +328,15 @@ def muon_factor(
         raise CurvlabError("the momentum holds non-finite values (NaN or inf)")
     if not bool(momentum.any()):
         raise CurvlabError("the momentum is zero: Muon's step is 0 and its preconditioner undefined")
-    rows = momentum.shape[0]
-    B = momentum.detach().reshape(rows, -1).double()
+    if stacked and momentum.dim() != 3:
+        raise CurvlabError(f"a stack of matrices is 3-D, got shape {tuple(momentum.shape)}")
+    B = as_matrices(momentum.detach(), matrix_shape(momentum, stacked=stacked)).double()
     U, S, Vh = torch.linalg.svd(B, full_matrices=False)
     rank_dtype = momentum.dtype if momentum.is_floating_point() else torch.float64
-    gains = float(scale) * _polar_gains(S, tuple(B.shape), rank_dtype, polar, steps, coefficients, eps)
-    left = B.shape[0] <= B.shape[1]
-    return MuonFactor(tuple(momentum.shape), "left" if left else "right", U if left else Vh.T, gains, float(scale))
+    gains = float(scale) * _polar_gains(S, tuple(B.shape[-2:]), rank_dtype, polar, steps, coefficients, eps)
+    left = B.shape[-2] <= B.shape[-1]
+    side, basis = ("left", U) if left else ("right", Vh.mT)
+    return MuonFactor(tuple(momentum.shape), side, basis, gains, float(scale), stacked)
 
 
 def muon_preconditioner(
@@ -334,13 +352,13 @@ def muon_preconditioner(
     """Muon's frozen preconditioner on each matrix of ``momenta`` (name -> :math:`\\tilde B`, e.g. from
     :func:`nesterov_momenta`), in their order: :func:`muon_factor` with the shape scale ``scale`` of each
     matrix's mathematical (out, in) shape, ``shapes[name]`` (e.g. :func:`~curvlab.models.roles.matrix_shapes`;
-    default the stored rows × rest)."""
+    default the stored rows × rest); a shape of three entries, (m, out, in), is a stack of m matrices."""
     if not momenta:
         raise CurvlabError("no momentum matrices given")
     out = {}
     for name, B in momenta.items():
         shape = tuple(shapes[name]) if shapes is not None and name in shapes else matrix_shape(B)
-        out[name] = muon_factor(B, muon_scale(shape, scale), polar, steps, coefficients, eps)
+        out[name] = muon_factor(B, muon_scale(shape, scale), polar, steps, coefficients, eps, len(shape) == 3)
     return out
 
 
@@ -355,13 +373,13 @@ def muon_preconditioned_operator(h_hidden: Operator, factors: Mapping[str, MuonF
     if sum(sizes) != h_hidden.dim:
         raise CurvlabError(f"the Muon factors cover {sum(sizes)} entries, the operator {h_hidden.dim}")
     roots = [f.matrix(0.5).to(device=h_hidden.device, dtype=h_hidden.dtype) for f in factors.values()]
-    layout = [(f.rows, size // f.rows, f.side == "left") for f, size in zip(factors.values(), sizes)]
+    layout = [((*f.lead, f.rows, f.cols), f.side == "left") for f in factors.values()]
 
     def half(X: Tensor) -> Tensor:  # P^{-1/2} on each column, matrix by matrix
         k = X.shape[1]
         pieces = []
-        for (rows, cols, left), R, piece in zip(layout, roots, X.split(sizes, dim=0)):
-            M = piece.T.reshape(k, rows, cols)
+        for (shape, left), R, piece in zip(layout, roots, X.split(sizes, dim=0)):
+            M = piece.T.reshape(k, *shape)
             pieces.append((R @ M if left else M @ R).reshape(k, -1).T)
         return torch.cat(pieces, dim=0)
 
@@ -501,10 +519,11 @@ def muon_sharpness(
     factors = {}
     for n in hidden:
         g = groups[n]
-        shape = matrix_shape(table[n], g.get("transposed", False))
+        stacked = g.get("stacked", False)
+        shape = matrix_shape(table[n], g.get("transposed", False), stacked)
         factors[n] = muon_factor(
             momenta[n], muon_scale(shape, g.get("scale", "original")), g.get("polar", "newton_schulz"),
-            g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"],
+            g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"], stacked,
         )  # fmt: skip
     block = _principal_block(op, {n: table[n].numel() for n in names}, hidden)
     top = lanczos(muon_preconditioned_operator(block, factors), max_iter=max_iter, tol=tol, seed=seed, memory=memory)
