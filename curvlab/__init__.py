@@ -29,6 +29,7 @@ from curvlab.optim.build import build_optimizer
 from curvlab.optim.model_optimizer import trainable_parameters
 from curvlab.optim.polar import msign
 from curvlab.optim.update import next_update
+from curvlab.runs.checkpoint import restore_lightning
 from curvlab.runs.monitor import (
     CurvatureMonitor,
     MonitorRow,
@@ -73,6 +74,7 @@ __all__ = [
     "preconditioned_operator",
     "quadratic_form",
     "quadratic_forms",
+    "restore_lightning",
     "spectral_density",
     "taylor_split",
     "taylor_split_at",

@@ -36,6 +36,7 @@ from curvlab.output.files import write_quadratic, write_spectrum
 from curvlab.output.plots import curvature_during_training, lambda_max_along_run
 from curvlab.output.text import calibration_line, finetune_table, primary_table, publish_robustness, update_readme
 from curvlab.runs.config import TrainConfig
+from curvlab.runs.foreign import Rebuild
 from curvlab.runs.match import MatchCriteria
 from curvlab.runs.monitor import MonitorSettings
 from curvlab.runs.sharded_train import train_sharded
@@ -305,7 +306,16 @@ DATA_HELP = (
     "DATA, seeded with the checkpoint's step; the report's next_batch records the seed and each row's offset."
 )
 CHECKPOINT_HELP = (
-    "A curvlab checkpoint, a nanoGPT ckpt.pt, or a Hugging Face Trainer checkpoint directory (these two with --data)."
+    "A curvlab checkpoint, a nanoGPT ckpt.pt, a Hugging Face Trainer checkpoint directory, a Lightning .ckpt or a "
+    "torch.save'd state dict (all but curvlab's with --data; the last two with --config, --optimizer, --batch-size)."
+)
+CONFIG_HELP = (
+    "Lightning and state-dict checkpoints: the model, a curvlab config name (tiny, pcfg-9m, gpt2-124m), a JSON "
+    "file of GPTConfig fields, or a Hugging Face config.json (or its directory)."
+)
+OPTIMIZER_HELP = (
+    "Lightning and state-dict checkpoints: the torch.optim class that wrote the optimizer state (adamw, sgd, ...), "
+    "rebuilt with the saved hyperparameters; without a saved state, its fresh first step. Z is unclipped."
 )
 BATCH_HELP = "Evaluate G, H and the decrease on the next step's batch (train) or on validation windows (val)."
 BATCHES_HELP = "Batches accumulated: train: the step's batch and the N-1 after it; val: the first N."
@@ -333,6 +343,11 @@ def nds(
     device: str = typer.Option("cpu", help="Device for the analysis."),
     directions: str = typer.Option(None, help=DIRECTIONS_HELP),
     fsdp: bool = typer.Option(False, "--fsdp", help="CHECKPOINT is a sharded (DCP) directory: run sharded."),
+    config: str = typer.Option(None, help=CONFIG_HELP),
+    optimizer: str = typer.Option(None, help=OPTIMIZER_HELP),
+    batch_size: int = typer.Option(
+        None, help="Lightning and state-dict checkpoints: sequences in the next step's batch (curvlab's draw)."
+    ),
 ) -> None:
     """NDS, Taylor split and block interaction matrix of a checkpoint's next update.
 
@@ -343,20 +358,25 @@ def nds(
     if out:
         check_output(out)  # before the analysis, not after it
     settings = _settings(blocks, batch, batches, dtype, block_method, hvp_method)
+    rebuild = Rebuild(config, optimizer, batch_size)
+    if fsdp and rebuild.given():
+        raise CurvlabError("--config, --optimizer and --batch-size are for Lightning and state-dict checkpoints")
     if directions is not None:
         if fsdp:
             raise CurvlabError("--directions is not available with --fsdp yet")
         with distributed_context() as (rank, _):
-            compared = checkpoint_directions(checkpoint, directions, settings, data, device)
+            compared = checkpoint_directions(checkpoint, directions, settings, data, device, rebuild)
         if rank == 0:
             typer.echo(compared.text())
             if out:
                 compared.save(out)
                 typer.echo(f"wrote {out}")
         return
-    analyze_fn = analyze_sharded_checkpoint if fsdp else analyze_checkpoint
     with distributed_context() as (rank, _):
-        report = analyze_fn(checkpoint, settings, data, device)
+        if fsdp:
+            report = analyze_sharded_checkpoint(checkpoint, settings, data, device)
+        else:
+            report = analyze_checkpoint(checkpoint, settings, data, device, rebuild)
     if rank != 0:
         return
     d = report.to_dict()

@@ -16,6 +16,7 @@ from curvlab.analysis.directions import PairedDirections, directions_table, pair
 from curvlab.analysis.targets import DTYPES, AnalysisSettings, Target, evaluation_batches, open_checkpoint
 from curvlab.engine.loss import make_loss_fn
 from curvlab.optim.update import next_update
+from curvlab.runs.foreign import Rebuild
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.versions import SoftwareVersions
@@ -125,10 +126,12 @@ def checkpoint_directions(
     settings: AnalysisSettings | None = None,
     data: str | Path | None = None,
     device: str = "cpu",
+    rebuild: Rebuild | None = None,
 ) -> DirectionReport:
-    """Open a checkpoint (any format :func:`open_checkpoint` reads) and compare the directions ``names``
-    at it (see :func:`analyze_directions`)."""
+    """Open a checkpoint (any format :func:`open_checkpoint` reads; ``rebuild`` for those that need it) and
+    compare the directions ``names`` at it (see :func:`analyze_directions`)."""
     settings = settings or AnalysisSettings()
     settings.validate()
     names = parse_directions(names)  # (bad names fail before the checkpoint is opened)
-    return analyze_directions(open_checkpoint(path, data, device, settings.batches), names, settings, str(path))
+    target = open_checkpoint(path, data, device, settings.batches, rebuild)
+    return analyze_directions(target, names, settings, str(path))

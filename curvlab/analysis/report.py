@@ -88,6 +88,7 @@ from curvlab.engine.operator import hessian_operator
 from curvlab.errors import CurvlabError
 from curvlab.optim.update import next_update
 from curvlab.runs.dcp import META as SHARDED_META
+from curvlab.runs.foreign import Rebuild
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.digest import json_digest, path_digest
@@ -363,12 +364,17 @@ def update_spectrum(
 
 
 def analyze_checkpoint(
-    path: str | Path, settings: AnalysisSettings | None = None, data: str | Path | None = None, device: str = "cpu"
+    path: str | Path,
+    settings: AnalysisSettings | None = None,
+    data: str | Path | None = None,
+    device: str = "cpu",
+    rebuild: Rebuild | None = None,
 ) -> CurvatureReport:
-    """Open a checkpoint and analyse its next step (see :func:`analyze`)."""
+    """Open a checkpoint (``rebuild``: what a Lightning or state-dict one doesn't record) and analyse its
+    next step (see :func:`analyze`)."""
     settings = settings or AnalysisSettings()
     settings.validate()
-    return analyze(open_checkpoint(path, data, device, settings.batches), settings, str(path))
+    return analyze(open_checkpoint(path, data, device, settings.batches, rebuild), settings, str(path))
 
 
 DIGESTS = "digests"  # the key of a saved report's digests (CurvatureReport.save)

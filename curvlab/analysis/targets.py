@@ -1,5 +1,6 @@
 """What a curvature analysis reads: its settings, one checkpoint of any format as a :class:`Target`
-(curvlab's, nanoGPT's ``ckpt.pt``, a Hugging Face Trainer directory: model, optimizer, loader, next batch), and
+(curvlab's, nanoGPT's ``ckpt.pt``, a Hugging Face Trainer directory, a Lightning ``.ckpt``, a ``torch.save``'d
+state dict: model, optimizer, loader, next batch), and
 the evaluation batches D. The reports built from them are in :mod:`curvlab.analysis.report`.
 """
 
@@ -17,11 +18,20 @@ import torch
 from curvlab.data.shards import TokenData, TrainBatches, validation_batches
 from curvlab.engine.hvp import check_method
 from curvlab.errors import CurvlabError
+from curvlab.models.gpt import GPT
 from curvlab.models.nanogpt import load_nanogpt
 from curvlab.optim.shadow import ShadowState
 from curvlab.runs.checkpoint import check_device, read_checkpoint
 from curvlab.runs.config import TrainConfig
-from curvlab.runs.hf import token_batch, trainer_optimizer
+from curvlab.runs.foreign import (
+    FOREIGN_FORMATS,
+    ForeignCheckpoint,
+    Rebuild,
+    build_model,
+    load_weights,
+    rebuild_optimizer,
+)
+from curvlab.runs.hf import context_length, token_batch, trainer_optimizer
 from curvlab.runs.train import build_run, restore
 
 REPORT_SCHEMA_VERSION = 3  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own; 3: paired
@@ -112,22 +122,38 @@ class Target:
     controls: Mapping[str, ShadowState] = field(default_factory=dict)  # its twins, if it keeps them
 
 
-def open_checkpoint(path: str | Path, data: str | Path | None = None, device: str = "cpu", batches: int = 1) -> Target:
-    """Rebuild the model, optimizer and next batches of a curvlab, nanoGPT or Hugging Face Trainer
-    checkpoint (read by :func:`~curvlab.runs.checkpoint.read_checkpoint`, with its errors).
+def open_checkpoint(
+    path: str | Path,
+    data: str | Path | None = None,
+    device: str = "cpu",
+    batches: int = 1,
+    rebuild: Rebuild | None = None,
+) -> Target:
+    """Rebuild the model, optimizer and next batches of a checkpoint of any format
+    :func:`~curvlab.runs.checkpoint.read_checkpoint` reads (with its errors).
 
     Args:
         data: the data directory; default the one recorded in a curvlab checkpoint (required for
-            nanoGPT and Trainer checkpoints, which don't record where their data lie).
+            every other format: none records where its data lie).
         batches: how many steps' training batches to draw, from the next step's on, and how many
             validation batches to provide at least (where the data hold them).
+        rebuild: for a Lightning or state-dict checkpoint, the model, optimizer class and batch size it
+            doesn't record (:class:`~curvlab.runs.foreign.Rebuild`); no other format takes them.
     """
     dev = check_device(device)
     ckpt = read_checkpoint(path)
+    rebuild = rebuild or Rebuild()
+    if rebuild.given() and ckpt.format not in FOREIGN_FORMATS:
+        raise CurvlabError(
+            f"{ckpt.path}: a {ckpt.format} checkpoint records its model, optimizer and batch size; "
+            "--config, --optimizer and --batch-size are for Lightning and state-dict checkpoints"
+        )
     if ckpt.format == "curvlab":
         return _curvlab_target(ckpt.path, ckpt.payload, data, device, batches)
     if data is None:
         raise CurvlabError(f"{ckpt.path}: a {ckpt.format} checkpoint doesn't record its data; pass --data DIR")
+    if ckpt.format in FOREIGN_FORMATS:
+        return _foreign_target(ckpt.path, ckpt.payload, rebuild, data, dev, batches)
     if ckpt.format == "nanogpt":
         model, optimizer = load_nanogpt(ckpt.payload)
         if optimizer is None:
@@ -159,6 +185,33 @@ def open_checkpoint(path: str | Path, data: str | Path | None = None, device: st
     train = [[token_batch(*b) for b in s] if isinstance(s, list) else token_batch(*s) for s in train]
     val = [token_batch(*b) for b in val]
     return Target(hf.model, optimizer, train, val, hf.max_grad_norm, hf.step, float("nan"), "adamw", draw)
+
+
+def _foreign_target(
+    path: Path, ckpt: ForeignCheckpoint, rebuild: Rebuild, data, device: torch.device, batches: int
+) -> Target:
+    """A Lightning or state-dict checkpoint's model (from ``rebuild.config``), optimizer (``rebuild.optimizer``,
+    with the saved state) and next batches: curvlab's seeded draw of ``rebuild.batch_size`` windows of the
+    model's context. Nothing here records clipping: Z is the optimizer's unclipped step."""
+    if rebuild.config is None:
+        raise CurvlabError(
+            f"{path}: a {ckpt.format} checkpoint doesn't record its model; pass --config (a curvlab config name, "
+            "a GPTConfig JSON or a Hugging Face config.json)"
+        )
+    if rebuild.batch_size is None or rebuild.batch_size < 1:
+        raise CurvlabError(f"{path}: a {ckpt.format} checkpoint doesn't record its batch size; pass --batch-size N")
+    model = build_model(rebuild.config)
+    load_weights(model, ckpt.weights, path)
+    model.to(device)
+    optimizer, label = rebuild_optimizer(model, rebuild.optimizer, ckpt.optimizer_state, path)
+    ours = isinstance(model, GPT)
+    seq_len = model.config.block_size if ours else context_length(model.config) - 1
+    train, val, draw = _seeded_draw(
+        data, model.config.vocab_size, rebuild.batch_size, seq_len, ckpt.step, 1, batches, device
+    )
+    if not ours:  # (Hugging Face's batches: the model's loss shifts the labels itself)
+        train, val = [token_batch(*b) for b in train], [token_batch(*b) for b in val]
+    return Target(model, optimizer, train, val, None, ckpt.step, float("nan"), label, draw)
 
 
 def analysis_config(path: Path, saved: dict, data, device: str, batches: int) -> TrainConfig:

@@ -22,8 +22,10 @@ checkpoint valid. A run directory also keeps ``index.json``: ``[{step, val_loss,
 checkpoint, so matching by validation loss never has to open checkpoints.
 
 This is also the one place where checkpoints of every format are read, with one set of errors
-(:func:`read_checkpoint`): curvlab's own, nanoGPT's ``ckpt.pt``, and a Hugging Face ``Trainer``
-checkpoint directory (with :mod:`curvlab.runs.hf`, which imports transformers, for what only it knows).
+(:func:`read_checkpoint`): curvlab's own, nanoGPT's ``ckpt.pt``, a Hugging Face ``Trainer``
+checkpoint directory (with :mod:`curvlab.runs.hf`, which imports transformers, for what only it knows),
+a Lightning ``.ckpt`` and a ``torch.save``'d state dict (with :mod:`curvlab.runs.foreign`, which rebuilds
+what they don't record from what the user names).
 A missing path, an unreadable, truncated or corrupt file (random bytes, text, a Git LFS pointer), a
 file of no known format, and a device this torch can't use each raise one
 :class:`~curvlab.errors.CurvlabError`.
@@ -46,6 +48,7 @@ import torch
 from curvlab.errors import CurvlabError
 from curvlab.models.nanogpt import is_nanogpt_checkpoint
 from curvlab.runs import hf
+from curvlab.runs.foreign import FOREIGN_FORMATS, configured_optimizers, foreign_checkpoint
 from curvlab.util.atomic import atomic_open, atomic_write_text
 from curvlab.util.paths import inside
 from curvlab.util.weights_only import unpickling_error
@@ -166,7 +169,7 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-FORMATS = ("curvlab", "nanogpt", "hf-trainer")
+FORMATS = ("curvlab", "nanogpt", "hf-trainer", *FOREIGN_FORMATS)
 
 
 @dataclass
@@ -174,9 +177,10 @@ class ReadCheckpoint:
     """A checkpoint as read from disk, before any model is built.
 
     Attributes:
-        format: ``"curvlab"``, ``"nanogpt"`` or ``"hf-trainer"``.
+        format: one of :data:`FORMATS`.
         path: where it was read from.
-        payload: the loaded dict (curvlab, nanoGPT) or a :class:`curvlab.runs.hf.TrainerCheckpoint`.
+        payload: the loaded dict (curvlab, nanoGPT), a :class:`curvlab.runs.hf.TrainerCheckpoint`, or a
+            :class:`curvlab.runs.foreign.ForeignCheckpoint` (Lightning, state dict).
     """
 
     format: str
@@ -187,14 +191,48 @@ class ReadCheckpoint:
 def read_checkpoint(path: str | Path) -> ReadCheckpoint:
     """Read a checkpoint of any format curvlab knows (see :data:`FORMATS`), telling them apart by
     content: a directory is a Hugging Face Trainer checkpoint, a file with ``model_args`` nanoGPT's,
-    a file with curvlab's ``format`` field curvlab's."""
+    a file with curvlab's ``format`` field curvlab's, then Lightning's and state dicts
+    (:func:`curvlab.runs.foreign.foreign_checkpoint`)."""
     path = Path(path)
     if path.is_dir():
         return ReadCheckpoint("hf-trainer", path, _read_trainer_directory(path))
     raw = read_file(path)
     if is_nanogpt_checkpoint(raw):
         return ReadCheckpoint("nanogpt", path, raw)
+    foreign = None if isinstance(raw, dict) and "format" in raw else foreign_checkpoint(raw, path)
+    if foreign is not None:
+        return ReadCheckpoint(foreign.format, path, foreign)
     return ReadCheckpoint("curvlab", path, check_checkpoint(raw, path))
+
+
+def restore_lightning(module: torch.nn.Module, path: str | Path) -> list[torch.optim.Optimizer]:
+    """Load a Lightning ``.ckpt`` into a LightningModule (or any module with ``configure_optimizers``): its
+    weights into ``module``, strictly, and each optimizer state into the optimizers ``configure_optimizers``
+    builds, in order, as Lightning restores them. Returns those optimizers, for
+    :func:`~curvlab.optim.update.next_update` and the analyses (``module`` is the model).
+
+    Raises:
+        CurvlabError: not a Lightning checkpoint, weights that don't fit the module, or a different number of
+            optimizers or groups than the saved ones.
+    """
+    path = Path(path)
+    raw = read_file(path)
+    if not (isinstance(raw, dict) and isinstance(raw.get("state_dict"), dict) and "optimizer_states" in raw):
+        raise CurvlabError(f"{path}: not a Lightning checkpoint with optimizer state (state_dict, optimizer_states)")
+    try:
+        module.load_state_dict(raw["state_dict"], strict=True)
+    except RuntimeError as e:  # (missing, unexpected and mis-shaped keys alike)
+        raise CurvlabError(f"{path}: its weights don't fit the module ({' '.join(str(e).split())[:300]})") from e
+    optimizers = configured_optimizers(module.configure_optimizers())
+    states = raw["optimizer_states"]
+    if len(states) != len(optimizers):
+        raise CurvlabError(f"{path}: {len(states)} optimizer states saved, {len(optimizers)} configured")
+    for optimizer, state in zip(optimizers, states):
+        try:
+            optimizer.load_state_dict(state)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CurvlabError(f"{path}: a saved optimizer state doesn't fit configure_optimizers' ({e})") from e
+    return optimizers
 
 
 def _read_trainer_directory(path: Path):
@@ -224,7 +262,8 @@ def check_checkpoint(ckpt: Any, path: str | Path) -> dict[str, Any]:
     """``ckpt`` if it is a curvlab checkpoint of a supported version, else a ``CurvlabError`` naming ``path``."""
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CurvlabError(
-            f"{path}: not a checkpoint curvlab knows (curvlab's, nanoGPT's ckpt.pt, or a Hugging Face Trainer dir)"
+            f"{path}: not a checkpoint curvlab knows (curvlab's, nanoGPT's ckpt.pt, a Hugging Face Trainer dir, "
+            "a Lightning .ckpt or a torch.save'd state dict)"
         )
     if ckpt.get("version") != CHECKPOINT_VERSION:
         raise CurvlabError(

@@ -80,12 +80,15 @@ class TrainerCheckpoint:
 
     @property
     def context(self) -> int:
-        """The model's context length (positions it has embeddings or rotary tables for)."""
-        config = self.model.config
-        for key in ("n_positions", "max_position_embeddings", "n_ctx"):
-            if isinstance(getattr(config, key, None), int):
-                return int(getattr(config, key))
-        raise CurvlabError(f"the model config ({type(config).__name__}) names no context length")
+        return context_length(self.model.config)
+
+
+def context_length(config: Any) -> int:
+    """A Hugging Face model config's context length (positions it has embeddings or rotary tables for)."""
+    for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+        if isinstance(getattr(config, key, None), int):
+            return int(getattr(config, key))
+    raise CurvlabError(f"the model config ({type(config).__name__}) names no context length")
 
 
 def check_trainer_directory(path: Path) -> None:
