@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 # the --note a page was generated with (`curvlab readme-results ... --note NOTE`): the standard run's
 STANDARD_NOTE = (
-    "The run's process group had scheduling priority over the other jobs on the machine (autogroup nice -19), "
-    "so its wall time is close to a quiet machine's. It ran the earlier design: 5 seeds, A/A on neighbouring seed "
-    "pairs, and none of the controls of docs/science.md section 14, which came after it. The preset is now 8 seeds "
-    "with A/A on disjoint pairs and the controls; that design has not been run yet."
+    "It ran on a machine about 1.3-1.5 times slower than the one that made the quick run (its 2-core quick train "
+    "phase took 1.46 times as long), at nice -5, beside light editing; on that machine the preset would take "
+    "roughly 70-80 minutes. This is the current design: 8 seeds, A/A on disjoint seed pairs, the controls of "
+    "docs/science.md section 14 and the edge-of-stability context."
 )
 # preset, its page, the rerun the README sets beside it, its note
 SECTIONS = (
