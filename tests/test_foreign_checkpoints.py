@@ -1,11 +1,14 @@
-"""Checkpoints of other training code (:mod:`curvlab.runs.foreign`): a Lightning ``.ckpt`` and a
-``torch.save``'d state dict, each checked against the same model and optimizer held whole in memory: the
-weights and optimizer state bit for bit, and the next step against the real optimizer's."""
+"""Checkpoints of other training code (:mod:`curvlab.runs.foreign`): a Lightning ``.ckpt`` (as Lightning's
+format is written, and as a real ``lightning.Trainer`` writes it) and a ``torch.save``'d state dict, each
+checked against the same model and optimizer held whole in memory: the weights and optimizer state bit for
+bit, and the next step against the real optimizer's."""
 
 import copy
 import json
 import math
+import re
 
+import lightning
 import numpy as np
 import pytest
 import torch
@@ -39,8 +42,9 @@ def token_data(tmp_path):
 
 
 class LitGPT(torch.nn.Module):
-    """A LightningModule as users write one (Lightning itself isn't needed to save or read its checkpoint):
-    the model under ``self.model``, AdamW's decay split and a scheduler from ``configure_optimizers``."""
+    """A LightningModule as users write one, without Lightning (its checkpoint format is written here by
+    hand; :class:`TrainedLitGPT` is trained and saved by the real ``lightning.Trainer``): the model under
+    ``self.model``, AdamW's decay split and a scheduler from ``configure_optimizers``."""
 
     def __init__(self, seed=0, optimizers=1):
         super().__init__()
@@ -49,15 +53,21 @@ class LitGPT(torch.nn.Module):
         self.optimizers = optimizers
 
     def configure_optimizers(self):
-        matrices = [p for p in self.model.parameters() if p.dim() >= 2]
-        rest = [p for p in self.model.parameters() if p.dim() < 2]
-        groups = [{"params": matrices, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-        adamw = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
-        schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 1.0 / (1 + step))
+        adamw, schedule = decayed_adamw(self.model, lr=1e-2)
         if self.optimizers == 1:
             return {"optimizer": adamw, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
         sgd = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         return [adamw, sgd], [schedule]
+
+
+def decayed_adamw(model, lr):
+    """AdamW with the matrices decayed and the rest not, and a per-step schedule: a LightningModule's usual
+    ``configure_optimizers``."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 1.0 / (1 + step))
 
 
 def batch(seed):
@@ -141,15 +151,21 @@ def test_a_lightning_checkpoint_is_the_module_and_optimizer_held_whole(tmp_path)
     assert [g["lr"] for g in target.optimizer.param_groups] == [1e-2 * (1 / 3)] * 2  # (the scheduler's, saved)
     Z = assert_next_step_is_the_real_one(target.model, target.optimizer, lit.model, opt, target.train_batches[0])
     assert target.draw.source == "seeded draw" and target.draw.seed == 2
-    # the command line reads it the same way: the same Z, so the same NDS on the same batch
+    assert_the_command_line_reads_the_same_step(tmp_path, path, lit.model, target.train_batches[0], Z, "float32")
+
+
+def assert_the_command_line_reads_the_same_step(tmp_path, path, model, next_batch, Z, dtype):
+    """``curvlab nds`` of the GPT checkpoint at ``path`` (with gpt.json, AdamW and 4 sequences named) reports
+    step 2 and the NDS of ``Z`` on ``next_batch`` for ``model``: the same Z, so the same NDS on the same batch
+    (to the rounding of ``dtype``, the analysis's)."""
     out = tmp_path / "r.json"
     args = ["nds", str(path), "--data", str(tmp_path / "data"), "--config", str(tmp_path / "gpt.json")]
-    r = runner.invoke(app, [*args, "--optimizer", "adamw", "--batch-size", "4", "--out", str(out)])
+    r = runner.invoke(app, [*args, "--optimizer", "adamw", "--batch-size", "4", "--dtype", dtype, "--out", str(out)])
     assert r.exit_code == 0, r.output
     report = load_report(out)
-    expected = taylor_split(make_loss_fn(lit.model), trainable_parameters(lit.model), target.train_batches[0], Z)
+    expected = taylor_split(make_loss_fn(model), trainable_parameters(model), next_batch, Z)
     assert report.step == 2 and report.optimizer == "torch.optim.AdamW"
-    assert math.isclose(report.split.nds, expected.nds, rel_tol=1e-5)
+    assert math.isclose(report.split.nds, expected.nds, rel_tol={"float32": 1e-5, "float64": 1e-12}[dtype])
 
 
 def test_what_a_lightning_checkpoint_does_not_record_is_asked_for_in_one_line(tmp_path):
@@ -216,6 +232,95 @@ def test_restore_lightning_builds_the_modules_own_optimizers(tmp_path):
         open_checkpoint(path, token_data(tmp_path), rebuild=Rebuild("tiny", "adamw", 4))
     with pytest.raises(CurvlabError, match="2 optimizer states saved, 1 configured"):
         restore_lightning(LitGPT(), path)
+
+
+class TrainedLitGPT(lightning.LightningModule):
+    """The same model as a real LightningModule, trained by a real ``lightning.Trainer``: its
+    hyperparameters saved (Lightning writes them into the checkpoint), the loss of each batch it is handed."""
+
+    def __init__(self, seed=0, lr=1e-2, data=None):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.model = GPT(GPTConfig(**GPT_FIELDS))
+
+    def training_step(self, b, batch_idx):
+        return make_loss_fn(self.model)(dict(self.model.named_parameters()), b)
+
+    def configure_optimizers(self):
+        adamw, schedule = decayed_adamw(self.model, lr=self.hparams.lr)
+        return {"optimizer": adamw, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def trained_by_lightning(tmp_path, **hparams):
+    """A TrainedLitGPT trained 2 steps in float64 by ``lightning.Trainer`` on the CPU and saved by
+    ``trainer.save_checkpoint``; returns the module and its optimizer as the Trainer holds them, and the path."""
+    ids = torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(list(zip(ids[:, :-1], ids[:, 1:])), batch_size=4)
+    lit = TrainedLitGPT(**hparams)
+    trainer = lightning.Trainer(
+        accelerator="cpu", max_steps=2, precision="64-true", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(lit, loader)
+    trainer.save_checkpoint(tmp_path / "trained.ckpt")
+    (optimizer,) = trainer.optimizers
+    return lit, optimizer, tmp_path / "trained.ckpt"
+
+
+def test_a_real_lightning_trainers_checkpoint_is_the_module_and_optimizer_held_whole(tmp_path):
+    lit, opt, path = trained_by_lightning(tmp_path)
+    assert lit.global_step == 2 and {p.dtype for p in lit.parameters()} == {torch.float64}
+    assert torch.load(path, weights_only=True)["hyper_parameters"] == {"seed": 0, "lr": 1e-2, "data": None}
+    (tmp_path / "gpt.json").write_text(json.dumps(GPT_FIELDS))
+    data = token_data(tmp_path)
+    # what curvlab nds reads: the weights in their float64, the optimizer state, the next step
+    target = open_checkpoint(path, data, rebuild=Rebuild(str(tmp_path / "gpt.json"), "adamw", 4))
+    assert target.step == 2 and target.optimizer_name == "torch.optim.AdamW"
+    theirs = lit.model.state_dict()
+    assert target.model.state_dict().keys() == theirs.keys()
+    assert all(v.dtype == theirs[k].dtype and torch.equal(v, theirs[k]) for k, v in target.model.state_dict().items())
+    assert_same_optimizer_state(target.optimizer, opt)
+    assert [g["lr"] for g in target.optimizer.param_groups] == [1e-2 * (1 / 3)] * 2  # (the scheduler's, saved)
+    Z = assert_next_step_is_the_real_one(target.model, target.optimizer, lit.model, opt, target.train_batches[0])
+    assert_the_command_line_reads_the_same_step(tmp_path, path, lit.model, target.train_batches[0], Z, "float64")
+    # restore_lightning: a fresh module (other weights) gets the saved ones and its own configure_optimizers',
+    # in the dtype Lightning trained it in (float32 would round them)
+    rounded = r"weights are torch\.float64 \(model\.[\w.]+\), the module's torch\.float32: convert the module first"
+    with pytest.raises(CurvlabError, match=rounded):
+        restore_lightning(TrainedLitGPT(seed=1), path)
+    fresh = TrainedLitGPT(seed=1).double()
+    assert not torch.equal(fresh.model.transformer.wte.weight, lit.model.transformer.wte.weight)
+    (restored,) = restore_lightning(fresh, path)
+    assert all(torch.equal(v, lit.state_dict()[k]) for k, v in fresh.state_dict().items())
+    assert_same_optimizer_state(restored, opt)
+    assert_next_step_is_the_real_one(fresh.model, restored, lit.model, opt, batch(7))
+
+
+def test_hyperparameters_beyond_plain_data_are_refused_saying_what_to_do(tmp_path):
+    """Lightning saves save_hyperparameters()'s values as given, and a ``Path`` among them is a class, which
+    curvlab won't unpickle: one line says where it is and what to do, and the file saved again without
+    them, as it says, reads."""
+    lit, opt, path = trained_by_lightning(tmp_path, data=tmp_path / "data")
+    (tmp_path / "gpt.json").write_text(json.dumps(GPT_FIELDS))
+    data = token_data(tmp_path)
+    expected = (
+        r"names pathlib\.\w*Path, not only tensors and plain data; refusing to unpickle it \(it could run code\): "
+        r"it is in Lightning's 'hyper_parameters', which curvlab doesn't read: give save_hyperparameters\(\) plain "
+        r"values \(ignore= the others\), or save the checkpoint again without 'hyper_parameters'$"
+    )
+    with pytest.raises(CurvlabError, match=expected):
+        restore_lightning(TrainedLitGPT().double(), path)
+    args = ["nds", str(path), "--data", str(data), "--config", str(tmp_path / "gpt.json"), "--optimizer", "adamw"]
+    r = runner.invoke(app, [*args, "--batch-size", "4"])
+    assert r.exit_code == 2 and re.search(expected, r.output.strip()) and len(r.output.strip().splitlines()) == 1
+    saved = torch.load(path, weights_only=False)  # (this test's own file)
+    del saved["hyper_parameters"]
+    torch.save(saved, tmp_path / "plain.ckpt")
+    fresh = TrainedLitGPT(seed=1).double()
+    (restored,) = restore_lightning(fresh, tmp_path / "plain.ckpt")
+    assert all(torch.equal(v, lit.state_dict()[k]) for k, v in fresh.state_dict().items())
+    assert_same_optimizer_state(restored, opt)
 
 
 def tiny_gpt2(dtype=torch.float64):

@@ -93,7 +93,7 @@ def test_a_curvlab_checkpoint_or_its_shadow_state_that_would_run_code_is_refused
         torch.save({**payload, entry: Hostile(marker)}, path)
     bad = bad_run / ckpt.name
     for load in (lambda: load_checkpoint(bad), lambda: read_checkpoint(bad)):
-        assert_library_refuses(load, str(bad), "names posix.system", REFUSED)
+        assert_library_refuses(load, str(bad), "names posix.system", REFUSED, f"it is in {entry!r}")
     assert_cli_refuses(["nds", bad, "--out", tmp_path / "r.json"], str(bad), "names posix.system", REFUSED)
     assert_cli_refuses(["track", bad_run, "--out", tmp_path / "t"], "names posix.system", REFUSED)
     assert not marker.exists()

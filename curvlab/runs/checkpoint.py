@@ -51,7 +51,7 @@ from curvlab.runs import hf
 from curvlab.runs.foreign import FOREIGN_FORMATS, configured_optimizers, foreign_checkpoint
 from curvlab.util.atomic import atomic_open, atomic_write_text
 from curvlab.util.paths import inside
-from curvlab.util.weights_only import unpickling_error
+from curvlab.util.weights_only import entry_naming, refused_global, unpickling_error
 
 FORMAT = "curvlab-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -94,7 +94,8 @@ def read_file(path: str | Path, what: str = "checkpoint", map_location: str | to
     """``torch.load`` of one file (tensors only, ``weights_only=True``), with curvlab's errors: a
     missing file, a Git LFS pointer, a file ``torch.save`` didn't write (text, random bytes), a corrupt
     or unreadable one, and one whose pickle names a class or function beyond tensors and plain data
-    (which could run code: refused, never unpickled), each a one-line ``CurvlabError`` naming ``path``."""
+    (which could run code: refused, never unpickled, with the entry that holds it and what to do), each a
+    one-line ``CurvlabError`` naming ``path``."""
     path = Path(path)
     if not path.is_file():
         raise CurvlabError(f"{path}: no such {what}")
@@ -110,7 +111,9 @@ def read_file(path: str | Path, what: str = "checkpoint", map_location: str | to
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise unpickling_error(e, path, f"the {what}") from None
+        refused = refused_global(e)
+        entry = None if refused is None else entry_naming(path, refused)
+        raise unpickling_error(e, path, f"the {what}", entry) from None
     except _CORRUPT as e:
         raise CurvlabError(f"{path}: corrupt or unreadable {what} ({type(e).__name__})") from e
 
@@ -212,13 +215,22 @@ def restore_lightning(module: torch.nn.Module, path: str | Path) -> list[torch.o
     :func:`~curvlab.optim.update.next_update` and the analyses (``module`` is the model).
 
     Raises:
-        CurvlabError: not a Lightning checkpoint, weights that don't fit the module, or a different number of
-            optimizers or groups than the saved ones.
+        CurvlabError: not a Lightning checkpoint, weights that don't fit the module or have another dtype than
+            its own (a checkpoint of ``precision="64-true"`` restores into ``module.double()``), or a different
+            number of optimizers or groups than the saved ones.
     """
     path = Path(path)
     raw = read_file(path)
     if not (isinstance(raw, dict) and isinstance(raw.get("state_dict"), dict) and "optimizer_states" in raw):
         raise CurvlabError(f"{path}: not a Lightning checkpoint with optimizer state (state_dict, optimizer_states)")
+    own = module.state_dict()
+    cast = [k for k, v in raw["state_dict"].items() if torch.is_tensor(v) and k in own and v.dtype != own[k].dtype]
+    if cast:  # (load_state_dict would round or widen them silently: other weights than the saved ones)
+        saved, theirs = raw["state_dict"][cast[0]].dtype, own[cast[0]].dtype
+        raise CurvlabError(
+            f"{path}: its weights are {saved} ({cast[0]}), the module's {theirs}: convert the module first "
+            f"(module.to({saved})) so that they load as saved"
+        )
     try:
         module.load_state_dict(raw["state_dict"], strict=True)
     except RuntimeError as e:  # (missing, unexpected and mis-shaped keys alike)

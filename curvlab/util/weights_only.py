@@ -4,12 +4,18 @@
 class or function beyond tensors and plain data (refused, never called: it could run code) and for bytes
 that are no pickle at all; only the refusal names the global it would not resolve (``GLOBAL
 posix.system``). Every curvlab loader tells the two apart here, to say "refusing" or "corrupt".
+
+A refusal also says where in the file the global is, when the file is a ``torch.save``'d dict: the
+entry that holds it (a Lightning checkpoint's ``hyper_parameters``, with a user's ``Path`` or config
+class among them), found by reading the pickle's opcodes, which runs nothing (:func:`entry_naming`).
 """
 
 from __future__ import annotations
 
 import pickle
+import pickletools
 import re
+import zipfile
 from pathlib import Path
 
 from curvlab.errors import CurvlabError
@@ -17,6 +23,9 @@ from curvlab.errors import CurvlabError
 # torch.load's message opens with this and, for a refused global, names it as ``GLOBAL module.name``
 # (an unsupported one, or one of a blocked module)
 _REFUSED_GLOBAL = re.compile(r"Weights only load failed.*?GLOBAL ([\w.]+)", re.DOTALL)
+# what Lightning writes of a module's and a datamodule's save_hyperparameters() (whatever values the user gave)
+_LIGHTNING_HPARAMS = ("hyper_parameters", "hparams_type", "datamodule_hyper_parameters", "datamodule_hparams_type")
+_MARK = object()
 
 
 def refused_global(error: BaseException) -> str | None:
@@ -33,13 +42,74 @@ def is_weights_only_refusal(error: BaseException) -> bool:
     return refused_global(error) is not None
 
 
-def unpickling_error(error: pickle.UnpicklingError, where: str | Path, what: str) -> CurvlabError:
+def unpickling_error(
+    error: pickle.UnpicklingError, where: str | Path, what: str, entry: str | None = None
+) -> CurvlabError:
     """The one line for ``error``, raised by ``torch.load(..., weights_only=True)`` of ``what`` (``"the
     checkpoint"``, ``"byte item 'lr'"``) in ``where``: a refusal names the global it would not resolve,
-    anything else is a corrupt file."""
+    and, given the ``entry`` of the saved dict that holds it (:func:`entry_naming`), what to do; anything
+    else is a corrupt file."""
     refused = refused_global(error)
     if refused is None:
         return CurvlabError(f"{where}: corrupt or unreadable {what} (UnpicklingError)")
-    return CurvlabError(
-        f"{where}: {what} names {refused}, not only tensors and plain data; refusing to unpickle it (it could run code)"
-    )
+    refusal = "not only tensors and plain data; refusing to unpickle it (it could run code)"
+    line = f"{where}: {what} names {refused}, {refusal}"
+    if entry in _LIGHTNING_HPARAMS:
+        return CurvlabError(
+            f"{line}: it is in Lightning's {entry!r}, which curvlab doesn't read: give save_hyperparameters() "
+            f"plain values (ignore= the others), or save the checkpoint again without {entry!r}"
+        )
+    if entry is not None:
+        return CurvlabError(f"{line}: it is in {entry!r}; save that entry as tensors and plain data")
+    return CurvlabError(line)
+
+
+def entry_naming(path: str | Path, name: str) -> str | None:
+    """The key of the dict ``torch.save`` wrote to ``path`` (a zip archive) whose value names the global
+    ``name`` (``module.name``), or None: not such a file, a top level that is no dict, or no entry that
+    names it. Nothing is unpickled: the pickle's opcodes are read (:func:`_entry_naming`)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickled = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
+            return _entry_naming(archive.read(pickled), name)
+    except (StopIteration, zipfile.BadZipFile, OSError, ValueError, KeyError, IndexError, EOFError):
+        return None
+
+
+def _entry_naming(pickled: bytes, name: str) -> str | None:
+    """The first key of the top-level dict in ``pickled`` whose value names the global ``name``.
+
+    Each object on the pickle machine's stack is followed as the globals it names (with its text, for a
+    string); an opcode's result names what its operands named (its stack effect, from pickletools'
+    table), a memo lookup what was memoized; the top-level dict's items are checked as they are set."""
+    stack: list = []  # (text or None, frozenset of globals) per object; _MARK for a mark
+    memo: dict = {}
+    for op, arg, _ in pickletools.genops(pickled):
+        before = op.stack_before
+        taken = []
+        if pickletools.stackslice in before:  # everything above the last mark, and the mark
+            while stack[-1] is not _MARK:
+                taken.insert(0, stack.pop())
+            stack.pop()
+            before = before[: before.index(pickletools.markobject)]
+        below = [stack.pop() for _ in before][::-1]
+        if op.name in ("SETITEM", "SETITEMS") and not stack:  # items of the top-level dict
+            items = below[1:] + taken
+            for key, value in zip(items[::2], items[1::2]):
+                if name in value[1]:
+                    return key[0]
+        names = frozenset().union(*(item[1] for item in below + taken))
+        if op.name in ("GLOBAL", "INST"):
+            names |= {arg.replace(" ", ".")}
+        elif op.name == "STACK_GLOBAL":
+            names |= {f"{below[0][0]}.{below[1][0]}"}
+        if op.name == "MARK":
+            stack.append(_MARK)
+        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            memo[len(memo) if arg is None else arg] = stack[-1]
+        elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+            stack.append(memo[arg])
+        else:
+            text = arg if isinstance(arg, str) and not below and op.name not in ("GLOBAL", "INST") else None
+            stack.extend((text, names) for _ in op.stack_after)
+    return None
