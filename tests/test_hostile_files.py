@@ -1,6 +1,7 @@
 """Hostile files run nothing: a pickle whose ``__reduce__`` calls ``os.system`` (to touch a marker file),
 planted in every file curvlab reads (its checkpoints and their shadow state, a nanoGPT ``ckpt.pt``, a
-Trainer directory's ``optimizer.pt``, ``scheduler.pt``, ``training_args.bin`` and ``pytorch_model.bin``,
+Trainer directory's ``optimizer.pt``, ``scheduler.pt``, ``training_args.bin`` and ``pytorch_model.bin`` (whole
+or a shard),
 a sharded checkpoint's ``curvlab.json``, a schema-1 ``curvlab.pt``, torch's DCP ``.metadata``, a DCP
 byte item and a tensor item, the lr table), is refused by the CLI command and by the library loader
 that read it: the marker stays absent, the exit status is 2 and the error one line. So is a ``.metadata``
@@ -173,6 +174,59 @@ def test_sharded_safetensors_read_as_the_whole_model(trainer_checkpoint, tmp_pat
         reports[name] = json.loads(out.read_text())
     for key in ("nds", "first_order", "curvature_penalty", "realized", "hidden", "blocks"):
         assert reports["whole"][key] == reports["sharded"][key], key
+
+
+def bin_sharded_copy(path: Path, out: Path, model) -> Path:
+    """The Trainer checkpoint with ``model``'s weights as transformers 4 saved them with
+    ``safe_serialization=False`` above the shard size: ``pytorch_model-0000k-of-0000N.bin`` and
+    ``pytorch_model.bin.index.json``, no ``model.safetensors`` (transformers 5's ``save_pretrained`` writes
+    safetensors only, so the shards are split here as 4 split them, by huggingface_hub)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    shutil.copytree(path, out)
+    (out / "model.safetensors").unlink()
+    model.config.save_pretrained(out)
+    weights = model.state_dict()
+    split = split_torch_state_dict_into_shards(
+        weights, filename_pattern="pytorch_model{suffix}.bin", max_shard_size="4KB"
+    )
+    for shard, names in split.filename_to_tensors.items():
+        torch.save({n: weights[n].contiguous() for n in names}, out / shard)
+    index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+    (out / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    return out
+
+
+def test_sharded_pytorch_model_bin_read_as_the_whole_model(trainer_checkpoint, tmp_path):
+    """A float64 model's weights in ``.bin`` shards read as the model held whole and as its single
+    ``model.safetensors``: the same tensors bit for bit, the same report; the shards are unpickled with
+    ``weights_only=True``, so a shard that would run code is refused."""
+    path, data = trainer_checkpoint
+    model = read_checkpoint(path).payload.model.double()
+    whole = tmp_path / "whole"
+    shutil.copytree(path, whole)
+    model.save_pretrained(whole)
+    sharded = bin_sharded_copy(path, tmp_path / "sharded", model)
+    shards = sorted(sharded.glob("pytorch_model-*.bin"))
+    assert len(shards) >= 2 and not list(sharded.glob("*.safetensors"))
+    parts, held = read_checkpoint(sharded).payload.model.state_dict(), model.state_dict()
+    assert parts.keys() == held.keys()
+    assert all(v.dtype == parts[k].dtype == torch.float64 and torch.equal(parts[k], v) for k, v in held.items())
+    reports = {}
+    for name, ckpt in (("whole", whole), ("sharded", sharded)):
+        out = tmp_path / f"{name}.json"
+        r = CliRunner().invoke(app, ["nds", str(ckpt), "--data", str(data), "--dtype", "float64", "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        reports[name] = json.loads(out.read_text())
+    for key in ("nds", "first_order", "curvature_penalty", "realized", "hidden", "blocks"):
+        assert reports["whole"][key] == reports["sharded"][key], key
+    # a shard holding a pickle that would run code, among the tensors
+    bad, marker = poisoned_copy(sharded, tmp_path / "bad")
+    torch.save({**torch.load(shards[1], weights_only=True), "x": Hostile(marker)}, bad / shards[1].name)
+    expected = "a weights file (pytorch_model*.bin) names posix.system"
+    assert_library_refuses(lambda: read_checkpoint(bad), expected, REFUSED)
+    assert_cli_refuses(["nds", bad, "--data", data, "--out", tmp_path / "r.json"], expected, REFUSED)
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ A Trainer checkpoint directory (``checkpoint-N/``) holds what the next step need
 =================== ======================================================================
 config.json         the model's config; ``architectures`` names the model class
 model.safetensors   the weights (``pytorch_model.bin`` in older checkpoints; above the shard size,
-                    ``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json``)
+                    ``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json``, or
+                    ``pytorch_model-00001-of-0000N.bin`` ... with ``pytorch_model.bin.index.json``)
 optimizer.pt        the optimizer's state dict: AdamW's moments and step counts, and the
                     param groups (decayed, then not decayed) with the next step's learning rate
 scheduler.pt        the LR scheduler's state (its ``_last_lr`` is checked against the groups')
@@ -20,9 +21,10 @@ training_args.bin   ``TrainingArguments``: batch size, gradient accumulation, cl
 ``training_args.bin`` is a pickle. It is unpickled with ``weights_only=True`` and only the
 transformers and accelerate classes it names allowed, so a file that names anything else is refused,
 never run. ``optimizer.pt`` and ``scheduler.pt`` are unpickled with ``weights_only=True``, and so is a
-``pytorch_model.bin`` (by transformers); a file among them that names anything beyond tensors and plain
-data is refused in one line. The files are read by :func:`curvlab.runs.checkpoint.read_checkpoint`, with the errors of
-every other checkpoint; this module supplies what only transformers knows.
+``pytorch_model.bin`` or a shard of one (by transformers); a file among them that names anything beyond
+tensors and plain data is refused in one line. The files are read by
+:func:`curvlab.runs.checkpoint.read_checkpoint`, with the errors of every other checkpoint; this module
+supplies what only transformers knows.
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ def check_trainer_directory(path: Path) -> None:
 
 def weight_files(path: Path) -> list[Path]:
     """The files holding a checkpoint directory's weights: ``model.safetensors`` (or ``pytorch_model.bin``),
-    else every shard its index names (``model.safetensors.index.json``'s ``weight_map``), each a plain
-    file name inside ``path`` that is there.
+    else every shard its index names (the ``weight_map`` of ``model.safetensors.index.json`` or
+    ``pytorch_model.bin.index.json``), each a plain file name inside ``path`` that is there.
 
     Raises:
         CurvlabError: an unreadable index, or one naming a shard that is missing or outside ``path``.
