@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +47,9 @@ from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.dcp import convert_to_sharded, read_meta
 from curvlab.runs.match import MatchCriteria
+from curvlab.runs.metrics import METRICS_FILE
 from curvlab.runs.sharded_train import train_sharded
-from curvlab.runs.train import train
+from curvlab.runs.train import TrainingDiverged, train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.track import track_run
 from tests.conftest import SMALL_MODEL, random_direction
@@ -536,9 +538,15 @@ def _fsdp_train_worker(rank, tmp, world, data, optimizer):
     TrainBatches.next = original
     resumed = train_sharded(_train_config(data, f"{tmp}/cut", optimizer), progress=False)
     a, b = _final_params(f"{tmp}/whole"), _final_params(f"{tmp}/cut")
+    diverging = replace(
+        _train_config(data, f"{tmp}/nan", "sgd", steps=30), optimizer_options={"lr": 1e6}, grad_clip=None
+    )
+    with pytest.raises(TrainingDiverged) as diverged:
+        train_sharded(diverging, progress=False)
     _leave()
     if rank == 0:
-        torch.save({"whole": a, "cut": b, "val": whole.val_loss, "resumed_from": resumed.resumed_from}, f"{tmp}/t.pt")
+        saved = {"whole": a, "cut": b, "val": whole.val_loss, "resumed_from": resumed.resumed_from}
+        torch.save({**saved, "diverged": str(diverged.value)}, f"{tmp}/t.pt")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -555,6 +563,21 @@ def test_fsdp_training_equals_one_process_and_resumes_exactly(pcfg_data, tmp_pat
         assert (diff > 1e-6 + 1e-4 * tensor.abs()).float().mean() <= 1e-2, name
         assert diff.max() <= 1e-4, name
     assert saved["val"] == pytest.approx(one.val_loss, rel=1e-5)
+    # the one training loop: the sharded run writes the rows the one-process run writes, key for key, and
+    # the resumed run rewrites those after its checkpoint, bit for bit
+    whole, single = _metrics(tmp_path / "whole"), _metrics(tmp_path / "one")
+    assert [list(row) for row in whole] == [list(row) for row in single]
+    assert [(r["step"], r["lr"], r["tokens"]) for r in whole] == [(r["step"], r["lr"], r["tokens"]) for r in single]
+    assert [r["train_loss"] for r in whole] == pytest.approx([r["train_loss"] for r in single], rel=1e-5)
+    assert _metrics(tmp_path / "cut") == whole
+    # a diverging sharded run names its last good checkpoint (a DCP directory), as the dense run does
+    last = read_index(tmp_path / "nan")[-1]["path"]
+    assert re.fullmatch(rf"non-finite training loss at step \d+; last good checkpoint: {last}", saved["diverged"])
+    assert (tmp_path / "nan" / last / "curvlab.json").is_file()
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
 
 
 def _convert_run_worker(rank, tmp, world, runs):

@@ -215,7 +215,9 @@ def _adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int |
     if not index:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / ADAPTER_FILE, json.dumps(reference))
-    result = train_loop(run, progress, curvature=monitor, measure_at=due, desc=f"adapt {cfg.optimizer}", leave=False)
+    result = train_loop(
+        run, progress=progress, curvature=monitor, measure_at=due, desc=f"adapt {cfg.optimizer}", leave=False
+    )
     return result.val_loss
 
 

@@ -6,9 +6,11 @@ Read it top to bottom: setup (data, model, optimizer, loaders; the settings are
 loop (:func:`train_loop`), which evaluates the validation loss on fixed windows and writes a checkpoint
 (atomically) every ``ckpt_every`` steps, plus one at step 0. Metrics go to ``metrics.jsonl``.
 
-The loop is the same for a full-model run (:func:`train`) and an adapter run (peft LoRA,
-:func:`curvlab.runs.adapt.adapt`): it trains the model's trainable parameters with the run's optimizer;
-a run on a frozen base (``Run.base``) checkpoints those parameters and the base's reference only.
+The loop is the same for a full-model run (:func:`train`), an adapter run (peft LoRA,
+:func:`curvlab.runs.adapt.adapt`) and a sharded one (FSDP2, :func:`curvlab.runs.sharded_train.train_sharded`):
+it trains the model's trainable parameters with the run's optimizer; a run on a frozen base
+(``Run.base``) checkpoints those parameters and the base's reference only. What the sharded run does
+otherwise (forward, evaluate, save and load a checkpoint) is its :class:`RunLayout`.
 """
 
 from __future__ import annotations
@@ -201,11 +203,43 @@ class TrainResult:
     resumed_from: int
 
 
-def _save(run: Run, out: Path, val_loss: float, train_loss: float, is_main: bool) -> None:
+@dataclass(frozen=True)
+class RunLayout:
+    """How a run's model lies over the ranks: all that differs between the dense run (the whole model
+    on every rank, :data:`DENSE`) and the sharded one (FSDP2, :data:`curvlab.runs.sharded_train.SHARDED`).
+    :func:`train_loop` is the one loop of both.
+
+    ``forward(run, world)``: the module a training step calls. ``evaluate(run)``: the mean validation
+    loss over every token of the validation windows. ``save(run, val_loss, train_loss, is_main)``: write
+    the checkpoint of ``run.step`` into ``run.cfg.out`` and list it in the index. ``load(run, path)``:
+    put the checkpoint at ``path`` into ``run``. Every rank calls each of them.
+    """
+
+    forward: Callable[[Run, int], nn.Module]
+    evaluate: Callable[[Run], float]
+    save: Callable[[Run, float, float, bool], None]
+    load: Callable[[Run, Path], None]
+
+
+def _dense_forward(run: Run, world: int) -> nn.Module:
+    forward = DistributedDataParallel(run.model) if world > 1 else run.model  # averages the gradients
+    return torch.compile(forward) if run.cfg.compile else forward
+
+
+def _save(run: Run, val_loss: float, train_loss: float, is_main: bool) -> None:
     if is_main:
-        name = checkpoint_name(run.step)
+        out, name = Path(run.cfg.out), checkpoint_name(run.step)
         save_checkpoint(out / name, checkpoint_payload(run, val_loss, train_loss))
         add_to_index(out, run.step, val_loss, name)
+
+
+def _load(run: Run, path: Path) -> None:
+    restore(run, load_checkpoint(path, map_location=run.device))
+
+
+# the whole model on every rank (DistributedDataParallel under torch.distributed); rank 0 writes
+# each checkpoint as one file
+DENSE = RunLayout(forward=_dense_forward, evaluate=evaluate, save=_save, load=_load)
 
 
 def _open_metrics(path: Path, is_main: bool):
@@ -250,6 +284,7 @@ def _write_scalars(writer, step: int, scalars: dict[str, float]) -> None:
 
 def train(
     cfg: TrainConfig,
+    *,
     progress: bool = True,
     rank: int | None = None,
     world: int | None = None,
@@ -290,7 +325,10 @@ def train(
     if monitor is not None:
         curvature = training_monitor(run.model, run.optimizer, run.val_batches, monitor, cfg.grad_clip)
     stop = monitor is not None and monitor.stop_on_nonfinite
-    return train_loop(run, progress, rank, world, curvature, stop_on_nonfinite=stop, tensorboard=tensorboard)
+    return train_loop(
+        run, progress=progress, rank=rank, world=world, curvature=curvature, stop_on_nonfinite=stop,
+        tensorboard=tensorboard,
+    )  # fmt: skip
 
 
 def check_resume(out: Path, cfg: TrainConfig) -> None:
@@ -305,8 +343,18 @@ def check_resume(out: Path, cfg: TrainConfig) -> None:
         raise CurvlabError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
 
 
+def stopped_where(out: Path, step: int, last_checkpoint: int) -> str:
+    """What a run stopped by a signal says: where it stopped, and how to resume."""
+    return (
+        f"after step {step} in {out}; its last checkpoint is step {last_checkpoint}: run the same command "
+        "again to resume from it"
+    )
+
+
 def train_loop(
     run: Run,
+    *,
+    layout: RunLayout = DENSE,
     progress: bool = True,
     rank: int = 0,
     world: int = 1,
@@ -317,81 +365,52 @@ def train_loop(
     desc: str | None = None,
     leave: bool = True,
 ) -> TrainResult:
-    """Train (or resume) ``run`` (from :func:`build_run`, or an adapter run) in ``run.cfg.out`` to
-    ``run.cfg.steps``: the loop of :func:`train`, which describes it.
+    r"""Train (or resume) ``run`` (from :func:`build_run`, or an adapter run, or a sharded run) in
+    ``run.cfg.out`` to ``run.cfg.steps``: the one loop of :func:`train`, which describes it, of
+    :func:`curvlab.runs.adapt.adapt` and of :func:`curvlab.runs.sharded_train.train_sharded`, whose
+    ``layout`` says how the model lies over the ranks (:class:`RunLayout`).
 
-    A step: next batch, loss, a non-finite check, backward, gradient clipping over the trainable
-    parameters (``grad_clip``), optimizer step, schedule step; the validation loss every
-    ``eval_every`` steps and a checkpoint every ``ckpt_every`` steps (and at the end). An existing
-    run in ``out`` is resumed from its last checkpoint under the same config (:func:`check_resume`),
-    bit for bit: weights, optimizer, schedule, loader and RNG states are all checkpointed.
+    A step from :math:`\theta_k`: next batch, loss :math:`L(\theta_k)`, a non-finite check, backward,
+    gradient clipping over the trainable parameters (``grad_clip``), the shadow and control states
+    read the gradient, optimizer step to :math:`\theta_{k+1}`, schedule step; the validation loss every
+    ``eval_every`` steps and a checkpoint every ``ckpt_every`` steps (and at the end). An existing run
+    in ``out`` is resumed from its last checkpoint under the same config (:func:`check_resume`), bit for
+    bit: weights, optimizer, schedule, loader and RNG states are all checkpointed.
 
     With ``curvature``, the step taken from step k is measured when ``measure_at(k)`` (default
     ``curvature.due``) and written to ``metrics.jsonl`` as a row of kind ``"curvature"``.
 
     The run holds ``out`` while it trains (:func:`curvlab.util.lock.own_directory`): a second process
-    training there is refused, naming this one, and ``compare`` and ``track`` refuse to read it.
+    training there is refused, naming this one, and ``compare`` and ``track`` refuse to read it. A
+    SIGINT or SIGTERM stops it after the step in progress, on every rank (:mod:`curvlab.util.safe_stop`).
 
     Raises:
         CurvlabError: another process holds ``out``, a resume with a different config, a corrupt checkpoint.
         TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
         NonFiniteCurvature: a non-finite curvature row, with ``stop_on_nonfinite``.
+        Stopped: a SIGINT or SIGTERM, honoured at the safe point after a step.
     """
-    with contextlib.ExitStack() as stack:  # (holds the TensorBoard writer)
-        previous = stack.enter_context(own_directory(run.cfg.out, "train"))  # before anything in out is read
-        if previous is not None and progress and rank == 0:
-            print(f"[train] took {run.cfg.out} over from {previous.describe()}, which is no longer running", flush=True)
+    cfg, out, is_main = run.cfg, Path(run.cfg.out), rank == 0
+    with contextlib.ExitStack() as stack:  # (holds out, the safe points and the TensorBoard writer)
+        previous = stack.enter_context(own_directory(cfg.out, "train"))  # before anything in out is read
+        if previous is not None and progress and is_main:
+            print(f"[train] took {cfg.out} over from {previous.describe()}, which is no longer running", flush=True)
         stack.enter_context(stop_at_safe_points())
-        return _loop(
-            run, progress, rank, world, curvature, measure_at, stop_on_nonfinite, tensorboard, desc, leave, stack
-        )
-
-
-def stopped_where(out: Path, step: int, last_checkpoint: int) -> str:
-    """What a run stopped by a signal says: where it stopped, and how to resume."""
-    return (
-        f"after step {step} in {out}; its last checkpoint is step {last_checkpoint}: run the same command "
-        "again to resume from it"
-    )
-
-
-def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorboard, desc, leave, stack) -> TrainResult:
-    cfg = run.cfg
-    out = Path(cfg.out)
-    is_main = rank == 0
-    if is_main:  # what a killed write left (kill -9 mid-checkpoint): never read, so removed
-        remove_stale_temporaries(out)
-    index = read_index(out)
-    barrier()  # every rank has decided whether to resume before rank 0 writes anything
-    resumed_from = 0
-    if index:
-        check_resume(out, cfg)
-        restore(run, load_checkpoint(out / index[-1]["path"], map_location=run.device))
-        resumed_from = run.step
-    elif is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
-    metrics_path = out / METRICS_FILE
-    if is_main:
-        truncate_metrics(out, run.step)
-    if not index:
-        val_loss = evaluate(run)
-        _save(run, out, val_loss, float("nan"), is_main)
-    writer = None
-    if tensorboard is not None and is_main:  # (made once the run is known good: no empty event files)
-        writer = stack.enter_context(contextlib.closing(summary_writer_class()(log_dir=str(tensorboard))))
-    forward = DistributedDataParallel(run.model) if world > 1 else run.model  # averages the gradients
-    forward = torch.compile(forward) if cfg.compile else forward
-    due = measure_at if measure_at is not None else curvature.due if curvature is not None else None
-    run.model.train()
-    trainable = [p for p in run.model.parameters() if p.requires_grad]  # (an adapter run: the adapters)
-    tokens_per_step = cfg.batch_size * run.loader.seq_len
-    val_loss, elapsed, steps_done = float("nan"), 0.0, 0
-    shown_val = float("nan")
-    desc = desc or f"train {cfg.optimizer}"
-    last_checkpoint = run.step
-    bar = progress_bar(range(run.step, cfg.steps), desc=desc, disable=not (progress and is_main), leave=leave)
-    with _open_metrics(metrics_path, is_main) as log:
+        resumed_from = _resume_or_begin(run, layout, is_main)
+        writer = None
+        if tensorboard is not None and is_main:  # (made once the run is known good: no empty event files)
+            writer = stack.enter_context(contextlib.closing(summary_writer_class()(log_dir=str(tensorboard))))
+        forward = layout.forward(run, world)
+        due = measure_at if measure_at is not None else curvature.due if curvature is not None else None
+        run.model.train()
+        trainable = [p for p in run.model.parameters() if p.requires_grad]  # (an adapter run: the adapters)
+        tokens_per_step = cfg.batch_size * run.loader.seq_len
+        val_loss, shown_val, elapsed, steps_done = float("nan"), float("nan"), 0.0, 0
+        last_checkpoint = run.step
+        metrics_path = out / METRICS_FILE
+        desc = desc or f"train {cfg.optimizer}"
+        bar = progress_bar(range(run.step, cfg.steps), desc=desc, disable=not (progress and is_main), leave=leave)
+        log = stack.enter_context(_open_metrics(metrics_path, is_main))
         for _ in bar:
             start = time.perf_counter()
             x, y = (t.to(run.device) for t in run.loader.next())
@@ -400,10 +419,8 @@ def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorbo
             # every rank's share of the global batch has as many tokens: the mean of the means is the loss
             global_loss = all_reduce_sum(loss.detach().double()) / world if world > 1 else loss.detach()
             if not torch.isfinite(global_loss):
-                index = read_index(out)
-                last = index[-1]["path"] if index else "none"
-                raise TrainingDiverged(f"non-finite training loss at step {run.step + 1}; last good checkpoint: {last}")
-            loss.backward()
+                raise _diverged(out, run.step + 1)
+            loss.backward()  # (DDP all-reduces, FSDP2 reduce-scatters the gradients, averaged over the ranks)
             if cfg.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
             if run.shadow is not None:  # the gradient the optimizer sees (clipped); reads it, changes nothing
@@ -421,7 +438,7 @@ def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorbo
             train_loss = float(global_loss)
             checkpoint_now = run.step % cfg.ckpt_every == 0 or run.step == cfg.steps
             evaluate_now = checkpoint_now or run.step % cfg.eval_every == 0
-            val_loss = evaluate(run) if evaluate_now else float("nan")
+            val_loss = layout.evaluate(run) if evaluate_now else float("nan")
             record = {"step": run.step, "train_loss": train_loss, "lr": lr, "tokens": run.step * tokens_per_step}
             if evaluate_now:
                 record["val_loss"] = val_loss
@@ -431,19 +448,50 @@ def _loop(run: Run, progress, rank, world, curvature, measure_at, stop, tensorbo
             if before is not None:  # every rank measures (the held-out batches are shared out); rank 0 writes
                 row = curvature.measure_taken(run.step - 1, before)
                 _write_scalars(writer, row.step, row.log_scalars())
-                _record_curvature(row, log, metrics_path, stop)
+                _record_curvature(row, log, metrics_path, stop_on_nonfinite)
             if checkpoint_now:
-                _save(run, out, val_loss, train_loss, is_main)
+                layout.save(run, val_loss, train_loss, is_main)
                 last_checkpoint = run.step
             # the safe point: this step's checkpoint (if due) and metrics are written; the rerun resumes
-            # from the last checkpoint and retakes the steps after it, bit for bit
+            # from the last checkpoint and retakes the steps after it, bit for bit (every rank agrees:
+            # the ranks stop after the same step)
             check_stop(stopped_where(out, run.step, last_checkpoint), world)
             tps = tokens_per_step * steps_done / max(elapsed, 1e-9)
             shown_val = val_loss if evaluate_now else shown_val
             val_text = {} if math.isnan(shown_val) else {"val": f"{shown_val:.3f}"}  # none before the first evaluation
             bar.set_postfix(loss=f"{train_loss:.3f}", **val_text, tok_s=f"{tps:.0f}")
-    barrier()
+        barrier()
+        index = read_index(out)
+        last_val = index[-1]["val_loss"] if index else val_loss
+        tps = tokens_per_step * steps_done / elapsed if elapsed else float("nan")
+        return TrainResult(str(out), run.step, last_val, tps, resumed_from)
+
+
+def _diverged(out: Path, step: int) -> TrainingDiverged:
+    """The refusal of a non-finite training loss at ``step``, naming the last good checkpoint (every rank
+    reads the index: each checkpoint is listed there before the next step begins)."""
     index = read_index(out)
-    last_val = index[-1]["val_loss"] if index else val_loss
-    tps = tokens_per_step * steps_done / elapsed if elapsed else float("nan")
-    return TrainResult(str(out), run.step, last_val, tps, resumed_from)
+    last = index[-1]["path"] if index else "none"
+    return TrainingDiverged(f"non-finite training loss at step {step}; last good checkpoint: {last}")
+
+
+def _resume_or_begin(run: Run, layout: RunLayout, is_main: bool) -> int:
+    """Resume ``run`` from the last checkpoint in its ``out`` (under the same config), or begin it there:
+    its ``config.json`` and the checkpoint of step 0. Returns the step resumed from (0 for a new run)."""
+    out = Path(run.cfg.out)
+    if is_main:  # what a killed write left (kill -9 mid-checkpoint): never read, so removed
+        remove_stale_temporaries(out)
+    index = read_index(out)
+    barrier()  # every rank has decided whether to resume before rank 0 writes anything
+    if index:
+        check_resume(out, run.cfg)
+        layout.load(run, out / index[-1]["path"])
+    elif is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.json", json.dumps(run.cfg.to_dict(), indent=1))
+    barrier()  # out is made before any rank writes there (each writes its shards of a sharded checkpoint)
+    if is_main:  # a resumed run rewrites what came after its checkpoint
+        truncate_metrics(out, run.step)
+    if not index:
+        layout.save(run, layout.evaluate(run), float("nan"), is_main)
+    return run.step if index else 0
