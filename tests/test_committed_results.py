@@ -85,7 +85,7 @@ def _assert_same_number(got, committed, what) -> None:
 def test_the_committed_headline_follows_from_the_committed_levels(name):
     """Every descriptive entry and Zipf point, re-derived from levels.json by the code as it is now."""
     summary = Summary.load(RESULTS / name / "summary.json")
-    entries, zipf = headline(LevelData.load(RESULTS / name / "levels.json"), PRESETS[summary.preset].n_boot)
+    entries, zipf = headline(LevelData.load(RESULTS / name / "levels.json"))
     assert [(e.name, e.scope) for e in entries] == [(e.name, e.scope) for e in summary.headline]
     for e, committed in zip(entries, summary.headline):
         assert (e.n_seeds, e.n_levels, e.quantity) == (committed.n_seeds, committed.n_levels, committed.quantity)

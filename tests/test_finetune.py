@@ -116,7 +116,7 @@ def test_micro_writes_typed_reloadable_results(micro):
 def test_every_summary_number_is_rederived_from_the_per_level_data_and_the_runs(micro):
     out, _ = micro
     result = FinetuneResult.load(out / "finetune.json")
-    assert estimates(result.comparisons, result.preset["n_boot"]) == result.entries
+    assert estimates(result.comparisons) == result.entries
     for c in result.comparisons:
         for level in c.levels:  # each window mean from the curvature rows the runs wrote
             for arm in ("adamw", c.variant):

@@ -2,11 +2,14 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from curvlab.errors import CurvlabError
 from curvlab.jobs.job import CONFIG_VERSION, DIVERGED, Job, StageClock, guard_config, record_invocation
+from curvlab.jobs.presets import PRESETS
+from curvlab.jobs.reproduce import Reproduction
 from curvlab.runs.checkpoint import add_to_index, read_index
 from curvlab.runs.train import TrainingDiverged
 from curvlab.studies.tuning import TuningRecord, TuningSettings
@@ -19,6 +22,22 @@ def test_a_directory_keeps_one_configuration(tmp_path):
     with pytest.raises(CurvlabError, match="holds a job of another configuration"):
         guard_config(path, {"steps": 11, "arms": ["a", "b"]}, "a job")
     assert json.loads(path.read_text()) == {"steps": 10, "arms": ["a", "b"], "config_version": CONFIG_VERSION}
+
+
+def test_a_directory_whose_config_holds_a_removed_field_continues(tmp_path):
+    """A reproduction's directory from before ``n_boot`` went (it changed no result) continues with the
+    same preset, and is still refused under another one; its config file is left as it was."""
+    path = tmp_path / Reproduction.CONFIG_FILE
+    config = Reproduction(PRESETS["micro"], tmp_path).config()
+    old = json.loads(
+        json.dumps({**config, "preset": {**config["preset"], "n_boot": 200}, "config_version": CONFIG_VERSION})
+    )
+    path.write_text(json.dumps(old))
+    guard_config(path, config, "a reproduction")
+    assert json.loads(path.read_text()) == old
+    other = Reproduction(replace(PRESETS["micro"], steps=PRESETS["micro"].steps + 1), tmp_path).config()
+    with pytest.raises(CurvlabError, match="holds a reproduction of another configuration"):
+        guard_config(path, other, "a reproduction")
 
 
 def test_a_directory_an_older_curvlab_wrote_is_refused_as_such(tmp_path):

@@ -247,7 +247,7 @@ def test_summary_schema(micro):
 def test_every_summary_number_is_rederivable_from_the_per_level_json(micro):
     out, summary = micro
     raw = json.loads((out / "analysis" / "levels.json").read_text())
-    again, zipf = headline(LevelData.from_dict(raw), PRESETS["micro"].n_boot)
+    again, zipf = headline(LevelData.from_dict(raw))
     assert json.dumps([e.to_dict() for e in again]) == json.dumps([e.to_dict() for e in summary.headline])
     assert [dataclasses.asdict(z) for z in zipf] == [dataclasses.asdict(z) for z in summary.zipf]
     # and independently of curvlab.studies.headline, from the raw JSON: the NDS ratio is a ratio of sums of window means
@@ -310,7 +310,7 @@ def test_missing_comparisons_and_single_seeds_are_inconclusive_never_bare_number
     failed = dataclasses.replace(
         data, comparisons=[ComparisonRecord("adamw/muon", 0, 0.0, None, "the validation losses never overlap")]
     )
-    entries, _ = headline(failed, 50)
+    entries, _ = headline(failed)
     nds = next(e for e in entries if e.name == "nds_ratio")
     assert nds.value is None and nds.verdict == DESCRIPTIVE and "never overlap" in nds.note
     one_seed = dataclasses.replace(
@@ -318,7 +318,7 @@ def test_missing_comparisons_and_single_seeds_are_inconclusive_never_bare_number
         comparisons=[r for r in data.comparisons if r.seed == 0],
         tracks=[t for t in data.tracks if t.seed == 0],
     )
-    entries, _ = headline(one_seed, 50)
+    entries, _ = headline(one_seed)
     for e in entries:
         if e.value is not None:
             assert e.ci95 is None and e.verdict == DESCRIPTIVE and "no interval" in e.note, e.name

@@ -651,7 +651,7 @@ class Reproduction(Job):
         with self.clock("quadratic"):
             quadratic = self.quadratic()
         with self.clock("summary"):
-            entries, zipf = headline(levels, p.n_boot)
+            entries, zipf = headline(levels)
             primary, calibrated = (
                 primary_family(levels, judged=p.primary),
                 calibration(levels.comparisons, data=levels, pairs=p.aa_seed_pairs()),
