@@ -24,7 +24,7 @@ from curvlab.optim.shadow import ShadowState
 from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.studies.controls import CONTROL_NAMES, TWIN_TOLERANCE, controls, stability, twin_control
-from tests.conftest import crash_training_after
+from tests.builders import crash_training_after
 from tests.reference import assert_same
 from tests.synthetic import level_data, record
 from tests.test_shadow import config, train, train_losses

@@ -38,18 +38,15 @@ from curvlab.studies.records import LevelData
 from curvlab.util import atomic, schema
 from curvlab.util.atomic import TEMPORARY_SUFFIX, atomic_open, atomic_write_json, remove_stale_temporaries
 from curvlab.util.safe_stop import Stopped, check_stop, stop_at_safe_points
-from tests.conftest import SMALL_MODEL
+from tests.builders import SMALL_MODEL, small_config
 from tests.generating import generating, wait_for_it
 
 STEPS, EVERY = 6, 2
 
 
 def _config(data: Path, out: Path, **overrides) -> TrainConfig:
-    fields = dict(
-        data=str(data), out=str(out), model_overrides=SMALL_MODEL, batch_size=4, steps=STEPS, warmup_steps=1,
-        eval_every=EVERY, ckpt_every=EVERY, val_windows=4,
-    )  # fmt: skip
-    return TrainConfig(**{**fields, **overrides})
+    fields = dict(batch_size=4, steps=STEPS, eval_every=EVERY, ckpt_every=EVERY, val_windows=4)
+    return small_config(data, out, **{**fields, **overrides})
 
 
 def _train_args(data: Path, out: Path) -> list[str]:

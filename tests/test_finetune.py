@@ -19,7 +19,7 @@ from curvlab.runs.adapt import adapter_targets, curvature_rows, lora_model
 from curvlab.runs.checkpoint import read_index, save_checkpoint
 from curvlab.studies.adapters import ADAPTER_ARMS, LEVEL_KEYS, MUON_VARIANTS, FinetuneResult, _side_means, estimates
 from curvlab.util import schema
-from tests.conftest import assert_made_with_these_packages
+from tests.builders import assert_made_with_these_packages
 from tests.reference import dense_gradient, dense_hessian
 
 runner = CliRunner()

@@ -25,7 +25,7 @@ from curvlab.engine import params as P
 from curvlab.engine.finite_difference import FiniteDifferenceHVP, finite_difference_hvp
 from curvlab.engine.hvp import METHODS
 from curvlab.errors import CurvlabError
-from tests.conftest import random_direction
+from tests.builders import random_direction
 from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
 
 PROBLEMS = ["mlp_problem", "transformer_problem"]

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from curvlab.errors import CurvlabError
+from curvlab.jobs import job as job_module
 from curvlab.jobs.job import CONFIG_VERSION, DIVERGED, Job, StageClock, guard_config, record_invocation
 from curvlab.jobs.presets import PRESETS
 from curvlab.jobs.reproduce import Reproduction
@@ -67,13 +68,40 @@ def test_a_resumed_job_reports_the_time_of_all_its_invocations(tmp_path):
     assert len(json.loads(path.read_text())) == 2
 
 
-def test_stage_clock_adds_up_a_stage_entered_twice():
+class _Clocks:
+    """Stand-ins for ``time.perf_counter`` and ``time.process_time`` that move only when told: wall and
+    CPU seconds that the test sets, not the machine's."""
+
+    def __init__(self):
+        self.wall, self.cpu = 100.0, 10.0
+
+    def perf_counter(self):
+        return self.wall
+
+    def process_time(self):
+        return self.cpu
+
+    def spend(self, wall, cpu):
+        self.wall += wall
+        self.cpu += cpu
+
+
+def test_stage_clock_adds_up_a_stage_entered_twice(monkeypatch):
+    """Each stage's wall and CPU seconds are the sums over its entries, outside time is only in the
+    total, and each stage's end records the load."""
+    clocks = _Clocks()
+    monkeypatch.setattr(job_module, "time", clocks)
     clock = StageClock()
-    for _ in range(2):
+    clocks.spend(1.0, 0.25)  # before any stage
+    for wall, cpu in ((2.0, 1.5), (3.0, 0.5)):
         with clock("tune"):
-            sum(range(10000))
+            clocks.spend(wall, cpu)
+    with clock("train"):
+        clocks.spend(7.0, 6.0)
     t = clock.invocation()
-    assert 0 < t["tune"] <= t["total"] and t["tune_cpu"] > 0 and len(clock.loads) == 2
+    assert (t["tune"], t["tune_cpu"], t["train"], t["train_cpu"]) == (5.0, 2.0, 7.0, 6.0)
+    assert (t["total"], t["total_cpu"]) == (13.0, 8.25)
+    assert len(clock.loads) == 3
 
 
 class _BowlJob(Job):

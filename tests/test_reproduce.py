@@ -29,7 +29,7 @@ from curvlab.studies.records import ComparisonRecord, LevelData
 from curvlab.studies.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
 from curvlab.studies.summary import Summary
 from curvlab.util.safe_stop import Stopped
-from tests.conftest import assert_made_with_these_packages
+from tests.builders import assert_made_with_these_packages
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 VERDICTS = {DESCRIPTIVE}  # the headline is descriptive: only the primary family is judged
