@@ -314,6 +314,7 @@ def test_report_spectrum_connects_nds_to_lambda_max(runs):
     assert s["nds_over_lambda_max"] == pytest.approx(report["nds"] / s["lambda_max"])
 
 
+@pytest.mark.heavy
 def test_spectrum_command(runs, tmp_path):
     ckpt = str(runs / "adamw" / "ckpt_000008.pt")
     r = runner.invoke(app, ["spectrum", ckpt, "--top", "2", "--bottom", "1", "--trace", "--density", "--blocks", "layer",

@@ -75,6 +75,7 @@ def optimizer_of(target):
     return "adam" if target.optimizer_name == "adamw" else "muon"
 
 
+@pytest.mark.heavy
 def test_the_twins_step_is_the_real_step_and_a_lagged_twin_is_not(controlled_run):
     """The twin's step equals the real next step on the hidden matrices to float32 rounding, so its NDS
     ratio is 1 within TWIN_TOLERANCE at every checkpoint; a twin one step late (the state of the checkpoint

@@ -266,6 +266,7 @@ def test_compare_splits_the_between_run_ratio(runs, tmp_path):
     assert "paired_nds_muon_hidden_a" in header and "paired_q_adamw_all_b" in header
 
 
+@pytest.mark.heavy
 def test_cli_directions_on_adamw_and_muon_checkpoints(runs, tmp_path):
     for optimizer in ("adamw", "muon"):
         path = runs / optimizer / "ckpt_000004.pt"

@@ -24,6 +24,7 @@ from curvlab.runs.train import train
 from tests.builders import SMALL_MODEL, init_group, leave_group, random_direction, small_config, spawn
 from tests.reference import TinyTransformer
 
+pytestmark = pytest.mark.heavy  # every test starts processes
 WORLD = 2
 
 

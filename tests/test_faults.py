@@ -120,6 +120,7 @@ def file_size_limit(n: int):
 # -- failed writes ---------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_a_checkpoint_write_past_the_file_size_limit_is_one_line_and_the_run_resumes(pcfg_data, reference, tmp_path):
     small, large = ((reference / f"ckpt_{s:06d}.pt").stat().st_size for s in (0, EVERY))
     assert small < large  # (step 0 has no optimizer state yet: its checkpoint fits, step 2's does not)
@@ -217,6 +218,7 @@ def test_a_write_on_a_file_system_without_flock_goes_on_and_its_temporaries_stay
 # -- temporaries left by a killed write -------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_kill_9_mid_checkpoint_leaves_a_temporary_that_the_next_run_removes(pcfg_data, reference, tmp_path):
     out = tmp_path / "run"
     kill = """
@@ -339,6 +341,7 @@ torch.save = save
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "sig, hook, step, last",
     [("SIGINT", MID_STEP, 3, 2), ("SIGTERM", MID_CHECKPOINT, 4, 4)],
@@ -480,6 +483,7 @@ def test_a_report_is_a_safe_point_and_reproduce_stops_at_one(two_runs, tmp_path,
 GENERATION = dict(s=0.0, tokens="20k", val_tokens="5k", shard_tokens="10k")
 
 
+@pytest.mark.heavy
 def test_a_killed_generations_directory_is_removed_by_the_next_and_a_live_one_is_waited_for(tmp_path, monkeypatch):
     out = tmp_path / "data"
     with generating(out, tmp_path / "killed", **GENERATION) as killed:

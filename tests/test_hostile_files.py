@@ -298,6 +298,7 @@ def _sharded_worker(rank, tmp, world, ckpt):
         dist.destroy_process_group()
 
 
+@pytest.mark.heavy
 def test_a_sharded_checkpoint_that_would_run_code_is_refused(curvlab_run, tmp_path):
     _, ckpt = curvlab_run
     (tmp_path / "grouped").mkdir()

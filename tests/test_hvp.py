@@ -102,6 +102,7 @@ def test_uneven_batches_are_weighted_by_loss_terms(transformer_problem):
     assert gz == pytest.approx(float(P.flatten(v) @ dense_gradient(loss_fn, params, whole)), rel=1e-10)
 
 
+@pytest.mark.heavy
 def test_a_batch_with_every_label_ignored_weighs_nothing(transformer_problem):
     """Its mean loss is 0/0, but its weight is 0: the list means the other batches' loss, exactly."""
     loss_fn, params, (idx, tgt) = transformer_problem

@@ -192,6 +192,7 @@ def test_track_draws_the_monitor_rows_of_a_run_still_being_trained(data, tmp_pat
     assert json.loads((tmp_path / "track" / "track.json").read_text())["source"] == "monitor"
 
 
+@pytest.mark.heavy
 def test_two_processes_making_the_same_data_folder_both_end_with_one_dataset(tmp_path, monkeypatch):
     """The second waits for the first (another process, stopped while this one starts) and takes its
     dataset; of another config, it is refused in one line."""

@@ -164,6 +164,7 @@ def _close(a, b, what):
         assert a == b, what
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("world,how", [(2, "fsdp"), (4, "dtensor")])
 def test_sharded_curvature_equals_one_process(tmp_path, world, how):
     spawn(_sharded_worker, tmp_path, world, how)
@@ -216,6 +217,7 @@ def _update_worker(rank, tmp, world, optimizer):
         torch.save({"out": out, "placements": placements}, f"{tmp}/update.pt")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_next_update_under_fsdp2_equals_one_process(tmp_path, optimizer):
     spawn(_update_worker, tmp_path, 2, optimizer)
@@ -276,6 +278,7 @@ def _failing_worker(rank, tmp, world, how):
     os._exit(0)  # (no teardown: the process group is broken)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("how,world", [("stall", 2), ("exit", 3)])
 def test_a_rank_that_dies_or_stalls_mid_hvp_is_named_by_every_surviving_rank(tmp_path, how, world):
     spawn(_failing_worker, tmp_path, world, how)
@@ -316,6 +319,7 @@ def _relative_error(got, want):
     return max(float((got[n] - want[n]).abs().max()) / float(want[n].abs().max()) for n in want)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_the_sharded_hvp_equals_one_process_in_every_repeat_alone_and_under_load(tmp_path):
     """50 HVPs of 3 DTensor-sharded ranks (uneven shards and shares), each within float64 reduction-order
@@ -363,6 +367,7 @@ def _convert_worker(rank, tmp, world, ckpt):
     leave_group()
 
 
+@pytest.mark.heavy
 def test_nds_on_a_sharded_checkpoint_under_torchrun_equals_the_unsharded_run(pcfg_data, tmp_path):
     train(_train_config(pcfg_data, tmp_path / "run", "muon", steps=2), progress=False)
     ckpt = tmp_path / "run" / "ckpt_000002.pt"
@@ -408,6 +413,7 @@ def test_nds_on_a_sharded_checkpoint_under_torchrun_equals_the_unsharded_run(pcf
         open_sharded_checkpoint(sharded)
 
 
+@pytest.mark.heavy
 def test_a_one_rank_sharded_checkpoint_is_written_under_torchrun_and_gives_the_unsharded_nds(pcfg_data, tmp_path):
     """``torchrun --nproc_per_node 1 experiments/to_sharded.py`` (a one-rank process group, started by
     distributed_context under torchrun), then ``nds --fsdp`` on one rank equals the unsharded checkpoint's
@@ -452,6 +458,7 @@ def _spectral_worker(rank, tmp, world):
         torch.save(out, f"{tmp}/spectral.pt")
 
 
+@pytest.mark.heavy
 def test_lanczos_and_hutchinson_on_sharded_parameters_equal_one_process(tmp_path):
     spawn(_spectral_worker, tmp_path, 2)
     (top, u, trace) = torch.load(tmp_path / "spectral.pt", weights_only=False)
@@ -510,6 +517,7 @@ def _fsdp_train_worker(rank, tmp, world, data, optimizer):
         torch.save({"whole": a, "cut": b, "val": whole.val_loss, "resumed_from": resumed.resumed_from}, f"{tmp}/t.pt")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_fsdp_training_equals_one_process_and_resumes_exactly(pcfg_data, tmp_path, optimizer):
     spawn(_fsdp_train_worker, tmp_path, 2, str(pcfg_data), optimizer)
@@ -544,6 +552,7 @@ def _without_paths(study: dict) -> dict:
     return study
 
 
+@pytest.mark.heavy
 def test_compare_and_track_on_sharded_runs_under_torchrun_equal_the_unsharded_ones(pcfg_data, tmp_path):
     runs = {}
     for optimizer in ("adamw", "muon"):  # two tiny runs, then each as a sharded (DCP) run directory
