@@ -3,7 +3,7 @@
 Bad input (a missing or corrupt file, mismatched shapes, non-finite values, a detached loss, an
 incompatible checkpoint, an unknown option) raises :class:`CurvlabError`. The command line prints
 such an error as one line and exits with status 2; anything else is unexpected and keeps its
-traceback. It subclasses ``CurvlabError`` so that code catching ``CurvlabError`` keeps working.
+traceback. It subclasses ``ValueError`` so that code catching ``ValueError`` keeps working.
 """
 
 from __future__ import annotations

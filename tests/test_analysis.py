@@ -15,24 +15,13 @@ from curvlab.cli import app
 from curvlab.errors import CurvlabError
 from curvlab.models.nanogpt import load_nanogpt
 from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
-from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria, match_runs
-from curvlab.runs.train import build_run, restore, train
+from curvlab.runs.train import build_run, restore
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.track import track_run
-from tests.conftest import SMALL_MODEL, assert_made_with_these_packages, nanogpt_checkpoint
+from tests.builders import assert_made_with_these_packages, nanogpt_checkpoint, small_run
 
 runner = CliRunner()
-
-
-def small_run(data, out, optimizer, steps=12, ckpt_every=2, lr=None):
-    options = {"lr": lr} if lr else {}
-    cfg = TrainConfig(
-        data=str(data), out=str(out), model_overrides=SMALL_MODEL, optimizer=optimizer, optimizer_options=options,
-        batch_size=8, steps=steps, warmup_steps=1, eval_every=ckpt_every, ckpt_every=ckpt_every, val_windows=16,
-    )  # fmt: skip
-    train(cfg, progress=False)
-    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +65,7 @@ def test_report_identities_and_schema(runs):
 
 def test_nds_matches_finite_differences_along_the_step_really_taken(pcfg_data, tmp_path):
     """Z comes independently from two consecutive checkpoints; NDS by central differences in float64."""
-    cfg = small_run(pcfg_data, tmp_path / "r", "muon", steps=4, ckpt_every=1)
+    cfg = small_run(pcfg_data, tmp_path / "r", "muon", steps=4, eval_every=1, ckpt_every=1)
     report = analyze_checkpoint(tmp_path / "r" / "ckpt_000002.pt", AnalysisSettings(dtype="float64")).to_dict()
     before = load_checkpoint(tmp_path / "r" / "ckpt_000002.pt")
     after = load_checkpoint(tmp_path / "r" / "ckpt_000003.pt")["model"]
@@ -325,6 +314,7 @@ def test_report_spectrum_connects_nds_to_lambda_max(runs):
     assert s["nds_over_lambda_max"] == pytest.approx(report["nds"] / s["lambda_max"])
 
 
+@pytest.mark.heavy
 def test_spectrum_command(runs, tmp_path):
     ckpt = str(runs / "adamw" / "ckpt_000008.pt")
     r = runner.invoke(app, ["spectrum", ckpt, "--top", "2", "--bottom", "1", "--trace", "--density", "--blocks", "layer",

@@ -42,6 +42,7 @@ from curvlab.engine import params as P
 from curvlab.engine.loss import token_cross_entropy
 from curvlab.errors import CurvlabError
 from curvlab.runs.monitor import curvature_callback
+from tests.builders import hf_trainer
 from tests.reference import double_backward
 
 transformers.logging.set_verbosity_error()
@@ -321,14 +322,11 @@ def test_gradient_checkpointing_inside_a_real_trainer_run(tmp_path):
     held_batch = {"input_ids": held.ids, "labels": held.ids}
     monitor = CurvatureMonitor(model, None, make_loss_fn(model), held_batch, every=1)
     recorder = StepRecorder(model)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
-        lr_scheduler_type="constant", gradient_checkpointing=True, report_to=[], use_cpu=True,
-        disable_tqdm=True, save_strategy="no", seed=0,
+    trainer = hf_trainer(
+        model, tmp_path, TokenDataset(16, 8, 0), [curvature_callback(monitor), recorder], max_steps=2,
+        per_device_train_batch_size=4, learning_rate=1e-2, lr_scheduler_type="constant", gradient_checkpointing=True,
+        save_strategy="no", seed=0,
     )  # fmt: skip
-    trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=TokenDataset(16, 8, 0), callbacks=[curvature_callback(monitor), recorder]
-    )
     trainer.train()
     assert model.is_activation_checkpointing
     assert [r.status for r in monitor.rows] == ["ok", "ok"] and len(recorder.steps) == 2

@@ -11,6 +11,7 @@ import pytest
 from scipy import stats
 
 from curvlab.jobs.presets import PRESETS
+from curvlab.jobs.reproduce import final_loss_note
 from curvlab.output.text import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
 from curvlab.studies.controls import controls, stability
 from curvlab.studies.headline import headline
@@ -85,7 +86,7 @@ def _assert_same_number(got, committed, what) -> None:
 def test_the_committed_headline_follows_from_the_committed_levels(name):
     """Every descriptive entry and Zipf point, re-derived from levels.json by the code as it is now."""
     summary = Summary.load(RESULTS / name / "summary.json")
-    entries, zipf = headline(LevelData.load(RESULTS / name / "levels.json"), PRESETS[summary.preset].n_boot)
+    entries, zipf = headline(LevelData.load(RESULTS / name / "levels.json"))
     assert [(e.name, e.scope) for e in entries] == [(e.name, e.scope) for e in summary.headline]
     for e, committed in zip(entries, summary.headline):
         assert (e.n_seeds, e.n_levels, e.quantity) == (committed.n_seeds, committed.n_levels, committed.quantity)
@@ -96,6 +97,20 @@ def test_the_committed_headline_follows_from_the_committed_levels(name):
     assert [(z.arm, z.s, z.scope) for z in zipf] == [(z.arm, z.s, z.scope) for z in summary.zipf]
     for z, committed in zip(zipf, summary.zipf):
         _assert_same_number(z.value, committed.value, (z.arm, z.s, z.scope))
+
+
+@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
+def test_the_committed_final_loss_note_follows_from_the_committed_losses(name):
+    """The note on each arm's final validation loss, re-derived from the summary's per-seed losses, each
+    interval being scipy's 95% t interval of those losses."""
+    summary = Summary.load(RESULTS / name / "summary.json")
+    [note] = [n for n in summary.notes if n.startswith("Final validation loss")]
+    assert final_loss_note(summary.final_val_loss, PRESETS[summary.preset].steps) == note
+    for s, arms in summary.final_val_loss.items():
+        for arm, values in arms.items():
+            m = np.mean(values)
+            lo, hi = stats.t.interval(0.95, len(values) - 1, loc=m, scale=stats.sem(values))
+            assert f"{arm} at s = {s}: {m:.4f} [{lo:.4f}, {hi:.4f}] (n = {len(values)})" in note, (arm, s)
 
 
 def test_the_rerun_table_says_whether_each_estimate_lies_in_the_other_interval():

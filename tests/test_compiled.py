@@ -5,6 +5,7 @@ from curvlab import hvp, make_loss_fn
 from curvlab.models.gpt import GPT, get_config
 
 
+@pytest.mark.heavy
 def test_curvature_of_a_compiled_model_is_the_eager_models():
     torch.manual_seed(0)
     model = GPT(get_config("tiny", vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)).double()

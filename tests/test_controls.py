@@ -24,7 +24,7 @@ from curvlab.optim.shadow import ShadowState
 from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.studies.controls import CONTROL_NAMES, TWIN_TOLERANCE, controls, stability, twin_control
-from tests.conftest import crash_training_after
+from tests.builders import crash_training_after
 from tests.reference import assert_same
 from tests.synthetic import level_data, record
 from tests.test_shadow import config, train, train_losses
@@ -75,6 +75,7 @@ def optimizer_of(target):
     return "adam" if target.optimizer_name == "adamw" else "muon"
 
 
+@pytest.mark.heavy
 def test_the_twins_step_is_the_real_step_and_a_lagged_twin_is_not(controlled_run):
     """The twin's step equals the real next step on the hidden matrices to float32 rounding, so its NDS
     ratio is 1 within TWIN_TOLERANCE at every checkpoint; a twin one step late (the state of the checkpoint

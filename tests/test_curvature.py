@@ -6,7 +6,7 @@ import torch
 
 from curvlab import block_matrix, group_parameters, hidden_matrices, taylor_split
 from curvlab.engine import params as P
-from tests.conftest import random_direction
+from tests.builders import random_direction
 from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
 
 

@@ -28,11 +28,9 @@ from curvlab.optim.build import build_optimizer
 from curvlab.optim.shadow import ShadowSettings, ShadowState
 from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
-from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria
-from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
-from tests.conftest import SMALL_MODEL, assert_made_with_these_packages
+from tests.builders import assert_made_with_these_packages, small_run
 
 runner = CliRunner()
 
@@ -166,16 +164,6 @@ def test_direction_times_landscape_is_the_between_run_ratio_on_synthetic_values(
 # -- real tiny runs -------------------------------------------------------------------------------
 
 
-def small_run(data, out, optimizer, lr=None, shadow=True):
-    cfg = TrainConfig(
-        data=str(data), out=str(out), model_overrides=SMALL_MODEL, optimizer=optimizer,
-        optimizer_options={"lr": lr} if lr else {}, batch_size=8, steps=12, warmup_steps=1, eval_every=2,
-        ckpt_every=2, val_windows=16, shadow=shadow,
-    )  # fmt: skip
-    train(cfg, progress=False)
-    return cfg
-
-
 def without_shadow(src, dst):
     """A copy of a checkpoint as a run without a shadow would have written it."""
     ckpt = load_checkpoint(src)
@@ -188,8 +176,8 @@ def without_shadow(src, dst):
 @pytest.fixture(scope="module")
 def runs(pcfg_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("shadow_runs")
-    small_run(pcfg_data, root / "muon", "muon")
-    small_run(pcfg_data, root / "adamw", "adamw", lr=0.01)
+    small_run(pcfg_data, root / "muon", "muon", shadow=True)
+    small_run(pcfg_data, root / "adamw", "adamw", lr=0.01, shadow=True)
     return root
 
 
@@ -278,6 +266,7 @@ def test_compare_splits_the_between_run_ratio(runs, tmp_path):
     assert "paired_nds_muon_hidden_a" in header and "paired_q_adamw_all_b" in header
 
 
+@pytest.mark.heavy
 def test_cli_directions_on_adamw_and_muon_checkpoints(runs, tmp_path):
     for optimizer in ("adamw", "muon"):
         path = runs / optimizer / "ckpt_000004.pt"

@@ -15,7 +15,7 @@ from torch.func import functional_call, jvp
 
 from curvlab import CurvaturePoint, exact_second_order, hvp, make_loss_fn, quadratic_form
 from curvlab.engine import params as P
-from tests.conftest import random_direction
+from tests.builders import random_direction
 from tests.reference import dense_hessian
 
 

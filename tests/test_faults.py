@@ -38,18 +38,15 @@ from curvlab.studies.records import LevelData
 from curvlab.util import atomic, schema
 from curvlab.util.atomic import TEMPORARY_SUFFIX, atomic_open, atomic_write_json, remove_stale_temporaries
 from curvlab.util.safe_stop import Stopped, check_stop, stop_at_safe_points
-from tests.conftest import SMALL_MODEL
+from tests.builders import SMALL_MODEL, small_config
 from tests.generating import generating, wait_for_it
 
 STEPS, EVERY = 6, 2
 
 
 def _config(data: Path, out: Path, **overrides) -> TrainConfig:
-    fields = dict(
-        data=str(data), out=str(out), model_overrides=SMALL_MODEL, batch_size=4, steps=STEPS, warmup_steps=1,
-        eval_every=EVERY, ckpt_every=EVERY, val_windows=4,
-    )  # fmt: skip
-    return TrainConfig(**{**fields, **overrides})
+    fields = dict(batch_size=4, steps=STEPS, eval_every=EVERY, ckpt_every=EVERY, val_windows=4)
+    return small_config(data, out, **{**fields, **overrides})
 
 
 def _train_args(data: Path, out: Path) -> list[str]:
@@ -123,6 +120,7 @@ def file_size_limit(n: int):
 # -- failed writes ---------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_a_checkpoint_write_past_the_file_size_limit_is_one_line_and_the_run_resumes(pcfg_data, reference, tmp_path):
     small, large = ((reference / f"ckpt_{s:06d}.pt").stat().st_size for s in (0, EVERY))
     assert small < large  # (step 0 has no optimizer state yet: its checkpoint fits, step 2's does not)
@@ -220,6 +218,7 @@ def test_a_write_on_a_file_system_without_flock_goes_on_and_its_temporaries_stay
 # -- temporaries left by a killed write -------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_kill_9_mid_checkpoint_leaves_a_temporary_that_the_next_run_removes(pcfg_data, reference, tmp_path):
     out = tmp_path / "run"
     kill = """
@@ -342,6 +341,7 @@ torch.save = save
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "sig, hook, step, last",
     [("SIGINT", MID_STEP, 3, 2), ("SIGTERM", MID_CHECKPOINT, 4, 4)],
@@ -483,6 +483,7 @@ def test_a_report_is_a_safe_point_and_reproduce_stops_at_one(two_runs, tmp_path,
 GENERATION = dict(s=0.0, tokens="20k", val_tokens="5k", shard_tokens="10k")
 
 
+@pytest.mark.heavy
 def test_a_killed_generations_directory_is_removed_by_the_next_and_a_live_one_is_waited_for(tmp_path, monkeypatch):
     out = tmp_path / "data"
     with generating(out, tmp_path / "killed", **GENERATION) as killed:

@@ -19,7 +19,7 @@ from curvlab.runs.adapt import adapter_targets, curvature_rows, lora_model
 from curvlab.runs.checkpoint import read_index, save_checkpoint
 from curvlab.studies.adapters import ADAPTER_ARMS, LEVEL_KEYS, MUON_VARIANTS, FinetuneResult, _side_means, estimates
 from curvlab.util import schema
-from tests.conftest import assert_made_with_these_packages
+from tests.builders import assert_made_with_these_packages
 from tests.reference import dense_gradient, dense_hessian
 
 runner = CliRunner()
@@ -91,6 +91,7 @@ def micro(tmp_path_factory):
     return out, r.output
 
 
+@pytest.mark.heavy
 def test_micro_writes_typed_reloadable_results(micro):
     out, output = micro
     for name in ("finetune.json", "tuning.json", "report.md", "figures/finetune_ratios.png"):
@@ -113,10 +114,11 @@ def test_micro_writes_typed_reloadable_results(micro):
         FinetuneResult.load(out / "bad.json")
 
 
+@pytest.mark.heavy
 def test_every_summary_number_is_rederived_from_the_per_level_data_and_the_runs(micro):
     out, _ = micro
     result = FinetuneResult.load(out / "finetune.json")
-    assert estimates(result.comparisons, result.preset["n_boot"]) == result.entries
+    assert estimates(result.comparisons) == result.entries
     for c in result.comparisons:
         for level in c.levels:  # each window mean from the curvature rows the runs wrote
             for arm in ("adamw", c.variant):
@@ -135,6 +137,7 @@ def test_every_summary_number_is_rederived_from_the_per_level_data_and_the_runs(
         assert result.entry("nds_ratio_median", c.variant).value == pytest.approx(np.mean(medians), rel=1e-12)
 
 
+@pytest.mark.heavy
 def test_every_arm_gets_the_same_treatment(micro):
     out, _ = micro
     configs = {
@@ -197,6 +200,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path):
         adapter_targets(torch.nn.Sequential(torch.nn.Embedding(4, 3)))
 
 
+@pytest.mark.heavy
 def test_a_failed_curvature_row_makes_its_window_mean_nan(micro):
     """A non-finite or zero-step row (no block split) counts as NaN: the window mean says so, and
     nothing is dropped or crashes."""
@@ -212,6 +216,7 @@ def test_a_failed_curvature_row_makes_its_window_mean_nan(micro):
     assert all(math.isfinite(v) for v in _side_means(rows, steps[1:]).values())
 
 
+@pytest.mark.heavy
 def test_a_finished_run_is_not_reused_under_other_settings(micro, tmp_path):
     """A finished adaptation run is reused only when its saved settings are the ones asked for."""
     import dataclasses

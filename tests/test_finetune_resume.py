@@ -14,7 +14,7 @@ from curvlab.models.gpt import GPT, get_config
 from curvlab.runs.adapt import adapt
 from curvlab.runs.checkpoint import load_checkpoint, read_index, save_checkpoint
 from curvlab.runs.config import TrainConfig
-from tests.conftest import SMALL_MODEL, crash_training_after
+from tests.builders import SMALL_MODEL, crash_training_after
 from tests.reference import assert_same
 
 STEPS = 8

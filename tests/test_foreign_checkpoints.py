@@ -26,7 +26,7 @@ from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, GPTConfig
 from curvlab.optim.model_optimizer import trainable_parameters
 from curvlab.runs.foreign import Rebuild
-from tests.conftest import nanogpt_checkpoint
+from tests.builders import nanogpt_checkpoint
 
 runner = CliRunner()
 VOCAB = 64

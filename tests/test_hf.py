@@ -52,6 +52,7 @@ from curvlab.engine.loss import count_loss_terms, weighted_batches
 from curvlab.errors import CurvlabError
 from curvlab.models.roles import matrix_shapes
 from curvlab.optim.polar import msign
+from tests.builders import hf_trainer, write_token_shards
 from tests.reference import dense_hessian, double_backward
 
 transformers.logging.set_verbosity_error()
@@ -410,22 +411,13 @@ def trainer_run(tmp_path_factory):
     """A real Trainer run: tiny GPT-2, 2 steps of 2 accumulated micro-batches, AdamW, clipping, CPU."""
     out = tmp_path_factory.mktemp("trainer")
     torch.manual_seed(0)
-    args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.1, max_grad_norm=1.0, save_steps=2,
-        report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1, seed=0,
+    trainer = hf_trainer(
+        GPT2LMHeadModel(gpt2_config()), out, TokenDataset(32, 8, 0), max_steps=2, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.1,
+        max_grad_norm=1.0, save_steps=2, logging_steps=1, seed=0,
     )  # fmt: skip
-    trainer = transformers.Trainer(
-        model=GPT2LMHeadModel(gpt2_config()), args=args, train_dataset=TokenDataset(32, 8, 0)
-    )
     trainer.train()
-    from curvlab.data.shards import write_shard
-
-    data = out / "data"
-    rng = np.random.default_rng(0)
-    write_shard(data / "train_000000.bin", rng.integers(0, VOCAB, 4000))
-    write_shard(data / "val_000000.bin", rng.integers(0, VOCAB, 2000))
-    return trainer, out / "checkpoint-2", data
+    return trainer, out / "checkpoint-2", write_token_shards(out / "data", VOCAB)
 
 
 def test_trainer_checkpoint_is_read_as_the_trainer_left_it(trainer_run):

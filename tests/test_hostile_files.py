@@ -33,11 +33,10 @@ from curvlab.errors import CurvlabError
 from curvlab.jobs.lr_table import read_lr_table
 from curvlab.runs._dcp_reader import read_metadata
 from curvlab.runs.checkpoint import load_checkpoint, read_checkpoint
-from curvlab.runs.config import TrainConfig
 from curvlab.runs.dcp import convert_to_sharded, read_meta
 from curvlab.runs.train import train
 from curvlab.util.paths import inside
-from tests.conftest import SMALL_MODEL, nanogpt_checkpoint
+from tests.builders import nanogpt_checkpoint, small_config
 from tests.test_cli_errors import assert_refused as assert_cli_refuses
 
 runner = CliRunner()
@@ -76,11 +75,7 @@ REFUSED = "refusing to unpickle it (it could run code)"
 def curvlab_run(pcfg_data, tmp_path_factory):
     """A real curvlab run (2 steps, with a shadow state) and its step-2 checkpoint."""
     out = tmp_path_factory.mktemp("hostile") / "run"
-    cfg = TrainConfig(
-        data=str(pcfg_data), out=str(out), model_overrides=SMALL_MODEL, batch_size=4, steps=2, warmup_steps=1,
-        eval_every=2, ckpt_every=2, val_windows=8, device="cpu", shadow=True,
-    )  # fmt: skip
-    train(cfg, progress=False)
+    train(small_config(pcfg_data, out, batch_size=4, steps=2, val_windows=8, device="cpu", shadow=True), progress=False)
     return out, out / "ckpt_000002.pt"
 
 
@@ -357,6 +352,7 @@ def _sharded_worker(rank, tmp, world, ckpt):
         dist.destroy_process_group()
 
 
+@pytest.mark.heavy
 def test_a_sharded_checkpoint_that_would_run_code_is_refused(curvlab_run, tmp_path):
     _, ckpt = curvlab_run
     (tmp_path / "grouped").mkdir()

@@ -25,7 +25,7 @@ from curvlab.engine import params as P
 from curvlab.engine.finite_difference import FiniteDifferenceHVP, finite_difference_hvp
 from curvlab.engine.hvp import METHODS
 from curvlab.errors import CurvlabError
-from tests.conftest import random_direction
+from tests.builders import random_direction
 from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
 
 PROBLEMS = ["mlp_problem", "transformer_problem"]
@@ -102,6 +102,7 @@ def test_uneven_batches_are_weighted_by_loss_terms(transformer_problem):
     assert gz == pytest.approx(float(P.flatten(v) @ dense_gradient(loss_fn, params, whole)), rel=1e-10)
 
 
+@pytest.mark.heavy
 def test_a_batch_with_every_label_ignored_weighs_nothing(transformer_problem):
     """Its mean loss is 0/0, but its weight is 0: the list means the other batches' loss, exactly."""
     loss_fn, params, (idx, tgt) = transformer_problem

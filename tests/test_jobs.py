@@ -2,11 +2,15 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from curvlab.errors import CurvlabError
+from curvlab.jobs import job as job_module
 from curvlab.jobs.job import CONFIG_VERSION, DIVERGED, Job, StageClock, guard_config, record_invocation
+from curvlab.jobs.presets import PRESETS
+from curvlab.jobs.reproduce import Reproduction
 from curvlab.runs.checkpoint import add_to_index, read_index
 from curvlab.runs.train import TrainingDiverged
 from curvlab.studies.tuning import TuningRecord, TuningSettings
@@ -19,6 +23,22 @@ def test_a_directory_keeps_one_configuration(tmp_path):
     with pytest.raises(CurvlabError, match="holds a job of another configuration"):
         guard_config(path, {"steps": 11, "arms": ["a", "b"]}, "a job")
     assert json.loads(path.read_text()) == {"steps": 10, "arms": ["a", "b"], "config_version": CONFIG_VERSION}
+
+
+def test_a_directory_whose_config_holds_a_removed_field_continues(tmp_path):
+    """A reproduction's directory from before ``n_boot`` went (it changed no result) continues with the
+    same preset, and is still refused under another one; its config file is left as it was."""
+    path = tmp_path / Reproduction.CONFIG_FILE
+    config = Reproduction(PRESETS["micro"], tmp_path).config()
+    old = json.loads(
+        json.dumps({**config, "preset": {**config["preset"], "n_boot": 200}, "config_version": CONFIG_VERSION})
+    )
+    path.write_text(json.dumps(old))
+    guard_config(path, config, "a reproduction")
+    assert json.loads(path.read_text()) == old
+    other = Reproduction(replace(PRESETS["micro"], steps=PRESETS["micro"].steps + 1), tmp_path).config()
+    with pytest.raises(CurvlabError, match="holds a reproduction of another configuration"):
+        guard_config(path, other, "a reproduction")
 
 
 def test_a_directory_an_older_curvlab_wrote_is_refused_as_such(tmp_path):
@@ -48,13 +68,40 @@ def test_a_resumed_job_reports_the_time_of_all_its_invocations(tmp_path):
     assert len(json.loads(path.read_text())) == 2
 
 
-def test_stage_clock_adds_up_a_stage_entered_twice():
+class _Clocks:
+    """Stand-ins for ``time.perf_counter`` and ``time.process_time`` that move only when told: wall and
+    CPU seconds that the test sets, not the machine's."""
+
+    def __init__(self):
+        self.wall, self.cpu = 100.0, 10.0
+
+    def perf_counter(self):
+        return self.wall
+
+    def process_time(self):
+        return self.cpu
+
+    def spend(self, wall, cpu):
+        self.wall += wall
+        self.cpu += cpu
+
+
+def test_stage_clock_adds_up_a_stage_entered_twice(monkeypatch):
+    """Each stage's wall and CPU seconds are the sums over its entries, outside time is only in the
+    total, and each stage's end records the load."""
+    clocks = _Clocks()
+    monkeypatch.setattr(job_module, "time", clocks)
     clock = StageClock()
-    for _ in range(2):
+    clocks.spend(1.0, 0.25)  # before any stage
+    for wall, cpu in ((2.0, 1.5), (3.0, 0.5)):
         with clock("tune"):
-            sum(range(10000))
+            clocks.spend(wall, cpu)
+    with clock("train"):
+        clocks.spend(7.0, 6.0)
     t = clock.invocation()
-    assert 0 < t["tune"] <= t["total"] and t["tune_cpu"] > 0 and len(clock.loads) == 2
+    assert (t["tune"], t["tune_cpu"], t["train"], t["train_cpu"]) == (5.0, 2.0, 7.0, 6.0)
+    assert (t["total"], t["total_cpu"]) == (13.0, 8.25)
+    assert len(clock.loads) == 3
 
 
 class _BowlJob(Job):

@@ -19,10 +19,9 @@ from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, GPTConfig, get_config
 from curvlab.optim.build import build_optimizer
 from curvlab.runs.checkpoint import load_checkpoint, read_index
-from curvlab.runs.config import TrainConfig
 from curvlab.runs.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature
 from curvlab.runs.train import train
-from tests.conftest import SMALL_MODEL, crash_training_after
+from tests.builders import SMALL_MODEL, crash_training_after, hf_trainer, small_config, tiny_gpt2, token_data
 from tests.reference import assert_same
 
 DROPOUT_MODEL = {**SMALL_MODEL, "dropout": 0.1}  # dropout draws random numbers: a monitor that did would show
@@ -30,8 +29,9 @@ EVERY, BATCHES, WINDOWS = 2, 2, 4
 
 
 def config(data, out, **kw):
-    base = dict(model_overrides=DROPOUT_MODEL, batch_size=8, steps=6, warmup_steps=2, eval_every=2, ckpt_every=1)
-    return TrainConfig(data=str(data), out=str(out), val_windows=16, **{**base, **kw})
+    return small_config(
+        data, out, **{"model_overrides": DROPOUT_MODEL, "steps": 6, "warmup_steps": 2, "ckpt_every": 1, **kw}
+    )
 
 
 SETTINGS = MonitorSettings(every=EVERY, batches=BATCHES, windows=WINDOWS, blocks="layer")
@@ -375,7 +375,7 @@ def test_import_curvlab_does_not_import_transformers():
 def run_trainer(out, every):
     """Four steps of a real ``transformers.Trainer`` on a tiny GPT-2 (dropout on, built from a config),
     recording W after every step; with ``every``, the curvature callback measures every ``every`` steps."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     from curvlab.runs.monitor import curvature_callback
 
@@ -390,28 +390,19 @@ def run_trainer(out, every):
             self.weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.1, embd_pdrop=0.1)
-    model = GPT2LMHeadModel(config)
+    model = tiny_gpt2(resid_pdrop=0.1, embd_pdrop=0.1)
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 16), generator=g)]
+    data = token_data(torch.randint(0, 64, (16, 16), generator=g))
     ids = torch.randint(0, 64, (4, 16), generator=g)
     recorder, monitor = Recorder(), None
     callbacks = [recorder]
     if every:
         monitor = CurvatureMonitor(model, None, make_loss_fn(model), {"input_ids": ids, "labels": ids}, every=every)
         callbacks.append(curvature_callback(monitor))
-    args = TrainingArguments(
-        output_dir=str(out),
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        logging_steps=1,
+    trainer = hf_trainer(
+        model, out, data, callbacks, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
         save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    )  # fmt: skip
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return losses, recorder.weights, monitor, make_loss_fn(model), {"input_ids": ids, "labels": ids}

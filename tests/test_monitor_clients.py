@@ -17,6 +17,7 @@ from curvlab.runs.monitor import (
     curvature_callback,
     curvature_lightning_callback,
 )
+from tests.builders import hf_trainer, tiny_gpt2, token_data
 
 
 def tiny_vit():
@@ -63,18 +64,15 @@ def tensorboard_scalars(folder):
 def hf_run(out, every, report_to=(), attach=True):
     """Four steps of a real ``transformers.Trainer`` on a tiny GPT-2 (dropout on); with ``every``, the
     curvature callback measures every ``every`` steps, attached to the Trainer (or not)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    model = tiny_gpt2()
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 16), generator=g)]
+    data = token_data(torch.randint(0, 64, (16, 16), generator=g))
     ids = torch.randint(0, 64, (4, 16), generator=g)
-    args = TrainingArguments(
-        output_dir=str(out), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
-        save_strategy="no", report_to=list(report_to), use_cpu=True, disable_tqdm=True,
+    trainer = hf_trainer(
+        model, out, data, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
+        save_strategy="no", report_to=list(report_to),
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=data)
     monitor = None
     if every:
         monitor = CurvatureMonitor(model, None, make_loss_fn(model), {"input_ids": ids, "labels": ids}, every=every)

@@ -28,7 +28,7 @@ from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.track import track_monitor, track_run
 from curvlab.util.lock import LOCK_FILE, OWNER_FILE, own_directory, read_owner
-from tests.conftest import SMALL_MODEL
+from tests.builders import small_config
 from tests.generating import HANG_GUARD_S, generating, wait_for_it
 
 runner = CliRunner()
@@ -75,9 +75,9 @@ def holder(tmp_path_factory):
 
 
 def tiny_run(data: Path, out: Path, **kw) -> TrainConfig:
-    fields = dict(model_overrides=SMALL_MODEL, batch_size=4, steps=2, warmup_steps=1, eval_every=1, ckpt_every=1,
-                  val_windows=4)  # fmt: skip
-    return TrainConfig(data=str(data), out=str(out), **{**fields, **kw})
+    return small_config(
+        data, out, **{"batch_size": 4, "steps": 2, "eval_every": 1, "ckpt_every": 1, "val_windows": 4, **kw}
+    )
 
 
 def assert_names(message: str, holder: subprocess.Popen, what: str) -> None:
@@ -192,6 +192,7 @@ def test_track_draws_the_monitor_rows_of_a_run_still_being_trained(data, tmp_pat
     assert json.loads((tmp_path / "track" / "track.json").read_text())["source"] == "monitor"
 
 
+@pytest.mark.heavy
 def test_two_processes_making_the_same_data_folder_both_end_with_one_dataset(tmp_path, monkeypatch):
     """The second waits for the first (another process, stopped while this one starts) and takes its
     dataset; of another config, it is refused in one line."""

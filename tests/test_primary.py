@@ -215,6 +215,7 @@ def _aa_records(rng, n_records, effect=1.0, name="adamw/adamw"):
     return out
 
 
+@pytest.mark.heavy
 def test_aa_calibration_false_verdict_rate_under_no_effect():
     """300 simulated A/A families (3 to 6 seed pairs each, AR(1) levels, seed effects) through the same
     pipeline: the share of tests with a verdict asserting a difference is at most 5% plus three binomial

@@ -29,7 +29,7 @@ from curvlab.studies.records import ComparisonRecord, LevelData
 from curvlab.studies.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
 from curvlab.studies.summary import Summary
 from curvlab.util.safe_stop import Stopped
-from tests.conftest import assert_made_with_these_packages
+from tests.builders import assert_made_with_these_packages
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 VERDICTS = {DESCRIPTIVE}  # the headline is descriptive: only the primary family is judged
@@ -42,6 +42,7 @@ def micro(tmp_path_factory):
     return out, summary
 
 
+@pytest.mark.heavy
 def test_micro_preset_writes_every_output(micro):
     out, summary = micro
     for name in (
@@ -84,6 +85,7 @@ def test_micro_preset_writes_every_output(micro):
     assert "Curvature of adapter steps" in (out / "report.md").read_text()
 
 
+@pytest.mark.heavy
 def test_only_the_matched_windows_and_the_last_checkpoint_are_kept(micro):
     from curvlab.jobs.reproduce import _run_key, window_checkpoints
     from curvlab.runs.checkpoint import read_index
@@ -106,6 +108,7 @@ def test_only_the_matched_windows_and_the_last_checkpoint_are_kept(micro):
     assert deleted > 0 and summary.disk_bytes > 0
 
 
+@pytest.mark.heavy
 def test_a_moved_output_directory_reruns_and_keeps_its_windows(micro, tmp_path):
     import shutil
 
@@ -124,6 +127,7 @@ def test_a_moved_output_directory_reruns_and_keeps_its_windows(micro, tmp_path):
     assert headline == json.loads((out / "summary.json").read_text())["headline"]  # (NaN is null there)
 
 
+@pytest.mark.heavy
 def test_keeping_only_the_last_checkpoints_changes_no_result(micro, tmp_path):
     """``keep="last"`` (quick's and standard's) on a re-run of a finished directory: every run keeps its
     last checkpoint only, the configuration guard does not refuse it, and every number is unchanged."""
@@ -147,6 +151,7 @@ def test_keeping_only_the_last_checkpoints_changes_no_result(micro, tmp_path):
         Reproduction(dataclasses.replace(PRESETS["micro"], keep="some"), tmp_path / "bad", progress=False)
 
 
+@pytest.mark.heavy
 def test_a_reproduction_stopped_by_sigterm_mid_training_resumes_to_the_same_numbers(micro, tmp_path, monkeypatch):
     """A real SIGTERM in the middle of seed 1's training: the job stops at the next safe point (exit
     status 143, one line), and running it again ends with every number of an uninterrupted run."""
@@ -178,6 +183,7 @@ def test_a_reproduction_stopped_by_sigterm_mid_training_resumes_to_the_same_numb
         assert resumed[key] == first[key], key
 
 
+@pytest.mark.heavy
 def test_summary_schema(micro):
     out, _ = micro
     data = json.loads((out / "summary.json").read_text())
@@ -244,10 +250,11 @@ def test_summary_schema(micro):
     assert any("not tuned on its own" in n for n in data["notes"])
 
 
+@pytest.mark.heavy
 def test_every_summary_number_is_rederivable_from_the_per_level_json(micro):
     out, summary = micro
     raw = json.loads((out / "analysis" / "levels.json").read_text())
-    again, zipf = headline(LevelData.from_dict(raw), PRESETS["micro"].n_boot)
+    again, zipf = headline(LevelData.from_dict(raw))
     assert json.dumps([e.to_dict() for e in again]) == json.dumps([e.to_dict() for e in summary.headline])
     assert [dataclasses.asdict(z) for z in zipf] == [dataclasses.asdict(z) for z in summary.zipf]
     # and independently of curvlab.studies.headline, from the raw JSON: the NDS ratio is a ratio of sums of window means
@@ -304,13 +311,14 @@ def test_the_taylor_check_never_filters_nds_means():
     assert Comparison([level, plateau], "adamw/muon", [], ("adamw", "muon")).ratio_of_means["nds"] == pytest.approx(4.0)
 
 
+@pytest.mark.heavy
 def test_missing_comparisons_and_single_seeds_are_inconclusive_never_bare_numbers(micro):
     out, _ = micro
     data = LevelData.load(out / "analysis" / "levels.json")
     failed = dataclasses.replace(
         data, comparisons=[ComparisonRecord("adamw/muon", 0, 0.0, None, "the validation losses never overlap")]
     )
-    entries, _ = headline(failed, 50)
+    entries, _ = headline(failed)
     nds = next(e for e in entries if e.name == "nds_ratio")
     assert nds.value is None and nds.verdict == DESCRIPTIVE and "never overlap" in nds.note
     one_seed = dataclasses.replace(
@@ -318,13 +326,14 @@ def test_missing_comparisons_and_single_seeds_are_inconclusive_never_bare_number
         comparisons=[r for r in data.comparisons if r.seed == 0],
         tracks=[t for t in data.tracks if t.seed == 0],
     )
-    entries, _ = headline(one_seed, 50)
+    entries, _ = headline(one_seed)
     for e in entries:
         if e.value is not None:
             assert e.ci95 is None and e.verdict == DESCRIPTIVE and "no interval" in e.note, e.name
     assert "no interval" in value_cell(entries[0])
 
 
+@pytest.mark.heavy
 def test_report_and_readme_render_the_summary(micro, tmp_path):
     out, summary = micro
     report = (out / "report.md").read_text()
@@ -359,6 +368,7 @@ def test_report_and_readme_render_the_summary(micro, tmp_path):
         update_readme(out, plain, tmp_path / "figures")
 
 
+@pytest.mark.heavy
 def test_rerun_continues_and_other_config_is_refused(micro, monkeypatch):
     out, _ = micro
     import curvlab.jobs.reproduce as reproduce
@@ -388,6 +398,7 @@ def test_paper_preset_without_data_is_a_clear_error(tmp_path):
         Reproduction(PRESETS["paper"], tmp_path / "paper", fineweb=tmp_path / "nowhere", progress=False)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebooks_run_against_a_results_set(micro, path, tmp_path, monkeypatch):
     out, _ = micro

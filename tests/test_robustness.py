@@ -86,6 +86,7 @@ def _levels(out, name) -> LevelData:
     return LevelData.load(out / "settings" / name / "analysis" / "levels.json")
 
 
+@pytest.mark.heavy
 def test_a_row_is_its_own_levels_paired_ratio_and_controls(design):
     out, summary = design
     assert [x.setting for x in summary.settings] == [x.name for x in SETTINGS]
@@ -104,6 +105,7 @@ def test_a_row_is_its_own_levels_paired_ratio_and_controls(design):
     assert RobustnessSummary.load(out / "summary.json") == summary
 
 
+@pytest.mark.heavy
 def test_the_lr_factor_reaches_its_arm_and_only_its_arm(design):
     out, summary = design
     base, half = summary.setting("base"), summary.setting("adamw-lr-x0.5")
@@ -120,6 +122,7 @@ def test_the_lr_factor_reaches_its_arm_and_only_its_arm(design):
         assert adamw["base"] != adamw["adamw-lr-x0.5"]
 
 
+@pytest.mark.heavy
 def test_adams_direction_at_muons_checkpoints_does_not_depend_on_its_lr(design):
     """NDS is scale-invariant and Adam's moments don't see the lr, so at the same Muon checkpoints AdamW's
     shadow direction at half the lr has the same NDS (to float rounding): what an lr setting changes is
@@ -139,6 +142,7 @@ def test_adams_direction_at_muons_checkpoints_does_not_depend_on_its_lr(design):
     assert compared >= 3
 
 
+@pytest.mark.heavy
 def test_another_grammar_draw_is_other_data(design):
     out, _ = design
     stats = {name: json.loads((out / "settings" / name / "data" / "s0" / "stats.json").read_text())
@@ -148,6 +152,7 @@ def test_another_grammar_draw_is_other_data(design):
     assert stats["base"]["train"] != stats["grammar1"]["train"]
 
 
+@pytest.mark.heavy
 def test_a_rerun_reads_every_setting_back(design):
     out, summary = design
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("index.json")}
@@ -158,6 +163,7 @@ def test_a_rerun_reads_every_setting_back(design):
         Robustness(replace(MICRO_DESIGN, seed_base=200), out, progress=False).run()
 
 
+@pytest.mark.heavy
 def test_the_published_page_quotes_the_reference(design, tmp_path):
     out, summary = design
     docs, page = tmp_path / "docs" / "robustness", tmp_path / "docs" / "robustness.md"

@@ -21,15 +21,12 @@ from curvlab.analysis.report import (
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.curvature.scalars import SCALAR_KEYS, SCOPE_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
-from curvlab.runs.config import TrainConfig
 from curvlab.runs.metrics import read_metrics, truncate_metrics
-from curvlab.runs.train import train
 from curvlab.studies.compare import Comparison, WindowSide
 from curvlab.studies.records import LevelData, seed_band
 from curvlab.util.digest import json_digest, path_digest
+from tests.builders import small_run
 from tests.synthetic import level_data, record, track
-
-SMALL_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
 
 
 def _json(x) -> str:
@@ -40,11 +37,7 @@ def _json(x) -> str:
 def report(pcfg_data, tmp_path_factory) -> CurvatureReport:
     """A real report of a tiny shadowed Muon run: both scopes, the layer blocks, a spectrum, paired directions."""
     out = tmp_path_factory.mktemp("scalars_run")
-    cfg = TrainConfig(
-        data=str(pcfg_data), out=str(out), model_overrides=SMALL_MODEL, optimizer="muon", batch_size=4, steps=2,
-        warmup_steps=1, eval_every=2, ckpt_every=2, val_windows=8, shadow=True,
-    )  # fmt: skip
-    train(cfg, progress=False)
+    small_run(pcfg_data, out, "muon", batch_size=4, steps=2, val_windows=8, shadow=True)
     return analyze_checkpoint(out / "ckpt_000002.pt", AnalysisSettings(dtype="float64", spectrum_top=2))
 
 

@@ -11,16 +11,15 @@ from curvlab.errors import CurvlabError
 from curvlab.optim.muon import Muon
 from curvlab.optim.shadow import ShadowSettings, ShadowState, build_shadow
 from curvlab.runs.checkpoint import load_checkpoint, read_index
-from curvlab.runs.config import TrainConfig
 from curvlab.runs.train import build_run, train
-from tests.conftest import SMALL_MODEL, crash_training_after
+from tests.builders import crash_training_after, small_config
 from tests.reference import assert_same
 
 
 def config(data, out, **kw):
-    base = dict(model_overrides=SMALL_MODEL, batch_size=8, steps=10, warmup_steps=2, eval_every=4, ckpt_every=4)
-    base.update(kw)
-    return TrainConfig(data=str(data), out=str(out), val_windows=8, **base)
+    return small_config(
+        data, out, **{"steps": 10, "warmup_steps": 2, "eval_every": 4, "ckpt_every": 4, "val_windows": 8, **kw}
+    )
 
 
 def last_checkpoint(out):

@@ -56,7 +56,11 @@ def test_unconverged_results_say_so():
 
 @pytest.mark.parametrize(
     ("algorithm", "vectors", "method"),
-    [("lanczos", None, "fwd_rev"), ("lanczos", 8, "rev_rev"), ("eigsh", None, "fwd_rev")],
+    [
+        pytest.param("lanczos", None, "fwd_rev", marks=pytest.mark.heavy),
+        ("lanczos", 8, "rev_rev"),
+        pytest.param("eigsh", None, "fwd_rev", marks=pytest.mark.heavy),
+    ],
 )
 def test_hessian_eigenvalues_match_dense_float64_through_layernorm(transformer_problem, algorithm, vectors, method):
     loss_fn, params, batch = transformer_problem

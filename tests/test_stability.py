@@ -127,6 +127,7 @@ def test_injected_direction_on_a_kronecker_quadratic():
     torch.testing.assert_close(q.hvp(e.view(q.shape)).reshape(-1), H[5], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.heavy
 def test_injected_direction_on_a_tiny_gpt():
     model, loss_fn, batch = tiny_gpt()
     params = detached(model)
@@ -301,6 +302,7 @@ def dense_muon_sharpness(H, params, momenta, polar, shapes=None):
     return float(torch.linalg.eigvalsh(root @ H[idx][:, idx] @ root)[-1])
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("polar", ["svd", "newton_schulz"])
 def test_muon_preconditioned_sharpness_against_a_dense_eigendecomposition(polar):
     model, loss_fn, batch = tiny_gpt()
@@ -332,6 +334,7 @@ def train(model, opt, batch, steps=2):
         opt.zero_grad()
 
 
+@pytest.mark.heavy
 def test_stability_point_of_a_muon_state_against_dense_references():
     model, loss_fn, batch = tiny_gpt(seed=1)
     opt = build_model_optimizer("muon", model, lr=0.02, momentum=0.95)
@@ -365,6 +368,7 @@ def test_stability_point_of_a_muon_state_against_dense_references():
     assert sharp == pytest.approx(dense, rel=1e-8) and edge == point.edge_of_stability and lr == 0.02
 
 
+@pytest.mark.heavy
 def test_stability_point_of_an_adam_state_against_dense_references():
     model, loss_fn, batch = tiny_gpt(seed=2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.004, betas=(0.9, 0.95), eps=1e-8)

@@ -13,14 +13,12 @@ from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.train import TrainingDiverged, build_run, restore, train
-from tests.conftest import SMALL_MODEL, crash_training_after
+from tests.builders import SMALL_MODEL, crash_training_after, small_config
 from tests.reference import assert_same
 
 
 def config(data, out, **kw):
-    base = dict(model_overrides=SMALL_MODEL, batch_size=8, steps=12, warmup_steps=2, eval_every=4, ckpt_every=4)
-    base.update(kw)
-    return TrainConfig(data=str(data), out=str(out), val_windows=16, **base)
+    return small_config(data, out, **{"warmup_steps": 2, "eval_every": 4, "ckpt_every": 4, **kw})
 
 
 def final_state(out):

@@ -120,10 +120,10 @@ def stability_controls(
     method: str,
     dtype: torch.dtype | None,
 ) -> PointControls:
-    """lambda_max(H), the arm's preconditioned sharpness (:func:`curvlab.optim.stability.stability_point`)
+    r"""lambda_max(H), the arm's preconditioned sharpness (:func:`curvlab.optim.stability.stability_point`)
     and the injected directions at one point (module docstring), in at most ``iterations`` Lanczos
-    iterations per eigenproblem. The closed form takes :math:`\\langle v_1, H v_1\rangle` for
-    :math:`\\lambda_1`, exact for any unit :math:`v_1`, converged or not."""
+    iterations per eigenproblem. The closed form takes :math:`\langle v_1, H v_1\rangle` for
+    :math:`\lambda_1`, exact for any unit :math:`v_1`, converged or not."""
     point = stability_point(
         loss_fn, params, batch, model, optimizer, G, max_iter=iterations, tol=LANCZOS_TOL, dtype=dtype, method=method
     )

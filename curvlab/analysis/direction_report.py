@@ -89,7 +89,7 @@ class DirectionReport:
 def analyze_directions(target: Target, names, settings: AnalysisSettings, checkpoint: str = "") -> DirectionReport:
     """The directions ``names`` (``"adamw,muon,sgd,sign"`` or a list; :data:`curvlab.analysis.directions.DIRECTIONS`)
     at ``target``'s W, with G and H on the evaluation batch D of ``settings``, and the real step and the
-    optimizer state from the next step's batch, as :func:`analyze` takes them (dropout off).
+    optimizer state from the next step's batch, as :func:`~curvlab.analysis.report.analyze` takes them (dropout off).
 
     Raises:
         CurvlabError: an unknown direction, a state the directions can't be formed from (see

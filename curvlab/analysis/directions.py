@@ -83,15 +83,15 @@ APPROXIMATE_MUON = (
 
 @dataclass(frozen=True)
 class DirectionScope:
-    """One direction over one scope (see the module docstring).
+    r"""One direction over one scope (see the module docstring).
 
     Attributes:
-        nds: :math:`\\langle Z, HZ\\rangle / \\|Z\\|^2`.
-        first_order: :math:`\\langle G, Z\\rangle`.
-        curvature_penalty: :math:`\\tfrac12\\langle Z, HZ\\rangle`.
-        update_norm, grad_norm: :math:`\\|Z\\|_F`, :math:`\\|G\\|_F` over the scope.
-        cosine: :math:`\\langle G, Z\\rangle / (\\|G\\|\\,\\|Z\\|)`.
-        q: :math:`\\cos^2 / \\mathrm{NDS}`.
+        nds: :math:`\langle Z, HZ\rangle / \|Z\|^2`.
+        first_order: :math:`\langle G, Z\rangle`.
+        curvature_penalty: :math:`\tfrac12\langle Z, HZ\rangle`.
+        update_norm, grad_norm: :math:`\|Z\|_F`, :math:`\|G\|_F` over the scope.
+        cosine: :math:`\langle G, Z\rangle / (\|G\|\,\|Z\|)`.
+        q: :math:`\cos^2 / \mathrm{NDS}`.
     """
 
     nds: float

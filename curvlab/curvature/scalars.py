@@ -52,7 +52,7 @@ def scope_key(quantity: str, scope: str) -> str:
 
 
 def taylor_error(scope: TaylorScope) -> float:
-    """The scale-aware Taylor error :math:`|I_1 - I_2 - \\Delta| / \\max(|\\Delta|, |I_1|)` (Δ the realized
+    r"""The scale-aware Taylor error :math:`|I_1 - I_2 - \Delta| / \max(|\Delta|, |I_1|)` (Δ the realized
     decrease): how far the second-order prediction of the step's decrease is off, relative to the size
     of the step's effect (the first-order gain keeps a step whose realized decrease happens to be near
     zero from counting as a failure)."""
@@ -94,7 +94,7 @@ def _float(x: Any) -> float:
 
 @dataclass(frozen=True)
 class CheckpointScalars:
-    """The scalars of one checkpoint's step (see the module docstring for the JSON).
+    r"""The scalars of one checkpoint's step (see the module docstring for the JSON).
 
     Attributes:
         all, hidden: the Taylor split over all parameters and over the hidden matrices (NaN where the
@@ -102,7 +102,7 @@ class CheckpointScalars:
         within, cross, rho_within: the block matrix's trace, off-diagonal sum and trace / NDS.
         within_layers, nds_layers: trace and sum of the block matrix restricted to the transformer
             layers (``layerN``): rho_within of the hidden scope is their ratio.
-        embed_head_share: share of :math:`\\|Z\\|^2` in the embedding and head blocks (NaN unless the
+        embed_head_share: share of :math:`\|Z\|^2` in the embedding and head blocks (NaN unless the
             grouping is ``layer``).
         taylor_error, taylor_ok: :func:`taylor_error` and :func:`taylor_holds` (a monitored step whose
             status is not ``ok`` fails it).

@@ -35,16 +35,16 @@ BLOCK_WAYS = ("hvp", "alpha")
 
 @dataclass(frozen=True)
 class TaylorScope:
-    """The Taylor split of one step over one set of parameters (all, or a subset S with Z_S = Z on S, 0 elsewhere).
+    r"""The Taylor split of one step over one set of parameters (all, or a subset S with Z_S = Z on S, 0 elsewhere).
 
     Attributes:
-        first_order: :math:`I_1 = \\langle G_S, Z_S\\rangle`.
-        curvature_penalty: :math:`I_2 = \\tfrac12\\langle Z_S, H[Z_S]\\rangle`.
+        first_order: :math:`I_1 = \langle G_S, Z_S\rangle`.
+        curvature_penalty: :math:`I_2 = \tfrac12\langle Z_S, H[Z_S]\rangle`.
         predicted: :math:`I_1 - I_2`.
         realized: :math:`L(W) - L(W - Z_S)`.
-        nds: :math:`\\langle Z_S, H[Z_S]\\rangle / \\|Z_S\\|^2`.
-        update_norm, grad_norm: :math:`\\|Z_S\\|_F`, :math:`\\|G_S\\|_F`.
-        cosine: :math:`I_1 / (\\|G_S\\|\\,\\|Z_S\\|)`.
+        nds: :math:`\langle Z_S, H[Z_S]\rangle / \|Z_S\|^2`.
+        update_norm, grad_norm: :math:`\|Z_S\|_F`, :math:`\|G_S\|_F`.
+        cosine: :math:`I_1 / (\|G_S\|\,\|Z_S\|)`.
     """
 
     first_order: float

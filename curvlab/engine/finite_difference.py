@@ -42,15 +42,15 @@ SCHEMA_VERSION = 1
 
 @dataclass(frozen=True)
 class FiniteDifferenceHVP:
-    """A central-difference :math:`H[v]` and its stated error.
+    r"""A central-difference :math:`H[v]` and its stated error.
 
     Attributes:
         hvp: :math:`D(h)`, a dict like the parameters (sharded like them).
         step: h, along the unit direction.
-        error: the stated bound on :math:`\\|D(h) - H[v]\\|_F`, ``truncation + rounding``.
-        truncation: :math:`\\|D(h) - D(2h)\\|/3`.
-        rounding: :math:`4\\epsilon(\\|G_+\\| + \\|G_-\\|)\\|v\\|/(2h)`.
-        norm: :math:`\\|D(h)\\|_F` (so that ``error / norm`` is the relative error).
+        error: the stated bound on :math:`\|D(h) - H[v]\|_F`, ``truncation + rounding``.
+        truncation: :math:`\|D(h) - D(2h)\|/3`.
+        rounding: :math:`4\epsilon(\|G_+\| + \|G_-\|)\|v\|/(2h)`.
+        norm: :math:`\|D(h)\|_F` (so that ``error / norm`` is the relative error).
     """
 
     hvp: dict[str, Tensor]

@@ -241,7 +241,7 @@ class Finetune(Job):
             runs = self.adapt_all(data, base, tuning.chosen)
         with self.clock("compare"):
             comparisons = compare_adapters(runs, list(range(self.preset.seeds)), self.preset.matching)
-            entries = estimates(comparisons, self.preset.n_boot)
+            entries = estimates(comparisons)
         final = {
             arm: [float(read_index(runs[(arm, s)])[-1]["val_loss"]) for s in range(self.preset.seeds)]
             for arm in ADAPTER_ARMS

@@ -40,11 +40,24 @@ CONDITIONS = ("load", "threads", "cpus")
 
 
 CONFIG_VERSION = 2  # 2: presets embed their tuning and matching settings
+# fields an older curvlab wrote into a job's config and has since removed, none of which changed a result
+# (n_boot: the replicates of a bootstrap the seed-level t intervals replaced): a directory whose config
+# holds them continues, as one written without them
+RETIRED_FIELDS = frozenset({"n_boot"})
+
+
+def _without_retired(config: Any) -> Any:
+    """``config`` without :data:`RETIRED_FIELDS`, at any depth of its dicts and lists."""
+    if isinstance(config, dict):
+        return {k: _without_retired(v) for k, v in config.items() if k not in RETIRED_FIELDS}
+    if isinstance(config, list):
+        return [_without_retired(v) for v in config]
+    return config
 
 
 def guard_config(path: Path, config: dict[str, Any], what: str) -> None:
     """Write ``config`` (with ``config_version``: :data:`CONFIG_VERSION`) to ``path`` on the first run;
-    refuse a later run whose config differs.
+    refuse a later run whose config differs (a saved field of :data:`RETIRED_FIELDS` is no difference).
 
     Raises:
         CurvlabError: the directory holds ``what`` of another configuration, or one that an older
@@ -58,7 +71,7 @@ def guard_config(path: Path, config: dict[str, Any], what: str) -> None:
                 f"{path.parent} holds {what} written by another curvlab version (config version "
                 f"{saved.get('config_version', 1)}, this one writes {CONFIG_VERSION}): choose a fresh --out"
             )
-        if saved != config:
+        if _without_retired(saved) != config:
             raise CurvlabError(
                 f"{path.parent} holds {what} of another configuration; refusing to mix them: choose a fresh --out"
             )

@@ -116,7 +116,6 @@ class Preset:
     # trajectories
     track_interval: int = 20  # steps between tracked checkpoints
     track_batches: int = 2
-    n_boot: int = 2000  # kept for the headline's signature; the seed-level intervals draw no replicates
     quadratic: dict[str, Any] = field(default_factory=dict)
     finetune: str | None = None  # a `curvlab finetune` preset, run on the first seed's AdamW model at the first s
     fineweb: bool = False  # the paper preset also trains gpt2-124m on FineWeb shards
@@ -234,7 +233,6 @@ PRESETS = {
         track_interval=10,
         stability_interval=10,
         track_batches=1,
-        n_boot=200,
         finetune="micro",
         quadratic={
             "steps": 8,
@@ -449,7 +447,6 @@ class FinetunePreset:
     val_windows: int = 32
     heldout_windows: int = 8  # the curvature's held-out batch D: the first windows of the validation split
     matching: MatchCriteria = STABLE_MATCHING  # as the main comparison
-    n_boot: int = 2000
     device: str = "cpu"
 
     @property
@@ -488,7 +485,6 @@ FINETUNE_PRESETS = {
         val_windows=8,
         heldout_windows=4,
         matching=replace(STABLE_MATCHING, levels=2, tolerance=0.05),
-        n_boot=200,
     ),
     # One thread, about seven minutes: the quick reproduction's 1024-token grammar, 3 seeds, a 4-point grid
     # of 30-step runs (the report says so; `standard` runs 5-point grids of longer runs).

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.stats import t as t_dist
 
 from curvlab.analysis.report import load_report
 from curvlab.analysis.targets import AnalysisSettings
@@ -69,6 +68,7 @@ from curvlab.studies.headline import headline, taylor_counts
 from curvlab.studies.primary import calibration, primary_family
 from curvlab.studies.quadratic import QuadraticStudy, quadratic_study
 from curvlab.studies.records import PRIMARY_COMPARISON, ComparisonRecord, LevelData, TrackRecord
+from curvlab.studies.statistics import mean_inference
 from curvlab.studies.summary import FinewebRecord, QuadraticRecord, Summary
 from curvlab.studies.track import track_run
 from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, log2_grid
@@ -84,18 +84,20 @@ def _s_name(s: float) -> str:
 
 
 def final_loss_note(final: dict[str, dict[str, list]], steps: int) -> str:
-    """Each arm's final validation loss at equal steps, mean and 95% t interval over seeds, at each s:
-    whether Muon beats AdamW here at all, the premise the curvature is to explain."""
+    """Each arm's final validation loss at equal steps, mean and 95% t interval over seeds
+    (:func:`~curvlab.studies.statistics.mean_inference`), at each s: whether Muon beats AdamW here at all,
+    the premise the curvature is to explain. A seed without a finite loss leaves its arm no interval."""
     parts = []
     for s, arms in final.items():
         for arm, values in sorted(arms.items()):
-            x = np.array([v for v in values if v is not None], dtype=float)
-            if len(x) >= 2:
-                half = t_dist.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))
-                m = x.mean()
-                parts.append(f"{arm} at s = {s}: {m:.4f} [{m - half:.4f}, {m + half:.4f}] (n = {len(x)})")
+            x = [v for v in values if v is not None]
+            if len(x) >= 2 and all(math.isfinite(v) for v in x):
+                inf = mean_inference(x)
+                lo, hi = inf.ci95
+                parts.append(f"{arm} at s = {s}: {inf.value:.4f} [{lo:.4f}, {hi:.4f}] (n = {len(x)})")
             elif len(x):
-                parts.append(f"{arm} at s = {s}: {x.mean():.4f} (n = 1)")
+                alone = "" if len(x) == 1 else ", no interval"
+                parts.append(f"{arm} at s = {s}: {np.mean(x):.4f} (n = {len(x)}{alone})")
     return f"Final validation loss at step {steps}, mean [95% t interval over seeds]: " + "; ".join(parts) + "."
 
 
@@ -651,7 +653,7 @@ class Reproduction(Job):
         with self.clock("quadratic"):
             quadratic = self.quadratic()
         with self.clock("summary"):
-            entries, zipf = headline(levels, p.n_boot)
+            entries, zipf = headline(levels)
             primary, calibrated = (
                 primary_family(levels, judged=p.primary),
                 calibration(levels.comparisons, data=levels, pairs=p.aa_seed_pairs()),

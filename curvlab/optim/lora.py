@@ -107,14 +107,14 @@ def _factor_pairs(module: nn.Module) -> list[tuple[str, Tensor, Tensor]]:
 
 
 def lora_layers(model: nn.Module) -> list[AdaptedLayer]:
-    """The trainable LoRA factor pairs of a peft model, one :class:`AdaptedLayer` per layer and adapter.
+    r"""The trainable LoRA factor pairs of a peft model, one :class:`AdaptedLayer` per layer and adapter.
 
     Layers are found by module type (peft's ``LoraLayer``), never by parameter names. A layer with
     several trainable adapters gives one entry per adapter, named ``layer[adapter]``.
 
     Raises:
         CurvlabError: no trainable LoRA layer; a pair with only one factor trainable; factors whose
-            shapes are not :math:`d_\\text{out}\\times r` and :math:`r\\times d_\\text{in}` (e.g. a grouped
+            shapes are not :math:`d_\text{out}\times r` and :math:`r\times d_\text{in}` (e.g. a grouped
             convolution); a rank larger than the layer; a factor shared by two layers (tied adapters).
     """
     try:
@@ -212,7 +212,7 @@ def _frame(F: Tensor) -> _Frame:
 
 
 def _orthogonal_part(F: Tensor, Q: Tensor) -> Tensor:
-    """:math:`(I - QQ^\top)F` for orthonormal Q (one classical Gram-Schmidt pass)."""
+    r""":math:`(I - QQ^\top)F` for orthonormal Q (one classical Gram-Schmidt pass)."""
     return F - Q @ (Q.mT @ F)
 
 

@@ -349,7 +349,7 @@ def muon_preconditioner(
     coefficients: tuple[float, float, float] | None = None,
     eps: float = 1e-7,
 ) -> dict[str, MuonFactor]:
-    """Muon's frozen preconditioner on each matrix of ``momenta`` (name -> :math:`\\tilde B`, e.g. from
+    r"""Muon's frozen preconditioner on each matrix of ``momenta`` (name -> :math:`\tilde B`, e.g. from
     :func:`nesterov_momenta`), in their order: :func:`muon_factor` with the shape scale ``scale`` of each
     matrix's mathematical (out, in) shape, ``shapes[name]`` (e.g. :func:`~curvlab.models.roles.matrix_shapes`;
     default the stored rows × rest); a shape of three entries, (m, out, in), is a stack of m matrices."""

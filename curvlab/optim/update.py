@@ -132,7 +132,7 @@ def next_update(
     and as nanoGPT's ``loss / gradient_accumulation_steps`` does for its equal micro-batches.
 
     Frozen parameters (``requires_grad=False``) get neither G nor Z: pair the result with
-    :func:`trainable_parameters`.
+    :func:`~curvlab.optim.model_optimizer.trainable_parameters`.
 
     Args:
         lr_scale: multiply every group's learning rate by this for the step (Z for a scaled lr).

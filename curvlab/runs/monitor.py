@@ -104,13 +104,13 @@ class NonFiniteCurvature(CurvlabError):
 
 @dataclass(frozen=True)
 class BlockSplit:
-    """The block interaction matrix of a monitored step, reduced to what a row keeps.
+    r"""The block interaction matrix of a monitored step, reduced to what a row keeps.
 
     Attributes:
         grouping: the block grouping (``"layer"``, ``"tensor"``, ``"kind"``, or ``"custom"``).
         names: block names, in order.
-        matrix: :math:`M_{lm} = \\langle Z_l, H_{lm}[Z_m]\\rangle / \\|Z\\|^2`, symmetric, summing to NDS.
-        within, cross: :math:`\\operatorname{tr} M` and the sum of its off-diagonal entries.
+        matrix: :math:`M_{lm} = \langle Z_l, H_{lm}[Z_m]\rangle / \|Z\|^2`, symmetric, summing to NDS.
+        within, cross: :math:`\operatorname{tr} M` and the sum of its off-diagonal entries.
         nds: the sum of all entries (the NDS of Z).
         rho_within: within / nds.
     """
@@ -552,7 +552,7 @@ def curvature_lightning_callback(monitor: CurvatureMonitor, stop_on_nonfinite: b
     snapshots W; at ``on_train_batch_end`` it measures the step taken, so Z is the step Lightning
     took (accumulation, clipping, precision and all). The row's step is ``trainer.global_step``
     before the step. Rows land in ``monitor.rows`` and go to every logger of the Trainer
-    (``logger.log_metrics``) as ``curvature/nds``, ... (:meth:`MonitorRow.scalars`), at the row's
+    (``logger.log_metrics``) as ``curvature/nds``, ... (:meth:`MonitorRow.log_scalars`), at the row's
     step, where Lightning logs the training loss of the same batch. A
     non-finite row stops training only with ``stop_on_nonfinite``. Lightning is imported here
     (``pip install 'curvlab[lightning]'``), not by ``import curvlab``.

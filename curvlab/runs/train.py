@@ -299,7 +299,7 @@ def train(
 
     With ``tensorboard`` (a directory), rank 0 also writes TensorBoard scalars there: ``train/loss``
     and ``train/lr`` at every step, ``val/loss`` when evaluated, and each curvature row's
-    :meth:`~curvlab.runs.monitor.MonitorRow.scalars` (``curvature/nds``, ...) at the step it measured, the
+    :meth:`~curvlab.runs.monitor.MonitorRow.log_scalars` (``curvature/nds``, ...) at the step it measured, the
     step index being the steps done (as in ``metrics.jsonl``).
 
     The progress display is a bar on a terminal and a plain line every 30 s elsewhere

@@ -157,7 +157,7 @@ ENTRY_SPECS = (
 )
 
 
-def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> list[FinetuneEntry]:
+def estimates(comparisons: list[AdapterComparison]) -> list[FinetuneEntry]:
     """Every summary entry, from the per-level data alone: for each comparison and each of
     :data:`ENTRY_SPECS`, the ratio of sums over seeds and levels of the window means, and each seed's
     median of its per-level ratios averaged over seeds (``_median``), each with its seed-level interval
@@ -177,7 +177,7 @@ def estimates(comparisons: list[AdapterComparison], n_boot: int = st.N_BOOT) -> 
                     label = quantity + (" (per-seed median over levels, mean of seeds)" if suffix else "")
                     entries.append(FinetuneEntry(name + suffix, c.variant, label, math.nan, None, 0, 0, [], "no level"))
                 continue
-            for suffix, est in st.ratio_estimates(rows, n_boot).items():
+            for suffix, est in st.ratio_estimates(rows).items():
                 label = quantity + (" (per-seed median over levels, mean of seeds)" if suffix else "")
                 note = "" if est.ci95 is not None else f"{est.n_seeds} seed(s): no interval"
                 if est.denominator_spans_zero:

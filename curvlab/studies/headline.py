@@ -133,11 +133,9 @@ def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict]
     )
 
 
-def _ratio_entries(
-    base: str, suffix: str, scope: str, groups, per_level, n_boot: int, note: str
-) -> list[HeadlineEntry]:
+def _ratio_entries(base: str, suffix: str, scope: str, groups, per_level, note: str) -> list[HeadlineEntry]:
     """Both estimates of one AdamW/Muon ratio (:func:`curvlab.studies.statistics.ratio_estimates`)."""
-    both = {"": None, "_median": None} if groups is None else st.ratio_estimates(groups["levels"], n_boot)
+    both = {"": None, "_median": None} if groups is None else st.ratio_estimates(groups["levels"])
     mean, median = both[""], both["_median"]
     return [
         _entry(base + suffix, scope, mean, per_level, note),
@@ -145,7 +143,7 @@ def _ratio_entries(
     ]
 
 
-def _matched_entries(data: LevelData, arm: str, n_boot: int) -> list[HeadlineEntry]:
+def _matched_entries(data: LevelData, arm: str) -> list[HeadlineEntry]:
     name = MATCHED[arm]
     records = data.matched(name)
     usable = [r for r in records if r.comparison is not None and r.comparison.headline_levels]
@@ -168,7 +166,7 @@ def _matched_entries(data: LevelData, arm: str, n_boot: int) -> list[HeadlineEnt
                         {"seed": r.seed, "target": lv.target, "adamw": x, arm: y, "value": x / y if y else None}
                     )
                 groups["levels"].append(np.array(rows))
-            out += _ratio_entries(base, suffix, scope, groups if usable else None, per_level, n_boot, why)
+            out += _ratio_entries(base, suffix, scope, groups if usable else None, per_level, why)
     # each optimizer's share of ||Z||^2 in embedding + head, and the Taylor error at matched loss
     for side_name, pick in (("adamw", 0), (arm, 1)):
         if arm != "muon" and side_name == "adamw":
@@ -186,14 +184,14 @@ def _matched_entries(data: LevelData, arm: str, n_boot: int) -> list[HeadlineEnt
                 taylor_levels.append({"seed": r.seed, "target": lv.target, "value": err})
             groups["levels"].append(np.array(shares))
             taylor["levels"].append(np.array(errors))
-        share = st.estimate(groups, lambda g: st.mean(g["levels"]), n_boot) if usable else None
-        err = st.estimate(taylor, lambda g: st.median(g["levels"]), n_boot) if usable else None
+        share = st.estimate(groups, lambda g: st.mean(g["levels"])) if usable else None
+        err = st.estimate(taylor, lambda g: st.median(g["levels"])) if usable else None
         out.append(_entry(f"embed_head_share_{side_name}", "all", share, per_level, why))
         out.append(_entry(f"taylor_error_{side_name}", "all", err, taylor_levels, why))
     return out
 
 
-def _equal_step_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
+def _equal_step_entries(data: LevelData) -> list[HeadlineEntry]:
     s0 = data.s_values[0]
     adam, muon = {t.seed: t for t in data.track("adamw", s0)}, {t.seed: t for t in data.track("muon", s0)}
     out = []
@@ -212,7 +210,7 @@ def _equal_step_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
                 groups["steps"].append(np.array(rows))
         usable = {"levels": groups["steps"]} if groups["steps"] else None
         note = "" if usable else "no tracked step where both runs are in the stable phase and off the plateau"
-        out += _ratio_entries("nds_ratio_equal_step", "", scope, usable, per_level, n_boot, note)
+        out += _ratio_entries("nds_ratio_equal_step", "", scope, usable, per_level, note)
     return out
 
 
@@ -257,7 +255,7 @@ ZIPF_STATISTICS: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, np.ndar
 }
 
 
-def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], list[ZipfPoint]]:
+def _zipf_entries(data: LevelData) -> tuple[list[HeadlineEntry], list[ZipfPoint]]:
     """The headline's Zipf entries, and the normalized NDS of every (optimizer, s) for the figure."""
     s0, s1 = data.s_values[0], data.s_values[-1]
     headline, per_s = [], []
@@ -281,16 +279,14 @@ def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], li
             labels = {k: f"{named[k][0]} at s = {named[k][1]:g}" for k in needs}
             note = _unshared(g, labels) if seeds else "no seed has a trajectory in every group"
             muon_s0 = lambda g: _mean(g["m0"])  # noqa: E731 (every Zipf statistic divides by it)
-            est = st.estimate(g, stat, n_boot, denominator=muon_s0)
+            est = st.estimate(g, stat, denominator=muon_s0)
             headline.append(_entry(name, scope, est, per_level, note))
         if ("muon", s0) not in groups:
             continue
         for arm, s in sorted(groups):
             x = "m0" if (arm, s) == ("muon", s0) else "x"  # the baseline over itself is 1 in every resample
             g = {x: groups[(arm, s)], "m0": groups[("muon", s0)]}
-            est = st.estimate(
-                g, lambda g, x=x: _mean(g[x]) / _mean(g["m0"]), n_boot, denominator=lambda g: _mean(g["m0"])
-            )
+            est = st.estimate(g, lambda g, x=x: _mean(g[x]) / _mean(g["m0"]), denominator=lambda g: _mean(g["m0"]))
             seeds = st.shared_seeds(g)
             per_seed = [float(groups[(arm, s)][seed][:, 0].mean()) for seed in seeds]
             per_s.append(
@@ -309,7 +305,7 @@ def _zipf_entries(data: LevelData, n_boot: int) -> tuple[list[HeadlineEntry], li
     return headline, per_s
 
 
-def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
+def _rho_entries(data: LevelData) -> list[HeadlineEntry]:
     s0 = data.s_values[0]
     few = "two stable checkpoints off the plateau"
     out = []
@@ -356,17 +352,17 @@ def _rho_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
             per_seed = [{"seed": k, "early": rho(x, 2), "late": rho(x, 3)} for k, x in groups[arm].items()]
             g = {"x": groups[arm]}
             note = "; ".join(n for n in notes if n.startswith(f"{arm} "))
-            early = st.estimate(g, lambda g: rho(g["x"], 2), n_boot)
+            early = st.estimate(g, lambda g: rho(g["x"], 2))
             out.append(_entry(f"rho_within_{arm}_early", scope, early, per_seed, note))
-            late = st.estimate(g, lambda g: rho(g["x"], 3), n_boot)
+            late = st.estimate(g, lambda g: rho(g["x"], 3))
             out.append(_entry(f"rho_within_{arm}_late", scope, late, per_seed, note))
-            change = st.estimate(g, lambda g: rho(g["x"], 3) - rho(g["x"], 2), n_boot)
+            change = st.estimate(g, lambda g: rho(g["x"], 3) - rho(g["x"], 2))
             out.append(_entry(f"rho_within_{arm}_change", scope, change, per_seed, note))
 
         def gap_of(g: Mapping[str, np.ndarray]) -> float:
             return rho(g["muon"], 3) - rho(g["muon"], 2) - rho(g["adamw"], 3) + rho(g["adamw"], 2)
 
-        gap = st.estimate(groups, gap_of, n_boot)  # paired by seed id: the seeds both arms have
+        gap = st.estimate(groups, gap_of)  # paired by seed id: the seeds both arms have
         per_seed = [{"seed": k, "value": gap_of({a: groups[a][k] for a in groups})} for k in gap.seeds]
         gap_note = "; ".join(n for n in [*notes, _unshared(groups, {})] if n)
         out.append(_entry("rho_within_change_gap", scope, gap, per_seed, gap_note))
@@ -381,7 +377,7 @@ DECOMPOSITION = {
 }
 
 
-def _decomposition_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
+def _decomposition_entries(data: LevelData) -> list[HeadlineEntry]:
     """The between-run NDS ratio split at each matched level (descriptive): the direction term
     NDS(AdamW's direction) / NDS(Muon's direction) at one W (AdamW's, or Muon's), and the landscape
     term NDS(Muon's direction at AdamW's W) / NDS(Muon's direction at Muon's W); direction term at
@@ -407,20 +403,20 @@ def _decomposition_entries(data: LevelData, n_boot: int) -> list[HeadlineEntry]:
                     groups["levels"].append(np.array(rows))
             complete = len(per_level) == sum(len(r.comparison.headline_levels) for r in usable)
             if usable and per_level and complete:
-                out += _ratio_entries(name, "", scope, groups, per_level, n_boot, "")
+                out += _ratio_entries(name, "", scope, groups, per_level, "")
     return out
 
 
-def headline(data: LevelData, n_boot: int = st.N_BOOT) -> tuple[list[HeadlineEntry], list[ZipfPoint]]:
+def headline(data: LevelData) -> tuple[list[HeadlineEntry], list[ZipfPoint]]:
     """Every headline entry (module docstring) and the per-s normalized NDS, from the per-level data alone."""
     entries = []
     for arm in MATCHED:
         if data.matched(MATCHED[arm]):
-            entries += _matched_entries(data, arm, n_boot)
-    entries += _decomposition_entries(data, n_boot)
-    entries += _equal_step_entries(data, n_boot)
-    zipf, per_s = _zipf_entries(data, n_boot)
-    entries += zipf + _rho_entries(data, n_boot)
+            entries += _matched_entries(data, arm)
+    entries += _decomposition_entries(data)
+    entries += _equal_step_entries(data)
+    zipf, per_s = _zipf_entries(data)
+    entries += zipf + _rho_entries(data)
     return entries, per_s
 
 

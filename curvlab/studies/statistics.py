@@ -55,8 +55,6 @@ from scipy import special
 
 from curvlab.errors import CurvlabError
 
-N_BOOT = 0  # kept for callers' signatures: intervals are seed-level t intervals now, no resampling
-BOOTSTRAP_SEED = 0
 CONFIDENCE = 0.95
 ALPHA = 0.05  # two-sided level of the primary family's tests, after Holm's correction
 MIN_SEEDS = 3  # fewer seeds: no direction verdict (the entry is descriptive)
@@ -293,7 +291,6 @@ class Estimate:
     ci95: tuple[float, float] | None
     n_seeds: int
     n_units: int
-    n_boot: int = 0  # no resampling any more (kept for readers of older records)
     failed_replicates: int = 0  # seeds whose own statistic is not finite (then there is no interval)
     # the statistic is a ratio whose denominator's own t interval over seeds contains 0
     denominator_spans_zero: bool = False
@@ -335,8 +332,7 @@ def _stack(rows: Sequence[np.ndarray]) -> np.ndarray:
 def estimate(
     groups: Groups,
     statistic: Statistic,
-    n_boot: int = N_BOOT,
-    seed: int = BOOTSTRAP_SEED,
+    *,
     confidence: float = CONFIDENCE,
     denominator: Statistic | None = None,
 ) -> Estimate:
@@ -356,7 +352,7 @@ def estimate(
         groups: ``{group: {seed: rows}}`` (or ``{group: [rows of seed 0, rows of seed 1, ...]}``), each
             rows an array ``(units, columns)``. Seeds without rows are dropped.
         statistic: ``{group: stacked rows} -> float``.
-        n_boot, seed: unused (kept for callers of the former bootstrap).
+        confidence: the interval's coverage.
         denominator: for a ratio, its denominator on the same data.
 
     Raises:
@@ -381,7 +377,7 @@ def estimate(
         dens = np.array([denominator(g) for g in per_seed], dtype=float) if denominator is not None else None
     failed = int((~np.isfinite(values)).sum() + (0 if dens is None else (~np.isfinite(dens)).sum()))
     if failed:
-        return Estimate(value, None, n_seeds, n_units, 0, failed, seeds=ids)
+        return Estimate(value, None, n_seeds, n_units, failed_replicates=failed, seeds=ids)
     if dens is None:
         # the value is the interval's centre, the mean of the per-seed values: for a statistic that isn't
         # linear in the rows (a ratio of sums, as rho_within) the pooled value can lie outside the interval
@@ -410,7 +406,7 @@ def median_ratio(rows: np.ndarray) -> float:
         return float(np.nanmedian(rows[:, 0] / rows[:, 1]))
 
 
-def ratio_estimates(seeds: SeedRows, n_boot: int = N_BOOT) -> dict[str, Estimate]:
+def ratio_estimates(seeds: SeedRows) -> dict[str, Estimate]:
     """Both estimates of one ratio from the same (numerator, denominator) rows, one array per seed
     (``{seed: rows}``, or a list whose positions are the seeds):
     ``""`` the ratio of means (the paper's kind of average; its denominator checked for 0) and
@@ -422,10 +418,9 @@ def ratio_estimates(seeds: SeedRows, n_boot: int = N_BOOT) -> dict[str, Estimate
         "": estimate(
             groups,
             lambda g: ratio_of_means(g["units"]),
-            n_boot,
             denominator=lambda g: denominator_of_means(g["units"]),
         ),
-        "_median": estimate(groups, lambda g: median_ratio(g["units"]), n_boot),
+        "_median": estimate(groups, lambda g: median_ratio(g["units"])),
     }
 
 

@@ -44,10 +44,10 @@ def track_run(
     or those at ``steps``; write ``track.json`` and ``track.csv`` to ``out``. Returns the
     per-checkpoint scalars, with the schedule (multiplier, phase) of each step and whether it sits on
     the unigram plateau (at or above ``plateau_ceiling``). ``fsdp``: sharded checkpoints, analysed
-    sharded on every rank (as in :func:`compare_runs`). ``settings_at``: steps analysed with other
-    settings (a reproduction takes the controls' stability context at a subset of the tracked steps). A
-    run still training is refused, and ``out`` is held while the track writes there, as in
-    :func:`~curvlab.studies.compare.compare_runs`."""
+    sharded on every rank (as in :func:`~curvlab.studies.compare.compare_runs`). ``settings_at``: steps
+    analysed with other settings (a reproduction takes the controls' stability context at a subset of
+    the tracked steps). A run still training is refused, and ``out`` is held while the track writes
+    there, as in :func:`~curvlab.studies.compare.compare_runs`."""
     settings = settings or AnalysisSettings()
     settings_at = dict(settings_at or {})
     for s in (settings, *settings_at.values()):

@@ -1,7 +1,7 @@
-"""Progress of long loops: a tqdm bar on a terminal, a plain line every so often anywhere else.
+r"""Progress of long loops: a tqdm bar on a terminal, a plain line every so often anywhere else.
 
 A bar redraws itself with a carriage return at every update; written to a log file, a pipe or a CI
-console, that is hundreds of kilobytes of ``\\r`` fragments. So when the stream is not a terminal,
+console, that is hundreds of kilobytes of ``\r`` fragments. So when the stream is not a terminal,
 :func:`progress` prints one plain line every ``interval`` seconds (default 30, or the environment's
 ``CURVLAB_PROGRESS_INTERVAL``) and one at the end::
 
