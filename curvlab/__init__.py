@@ -1,5 +1,7 @@
 """curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block matrix)."""
 
+from importlib import metadata as _metadata
+
 from curvlab.curvature.groupings import group_parameters, hidden_matrices
 from curvlab.curvature.spectral import hutch_plus_plus, hutchinson, lanczos, spectral_density
 from curvlab.curvature.taylor import (
@@ -38,7 +40,10 @@ from curvlab.runs.monitor import (
     curvature_lightning_callback,
 )
 
-__version__ = "0.1.0"
+try:  # pyproject.toml states the version, once; records read the same metadata (curvlab.util.versions)
+    __version__ = _metadata.version("curvlab")
+except _metadata.PackageNotFoundError:  # a source tree on the path that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Batches",

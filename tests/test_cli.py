@@ -1,8 +1,12 @@
+import re
+from pathlib import Path
+
 from typer.testing import CliRunner
 
 from curvlab.cli import app
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pcfg_generate_and_stats(tmp_path):
@@ -129,3 +133,17 @@ def test_train_flags_override_the_config_file_over_the_defaults(tmp_path, monkey
     path.write_text(json.dumps({**fields, "steps": "70"}))
     r = runner.invoke(app, ["train", "--config", str(path)])
     assert r.exit_code == 2 and "steps must be int, got '70'" in r.output
+
+
+def test_version_prints_the_one_stated_version():
+    """``curvlab version`` prints pyproject.toml's version (read back from the installed metadata), which is the
+    CHANGELOG's newest release, and no module repeats it."""
+    stated = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE).group(1)
+    r = runner.invoke(app, ["version"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"curvlab {stated} (torch "), (
+        f"{r.output!r}: installed before the bump? pip install -e ."
+    )
+    newest = re.search(r"^## \[(\d[^\]]*)\]", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE).group(1)
+    assert newest == stated
+    assert not [p for p in (ROOT / "curvlab").rglob("*.py") if f'"{stated}"' in p.read_text()]

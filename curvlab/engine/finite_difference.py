@@ -90,7 +90,9 @@ def finite_difference_hvp(
     r""":math:`H[v]` by central differences of gradients, :math:`D(h)`, with its stated error (module docstring).
 
     Args:
-        loss_fn, params, batch: as for :func:`curvlab.engine.hvp.hvp` (``params`` may be sharded DTensors).
+        loss_fn: as for :func:`curvlab.engine.hvp.hvp`.
+        params: as for :func:`curvlab.engine.hvp.hvp` (they may be sharded DTensors).
+        batch: as for :func:`curvlab.engine.hvp.hvp`.
         v: the direction, a dict like ``params`` (sharded like them when they are).
         step: h along :math:`v/\|v\|` (default :math:`\epsilon^{1/3}` of the working dtype).
         dtype: computation dtype (default float32, or float64 when the parameters are).

@@ -40,7 +40,8 @@ class Operator:
     Args:
         dim: the length of the flat vectors it acts on.
         matmat: ``X (dim, K) -> A X (dim, K)``, called with ``X`` already on ``device`` in ``dtype``.
-        device, dtype: where and in what precision ``matmat`` computes.
+        device: where ``matmat`` computes.
+        dtype: the precision ``matmat`` computes in.
 
     ``num_matvecs`` counts the products taken (a matmat of K columns counts K).
     """
@@ -149,7 +150,9 @@ def hessian_operator(
     k=1)`` works as with any scipy operator.
 
     Args:
-        loss_fn, params, batch: as for :func:`curvlab.engine.hvp.hvp` (``params`` is not modified).
+        loss_fn: as for :func:`curvlab.engine.hvp.hvp`.
+        params: as for :func:`curvlab.engine.hvp.hvp` (not modified).
+        batch: as for :func:`curvlab.engine.hvp.hvp`.
         dtype: computation dtype (default float32, or float64 when the parameters are).
         subset: parameter names: the principal block :math:`H_{SS}`, flattened in ``subset``'s order
             (default: all parameters, in ``params``' order, as :func:`curvlab.engine.params.flatten` lays them out).
