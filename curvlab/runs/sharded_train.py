@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from curvlab.engine._dtensors import require_process_group
+from curvlab.engine.dtensors import require_process_group
 from curvlab.engine.loss import count_loss_terms, token_cross_entropy
 from curvlab.errors import CurvlabError
 from curvlab.runs.checkpoint import add_to_index, read_index
