@@ -23,17 +23,17 @@ from curvlab.engine import params as P
 def curvature_costs(args) -> None:
     cfg, loss_fn, params, batch = tiny_problem(args.batch)
     z = P.scale({k: torch.randn_like(t) for k, t in params.items()}, 1e-3)
-    blocks = group_parameters(params, "layer")
+    blocks = group_parameters(params, blocks="layer")
     padded = [P.restrict(z, names) for names in blocks.values()]
     L = len(blocks)
     t = interleaved_medians(
         {
             "sequential": lambda: [hvp(loss_fn, params, batch, d) for d in padded],
             "block hvp": lambda: block_matrix(loss_fn, params, batch, z),
-            "block alpha": lambda: block_matrix(loss_fn, params, batch, z, via="alpha"),
+            "block alpha": lambda: block_matrix(loss_fn, params, batch, z, block_method="alpha"),
             "one hvp": lambda: hvp(loss_fn, params, batch, z),
             "loss": lambda: evaluate_loss(loss_fn, params, batch),
-            "split all": lambda: taylor_split(loss_fn, params, batch, z, subset=[]),
+            "split all": lambda: taylor_split(loss_fn, params, batch, z, scope=None),
             "split both": lambda: taylor_split(loss_fn, params, batch, z),
             "split+blocks": lambda: taylor_split_and_block_matrix(loss_fn, params, batch, z),
         },

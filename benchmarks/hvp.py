@@ -23,7 +23,7 @@ from timing import interleaved_medians, print_table, tiny_problem
 from torch.func import functional_call, grad, jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from curvlab import CurvaturePoint, exact_second_order, hvp, quadratic_form
+from curvlab import CurvaturePoint, exact_second_order, forward_quadratic_form, hvp
 
 
 def plain_loss(model, x, y):
@@ -76,7 +76,7 @@ def measurements(args) -> dict[str, object]:
         "one more HVP at a kept point": lambda: kept.hvp(v),
         "8 directions at one point, rev_rev": point_k("rev_rev"),
         "8 directions at one point, fwd_rev": point_k("fwd_rev"),
-        "quadratic form (jvp of jvp)": lambda: quadratic_form(loss_fn, params, batch, v),
+        "quadratic form (jvp of jvp)": lambda: forward_quadratic_form(loss_fn, params, batch, v),
     }
     if args.compile:
         compiled = torch.compile(lambda p, d: jvp(grad(f), (p,), (d,))[1])

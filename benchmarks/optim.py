@@ -24,8 +24,8 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for shape in [(1024, 1024), (768, 3072)]:
         X = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-        exact = msign(X, method="svd").double()
-        t_svd = median_seconds(lambda X=X: msign(X, method="svd"), r)
+        exact = msign(X, polar="svd").double()
+        t_svd = median_seconds(lambda X=X: msign(X, polar="svd"), r)
         print(f"| {shape[0]}x{shape[1]} | svd (float64) | {t_svd:.3f} | 1.0x | 0 |")
         variants = [
             ("newton_schulz", torch.bfloat16),
@@ -33,8 +33,8 @@ def main() -> None:
             ("polar_express", torch.bfloat16),
         ]
         for method, dtype in variants:
-            t = median_seconds(lambda X=X, m=method, d=dtype: msign(X, method=m, dtype=d), r)
-            err = float((msign(X, method=method, dtype=dtype).double() - exact).norm() / exact.norm())
+            t = median_seconds(lambda X=X, m=method, d=dtype: msign(X, polar=m, dtype=d), r)
+            err = float((msign(X, polar=method, dtype=dtype).double() - exact).norm() / exact.norm())
             name = f"{method} ({str(dtype).removeprefix('torch.')})"
             print(f"| {shape[0]}x{shape[1]} | {name} | {t:.3f} | {t_svd / t:.1f}x faster | {err:.3f} |")
 

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from curvlab import block_matrix, hvp, make_loss_fn
-from curvlab.engine._dtensors import shard_like
+from curvlab.engine.dtensors import shard_like
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.models.gpt import GPT, get_config
 

@@ -16,7 +16,7 @@ def mlp_problem():
     model = MLP().double()
     x = torch.randn(9, 5, dtype=torch.float64)
     y = torch.randint(0, 3, (9,))
-    loss_fn = make_loss_fn(model, torch.nn.functional.cross_entropy)
+    loss_fn = make_loss_fn(model, criterion=torch.nn.functional.cross_entropy)
     params = {k: v.detach() for k, v in model.named_parameters()}
     return loss_fn, params, (x, y)
 

@@ -31,17 +31,17 @@ from curvlab import (
     build_optimizer,
     evaluate_loss,
     exact_second_order,
+    forward_quadratic_form,
     group_parameters,
     hidden_matrices,
     hvp,
     make_loss_fn,
     parameter_roles,
-    quadratic_form,
 )
 from curvlab.engine import params as P
 from curvlab.engine.loss import token_cross_entropy
 from curvlab.errors import CurvlabError
-from curvlab.runs.monitor import curvature_callback
+from curvlab.runs.monitor import trainer_curvature_callback
 from tests.builders import hf_trainer
 from tests.reference import double_backward
 
@@ -218,7 +218,7 @@ def test_stochastic_layers_are_off_inside_the_exact_mode(name):
             logits, labels = logits[:, :-1], labels[:, 1:]
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
-    with exact_second_order("rev_rev", model=model):  # (exact_second_order(model=...) runs it as in eval mode)
+    with exact_second_order(method="rev_rev", model=model):  # (exact_second_order(model=...) runs it as in eval mode)
         assert float(own(params, batch)) == pytest.approx(loss, rel=1e-13)
     assert training_flags(model) == flags
 
@@ -241,7 +241,7 @@ def test_activation_checkpointing_is_off_inside_the_exact_mode(reentrant):
     _, _, (hv,) = double_backward(ref, params, batch, [v])
     for method in ("rev_rev", "fwd_rev"):
         assert rel_error(hvp(loss_fn, params, batch, v, method=method), hv) < 1e-12, method
-    _, zhz = quadratic_form(loss_fn, params, batch, v)
+    _, zhz = forward_quadratic_form(loss_fn, params, batch, v)
     assert zhz == pytest.approx(P.dot(v, hv), rel=1e-10)
     assert model.training and model.is_activation_checkpointing
 
@@ -273,7 +273,7 @@ def test_torch_checkpoint_called_by_the_model_itself_runs_plainly_inside(reentra
     _, _, (hv,) = double_backward(
         lambda p, b: F.cross_entropy(model.plain(p, b[0].double()), b[1]), params, (x, y), [v]
     )
-    loss_fn = make_loss_fn(model, F.cross_entropy)
+    loss_fn = make_loss_fn(model, criterion=F.cross_entropy)
     for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
         for method in ("rev_rev", "fwd_rev"):
             got = hvp(loss_fn, P.cast(params, dtype), (x, y), v, method=method)
@@ -313,7 +313,7 @@ class StepRecorder(transformers.TrainerCallback):
 
 
 def test_gradient_checkpointing_inside_a_real_trainer_run(tmp_path):
-    """``Trainer(gradient_checkpointing=True)`` with ``curvature_callback`` measures every step (it
+    """``Trainer(gradient_checkpointing=True)`` with ``trainer_curvature_callback`` measures every step (it
     used to die at the first), each row's NDS equal to the float64 double-backward NDS of the step
     the Trainer took, and training goes on with checkpointing on."""
     torch.manual_seed(0)
@@ -323,7 +323,7 @@ def test_gradient_checkpointing_inside_a_real_trainer_run(tmp_path):
     monitor = CurvatureMonitor(model, None, make_loss_fn(model), held_batch, every=1)
     recorder = StepRecorder(model)
     trainer = hf_trainer(
-        model, tmp_path, TokenDataset(16, 8, 0), [curvature_callback(monitor), recorder], max_steps=2,
+        model, tmp_path, TokenDataset(16, 8, 0), [trainer_curvature_callback(monitor), recorder], max_steps=2,
         per_device_train_batch_size=4, learning_rate=1e-2, lr_scheduler_type="constant", gradient_checkpointing=True,
         save_strategy="no", seed=0,
     )  # fmt: skip
@@ -389,7 +389,7 @@ def test_encoder_and_decoder_layers_are_separate_blocks(float64_t5_norm):
     torch.manual_seed(0)
     model = t5().double()
     names = [n for n, _ in model.named_parameters()]
-    blocks = group_parameters(names, "layer", model)
+    blocks = group_parameters(names, blocks="layer", model=model)
     assert list(blocks) == [
         "encoder.block.0", "encoder.block.1", "encoder.final_norm",
         "decoder.block.0", "decoder.block.1", "decoder.final_norm", "head",
@@ -520,7 +520,7 @@ def test_a_random_draw_left_inside_the_exact_mode_is_reported():
     params = float64_params(model)
     batch = (torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,)))
     with pytest.warns(UserWarning, match=r"draws random numbers.*randn_like\(\) at test_clients\.py:\d+ in forward"):
-        hvp(make_loss_fn(model, F.cross_entropy), params, batch, direction(params, 1))
+        hvp(make_loss_fn(model, criterion=F.cross_entropy), params, batch, direction(params, 1))
 
     class DirectDropout(Noisy):  # torch.dropout called directly, always in training form: the identity inside
         def forward(self, x):
@@ -535,7 +535,7 @@ def test_a_random_draw_left_inside_the_exact_mode_is_reported():
     _, _, (hv,) = double_backward(plain, params, batch, [v])
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        assert rel_error(hvp(make_loss_fn(model, F.cross_entropy), params, batch, v), hv) < 1e-12
+        assert rel_error(hvp(make_loss_fn(model, criterion=F.cross_entropy), params, batch, v), hv) < 1e-12
 
 
 # --- item 14: roles and kinds by structure --------------------------------------------------------
@@ -592,7 +592,7 @@ def test_kind_grouping_finds_attention_and_mlp_by_structure():
     for build, kinds in expected.items():
         model = build()
         names = [n for n, _ in model.named_parameters()]
-        got = {n: b for b, ns in group_parameters(names, "kind", model).items() for n in ns}
+        got = {n: b for b, ns in group_parameters(names, blocks="kind", model=model).items() for n in ns}
         assert {n: got[n] for n in kinds} == kinds, build.__name__
 
     class Block(nn.Module):  # names that say nothing: a token mixer of four maps, then two maps
@@ -610,7 +610,9 @@ def test_kind_grouping_finds_attention_and_mlp_by_structure():
             self.readout = nn.Linear(4, 3)
 
     got = {
-        n: b for b, ns in group_parameters([n for n, _ in Net().named_parameters()], "kind", Net()).items() for n in ns
+        n: b
+        for b, ns in group_parameters([n for n, _ in Net().named_parameters()], blocks="kind", model=Net()).items()
+        for n in ns
     }
     assert [got[f"stack.0.mix.{k}.weight"] for k in "abcd"] == ["attn_q", "attn_k", "attn_v", "attn_o"]
     assert got["stack.1.up.bias"] == "mlp_in" and got["stack.1.down.weight"] == "mlp_out"  # a run of single maps
@@ -631,7 +633,7 @@ def test_roles_rules_and_their_overrides():
     assert all(roles[n] == "other" for n in vectors)
     with pytest.raises(CurvlabError, match="no hidden weight matrices for Muon"):  # (IA3 trains only its vectors)
         build_optimizer("muon", model)
-    overridden = parameter_roles(model, {"*.ia3_l.*": "hidden"})
+    overridden = parameter_roles(model, overrides={"*.ia3_l.*": "hidden"})
     assert all(overridden[n] == "hidden" for n in vectors)
     muon = build_optimizer("muon", model, muon_rule=lambda n, p: overridden[n] == "hidden").optimizers["muon"]
     trainable = dict(model.named_parameters())
@@ -642,11 +644,11 @@ def test_roles_rules_and_their_overrides():
     assert roles["vit.embeddings.patch_embeddings.projection.weight"] == "embedding"
     assert roles["vit.embeddings.patch_embeddings.projection.bias"] == "embedding"
     params = {n: p.detach() for n, p in model.named_parameters()}
-    hidden = hidden_matrices(params, model)
+    hidden = hidden_matrices(params, model=model)
     assert "vit.embeddings.patch_embeddings.projection.weight" not in hidden and "classifier.weight" not in hidden
     assert "vit.layers.0.attention.q_proj.weight" in hidden
     assert (
-        parameter_roles(model, {"*.patch_embeddings.projection.weight": "hidden"})[
+        parameter_roles(model, overrides={"*.patch_embeddings.projection.weight": "hidden"})[
             "vit.embeddings.patch_embeddings.projection.weight"
         ]
         == "hidden"

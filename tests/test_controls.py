@@ -16,7 +16,7 @@ from curvlab.analysis.directions import counterfactual_directions
 from curvlab.analysis.report import analyze
 from curvlab.analysis.targets import AnalysisSettings, open_checkpoint
 from curvlab.engine import params as P
-from curvlab.engine.hvp import quadratic_form
+from curvlab.engine.hvp import forward_quadratic_form
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
 from curvlab.optim.adam import adam_edge_of_stability
@@ -67,7 +67,7 @@ def _directions(target, twins):
     loss_fn = make_loss_fn(model)
     G, Z = next_update(model, target.optimizer, loss_fn, target.train_batches[0], max_grad_norm=target.grad_clip)
     own = "adamw" if optimizer_of(target) == "adam" else "muon"
-    _, _, dirs = counterfactual_directions(model, target.optimizer, G, Z, [own], target.shadow, twins)
+    _, _, dirs = counterfactual_directions(model, target.optimizer, G, Z, [own], shadow=target.shadow, controls=twins)
     return {d.name: d for d in dirs}, own
 
 
@@ -124,12 +124,14 @@ def test_held_out_injected_and_stability_at_a_checkpoint(controlled_run):
     loss_fn = make_loss_fn(model)
     params = {n: p.detach() for n, p in model.named_parameters()}
     G, Z = next_update(model, target.optimizer, loss_fn, target.train_batches[0], max_grad_norm=target.grad_clip)
-    _, _, dirs = counterfactual_directions(model, target.optimizer, G, Z, ["adamw", "muon"], target.shadow)
+    _, _, dirs = counterfactual_directions(model, target.optimizer, G, Z, ["adamw", "muon"], shadow=target.shadow)
     hidden = r.paired.hidden_names
     for d in dirs:
         zh = {n: d.z[n] if n in hidden else torch.zeros_like(params[n]) for n in params}
         zh = P.cast(zh, torch.float64)
-        expected = quadratic_form(loss_fn, params, target.val_batches[0], zh, torch.float64)[1] / P.dot(zh, zh)
+        expected = forward_quadratic_form(loss_fn, params, target.val_batches[0], zh, dtype=torch.float64)[1] / P.dot(
+            zh, zh
+        )
         assert c.held_out[d.name] == pytest.approx(expected, rel=1e-8)
         assert r.scalars().paired[heldout_key(d.name)] == c.held_out[d.name]
     for ratio in INJECTED_RATIOS:

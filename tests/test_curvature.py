@@ -42,12 +42,12 @@ def test_taylor_split_on_a_quadratic_equals_closed_forms():
     assert s.update_norm == pytest.approx(float(zf.norm()), rel=1e-12)
     assert s.grad_norm == pytest.approx(float(G.norm()), rel=1e-12)
     assert s.cosine == pytest.approx(float(G @ zf / (G.norm() * zf.norm())), rel=1e-12)
-    # the subset defaults to the hidden 2-D matrices: here "layer.0.w", the first 6 coordinates
-    assert s.subset_names == ("layer.0.w",)
+    # the hidden scope defaults to the hidden 2-D matrices: here "layer.0.w", the first 6 coordinates
+    assert s.hidden_names == ("layer.0.w",)
     zs = torch.cat([zf[:6], torch.zeros(4, dtype=torch.float64)])
-    assert s.subset.nds == pytest.approx(float(zs @ A @ zs / (zs @ zs)), rel=1e-12)
-    assert s.subset.first_order == pytest.approx(float(G @ zs), rel=1e-12)
-    assert s.subset.realized == pytest.approx(float(G @ zs - 0.5 * zs @ A @ zs), rel=1e-10)
+    assert s.hidden.nds == pytest.approx(float(zs @ A @ zs / (zs @ zs)), rel=1e-12)
+    assert s.hidden.first_order == pytest.approx(float(G @ zs), rel=1e-12)
+    assert s.hidden.realized == pytest.approx(float(G @ zs - 0.5 * zs @ A @ zs), rel=1e-10)
 
 
 def test_block_matrix_on_a_quadratic_equals_closed_forms():
@@ -55,7 +55,7 @@ def test_block_matrix_on_a_quadratic_equals_closed_forms():
     z = random_direction(params, 4)
     zf = P.flatten(z)
     for via, method in itertools.product(("hvp", "alpha"), ("rev_rev", "fwd_rev")):
-        bm = block_matrix(loss_fn, params, None, z, blocks="tensor", via=via, method=method)
+        bm = block_matrix(loss_fn, params, None, z, blocks="tensor", block_method=via, method=method)
         z1 = torch.cat([zf[:6], torch.zeros(4, dtype=torch.float64)])
         z2 = zf - z1
         expected = np.array([[z1 @ A @ z1, z1 @ A @ z2], [z2 @ A @ z1, z2 @ A @ z2]]) / float(zf @ zf)
@@ -70,9 +70,11 @@ def test_block_matrix_equals_dense_hessian_blocks(transformer_problem, via, meth
     loss_fn, params, batch = transformer_problem
     z = random_direction(params, 5)
     H = dense_hessian(loss_fn, params, batch)
-    bm = block_matrix(loss_fn, params, batch, z, blocks=grouping, via=via, method=method, chunk_size=3)
+    bm = block_matrix(loss_fn, params, batch, z, blocks=grouping, block_method=via, method=method, chunk_size=3)
     zf = P.flatten(z)
-    members = group_parameters(params, grouping, loss_fn.model)  # the structural grouping block_matrix uses
+    members = group_parameters(
+        params, blocks=grouping, model=loss_fn.model
+    )  # the structural grouping block_matrix uses
     masks = [
         P.flatten({n: torch.full_like(t, float(n in set(b))) for n, t in params.items()}) for b in members.values()
     ]
@@ -93,7 +95,9 @@ def test_per_tensor_blocks_sum_to_per_layer_blocks(transformer_problem):
     z = random_direction(params, 6)
     per_tensor = block_matrix(loss_fn, params, batch, z, blocks="tensor")
     per_layer = block_matrix(loss_fn, params, batch, z, blocks="layer")
-    layer_of = {n: b for b, names in group_parameters(params, "layer", loss_fn.model).items() for n in names}
+    layer_of = {
+        n: b for b, names in group_parameters(params, blocks="layer", model=loss_fn.model).items() for n in names
+    }
     idx = [per_layer.names.index(layer_of[n]) for n in per_tensor.names]
     S = np.zeros((len(per_layer.names), len(per_tensor.names)))
     S[idx, np.arange(len(idx))] = 1.0
@@ -114,11 +118,11 @@ def test_taylor_remainder_shrinks_like_the_cube_of_the_step(transformer_problem)
     z = P.scale(random_direction(params, 8), 0.01)
     remainders = []
     for c in (1.0, 0.5, 0.25):
-        s = taylor_split(loss_fn, params, batch, P.scale(z, c), subset=[])
+        s = taylor_split(loss_fn, params, batch, P.scale(z, c), scope=None)
         remainders.append(abs(s.realized - s.predicted))
     for big, small in itertools.pairwise(remainders):
         assert 6.5 < big / small < 9.5
-    small_step = taylor_split(loss_fn, params, batch, P.scale(z, 0.1), subset=[])
+    small_step = taylor_split(loss_fn, params, batch, P.scale(z, 0.1), scope=None)
     assert small_step.realized == pytest.approx(small_step.predicted, rel=1e-3)
     L0 = float(deterministic(loss_fn)(params, batch))
     assert small_step.loss == pytest.approx(L0, rel=1e-12)
@@ -129,7 +133,7 @@ def test_taylor_split_in_float32_agrees_with_float64():
     model = MLP()
     from curvlab import make_loss_fn
 
-    loss_fn = make_loss_fn(model, torch.nn.functional.cross_entropy)
+    loss_fn = make_loss_fn(model, criterion=torch.nn.functional.cross_entropy)
     params = {k: v.detach() for k, v in model.named_parameters()}
     batch = (torch.randn(32, 5), torch.randint(0, 3, (32,)))
     z = P.scale(random_direction(params, 9), 0.01)
@@ -157,8 +161,8 @@ def test_bad_directions_and_blocks(transformer_problem):
         block_matrix(loss_fn, params, batch, z, blocks={"all": ["*"], "head": ["lm_head.*"]})
     with pytest.raises(ValueError, match="unknown block grouping"):
         block_matrix(loss_fn, params, batch, z, blocks="row")
-    with pytest.raises(ValueError, match="unknown block-matrix way"):
-        block_matrix(loss_fn, params, batch, z, via="dense")
+    with pytest.raises(ValueError, match="unknown block method"):
+        block_matrix(loss_fn, params, batch, z, block_method="dense")
     with pytest.raises(ValueError, match="unknown HVP method"):
         block_matrix(loss_fn, params, batch, z, method="dense")
 
@@ -176,15 +180,15 @@ def test_groupings_read_names():
         "transformer.ln_f.weight",
         "lm_head.weight",
     ]
-    layer = group_parameters(names, "layer")
+    layer = group_parameters(names, blocks="layer")
     assert list(layer) == ["embedding", "layer0", "layer10", "final_norm", "head"]
-    kind = {n: b for b, ns in group_parameters(names, "kind").items() for n in ns}
+    kind = {n: b for b, ns in group_parameters(names, blocks="kind").items() for n in ns}
     assert kind["transformer.h.0.attn.c_proj.weight"] == "attn_o"
     assert kind["transformer.h.0.mlp.c_proj.weight"] == "mlp_out"
     assert kind["transformer.h.10.attn.c_k.weight"] == "attn_k"
     assert kind["transformer.h.0.ln_1.weight"] == "norm"
     assert kind["lm_head.weight"] == "head"
-    assert group_parameters(["fc1.weight", "fc1.bias", "fc2.weight"], "layer") == {
+    assert group_parameters(["fc1.weight", "fc1.bias", "fc2.weight"], blocks="layer") == {
         "fc1": ["fc1.weight", "fc1.bias"],
         "fc2": ["fc2.weight"],
     }
@@ -192,7 +196,7 @@ def test_groupings_read_names():
     assert "transformer.wte.weight" not in hidden_matrices(shapes)
     assert "transformer.h.0.attn.c_q.weight" in hidden_matrices(shapes)
     with pytest.raises(ValueError, match="matches no parameter"):
-        group_parameters(names, {"x": ["nothing*"], "rest": ["*"]})
+        group_parameters(names, blocks={"x": ["nothing*"], "rest": ["*"]})
 
 
 def test_combined_call_equals_the_separate_ones(transformer_problem):
@@ -213,7 +217,7 @@ def test_combined_call_equals_the_separate_ones(transformer_problem):
         "cosine",
     ):
         assert getattr(split, key) == pytest.approx(getattr(alone, key), rel=1e-10)
-        assert getattr(split.subset, key) == pytest.approx(getattr(alone.subset, key), rel=1e-10)
+        assert getattr(split.hidden, key) == pytest.approx(getattr(alone.hidden, key), rel=1e-10)
     np.testing.assert_allclose(
         bm.matrix, block_matrix(loss_fn, params, batch, z, blocks="kind").matrix, rtol=1e-10, atol=1e-14
     )

@@ -124,7 +124,7 @@ def test_paired_ratio_on_a_kronecker_quadratic_from_an_adam_state_and_a_shadow_m
     loss_fn = _QuadLoss(model)
     G, Z = next_update(model, opt, loss_fn, None, dtype=torch.float64)
     shadow = ShadowState(ShadowSettings.for_kind("muon", polar="svd"), {"body.weight": (5, 5)})
-    base, _, dirs = counterfactual_directions(model, opt, G, Z, ["adamw", "muon"], shadow)
+    base, _, dirs = counterfactual_directions(model, opt, G, Z, ["adamw", "muon"], shadow=shadow)
     assert base == "adam" and [d.source for d in dirs] == ["real step", "shadow muon state"]
     params = {n: p.detach() for n, p in model.named_parameters()}
     with CurvaturePoint(loss_fn, params, None, dtype=torch.float64) as point:

@@ -89,8 +89,8 @@ def test_distributed_curvature_equals_single_process(tmp_path):
     single = taylor_split(loss_fn, params, batches, z).to_dict()
     for key in ("loss", "first_order", "curvature_penalty", "realized", "nds", "grad_norm", "cosine"):
         assert shared[key] == pytest.approx(single[key], rel=1e-12, abs=1e-15), key
-        assert shared["subset"][key if key != "loss" else "nds"] == pytest.approx(
-            single["subset"][key if key != "loss" else "nds"], rel=1e-12
+        assert shared["hidden"][key if key != "loss" else "nds"] == pytest.approx(
+            single["hidden"][key if key != "loss" else "nds"], rel=1e-12
         )
 
 

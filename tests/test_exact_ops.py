@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, jvp
 
-from curvlab import CurvaturePoint, exact_second_order, hvp, make_loss_fn, quadratic_form
+from curvlab import CurvaturePoint, exact_second_order, forward_quadratic_form, hvp, make_loss_fn
 from curvlab.engine import params as P
 from tests.builders import random_direction
 from tests.reference import dense_hessian
@@ -61,7 +61,7 @@ def norm_problem(name: str):
     model.train(name != "batch_norm_eval")
     x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randint(0, 3, (3,))
     params = {k: v.detach() for k, v in model.named_parameters()}
-    return model, make_loss_fn(model, F.cross_entropy), params, (x, y)
+    return model, make_loss_fn(model, criterion=F.cross_entropy), params, (x, y)
 
 
 def buffers_of(model):
@@ -73,13 +73,13 @@ def test_every_path_is_exact_through_every_norm_and_leaves_the_model_alone(name)
     model, loss_fn, params, batch = norm_problem(name)
     before = buffers_of(model)
     reference_model = copy.deepcopy(model)  # the reference may update its own running statistics
-    H = dense_hessian(make_loss_fn(reference_model, F.cross_entropy), params, batch)
+    H = dense_hessian(make_loss_fn(reference_model, criterion=F.cross_entropy), params, batch)
     v = random_direction(params, 3)
     exact = H @ P.flatten(v)
     for method in ("rev_rev", "fwd_rev"):
         got = P.flatten(hvp(loss_fn, params, batch, v, method=method))
         assert (got - exact).norm() <= 1e-12 * exact.norm(), method
-    _, zhz = quadratic_form(loss_fn, params, batch, v)
+    _, zhz = forward_quadratic_form(loss_fn, params, batch, v)
     assert zhz == pytest.approx(float(P.flatten(v) @ exact), rel=1e-10)
     with CurvaturePoint(loss_fn, params, batch, method="rev_rev") as point:  # several directions at once
         stacked = {n: torch.stack([v[n], 2 * v[n]]) for n in params}
@@ -150,12 +150,12 @@ def test_float64_requested_from_a_model_that_computes_in_float32_warns_with_the_
             return self.lin(x).float()  # what Hugging Face's .loss does to the logits
 
     model = Downcasting().double()
-    loss_fn = make_loss_fn(model, F.cross_entropy)
+    loss_fn = make_loss_fn(model, criterion=F.cross_entropy)
     params = {k: v.detach() for k, v in model.named_parameters()}
     batch = (torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,)))
     with pytest.warns(UserWarning, match=r"float64 was requested.*float\(\) to float32 at test_exact_ops\.py"):
         hvp(loss_fn, params, batch, random_direction(params))
-    fine = make_loss_fn(nn.Linear(4, 3).double(), F.cross_entropy)
+    fine = make_loss_fn(nn.Linear(4, 3).double(), criterion=F.cross_entropy)
     p = {k: v.detach() for k, v in fine.model.named_parameters()}
     import warnings
 
@@ -165,5 +165,5 @@ def test_float64_requested_from_a_model_that_computes_in_float32_warns_with_the_
 
 
 def test_exact_mode_rejects_an_unknown_method():
-    with pytest.raises(ValueError, match="unknown method"), exact_second_order("magic"):
+    with pytest.raises(ValueError, match="unknown method"), exact_second_order(method="magic"):
         pass

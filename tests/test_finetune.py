@@ -59,7 +59,7 @@ def test_adapter_taylor_split_and_block_matrix_match_a_dense_float64_reference()
     H, G, zf = dense_hessian(loss_fn, params, batch), dense_gradient(loss_fn, params, batch), P.flatten(z)
     norm2 = float(zf @ zf)
 
-    split = taylor_split(loss_fn, params, batch, z, subset=[])
+    split = taylor_split(loss_fn, params, batch, z, scope=None)
     assert split.first_order == pytest.approx(float(G @ zf), rel=1e-10)
     assert split.curvature_penalty == pytest.approx(0.5 * float(zf @ H @ zf), rel=1e-10)
     assert split.nds == pytest.approx(float(zf @ H @ zf) / norm2, rel=1e-10)

@@ -37,12 +37,12 @@ from curvlab import (
     block_matrix,
     build_optimizer,
     evaluate_loss,
+    forward_quadratic_form,
     group_parameters,
     hvp,
     make_loss_fn,
     next_update,
     parameter_roles,
-    quadratic_form,
     taylor_split,
     trainable_parameters,
 )
@@ -174,7 +174,7 @@ def exact_rms_norm(monkeypatch):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_curvature_matches_double_backward(problems, name, exact_rms_norm):
-    """hvp (both methods), quadratic_form, taylor_split and block_matrix against the independent
+    """hvp (both methods), forward_quadratic_form, taylor_split and block_matrix against the independent
     float64 reference; measured errors are ~1e-16 relative on every model."""
     model, batch, causal = problems[name]
     loss_fn = make_loss_fn(model)
@@ -186,18 +186,18 @@ def test_curvature_matches_double_backward(problems, name, exact_rms_norm):
     assert evaluate_loss(loss_fn, params, batch) == pytest.approx(loss, rel=1e-13)  # (dropout off inside)
     for method in ("fwd_rev", "rev_rev"):
         assert rel_error(hvp(loss_fn, params, batch, v, method=method), hv) < 1e-12, method
-    gz, zhz = quadratic_form(loss_fn, params, batch, v)
+    gz, zhz = forward_quadratic_form(loss_fn, params, batch, v)
     assert gz == pytest.approx(P.dot(g, v), rel=1e-12) and zhz == pytest.approx(P.dot(v, hv), rel=1e-12)
 
     hidden = [n for n, r in parameter_roles(model).items() if r == "hidden" and n in params]
     v_hidden = P.restrict(v, hidden)
     _, _, (hv_hidden,) = double_backward(ref, params, batch, [v_hidden])
     split = taylor_split(loss_fn, params, batch, v)
-    assert list(split.subset_names) == hidden
+    assert list(split.hidden_names) == hidden
     assert split.nds == pytest.approx(P.dot(v, hv) / P.dot(v, v), rel=1e-12)
     assert split.first_order == pytest.approx(P.dot(g, v), rel=1e-12)
     assert split.realized == pytest.approx(loss - float(ref(P.add(params, v, -1.0), batch)), rel=1e-12)
-    assert split.subset.nds == pytest.approx(P.dot(v_hidden, hv_hidden) / P.dot(v_hidden, v_hidden), rel=1e-12)
+    assert split.hidden.nds == pytest.approx(P.dot(v_hidden, hv_hidden) / P.dot(v_hidden, v_hidden), rel=1e-12)
 
     bm = block_matrix(loss_fn, params, batch, v, blocks="layer")
     members = list(bm.members.values())
@@ -324,10 +324,10 @@ def test_roles_from_structure(problems):
     assert roles["classifier.weight"] == roles["classifier.bias"] == "head"
     assert roles["bert.embeddings.token_type_embeddings.weight"] == "embedding"
     assert roles["bert.embeddings.LayerNorm.weight"] == "norm"
-    layer = group_parameters([n for n, _ in bert_model.named_parameters()], "layer", bert_model)
+    layer = group_parameters([n for n, _ in bert_model.named_parameters()], blocks="layer", model=bert_model)
     assert list(layer) == ["embedding", "layer0", "layer1", "pooler", "head"]
     assert "bert.embeddings.LayerNorm.weight" in layer["embedding"]
-    kind = {n: b for b, ns in group_parameters(roles, "kind", bert_model).items() for n in ns}
+    kind = {n: b for b, ns in group_parameters(roles, blocks="kind", model=bert_model).items() for n in ns}
     assert kind["bert.encoder.layer.0.attention.output.dense.weight"] == "attn_o"
     assert kind["bert.encoder.layer.0.output.dense.weight"] == "mlp_out"
     assert kind["classifier.weight"] == "head"
@@ -336,7 +336,7 @@ def test_roles_from_structure(problems):
     roles = parameter_roles(llama_model)
     assert roles["lm_head.weight"] == "head" and roles["model.embed_tokens.weight"] == "embedding"
     assert roles["model.norm.weight"] == roles["model.layers.0.input_layernorm.weight"] == "norm"
-    layer = group_parameters([n for n, _ in llama_model.named_parameters()], "layer", llama_model)
+    layer = group_parameters([n for n, _ in llama_model.named_parameters()], blocks="layer", model=llama_model)
     assert list(layer) == ["embedding", "layer0", "layer1", "final_norm", "head"]  # no block named "model"
     assert layer["final_norm"] == ["model.norm.weight"]
 
@@ -349,8 +349,8 @@ def test_roles_from_structure(problems):
     assert lora_roles["base_model.model.lm_head.weight"] == "head"
 
     with pytest.raises(ValueError, match="matches no parameter"):
-        parameter_roles(bert_model, {"nothing.*": "head"})
-    assert parameter_roles(bert_model, {"bert.pooler.*": "other"})["bert.pooler.dense.weight"] == "other"
+        parameter_roles(bert_model, overrides={"nothing.*": "head"})
+    assert parameter_roles(bert_model, overrides={"bert.pooler.*": "other"})["bert.pooler.dense.weight"] == "other"
 
 
 def test_muon_takes_the_hidden_matrices_and_reads_conv1d_transposed():
@@ -369,7 +369,7 @@ def test_muon_takes_the_hidden_matrices_and_reads_conv1d_transposed():
     batch = causal_batch(6, rows=4, length=8, padded=())  # 28 predicted tokens: full-rank 16 x 64 gradients
     G, Z = next_update(model, opt, make_loss_fn(model), batch, dtype=torch.float64)
     for name, scale in (("transformer.h.0.mlp.c_fc.weight", 2.0), ("transformer.h.0.attn.c_attn.weight", 3**0.5)):
-        expected = 0.02 * scale * msign(G[name], method="svd")
+        expected = 0.02 * scale * msign(G[name], polar="svd")
         np.testing.assert_allclose(Z[name].numpy(), expected.numpy(), rtol=1e-4, atol=1e-7)
     # mlp.c_proj's gradient has rank 15 (the next LayerNorm centres it), so compare singular values
     singular = torch.linalg.svdvals(Z["transformer.h.0.mlp.c_proj.weight"])
@@ -548,8 +548,8 @@ def test_fused_experts_are_hidden_matrices_one_per_expert():
     assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (4, 48, 16)
     assert shapes["model.layers.0.mlp.experts.down_proj"] == (4, 16, 24)
     params = trainable_parameters(model)
-    assert set(stacks) <= set(hidden_matrices(params, model))
-    kinds = group_parameters(names, "kind", model)
+    assert set(stacks) <= set(hidden_matrices(params, model=model))
+    kinds = group_parameters(names, blocks="kind", model=model)
     assert {n for n in stacks if "gate_up" in n} <= set(kinds["mlp_in"])
     assert {n for n in stacks if "down" in n} <= set(kinds["mlp_out"])
 
@@ -570,7 +570,7 @@ def test_fused_experts_are_hidden_matrices_one_per_expert():
         scale = math.sqrt(max(1, grads[n].shape[1] / grads[n].shape[2]))
         torch.testing.assert_close(table[n].detach(), before[n] - 0.1 * scale * polar, rtol=0, atol=1e-12)
 
-    overridden = parameter_roles(model, {"*.experts.*": "other"})
+    overridden = parameter_roles(model, overrides={"*.experts.*": "other"})
     opt = build_optimizer("muon", model, muon_rule=lambda n, p: overridden[n] == "hidden")
     assert not {id(table[n]) for n in stacks} & {
         id(p) for g in opt.optimizers["muon"].param_groups for p in g["params"]

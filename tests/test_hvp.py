@@ -13,13 +13,13 @@ from curvlab import (
     Batches,
     CurvaturePoint,
     exact_second_order,
+    forward_quadratic_form,
+    forward_quadratic_forms,
     gradient_and_hvps,
     hessian_operator,
     hvp,
     hvps,
     make_loss_fn,
-    quadratic_form,
-    quadratic_forms,
 )
 from curvlab.engine import params as P
 from curvlab.engine.finite_difference import FiniteDifferenceHVP, finite_difference_hvp
@@ -97,7 +97,7 @@ def test_uneven_batches_are_weighted_by_loss_terms(transformer_problem):
     assert rel_err(acc, ref) <= 1e-10
     equal_weights = P.flatten(hvp(loss_fn, params, Batches(parts, weights=[1, 1, 1]), v))
     assert rel_err(equal_weights, ref) > 1e-3  # the naive average is measurably wrong here
-    gz, zhz = quadratic_form(loss_fn, params, parts, v)
+    gz, zhz = forward_quadratic_form(loss_fn, params, parts, v)
     assert zhz == pytest.approx(float(P.flatten(v) @ ref), rel=1e-10)
     assert gz == pytest.approx(float(P.flatten(v) @ dense_gradient(loss_fn, params, whole)), rel=1e-10)
 
@@ -113,7 +113,7 @@ def test_a_batch_with_every_label_ignored_weighs_nothing(transformer_problem):
     ref = dense_hessian(loss_fn, params, (idx[1:], tgt[1:])) @ P.flatten(v)
     for method in METHODS:
         assert rel_err(P.flatten(hvp(loss_fn, params, parts, v, method=method)), ref) <= 1e-10, method
-    gz, zhz = quadratic_form(loss_fn, params, parts, v)
+    gz, zhz = forward_quadratic_form(loss_fn, params, parts, v)
     assert zhz == pytest.approx(float(P.flatten(v) @ ref), rel=1e-10)
     assert gz == pytest.approx(float(P.flatten(v) @ dense_gradient(loss_fn, params, (idx[1:], tgt[1:]))), rel=1e-10)
     with pytest.raises(CurvlabError, match="hold no loss terms"):
@@ -144,7 +144,7 @@ def test_forward_over_reverse_equals_double_backward(problem, request):
 def test_quadratic_form_equals_hvp_inner_product(problem, request):
     loss_fn, params, batch = request.getfixturevalue(problem)
     z = random_direction(params)
-    gz, zhz = quadratic_form(loss_fn, params, batch, z)
+    gz, zhz = forward_quadratic_form(loss_fn, params, batch, z)
     H = dense_hessian(loss_fn, params, batch)
     flat = P.flatten(z)
     assert zhz == pytest.approx(float(flat @ H @ flat), rel=1e-10)
@@ -156,10 +156,14 @@ def test_batched_quadratic_forms_in_chunks(transformer_problem):
     loss_fn, params, batch = transformer_problem
     dirs = [random_direction(params, s) for s in range(3)]
     stacked = {k: torch.stack([d[k] for d in dirs]) for k in params}
-    loss, gz, zhz = quadratic_forms(loss_fn, params, batch, stacked, chunk_size=2)
-    assert loss == pytest.approx(float(deterministic(loss_fn)(params, batch)), rel=1e-12)
+    gz, zhz = forward_quadratic_forms(loss_fn, params, batch, stacked, chunk_size=2)
+    with CurvaturePoint(loss_fn, params, batch) as point:  # the same pair by double backward
+        by_hvps = point.quadratic_forms(stacked)
+    torch.testing.assert_close((gz, zhz), by_hvps, rtol=1e-10, atol=0)
     for i, d in enumerate(dirs):
-        assert (float(gz[i]), float(zhz[i])) == pytest.approx(quadratic_form(loss_fn, params, batch, d), rel=1e-12)
+        assert (float(gz[i]), float(zhz[i])) == pytest.approx(
+            forward_quadratic_form(loss_fn, params, batch, d), rel=1e-12
+        )
 
 
 def test_exact_mode_makes_torch_func_hessian_right_through_layernorm(transformer_problem):
@@ -189,7 +193,7 @@ def test_float32_model_in_float64_and_bf16_upcast():
     torch.manual_seed(0)
     model = MLP()
     x, y = torch.randn(9, 5), torch.randint(0, 3, (9,))
-    loss_fn = make_loss_fn(model, torch.nn.functional.cross_entropy)
+    loss_fn = make_loss_fn(model, criterion=torch.nn.functional.cross_entropy)
     params = {k: v.detach() for k, v in model.named_parameters()}
     v = random_direction(params)
     H = dense_hessian(loss_fn, params, (x.double(), y))
@@ -219,7 +223,7 @@ def test_linear_operator_top_eigenvalue(problem, request):
     X = torch.randn(H.shape[0], 3, dtype=torch.float64)
     assert rel_err(op @ X, H @ X) <= 1e-10
     block = ["fc1.weight"] if "fc1.weight" in params else ["h.1.mlp_fc.weight"]
-    sub = hessian_operator(loss_fn, params, batch, subset=block, method="rev_rev")
+    sub = hessian_operator(loss_fn, params, batch, scope=block, method="rev_rev")
     x = np.random.default_rng(0).standard_normal(sub.dim)
     start = sum(t.numel() for k, t in params.items() if list(params).index(k) < list(params).index(block[0]))
     sl = slice(start, start + sub.dim)
@@ -322,7 +326,7 @@ def test_the_engine_keeps_the_parameters_dtype_and_never_creates_tensors_without
             assert all(t.dtype == torch.float64 for t in hv.values())
             taylor_split(loss_fn, params, batch, z, method=method)
             block_matrix(loss_fn, params, batch, z, method=method)
-            block_matrix(loss_fn, params, batch, z, via="alpha", method=method)
+            block_matrix(loss_fn, params, batch, z, block_method="alpha", method=method)
 
 
 def test_finite_difference_hvp_within_its_stated_error_and_its_record(mlp_problem):

@@ -234,7 +234,7 @@ def test_smuon_with_newton_schulz_keeps_H_singular_vectors_and_lands_in_the_band
 
     dA, dB = smuon_direction(A, B, s * B.T @ G, s * G @ A.T, s, polar=method, dtype=F64)
     D = s * (dB @ A + B @ dA)
-    dense = proj(msign(H, method=method, dtype=F64))
+    dense = proj(msign(H, polar=method, dtype=F64))
     assert (D - dense).norm() <= 1e-10 * dense.norm()
     assert (dense - proj(U @ torch.diag(expected) @ Vh)).norm() <= 1e-10 * dense.norm()
     # bf16 iteration, as the optimizer runs it: D = proj_T(U diag(f) Vᵀ) up to bf16 noise, with f in the band.

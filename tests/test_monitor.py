@@ -108,14 +108,14 @@ def test_rows_equal_the_analysis_of_the_checkpoints(runs, pcfg_data):
         model, W, Z = checkpoint_step(watched, row.step)
         loss_fn = make_loss_fn(model)
         ref = taylor_split(loss_fn, W, D, Z)
-        bm = block_matrix(loss_fn, W, D, Z, blocks="layer", via="alpha")
+        bm = block_matrix(loss_fn, W, D, Z, blocks="layer", block_method="alpha")
         got = {**row.split.to_dict(), "loss": row.loss}
         want = {**{k: getattr(ref, k) for k in SCOPE_KEYS}, "loss": ref.loss}
         for k in got:
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7 * abs(want["first_order"])), (row.step, k)
         for k in SCOPE_KEYS:
-            assert getattr(row.hidden, k) == pytest.approx(getattr(ref.subset, k), rel=1e-5, abs=1e-9), (row.step, k)
-        assert row.hidden_names == ref.subset_names
+            assert getattr(row.hidden, k) == pytest.approx(getattr(ref.hidden, k), rel=1e-5, abs=1e-9), (row.step, k)
+        assert row.hidden_names == ref.hidden_names
         assert row.blocks.names == bm.names
         scale = abs(bm.matrix).max()
         for k in ("within", "cross", "nds"):
@@ -182,7 +182,7 @@ def test_row_against_float64_finite_differences():
     assert row.hidden.first_order == pytest.approx(gz_s, rel=1e-6)
     assert row.hidden.nds == pytest.approx(zhz_s / P.dot(hidden, hidden), rel=1e-6)
     within = 0.0
-    for members in group_parameters(W, "layer").values():
+    for members in group_parameters(W, blocks="layer").values():
         z_l = {n: Z[n] if n in members else torch.zeros_like(Z[n]) for n in Z}
         within += finite_differences(loss, W, z_l, 0.02)[1] / zz
     assert row.blocks.within == pytest.approx(within, rel=1e-6)
@@ -377,7 +377,7 @@ def run_trainer(out, every):
     recording W after every step; with ``every``, the curvature callback measures every ``every`` steps."""
     from transformers import TrainerCallback
 
-    from curvlab.runs.monitor import curvature_callback
+    from curvlab.runs.monitor import trainer_curvature_callback
 
     class Recorder(TrainerCallback):
         def __init__(self):
@@ -398,7 +398,7 @@ def run_trainer(out, every):
     callbacks = [recorder]
     if every:
         monitor = CurvatureMonitor(model, None, make_loss_fn(model), {"input_ids": ids, "labels": ids}, every=every)
-        callbacks.append(curvature_callback(monitor))
+        callbacks.append(trainer_curvature_callback(monitor))
     trainer = hf_trainer(
         model, out, data, callbacks, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
         save_strategy="no",
@@ -419,4 +419,4 @@ def test_trainer_callback_measures_the_steps_the_trainer_takes(tmp_path):
         ref = taylor_split(loss_fn, W, D, {n: (W[n].double() - after[n].double()).float() for n in W})
         for k in SCOPE_KEYS:
             assert getattr(row.split, k) == pytest.approx(getattr(ref, k), rel=1e-6), (row.step, k)
-            assert getattr(row.hidden, k) == pytest.approx(getattr(ref.subset, k), rel=1e-6), (row.step, k)
+            assert getattr(row.hidden, k) == pytest.approx(getattr(ref.hidden, k), rel=1e-6), (row.step, k)

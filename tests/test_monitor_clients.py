@@ -13,9 +13,9 @@ from curvlab.curvature.taylor import taylor_split
 from curvlab.engine.loss import make_loss_fn
 from curvlab.runs.monitor import (
     CurvatureMonitor,
-    add_curvature_callback,
-    curvature_callback,
-    curvature_lightning_callback,
+    add_trainer_curvature_callback,
+    lightning_curvature_callback,
+    trainer_curvature_callback,
 )
 from tests.builders import hf_trainer, tiny_gpt2, token_data
 
@@ -41,9 +41,9 @@ def test_the_monitors_hidden_scope_is_taylor_splits_on_a_vit():
     monitor = CurvatureMonitor(model, None, loss_fn, batch)
     row = monitor.measure(0, params, z)
     ref = taylor_split(loss_fn, params, batch, z)
-    assert row.hidden_names == ref.subset_names and "classifier.weight" not in row.hidden_names
+    assert row.hidden_names == ref.hidden_names and "classifier.weight" not in row.hidden_names
     for k in SCOPE_KEYS:
-        assert getattr(row.hidden, k) == pytest.approx(getattr(ref.subset, k), rel=1e-6), k
+        assert getattr(row.hidden, k) == pytest.approx(getattr(ref.hidden, k), rel=1e-6), k
 
 
 def tensorboard_scalars(folder):
@@ -77,9 +77,9 @@ def hf_run(out, every, report_to=(), attach=True):
     if every:
         monitor = CurvatureMonitor(model, None, make_loss_fn(model), {"input_ids": ids, "labels": ids}, every=every)
         if attach:
-            add_curvature_callback(trainer, monitor)
+            add_trainer_curvature_callback(trainer, monitor)
         else:
-            trainer.add_callback(curvature_callback(monitor))
+            trainer.add_callback(trainer_curvature_callback(monitor))
     trainer.train()
     return trainer, monitor
 
@@ -172,12 +172,12 @@ def lightning_run(root, every):
     x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     held = (torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
-    loss_fn = make_loss_fn(module.net, torch.nn.functional.cross_entropy)
+    loss_fn = make_loss_fn(module.net, criterion=torch.nn.functional.cross_entropy)
     recorder, monitor = Recorder(), None
     callbacks = [recorder]
     if every:
         monitor = CurvatureMonitor(module.net, None, loss_fn, held, every=every)
-        callbacks.insert(0, curvature_lightning_callback(monitor))
+        callbacks.insert(0, lightning_curvature_callback(monitor))
     trainer = L.Trainer(
         max_steps=4, accelerator="cpu", logger=CSVLogger(str(root)), callbacks=callbacks, log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5,
@@ -248,6 +248,6 @@ def test_without_the_optional_packages_one_line_says_which(pcfg_data, tmp_path, 
     with pytest.raises(CurvlabError, match=r"pip install 'curvlab\[lightning\]'"):
         net = Net()
         batch = (torch.randn(2, 6), torch.tensor([0, 1]))
-        curvature_lightning_callback(
-            CurvatureMonitor(net, None, make_loss_fn(net, torch.nn.functional.cross_entropy), batch)
+        lightning_curvature_callback(
+            CurvatureMonitor(net, None, make_loss_fn(net, criterion=torch.nn.functional.cross_entropy), batch)
         )

@@ -80,7 +80,7 @@ def test_muon_options_follow_their_formula(scale, polar):
     buf = 0.1 * g
     update = g.lerp(buf, 0.9)
     ratio = {"original": max(1, 12 / 30) ** 0.5, "moonlight": 0.2 * 30**0.5, "spectral": (12 / 30) ** 0.5}[scale]
-    expected = W * (1 - 0.05 * 0.1) - 0.05 * ratio * msign(update, method=polar)
+    expected = W * (1 - 0.05 * 0.1) - 0.05 * ratio * msign(update, polar=polar)
     assert torch.allclose(p.detach(), expected, atol=1e-6)
     assert muon_scale(torch.Size([12, 30]), scale) == pytest.approx(ratio)
 
@@ -253,10 +253,12 @@ def test_muon_orthogonalizes_conv_kernels_flattened():
     in_muon = {id(p) for g in opt.optimizers["muon"].param_groups for p in g["params"]}
     assert in_muon == {id(model.conv1.weight), id(model.conv2.weight)}
     batch = (torch.randn(8, 1, 5, 5), torch.randint(0, 6, (8,)))
-    G, Z = next_update(model, opt, make_loss_fn(model, nn.functional.cross_entropy), batch, dtype=torch.float64)
+    G, Z = next_update(
+        model, opt, make_loss_fn(model, criterion=nn.functional.cross_entropy), batch, dtype=torch.float64
+    )
     for name, scale in (("conv1.weight", (16 / 9) ** 0.5), ("conv2.weight", 1.0)):
         g = G[name].reshape(G[name].shape[0], -1)
-        expected = (0.02 * scale * msign(g, method="svd")).reshape(G[name].shape)
+        expected = (0.02 * scale * msign(g, polar="svd")).reshape(G[name].shape)
         assert torch.allclose(Z[name], expected, rtol=1e-4, atol=1e-8), name
     with pytest.raises(ValueError, match="matrices"):
         Muon([model.conv1.bias])
@@ -295,7 +297,7 @@ def test_next_update_accumulates_micro_batches_by_their_loss_terms():
     as a loop of (loss_j * n_j / N).backward() gives it, with 3 and 5 rows here."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
-    loss_fn = make_loss_fn(model, nn.functional.cross_entropy)
+    loss_fn = make_loss_fn(model, criterion=nn.functional.cross_entropy)
     micro = [(torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in (3, 5)]
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
     G, Z = next_update(model, opt, loss_fn, micro, dtype=torch.float64)

@@ -33,7 +33,7 @@ def singular_values(X):
 @pytest.mark.parametrize("shape", [(16, 40), (40, 16), (3, 12, 20)])
 def test_svd_is_the_polar_factor(shape):
     X = gaussian(*shape)
-    O = msign(X, method="svd")
+    O = msign(X, polar="svd")
     assert O.dtype == torch.float32 and O.shape == X.shape
     wide = O if shape[-2] <= shape[-1] else O.mT
     eye = torch.eye(wide.shape[-2], dtype=torch.float64)
@@ -46,28 +46,28 @@ def test_svd_is_the_polar_factor(shape):
 @pytest.mark.parametrize("shape", [(32, 96), (96, 32), (64, 64)])
 def test_newton_schulz_equals_torch_muon(shape):
     X = gaussian(*shape)
-    ours = msign(X, method="newton_schulz")
+    ours = msign(X, polar="newton_schulz")
     theirs = _zeropower_via_newtonschulz(X, NEWTON_SCHULZ_COEFFICIENTS, 5, 1e-7)
     assert torch.equal(ours, theirs.float())  # bit for bit, not only "a few 1e-3"
 
 
 def test_singular_values_after_five_steps():
     X = gaussian(256, 768)
-    ns = singular_values(msign(X, method="newton_schulz"))
-    pe = singular_values(msign(X, method="polar_express"))
+    ns = singular_values(msign(X, polar="newton_schulz"))
+    pe = singular_values(msign(X, polar="polar_express"))
     assert ns.min() >= 0.65 and ns.max() <= 1.2
     assert pe.min() >= 0.84 and pe.max() <= 1.15
-    exact = msign(X, method="svd").double()
-    err_ns = (msign(X, method="newton_schulz").double() - exact).norm() / exact.norm()
-    err_pe = (msign(X, method="polar_express").double() - exact).norm() / exact.norm()
+    exact = msign(X, polar="svd").double()
+    err_ns = (msign(X, polar="newton_schulz").double() - exact).norm() / exact.norm()
+    err_pe = (msign(X, polar="polar_express").double() - exact).norm() / exact.norm()
     assert err_pe < err_ns  # Polar Express lands closer in the same number of steps
 
 
 def test_bf16_and_float64_runs_of_the_same_polynomial_agree():
     X = gaussian(64, 192)
     for method in ("newton_schulz", "polar_express"):
-        lo = msign(X, method=method, dtype=torch.bfloat16).double()
-        hi = msign(X.double(), method=method, dtype=torch.float64)
+        lo = msign(X, polar=method, dtype=torch.bfloat16).double()
+        hi = msign(X.double(), polar=method, dtype=torch.float64)
         assert (lo - hi).norm() / hi.norm() < 0.03
 
 
@@ -75,8 +75,8 @@ def test_convergent_iterations_are_exact():
     X = gaussian(48, 80, dtype=torch.float64)
     exact = reference_polar(X.mT).mT
     # the classic cubic Newton–Schulz converges to U Vᵀ; so does Polar Express given more steps
-    cubic = msign(X, method="newton_schulz", coefficients=(1.5, -0.5, 0.0), steps=60, dtype=torch.float64)
-    pe = msign(X, method="polar_express", steps=12, dtype=torch.float64)
+    cubic = msign(X, polar="newton_schulz", coefficients=(1.5, -0.5, 0.0), steps=60, dtype=torch.float64)
+    pe = msign(X, polar="polar_express", steps=12, dtype=torch.float64)
     for O in (cubic, pe):
         assert (O - exact).norm() / exact.norm() < 1e-2
 
@@ -103,13 +103,13 @@ def test_msign_never_modifies_its_input():
         X = gaussian(8, 24).to(dtype)
         before = X.clone()
         for method in ("svd", "newton_schulz", "polar_express"):
-            msign(X, method=method, dtype=dtype)
+            msign(X, polar=method, dtype=dtype)
             assert torch.equal(X, before)
 
 
 def test_bad_input():
     with pytest.raises(ValueError, match="unknown polar method"):
-        msign(gaussian(3, 3), method="qr")
+        msign(gaussian(3, 3), polar="qr")
     with pytest.raises(ValueError, match="matrix"):
         msign(gaussian(3))
     with pytest.raises(ValueError, match="empty"):

@@ -49,7 +49,7 @@ def test_a_real_report_round_trips_through_its_json(report, tmp_path):
     report.save(tmp_path / "r.json")
     loaded = load_report(tmp_path / "r.json")
     assert _json(loaded.to_dict()) == _json(d)
-    assert loaded.blocks.names == report.blocks.names and loaded.split.subset_names == report.split.subset_names
+    assert loaded.blocks.names == report.blocks.names and loaded.split.hidden_names == report.split.hidden_names
     np.testing.assert_array_equal(loaded.blocks.matrix, report.blocks.matrix)
     (tmp_path / "bad.json").write_text(json.dumps({**d, "blocks": {"names": []}}))
     with pytest.raises(CurvlabError, match="malformed report"):

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from typer.testing import CliRunner
 
-from curvlab import block_matrix, hvp, make_loss_fn, nds, quadratic_forms, taylor_split
+from curvlab import block_matrix, forward_quadratic_forms, hvp, make_loss_fn, nds, taylor_split
 from curvlab.analysis.sharded import open_sharded_checkpoint
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli import app
@@ -33,7 +33,7 @@ from curvlab.curvature.sharded_spectral import random_direction as sharded_rando
 from curvlab.curvature.sharded_spectral import sharded_hutchinson, sharded_lanczos
 from curvlab.curvature.spectral import lanczos
 from curvlab.engine import params as P
-from curvlab.engine._dtensors import full, shard_like
+from curvlab.engine.dtensors import full, shard_like
 from curvlab.engine.finite_difference import finite_difference_hvp
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.engine.operator import hessian_operator
@@ -97,7 +97,7 @@ def _measure(loss_fn, params, batch, v, z, everything=True):
     out["split"] = taylor_split(loss_fn, params, batch, z).to_dict()
     out["blocks"] = block_matrix(loss_fn, params, batch, z).to_dict()
     if everything:
-        out["qf"] = quadratic_forms(loss_fn, params, batch, stacked)
+        out["qf"] = forward_quadratic_forms(loss_fn, params, batch, stacked)
         out["hvp_fn"] = full(hvp(loss_fn, params, batch, v))
         out["nds"] = nds(loss_fn, params, batch, z)
         fd = finite_difference_hvp(loss_fn, params, batch, v)
@@ -133,7 +133,7 @@ def _sharded_worker(rank, tmp, world, how):
     except CurvlabError as e:
         errors["plain"] = str(e)
     try:
-        block_matrix(loss_fn, sharded, batches, zs, via="alpha")
+        block_matrix(loss_fn, sharded, batches, zs, block_method="alpha")
     except CurvlabError as e:
         errors["alpha"] = str(e)
     try:
@@ -189,7 +189,7 @@ def test_sharded_curvature_equals_one_process(tmp_path, world, how):
     assert "fwd_rev" in errors["fwd_rev"] and "refused" in errors["fwd_rev"] and "\n" not in errors["fwd_rev"]
     assert "plain tensor but the parameter is sharded" in errors["plain"]
     assert "no torch.distributed process group" in errors["no_group"]
-    assert "via='hvp'" in errors["alpha"] and "sharded_lanczos" in errors["operator"]
+    assert "block_method='hvp'" in errors["alpha"] and "sharded_lanczos" in errors["operator"]
     assert all("\n" not in m for m in errors.values())
 
 

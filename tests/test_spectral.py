@@ -132,13 +132,13 @@ def test_block_operator_is_the_principal_submatrix(transformer_problem):
     index = {n: i for i, n in enumerate(params)}
     rows = np.concatenate([np.arange(offsets[index[n]], offsets[index[n] + 1]) for n in names])
     sub = H[rows][:, rows]
-    op = hessian_operator(loss_fn, params, batch, subset=names)
+    op = hessian_operator(loss_fn, params, batch, scope=names)
     x = torch.randn(op.dim, dtype=torch.float64)
     assert torch.allclose(op @ x, sub @ x, atol=1e-12)
     top = lanczos(op, k=1, max_iter=200, tol=1e-10)
     assert top.eigenvalues[0] == pytest.approx(float(torch.linalg.eigvalsh(sub)[-1]), rel=1e-8)
     with pytest.raises(ValueError, match="names no parameter"):
-        hessian_operator(loss_fn, params, batch, subset=[])
+        hessian_operator(loss_fn, params, batch, scope=[])
 
 
 def test_hutchinson_standard_error_covers_the_truth():
@@ -272,7 +272,7 @@ def test_the_spectral_path_keeps_the_operators_device_and_dtype(dtype):
     torch.manual_seed(0)
     model = MLP().to(dtype)
     batch = (torch.randn(9, 5, dtype=dtype), torch.randint(0, 3, (9,)))
-    loss_fn = make_loss_fn(model, torch.nn.functional.cross_entropy)
+    loss_fn = make_loss_fn(model, criterion=torch.nn.functional.cross_entropy)
     params = {k: v.detach() for k, v in model.named_parameters()}
     op = hessian_operator(loss_fn, params, batch)
     x, diag = torch.ones(op.dim, dtype=dtype), torch.linspace(1, 2, op.dim, dtype=dtype)

@@ -205,7 +205,7 @@ def test_the_frozen_preconditioner_maps_the_momentum_to_the_step(polar, shape):
     B = torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     f = muon_factor(B, 1.7, polar)
     flat = B.reshape(shape[0], -1)
-    expected = 1.7 * msign(flat, polar, dtype=torch.float64)
+    expected = 1.7 * msign(flat, polar=polar, dtype=torch.float64)
     torch.testing.assert_close(f.apply(B).reshape(flat.shape), expected, rtol=0, atol=1e-12)
     assert f.side == ("left" if flat.shape[0] <= flat.shape[1] else "right")
     M = f.matrix()
@@ -231,10 +231,10 @@ def test_a_stack_of_matrices_has_one_preconditioner_per_matrix(polar):
         torch.testing.assert_close(
             stack.matrix(power), torch.stack([f.matrix(power) for f in each]), rtol=0, atol=1e-13
         )
-    steps = torch.stack([msign(B[e], polar, dtype=torch.float64) for e in range(3)])
+    steps = torch.stack([msign(B[e], polar=polar, dtype=torch.float64) for e in range(3)])
     torch.testing.assert_close(stack.apply(B), 1.3 * steps, rtol=0, atol=1e-12)
     # in the preconditioned operator (here of H = I, so P^-1), the stack is its matrices side by side
-    identity = Operator(B.numel(), lambda V: V, B.device, B.dtype)
+    identity = Operator(B.numel(), lambda V: V, device=B.device, dtype=B.dtype)
     V = torch.randn(B.numel(), 2, generator=g, dtype=torch.float64)
     joint = muon_preconditioned_operator(identity, {"experts": stack}) @ V
     apart = muon_preconditioned_operator(identity, {f"expert{e}": f for e, f in enumerate(each)}) @ V
@@ -252,12 +252,12 @@ def test_tiny_singular_values_are_not_inverted():
     B = (U * torch.tensor([3.0, 1.0, 1e-20, 0.0], dtype=torch.float64)) @ V.T  # rank 2
     exact = muon_factor(B, 1.0, "svd")
     assert exact.gains.sort().values[:2].tolist() == [0.0, 0.0]  # a pseudo-inverse: msign's rank floor
-    torch.testing.assert_close(exact.apply(B), msign(B, "svd"), rtol=0, atol=1e-13)
+    torch.testing.assert_close(exact.apply(B), msign(B, polar="svd"), rtol=0, atol=1e-13)
     ns = muon_factor(B, 1.0, "newton_schulz")
     # Newton–Schulz amplifies a vanishing singular value by the product of its linear coefficients, / ||B||_F
     limit = NEWTON_SCHULZ_COEFFICIENTS[0] ** 5 / math.sqrt(10.0)
     assert sorted(ns.gains.tolist())[-1] == pytest.approx(limit, rel=1e-12)
-    torch.testing.assert_close(ns.apply(B), msign(B, "newton_schulz", dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ns.apply(B), msign(B, polar="newton_schulz", dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("polar", ["svd", "newton_schulz"])
@@ -307,7 +307,7 @@ def dense_muon_sharpness(H, params, momenta, polar, shapes=None):
 def test_muon_preconditioned_sharpness_against_a_dense_eigendecomposition(polar):
     model, loss_fn, batch = tiny_gpt()
     params = detached(model)
-    hidden = hidden_matrices(params, model)
+    hidden = hidden_matrices(params, model=model)
     assert {tuple(params[n].shape) for n in hidden} == {(4, 4), (16, 4), (4, 16)}  # square, tall and wide
     g = torch.Generator().manual_seed(5)
     momenta = {n: torch.randn(params[n].shape, generator=g, dtype=torch.float64) for n in hidden}
@@ -319,7 +319,7 @@ def test_muon_preconditioned_sharpness_against_a_dense_eigendecomposition(polar)
     assert top.eigenvectors.dtype == torch.float64 and top.eigenvectors.shape == (dim, 1)
     # the operator is symmetric: <x, A y> = <A x, y>
     op = muon_preconditioned_operator(
-        hessian_operator(loss_fn, params, batch, subset=hidden), muon_preconditioner(momenta, polar=polar)
+        hessian_operator(loss_fn, params, batch, scope=hidden), muon_preconditioner(momenta, polar=polar)
     )
     X = torch.randn(dim, 2, generator=g, dtype=torch.float64)
     AX = op @ X
@@ -343,7 +343,7 @@ def test_stability_point_of_a_muon_state_against_dense_references():
     H = dense_hessian(loss_fn, params, batch)
     G = P.unflatten(dense_gradient(loss_fn, params, batch), params)
     table = dict(model.named_parameters())
-    hidden = hidden_matrices(params, model)
+    hidden = hidden_matrices(params, model=model)
     momenta = {}
     for n in hidden:  # the next step's momentum by hand
         b = 0.95 * opt.state[table[n]]["momentum_buffer"] + 0.05 * G[n]
@@ -390,7 +390,7 @@ def test_stability_point_of_an_adam_state_against_dense_references():
     assert float(torch.linalg.vector_norm(short.eigenvector.double())) == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(CurvlabError, match="not in a Muon group"):
         muon_sharpness(
-            hessian_operator(loss_fn, params, batch), model, opt, hidden_matrices(params, model), list(params),
+            hessian_operator(loss_fn, params, batch), model, opt, hidden_matrices(params, model=model), list(params),
             P.zeros_like(params),
         )  # fmt: skip
 
@@ -441,7 +441,7 @@ def spectral_radius(lam, lr, mu, nesterov):
 @pytest.mark.parametrize("mu", [0.0, 0.5, 0.9, 0.95, 0.99])
 @pytest.mark.parametrize("lr", [0.02, 0.3])
 def test_edges_of_stability_against_companion_spectral_radii(nesterov, mu, lr):
-    edge = muon_edge_of_stability(lr, mu, nesterov)
+    edge = muon_edge_of_stability(lr, mu, nesterov=nesterov)
     assert (
         spectral_radius(edge * (1 - 1e-6), lr, mu, nesterov) < 1 < spectral_radius(edge * (1 + 1e-6), lr, mu, nesterov)
     )

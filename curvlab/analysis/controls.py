@@ -100,10 +100,10 @@ class PointControls:
 
 def held_out_nds(
     loss_fn, params: Mapping[str, Tensor], batch: Any, directions: Sequence[Direction], hidden: Sequence[str],
-    method: str, dtype: torch.dtype | None,
+    *, method: str, dtype: torch.dtype | None,
 ) -> dict[str, float]:  # fmt: skip
     """Each direction's NDS on the hidden matrices under the Hessian of ``batch``."""
-    with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
+    with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
         measured = measure_directions(point, directions, hidden)
     return {d.name: d.hidden.nds for d in measured}
 
@@ -117,6 +117,7 @@ def stability_controls(
     muon: Direction,
     G: Mapping[str, Tensor],
     iterations: int,
+    *,
     method: str,
     dtype: torch.dtype | None,
 ) -> PointControls:
@@ -129,7 +130,7 @@ def stability_controls(
     )
     v1 = P.unflatten(point.eigenvector, params)
     z = {n: muon.z[n] for n in params}
-    scalars = injection_scalars(loss_fn, params, batch, z, v1, dtype, method)
+    scalars = injection_scalars(loss_fn, params, batch, z, v1, dtype=dtype, method=method)
     coefficients, skipped = {}, []
     for ratio in INJECTED_RATIOS:
         try:
@@ -139,7 +140,7 @@ def stability_controls(
     injected = {}
     if coefficients:
         rows = [inject(z, v1, c) for c in coefficients.values()]
-        with CurvaturePoint(loss_fn, params, batch, method, dtype) as at:
+        with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as at:
             stacked = {n: torch.stack([r[n].to(at.dtype) for r in rows]) for n in params}
             _, zhz = at.quadratic_forms(stacked)
             zz = P.stacked_dot(stacked, stacked, list(params))

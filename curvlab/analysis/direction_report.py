@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from curvlab.analysis.directions import PairedDirections, directions_table, paired_directions, parse_directions
+from curvlab.analysis.directions import PairedDirections, directions_table, measured_directions, parse_directions
 from curvlab.analysis.targets import DTYPES, AnalysisSettings, Target, evaluation_batches, open_checkpoint
 from curvlab.engine.loss import make_loss_fn
 from curvlab.optim.update import next_update
@@ -104,9 +104,9 @@ def analyze_directions(target: Target, names, settings: AnalysisSettings, checkp
     G, Z = next_update(model, target.optimizer, loss_fn, target.train_batches[0], max_grad_norm=target.grad_clip)
     D = evaluation_batches(target, settings)
     params = {n: p.detach() for n, p in model.named_parameters()}
-    paired = paired_directions(
-        model, target.optimizer, loss_fn, params, D, G, Z, names, target.shadow, DTYPES[settings.dtype],
-        settings.hvp_method,
+    paired, _ = measured_directions(
+        model, target.optimizer, loss_fn, params, D, G, Z, names=names, shadow=target.shadow,
+        method=settings.hvp_method, dtype=DTYPES[settings.dtype],
     )  # fmt: skip
     return DirectionReport(
         checkpoint,

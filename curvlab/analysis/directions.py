@@ -3,7 +3,8 @@ r"""Counterfactual directions at one point: several steps judged at the same W, 
 The paper's mechanism is that Muon's *direction* is less sharp. Between two runs, NDS also changes
 because the two runs stand at different W (the landscape). Here the landscape is held fixed: at one
 checkpoint, every direction is measured at one :class:`~curvlab.engine.hvp.CurvaturePoint`, in one batched
-HVP call. For each direction Z and each scope (``"all"`` parameters, ``"hidden"`` matrices only):
+HVP call. For each direction Z and each scope (:data:`~curvlab.curvature.scope.SCOPES`: ``"all"``
+parameters, ``"hidden"`` matrices only), a :class:`~curvlab.curvature.scope.DirectionCurvature`:
 
 .. math::
     \mathrm{NDS} = \frac{\langle Z, H Z\rangle}{\|Z\|^2},\qquad
@@ -54,7 +55,6 @@ scaled to the Frobenius norm of the real step on the hidden matrices (``scaling 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
@@ -63,8 +63,9 @@ import torch
 from torch import Tensor, nn
 
 from curvlab.curvature.groupings import hidden_matrices
+from curvlab.curvature.scope import SCOPES, DirectionCurvature
 from curvlab.engine import params as P
-from curvlab.engine.hvp import CurvaturePoint
+from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
 from curvlab.errors import CurvlabError
 from curvlab.models.roles import matrix_shapes
 from curvlab.optim.shadow import ShadowSettings, ShadowState, muon_step
@@ -72,48 +73,15 @@ from curvlab.util import schema
 
 DIRECTIONS = ("adamw", "muon", "sgd", "sign")
 PAIRED = ("adamw", "muon")  # the two arms, paired at every checkpoint that carries a shadow
-SCOPES = ("all", "hidden")
+# what a paired direction's JSON keeps of each scope's record: no realized decrease (nothing is stepped
+# here) and no predicted one (I1 - I2), but q
+DIRECTION_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm", "grad_norm", "cosine", "q")
 BASES = {"adam": "adamw", "muon": "muon"}  # the optimizer state on the hidden matrices -> its real direction
 PAIRED_SCHEMA_VERSION = 1
 APPROXIMATE_MUON = (
     "approximation: msign of Adam's first moment m (an EMA with beta1, no Nesterov) stands in for Muon's "
     "momentum, at the Muon arm's lr and shape scale"
 )
-
-
-@dataclass(frozen=True)
-class DirectionScope:
-    r"""One direction over one scope (see the module docstring).
-
-    Attributes:
-        nds: :math:`\langle Z, HZ\rangle / \|Z\|^2`.
-        first_order: :math:`\langle G, Z\rangle`.
-        curvature_penalty: :math:`\tfrac12\langle Z, HZ\rangle`.
-        update_norm, grad_norm: :math:`\|Z\|_F`, :math:`\|G\|_F` over the scope.
-        cosine: :math:`\langle G, Z\rangle / (\|G\|\,\|Z\|)`.
-        q: :math:`\cos^2 / \mathrm{NDS}`.
-    """
-
-    nds: float
-    first_order: float
-    curvature_penalty: float
-    update_norm: float
-    grad_norm: float
-    cosine: float
-    q: float
-
-    @classmethod
-    def of(cls, gz: float, zhz: float, zz: float, gg: float) -> DirectionScope:
-        if zz <= 0:
-            raise CurvlabError("a direction is zero on its scope: its NDS is undefined")
-        znorm, gnorm = math.sqrt(zz), math.sqrt(gg)
-        nds = zhz / zz
-        cosine = gz / (gnorm * znorm) if gnorm > 0 else float("nan")
-        q = cosine**2 / nds if nds != 0 else float("nan")
-        return cls(nds, gz, 0.5 * zhz, znorm, gnorm, cosine, q)
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -129,12 +97,12 @@ class PairedDirection:
     name: str
     source: str
     scaling: str
-    all: DirectionScope
-    hidden: DirectionScope
+    all: DirectionCurvature
+    hidden: DirectionCurvature
 
-    def scope(self, scope: str) -> DirectionScope:
+    def scope(self, scope: str) -> DirectionCurvature:
         if scope not in SCOPES:
-            raise CurvlabError(f"unknown scope {scope!r}; choose all or hidden")
+            raise CurvlabError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
         return self.all if scope == "all" else self.hidden
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,13 +110,13 @@ class PairedDirection:
             "name": self.name,
             "source": self.source,
             "scaling": self.scaling,
-            "all": self.all.to_dict(),
-            "hidden": self.hidden.to_dict(),
+            **{s: {k: getattr(self.scope(s), k) for k in DIRECTION_KEYS} for s in SCOPES},
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PairedDirection:
-        return cls(d["name"], d["source"], d["scaling"], DirectionScope(**d["all"]), DirectionScope(**d["hidden"]))
+        scopes = (DirectionCurvature.from_dict(d[s]) for s in SCOPES)
+        return cls(d["name"], d["source"], d["scaling"], *scopes)
 
 
 @dataclass(frozen=True)
@@ -288,6 +256,7 @@ def counterfactual_directions(
     G: Mapping[str, Tensor],
     Z: Mapping[str, Tensor],
     names: Sequence[str],
+    *,
     shadow: ShadowState | None = None,
     controls: Mapping[str, ShadowState] | None = None,
 ) -> tuple[str, float, list[Direction]]:
@@ -312,7 +281,7 @@ def counterfactual_directions(
     """
     names = parse_directions(names)
     params = {n: p for n, p in model.named_parameters() if n in Z}
-    hidden = hidden_matrices(params, model)
+    hidden = hidden_matrices(params, model=model)
     if not hidden:
         raise CurvlabError("the model has no hidden matrices: the directions differ only there")
     base, held = _hidden_state(optimizer, params, hidden)
@@ -411,14 +380,14 @@ def measure_directions(
     out = []
     for k, d in enumerate(directions):
         scopes = [
-            DirectionScope.of(float(gz[i]), float(zhz[i]), float(zz[i]), gg[s])
+            DirectionCurvature.of(float(gz[i]), float(zhz[i]), float(zz[i]), gg[s])
             for i, s in ((2 * k, "all"), (2 * k + 1, "hidden"))
         ]
         out.append(PairedDirection(d.name, d.source, d.scaling, *scopes))
     return tuple(out)
 
 
-def paired_directions(
+def measured_directions(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     loss_fn,
@@ -426,27 +395,21 @@ def paired_directions(
     batch: Any,
     G: Mapping[str, Tensor],
     Z: Mapping[str, Tensor],
+    *,
     names: Sequence[str] = PAIRED,
     shadow: ShadowState | None = None,
-    dtype: torch.dtype | None = None,
-    method: str = "rev_rev",
     controls: Mapping[str, ShadowState] | None = None,
-) -> PairedDirections:
+    method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
+) -> tuple[PairedDirections, list[Direction]]:
     """The directions ``names`` and one per control shadow (:func:`counterfactual_directions`) measured at
-    ``params`` on ``batch`` (:func:`measure_directions`), over all parameters and the hidden matrices."""
-    return measured_directions(model, optimizer, loss_fn, params, batch, G, Z, names, shadow, dtype, method, controls)[
-        0
-    ]
-
-
-def measured_directions(
-    model, optimizer, loss_fn, params, batch, G, Z, names=PAIRED, shadow=None, dtype=None, method="rev_rev",
-    controls=None,
-) -> tuple[PairedDirections, list[Direction]]:  # fmt: skip
-    """:func:`paired_directions` with the directions themselves (for measures beyond this point's H)."""
-    base, multiplier, directions = counterfactual_directions(model, optimizer, G, Z, names, shadow, controls)
-    hidden = hidden_matrices({n: params[n] for n in params}, model)
-    with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
+    ``params`` on ``batch`` (:func:`measure_directions`), over all parameters and the hidden matrices: the
+    record, and the directions themselves (for measures beyond this point's H)."""
+    base, multiplier, directions = counterfactual_directions(
+        model, optimizer, G, Z, names, shadow=shadow, controls=controls
+    )
+    hidden = hidden_matrices({n: params[n] for n in params}, model=model)
+    with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
         measured = measure_directions(point, directions, hidden)
     used = shadow is not None and any(d.source.startswith("shadow") for d in directions)
     paired = PairedDirections(

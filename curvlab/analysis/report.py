@@ -65,17 +65,16 @@ from curvlab.analysis.targets import (
     open_checkpoint,
 )
 from curvlab.curvature.scalars import (
-    NAN_SCOPE,
     CheckpointScalars,
     embed_head_share,
     layer_blocks_split,
     taylor_error,
     taylor_holds,
 )
+from curvlab.curvature.scope import NAN_CURVATURE, DirectionCurvature
 from curvlab.curvature.spectral import EigenResult, TraceResult, hutchinson, lanczos, overlap_with
 from curvlab.curvature.taylor import (
     BlockMatrix,
-    TaylorScope,
     TaylorSplit,
     block_matrix,
     taylor_split,
@@ -172,9 +171,6 @@ class CurvatureReport:
     WHAT: ClassVar[str] = "report"
 
     def to_dict(self) -> dict[str, Any]:
-        split = self.split.to_dict()
-        hidden = split.pop("subset")
-        names = split.pop("subset_names")
         return {
             "schema_version": REPORT_SCHEMA_VERSION,
             "checkpoint": self.checkpoint,
@@ -183,8 +179,7 @@ class CurvatureReport:
             "val_loss": self.val_loss if math.isfinite(self.val_loss) else None,
             "optimizer": self.optimizer,
             "settings": asdict(self.settings),
-            **split,
-            "hidden": None if hidden is None else {**hidden, "names": names},
+            **self.split.to_dict(),  # (the eight quantities over all parameters, loss, hidden{..., names})
             "blocks": {"grouping": self.settings.blocks, **self.blocks.to_dict()},
             "spectrum": None if self.spectrum is None else self.spectrum.to_dict(),
             "next_batch": None if self.next_batch is None else self.next_batch.to_dict(),
@@ -203,10 +198,7 @@ class CurvatureReport:
             CurvlabError: another schema version.
         """
         schema.check(d, cls)
-        hidden = d["hidden"]
-        split = TaylorSplit.from_dict(
-            {**d, "subset": hidden, "subset_names": () if hidden is None else hidden["names"]}
-        )
+        split = TaylorSplit.from_dict(d)
         blocks = {k: v for k, v in d["blocks"].items() if k != "grouping"}
         return cls(
             checkpoint=d["checkpoint"],
@@ -234,8 +226,8 @@ class CurvatureReport:
         return CheckpointScalars(
             step=self.step,
             val_loss=self.val_loss,
-            all=TaylorScope.from_dict(split.to_dict()),
-            hidden=NAN_SCOPE if split.subset is None else split.subset,
+            all=DirectionCurvature.from_dict(split.to_dict()),
+            hidden=NAN_CURVATURE if split.hidden is None else split.hidden,
             within=self.blocks.within,
             cross=self.blocks.cross,
             rho_within=self.blocks.rho_within,
@@ -279,16 +271,23 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
     method = settings.hvp_method
     if settings.block_method == "hvp":  # one point and one set of HVPs serve both
         split, blocks = taylor_split_and_block_matrix(
-            loss_fn, params, D, Z, settings.blocks, dtype=dtype, method=method
+            loss_fn, params, D, Z, blocks=settings.blocks, method=method, dtype=dtype
         )
     else:
-        split = taylor_split(loss_fn, params, D, Z, dtype=dtype, method=method)
+        split = taylor_split(loss_fn, params, D, Z, method=method, dtype=dtype)
         blocks = block_matrix(
-            loss_fn, params, D, Z, blocks=settings.blocks, via=settings.block_method, dtype=dtype, method=method
+            loss_fn,
+            params,
+            D,
+            Z,
+            blocks=settings.blocks,
+            block_method=settings.block_method,
+            method=method,
+            dtype=dtype,
         )
     spectrum = None
     if settings.spectrum_top:
-        spectrum = update_spectrum(loss_fn, params, D, Z, split.nds, settings.spectrum_top, dtype)
+        spectrum = update_spectrum(loss_fn, params, D, Z, split.nds, settings.spectrum_top, dtype=dtype)
     paired, controls = None, None
     if settings.paired and target.shadow is not None:
         paired, controls = _paired_and_controls(target, settings, loss_fn, params, D, G, Z, dtype)
@@ -319,7 +318,18 @@ def _paired_and_controls(target: Target, settings: AnalysisSettings, loss_fn, pa
     names = (*PAIRED, "sgd") if settings.controls else PAIRED
     twins = target.controls if settings.controls else None
     paired, directions = measured_directions(
-        model, optimizer, loss_fn, params, D, G, Z, names, target.shadow, dtype, method, twins
+        model,
+        optimizer,
+        loss_fn,
+        params,
+        D,
+        G,
+        Z,
+        names=names,
+        shadow=target.shadow,
+        controls=twins,
+        method=method,
+        dtype=dtype,
     )
     hidden = paired.hidden_names
     if not (settings.held_out or settings.stability):
@@ -328,11 +338,13 @@ def _paired_and_controls(target: Target, settings: AnalysisSettings, loss_fn, pa
     controls = PointControls()
     if settings.stability:
         muon = next(d for d in arms if d.name == "muon")
-        controls = stability_controls(loss_fn, model, optimizer, params, D, muon, G, settings.stability, method, dtype)
+        controls = stability_controls(
+            loss_fn, model, optimizer, params, D, muon, G, settings.stability, method=method, dtype=dtype
+        )
     if settings.held_out:
         if not target.val_batches:
             raise CurvlabError("the held-out control needs a validation batch, and this checkpoint's data has none")
-        held = held_out_nds(loss_fn, params, target.val_batches[0], arms, hidden, method, dtype)
+        held = held_out_nds(loss_fn, params, target.val_batches[0], arms, hidden, method=method, dtype=dtype)
         controls = replace(controls, held_out=held)
     return paired, controls
 
@@ -344,9 +356,10 @@ def update_spectrum(
     Z,
     nds: float,
     k: int,
-    dtype: torch.dtype,
-    trace_samples: int = 32,
+    *,
     method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
+    trace_samples: int = 32,
     memory: int | None = None,
 ) -> UpdateSpectrum:
     r"""λ_max and the top-k eigenpairs of H (Lanczos, its basis within ``memory`` bytes), the share of

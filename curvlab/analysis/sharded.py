@@ -44,7 +44,7 @@ def analyze_sharded_checkpoint(
     path: str | Path, settings: AnalysisSettings | None = None, data: str | Path | None = None, device: str = "cpu"
 ) -> CurvatureReport:
     """:func:`~curvlab.analysis.report.analyze` of a sharded checkpoint's next step, on every rank (the
-    curvature of its sharded parameters, see :mod:`curvlab.engine._gathered`)."""
+    curvature of its sharded parameters, see :mod:`curvlab.engine.gathered`)."""
     settings = settings or AnalysisSettings()
     settings.validate()
     return analyze(open_sharded_checkpoint(path, data, device, settings.batches), settings, str(path))

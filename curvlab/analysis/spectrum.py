@@ -162,8 +162,8 @@ def checkpoint_spectrum(
     per_block = None
     if request.blocks:
         per_block = {
-            name: extremes(hessian_operator(loss_fn, params, D, dtype=H.dtype, subset=names, method=method), 1)
-            for name, names in group_parameters(params, request.blocks, model).items()
+            name: extremes(hessian_operator(loss_fn, params, D, method=method, dtype=H.dtype, scope=names), 1)
+            for name, names in group_parameters(params, blocks=request.blocks, model=model).items()
         }
     sharpness = None
     if request.preconditioned:

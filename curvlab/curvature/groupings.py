@@ -73,7 +73,7 @@ def is_hidden_matrix(name: str, tensor: Tensor) -> bool:
     return tensor.dim() == 2 and not is_embedding_or_head(name)
 
 
-def hidden_matrices(params: Mapping[str, Tensor], model: nn.Module | None = None) -> list[str]:
+def hidden_matrices(params: Mapping[str, Tensor], *, model: nn.Module | None = None) -> list[str]:
     """Names of the hidden matrices among ``params``, in order: role ``hidden`` given the model
     (:func:`~curvlab.models.roles.parameter_roles`), else 2-D tensors whose names say neither embedding nor
     head. These are what Muon updates (docs/science.md section 5)."""
@@ -323,14 +323,14 @@ def _ordered(blocks: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 def group_parameters(
-    names: Iterable[str], grouping: str | Mapping[str, Sequence[str]] = "layer", model: nn.Module | None = None
+    names: Iterable[str], *, blocks: str | Mapping[str, Sequence[str]] = "layer", model: nn.Module | None = None
 ) -> dict[str, list[str]]:
     """Partition parameter names into blocks, in order of first appearance (``"layer"`` given the
     model: embedding first, final norm and head last).
 
     Args:
         names: parameter names (e.g. ``params.keys()``).
-        grouping: ``"layer"``, ``"tensor"``, ``"kind"``, or ``{block: [glob patterns or names]}``.
+        blocks: the grouping, ``"layer"``, ``"tensor"``, ``"kind"``, or ``{block: [glob patterns or names]}``.
         model: the module the names belong to: ``"layer"`` and ``"kind"`` then read its structure
             (names it doesn't have fall back to the name rules).
 
@@ -341,22 +341,20 @@ def group_parameters(
     names = list(names)
     if not names:
         raise CurvlabError("no parameters to group")
-    if isinstance(grouping, str):
-        if grouping not in GROUPINGS:
-            raise CurvlabError(
-                f"unknown block grouping {grouping!r}; choose one of {', '.join(GROUPINGS)} or a mapping"
-            )
-        rule = {"layer": layer_block, "tensor": lambda n: n, "kind": kind_block}[grouping]
+    if isinstance(blocks, str):
+        if blocks not in GROUPINGS:
+            raise CurvlabError(f"unknown block grouping {blocks!r}; choose one of {', '.join(GROUPINGS)} or a mapping")
+        rule = {"layer": layer_block, "tensor": lambda n: n, "kind": kind_block}[blocks]
         known: dict[str, str] = {}
-        if model is not None and grouping != "tensor":
-            known = structural_layer_blocks(model) if grouping == "layer" else structural_kind_blocks(model)
-        blocks: dict[str, list[str]] = {}
+        if model is not None and blocks != "tensor":
+            known = structural_layer_blocks(model) if blocks == "layer" else structural_kind_blocks(model)
+        out: dict[str, list[str]] = {}
         for n in names:
-            blocks.setdefault(known.get(n) or rule(n), []).append(n)
-        return _ordered(blocks) if model is not None and grouping == "layer" else blocks
+            out.setdefault(known.get(n) or rule(n), []).append(n)
+        return _ordered(out) if model is not None and blocks == "layer" else out
     claimed: dict[str, str] = {}
-    blocks = {}
-    for block, patterns in grouping.items():
+    out = {}
+    for block, patterns in blocks.items():
         if isinstance(patterns, str):
             patterns = [patterns]
         members = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
@@ -366,9 +364,9 @@ def group_parameters(
             if n in claimed:
                 raise CurvlabError(f"parameter {n!r} is claimed by two blocks, {claimed[n]!r} and {block!r}")
             claimed[n] = block
-        blocks[block] = members
+        out[block] = members
     left = [n for n in names if n not in claimed]
     if left:
         more = f" and {len(left) - 3} more" if len(left) > 3 else ""
         raise CurvlabError(f"block patterns leave parameters out: {', '.join(map(repr, left[:3]))}{more}")
-    return blocks
+    return out

@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from curvlab.curvature.taylor import BlockMatrix, TaylorScope
+from curvlab.curvature.scope import DirectionCurvature
+from curvlab.curvature.taylor import BlockMatrix
 
-SCOPE_KEYS = tuple(f.name for f in fields(TaylorScope))  # the Taylor split of one scope
+SCOPE_KEYS = tuple(f.name for f in fields(DirectionCurvature))  # the Taylor split of one scope
 HIDDEN_KEYS = tuple(f"hidden_{k}" for k in SCOPE_KEYS)
 BLOCK_KEYS = ("within", "cross", "rho_within", "within_layers", "nds_layers")  # the layer-block decomposition
 CHECK_KEYS = ("embed_head_share", "taylor_error")
@@ -42,7 +43,6 @@ CONTEXT_KEYS = (
 )
 TAYLOR_TOLERANCE = 0.5
 PAIRED_PREFIXES = ("paired_", "control_")  # the keys of CheckpointScalars.paired
-NAN_SCOPE = TaylorScope(**{k: math.nan for k in SCOPE_KEYS})
 _LAYER_BLOCK = re.compile(r"^layer\d+$")
 
 
@@ -51,20 +51,20 @@ def scope_key(quantity: str, scope: str) -> str:
     return quantity if scope == "all" else f"hidden_{quantity}"
 
 
-def taylor_error(scope: TaylorScope) -> float:
+def taylor_error(curvature: DirectionCurvature) -> float:
     r"""The scale-aware Taylor error :math:`|I_1 - I_2 - \Delta| / \max(|\Delta|, |I_1|)` (Δ the realized
     decrease): how far the second-order prediction of the step's decrease is off, relative to the size
     of the step's effect (the first-order gain keeps a step whose realized decrease happens to be near
     zero from counting as a failure)."""
-    scale = max(abs(scope.realized), abs(scope.first_order))
-    return abs(scope.predicted - scope.realized) / scale if scale else 0.0
+    scale = max(abs(curvature.realized), abs(curvature.first_order))
+    return abs(curvature.predicted - curvature.realized) / scale if scale else 0.0
 
 
-def taylor_holds(scope: TaylorScope, tolerance: float = TAYLOR_TOLERANCE) -> bool:
+def taylor_holds(curvature: DirectionCurvature, *, tolerance: float = TAYLOR_TOLERANCE) -> bool:
     """Whether the second-order prediction is within ``tolerance`` of the realized decrease
     (:func:`taylor_error`). It judges statements about predicted against realized decrease; a step
     that fails it (a loss spike, an overshoot past the line-search optimum) still has an NDS."""
-    return taylor_error(scope) <= tolerance
+    return taylor_error(curvature) <= tolerance
 
 
 def embed_head_share(blocks: BlockMatrix, grouping: str, update_norm: float) -> float:
@@ -114,8 +114,8 @@ class CheckpointScalars:
 
     step: int
     val_loss: float
-    all: TaylorScope
-    hidden: TaylorScope
+    all: DirectionCurvature
+    hidden: DirectionCurvature
     within: float
     cross: float
     rho_within: float
@@ -177,8 +177,8 @@ class CheckpointScalars:
         return cls(
             step=int(d["step"]),
             val_loss=_float(d.get("val_loss")),
-            all=TaylorScope(**scope),
-            hidden=TaylorScope(**hidden),
+            all=DirectionCurvature(**scope),
+            hidden=DirectionCurvature(**hidden),
             **{k: _float(d.get(k)) for k in (*BLOCK_KEYS, *CHECK_KEYS)},
             taylor_ok=bool(d["taylor_ok"]),
             paired={k: _float(v) for k, v in d.items() if k.startswith(PAIRED_PREFIXES)},

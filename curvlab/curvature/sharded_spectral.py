@@ -29,14 +29,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from curvlab.curvature.spectral import TraceResult
 from curvlab.engine import params as P
-from curvlab.engine._dtensors import resolved
+from curvlab.engine.dtensors import resolved
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.errors import CurvlabError
 
 SCHEMA_VERSION = 1
 
 
-def random_direction(params: Mapping[str, Tensor], seed: int, kind: str = "gaussian") -> P.Params:
+def random_direction(params: Mapping[str, Tensor], seed: int, *, kind: str = "gaussian") -> P.Params:
     """A Gaussian or Rademacher direction laid out like ``params``, the same for any sharding: each
     parameter's full tensor is drawn from a generator seeded by ``(seed, its position)``, and a rank
     keeps its shard."""
@@ -103,7 +103,7 @@ def _orthogonalize(w: P.Params, basis: list[P.Params]) -> P.Params:
 
 
 def sharded_lanczos(
-    point: CurvaturePoint, k: int = 1, which: str = "largest", max_iter: int = 100, tol: float = 1e-6, seed: int = 0
+    point: CurvaturePoint, *, k: int = 1, which: str = "largest", max_iter: int = 100, tol: float = 1e-6, seed: int = 0
 ) -> ShardedEigenResult:
     r"""The k largest (or smallest) eigenpairs of the Hessian at ``point`` (see the module docstring)."""
     if which not in ("largest", "smallest"):
@@ -156,7 +156,7 @@ def sharded_lanczos(
     )
 
 
-def sharded_hutchinson(point: CurvaturePoint, samples: int = 64, seed: int = 0) -> TraceResult:
+def sharded_hutchinson(point: CurvaturePoint, *, samples: int = 64, seed: int = 0) -> TraceResult:
     r"""Hutchinson's :math:`\operatorname{tr} H \approx \frac1N \sum_i z_i^\top H z_i` with Rademacher
     :math:`z_i` (:func:`random_direction` with seeds ``seed, seed + 1, ...``), and the standard error
     over the samples."""
@@ -164,7 +164,7 @@ def sharded_hutchinson(point: CurvaturePoint, samples: int = 64, seed: int = 0) 
         raise CurvlabError("Hutchinson needs at least 2 samples for a standard error")
     values = []
     for i in range(samples):
-        z = random_direction(point.params, seed + i, "rademacher")
+        z = random_direction(point.params, seed + i, kind="rademacher")
         values.append(P.dot(z, point.hvp(z)))
     v = np.array(values)
     return TraceResult(float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))), samples, "hutchinson", samples)

@@ -205,6 +205,7 @@ def basis_capacity(op: Operator, memory: int | None, k: int, limit: int) -> int:
 
 def lanczos(
     op: Operator,
+    *,
     k: int = 1,
     which: str = "largest",
     max_iter: int = 100,
@@ -282,6 +283,7 @@ def lanczos(
 
 def eigsh_extremes(
     op: Operator,
+    *,
     k: int = 1,
     which: str = "largest",
     tol: float = 1e-6,
@@ -331,7 +333,7 @@ class TraceResult:
         return dict(vars(self))
 
 
-def hutchinson(op: Operator, samples: int = 64, batch: int = 16, seed: int = 0) -> TraceResult:
+def hutchinson(op: Operator, *, samples: int = 64, batch: int = 16, seed: int = 0) -> TraceResult:
     r"""Hutchinson's estimator :math:`\operatorname{tr} A \approx \frac1N \sum_i z_i^\top A z_i` with
     Rademacher :math:`z_i`; the standard error is the sample standard deviation over :math:`\sqrt N`.
     Products are taken ``batch`` at a time (``2 × batch`` vectors in memory)."""
@@ -349,7 +351,7 @@ def hutchinson(op: Operator, samples: int = 64, batch: int = 16, seed: int = 0) 
     )
 
 
-def hutch_plus_plus(op: Operator, samples: int = 60, seed: int = 0) -> TraceResult:
+def hutch_plus_plus(op: Operator, *, samples: int = 60, seed: int = 0) -> TraceResult:
     r"""Hutch++ (Meyer, Musco, Musco, Woodruff 2021): with m = samples/3, Q = orth(A S) for m random
     columns, :math:`\operatorname{tr}(Q^\top A Q)` exactly plus Hutchinson on the deflated
     :math:`(I - QQ^\top) A (I - QQ^\top)` with m vectors; the standard error is that of the second
@@ -439,6 +441,7 @@ def _independent_lanczos(
 
 def spectral_density(
     op: Operator,
+    *,
     steps: int = 40,
     vectors: int = 4,
     points: int = 1000,

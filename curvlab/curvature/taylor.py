@@ -10,85 +10,63 @@ For parameters W, a step Z (so that :math:`W_\text{next} = W - Z`), gradient G a
 Blocks :math:`Z = (Z_1, \dots, Z_L)` give the interaction matrix
 :math:`M_{lm} = \langle Z_l, H_{lm}[Z_m]\rangle / \|Z\|^2`, symmetric with entries summing to NDS;
 its trace is the within-layer NDS and its off-diagonal sum the cross-layer NDS.
+
+Every function takes ``(loss_fn, params, batch, z)`` positionally and its options by keyword only
+(``method``, ``dtype``, ``chunk_size``, ``blocks``, ``block_method``, ``scope``), and each has its
+``_at(point, z, ...)`` twin for a :class:`~curvlab.engine.hvp.CurvaturePoint` already built.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from curvlab.curvature.groupings import group_parameters, hidden_matrices, model_of
+from curvlab.curvature.groupings import group_parameters, model_of
+from curvlab.curvature.scope import DirectionCurvature, scope_names
 from curvlab.engine import params as P
-from curvlab.engine._dtensors import any_dtensor
+from curvlab.engine.dtensors import any_dtensor
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint, working_dtype
 from curvlab.engine.loss import LossFn
 from curvlab.errors import CurvlabError
 
-BLOCK_WAYS = ("hvp", "alpha")
+BLOCK_METHODS = ("hvp", "alpha")
+"""The block-matrix methods (``block_method=``): ``"hvp"``, one HVP per block at one point, or ``"alpha"``, the
+Hessian in α of L(W + Σ_l α_l Z_l); both exact."""
+Scope = str | Sequence[str] | None  # "hidden", "all", parameter names, or None (see curvlab.curvature.scope)
 
 
 @dataclass(frozen=True)
-class TaylorScope:
-    r"""The Taylor split of one step over one set of parameters (all, or a subset S with Z_S = Z on S, 0 elsewhere).
-
-    Attributes:
-        first_order: :math:`I_1 = \langle G_S, Z_S\rangle`.
-        curvature_penalty: :math:`I_2 = \tfrac12\langle Z_S, H[Z_S]\rangle`.
-        predicted: :math:`I_1 - I_2`.
-        realized: :math:`L(W) - L(W - Z_S)`.
-        nds: :math:`\langle Z_S, H[Z_S]\rangle / \|Z_S\|^2`.
-        update_norm, grad_norm: :math:`\|Z_S\|_F`, :math:`\|G_S\|_F`.
-        cosine: :math:`I_1 / (\|G_S\|\,\|Z_S\|)`.
-    """
-
-    first_order: float
-    curvature_penalty: float
-    predicted: float
-    realized: float
-    nds: float
-    update_norm: float
-    grad_norm: float
-    cosine: float
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TaylorScope:
-        """The scope from :meth:`to_dict`'s keys (any others in ``d`` are ignored); null reads as NaN."""
-        return cls(**{f.name: float("nan") if d[f.name] is None else float(d[f.name]) for f in fields(cls)})
-
-
-@dataclass(frozen=True)
-class TaylorSplit(TaylorScope):
-    """:class:`TaylorScope` over all parameters, plus ``loss`` = L(W) and the same split over ``subset``
-    (by default the hidden 2-D matrices; ``None`` when the model has none)."""
+class TaylorSplit(DirectionCurvature):
+    """The :class:`~curvlab.curvature.scope.DirectionCurvature` of a step over all parameters, plus ``loss`` =
+    L(W) and the same over the second scope, ``hidden`` (by default the hidden matrices; ``None`` when the
+    scope is empty), whose parameter names are ``hidden_names``."""
 
     loss: float = float("nan")
-    subset: TaylorScope | None = None
-    subset_names: tuple[str, ...] = ()
+    hidden: DirectionCurvature | None = None
+    hidden_names: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in TaylorScope.__dataclass_fields__}
+        """The eight quantities over all parameters, ``loss``, and ``hidden`` (the same eight and its
+        ``names``, or null): the keys of a curvature report."""
+        out = {k: getattr(self, k) for k in DirectionCurvature.__dataclass_fields__}
         out["loss"] = self.loss
-        out["subset"] = None if self.subset is None else self.subset.to_dict()
-        out["subset_names"] = list(self.subset_names)
+        out["hidden"] = None if self.hidden is None else {**self.hidden.to_dict(), "names": list(self.hidden_names)}
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TaylorSplit:
-        subset = d.get("subset")
+        hidden = d.get("hidden")
         return cls(
-            **TaylorScope.from_dict(d).to_dict(),
+            **DirectionCurvature.from_dict(d).to_dict(),
             loss=float(d["loss"]),
-            subset=None if subset is None else TaylorScope.from_dict(subset),
-            subset_names=tuple(d.get("subset_names", ())),
+            hidden=None if hidden is None else DirectionCurvature.from_dict(hidden),
+            hidden_names=tuple(hidden["names"]) if hidden else (),
         )
 
 
@@ -100,70 +78,43 @@ def _check_direction(params: Mapping[str, Tensor], z: Mapping[str, Tensor], what
     return norm
 
 
-def _subset_names(point: CurvaturePoint, subset: Sequence[str] | None) -> list[str]:
-    """The subset scope's names: ``subset``, or by default the hidden matrices (by role, when the
-    loss function carries its model)."""
-    params = point.params
-    names = hidden_matrices(params, model_of(point.loss_fn)) if subset is None else list(subset)
-    unknown = [n for n in names if n not in params]
-    if unknown:
-        raise CurvlabError(f"subset names unknown parameters: {P.names_text(unknown)}")
-    return names
+def _scope_names(point: CurvaturePoint, scope: Scope) -> list[str]:
+    """The second scope's names (the hidden matrices by role when the loss function carries its model)."""
+    return scope_names(scope, point.params, model_of(point.loss_fn))
 
 
-def _scope(loss: float, g: P.Params, z: P.Params, hz: P.Params, stepped_loss: float, keys) -> TaylorScope:
+def _curvature(loss: float, g: P.Params, z: P.Params, hz: P.Params, stepped_loss: float, keys) -> DirectionCurvature:
     keys = list(keys)
-    gz = P.dot(g, z, keys)
-    zhz = P.dot(z, hz, keys)
-    zz = P.dot(z, z, keys)
-    gnorm = P.norm(g, keys)
-    znorm = zz**0.5
-    return TaylorScope(
-        first_order=gz,
-        curvature_penalty=0.5 * zhz,
-        predicted=gz - 0.5 * zhz,
-        realized=loss - stepped_loss,
-        nds=zhz / zz,
-        update_norm=znorm,
-        grad_norm=gnorm,
-        cosine=gz / (gnorm * znorm) if gnorm > 0 else float("nan"),
+    return DirectionCurvature.of(
+        P.dot(g, z, keys), P.dot(z, hz, keys), P.dot(z, z, keys), P.dot(g, g, keys), loss - stepped_loss
     )
 
 
 def _split(point: CurvaturePoint, z: P.Params, hz: P.Params, names: list[str], hz_sub: P.Params | None) -> TaylorSplit:
-    """The :class:`TaylorSplit` from H[Z] and, for a proper non-empty subset S, H[Z_S]."""
+    """The :class:`TaylorSplit` from H[Z] and, for a proper non-empty second scope S, H[Z_S]."""
     p, loss, g = point.params, point.loss, point.gradient
-    full = _scope(loss, g, z, hz, point.loss_at(P.add(p, z, -1.0)), p)
+    full = _curvature(loss, g, z, hz, point.loss_at(P.add(p, z, -1.0)), p)
     sub = full if names else None
     if hz_sub is not None:
         z_sub = P.restrict(z, names)
-        sub = _scope(loss, g, z_sub, hz_sub, point.loss_at(P.add(p, z_sub, -1.0)), names)
-    return TaylorSplit(**full.to_dict(), loss=loss, subset=sub, subset_names=tuple(names))
+        sub = _curvature(loss, g, z_sub, hz_sub, point.loss_at(P.add(p, z_sub, -1.0)), names)
+    return TaylorSplit(**full.to_dict(), loss=loss, hidden=sub, hidden_names=tuple(names))
 
 
 def _proper(names: list[str], params: Mapping[str, Tensor], z: P.Params) -> bool:
-    """Whether the subset is a scope of its own: not empty, not everything, and Z not zero on it."""
+    """Whether the second scope is one of its own: not empty, not everything, and Z not zero on it."""
     if not names or set(names) == set(params):
         return False
     if P.norm(z, names) == 0.0:
-        raise CurvlabError("the update direction is zero on the subset: its NDS is undefined")
+        raise CurvlabError("the update direction is zero on the scope: its NDS is undefined")
     return True
 
 
-def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], subset: Sequence[str] | None = None) -> TaylorSplit:
-    r"""The second-order Taylor split of the step :math:`W \to W - Z` at a :class:`~curvlab.engine.hvp.CurvaturePoint`.
-
-    :math:`H[Z]` and :math:`H[Z_S]` are two HVPs at the point (:math:`Z_S` touches only S); the
-    realized decreases are two more loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
-    """
-    _check_direction(point.params, z, "update direction")
-    z = P.cast(z, point.dtype)
-    names = _subset_names(point, subset)
-    if _proper(names, point.params, z):
-        hz, hz_sub = point.hvp_each([z, {n: z[n] for n in names}])
-    else:
-        (hz,), hz_sub = point.hvp_each([z]), None
-    return _split(point, z, hz, names, hz_sub)
+def nds_at(point: CurvaturePoint, z: Mapping[str, Tensor]) -> float:
+    r""":func:`nds` at a :class:`~curvlab.engine.hvp.CurvaturePoint`: one HVP there."""
+    _check_direction(point.params, z, "direction")
+    zc = P.cast(z, point.dtype)
+    return P.dot(zc, point.hvp(zc)) / P.dot(zc, zc)
 
 
 def nds(
@@ -171,8 +122,9 @@ def nds(
     params: Mapping[str, Tensor],
     batch: Any,
     z: Mapping[str, Tensor],
-    dtype: torch.dtype | None = None,
+    *,
     method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
 ) -> float:
     r"""The Normalized Directional Sharpness :math:`\langle Z, H[Z]\rangle / \|Z\|_F^2` of a direction Z:
     the curvature along it, whatever its length (one HVP; :func:`taylor_split` gives it with the rest).
@@ -181,9 +133,24 @@ def nds(
         CurvlabError: Z mismatched with the parameters, non-finite, or zero.
     """
     _check_direction(params, z, "direction")
-    with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
-        zc = P.cast(z, point.dtype)
-        return P.dot(zc, point.hvp(zc)) / P.dot(zc, zc)
+    with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
+        return nds_at(point, z)
+
+
+def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], *, scope: Scope = "hidden") -> TaylorSplit:
+    r"""The second-order Taylor split of the step :math:`W \to W - Z` at a :class:`~curvlab.engine.hvp.CurvaturePoint`.
+
+    :math:`H[Z]` and :math:`H[Z_S]` are two HVPs at the point (:math:`Z_S` touches only S); the
+    realized decreases are two more loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
+    """
+    _check_direction(point.params, z, "update direction")
+    z = P.cast(z, point.dtype)
+    names = _scope_names(point, scope)
+    if _proper(names, point.params, z):
+        hz, hz_sub = point.hvp_each([z, {n: z[n] for n in names}])
+    else:
+        (hz,), hz_sub = point.hvp_each([z]), None
+    return _split(point, z, hz, names, hz_sub)
 
 
 def taylor_split(
@@ -191,29 +158,31 @@ def taylor_split(
     params: Mapping[str, Tensor],
     batch: Any,
     z: Mapping[str, Tensor],
-    subset: Sequence[str] | None = None,
-    dtype: torch.dtype | None = None,
+    *,
+    scope: Scope = "hidden",
     method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
 ) -> TaylorSplit:
-    r"""The second-order Taylor split of the step :math:`W \to W - Z`, over all parameters and over ``subset``.
+    r"""The second-order Taylor split of the step :math:`W \to W - Z`, over all parameters and over ``scope``.
 
     At one :class:`~curvlab.engine.hvp.CurvaturePoint` (forward and first backward once): L(W), G, H[Z] and
     H[Z_S]; two more loss evaluations give :math:`L(W - Z)` and :math:`L(W - Z_S)`.
 
     Args:
         z: the step Z, a dict like ``params`` (e.g. from :func:`~curvlab.optim.update.next_update`).
-        subset: parameter names of the second scope; default the hidden matrices
-            (:func:`~curvlab.curvature.groupings.hidden_matrices`: by role when ``loss_fn`` has a ``.model``). Pass
-            ``[]`` to skip it.
         batch: one batch, or several (accumulated with loss-term weights).
+        scope: the second scope S, the split's ``hidden``: ``"hidden"`` (default: the hidden matrices,
+            :func:`~curvlab.curvature.groupings.hidden_matrices`, by role when ``loss_fn`` has a ``.model``),
+            parameter names of your own, or ``None`` (or ``[]``) to skip it.
         method: the HVP method, ``"rev_rev"`` (default) or ``"fwd_rev"``.
+        dtype: computation dtype (default float32, or float64 when the parameters are).
 
     Raises:
         CurvlabError: Z mismatched with the parameters, non-finite, or zero (NDS undefined).
     """
     _check_direction(params, z, "update direction")
-    with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
-        return taylor_split_at(point, z, subset)
+    with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
+        return taylor_split_at(point, z, scope=scope)
 
 
 @dataclass(frozen=True)
@@ -304,12 +273,12 @@ class _AlphaLoss:
 
 
 def block_matrix_at(
-    point: CurvaturePoint, z: Mapping[str, Tensor], blocks: str | Mapping[str, Sequence[str]] = "layer"
+    point: CurvaturePoint, z: Mapping[str, Tensor], *, blocks: str | Mapping[str, Sequence[str]] = "layer"
 ) -> BlockMatrix:
     r"""The block interaction matrix of the step Z at a :class:`~curvlab.engine.hvp.CurvaturePoint`: one HVP per
     block, :math:`H[Z_m]` with :math:`Z_m` touching only block m (see :func:`block_matrix`)."""
     _check_direction(point.params, z, "update direction")
-    members = group_parameters(point.params.keys(), blocks, model_of(point.loss_fn))
+    members = group_parameters(point.params.keys(), blocks=blocks, model=model_of(point.loss_fn))
     z = P.cast(z, point.dtype)
     hz_blocks = point.hvp_each(_block_directions(z, members))
     first = np.array([P.dot(point.gradient, z, names) for names in members.values()])
@@ -321,11 +290,12 @@ def block_matrix(
     params: Mapping[str, Tensor],
     batch: Any,
     z: Mapping[str, Tensor],
+    *,
     blocks: str | Mapping[str, Sequence[str]] = "layer",
-    via: str = "hvp",
-    chunk_size: int | None = None,
-    dtype: torch.dtype | None = None,
+    block_method: str = "hvp",
     method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
 ) -> BlockMatrix:
     r"""The block interaction matrix :math:`M_{lm} = \langle Z_l, H_{lm}[Z_m]\rangle / \|Z\|^2`, exactly.
 
@@ -333,31 +303,33 @@ def block_matrix(
         z: the step Z.
         blocks: ``"layer"``, ``"tensor"``, ``"kind"``, or ``{block: [parameter names or globs]}``
             (see :func:`~curvlab.curvature.groupings.group_parameters`).
-        via: ``"hvp"`` (one HVP per block at one point, :math:`H[Z_m]` with :math:`Z_m` touching only
-            block m) or ``"alpha"`` (the Hessian in α of :math:`L(W + \sum_l \alpha_l Z_l)`, which is
-            :math:`M\|Z\|^2`, as the curvature of an L-parameter loss). Both are exact; ``"hvp"`` is
-            the default.
-        chunk_size: directions per vectorized call (bounds memory).
+        block_method: how (:data:`BLOCK_METHODS`): ``"hvp"`` (one HVP per block at one point,
+            :math:`H[Z_m]` with :math:`Z_m` touching only block m) or ``"alpha"`` (the Hessian in α of
+            :math:`L(W + \sum_l \alpha_l Z_l)`, which is :math:`M\|Z\|^2`, as the curvature of an
+            L-parameter loss). Both are exact; ``"hvp"`` is the default.
         method: the HVP method, ``"rev_rev"`` (default) or ``"fwd_rev"``.
+        dtype: computation dtype (default float32, or float64 when the parameters are).
+        chunk_size: directions per vectorized call (bounds memory).
 
     Raises:
         CurvlabError: Z mismatched, non-finite or zero; a grouping that leaves a parameter out or
-            claims one twice; an unknown way.
+            claims one twice; an unknown block method.
     """
-    if via not in BLOCK_WAYS:
-        raise CurvlabError(f"unknown block-matrix way {via!r}; choose one of {', '.join(BLOCK_WAYS)}")
+    if block_method not in BLOCK_METHODS:
+        raise CurvlabError(f"unknown block method {block_method!r}; choose one of {', '.join(BLOCK_METHODS)}")
     _check_direction(params, z, "update direction")
-    if via == "hvp":
-        with CurvaturePoint(loss_fn, params, batch, method, dtype, chunk_size) as point:
-            return block_matrix_at(point, z, blocks)
+    if block_method == "hvp":
+        with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
+            return block_matrix_at(point, z, blocks=blocks)
     if any_dtensor(params.values()):
-        raise CurvlabError("block matrix via 'alpha' takes unsharded parameters; on sharded ones use via='hvp'")
-    members = group_parameters(params.keys(), blocks, model_of(loss_fn))
-    dt = working_dtype(params, dtype)
+        raise CurvlabError("block_method 'alpha' takes unsharded parameters; on sharded ones use block_method='hvp'")
+    members = group_parameters(params.keys(), blocks=blocks, model=model_of(loss_fn))
+    dt = working_dtype(params, dtype=dtype)
     p, zc = P.cast(params, dt), P.cast(z, dt)
     device = next(iter(p.values())).device
     alpha = {"alpha": torch.zeros(len(members), dtype=dt, device=device)}
-    with CurvaturePoint(_AlphaLoss(loss_fn, p, zc, members), alpha, batch, method, dt, chunk_size) as point:
+    alpha_loss = _AlphaLoss(loss_fn, p, zc, members)
+    with CurvaturePoint(alpha_loss, alpha, batch, method=method, dtype=dt, chunk_size=chunk_size) as point:
         R = point.hvps({"alpha": torch.eye(len(members), dtype=dt, device=device)})["alpha"]
         gz = point.gradient["alpha"]
     return _assemble(members, zc, gz.double().cpu().numpy(), R.double().cpu().numpy())
@@ -392,16 +364,17 @@ def _assemble(members: dict[str, list[str]], z: P.Params, first: np.ndarray, R: 
 def taylor_split_and_block_matrix_at(
     point: CurvaturePoint,
     z: Mapping[str, Tensor],
+    *,
     blocks: str | Mapping[str, Sequence[str]] = "layer",
-    subset: Sequence[str] | None = None,
+    scope: Scope = "hidden",
 ) -> tuple[TaylorSplit, BlockMatrix]:
     r""":func:`taylor_split_at` and :func:`block_matrix_at` of one step at one point, sharing their HVPs:
-    :math:`H[Z] = \sum_m H[Z_m]` by linearity, and when every block lies inside the subset S or
+    :math:`H[Z] = \sum_m H[Z_m]` by linearity, and when every block lies inside the scope S or
     outside it, :math:`H[Z_S]` is the sum over the blocks inside. L HVPs (L + 1 otherwise)."""
     _check_direction(point.params, z, "update direction")
-    members = group_parameters(point.params.keys(), blocks, model_of(point.loss_fn))
+    members = group_parameters(point.params.keys(), blocks=blocks, model=model_of(point.loss_fn))
     z = P.cast(z, point.dtype)
-    names = _subset_names(point, subset)
+    names = _scope_names(point, scope)
     proper = _proper(names, point.params, z)
     inside = set(names)
     aligned = all(set(b) <= inside or not set(b) & inside for b in members.values())
@@ -423,14 +396,15 @@ def taylor_split_and_block_matrix(
     params: Mapping[str, Tensor],
     batch: Any,
     z: Mapping[str, Tensor],
+    *,
     blocks: str | Mapping[str, Sequence[str]] = "layer",
-    subset: Sequence[str] | None = None,
-    chunk_size: int | None = None,
-    dtype: torch.dtype | None = None,
+    scope: Scope = "hidden",
     method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[TaylorSplit, BlockMatrix]:
-    r""":func:`taylor_split` and :func:`block_matrix` (via HVPs) of one step, at one point and sharing
-    their HVPs (:func:`taylor_split_and_block_matrix_at`)."""
+    r""":func:`taylor_split` and :func:`block_matrix` (block method ``"hvp"``) of one step, at one point
+    and sharing their HVPs (:func:`taylor_split_and_block_matrix_at`)."""
     _check_direction(params, z, "update direction")
-    with CurvaturePoint(loss_fn, params, batch, method, dtype, chunk_size) as point:
-        return taylor_split_and_block_matrix_at(point, z, blocks, subset)
+    with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
+        return taylor_split_and_block_matrix_at(point, z, blocks=blocks, scope=scope)

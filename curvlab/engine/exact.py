@@ -62,8 +62,8 @@ from torch.overrides import TorchFunctionMode
 
 from curvlab.errors import CurvlabError
 
-MODES = ("rev_rev", "fwd_rev", "fwd_fwd")
-# what each method needs rerouted beyond attention, dropout and running statistics
+# what each method needs rerouted beyond attention, dropout and running statistics: the HVP methods
+# (curvlab.engine.hvp.METHODS), forward-over-forward ("fwd_fwd") and None (any transform)
 REROUTES = {"rev_rev": frozenset(), "fwd_rev": frozenset(), "fwd_fwd": frozenset({"norms"}), None: frozenset({"norms"})}
 
 _DROPOUTS = {
@@ -394,6 +394,7 @@ def _torch_checkpoint_off() -> Iterator[None]:
 
 @contextlib.contextmanager
 def exact_second_order(
+    *,
     method: str | None = None,
     watch_dtype: torch.dtype | None = None,
     keep: Sequence[Tensor] = (),
@@ -424,7 +425,8 @@ def exact_second_order(
             are kept, with ``keep``).
     """
     if method not in REROUTES:
-        raise CurvlabError(f"unknown method {method!r} for the exact mode; choose one of {', '.join(MODES)}")
+        known = ", ".join(m for m in REROUTES if m is not None)
+        raise CurvlabError(f"unknown method {method!r} for the exact mode; choose one of {known}")
     watch = watch_dtype if watch_dtype in _PRECISION else None
     frozen = frozenset(_storage(t) for t in [*keep, *running_statistics(model)])
     mode = _ExactSecondOrderMode("norms" in REROUTES[method], watch, frozen)

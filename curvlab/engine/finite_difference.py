@@ -84,6 +84,7 @@ def finite_difference_hvp(
     params: Mapping[str, Tensor],
     batch: Any,
     v: Mapping[str, Tensor],
+    *,
     step: float | None = None,
     dtype: torch.dtype | None = None,
 ) -> FiniteDifferenceHVP:
@@ -98,7 +99,7 @@ def finite_difference_hvp(
         dtype: computation dtype (default float32, or float64 when the parameters are).
     """
     P.check_like(params, v)
-    dt = working_dtype(params, dtype)
+    dt = working_dtype(params, dtype=dtype)
     p, vc = P.cast(params, dt), P.cast(v, dt)
     vnorm = P.norm(vc)
     if vnorm == 0.0:

@@ -15,7 +15,8 @@ Methods:
   is kept; every call runs one forward and one backward pass carrying dual numbers, vmapped over
   its directions, with tangents only on the parameters the directions touch.
 
-:func:`quadratic_forms` is a third way for :math:`(\langle G, z\rangle, \langle z, H z\rangle)` alone:
+:meth:`CurvaturePoint.forward_quadratic_forms` (and the shortcuts :func:`forward_quadratic_forms`,
+:func:`forward_quadratic_form`) is a third way for :math:`(\langle G, z\rangle, \langle z, H z\rangle)` alone:
 forward-over-forward, ``jvp`` of ``jvp``, with no backward pass at all.
 
 Every computation runs inside :func:`~curvlab.engine.exact.exact_second_order` with just the reroutings
@@ -24,8 +25,10 @@ forward-over-forward), so it is exact on any model, and with torch's compiler st
 ``"force_eager"``, so that a ``torch.compile``'d model (whose compiled graphs have no double
 backward) works with every method. Computation is in float32 unless ``dtype`` (or
 float64 parameters) say otherwise; bf16 and fp16 parameters and directions are upcast. The functions
-:func:`hvp`, :func:`hvps`, :func:`gradient_and_hvps` and :func:`evaluate_loss` are one-point
-shortcuts over :class:`CurvaturePoint`.
+:func:`hvp`, :func:`hvps`, :func:`gradient_and_hvps`, :func:`forward_quadratic_forms` and
+:func:`evaluate_loss` are one-point shortcuts over :class:`CurvaturePoint`. Every one takes
+``(loss_fn, params, batch, <directions>)`` positionally and its options (``method``, ``dtype``,
+``chunk_size``) by keyword only.
 """
 
 from __future__ import annotations
@@ -39,19 +42,21 @@ from torch import Tensor
 from torch.func import grad_and_value, jvp, vmap
 from torch.utils._pytree import tree_map
 
-from curvlab.engine import _gathered as S
+from curvlab.engine import gathered as S
 from curvlab.engine import params as P
-from curvlab.engine._dtensors import all_finite, check_layout
+from curvlab.engine.dtensors import all_finite, check_layout
 from curvlab.engine.exact import exact_second_order, running_statistics
 from curvlab.engine.loss import LossFn, weighted_batches
 from curvlab.errors import CurvlabError
 from curvlab.util.distributed import all_reduce_sum, my_share, rank_and_world
 
 METHODS = ("rev_rev", "fwd_rev")
+"""The HVP methods (``method=``): ``"rev_rev"``, double backward on the kept first-order graph, and
+``"fwd_rev"``, forward-over-reverse (``jvp`` of ``grad``); equal to rounding."""
 DEFAULT_METHOD = "rev_rev"
 
 
-def working_dtype(params: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> torch.dtype:
+def working_dtype(params: Mapping[str, Tensor], *, dtype: torch.dtype | None = None) -> torch.dtype:
     """The dtype curvature is computed in: ``dtype`` if given, float64 if any parameter is, else float32."""
     if dtype is not None:
         if not dtype.is_floating_point:
@@ -60,7 +65,7 @@ def working_dtype(params: Mapping[str, Tensor], dtype: torch.dtype | None = None
     return torch.float64 if any(p.dtype == torch.float64 for p in params.values()) else torch.float32
 
 
-def shared_batches(batch: Any, loss_fn: Any = None, even: bool = False) -> tuple[list[tuple[Any, float]], bool]:
+def shared_batches(batch: Any, loss_fn: Any = None, *, even: bool = False) -> tuple[list[tuple[Any, float]], bool]:
     """This process's ``(batch, weight)`` pairs and whether results must be summed across ranks.
 
     Weights are normalized over *all* batches (every rank knows them all), so under torch.distributed
@@ -126,9 +131,9 @@ class CurvaturePoint:
     r"""Loss :math:`L(W)`, gradient :math:`G` and Hessian :math:`H` of ``loss_fn`` at one point, on a batch.
 
     The forward pass and the first backward run once, at construction (``"rev_rev"``) or at the first
-    request (``"fwd_rev"``); then :meth:`hvps`, :meth:`hvp`, :meth:`quadratic_forms` and
-    :meth:`loss_at` can be called any number of times. A direction may name only some parameters:
-    the others are zero, and no work is spent on them.
+    request (``"fwd_rev"``); then :meth:`hvps`, :meth:`hvp`, :meth:`quadratic_forms`,
+    :meth:`forward_quadratic_forms` and :meth:`loss_at` can be called any number of times. A direction
+    may name only some parameters: the others are zero, and no work is spent on them.
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``.
@@ -145,7 +150,7 @@ class CurvaturePoint:
 
     Sharded parameters (DTensors, e.g. an FSDP2 model's): the loss runs on gathered parameters, the
     gradient, directions and HVPs stay sharded like the parameters, ``"fwd_rev"`` is refused
-    (:mod:`curvlab.engine._gathered`).
+    (:mod:`curvlab.engine.gathered`).
     """
 
     def __init__(
@@ -153,6 +158,7 @@ class CurvaturePoint:
         loss_fn: LossFn,
         params: Mapping[str, Tensor],
         batch: Any,
+        *,
         method: str = DEFAULT_METHOD,
         dtype: torch.dtype | None = None,
         chunk_size: int | None = None,
@@ -160,12 +166,12 @@ class CurvaturePoint:
         check_method(method)
         S.check_process_group(params)
         self.loss_fn, self.method, self.chunk_size = loss_fn, method, chunk_size
-        self.dtype = working_dtype(params, dtype)
+        self.dtype = working_dtype(params, dtype=dtype)
         self.params = P.cast(params, self.dtype)
         if not self.params:
             raise CurvlabError("no parameters given")
         # sharded (DTensor) parameters: the loss runs on gathered ones, and results stay sharded
-        # (curvlab.engine._gathered)
+        # (curvlab.engine.gathered)
         self.sharded = S.is_sharded(self.params)
         self._pairs, self._reduce = shared_batches(batch, loss_fn, even=self.sharded)
         self.loss_fn = S.gathering_loss(loss_fn, self.params, partial=self._reduce)
@@ -183,7 +189,8 @@ class CurvaturePoint:
         keep = running_statistics(getattr(self.loss_fn, "model", None))
         # a torch.compile'd model runs eagerly here: AOTAutograd's graphs have no double backward,
         # and the curvature is that of the same function either way
-        with exact_second_order(method, self.dtype, keep), torch.compiler.set_stance("force_eager"):
+        exact = exact_second_order(method=method, watch_dtype=self.dtype, keep=keep)
+        with exact, torch.compiler.set_stance("force_eager"):
             for b, w in self._pairs:
                 yield _bound(self.loss_fn, b), w
 
@@ -294,9 +301,44 @@ class CurvaturePoint:
 
     def quadratic_forms(self, zs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         r""":math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions, by HVPs at this
-        point; each a float64 tensor of shape ``(K,)``."""
+        point (this point's method); each a float64 tensor of shape ``(K,)``."""
         hz = self.hvps(zs)
         return P.stacked_dot(self.gradient, zs, zs), P.stacked_dot(zs, hz, zs)
+
+    @S.names_rank_on_collective_failure
+    def forward_quadratic_forms(self, zs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        r"""The same pair as :meth:`quadratic_forms`, :math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)`,
+        by forward-over-forward AD whatever this point's method: the first and second derivatives of
+        :math:`t \mapsto L(W + t z_k)` at 0, ``jvp`` of ``jvp``, vmapped over the K directions. No backward
+        pass runs and no gradient is formed (nor kept graph used). Exact through the fused norms only because
+        :func:`~curvlab.engine.exact.exact_second_order` (method ``"fwd_fwd"``) routes them through composites.
+
+        On sharded parameters forward mode doesn't run through the collectives: there the pair comes by
+        HVPs (:meth:`quadratic_forms`, which needs a ``"rev_rev"`` point).
+
+        Returns:
+            ``(gz, zhz)``, float64 tensors of shape ``(K,)``.
+        """
+        if self.sharded:
+            return self.quadratic_forms(zs)
+        _, k = self._check_stacked(zs)
+        p, zs = self.params, P.cast(zs, self.dtype)
+        gz_total, zhz_total = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
+        for f, w in self._each_batch("fwd_fwd"):
+
+            def one(z, f=f):
+                def directional(q):
+                    value, slope = jvp(f, (q,), (z,))
+                    return slope, value
+
+                slope, curvature, value = jvp(directional, (p,), (z,), has_aux=True)
+                return value, slope, curvature
+
+            loss, gz, zhz = _vmap_directions(one, zs, self.chunk_size, out_dims=(None, 0, 0))
+            _check_finite_loss(loss)
+            gz_total += w * gz.double().cpu()
+            zhz_total += w * zhz.double().cpu()
+        return self._sum(gz_total), self._sum(zhz_total)
 
     def _hvps_rev_rev(self, vs: Mapping[str, Tensor]) -> P.Params:
         r"""Double backward of :math:`\langle G_S, v_S\rangle` through each kept graph: only the gradient
@@ -407,7 +449,9 @@ def _accumulate(total: list[Tensor] | None, terms: Sequence[Tensor], weight: flo
     return total
 
 
-def evaluate_loss(loss_fn: LossFn, params: Mapping[str, Tensor], batch: Any, dtype: torch.dtype | None = None) -> float:
+def evaluate_loss(
+    loss_fn: LossFn, params: Mapping[str, Tensor], batch: Any, *, dtype: torch.dtype | None = None
+) -> float:
     """:math:`L(W)` accumulated over batches with loss-term weights, evaluated exactly as the curvature
     functions evaluate it (:meth:`CurvaturePoint.loss_at`)."""
     return CurvaturePoint(loss_fn, params, batch, method="fwd_rev", dtype=dtype).loss_at(params)
@@ -418,9 +462,10 @@ def gradient_and_hvps(
     params: Mapping[str, Tensor],
     batch: Any,
     vs: Mapping[str, Tensor],
-    chunk_size: int | None = None,
+    *,
     method: str = DEFAULT_METHOD,
     dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[float, P.Params, P.Params]:
     r"""Loss :math:`L(W)`, gradient :math:`G` and :math:`H[v_k]` for K stacked directions, at one point.
 
@@ -433,7 +478,7 @@ def gradient_and_hvps(
         batches with loss-term weights.
     """
     _check_full(params, vs)
-    with CurvaturePoint(loss_fn, params, batch, method, dtype, chunk_size) as point:
+    with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
         hv = point.hvps(vs)
         return point.loss, point.gradient, hv
 
@@ -443,12 +488,13 @@ def hvps(
     params: Mapping[str, Tensor],
     batch: Any,
     vs: Mapping[str, Tensor],
-    chunk_size: int | None = None,
+    *,
     method: str = DEFAULT_METHOD,
     dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
 ) -> P.Params:
     r""":math:`H[v_k]` for K directions stacked along dim 0, at one point (see :class:`CurvaturePoint`)."""
-    return gradient_and_hvps(loss_fn, params, batch, vs, chunk_size, method, dtype)[2]
+    return gradient_and_hvps(loss_fn, params, batch, vs, method=method, dtype=dtype, chunk_size=chunk_size)[2]
 
 
 def hvp(
@@ -456,6 +502,7 @@ def hvp(
     params: Mapping[str, Tensor],
     batch: Any,
     v: Mapping[str, Tensor],
+    *,
     method: str = DEFAULT_METHOD,
     dtype: torch.dtype | None = None,
 ) -> P.Params:
@@ -481,48 +528,30 @@ def _check_full(params: Mapping[str, Tensor], vs: Mapping[str, Tensor]) -> None:
         raise CurvlabError(f"directions do not match the parameters: missing {P.names_text(missing)}")
 
 
-def quadratic_forms(
+def forward_quadratic_forms(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
     batch: Any,
     zs: Mapping[str, Tensor],
-    chunk_size: int | None = None,
+    *,
     dtype: torch.dtype | None = None,
-) -> tuple[float, Tensor, Tensor]:
-    r"""Loss and :math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions.
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    r""":math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions by forward-over-forward
+    AD, at one point (:meth:`CurvaturePoint.forward_quadratic_forms`: no backward pass, no gradient formed).
 
-    Forward-over-forward: the second derivative of :math:`t \mapsto L(W + t z)` at 0 by ``jvp`` of
-    ``jvp``. No backward pass and no gradient is formed. Exact through the fused norms only because
-    :func:`~curvlab.engine.exact.exact_second_order` (method ``"fwd_fwd"``) routes them through composites.
+    Args:
+        zs: dict of tensors shaped ``(K, *param.shape)``, one per parameter.
+        chunk_size: directions per vectorized call (bounds memory; ``None`` = all K at once).
 
     Returns:
-        ``(loss, gz, zhz)`` with ``gz`` and ``zhz`` float64 tensors of shape ``(K,)``.
+        ``(gz, zhz)``, float64 tensors of shape ``(K,)`` (the loss: :func:`evaluate_loss`).
     """
     _check_full(params, zs)
-    if S.is_sharded(params):  # (forward mode doesn't run through the collectives: by double backward)
-        with CurvaturePoint(loss_fn, params, batch, dtype=dtype, chunk_size=chunk_size) as point:
-            gz, zhz = point.quadratic_forms(zs)
-            return point.loss, gz, zhz
-    point = CurvaturePoint(loss_fn, params, batch, method="fwd_rev", dtype=dtype, chunk_size=chunk_size)
-    _, k = point._check_stacked(zs)
-    p, zs = point.params, P.cast(zs, point.dtype)
-    loss_total, gz_total, zhz_total = 0.0, torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
-    for f, w in point._each_batch("fwd_fwd"):
-
-        def one(z, f=f):
-            def directional(q):
-                value, slope = jvp(f, (q,), (z,))
-                return slope, value
-
-            slope, curvature, value = jvp(directional, (p,), (z,), has_aux=True)
-            return value, slope, curvature
-
-        loss, gz, zhz = _vmap_directions(one, zs, chunk_size, out_dims=(None, 0, 0))
-        _check_finite_loss(loss)
-        loss_total += w * float(loss)
-        gz_total += w * gz.double().cpu()
-        zhz_total += w * zhz.double().cpu()
-    return point._sum(loss_total), point._sum(gz_total), point._sum(zhz_total)
+    # a "fwd_rev" point keeps nothing; sharded parameters take the pair by double backward (see the method)
+    method = DEFAULT_METHOD if S.is_sharded(params) else "fwd_rev"
+    with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
+        return point.forward_quadratic_forms(zs)
 
 
 def _vmap_directions(fn, vs, chunk_size, out_dims):
@@ -541,18 +570,19 @@ def _vmap_directions(fn, vs, chunk_size, out_dims):
     )
 
 
-def quadratic_form(
+def forward_quadratic_form(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
     batch: Any,
     z: Mapping[str, Tensor],
+    *,
     dtype: torch.dtype | None = None,
 ) -> tuple[float, float]:
-    r"""The pair :math:`(\langle G, z\rangle, \langle z, H[z]\rangle)` by forward-over-forward AD.
+    r"""The pair :math:`(\langle G, z\rangle, \langle z, H[z]\rangle)` of one direction by forward-over-forward AD.
 
     Costs about one forward pass with second-order dual numbers: no gradient is formed (see
-    :func:`quadratic_forms`).
+    :func:`forward_quadratic_forms`, whose pair it is for K = 1).
     """
     P.check_like(params, z)
-    _, gz, zhz = quadratic_forms(loss_fn, params, batch, {n: t.unsqueeze(0) for n, t in z.items()}, dtype=dtype)
+    gz, zhz = forward_quadratic_forms(loss_fn, params, batch, {n: t.unsqueeze(0) for n, t in z.items()}, dtype=dtype)
     return float(gz[0]), float(zhz[0])

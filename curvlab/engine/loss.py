@@ -70,7 +70,7 @@ _HF_TASKS = {
 }
 
 
-def token_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+def token_cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Mean cross-entropy over all positions of ``(..., classes)`` logits; targets equal to
     ``ignore_index`` are left out.
 
@@ -285,7 +285,7 @@ class ModuleLoss:
                 f"the model's logits {tuple(logits.shape)} don't match its labels {tuple(targets.shape)} position "
                 "for position (the model adds or drops positions curvlab doesn't know of): pass criterion="
             )
-        return token_cross_entropy(logits, targets, self.ignore_index)
+        return token_cross_entropy(logits, targets, ignore_index=self.ignore_index)
 
     def _sequence_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Hugging Face's sequence-classification loss, chosen as it chooses (without mutating the config)."""
@@ -305,7 +305,9 @@ class ModuleLoss:
                 return F.mse_loss(logits.squeeze(), labels.squeeze())
             return F.mse_loss(logits, labels)
         if problem == "single_label_classification":
-            return token_cross_entropy(logits.reshape(-1, num_labels), labels.reshape(-1), self.ignore_index)
+            return token_cross_entropy(
+                logits.reshape(-1, num_labels), labels.reshape(-1), ignore_index=self.ignore_index
+            )
         return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
 
     def __call__(self, params: Mapping[str, Tensor], batch: Any) -> Tensor:
@@ -364,6 +366,7 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
 
 def make_loss_fn(
     model: nn.Module,
+    *,
     criterion: Callable[[Tensor, Tensor], Tensor] | None = None,
     ignore_index: int = IGNORE_INDEX,
     shift: bool | None = None,

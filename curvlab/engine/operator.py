@@ -26,7 +26,7 @@ from scipy.sparse.linalg import LinearOperator
 from torch import Tensor
 
 from curvlab.engine import params as P
-from curvlab.engine._dtensors import any_dtensor
+from curvlab.engine.dtensors import any_dtensor
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint, check_method
 from curvlab.engine.loss import LossFn
 from curvlab.errors import CurvlabError
@@ -46,7 +46,7 @@ class Operator:
     ``num_matvecs`` counts the products taken (a matmat of K columns counts K).
     """
 
-    def __init__(self, dim: int, matmat: Matmat, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, dim: int, matmat: Matmat, *, device: torch.device | str, dtype: torch.dtype):
         if dim < 1:
             raise CurvlabError("the operator has no dimensions (an empty block?)")
         self.dim, self.device, self.dtype = int(dim), torch.device(device), dtype
@@ -94,7 +94,7 @@ class Operator:
         """A dense symmetric matrix (symmetry is the caller's promise) as an operator on its device and dtype."""
         if A.dim() != 2 or A.shape[0] != A.shape[1]:
             raise CurvlabError(f"a square matrix is needed, got shape {tuple(A.shape)}")
-        return cls(A.shape[0], lambda X: A @ X, A.device, A.dtype)
+        return cls(A.shape[0], lambda X: A @ X, device=A.device, dtype=A.dtype)
 
     def __repr__(self) -> str:
         return f"Operator(dim={self.dim}, device={self.device}, dtype={self.dtype}, num_matvecs={self.num_matvecs})"
@@ -108,7 +108,7 @@ def preconditioned_operator(op: Operator, diagonal: Tensor) -> Operator:
     if not (diagonal > 0).all():
         raise CurvlabError("the preconditioner must be positive")
     s = diagonal.reshape(-1, 1).to(device=op.device, dtype=op.dtype).rsqrt()
-    return Operator(op.dim, lambda X: s * op.matmat(s * X), op.device, op.dtype)
+    return Operator(op.dim, lambda X: s * op.matmat(s * X), device=op.device, dtype=op.dtype)
 
 
 def flat_matmat(
@@ -136,10 +136,11 @@ def hessian_operator(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
     batch: Any,
-    dtype: torch.dtype | None = None,
-    subset: Sequence[str] | None = None,
+    *,
     method: str = DEFAULT_METHOD,
+    dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
+    scope: str | Sequence[str] = "all",
 ) -> Operator:
     r"""The Hessian :math:`H = \nabla^2 L(W)` over the flattened parameters as an :class:`Operator`.
 
@@ -153,17 +154,24 @@ def hessian_operator(
         loss_fn: as for :func:`curvlab.engine.hvp.hvp`.
         params: as for :func:`curvlab.engine.hvp.hvp` (not modified).
         batch: as for :func:`curvlab.engine.hvp.hvp`.
-        dtype: computation dtype (default float32, or float64 when the parameters are).
-        subset: parameter names: the principal block :math:`H_{SS}`, flattened in ``subset``'s order
-            (default: all parameters, in ``params``' order, as :func:`curvlab.engine.params.flatten` lays them out).
         method: the HVP method, ``"rev_rev"`` (double backward, default) or ``"fwd_rev"`` (jvp of grad).
+        dtype: computation dtype (default float32, or float64 when the parameters are).
         chunk_size: columns per vectorized call (bounds memory; ``None`` = all at once).
+        scope: ``"all"`` (default: every parameter, in ``params``' order, as
+            :func:`curvlab.engine.params.flatten` lays them out) or parameter names S: the principal block
+            :math:`H_{SS}`, flattened in their order. (``"hidden"`` needs the parameters' roles, a layer
+            above: pass :func:`curvlab.curvature.groupings.hidden_matrices`' names.)
 
     Returns:
         An operator on the parameters' device, in ``dtype``.
     """
     check_method(method)
-    names = list(params) if subset is None else list(subset)
+    if isinstance(scope, str) and scope != "all":
+        raise CurvlabError(
+            f"hessian_operator takes scope 'all' or parameter names, got {scope!r} (the hidden matrices: "
+            "scope=curvlab.hidden_matrices(params, model=model))"
+        )
+    names = list(params) if scope == "all" else list(scope)
     unknown = [n for n in names if n not in params]
     if unknown or not names:
         raise CurvlabError(
@@ -179,6 +187,8 @@ def hessian_operator(
     devices = {t.device for t in params.values()}
     if len(devices) != 1:
         raise CurvlabError(f"the parameters lie on {len(devices)} devices; the operator needs them on one")
-    point = CurvaturePoint(loss_fn, params, batch, method, dtype, chunk_size)
+    point = CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size)
     p = point.params
-    return Operator(sum(p[n].numel() for n in names), flat_matmat(point.hvps, p, names), devices.pop(), point.dtype)
+    return Operator(
+        sum(p[n].numel() for n in names), flat_matmat(point.hvps, p, names), device=devices.pop(), dtype=point.dtype
+    )

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from curvlab.engine._dtensors import all_finite, check_layout, resolved, sum_terms
+from curvlab.engine.dtensors import all_finite, check_layout, resolved, sum_terms
 from curvlab.errors import CurvlabError
 
 Params = dict[str, Tensor]

@@ -32,9 +32,9 @@ out x (in/groups * prod k). A bare 2-D parameter is taken as stored (out, in); a
 Face's experts modules carry the flag: Mixtral's are (experts, out, in), GPT-OSS's (experts, in, out)).
 
 Overrides ``{name or glob: role}`` settle what structure can't (a head registered before the body,
-say), and reverse any of the rules above: ``parameter_roles(model, {"*.ia3_l.*": "hidden"})``, then
+say), and reverse any of the rules above: ``parameter_roles(model, overrides={"*.ia3_l.*": "hidden"})``, then
 ``build_optimizer("muon", model, muon_rule=lambda n, p: roles[n] == "hidden")`` and
-``taylor_split(..., subset=[n for n, r in roles.items() if r == "hidden"])``. The roles drive Muon's
+``taylor_split(..., scope=[n for n, r in roles.items() if r == "hidden"])``. The roles drive Muon's
 parameter split (:func:`~curvlab.optim.build.build_optimizer`), the hidden subset of
 :func:`~curvlab.curvature.taylor.taylor_split` and the ``"layer"``/``"kind"`` groupings of
 :mod:`curvlab.curvature.groupings`.
@@ -124,7 +124,7 @@ def patch_embedding(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def parameter_roles(model: nn.Module, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+def parameter_roles(model: nn.Module, *, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     """The role of every parameter of ``model``, keyed by name (see the module docstring).
 
     Tied parameters appear under every name they have (``named_parameters(remove_duplicate=False)``),

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from curvlab.engine._dtensors import require_process_group
+from curvlab.engine.dtensors import require_process_group
 from curvlab.errors import CurvlabError
 
 

@@ -21,6 +21,7 @@ from curvlab.optim.model_optimizer import LORA_OPTIMIZERS, build_model_optimizer
 def build_optimizer(
     name: str,
     model: nn.Module,
+    *,
     muon_rule: Callable[[str, Tensor], bool] | None = None,
     **hyperparameters: Any,
 ) -> torch.optim.Optimizer:

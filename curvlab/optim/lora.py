@@ -70,8 +70,7 @@ from curvlab.errors import CurvlabError
 from curvlab.optim.combined import CombinedOptimizer
 from curvlab.optim.model_optimizer import ADAM_SIDE_DEFAULTS, LORA_OPTIMIZERS, reject_unknown_options
 from curvlab.optim.muon import evaluate_closure, muon_scale
-from curvlab.optim.polar import METHODS as POLAR_METHODS
-from curvlab.optim.polar import msign
+from curvlab.optim.polar import POLAR_METHODS, msign
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -312,7 +311,7 @@ def smuon_direction(
     """
     dt = torch.promote_types(A.dtype, torch.float32)
     point = _Point(A.to(dt), B.to(dt), scaling)
-    return point.smuon_steps(point.project(grad_A.to(dt), grad_B.to(dt)), {"method": polar, **polar_options})
+    return point.smuon_steps(point.project(grad_A.to(dt), grad_B.to(dt)), {"polar": polar, **polar_options})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -361,7 +360,7 @@ class _AdapterOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _polar(group: dict) -> dict[str, Any]:
         return {
-            "method": group["polar"],
+            "polar": group["polar"],
             "steps": group["ns_steps"],
             "dtype": group["polar_dtype"],
             "eps": group["eps"],

@@ -13,8 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from curvlab.errors import CurvlabError
 from curvlab.optim._sharded import sharded_polar_factors
-from curvlab.optim.polar import METHODS as POLAR_METHODS
-from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
+from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, POLAR_METHODS, msign
 from curvlab.util.distributed import rank_and_world
 
 SCALES = ("original", "moonlight", "spectral")
@@ -178,7 +177,7 @@ def _polar_factor(group: dict, update: Tensor) -> Tensor:
     """msign of one whole update with its group's polar settings, shaped like the update."""
     return msign(
         as_matrices(update, matrix_shape(update, stacked=group.get("stacked", False))),
-        method=group["polar"],
+        polar=group["polar"],
         steps=group["ns_steps"],
         dtype=group["polar_dtype"],
         coefficients=tuple(group["ns_coefficients"]),

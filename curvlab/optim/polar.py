@@ -26,7 +26,7 @@ from torch import Tensor
 
 from curvlab.errors import CurvlabError
 
-METHODS = ("svd", "newton_schulz", "polar_express")
+POLAR_METHODS = ("svd", "newton_schulz", "polar_express")
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 POLAR_EXPRESS_NORMALIZATION = 1.02  # divide by 1.02·||X||_F, matching the safety margin below
 
@@ -109,7 +109,8 @@ def _polynomial_steps(x: Tensor, schedule) -> Tensor:
 
 def msign(
     X: Tensor,
-    method: str = "newton_schulz",
+    *,
+    polar: str = "newton_schulz",
     steps: int | None = None,
     dtype: torch.dtype | None = None,
     coefficients: tuple[float, float, float] | None = None,
@@ -119,7 +120,8 @@ def msign(
 
     Args:
         X: ``(..., rows, cols)``; never modified.
-        method: ``"svd"`` (exact), ``"newton_schulz"`` or ``"polar_express"``.
+        polar: the polar method (:data:`POLAR_METHODS`), ``"svd"`` (exact), ``"newton_schulz"`` or
+            ``"polar_express"`` (the name Muon's ``polar`` option and the shadow settings give it).
         steps: iterations (default 5; ignored by ``"svd"``).
         dtype: dtype of the iteration (default bfloat16, as Muon runs it); ``"svd"`` always uses float64.
         coefficients: a fixed (a, b, c) for ``"newton_schulz"`` (default Keller Jordan's quintic).
@@ -129,14 +131,14 @@ def msign(
         A tensor shaped like ``X``, in ``X``'s dtype when that is float32/float64, else float32
         (a bf16 result is upcast, which is exact).
     """
-    if method not in METHODS:
-        raise CurvlabError(f"unknown polar method {method!r}; choose one of {', '.join(METHODS)}")
+    if polar not in POLAR_METHODS:
+        raise CurvlabError(f"unknown polar method {polar!r}; choose one of {', '.join(POLAR_METHODS)}")
     if X.dim() < 2:
         raise CurvlabError(f"msign needs a matrix or a batch of matrices, got shape {tuple(X.shape)}")
     if X.shape[-1] == 0 or X.shape[-2] == 0:
         raise CurvlabError(f"msign of an empty matrix (shape {tuple(X.shape)})")
     out_dtype = X.dtype if X.dtype in (torch.float32, torch.float64) else torch.float32
-    if method == "svd":
+    if polar == "svd":
         U, S, Vh = torch.linalg.svd(X.double(), full_matrices=False)
         # Zero singular values map to 0 (as any odd polynomial maps them): their singular vectors are
         # arbitrary. "Zero" is below numpy's matrix_rank tolerance in the input's precision.
@@ -144,7 +146,7 @@ def msign(
         keep = S.amax(dim=-1, keepdim=True) * max(X.shape[-2:]) * eps < S
         return ((U * keep.unsqueeze(-2)) @ Vh).to(out_dtype)
     steps = 5 if steps is None else steps
-    if method == "newton_schulz":
+    if polar == "newton_schulz":
         schedule = [coefficients or NEWTON_SCHULZ_COEFFICIENTS] * steps
         norm_scale = 1.0
     else:

@@ -58,8 +58,7 @@ from curvlab.curvature.groupings import hidden_matrices
 from curvlab.errors import CurvlabError
 from curvlab.models.roles import matrix_shapes
 from curvlab.optim.muon import SCALES, as_matrices, muon_scale
-from curvlab.optim.polar import METHODS as POLAR_METHODS
-from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
+from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, POLAR_METHODS, msign
 from curvlab.util import schema
 
 SHADOW_SCHEMA_VERSION = 1
@@ -287,7 +286,7 @@ def muon_step(update: Tensor, shape: tuple[int, ...], settings: ShadowSettings, 
     polar method and scale of ``settings``, as :class:`curvlab.optim.muon.Muon` computes it; in U's dtype."""
     ortho = msign(
         as_matrices(update, shape),
-        method=settings.polar,
+        polar=settings.polar,
         steps=settings.ns_steps,
         dtype=getattr(torch, settings.polar_dtype),
         coefficients=tuple(settings.ns_coefficients),
@@ -298,7 +297,7 @@ def muon_step(update: Tensor, shape: tuple[int, ...], settings: ShadowSettings, 
 
 def _hidden_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    names = hidden_matrices(params, model)
+    names = hidden_matrices(params, model=model)
     if not names:
         raise CurvlabError("the model has no hidden matrices to keep a shadow state on")
     shapes = matrix_shapes(model)

@@ -86,8 +86,12 @@ from curvlab.engine.operator import Operator, hessian_operator, preconditioned_o
 from curvlab.errors import CurvlabError
 from curvlab.optim.adam import adam_edge_of_stability, adam_preconditioner, adam_step_settings
 from curvlab.optim.muon import as_matrices, matrix_shape, muon_scale
-from curvlab.optim.polar import METHODS as POLAR_METHODS
-from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, POLAR_EXPRESS_NORMALIZATION, polar_express_coefficients
+from curvlab.optim.polar import (
+    NEWTON_SCHULZ_COEFFICIENTS,
+    POLAR_EXPRESS_NORMALIZATION,
+    POLAR_METHODS,
+    polar_express_coefficients,
+)
 
 UNIT_TOLERANCE = 1e-4  # |<v1, v1> - 1| accepted as a unit vector (a float32 Lanczos vector is unit to ~1e-7)
 
@@ -189,6 +193,7 @@ def injection_scalars(
     batch: Any,
     z: Mapping[str, Tensor],
     v1: Mapping[str, Tensor],
+    *,
     dtype: torch.dtype | None = None,
     method: str = DEFAULT_METHOD,
 ) -> InjectionScalars:
@@ -200,7 +205,7 @@ def injection_scalars(
     """
     P.check_like(params, z, "direction")
     P.check_like(params, v1, "v1")
-    with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
+    with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
         zc, vc = P.cast(z, point.dtype), P.cast(v1, point.dtype)
         zz, vv = P.dot(zc, zc), P.dot(vc, vc)
         if zz == 0:
@@ -364,7 +369,7 @@ def muon_preconditioner(
 
 def muon_preconditioned_operator(h_hidden: Operator, factors: Mapping[str, MuonFactor]) -> Operator:
     r""":math:`P^{-1/2} H P^{-1/2}` for Muon's frozen P on the hidden matrices: ``h_hidden`` is their
-    Hessian block (``hessian_operator(..., subset=names)``, flat in ``names``' order, each tensor
+    Hessian block (``hessian_operator(..., scope=names)``, flat in ``names``' order, each tensor
     row-major) and ``factors`` the :class:`MuonFactor` of each, in the same order. Symmetric positive
     semi-definite congruence: its largest eigenvalue is Muon's preconditioned sharpness."""
     if not factors:
@@ -383,7 +388,9 @@ def muon_preconditioned_operator(h_hidden: Operator, factors: Mapping[str, MuonF
             pieces.append((R @ M if left else M @ R).reshape(k, -1).T)
         return torch.cat(pieces, dim=0)
 
-    return Operator(h_hidden.dim, lambda X: half(h_hidden.matmat(half(X))), h_hidden.device, h_hidden.dtype)
+    return Operator(
+        h_hidden.dim, lambda X: half(h_hidden.matmat(half(X))), device=h_hidden.device, dtype=h_hidden.dtype
+    )
 
 
 def muon_preconditioned_sharpness(
@@ -391,8 +398,8 @@ def muon_preconditioned_sharpness(
     params: Mapping[str, Tensor],
     batch: Any,
     momenta: Mapping[str, Tensor],
-    scale: str = "original",
     *,
+    scale: str = "original",
     shapes: Mapping[str, tuple[int, int]] | None = None,
     polar: str = "newton_schulz",
     steps: int = 5,
@@ -424,14 +431,14 @@ def muon_preconditioned_sharpness(
     factors = muon_preconditioner(
         momenta, scale, shapes=shapes, polar=polar, steps=steps, coefficients=coefficients, eps=eps
     )
-    H = hessian_operator(loss_fn, params, batch, dtype=dtype, subset=names, method=method)
+    H = hessian_operator(loss_fn, params, batch, method=method, dtype=dtype, scope=names)
     return lanczos(muon_preconditioned_operator(H, factors), k=1, max_iter=max_iter, tol=tol, seed=seed, memory=memory)
 
 
 # -- thresholds ----------------------------------------------------------------------------------------
 
 
-def muon_edge_of_stability(lr: float, momentum: float, nesterov: bool = True) -> float:
+def muon_edge_of_stability(lr: float, momentum: float, *, nesterov: bool = True) -> float:
     r"""The largest sharpness (of :math:`P^{-1/2}HP^{-1/2}`) at which Muon's momentum is stable on a quadratic
     (module docstring): :math:`2(1+\mu)/((1-\mu)(1+2\mu)\eta)` with Nesterov (26.9/η at μ = 0.95),
     :math:`(2+2\mu)/((1-\mu)\eta)` without (heavy ball: :func:`~curvlab.optim.adam.adam_edge_of_stability`);
@@ -465,7 +472,7 @@ def _principal_block(op: Operator, sizes: Mapping[str, int], subset: Sequence[st
         out = op.matmat(padded)
         return torch.cat([out[start : start + size] for start, size in spans], dim=0)
 
-    return Operator(sum(size for _, size in spans), matmat, op.device, op.dtype)
+    return Operator(sum(size for _, size in spans), matmat, device=op.device, dtype=op.dtype)
 
 
 def is_muon_group(group: Mapping[str, Any]) -> bool:
@@ -488,6 +495,7 @@ def muon_sharpness(
     hidden: Sequence[str],
     names: Sequence[str],
     gradient: Mapping[str, Tensor],
+    *,
     max_iter: int = 60,
     tol: float = 1e-6,
     seed: int = 0,
@@ -527,7 +535,7 @@ def muon_sharpness(
         )  # fmt: skip
     block = _principal_block(op, {n: table[n].numel() for n in names}, hidden)
     top = lanczos(muon_preconditioned_operator(block, factors), max_iter=max_iter, tol=tol, seed=seed, memory=memory)
-    return MuonSharpness(float(top.eigenvalues[0]), muon_edge_of_stability(lr, mu, nesterov), lr)
+    return MuonSharpness(float(top.eigenvalues[0]), muon_edge_of_stability(lr, mu, nesterov=nesterov), lr)
 
 
 # -- everything at one point ----------------------------------------------------------------------------
@@ -585,13 +593,15 @@ def stability_point(
     muon_ids = {id(p) for g in optimizer.param_groups if is_muon_group(g) for p in g["params"]}
     table = dict(model.named_parameters())
     if muon_ids and gradient is None:  # (before H: the two points' graphs are never held together)
-        with CurvaturePoint(loss_fn, params, batch, method, dtype) as point:
+        with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
             gradient = point.gradient
     H = hessian_operator(loss_fn, params, batch, dtype=dtype, method=method)
     top = lanczos(H, k=1, max_iter=max_iter, tol=tol, seed=seed, memory=memory)
     if muon_ids:
         hidden = [n for n in names if n in table and id(table[n]) in muon_ids]
-        sharp, edge, lr = muon_sharpness(H, model, optimizer, hidden, names, gradient, max_iter, tol, seed, memory)
+        sharp, edge, lr = muon_sharpness(
+            H, model, optimizer, hidden, names, gradient, max_iter=max_iter, tol=tol, seed=seed, memory=memory
+        )
         arm = "muon"
     else:
         lr, beta1 = adam_step_settings(optimizer)

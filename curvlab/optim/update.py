@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from curvlab.engine._gathered import gathering_loss
+from curvlab.engine.gathered import gathering_loss
 from curvlab.engine.loss import Batches, weighted_batches
 from curvlab.errors import CurvlabError
 from curvlab.optim._no_trace import SideState, left_as_found
@@ -78,15 +78,18 @@ def next_update(
     optimizer: Optimizers,
     loss_fn: Callable[[Mapping[str, Tensor], Any], Tensor],
     batch: Any,
+    *,
     lr_scale: float = 1.0,
     dtype: torch.dtype | None = None,
     max_grad_norm: float | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     r"""The gradient G and the step :math:`Z = W - W_\text{next}` that ``optimizer`` would take on ``batch``.
 
-    Its first argument is the model, not a parameter dict, because the step is the model's: G comes from
-    autograd on the model's own parameters in its current mode (dropout is live in train mode, BatchNorm
-    uses the batch's statistics), and the optimizer holds those very parameter objects.
+    Its first argument is the model, not a parameter dict as the curvature functions take (they are pure
+    functions of ``(loss_fn, params, batch, directions)``), because the step is the model's: the optimizer's
+    real ``step()`` runs on the module's own parameter objects, which the optimizer holds, and G comes from
+    autograd on them in the module's current mode (dropout is live in train mode, BatchNorm uses the
+    batch's statistics). Its options are keyword-only, as everywhere.
 
     G is computed as a training step computes it, optionally clipped to ``max_grad_norm`` as the training
     loop does; then a copy of the optimizer (:func:`copy_optimizer`: its state, groups, inner optimizers,

@@ -43,7 +43,7 @@ def adapter_targets(model: nn.Module) -> list[str]:
         CurvlabError: the model has no such linear layer (nothing for LoRA to adapt).
     """
     params = dict(model.named_parameters())
-    hidden = set(hidden_matrices(params, model))
+    hidden = set(hidden_matrices(params, model=model))
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and f"{n}.weight" in hidden]
     if not names:
         raise CurvlabError("the model has no hidden linear layers (attention or MLP) for LoRA to adapt")
@@ -206,7 +206,7 @@ def _adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int |
         x, y = (torch.cat([b[i] for b in run.val_batches])[:heldout_windows].to(run.device) for i in (0, 1))
         blocks = adapter_blocks(run.model)
         monitor = CurvatureMonitor(
-            run.model, run.optimizer, make_loss_fn(run.model), [(x, y)], cfg.ckpt_every, blocks, subset=[]
+            run.model, run.optimizer, make_loss_fn(run.model), [(x, y)], every=cfg.ckpt_every, blocks=blocks, scope=None
         )
 
         def due(step: int) -> bool:  # the checkpoints of the stable phase, where runs are matched

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from curvlab.engine._dtensors import require_process_group
+from curvlab.engine.dtensors import require_process_group
 from curvlab.errors import CurvlabError
 from curvlab.optim.build import build_optimizer
 from curvlab.runs import _dcp_reader

@@ -17,8 +17,9 @@ Z comes from one of two places:
 
 * the step taken: :meth:`CurvatureMonitor.snapshot` before ``optimizer.step()``, then
   :meth:`CurvatureMonitor.measure_taken` after it. Z is exactly the step the loop took, whatever
-  went into it (clipping, autocast, accumulation, DDP). ``curvlab train`` and the Hugging Face
-  callback (:func:`curvature_callback`) do this;
+  went into it (clipping, autocast, accumulation, DDP). ``curvlab train`` and the callbacks for the
+  Hugging Face Trainer (:func:`trainer_curvature_callback`) and Lightning (:func:`lightning_curvature_callback`)
+  do this;
 * the step it would take: :meth:`CurvatureMonitor.measure_next` at a step boundary, given the batch
   the next step trains on, runs :func:`~curvlab.optim.update.next_update` (gradient, clipping, optimizer on
   cloned state). With the same batch, loss and clipping as the loop, that is the next step, bit for bit.
@@ -30,7 +31,7 @@ the random streams that dropout and data order draw from are where they were.
 A step whose curvature is not finite (a NaN or inf loss, gradient or step, or an overflowing
 Hessian-vector product) does not stop anything: its row has status ``"non-finite"`` and a message
 saying which quantity; a zero step has status ``"undefined"`` (NDS is 0/0). Stopping is the loop's
-choice (``curvlab train --curvature-stop``, ``curvature_callback(..., stop_on_nonfinite=True)``).
+choice (``curvlab train --curvature-stop``, ``trainer_curvature_callback(..., stop_on_nonfinite=True)``).
 
 Row JSON (``MONITOR_SCHEMA_VERSION`` = 1), one line per row in ``metrics.jsonl``::
 
@@ -53,9 +54,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from curvlab.curvature.groupings import GROUPINGS, group_parameters, hidden_matrices
-from curvlab.curvature.scalars import NAN_SCOPE, CheckpointScalars, layer_blocks_split, taylor_error, taylor_holds
-from curvlab.curvature.taylor import TaylorScope, taylor_split, taylor_split_and_block_matrix
+from curvlab.curvature.groupings import GROUPINGS, group_parameters
+from curvlab.curvature.scalars import CheckpointScalars, layer_blocks_split, taylor_error, taylor_holds
+from curvlab.curvature.scope import NAN_CURVATURE, DirectionCurvature, scope_names
+from curvlab.curvature.taylor import Scope, taylor_split, taylor_split_and_block_matrix
 from curvlab.engine import params as P
 from curvlab.engine.exact import exact_second_order
 from curvlab.engine.hvp import working_dtype
@@ -157,8 +159,8 @@ class MonitorRow:
     status: str
     message: str
     loss: float
-    split: TaylorScope
-    hidden: TaylorScope | None
+    split: DirectionCurvature
+    hidden: DirectionCurvature | None
     blocks: BlockSplit | None
     heldout_tokens: int
     seconds: float
@@ -200,8 +202,8 @@ class MonitorRow:
             status=d["status"],
             message=d["message"],
             loss=float(d["loss"]),
-            split=TaylorScope.from_dict(d),
-            hidden=None if hidden is None else TaylorScope.from_dict(hidden),
+            split=DirectionCurvature.from_dict(d),
+            hidden=None if hidden is None else DirectionCurvature.from_dict(hidden),
             blocks=None if d.get("blocks") is None else BlockSplit.from_dict(d["blocks"]),
             heldout_tokens=int(d["heldout_tokens"]),
             seconds=float(d["seconds"]),
@@ -230,8 +232,8 @@ class MonitorRow:
         return CheckpointScalars(
             step=self.step,
             val_loss=val_loss,
-            all=TaylorScope.from_dict(self.split.to_dict()),
-            hidden=NAN_SCOPE if self.hidden is None else self.hidden,
+            all=self.split,
+            hidden=NAN_CURVATURE if self.hidden is None else self.hidden,
             within=math.nan if blocks is None else blocks.within,
             cross=math.nan if blocks is None else blocks.cross,
             rho_within=math.nan if blocks is None else blocks.rho_within,
@@ -264,9 +266,9 @@ class CurvatureMonitor:
         every: measure at steps k with ``k % every == 0`` (:meth:`due`).
         blocks: a block grouping (``"layer"``, ``"tensor"``, ``"kind"`` or ``{block: [globs]}``) for
             the within/cross split, or ``None`` (no split: 2 HVPs per row instead of L + 1).
-        subset: the second scope's parameter names (default: the hidden matrices by the model's
-            structure, :func:`~curvlab.curvature.groupings.hidden_matrices` with the model, as
-            :func:`~curvlab.curvature.taylor.taylor_split` chooses them; ``[]``: none).
+        scope: the second scope, the rows' ``hidden``: ``"hidden"`` (default: the hidden matrices by the
+            model's structure, :func:`~curvlab.curvature.groupings.hidden_matrices` with the model, as
+            :func:`~curvlab.curvature.taylor.taylor_split` chooses them), parameter names, or ``None``: none.
         max_grad_norm: gradient clipping of the run, for :meth:`measure_next`.
         dtype: computation dtype (default float32, float64 for float64 parameters).
         on_row: called with every row as it is made (to write it somewhere).
@@ -281,9 +283,10 @@ class CurvatureMonitor:
         optimizer: Optimizers | None,
         loss_fn: LossFn,
         batches: Any,
+        *,
         every: int = 50,
         blocks: str | Mapping[str, Sequence[str]] | None = None,
-        subset: Sequence[str] | None = None,
+        scope: Scope = "hidden",
         max_grad_norm: float | None = None,
         dtype: torch.dtype | None = None,
         on_row: Callable[[MonitorRow], None] | None = None,
@@ -295,14 +298,11 @@ class CurvatureMonitor:
         params = self._params()
         if not params:
             raise CurvlabError("the model has no trainable parameters to monitor")
-        self.dtype = working_dtype(params, dtype)
+        self.dtype = working_dtype(params, dtype=dtype)
         if blocks is not None:
-            group_parameters(params, blocks)  # a bad grouping fails here, not mid-run
+            group_parameters(params, blocks=blocks)  # a bad grouping fails here, not mid-run
         # by structure, as taylor_split's default (a ViT's classifier is not hidden, its patch conv may be)
-        self.subset = hidden_matrices(params, model) if subset is None else list(subset)
-        unknown = [n for n in self.subset if n not in params]
-        if unknown:
-            raise CurvlabError(f"subset names unknown parameters: {unknown[:3]}")
+        self.hidden_names = scope_names(scope, params, model)
         pieces = batches if isinstance(batches, list) else list(getattr(batches, "batches", [batches]))
         if not pieces:
             raise CurvlabError("no held-out batches given")
@@ -380,16 +380,16 @@ class CurvatureMonitor:
         if P.norm(z) == 0.0:
             return self._failed(step, "undefined", "the step Z is zero: NDS = <Z,HZ>/||Z||² is 0/0", start)
         # a scope on which Z is zero (frozen by the optimizer, say) has no NDS: leave it out, not the row
-        subset = self.subset if self.subset and P.norm(z, self.subset) > 0 else []
+        hidden = self.hidden_names if self.hidden_names and P.norm(z, self.hidden_names) > 0 else []
         try:
             if self.blocks is None:
-                split, bm = taylor_split(self.loss_fn, params, self.batches, z, subset, self.dtype), None
+                split, bm = taylor_split(self.loss_fn, params, self.batches, z, scope=hidden, dtype=self.dtype), None
             else:
                 split, bm = taylor_split_and_block_matrix(
-                    self.loss_fn, params, self.batches, z, self.blocks, subset, dtype=self.dtype
+                    self.loss_fn, params, self.batches, z, blocks=self.blocks, scope=hidden, dtype=self.dtype
                 )
         except CurvlabError:
-            what = self._non_finite_loss(params, z, subset)
+            what = self._non_finite_loss(params, z, hidden)
             if what is None:  # everything is finite: a genuine error, keep its traceback
                 raise
             return self._failed(step, "non-finite", what, start)
@@ -398,10 +398,10 @@ class CurvatureMonitor:
             grouping = self.blocks if isinstance(self.blocks, str) else "custom"
             matrix = tuple(tuple(float(x) for x in r) for r in bm.matrix)
             blocks = BlockSplit(grouping, bm.names, matrix, bm.within, bm.cross, bm.nds, bm.rho_within)
-        scope = TaylorScope.from_dict(split.to_dict())
-        hidden = TaylorScope.from_dict(split.subset.to_dict()) if subset else None
+        scope = DirectionCurvature.from_dict(split.to_dict())  # (the split over all parameters alone)
+        on_hidden = split.hidden if hidden else None
         values = {"loss": split.loss, **asdict(scope)}
-        values.update({f"hidden {k}": v for k, v in (asdict(hidden) if hidden else {}).items()})
+        values.update({f"hidden {k}": v for k, v in (asdict(on_hidden) if on_hidden else {}).items()})
         values.update({} if blocks is None else {"within": blocks.within, "cross": blocks.cross})
         bad = [k for k, v in values.items() if not math.isfinite(v)]
         status, message = ("non-finite", f"not finite: {', '.join(bad)}") if bad else ("ok", "")
@@ -411,16 +411,16 @@ class CurvatureMonitor:
             message=message,
             loss=split.loss,
             split=scope,
-            hidden=hidden,
+            hidden=on_hidden,
             blocks=blocks,
             heldout_tokens=self.heldout_tokens,
             seconds=time.perf_counter() - start,
-            hidden_names=tuple(subset),
+            hidden_names=tuple(hidden),
         )
 
     def _failed(self, step: int, status: str, message: str, start: float) -> MonitorRow:
         return MonitorRow(
-            step, status, message, math.nan, NAN_SCOPE, None, None, self.heldout_tokens, time.perf_counter() - start
+            step, status, message, math.nan, NAN_CURVATURE, None, None, self.heldout_tokens, time.perf_counter() - start
         )
 
     def _loss_or_none(self, params: Mapping[str, Tensor], batch: Any) -> float | None:
@@ -430,14 +430,14 @@ class CurvatureMonitor:
             total = sum(w * float(self.loss_fn(p, b)) for b, w in weighted_batches(batch))
         return None if math.isfinite(total) else total
 
-    def _non_finite_loss(self, params, z, subset) -> str | None:
+    def _non_finite_loss(self, params, z, hidden) -> str | None:
         """Which held-out loss the split needs is not finite, L(W), L(W - Z) or L(W - Z_S), else ``None``."""
         bad = _all_finite(params)
         if bad is not None:
             return f"the parameters W hold NaN or inf (in {bad})"
         points = {"L(W)": params, "L(W - Z)": P.add(params, z, -1.0)}
-        if subset:
-            points["L(W - Z_S)"] = P.add(params, P.restrict(z, subset), -1.0)
+        if hidden:
+            points["L(W - Z_S)"] = P.add(params, P.restrict(z, hidden), -1.0)
         for name, point in points.items():
             loss = self._loss_or_none(point, self.batches)
             if loss is not None:
@@ -467,11 +467,17 @@ def training_monitor(
     device = next(model.parameters()).device
     held = [(x[i : i + rows].to(device), y[i : i + rows].to(device)) for i in range(0, need, rows)]
     return CurvatureMonitor(
-        model, optimizer, make_loss_fn(model), held, settings.every, settings.blocks, max_grad_norm=max_grad_norm
+        model,
+        optimizer,
+        make_loss_fn(model),
+        held,
+        every=settings.every,
+        blocks=settings.blocks,
+        max_grad_norm=max_grad_norm,
     )
 
 
-def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = False, trainer: Any = None):
+def trainer_curvature_callback(monitor: CurvatureMonitor, *, stop_on_nonfinite: bool = False, trainer: Any = None):
     """A ``transformers.TrainerCallback`` that measures ``monitor``'s rows during ``Trainer.train()``.
 
     Before each due optimizer step (``on_pre_optimizer_step``, after clipping) it snapshots W; after it
@@ -481,7 +487,7 @@ def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = Fals
     not by ``import curvlab``.
 
     With the ``trainer`` (given here, by ``callback.attach(trainer)``, or by
-    :func:`add_curvature_callback`), each row also goes into the Trainer's own logs at the end of its
+    :func:`add_trainer_curvature_callback`), each row also goes into the Trainer's own logs at the end of its
     step: ``trainer.log(row.log_scalars())``, so ``curvature/nds``, ... reach ``state.log_history`` and
     every ``report_to`` integration (TensorBoard, W&B, ...) as the loss does, at the Trainer's
     ``global_step`` after the measured step. (A callback is handed no trainer by transformers, and
@@ -505,8 +511,8 @@ def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = Fals
             integrations = [r for r in (args.report_to or []) if r not in ("none", None)]
             if self.trainer is None and integrations:
                 warnings.warn(
-                    f"curvature_callback has no trainer: its rows stay in monitor.rows and don't reach "
-                    f"report_to {integrations}; pass trainer= or use curvlab.runs.monitor.add_curvature_callback",
+                    f"trainer_curvature_callback has no trainer: its rows stay in monitor.rows and don't reach "
+                    f"report_to {integrations}; pass trainer= or use curvlab.add_trainer_curvature_callback",
                     stacklevel=2,
                 )
 
@@ -536,15 +542,15 @@ def curvature_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = Fals
     return CurvatureCallback()
 
 
-def add_curvature_callback(trainer: Any, monitor: CurvatureMonitor, stop_on_nonfinite: bool = False):
-    """Add :func:`curvature_callback` to a ``transformers.Trainer``, logging its rows through the
+def add_trainer_curvature_callback(trainer: Any, monitor: CurvatureMonitor, *, stop_on_nonfinite: bool = False):
+    """Add :func:`trainer_curvature_callback` to a ``transformers.Trainer``, logging its rows through the
     Trainer (its ``log_history`` and ``report_to``); returns the callback."""
-    callback = curvature_callback(monitor, stop_on_nonfinite, trainer)
+    callback = trainer_curvature_callback(monitor, stop_on_nonfinite=stop_on_nonfinite, trainer=trainer)
     trainer.add_callback(callback)
     return callback
 
 
-def curvature_lightning_callback(monitor: CurvatureMonitor, stop_on_nonfinite: bool = False):
+def lightning_curvature_callback(monitor: CurvatureMonitor, *, stop_on_nonfinite: bool = False):
     """A ``lightning.pytorch.Callback`` that measures ``monitor``'s rows during ``Trainer.fit``.
 
     Before each due optimizer step (``on_before_optimizer_step``: after the backward passes of the

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from curvlab.engine._dtensors import require_process_group
+from curvlab.engine.dtensors import require_process_group
 from curvlab.engine.loss import count_loss_terms, token_cross_entropy
 from curvlab.errors import CurvlabError
 from curvlab.runs.checkpoint import add_to_index

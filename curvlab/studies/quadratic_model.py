@@ -226,7 +226,7 @@ class Trajectory:
 def _direction(method: str, R: Tensor, polar: str) -> Tensor:
     if method == "gd":
         return R
-    return msign(R, method=polar, dtype=torch.float64 if polar != "newton_schulz" else torch.float32).to(R.dtype)
+    return msign(R, polar=polar, dtype=torch.float64 if polar != "newton_schulz" else torch.float32).to(R.dtype)
 
 
 def run_line_search(problem: KroneckerQuadratic, method: str, steps: int, polar: str = "svd") -> Trajectory:

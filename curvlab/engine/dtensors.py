@@ -92,13 +92,13 @@ def check_layout(param: Tensor, direction: Tensor, what: str, stacked: bool = Fa
     if not isinstance(direction, DTensor):
         raise CurvlabError(
             f"{what} is a plain tensor but the parameter is sharded: shard it like the parameters "
-            "(curvlab.engine._dtensors.shard_like)"
+            "(curvlab.engine.dtensors.shard_like)"
         )
     want = stacked_placements(param.placements) if stacked else tuple(param.placements)
     if direction.device_mesh != param.device_mesh or tuple(direction.placements) != want:
         raise CurvlabError(
             f"{what} is sharded as {tuple(direction.placements)}, the parameter as {want}: "
-            "shard it like the parameters (curvlab.engine._dtensors.shard_like)"
+            "shard it like the parameters (curvlab.engine.dtensors.shard_like)"
         )
 
 

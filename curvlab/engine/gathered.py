@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from curvlab.engine._dtensors import any_dtensor, require_process_group
+from curvlab.engine.dtensors import any_dtensor, require_process_group
 from curvlab.errors import CurvlabError
 from curvlab.util.distributed import all_reduce_sum, rank_and_world, unanswered_ranks, watch_ranks
 
