@@ -1,17 +1,28 @@
-"""The one record codec (curvlab.util.codec): records to JSON and back, by their fields and type hints."""
+"""The one record codec (curvlab.util.codec): records to JSON and back, by their fields and type hints, and
+every committed result file written again byte for byte from the record it reads as."""
 
 import enum
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 
 from curvlab.errors import CurvlabError
+from curvlab.runs.config import TrainConfig
+from curvlab.studies.quadratic import PhaseSweep
+from curvlab.studies.quadratic_model import Trajectory
+from curvlab.studies.records import LevelData
+from curvlab.studies.robustness import RobustnessLevels, RobustnessSummary
+from curvlab.studies.summary import Summary
 from curvlab.util import schema
+from curvlab.util.atomic import strict_json
 from curvlab.util.codec import Record, decode, encode, meta
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 class Colour(enum.Enum):
@@ -190,3 +201,58 @@ def test_a_class_whose_keys_leave_a_field_out_is_refused():
 
     with pytest.raises(TypeError, match="JSON_KEYS must name each key once and every field"):
         Bad(1, 2).to_dict()
+
+
+def test_a_diverged_quadratic_loss_reads_back_as_inf_and_other_nulls_as_nan():
+    t = Trajectory("gd", [1.0, math.inf], [math.nan, 0.5], [1.0, 2.0], [0.1, 0.2], None)
+    d = json.loads(json.dumps(schema.sealed(t.to_dict())))
+    assert d["loss"] == [1.0, None] and d["nds"] == [None, 0.5]
+    back = Trajectory.from_dict(schema.unsealed(d, "t", "trajectory"))
+    assert back.loss == [1.0, math.inf] and math.isnan(back.nds[0]) and back.lr is None
+
+
+def test_a_phase_sweep_reads_its_arrays_with_their_dtypes_and_refuses_a_wrong_shape():
+    wins = np.array([[[True, False]]])
+    sweep = PhaseSweep((1.0, 2.0), (0.1,), (1.0,), 5, 10, wins, wins, ~wins, np.array([[[-1.0, math.nan]]]))
+    back = PhaseSweep.from_dict(json.loads(json.dumps(strict_json(sweep.to_dict()), allow_nan=False)))
+    assert back == sweep and back.muon_wins.dtype == bool and back.log10_suboptimality_ratio.dtype == np.float64
+    with pytest.raises(CurvlabError, match=r"phase sweep muon_wins has shape \(1, 1, 1\), its axes \(1, 1, 2\)"):
+        PhaseSweep.from_dict({**sweep.to_dict(), "muon_wins": [[[True]]]})
+
+
+def test_a_training_config_refuses_an_unknown_field_by_name():
+    cfg = TrainConfig("d", "o", optimizer_options={"betas": (0.9, 0.95)})
+    assert cfg.to_dict()["optimizer_options"] == {"betas": [0.9, 0.95]}  # plain JSON types
+    assert TrainConfig.from_dict(cfg.to_dict()) == TrainConfig("d", "o", optimizer_options={"betas": [0.9, 0.95]})
+    with pytest.raises(CurvlabError, match=r"^unknown training config field\(s\): lr, stepz$"):
+        TrainConfig.from_dict({**cfg.to_dict(), "stepz": 1, "lr": 0.1})
+
+
+# -- every committed result, written again ------------------------------------------------------------
+
+# each committed file, the class that reads it, and how its job writes it (schema.save: strict JSON, indented;
+# the levels keep NaN, the robustness design's unindented)
+COMMITTED = [
+    *((f"{p}/summary.json", Summary) for p in ("quick", "quick-1thread", "standard")),
+    *((f"{p}/levels.json", LevelData) for p in ("quick", "quick-1thread", "standard")),
+    ("robustness/summary.json", RobustnessSummary),
+    ("robustness/levels.json", RobustnessLevels),
+]
+
+
+def test_every_committed_result_file_is_listed():
+    committed = sorted(p.relative_to(RESULTS).as_posix() for p in RESULTS.glob("*/*.json"))
+    assert committed == sorted(name for name, _ in COMMITTED)
+
+
+@pytest.mark.parametrize(("name", "cls"), COMMITTED, ids=[name for name, _ in COMMITTED])
+def test_a_committed_result_round_trips_through_the_codec_byte_for_byte(name, cls, tmp_path):
+    """Read with its record class (through schema.load: its seal and version checked) and written again by
+    its job's writer: the same bytes, so the same content in the same key order, and the same seal."""
+    path = RESULTS / name
+    again = tmp_path / path.name
+    if cls in (Summary, RobustnessSummary):
+        schema.save(again, cls.load(path))
+    else:
+        cls.load(path).save(again)
+    assert again.read_bytes() == path.read_bytes()
