@@ -29,7 +29,7 @@ JSON (``PointControls.to_dict``)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from curvlab.engine import params as P
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.errors import CurvlabError
 from curvlab.optim.stability import inject, injection_scalars, stability_point
+from curvlab.util.codec import Record
 
 LANCZOS_TOL = 1e-3  # relative residual: the context needs lambda_max to a tenth of a percent, not more
 INJECTED_RATIOS = (1.2, 1.5, 2.0)  # the positive control's known ratios NDS(Z') / NDS(Z_muon)
@@ -62,7 +63,7 @@ def heldout_key(arm: str) -> str:
 
 
 @dataclass(frozen=True)
-class PointControls:
+class PointControls(Record):
     """The controls measured at one checkpoint (module docstring); ``None`` where not asked for."""
 
     held_out: dict[str, float] | None = None
@@ -89,13 +90,6 @@ class PointControls:
             out["control_lambda_residual"] = self.lambda_residual
         out |= {injected_key(float(r)): v for r, v in self.injected.items()}
         return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PointControls:
-        return cls(**d)
 
 
 def held_out_nds(

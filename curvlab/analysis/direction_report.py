@@ -8,24 +8,24 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from curvlab.analysis.directions import PairedDirections, directions_table, measured_directions, parse_directions
 from curvlab.analysis.targets import DTYPES, AnalysisSettings, Target, evaluation_batches, open_checkpoint
 from curvlab.engine.loss import make_loss_fn
 from curvlab.optim.update import next_update
 from curvlab.runs.foreign import Rebuild
-from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
+from curvlab.util.codec import Record, meta
 from curvlab.util.versions import SoftwareVersions
 
 DIRECTIONS_SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
-class DirectionReport:
+class DirectionReport(Record):
     """Counterfactual directions at one checkpoint (``curvlab nds CKPT --directions ...``): each
     direction's NDS, cos(G, Z) and q over all parameters and the hidden matrices, at the same W, on the
     same batch D, under the same H (:mod:`curvlab.analysis.directions`).
@@ -40,7 +40,7 @@ class DirectionReport:
 
     checkpoint: str
     step: int
-    val_loss: float
+    val_loss: float = field(metadata=meta(strict=True))  # (none recorded: null, where the rest keeps NaN)
     optimizer: str
     settings: AnalysisSettings
     paired: PairedDirections
@@ -48,33 +48,6 @@ class DirectionReport:
     versions: SoftwareVersions | None = None  # what it was made with
     SCHEMA_VERSION: ClassVar[int] = DIRECTIONS_SCHEMA_VERSION
     WHAT: ClassVar[str] = "directions"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": DIRECTIONS_SCHEMA_VERSION,
-            "checkpoint": self.checkpoint,
-            "step": self.step,
-            "val_loss": self.val_loss if math.isfinite(self.val_loss) else None,  # (strict JSON: no NaN)
-            "optimizer": self.optimizer,
-            "settings": asdict(self.settings),
-            "paired": self.paired.to_dict(),
-            "seconds": self.seconds,
-            "versions": None if self.versions is None else self.versions.to_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DirectionReport:
-        schema.check(d, cls)
-        return cls(
-            d["checkpoint"],
-            d["step"],
-            math.nan if d["val_loss"] is None else d["val_loss"],
-            d["optimizer"],
-            AnalysisSettings(**d["settings"]),
-            PairedDirections.from_dict(d["paired"]),
-            d["seconds"],
-            SoftwareVersions.from_dict(d.get("versions")),
-        )
 
     def text(self) -> str:
         """The report as printed: a header line and :func:`~curvlab.analysis.directions.directions_table`."""

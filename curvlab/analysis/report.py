@@ -111,6 +111,8 @@ class UpdateSpectrum:
     def lambda_max(self) -> float:
         return float(self.top.eigenvalues[0])
 
+    # by hand: the JSON is a summary of the eigen and trace results (no eigenvectors), read back with the
+    # report's NDS
     def to_dict(self) -> dict[str, Any]:
         lam = self.lambda_max
         return {
@@ -170,6 +172,9 @@ class CurvatureReport:
     SCHEMA_VERSION: ClassVar[int] = REPORT_SCHEMA_VERSION
     WHAT: ClassVar[str] = "report"
 
+    # by hand: the Taylor split's keys sit at the top level and its hidden scope under "hidden" with its
+    # names, the block grouping inside "blocks", the times under "timing" (and TaylorSplit and BlockMatrix,
+    # whose JSON these are, are being reworked with DirectionScope)
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": REPORT_SCHEMA_VERSION,
@@ -213,7 +218,7 @@ class CurvatureReport:
             spectrum=None if d["spectrum"] is None else UpdateSpectrum.from_dict(d["spectrum"], split.nds),
             next_batch=None if d["next_batch"] is None else BatchDraw.from_dict(d["next_batch"]),
             paired=None if d.get("paired") is None else PairedDirections.from_dict(d["paired"]),
-            versions=SoftwareVersions.from_dict(d.get("versions")),
+            versions=None if d.get("versions") is None else SoftwareVersions.from_dict(d["versions"]),
             controls=None if d.get("controls") is None else PointControls.from_dict(d["controls"]),
         )
 

@@ -42,6 +42,7 @@ class PreconditionedSharpness:
     def edge_of_stability(self) -> float:
         return adam_edge_of_stability(self.lr, self.beta1)
 
+    # by hand: the eigen result's keys sit at the top level, beside the lr, beta1 and the derived edge
     def to_dict(self) -> dict[str, Any]:
         return {**self.eigen.to_dict(), "lr": self.lr, "beta1": self.beta1, "edge_of_stability": self.edge_of_stability}
 
@@ -113,6 +114,7 @@ class CheckpointSpectrum:
         both = {"hutchinson": self.hutchinson, "hutch++": self.hutch_plus_plus}
         return {k: v for k, v in both.items() if v is not None}
 
+    # by hand: the two trace estimates are one "trace" object by estimator name (null when neither)
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": self.SCHEMA_VERSION,

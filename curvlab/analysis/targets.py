@@ -11,7 +11,6 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -33,6 +32,7 @@ from curvlab.runs.foreign import (
 )
 from curvlab.runs.hf import context_length, token_batch, trainer_optimizer
 from curvlab.runs.train import build_run, restore
+from curvlab.util.codec import Record
 
 REPORT_SCHEMA_VERSION = 3  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own; 3: paired
 BATCHES = ("train", "val")
@@ -79,7 +79,7 @@ class AnalysisSettings:
 
 
 @dataclass(frozen=True)
-class BatchDraw:
+class BatchDraw(Record):
     """Where the next step's batch came from.
 
     Attributes:
@@ -96,13 +96,6 @@ class BatchDraw:
     seed: int | None = None
     micro_batches: int = 1
     rows: tuple[tuple[int, int], ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "rows": [list(r) for r in self.rows]}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BatchDraw:
-        return cls(d["source"], d["seed"], d["micro_batches"], tuple(tuple(r) for r in d["rows"]))
 
 
 @dataclass

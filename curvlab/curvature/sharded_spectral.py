@@ -66,6 +66,7 @@ class ShardedEigenResult:
     converged: bool
     which: str
 
+    # by hand: EigenResult's keys, with what a sharded Lanczos does not vary written as constants
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA_VERSION,

@@ -27,8 +27,7 @@ GPT-2 in float32). Lanczos keeps an orthonormal basis of such vectors; ``memory`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +36,7 @@ from torch import Tensor
 
 from curvlab.engine.operator import Operator
 from curvlab.errors import CurvlabError
+from curvlab.util.codec import Record, meta
 
 
 def vector_bytes(op: Operator) -> int:
@@ -66,14 +66,14 @@ def _host(x: Tensor) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class EigenResult:
+class EigenResult(Record):
     """Extreme eigenpairs. ``eigenvectors`` is ``(dim, k)`` (columns, flat, on the operator's
     device), ``residuals`` the true ``||A u - θ u||`` of each pair, ``converged`` whether every
     residual is within tolerance; ``basis_vectors`` the most Lanczos vectors held at once and
     ``restarts`` how often the basis was compressed to fit its memory budget."""
 
     eigenvalues: np.ndarray
-    eigenvectors: Tensor
+    eigenvectors: Tensor = field(metadata=meta(skip=True))  # (not written: a JSON keeps the eigenvalues)
     residuals: np.ndarray
     num_matvecs: int
     iterations: int
@@ -82,19 +82,6 @@ class EigenResult:
     which: str
     basis_vectors: int = 0
     restarts: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "eigenvalues": self.eigenvalues.tolist(),
-            "residuals": self.residuals.tolist(),
-            "num_matvecs": self.num_matvecs,
-            "iterations": self.iterations,
-            "converged": self.converged,
-            "algorithm": self.algorithm,
-            "which": self.which,
-            "basis_vectors": self.basis_vectors,
-            "restarts": self.restarts,
-        }
 
 
 class _Basis:
@@ -320,7 +307,7 @@ def eigsh_extremes(
 
 
 @dataclass(frozen=True)
-class TraceResult:
+class TraceResult(Record):
     """A trace estimate with its standard error (``std_error``) and cost."""
 
     trace: float
@@ -328,9 +315,6 @@ class TraceResult:
     num_matvecs: int
     algorithm: str
     samples: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
 
 
 def hutchinson(op: Operator, *, samples: int = 64, batch: int = 16, seed: int = 0) -> TraceResult:
@@ -375,7 +359,7 @@ def hutch_plus_plus(op: Operator, *, samples: int = 60, seed: int = 0) -> TraceR
 
 
 @dataclass(frozen=True)
-class DensityResult:
+class DensityResult(Record):
     """A spectral density on ``grid`` (integrating to 1), from stochastic Lanczos quadrature nodes
     and weights; ``reorthogonalized`` says whether the Lanczos bases were kept (see the module's memory notes)."""
 
@@ -386,17 +370,6 @@ class DensityResult:
     sigma: float
     num_matvecs: int
     reorthogonalized: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "grid": self.grid.tolist(),
-            "density": self.density.tolist(),
-            "nodes": self.nodes.tolist(),
-            "weights": self.weights.tolist(),
-            "sigma": self.sigma,
-            "num_matvecs": self.num_matvecs,
-            "reorthogonalized": self.reorthogonalized,
-        }
 
 
 def _independent_lanczos(

@@ -88,6 +88,8 @@ class Grammar:
 
     # -- serialization ----------------------------------------------------------------------
 
+    # by hand: the format's version under "version", and each level's rules and probabilities zipped per
+    # non-terminal
     def to_dict(self) -> dict:
         return {
             "version": GRAMMAR_VERSION,

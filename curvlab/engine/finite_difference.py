@@ -62,6 +62,7 @@ class FiniteDifferenceHVP:
     SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
     WHAT: ClassVar[str] = "finite-difference record"
 
+    # by hand: the JSON keeps no tensors, and reads the version under its older key "schema" too
     def to_dict(self) -> dict[str, Any]:
         """The scalars (not the tensors), with the schema version."""
         keys = ("step", "error", "truncation", "rounding", "norm")

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from curvlab.studies.tuning import LrSearch
 from curvlab.util import schema
+from curvlab.util.codec import Record
 
 LR_TABLE = Path(__file__).with_name("lr_table.json")
 LR_TABLE_SCHEMA_VERSION = 1
@@ -36,7 +37,7 @@ def optimum_moved(check: LrSearch, table_lr: float, table_search: dict[str, Any]
 
 
 @dataclass(frozen=True)
-class LrTable:
+class LrTable(Record):
     """The committed learning-rate table (:data:`LR_TABLE`): preset name -> the full search's entry
     (``fingerprint``, ``chosen``, ``seeds``, ``horizon_steps``, ``adam_side``, ``searches``)."""
 
@@ -44,15 +45,6 @@ class LrTable:
     WHAT: ClassVar[str] = "learning-rate table"
 
     presets: dict[str, dict[str, Any]]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": self.SCHEMA_VERSION, "presets": self.presets}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LrTable:
-        if not isinstance(d["presets"], dict):
-            raise TypeError("presets is not an object")
-        return cls(d["presets"])
 
 
 def read_lr_table(path: Path = LR_TABLE) -> dict[str, Any]:

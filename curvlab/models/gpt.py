@@ -10,17 +10,18 @@ that Muon orthogonalizes each and the per-kind grouping can tell them apart.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from curvlab.errors import CurvlabError
+from curvlab.util.codec import Record
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(Record):
     vocab_size: int = 4416
     block_size: int = 64
     n_layer: int = 4
@@ -29,9 +30,6 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False
     tie_embeddings: bool = False
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 CONFIGS: dict[str, GPTConfig] = {

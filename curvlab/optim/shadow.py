@@ -132,6 +132,7 @@ class ShadowSettings:
         elif not all(0 <= b < 1 for b in self.betas):
             raise CurvlabError(f"shadow betas must lie in [0, 1), got {self.betas}")
 
+    # by hand: the JSON holds only the fields of its kind, and reading it validates them (for_kind)
     def to_dict(self) -> dict[str, Any]:
         """``kind`` and the fields of that kind (tuples as lists)."""
         d = asdict(self)

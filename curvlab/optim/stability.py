@@ -73,7 +73,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -92,6 +92,7 @@ from curvlab.optim.polar import (
     POLAR_METHODS,
     polar_express_coefficients,
 )
+from curvlab.util.codec import Record, meta
 
 UNIT_TOLERANCE = 1e-4  # |<v1, v1> - 1| accepted as a unit vector (a float32 Lanczos vector is unit to ~1e-7)
 
@@ -160,7 +161,7 @@ def inject(z: Mapping[str, Tensor], v1: Mapping[str, Tensor], c: float) -> P.Par
 
 
 @dataclass(frozen=True)
-class InjectionScalars:
+class InjectionScalars(Record):
     r"""The inner products the injected direction needs: :math:`\langle Z,HZ\rangle`, :math:`\langle Z,Z\rangle`,
     :math:`\langle v_1,Z\rangle`, :math:`\langle v_1,HZ\rangle` and :math:`\langle v_1,Hv_1\rangle`
     (the λ_1 to use: exact for any unit v_1)."""
@@ -182,9 +183,6 @@ class InjectionScalars:
     def nds_at(self, c: float) -> float:
         """:func:`injected_nds` with λ_1 = ⟨v1, H v1⟩."""
         return injected_nds(self.zhz, self.zz, self.vz, self.vhz, self.vhv, c)
-
-    def to_dict(self) -> dict[str, float]:
-        return dict(vars(self))
 
 
 def injection_scalars(
@@ -542,7 +540,7 @@ def muon_sharpness(
 
 
 @dataclass(frozen=True)
-class StabilityPoint:
+class StabilityPoint(Record):
     r"""The edge-of-stability quantities at one point: :math:`\lambda_{\max}(H)` over all parameters (and its
     unit eigenvector, flat in ``params``' order, not serialised), the arm's preconditioned sharpness
     (Adam: :math:`P = \sqrt{\hat v} + \epsilon` over all parameters; Muon: its frozen polar preconditioner
@@ -555,15 +553,12 @@ class StabilityPoint:
     preconditioned_sharpness: float
     edge_of_stability: float
     num_matvecs: int
-    eigenvector: Tensor = field(repr=False, compare=False)
+    eigenvector: Tensor = field(repr=False, compare=False, metadata=meta(skip=True))
+    JSON_KEYS: ClassVar[tuple] = (..., "two_over_lr")  # (derived, for readers: not read back)
 
     @property
     def two_over_lr(self) -> float:
         return 2 / self.lr
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in vars(self).items() if k != "eigenvector"}
-        return out | {"two_over_lr": self.two_over_lr}
 
 
 def stability_point(

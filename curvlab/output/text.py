@@ -307,9 +307,8 @@ def _level_tables(levels: LevelData) -> list[str]:
             a, m = (lv.a, lv.b) if r.comparison.numerator == "a" else (lv.b, lv.a)
 
             def side(x):
-                d = x.to_dict()
                 step = f"{x.step} ({fmt(x.multiplier)}, {fmt(x.lr)})"
-                return step, f"{fmt(x.mean['update_norm'])} ({fmt(d['update_norm_over_multiplier'])})"
+                return step, f"{fmt(x.mean['update_norm'])} ({fmt(x.update_norm_over_multiplier)})"
 
             hidden = a.mean["hidden_nds"] / m.mean["hidden_nds"] if m.mean["hidden_nds"] else float("nan")
             lines.append(

@@ -9,11 +9,12 @@ import json
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from curvlab.errors import CurvlabError
+from curvlab.util.codec import Record
 
 SCHEDULES = ("cosine", "wsd", "constant")
 # Fields that may change between a run and its resumption: they don't change the math of a step.
@@ -21,8 +22,10 @@ RESUMABLE_CHANGES = {"out", "device", "compile", "eval_every", "ckpt_every"}
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Record):
     """Everything that defines a training run (``curvlab train`` exposes every field as an option)."""
+
+    WHAT: ClassVar[str] = "training config"
 
     data: str
     out: str
@@ -50,17 +53,6 @@ class TrainConfig:
     # The control shadows of the run's own arm (curvlab.optim.shadow.build_controls): its twin and its
     # hyperparameter twin, updated like the shadow, never applied (docs/science.md section 14).
     controls: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(asdict(self)))  # plain JSON types (tuples become lists)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise CurvlabError(f"unknown training config field(s): {', '.join(unknown)}")
-        return cls(**d)
 
     @classmethod
     def from_sources(cls, file: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
@@ -111,7 +103,7 @@ def _read_config_file(path: str | Path) -> dict[str, Any]:
 def _check_fields(d: Mapping[str, Any], where: str) -> None:
     """Every key of ``d`` is a :class:`TrainConfig` field and its value has the field's type (an int
     passes for a float; a bool passes for nothing but a bool)."""
-    hints = typing.get_type_hints(TrainConfig)
+    hints = {f.name: typing.get_type_hints(TrainConfig)[f.name] for f in fields(TrainConfig)}  # (not WHAT)
     unknown = sorted(set(d) - set(hints))
     if unknown:
         raise CurvlabError(f"{where}: unknown training config field(s): {', '.join(unknown)}")

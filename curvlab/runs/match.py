@@ -32,8 +32,9 @@ closer to independent, and a single noisy step cannot sway two of them).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -41,6 +42,7 @@ from curvlab.errors import CurvlabError
 from curvlab.runs.checkpoint import read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.schedule import lr_multiplier, schedule_phase
+from curvlab.util.codec import Record
 
 PHASES = ("stable", "multiplier", "any")
 PLATEAU_FRACTION = 0.05  # a loss within 5% of the unigram entropy sits on the unigram plateau
@@ -71,7 +73,7 @@ class Checkpoint:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MatchedPair:
+class MatchedPair(Record):
     """Run A's and run B's checkpoints at one matched validation-loss level (and their windows)."""
 
     target: float
@@ -80,14 +82,12 @@ class MatchedPair:
     on_plateau: bool = False
     window_a: tuple[Checkpoint, ...] = field(default=(), repr=False)
     window_b: tuple[Checkpoint, ...] = field(default=(), repr=False)
+    JSON_KEYS: ClassVar[tuple] = (..., "mismatch")  # (derived, for readers: not read back)
 
     @property
     def mismatch(self) -> float:
         """Relative validation-loss mismatch |L_a - L_b| / target."""
         return abs(self.a.val_loss - self.b.val_loss) / self.target
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "mismatch": self.mismatch}  # asdict recurses into the checkpoints and windows
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -66,6 +66,7 @@ from curvlab.errors import CurvlabError
 from curvlab.optim.combined import Optimizers
 from curvlab.optim.update import next_update
 from curvlab.util import schema
+from curvlab.util.codec import Record
 
 MONITOR_SCHEMA_VERSION = 1
 ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training rows have none
@@ -105,7 +106,7 @@ class NonFiniteCurvature(CurvlabError):
 
 
 @dataclass(frozen=True)
-class BlockSplit:
+class BlockSplit(Record):
     r"""The block interaction matrix of a monitored step, reduced to what a row keeps.
 
     Attributes:
@@ -124,18 +125,6 @@ class BlockSplit:
     cross: float
     nds: float
     rho_within: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "names": list(self.names), "matrix": [list(r) for r in self.matrix]}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> BlockSplit:
-        return cls(
-            grouping=d["grouping"],
-            names=tuple(d["names"]),
-            matrix=tuple(tuple(float(x) for x in r) for r in d["matrix"]),
-            **{k: float(d[k]) for k in ("within", "cross", "nds", "rho_within")},
-        )
 
 
 @dataclass(frozen=True)
@@ -177,6 +166,8 @@ class MonitorRow:
     def nds(self) -> float:
         return self.split.nds
 
+    # by hand: the all-parameter split's keys sit at the top level, the hidden scope's names inside its
+    # object (and TaylorScope, whose JSON these are, is being merged with DirectionScope)
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": ROW_KIND,

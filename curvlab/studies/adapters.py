@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,6 +22,7 @@ from curvlab.runs.monitor import MonitorRow
 from curvlab.studies import statistics as st
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
+from curvlab.util.codec import Record
 from curvlab.util.versions import SoftwareVersions
 
 FINETUNE_SCHEMA_VERSION = 1
@@ -34,7 +35,7 @@ LEVEL_KEYS = (*SCOPE_KEYS, "within", "cross")  # what a level's window means ave
 
 
 @dataclass(frozen=True)
-class AdapterLevel:
+class AdapterLevel(Record):
     """One matched validation-loss level of AdamW against a Muon variant, in one seed: each side's
     matched step, its window's steps and the window means of :data:`LEVEL_KEYS`."""
 
@@ -45,13 +46,9 @@ class AdapterLevel:
     windows: dict[str, list[int]]
     values: dict[str, dict[str, float]]
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AdapterLevel:
-        return cls(d["seed"], d["target"], d["mismatch"], d["steps"], d["windows"], d["values"])
-
 
 @dataclass(frozen=True)
-class AdapterComparison:
+class AdapterComparison(Record):
     """AdamW against one Muon variant at matched loss, over every seed (``refused``: levels and seeds
     without a match, with the reason)."""
 
@@ -73,13 +70,9 @@ class AdapterComparison:
             for s in self.seeds()
         ]
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AdapterComparison:
-        return cls(d["variant"], [AdapterLevel.from_dict(lv) for lv in d["levels"]], d["refused"])
-
 
 @dataclass(frozen=True)
-class FinetuneEntry:
+class FinetuneEntry(Record):
     """One summary number: a ratio of sums over seeds and levels, its 95% seed-level interval (``None``
     with one seed), the numbers of seeds and levels, and the per-level values it comes from."""
 
@@ -93,13 +86,9 @@ class FinetuneEntry:
     per_level: list[dict[str, Any]]
     note: str = ""
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> FinetuneEntry:
-        return cls(**d)
-
 
 @dataclass
-class FinetuneResult:
+class FinetuneResult(Record):
     """Everything ``curvlab finetune`` measured (``finetune.json``, ``FINETUNE_SCHEMA_VERSION``)."""
 
     SCHEMA_VERSION: ClassVar[int] = FINETUNE_SCHEMA_VERSION
@@ -120,24 +109,6 @@ class FinetuneResult:
         if not found:
             raise CurvlabError(f"no entry {name!r} for adamw/{variant}")
         return found[0]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": FINETUNE_SCHEMA_VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> FinetuneResult:
-        schema.check(d, cls)
-        return cls(
-            d["preset"],
-            d["base"],
-            d["chosen_lr"],
-            [AdapterComparison.from_dict(c) for c in d["comparisons"]],
-            [FinetuneEntry.from_dict(e) for e in d["entries"]],
-            d["final_loss"],
-            d["notes"],
-            d["timing"],
-            SoftwareVersions.from_dict(d.get("versions")),
-        )
 
     def save(self, path: str | Path) -> None:
         atomic_write_text(Path(path), json.dumps(schema.sealed(self.to_dict(), strict=False), indent=1))

@@ -26,8 +26,8 @@ from curvlab.analysis.targets import AnalysisSettings
 from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
 from curvlab.runs.match import Checkpoint, MatchCriteria, NoMatchedLevel, match_runs
-from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_csv, atomic_write_text, remove_stale_temporaries
+from curvlab.util.codec import Record, meta
 from curvlab.util.distributed import is_main
 from curvlab.util.lock import check_not_owned, own_directory
 from curvlab.util.progress import progress as progress_bar
@@ -40,7 +40,7 @@ STILL_TRAINING = "its checkpoint series is still being written; compare or track
 
 
 @dataclass(frozen=True)
-class WindowSide:
+class WindowSide(Record):
     """One run's side of a matched level: its matched checkpoint (step, loss, schedule) and the
     per-checkpoint scalars of the window around it, with their means and standard errors."""
 
@@ -51,6 +51,8 @@ class WindowSide:
     lr: float | None
     members: list[CheckpointScalars]  # each window member's, in step order
     reports: list[str]
+    # the window's aggregates, written for readers of the JSON (not read back: derived from the members)
+    JSON_KEYS: ClassVar[tuple] = (..., "update_norm_over_multiplier", "mean", "stderr", "taylor_failures")
 
     @property
     def mean(self) -> dict[str, float]:
@@ -72,30 +74,14 @@ class WindowSide:
     def taylor_failures(self) -> int:
         return sum(not m.taylor_ok for m in self.members)
 
-    def to_dict(self) -> dict[str, Any]:
-        norm = self.mean["update_norm"]
-        return {
-            "optimizer": self.optimizer,
-            "step": self.step,
-            "val_loss": self.val_loss,
-            "multiplier": self.multiplier,
-            "lr": self.lr,
-            "members": [m.to_dict() for m in self.members],
-            "reports": self.reports,
-            "update_norm_over_multiplier": norm / self.multiplier if self.multiplier else None,
-            "mean": self.mean,
-            "stderr": self.stderr,
-            "taylor_failures": self.taylor_failures,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> WindowSide:
-        members = [CheckpointScalars.from_dict(m) for m in d["members"]]
-        return cls(d["optimizer"], d["step"], d["val_loss"], d["multiplier"], d["lr"], members, d["reports"])
+    @property
+    def update_norm_over_multiplier(self) -> float | None:
+        """The window's mean ||Z|| over the schedule's multiplier (``None`` without a multiplier)."""
+        return self.mean["update_norm"] / self.multiplier if self.multiplier else None
 
 
 @dataclass(frozen=True)
-class Level:
+class Level(Record):
     """One matched validation-loss level: the two runs' windows."""
 
     target: float
@@ -103,6 +89,7 @@ class Level:
     on_plateau: bool
     a: WindowSide
     b: WindowSide
+    JSON_KEYS: ClassVar[tuple] = (..., ("paired", "paired_terms"))  # (derived, for readers: not read back)
 
     @property
     def paired_terms(self) -> dict[str, DirectionLandscape] | None:
@@ -134,35 +121,23 @@ class Level:
             for s in SCOPES
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        terms = self.paired_terms
-        return {
-            "target": self.target,
-            "mismatch": self.mismatch,
-            "on_plateau": self.on_plateau,
-            "a": self.a.to_dict(),
-            "b": self.b.to_dict(),
-            "paired": None if terms is None else {s: t.to_dict() for s, t in terms.items()},
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Level:
-        return cls(
-            d["target"], d["mismatch"], d["on_plateau"], WindowSide.from_dict(d["a"]), WindowSide.from_dict(d["b"])
-        )
-
 
 @dataclass(frozen=True)
-class Comparison:
+class Comparison(Record):
     """Matched-loss comparison of two runs. ``ratio_label`` says which is over which (Adam/Muon when
     the runs are AdamW and Muon, else B/A). The aggregates run over the levels off the unigram
     plateau; every level stays in ``levels``."""
 
     SCHEMA_VERSION: ClassVar[int] = COMPARE_SCHEMA_VERSION
     WHAT: ClassVar[str] = "comparison"
+    # the settings first, then the aggregates over levels (derived, for readers: not read back), the levels
+    JSON_KEYS: ClassVar[tuple] = (
+        "schema_version", "ratio", "optimizers", "runs", "phase", "window", "plateau_ceiling", "settings",
+        "mean_ratios", "median_ratios", "ratio_of_means", "paired_ratio_of_means", "pairs", "refused",
+    )  # fmt: skip
 
-    levels: list[Level]
-    ratio_label: str
+    levels: list[Level] = field(metadata=meta(key="pairs"))  # one per matched level
+    ratio_label: str = field(metadata=meta(key="ratio"))
     refused: list[str]
     optimizers: tuple[str, str] = ("", "")
     phase: str = "any"
@@ -244,40 +219,6 @@ class Comparison:
                 row.update({f"{k}_{scope}": v for k, v in terms.to_dict().items()})
             rows.append(row)
         return rows
-
-    def to_dict(self) -> dict[str, Any]:
-        paired = self.paired_ratio_of_means
-        return {
-            "schema_version": COMPARE_SCHEMA_VERSION,
-            "ratio": self.ratio_label,
-            "optimizers": list(self.optimizers),
-            "runs": list(self.runs),
-            "phase": self.phase,
-            "window": self.window,
-            "plateau_ceiling": self.plateau_ceiling,
-            "settings": self.settings,
-            "mean_ratios": self.mean_ratios,
-            "median_ratios": self.median_ratios,
-            "ratio_of_means": self.ratio_of_means,
-            "paired_ratio_of_means": None if paired is None else {s: t.to_dict() for s, t in paired.items()},
-            "pairs": [lv.to_dict() for lv in self.levels],  # one per matched level
-            "refused": self.refused,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Comparison:
-        schema.check(d, cls)
-        return cls(
-            [Level.from_dict(lv) for lv in d["pairs"]],
-            d["ratio"],
-            d["refused"],
-            tuple(d["optimizers"]),
-            d["phase"],
-            d["window"],
-            d["plateau_ceiling"],
-            tuple(d["runs"]),
-            d["settings"],
-        )
 
 
 def _window_side(

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,7 @@ from curvlab.analysis.controls import INJECTED_RATIOS, STABILITY_QUANTITIES, hel
 from curvlab.curvature.scalars import CheckpointScalars
 from curvlab.studies import statistics as st
 from curvlab.studies.records import PRIMARY_COMPARISON, LevelData, analysed_points, with_levels_off_plateau
+from curvlab.util.codec import Record
 
 CONTROL_NAMES = (
     "twin_shadow", "hyperparameter_twin", "held_out_batch", "injected_sharp_1.2", "injected_sharp_1.5",
@@ -71,7 +72,7 @@ ARMS = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
-class ControlEntry:
+class ControlEntry(Record):
     """One control, for one arm's points (module docstring). ``value`` and ``ci95`` are across seeds
     (``None`` when not measured); ``passed`` is ``None`` when not measured; ``detail`` holds what the
     control checks besides (the largest deviation of a twin; coverage and detection of an injection)."""
@@ -88,16 +89,9 @@ class ControlEntry:
     detail: dict[str, Any] | None = None
     note: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ControlEntry:
-        return cls(**d)
-
 
 @dataclass(frozen=True)
-class StabilityEntry:
+class StabilityEntry(Record):
     """One edge-of-stability quantity for one arm's points: the geometric mean across seeds of the
     per-seed medians, with its log-t interval (``None`` when not measured)."""
 
@@ -108,13 +102,6 @@ class StabilityEntry:
     n_seeds: int
     n_points: int
     note: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StabilityEntry:
-        return cls(**d)
 
 
 # -- per-seed reductions -----------------------------------------------------------------------------

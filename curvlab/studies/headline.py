@@ -29,7 +29,7 @@ Headline intervals are seed-level (:func:`curvlab.studies.statistics.estimate`):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,12 +38,13 @@ from curvlab.curvature.scalars import RATIO_KEYS, scope_key
 from curvlab.studies import statistics as st
 from curvlab.studies.paper import CLAIMS, Claim
 from curvlab.studies.records import MATCHED, PRIMARY_COMPARISON, SCOPES, LevelData, with_levels_off_plateau
+from curvlab.util.codec import Record
 
 RATIO_NAMES = {k: f"{k}_ratio" for k in RATIO_KEYS}  # quantity -> its headline entry
 
 
 @dataclass
-class HeadlineEntry:
+class HeadlineEntry(Record):
     """One descriptive headline number with its seed-level interval, its units and the paper's number
     (``verdict`` is always ``"descriptive"``: only the primary family is judged)."""
 
@@ -60,12 +61,9 @@ class HeadlineEntry:
     verdict: str
     note: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
-class ZipfPoint:
+class ZipfPoint(Record):
     """Trajectory-mean NDS of one optimizer at one s, over Muon's at the first s (both pooled over seeds)."""
 
     arm: str

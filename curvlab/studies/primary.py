@@ -22,7 +22,7 @@ record), put through the same pipeline for the claims that compare the two sides
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,10 +42,11 @@ from curvlab.studies.records import (
     analysed_points,
     with_levels_off_plateau,
 )
+from curvlab.util.codec import Record
 
 
 @dataclass(frozen=True)
-class PrimaryEntry:
+class PrimaryEntry(Record):
     """One claim of the primary family, judged (module docstring; :mod:`curvlab.studies.statistics`).
 
     ``direction``: supported / contradicted / inconclusive, ``"descriptive: fewer than 3 seeds"`` or
@@ -84,13 +85,6 @@ class PrimaryEntry:
     # larger of two one-sided tests against the band for a supported "about" claim, else p_exact
     p_exact_verdict: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PrimaryEntry:
-        return cls(**d)
-
     @property
     def verdict_text(self) -> str:
         """The direction verdict, with what the exact test says where it cannot back it: e.g.
@@ -104,7 +98,7 @@ class PrimaryEntry:
 
 
 @dataclass(frozen=True)
-class Calibration:
+class Calibration(Record):
     """The A/A calibration (:func:`calibration`): the share of same-arm tests whose direction verdict
     asserted a difference (NaN when there were no tests), over ``n_tests`` tests with 3 seeds or more;
     each test with its estimate, interval and p-values (``per_test``); the seed ``pairs`` of the
@@ -120,13 +114,6 @@ class Calibration:
     claims: list[str] = field(default_factory=list)
     power: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(POWER_LABELS))
     kind: str = "smoke test"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Calibration:
-        return cls(**d)
 
 
 MIN_CALIBRATION_TESTS = 10

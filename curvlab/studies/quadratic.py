@@ -7,7 +7,8 @@ optimizers and the theorem's closed forms are :mod:`curvlab.studies.quadratic_mo
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -29,10 +30,11 @@ from curvlab.studies.quadratic_model import (
     two_level,
 )
 from curvlab.util import schema
+from curvlab.util.codec import Record, decode, encode, meta
 
 
 @dataclass(frozen=True, eq=False)
-class PhaseSweep:
+class PhaseSweep(Record):
     """:func:`phase_sweep`'s grid: the axes ρ = w_H/w_L (``rhos``), α = m/q (``alphas``) and σ_H/σ_L
     (``ratios``), the steps T and the size q of every point, and per point (arrays shaped
     ``(len(ratios), len(alphas), len(rhos))``): whether Muon's suboptimality after T steps is below GD's
@@ -45,12 +47,18 @@ class PhaseSweep:
     ratios: tuple[float, ...]
     steps: int
     q: int
-    muon_wins: np.ndarray  # bool
-    muon_below_every_step: np.ndarray  # bool
-    condition: np.ndarray  # bool
-    log10_suboptimality_ratio: np.ndarray  # float64
+    muon_wins: np.ndarray = field(metadata=meta(dtype=bool))
+    muon_below_every_step: np.ndarray = field(metadata=meta(dtype=bool))
+    condition: np.ndarray = field(metadata=meta(dtype=bool))
+    log10_suboptimality_ratio: np.ndarray = field(metadata=meta(dtype=float))  # (a null, non-finite: NaN)
 
     ARRAYS: ClassVar[tuple[str, ...]] = ("muon_wins", "muon_below_every_step", "condition", "log10_suboptimality_ratio")
+
+    def __post_init__(self) -> None:
+        shape = (len(self.ratios), len(self.alphas), len(self.rhos))
+        for k in self.ARRAYS:
+            if getattr(self, k).shape != shape:
+                raise CurvlabError(f"phase sweep {k} has shape {getattr(self, k).shape}, its axes {shape}")
 
     def __eq__(self, other: object) -> bool:
         # arrays compare by value (dataclass equality would ask an array for its truth value)
@@ -62,28 +70,6 @@ class PhaseSweep:
         )
 
     __hash__ = None  # arrays are not hashable
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "rhos": list(self.rhos),
-            "alphas": list(self.alphas),
-            "ratios": list(self.ratios),
-            "steps": self.steps,
-            "q": self.q,
-            **{k: getattr(self, k).tolist() for k in self.ARRAYS},
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PhaseSweep:
-        """The inverse of :meth:`to_dict` (a null log ratio, a non-finite one in strict JSON, is ``nan``)."""
-        axes = [tuple(float(x) for x in d[k]) for k in ("rhos", "alphas", "ratios")]
-        shape = (len(axes[2]), len(axes[1]), len(axes[0]))
-        arrays = [np.array(d[k], dtype=bool) for k in cls.ARRAYS[:3]]
-        arrays.append(np.array(d["log10_suboptimality_ratio"], dtype=float))
-        for k, a in zip(cls.ARRAYS, arrays):
-            if a.shape != shape:
-                raise CurvlabError(f"phase sweep {k} has shape {a.shape}, its axes {shape}")
-        return cls(*axes, int(d["steps"]), int(d["q"]), *arrays)
 
 
 def phase_sweep(rhos, alphas, ratios, steps: int = 20, q: int = 100) -> PhaseSweep:
@@ -124,7 +110,7 @@ SWEEP_RATIOS = (1.0, 2.0, 4.0)
 
 
 @dataclass(frozen=True)
-class ClosedForms:
+class ClosedForms(Record):
     """The theorem's closed forms on one :class:`TwoLevelSpec` (docs/science.md section 7):
     :func:`optimal_loss`, :func:`muon_nds`, :func:`muon_contraction` Γ², GD's two-step contraction
     C(P_0) C(1 - P_0) (:func:`gd_contraction`), P_0 (:func:`gd_initial_share`) and
@@ -149,16 +135,8 @@ class ClosedForms:
             theorem_condition(spec),
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ClosedForms:
-        return cls(
-            *(float(d[k]) for k in ("optimal_loss", "muon_nds", "muon_contraction", "gd_two_step_contraction")),
-            float(d["gd_initial_share"]),
-            bool(d["theorem_condition"]),
-        )
+EXAMPLE = ("closed_forms", "line_search", "fixed_lr")  # QuadraticStudy's fields under "example", after the spec
 
 
 @dataclass(frozen=True)
@@ -192,30 +170,21 @@ class QuadraticStudy:
         """Every trajectory by name, the line-search ones first."""
         return {**self.line_search, **self.fixed_lr}
 
+    # by hand: the JSON nests the worked example's fields, and its derived title, under "example" (the
+    # fields themselves by the codec)
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.SCHEMA_VERSION,
-            "example": {
-                "spec": asdict(self.spec),
-                "title": self.title,
-                "closed_forms": self.closed_forms.to_dict(),
-                "line_search": {k: v.to_dict() for k, v in self.line_search.items()},
-                "fixed_lr": {k: v.to_dict() for k, v in self.fixed_lr.items()},
-            },
-            "sweep": self.sweep.to_dict(),
-        }
+        d = encode(self)
+        example = {"spec": d.pop("spec"), "title": self.title, **{k: d.pop(k) for k in EXAMPLE}}
+        return {"schema_version": d["schema_version"], "example": example, "sweep": d["sweep"]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuadraticStudy:
         schema.check(d, cls)
         example = d["example"]
-        return cls(
-            TwoLevelSpec(**example["spec"]),
-            ClosedForms.from_dict(example["closed_forms"]),
-            {k: Trajectory.from_dict(v) for k, v in example["line_search"].items()},
-            {k: Trajectory.from_dict(v) for k, v in example["fixed_lr"].items()},
-            PhaseSweep.from_dict(d["sweep"]),
-        )
+        if not isinstance(example, Mapping):
+            raise TypeError("example: expected an object")
+        return decode(cls, {"schema_version": d["schema_version"], "spec": example["spec"], "sweep": d["sweep"],
+                            **{k: example[k] for k in EXAMPLE}})  # fmt: skip
 
     @classmethod
     def load(cls, path: str | Path) -> QuadraticStudy:

@@ -25,7 +25,7 @@ Two realizations: :class:`KroneckerQuadratic`, the matrix model (which :func:`cu
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from curvlab.curvature.taylor import nds
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.errors import CurvlabError
 from curvlab.optim.polar import msign
+from curvlab.util.codec import Record, meta
 
 LINE_SEARCH_METHODS = ("gd", "muon")
 FIXED_LR_METHODS = ("gd", "muon", "adam", "sign")
@@ -186,41 +187,21 @@ def power_law(
     return _kronecker_model([a], [torch.ones(d2, dtype=torch.float64)], sigma, seed, d1, d2)
 
 
-def _floats(values, null: float) -> list[float]:
-    """A list of floats read from strict JSON, where a non-finite value was written as null."""
-    return [null if x is None else float(x) for x in values]
-
-
 @dataclass
-class Trajectory:
+class Trajectory(Record):
     """Per-step records of one method on one quadratic; index t is the step taken from Y_t.
 
     Mutable on purpose: the runs below append to its lists step by step (a diverged run's loss ends in
     ``inf``; an NDS of a zero direction is ``nan``)."""
 
     method: str
-    loss: list[float] = field(default_factory=list)  # Q(Y_t), t = 0..T
+    # Q(Y_t), t = 0..T; in strict JSON a null loss is a diverged run's inf (the only non-finite loss the runs
+    # record), any other null NaN
+    loss: list[float] = field(default_factory=list, metadata=meta(null=math.inf))
     nds: list[float] = field(default_factory=list)  # <Z,H Z>/||Z||² of the direction
     step_norm: list[float] = field(default_factory=list)  # ||η Z||
     first_order: list[float] = field(default_factory=list)  # <R, η Z>
     lr: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
-        """The inverse of :meth:`to_dict`, also of its strict-JSON form: a null loss is a diverged run's
-        ``inf`` (the only non-finite loss the runs record), any other null ``nan``."""
-        lr = d["lr"]
-        return cls(
-            str(d["method"]),
-            _floats(d["loss"], math.inf),
-            _floats(d["nds"], math.nan),
-            _floats(d["step_norm"], math.nan),
-            _floats(d["first_order"], math.nan),
-            None if lr is None else float(lr),
-        )
 
 
 def _direction(method: str, R: Tensor, polar: str) -> Tensor:

@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from curvlab.curvature.scalars import CheckpointScalars
 from curvlab.studies.compare import Comparison
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
+from curvlab.util.codec import Record
 
 LEVELS_SCHEMA_VERSION = 1
 SCOPES = ("all", "hidden")
@@ -28,7 +29,7 @@ PRIMARY_COMPARISON = MATCHED["muon"]  # what the paired and the between-run clai
 
 
 @dataclass
-class ComparisonRecord:
+class ComparisonRecord(Record):
     """One matched comparison of one seed: AdamW's run against one Muon arm's (or why there is none)."""
 
     name: str  # "adamw/muon" or "adamw/muon-moonlight"
@@ -36,24 +37,11 @@ class ComparisonRecord:
     s: float
     comparison: Comparison | None
     error: str | None = None  # why no comparison (e.g. the runs never overlap in the stable phase)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "seed": self.seed,
-            "s": self.s,
-            "error": self.error,
-            "comparison": None if self.comparison is None else self.comparison.to_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ComparisonRecord:
-        c = None if d["comparison"] is None else Comparison.from_dict(d["comparison"])
-        return cls(d["name"], d["seed"], d["s"], c, d["error"])
+    JSON_KEYS: ClassVar[tuple] = (..., "error", "comparison")  # (the short error before the long comparison)
 
 
 @dataclass
-class TrackRecord:
+class TrackRecord(Record):
     """The tracked checkpoints of one run (``track_run`` rows)."""
 
     arm: str
@@ -62,21 +50,6 @@ class TrackRecord:
     steps: int  # the run's length
     warmup_steps: int
     rows: list[CheckpointScalars]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "arm": self.arm,
-            "s": self.s,
-            "seed": self.seed,
-            "steps": self.steps,
-            "warmup_steps": self.warmup_steps,
-            "rows": [r.to_dict() for r in self.rows],
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrackRecord:
-        rows = [CheckpointScalars.from_dict(r) for r in d["rows"]]
-        return cls(d["arm"], d["s"], d["seed"], d["steps"], d["warmup_steps"], rows)
 
     def after_warmup(self) -> list[CheckpointScalars]:
         """The checkpoints in the stable phase (after warmup, before the decay) and off the unigram plateau:
@@ -127,7 +100,7 @@ def seed_band(tracks: Sequence[TrackRecord], key: str) -> SeedBand:
 
 
 @dataclass
-class LevelData:
+class LevelData(Record):
     """Everything measured in one reproduction (``analysis/levels.json``)."""
 
     comparisons: list[ComparisonRecord]
@@ -137,25 +110,7 @@ class LevelData:
     schema_version: int = LEVELS_SCHEMA_VERSION
     SCHEMA_VERSION: ClassVar[int] = LEVELS_SCHEMA_VERSION
     WHAT: ClassVar[str] = "levels.json"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "plateau_ceiling": self.plateau_ceiling,
-            "s_values": self.s_values,
-            "comparisons": [c.to_dict() for c in self.comparisons],
-            "tracks": [t.to_dict() for t in self.tracks],
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LevelData:
-        schema.check(d, cls)
-        return cls(
-            [ComparisonRecord.from_dict(c) for c in d["comparisons"]],
-            [TrackRecord.from_dict(t) for t in d["tracks"]],
-            d["plateau_ceiling"],
-            d["s_values"],
-        )
+    JSON_KEYS: ClassVar[tuple] = ("schema_version", "plateau_ceiling", "s_values", ...)  # the short keys first
 
     def save(self, path: str | Path) -> None:
         """Write the JSON (``NaN`` kept, as the per-level values need it), sealed (:func:`schema.sealed

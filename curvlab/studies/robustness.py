@@ -13,15 +13,16 @@ or whose controls fail, is a row saying so.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from curvlab.studies.controls import ControlEntry, StabilityEntry, controls, stability
 from curvlab.studies.primary import primary_family
 from curvlab.studies.records import LevelData
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
+from curvlab.util.codec import Record
 from curvlab.util.versions import SoftwareVersions
 
 ROBUSTNESS_SCHEMA_VERSION = 1
@@ -29,7 +30,7 @@ PAIRED = "paired_direction_ratio"
 
 
 @dataclass(frozen=True)
-class SettingResult:
+class SettingResult(Record):
     """One setting's paired ratio (geometric mean over seeds of the per-seed medians, 95% log-t interval),
     its verdict alone, its controls, its edge-of-stability context, and the learning rates it ran at."""
 
@@ -48,16 +49,6 @@ class SettingResult:
     controls: list[ControlEntry] = field(default_factory=list)
     edge_of_stability: list[StabilityEntry] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SettingResult:
-        d = dict(d)
-        d["controls"] = [ControlEntry.from_dict(e) for e in d["controls"]]
-        d["edge_of_stability"] = [StabilityEntry.from_dict(e) for e in d["edge_of_stability"]]
-        return cls(**d)
-
 
 def setting_result(setting: str, label: str, levels: LevelData, lr: dict[str, dict[str, float]]) -> SettingResult:
     """One setting's row, from its ``levels.json`` (module docstring)."""
@@ -72,7 +63,7 @@ def setting_result(setting: str, label: str, levels: LevelData, lr: dict[str, di
 
 
 @dataclass(frozen=True)
-class RobustnessSummary:
+class RobustnessSummary(Record):
     """``summary.json`` of the robustness design: one :class:`SettingResult` per setting, in the preset's
     order, with what the design was (``base``: the preset it varies; ``seeds``: each setting's measurement
     seeds) and how long it took."""
@@ -89,17 +80,6 @@ class RobustnessSummary:
     SCHEMA_VERSION: ClassVar[int] = ROBUSTNESS_SCHEMA_VERSION
     WHAT: ClassVar[str] = "robustness summary.json"
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RobustnessSummary:
-        schema.check(d, cls)
-        d = dict(d)
-        d["settings"] = [SettingResult.from_dict(e) for e in d["settings"]]
-        d["versions"] = SoftwareVersions.from_dict(d.get("versions"))
-        return cls(**d)
-
     @classmethod
     def load(cls, path: str | Path) -> RobustnessSummary:
         return schema.load(path, cls)
@@ -109,21 +89,14 @@ class RobustnessSummary:
 
 
 @dataclass
-class RobustnessLevels:
+class RobustnessLevels(Record):
     """``levels.json`` of the robustness design: every setting's :class:`LevelData`, by setting name."""
 
     settings: dict[str, LevelData]
     schema_version: int = ROBUSTNESS_SCHEMA_VERSION
     SCHEMA_VERSION: ClassVar[int] = ROBUSTNESS_SCHEMA_VERSION
     WHAT: ClassVar[str] = "robustness levels.json"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": self.schema_version, "settings": {k: v.to_dict() for k, v in self.settings.items()}}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RobustnessLevels:
-        schema.check(d, cls)
-        return cls({k: LevelData.from_dict(v) for k, v in d["settings"].items()})
+    JSON_KEYS: ClassVar[tuple] = ("schema_version", ...)
 
     def save(self, path: str | Path) -> None:
         """As :meth:`LevelData.save <curvlab.studies.records.LevelData.save>` (``NaN`` kept, sealed), unindented:

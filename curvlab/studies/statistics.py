@@ -48,12 +48,13 @@ per-seed values, the centre of its t interval.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from scipy import special
 
 from curvlab.errors import CurvlabError
+from curvlab.util.codec import Record
 
 CONFIDENCE = 0.95
 ALPHA = 0.05  # two-sided level of the primary family's tests, after Holm's correction
@@ -282,7 +283,7 @@ def magnitude_verdict(ci: Sequence[float] | None, paper: float | None, n_seeds: 
 
 
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(Record):
     """A statistic on the shared seeds' data (see :func:`estimate`), with its seed-level 95% interval (``None`` with
     fewer than two seeds, a non-finite per-seed value, or a ratio whose denominator's sign is not
     settled), the number of seeds (those every group has) and of units (levels or checkpoints, summed)."""
@@ -296,11 +297,6 @@ class Estimate:
     denominator_spans_zero: bool = False
     method: str = ""  # how the interval was made (LOG_T, FIELLER, MEAN_T), "" without one
     seeds: tuple[int, ...] = ()  # the seeds it was computed from (those every group has rows for)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["ci95"] = None if self.ci95 is None else list(self.ci95)
-        return d
 
 
 def by_seed(rows: SeedRows) -> dict[int, np.ndarray]:

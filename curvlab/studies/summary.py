@@ -8,10 +8,9 @@ times and disk use, and the package versions it was made with.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from curvlab.errors import CurvlabError
 from curvlab.studies.controls import ControlEntry, StabilityEntry
@@ -20,6 +19,7 @@ from curvlab.studies.primary import Calibration, PrimaryEntry
 from curvlab.studies.quadratic import QuadraticStudy
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util import schema
+from curvlab.util.codec import Record
 from curvlab.util.versions import SoftwareVersions
 
 SUMMARY_SCHEMA_VERSION = 3  # 2: the primary family and the A/A calibration; headline descriptive; 3: controls,
@@ -27,7 +27,7 @@ SUMMARY_SCHEMA_VERSION = 3  # 2: the primary family and the A/A calibration; hea
 
 
 @dataclass(frozen=True)
-class QuadraticRecord:
+class QuadraticRecord(Record):
     """The quadratic model's closed-form checks in ``summary.json`` (the example of
     :class:`~curvlab.studies.quadratic.QuadraticStudy`): Muon's NDS, its contraction Γ² and gradient
     descent's two-step contraction."""
@@ -41,13 +41,9 @@ class QuadraticRecord:
         closed = study.closed_forms
         return cls(closed.muon_nds, closed.muon_contraction, closed.gd_two_step_contraction)
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> QuadraticRecord:
-        return cls(d["muon_nds"], d["muon_contraction"], d["gd_two_step_contraction"])
-
 
 @dataclass(frozen=True)
-class FinewebRecord:
+class FinewebRecord(Record):
     """Muon against AdamW on FineWeb at the paper's learning rates (one seed: no interval):
     AdamW/Muon ratios of means per quantity over ``levels`` matched levels."""
 
@@ -56,13 +52,9 @@ class FinewebRecord:
     seeds: int = 1
     note: str = "one seed: no interval"
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> FinewebRecord:
-        return cls(dict(d["ratio_of_means"]), d["levels"], d["seeds"], d["note"])
-
 
 @dataclass
-class Summary:
+class Summary(Record):
     """``summary.json``: the headline, the Taylor check, tuning, caveats, timings and figures."""
 
     preset: str
@@ -87,25 +79,6 @@ class Summary:
     schema_version: int = SUMMARY_SCHEMA_VERSION
     SCHEMA_VERSION: ClassVar[int] = SUMMARY_SCHEMA_VERSION
     WHAT: ClassVar[str] = "summary.json"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tuning": self.tuning.to_dict()}  # tuning.json's form: grids keyed by "lr:g"
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Summary:
-        schema.check(d, cls)
-        d = dict(d)
-        d["headline"] = [HeadlineEntry(**e) for e in d["headline"]]
-        d["zipf"] = [ZipfPoint(**e) for e in d["zipf"]]
-        d["primary"] = [PrimaryEntry.from_dict(e) for e in d["primary"]]
-        d["calibration"] = Calibration.from_dict(d["calibration"])
-        d["tuning"] = TuningRecord.from_dict(d["tuning"])
-        d["quadratic"] = QuadraticRecord.from_dict(d["quadratic"])
-        d["fineweb"] = None if d.get("fineweb") is None else FinewebRecord.from_dict(d["fineweb"])
-        d["versions"] = SoftwareVersions.from_dict(d.get("versions"))
-        d["controls"] = [ControlEntry.from_dict(e) for e in d["controls"]]
-        d["edge_of_stability"] = [StabilityEntry.from_dict(e) for e in d["edge_of_stability"]]
-        return cls(**d)
 
     @classmethod
     def load(cls, path: str | Path) -> Summary:

@@ -22,7 +22,7 @@ import numpy as np
 
 from curvlab.errors import CurvlabError
 from curvlab.studies.statistics import standard_error
-from curvlab.util import schema
+from curvlab.util.codec import Record
 
 TUNING_SCHEMA_VERSION = 1
 
@@ -73,6 +73,8 @@ class LrSearch:
                 out.append(lr)
         return out
 
+    # by hand: the JSON keys the grid by each lr's %g text, in lr order (float keys are no JSON), with the
+    # per-lr mean and standard error and the ties derived beside it
     def to_dict(self) -> dict:
         lrs = sorted(self.grid)
         return {
@@ -190,7 +192,7 @@ class TuningSettings:
 
 
 @dataclass(frozen=True)
-class TuningRecord:
+class TuningRecord(Record):
     """``tuning.json``: how a job's learning rates were chosen, and what they are.
 
     ``mode`` is ``"search"`` (every lr searched here, :func:`search_lr`) or ``"table"`` (a committed
@@ -212,30 +214,7 @@ class TuningRecord:
     fallback: str | None = None
     table: dict[str, Any] | None = None
     moved: dict[str, bool] = field(default_factory=dict)
+    JSON_KEYS: ClassVar[tuple] = ("mode", "tuned_on_s", "horizon_steps", "seeds", "adam_side", "fallback", ...)
 
     def lr(self, arm: str) -> float:
         return float(self.chosen[arm]["lr"])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.SCHEMA_VERSION,
-            "mode": self.mode,
-            "tuned_on_s": self.tuned_on_s,
-            "horizon_steps": self.horizon_steps,
-            "seeds": list(self.seeds),
-            "adam_side": self.adam_side,
-            "fallback": self.fallback,
-            "searches": {k: v.to_dict() for k, v in self.searches.items()},
-            "chosen": self.chosen,
-            "table": self.table,
-            "moved": self.moved,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TuningRecord:
-        schema.check(d, cls)
-        return cls(
-            d["mode"], d["tuned_on_s"], d["horizon_steps"], list(d["seeds"]),
-            {k: LrSearch.from_dict(v) for k, v in d["searches"].items()}, d["chosen"], d.get("adam_side"),
-            d.get("fallback"), d.get("table"), d.get("moved", {}),
-        )  # fmt: skip

@@ -1,8 +1,9 @@
 """Versioned JSON records: one writer and one reader for every typed record a job keeps on disk.
 
-A record class declares its version once, as ``SCHEMA_VERSION`` (a class attribute), writes it under
-the key ``schema_version`` in ``to_dict`` and builds itself from such a dict in ``from_dict``. A record
-that shares its file with others, or names its format, declares those keys' values once as
+A record class declares its version once, as ``SCHEMA_VERSION`` (a class attribute); its ``to_dict``
+writes it under the key ``schema_version`` and its ``from_dict`` builds the record from such a dict (the
+codec, :mod:`curvlab.util.codec`, does both for every record whose JSON is a mapping of its fields). A
+record that shares its file with others, or names its format, declares those keys' values once as
 ``FIXED_KEYS`` (``{"kind": "curvature"}``, a metrics row; ``{"format": ...}``, a checkpoint); they are
 tested before the version. ``WHAT`` (default: the class name) names the record in messages.
 

@@ -3,16 +3,16 @@
 Floats, kernels and defaults move between releases (a new torch can reorder a reduction, a new scipy
 can change a quantile), so every ``summary.json``, ``finetune.json`` and curvature report records
 :class:`SoftwareVersions` beside its numbers. A record written before this field existed reads back
-as ``None``: not recorded.
+as ``None``: not recorded (a record's ``versions: SoftwareVersions | None``).
 """
 
 from __future__ import annotations
 
 import platform
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import Any
+
+from curvlab.util.codec import Record
 
 PACKAGES = ("curvlab", "torch", "numpy", "scipy", "transformers")
 
@@ -26,35 +26,20 @@ def installed(package: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class SoftwareVersions:
+class SoftwareVersions(Record):
     """The Python and package versions a record was made with (``None``: that package not installed)."""
 
     python: str
-    curvlab: str | None
-    torch: str | None
-    numpy: str | None
-    scipy: str | None
-    transformers: str | None
+    # (a package a record lacks reads as not recorded)
+    curvlab: str | None = None
+    torch: str | None = None
+    numpy: str | None = None
+    scipy: str | None = None
+    transformers: str | None = None
 
     @classmethod
     def current(cls) -> SoftwareVersions:
         return cls(platform.python_version(), *(installed(p) for p in PACKAGES))
-
-    def to_dict(self) -> dict[str, str | None]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> SoftwareVersions | None:
-        """The versions of :meth:`to_dict`'s dict; ``None`` for a record that predates them.
-
-        Raises:
-            TypeError: ``d`` is neither a mapping nor ``None`` (a record readers report as malformed).
-        """
-        if d is None:
-            return None
-        if not isinstance(d, Mapping):
-            raise TypeError(f"versions must be an object, not {type(d).__name__}")
-        return cls(**{k: d.get(k) for k in ("python", *PACKAGES)})
 
     def text(self) -> str:
         """One line for a report: ``Python 3.11.7, torch 2.13.0+cpu, ...`` (absent packages left out)."""
