@@ -474,7 +474,7 @@ def test_lanczos_and_hutchinson_on_sharded_parameters_equal_one_process(tmp_path
     # Hutchinson: the same Rademacher vectors in one process, by exact HVPs
     values = []
     for i in range(3):
-        z = sharded_random_direction(params, 7 + i, "rademacher")
+        z = sharded_random_direction(params, 7 + i, kind="rademacher")
         assert set(torch.unique(torch.cat([t.reshape(-1) for t in z.values()])).tolist()) == {-1.0, 1.0}
         values.append(P.dot(z, hvp(loss_fn, params, batches, z)))
     assert trace["trace"] == pytest.approx(float(np.mean(values)), rel=1e-10)
