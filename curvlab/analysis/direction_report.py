@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from curvlab.analysis.directions import PairedDirections, directions_table, paired_directions, parse_directions
+from curvlab.analysis.directions import PairedDirections, paired_directions, parse_directions
 from curvlab.analysis.targets import DTYPES, AnalysisSettings, Target, evaluation_batches, open_checkpoint
 from curvlab.engine.loss import make_loss_fn
 from curvlab.optim.update import next_update
@@ -75,12 +75,6 @@ class DirectionReport:
             d["seconds"],
             SoftwareVersions.from_dict(d.get("versions")),
         )
-
-    def text(self) -> str:
-        """The report as printed: a header line and :func:`~curvlab.analysis.directions.directions_table`."""
-        val = f"{self.val_loss:.4f}" if math.isfinite(self.val_loss) else "none recorded"
-        head = f"{self.checkpoint}: step {self.step}, optimizer {self.optimizer}, val loss {val}"
-        return head + "\n" + directions_table(self.paired)
 
     def save(self, path: str | Path) -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
