@@ -74,7 +74,7 @@ def nds(
     out: Path = typer.Option(None, help="Write the report JSON here."),
     dtype: str = typer.Option("float32", help=DTYPE_HELP),
     block_method: str = typer.Option("hvp", help=BLOCK_METHOD_HELP),
-    method: str = typer.Option(DEFAULT_METHOD, "--hvp-method", help=METHOD_HELP),
+    method: str = typer.Option(DEFAULT_METHOD, help=METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
     directions: str = typer.Option(None, help=DIRECTIONS_HELP),
     fsdp: bool = typer.Option(False, "--fsdp", help="CHECKPOINT is a sharded (DCP) directory: run sharded."),
@@ -134,7 +134,8 @@ def compare(
     batch: str = typer.Option("train", help=BATCH_HELP),
     batches: int = typer.Option(1, help=BATCHES_HELP),
     dtype: str = typer.Option("float32", help=DTYPE_HELP),
-    method: str = typer.Option(DEFAULT_METHOD, "--hvp-method", help=METHOD_HELP),
+    block_method: str = typer.Option("hvp", help=BLOCK_METHOD_HELP),
+    method: str = typer.Option(DEFAULT_METHOD, help=METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     fsdp: bool = typer.Option(
@@ -147,7 +148,7 @@ def compare(
     """
 
     settings = AnalysisSettings(
-        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method="hvp", hvp_method=method
+        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, hvp_method=method
     )
     settings.validate()
     criteria = MatchCriteria(levels=levels, tolerance=tolerance, phase=phase, window=window)
@@ -175,7 +176,8 @@ def track(
     batches: int = typer.Option(1, help=BATCHES_HELP),
     dtype: str = typer.Option("float32", help=DTYPE_HELP),
     spectrum: int = typer.Option(0, help="Also λ_max and the top-K eigenvalues at each checkpoint (K > 0)."),
-    method: str = typer.Option(DEFAULT_METHOD, "--hvp-method", help=METHOD_HELP),
+    block_method: str = typer.Option("hvp", help=BLOCK_METHOD_HELP),
+    method: str = typer.Option(DEFAULT_METHOD, help=METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     source: str = typer.Option(
@@ -195,7 +197,7 @@ def track(
     out = out or run / "track"
     check_output(out, directory=True)
     settings = AnalysisSettings(
-        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method="hvp", hvp_method=method,
+        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, hvp_method=method,
         spectrum_top=spectrum,
     )  # fmt: skip
     with distributed_context() as (rank, _):
@@ -228,7 +230,7 @@ def spectrum(
     memory: float = typer.Option(
         None, help="GB the stored Lanczos vectors may take (thick restart beyond); default: unbounded."
     ),
-    method: str = typer.Option(DEFAULT_METHOD, "--hvp-method", help=METHOD_HELP),
+    method: str = typer.Option(DEFAULT_METHOD, help=METHOD_HELP),
     out: Path = typer.Option(None, help="Output directory for spectrum.json (and the density figure)."),
     dtype: str = typer.Option("float32", help=DTYPE_HELP),
     device: str = typer.Option("cpu", help="Device."),
