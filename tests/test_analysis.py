@@ -94,7 +94,7 @@ def test_nds_matches_finite_differences_along_the_step_really_taken(pcfg_data, t
 
 
 def test_both_hvp_methods_and_both_block_ways_give_the_same_report(runs):
-    """--hvp-method and --block-method are choices of algorithm, not of result: float64 reports agree."""
+    """--method and --block-method are choices of algorithm, not of result: float64 reports agree."""
     path = runs / "adamw" / "ckpt_000008.pt"
     reports = [
         analyze_checkpoint(path, AnalysisSettings(dtype="float64", hvp_method=m, block_method=b)).to_dict()
@@ -334,6 +334,28 @@ def test_spectrum_command(runs, tmp_path):
     assert (tmp_path / "t" / "lambda_max_vs_nds.png").is_file()
     rows = json.loads((tmp_path / "t" / "track.json").read_text())["rows"]
     assert all(row["nds"] <= row["lambda_max"] * 1.001 for row in rows)
+
+
+def test_compare_and_track_take_the_block_and_hvp_methods(runs, tmp_path):
+    """--block-method and --method reach the analysis of compare and track, as they do nds's: the settings
+    recorded are those asked for, and the float64 numbers equal the default methods' report."""
+    methods = ["--block-method", "alpha", "--method", "fwd_rev", "--dtype", "float64", "--quiet"]
+    r = runner.invoke(app, ["track", str(runs / "muon"), "--every", "8", "--source", "checkpoints", "--out",
+                            str(tmp_path / "t"), *methods])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    track = json.loads((tmp_path / "t" / "track.json").read_text())
+    assert (track["settings"]["block_method"], track["settings"]["hvp_method"]) == ("alpha", "fwd_rev")
+    row = track["rows"][0]
+    default = analyze_checkpoint(runs / "muon" / f"ckpt_{row['step']:06d}.pt", AnalysisSettings(dtype="float64"))
+    assert row["nds"] == pytest.approx(default.split.nds, rel=1e-9)
+    assert row["within"] == pytest.approx(default.blocks.within, rel=1e-8)
+    r = runner.invoke(app, ["compare", str(runs / "muon"), str(runs / "adamw"), "--levels", "1", "--phase", "any",
+                            "--tolerance", "1", "--out", str(tmp_path / "c"), *methods])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    settings = json.loads((tmp_path / "c" / "compare.json").read_text())["settings"]
+    assert (settings["block_method"], settings["hvp_method"], settings["dtype"]) == ("alpha", "fwd_rev", "float64")
+    r = runner.invoke(app, ["track", str(runs / "muon"), "--block-method", "magic", "--out", str(tmp_path / "m")])
+    assert r.exit_code == 2 and "magic" in r.output
 
 
 def test_more_validation_batches_than_the_run_evaluates(runs):

@@ -95,7 +95,7 @@ def test_quadratic_command_writes_results_and_figures(tmp_path):
 def test_train_flags_override_the_config_file_over_the_defaults(tmp_path, monkeypatch):
     import json
 
-    import curvlab.cli
+    import curvlab.runs.launch
     from curvlab.runs.config import TrainConfig
     from curvlab.runs.train import TrainResult
 
@@ -105,7 +105,7 @@ def test_train_flags_override_the_config_file_over_the_defaults(tmp_path, monkey
         seen.append(cfg)
         return TrainResult(cfg.out, cfg.steps, 1.0, 1.0, 0)
 
-    monkeypatch.setattr(curvlab.cli, "run_training", fake_train)  # what `curvlab train` calls
+    monkeypatch.setattr(curvlab.runs.launch, "train", fake_train)  # what `curvlab train` calls
     path = tmp_path / "cfg.json"
     fields = {
         "data": "d",
@@ -147,3 +147,70 @@ def test_version_prints_the_one_stated_version():
     newest = re.search(r"^## \[(\d[^\]]*)\]", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE).group(1)
     assert newest == stated
     assert not [p for p in (ROOT / "curvlab").rglob("*.py") if f'"{stated}"' in p.read_text()]
+
+
+def test_train_takes_each_config_field_as_an_option_with_its_help_and_default():
+    """The options of `curvlab train` are built from TrainConfig: each field with a help text is an option
+    of its name (the dicts --model-opt and --opt), showing that help and the field's default."""
+    import dataclasses
+
+    import typer.main
+
+    from curvlab.runs.config import FIELD_HELP, TrainConfig
+
+    train = typer.main.get_command(app).commands["train"]
+    options = {p.name: p for p in train.params}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in FIELD_HELP}
+    assert set(defaults) == set(FIELD_HELP) and set(FIELD_HELP) <= set(options)
+    flags = {"model_overrides": "--model-opt", "optimizer_options": "--opt"}
+    for name, default in defaults.items():
+        option = options[name]
+        assert option.help == FIELD_HELP[name] and option.default is None  # None: not given, the config decides
+        assert option.opts[0] == flags.get(name, "--" + name.replace("_", "-"))
+        if isinstance(default, bool):
+            assert option.secondary_opts == ["--no-" + name.replace("_", "-")]
+            assert option.show_default == (name if default else f"no-{name}")
+        elif isinstance(default, (int, float, str)) and name not in ("data", "out"):
+            assert option.show_default == str(default)
+    assert options["seq_len"].show_default == "the model's block size"
+    r = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0 and "Gradient-norm clip; 0 disables. [default: (1.0)]" in r.output
+
+
+def test_train_flags_reach_the_config(tmp_path, monkeypatch):
+    import curvlab.runs.launch
+    from curvlab.runs.train import TrainResult
+
+    seen = []
+    monkeypatch.setattr(
+        curvlab.runs.launch, "train", lambda cfg, **kw: seen.append(cfg) or TrainResult(cfg.out, 1, 1.0, 1.0, 0)
+    )
+    args = ["train", "--data", "d", "--out", str(tmp_path / "run"), "--model-opt", "n_layer=2", "--opt", "betas=[0.9,0.95]",
+            "--opt", "nesterov=false", "--compile", "--seq-len", "16", "--schedule", "cosine", "--quiet"]  # fmt: skip
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    cfg = seen[-1]
+    assert (cfg.data, cfg.out, cfg.seq_len, cfg.schedule, cfg.compile) == (
+        "d",
+        str(tmp_path / "run"),
+        16,
+        "cosine",
+        True,
+    )
+    assert cfg.model_overrides == {"n_layer": 2} and cfg.optimizer_options == {"betas": [0.9, 0.95], "nesterov": False}
+    assert cfg.grad_clip == 1.0 and cfg.shadow is False  # not given: the defaults
+    r = runner.invoke(app, ["train", "--data", "d", "--out", str(tmp_path / "run"), "--opt", "lr"])
+    assert r.exit_code == 2 and r.output.strip() == "error: --opt expects KEY=VALUE, got 'lr'"
+
+
+def test_the_table_aligns_its_columns():
+    from curvlab.output.console import table
+
+    lines = table([("a", 1.0, 1 / 3), ("bb", 12345678.9, "-")], ("name", "x", "y"), left=1).splitlines()
+    assert lines == [
+        "name  x            y       ",
+        "----  -----------  --------",
+        "a               1  0.333333",
+        "bb    1.23457e+07         -",
+    ]
+    assert table([("a", "b")], ("one", "two"), left=2).splitlines()[2] == "a    b  "

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-import curvlab.cli
+import curvlab.analysis.checkpoint
 from curvlab.cli import app
 
 runner = CliRunner()
@@ -96,7 +96,7 @@ def read_only_dir(tmp_path):
 def test_a_bad_out_is_refused_before_computing(trainer_checkpoint, tmp_path, read_only_dir, monkeypatch):
     path, data = trainer_checkpoint
     calls = []
-    monkeypatch.setattr(curvlab.cli, "analyze_checkpoint", lambda *a, **k: calls.append(a))  # what nds calls
+    monkeypatch.setattr(curvlab.analysis.checkpoint, "analyze_checkpoint", lambda *a, **k: calls.append(a))  # nds's
     out = read_only_dir / "report.json"
     assert_refused(["nds", path, "--data", data, "--out", out], str(read_only_dir), "can't write", out=out)
     existing = tmp_path / "a-directory"

@@ -6,13 +6,12 @@ q = cos^2 / NDS of several optimizers' next directions at the same W, batch and 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from curvlab.analysis.directions import PairedDirections, directions_table, measured_directions, parse_directions
+from curvlab.analysis.directions import PairedDirections, measured_directions, parse_directions
 from curvlab.analysis.targets import DTYPES, AnalysisSettings, Target, evaluation_batches, open_checkpoint
 from curvlab.engine.loss import make_loss_fn
 from curvlab.optim.update import next_update
@@ -48,12 +47,6 @@ class DirectionReport(Record):
     versions: SoftwareVersions | None = None  # what it was made with
     SCHEMA_VERSION: ClassVar[int] = DIRECTIONS_SCHEMA_VERSION
     WHAT: ClassVar[str] = "directions"
-
-    def text(self) -> str:
-        """The report as printed: a header line and :func:`~curvlab.analysis.directions.directions_table`."""
-        val = f"{self.val_loss:.4f}" if math.isfinite(self.val_loss) else "none recorded"
-        head = f"{self.checkpoint}: step {self.step}, optimizer {self.optimizer}, val loss {val}"
-        return head + "\n" + directions_table(self.paired)
 
     def save(self, path: str | Path) -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))

@@ -466,34 +466,3 @@ class DirectionLandscape:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DirectionLandscape:
         return cls(**d)
-
-
-def directions_table(paired: PairedDirections) -> str:
-    """The directions as an aligned plain-text table, each one's source below it, and the hidden-scope
-    NDS of each over the real step's (the paired direction ratio)."""
-    real = paired.get(paired.real) if paired.real in paired.names else None
-    header = ("direction", "scaling", "NDS all", "NDS hidden", "cos all", "cos hidden", "q all", "q hidden")
-    header += ("||Z|| all", "||Z|| hidden", f"NDS/NDS({paired.real}) hidden")
-    rows = []
-    for d in paired.directions:
-        a, h = d.all, d.hidden
-        ratio = h.nds / real.hidden.nds if real is not None and real.hidden.nds != 0 else float("nan")
-        rows.append(
-            (d.name, d.scaling, a.nds, h.nds, a.cosine, h.cosine, a.q, h.q, a.update_norm, h.update_norm, ratio)
-        )
-    cells = [header] + [tuple(f"{c:.6g}" if isinstance(c, float) else str(c) for c in r) for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = []
-    for k, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if k and i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    lines.append("")
-    lines += [f"{d.name}: {d.source}" for d in paired.directions]
-    lines.append(
-        f"(base state: {paired.base}; schedule multiplier {paired.multiplier:.6g}; off the hidden matrices every "
-        "direction is the real step)"
-    )
-    if paired.shadow is not None:
-        lines.append(f"(shadow {paired.shadow['kind']}: peak lr {paired.shadow['lr']:g} times the multiplier)")
-    return "\n".join(lines)

@@ -1,1 +1,1 @@
-"""What people read: the text report and the figures (records in, nothing recomputed)."""
+"""What people read: the text report, the figures and what the commands print (records in, nothing recomputed)."""

@@ -26,6 +26,7 @@ from curvlab.studies.compare import pair_reports, within_layer_gap
 from curvlab.studies.paper import CLAIMS
 from curvlab.studies.quadratic import QuadraticStudy
 from curvlab.studies.records import seed_band
+from curvlab.studies.track import Track
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util.atomic import atomic_write_with
 
@@ -335,6 +336,16 @@ def curvature_during_training(tracks: dict[str, list[CheckpointScalars]], stem: 
         ax.set(xlabel="step", title=title)
         ax.legend(fontsize=7)
     return save_figure(fig, stem)
+
+
+def track_figures(tracked: Track, run: str | Path, out: str | Path, spectrum: bool = False) -> list[Path]:
+    """The figures of ``curvlab track`` in ``out``: from monitor rows, :func:`curvature_during_training`
+    (the run named by its optimizer, else its directory); from checkpoints with ``spectrum``,
+    :func:`lambda_max_along_run`; else none."""
+    rows, out = tracked.rows, Path(out)
+    if tracked.source == "monitor":
+        return curvature_during_training({rows[0].optimizer or Path(run).name: rows}, out / "curvature_during_training")
+    return lambda_max_along_run({rows[0].optimizer: rows}, out / "lambda_max_vs_nds") if spectrum else []
 
 
 def _two_and_five(x: float, _pos) -> str:

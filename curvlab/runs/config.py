@@ -23,7 +23,9 @@ RESUMABLE_CHANGES = {"out", "device", "compile", "eval_every", "ckpt_every"}
 
 @dataclass(frozen=True)
 class TrainConfig(Record):
-    """Everything that defines a training run (``curvlab train`` exposes every field as an option)."""
+    """Everything that defines a training run. ``curvlab train`` takes each field of :data:`FIELD_HELP` as an
+    option of the same name (the dicts as ``--model-opt`` and ``--opt KEY=VALUE``); the rest are set in a
+    config file."""
 
     WHAT: ClassVar[str] = "training config"
 
@@ -85,6 +87,32 @@ class TrainConfig(Record):
 
 
 MERGED_FIELDS = ("optimizer_options", "model_overrides", "shadow_options")
+
+# What each field means, as ``curvlab train --help`` shows it beside the field's default: the CLI builds its
+# options from these fields and this table, so a field and its option can't drift apart.
+FIELD_HELP = {
+    "data": "Data directory with train*/val* shards.",
+    "out": "Run directory (checkpoints, metrics.jsonl); an existing one is resumed.",
+    "model": "Model config: tiny, pcfg-9m, gpt2-124m.",
+    "model_overrides": "Model config override KEY=VALUE, repeatable (e.g. n_layer=2).",
+    "optimizer": "muon, adamw, sgd or lion.",
+    "optimizer_options": "Optimizer option KEY=VALUE, repeatable (e.g. momentum=0.9).",
+    "batch_size": "Sequences per step.",
+    "seq_len": "Tokens per sequence.",
+    "steps": "Optimizer steps.",
+    "warmup_steps": "Linear warmup steps.",
+    "schedule": "wsd (warmup-stable-decay, which compare pairs in), cosine or constant.",
+    "cooldown_frac": "Decaying share of steps for wsd.",
+    "min_lr_frac": "Schedule floor as a fraction of the peak.",
+    "grad_clip": "Gradient-norm clip; 0 disables.",
+    "seed": "Seed of initialization and data order.",
+    "eval_every": "Validation every N steps.",
+    "ckpt_every": "Checkpoint every N steps.",
+    "val_windows": "Fixed validation windows.",
+    "device": "auto, cpu, cuda, cuda:1, ...",
+    "compile": "torch.compile the model.",
+    "shadow": "Keep a shadow state of the other arm (adamw <-> muon).",
+}
 
 
 def _read_config_file(path: str | Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from curvlab.analysis.report import cached_report
@@ -142,3 +142,46 @@ def track_source(run: str | Path, source: str = "auto") -> str:
     if source != "auto":
         return source
     return "monitor" if (Path(run) / METRICS_FILE).is_file() and monitor_rows(run) else "checkpoints"
+
+
+@dataclass(frozen=True)
+class Track:
+    """A run's trajectory as ``curvlab track`` draws it.
+
+    Attributes:
+        source: ``"monitor"`` (the rows training recorded, :func:`track_monitor`) or ``"checkpoints"``
+            (the checkpoints analysed, :func:`track_run`).
+        rows: one per tracked step, in step order.
+    """
+
+    source: str
+    rows: list[CheckpointScalars]
+
+
+def track(
+    run: str | Path,
+    out: str | Path,
+    settings: AnalysisSettings | None = None,
+    *,
+    source: str = "auto",
+    every: int = 1,
+    device: str = "cpu",
+    progress: bool = True,
+    fsdp: bool = False,
+) -> Track:
+    """The trajectory of ``run`` from ``source`` (:func:`track_source`): its monitor rows
+    (:func:`track_monitor`; ``settings``, ``device`` and ``fsdp`` unused) or its checkpoints analysed under
+    ``settings`` (:func:`track_run`); ``track.json`` and ``track.csv`` written to ``out``.
+
+    Raises:
+        CurvlabError: an unknown source; a spectrum asked of sharded checkpoints; what the two raise.
+    """
+    if fsdp and settings is not None and settings.spectrum_top:
+        raise CurvlabError(
+            "--spectrum is not available with --fsdp yet "
+            "(from Python: curvlab.curvature.sharded_spectral.sharded_lanczos)"
+        )
+    if track_source(run, source) == "monitor":
+        return Track("monitor", track_monitor(run, out, every=every))
+    rows = track_run(run, out, settings=settings, every=every, device=device, progress=progress, fsdp=fsdp)
+    return Track("checkpoints", rows)

@@ -1,0 +1,134 @@
+"""The whole studies and what publishes them: ``quadratic`` (the stylized model), ``reproduce`` (the
+reproduction, or the robustness design), ``finetune`` (LoRA), ``readme-results`` and ``robustness-page``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from curvlab.cli.errors import one_line_errors
+from curvlab.errors import CurvlabError
+from curvlab.jobs.finetune import Finetune
+from curvlab.jobs.presets import PRESETS, ROBUSTNESS_PRESETS, with_preset
+from curvlab.jobs.reproduce import Reproduction
+from curvlab.jobs.robustness import Robustness
+from curvlab.output.console import finetune_text, quadratic_text, reproduction_text, robustness_text, wrote
+from curvlab.output.files import write_quadratic
+from curvlab.output.text import publish_robustness, update_readme
+from curvlab.studies.quadratic import quadratic_study
+from curvlab.studies.quadratic_model import TwoLevelSpec
+from curvlab.util.atomic import check_output
+
+
+@one_line_errors
+def quadratic(
+    out: Path = typer.Option(Path("results/quadratic"), help="Output directory (quadratic.json and figures)."),
+    steps: int = typer.Option(30, help="Line-search steps of the worked example."),
+    d: int = typer.Option(128, help="Matrix size d1 = d2 of the worked example."),
+    q: int = typer.Option(88, help="Paired modes."),
+    m: int = typer.Option(8, help="High-curvature modes."),
+    w_high: float = typer.Option(100.0, "--w-high", help="w_H."),
+    w_low: float = typer.Option(1.0, "--w-low", help="w_L."),
+    sigma_high: float = typer.Option(3.0, "--sigma-high", help="σ_H."),
+    sigma_low: float = typer.Option(1.0, "--sigma-low", help="σ_L."),
+    sweep_steps: int = typer.Option(20, help="Steps T of the phase sweep."),
+    outside_theorem: bool = typer.Option(False, help="Allow an example that breaks the theorem's assumptions."),
+) -> None:
+    """The stylized Kronecker quadratic model: the worked example and the phase sweep, with figures."""
+
+    check_output(out, directory=True)
+    spec = TwoLevelSpec(d1=d, d2=d, q=q, m=m, w_H=w_high, w_L=w_low, sigma_H=sigma_high, sigma_L=sigma_low)
+    study = quadratic_study(spec, steps=steps, sweep_steps=sweep_steps, outside_theorem=outside_theorem)
+    paths = write_quadratic(study, out)
+    typer.echo(quadratic_text(study))
+    typer.echo(wrote(paths))
+
+
+@one_line_errors
+def reproduce(
+    preset: str = typer.Option(
+        "quick",
+        help="micro (seconds), quick (CPU, ~11 min: AdamW and Muon, 6 seeds, s = 0), standard (CPU, ~75 min: "
+        "8 seeds, 4412 tokens, the Zipf sweep, the control arm), paper (GPU) or robustness (CPU: the paired "
+        "ratio at 9 settings of quick's design, 3 seeds each).",
+    ),
+    out: Path = typer.Option(None, help="Output directory; a re-run continues it.", show_default="results/<preset>"),
+    fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),
+    quiet: bool = typer.Option(False, help="No progress bars."),
+) -> None:
+    """The whole reproduction: data, tuning, training, paired directions and matched-loss analysis, A/A
+    calibration, quadratic model, figures, report.md; prints the primary family."""
+
+    if preset not in PRESETS and preset not in ROBUSTNESS_PRESETS:
+        raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *ROBUSTNESS_PRESETS])}")
+    out = out or Path("results") / preset
+    check_output(out, directory=True)
+    if preset in ROBUSTNESS_PRESETS:
+        if fineweb is not None:
+            raise CurvlabError("--fineweb is the paper preset's; the robustness design trains on its own grammar")
+        typer.echo(robustness_text(Robustness(ROBUSTNESS_PRESETS[preset], out, progress=not quiet).run(), out))
+        return
+    typer.echo(reproduction_text(Reproduction(PRESETS[preset], out, fineweb=fineweb, progress=not quiet).run(), out))
+
+
+@one_line_errors
+def finetune(
+    preset: str = typer.Option(
+        "quick",
+        help="micro (seconds), quick (one thread, ~7 min: 3 seeds, 4-point grids), standard (5-point grids x 2 seeds).",
+    ),
+    out: Path = typer.Option(
+        None, help="Output directory (default: results/finetune-<preset>); a re-run continues it."
+    ),
+    base: Path = typer.Option(
+        None, help="Reuse a pretrained run directory (its last checkpoint) or checkpoint instead of pretraining."
+    ),
+    data: Path = typer.Option(None, help="The s = 1 adaptation data (default: generated with the base's grammar)."),
+    rank: int = typer.Option(None, help="LoRA rank, alpha = 2 rank (default: the preset's; quick 4, standard 8)."),
+    seeds: int = typer.Option(None, help="Seeds per optimizer (default: the preset's, 3)."),
+    quiet: bool = typer.Option(False, help="No progress bars."),
+) -> None:
+    """LoRA fine-tuning at s = 1 of a model pretrained at s = 0, under sMuon, LoRA-Muon, per-factor Muon and
+    AdamW (each lr tuned alike): NDS and Taylor split of the adapter steps at matched validation loss."""
+
+    if rank is not None and rank < 1:
+        raise CurvlabError(f"--rank must be >= 1, got {rank}")
+    chosen = with_preset(preset, rank=rank, seeds=seeds)
+    out = out or Path("results") / f"finetune-{preset}"
+    check_output(out, directory=True)
+    result = Finetune(chosen, out, base=base, data=data, progress=not quiet).run()
+    typer.echo(finetune_text(result, out))
+
+
+@one_line_errors
+def readme_results(
+    results: Path = typer.Argument(..., help="A reproduction's output directory (with summary.json)."),
+    readme: Path = typer.Option(Path("README.md"), help="The README whose results section is rewritten."),
+    figures: Path = typer.Option(Path("docs/results"), help="Where the figures the README shows are copied."),
+    note: str = typer.Option("", help="A sentence to add after the timing line (e.g. how the machine was shared)."),
+    page: Path = typer.Option(Path("docs/results.md"), help="The whole results page (rewritten)."),
+    rerun: Path | None = typer.Option(None, help="A rerun's output directory: add the rerun-agreement table."),
+) -> None:
+    """Regenerate the README's results section (the primary family) and the whole results page (caveats,
+    descriptive quantities, figures) from a reproduction's summary.json."""
+
+    update_readme(results, readme=readme, figures=figures, note=note, page=page, rerun=rerun)
+    typer.echo(f"rewrote the results section of {readme} and {page}; figures in {figures}")
+
+
+@one_line_errors
+def robustness_page(
+    results: Path = typer.Argument(..., help="A robustness design's output directory (with summary.json)."),
+    docs: Path = typer.Option(
+        Path("docs/results/robustness"), help="Where summary.json, levels.json and the figure are copied."
+    ),
+    page: Path = typer.Option(Path("docs/results-robustness.md"), help="The page (rewritten)."),
+    reference: Path | None = typer.Option(
+        Path("docs/results/quick/summary.json"), help="A reproduction's summary.json, quoted beside the settings."
+    ),
+) -> None:
+    """Publish a robustness design: its summary.json, levels.json and figure into DOCS, and its page."""
+
+    publish_robustness(results, docs=docs, page=page, reference=reference)
+    typer.echo(f"wrote {page}; summary, levels and figure in {docs}")
