@@ -104,7 +104,7 @@ def test_paired_directions_and_direction_reports_of_another_schema_version_are_r
     assert _json(DirectionReport.from_dict(d).to_dict()) == _json(d)
     with pytest.raises(CurvlabError, match="^directions schema 2 is not 1$"):
         DirectionReport.from_dict({**d, "schema_version": 2})
-    with pytest.raises(CurvlabError, match="^paired-directions schema 0 is not 1$"):
+    with pytest.raises(CurvlabError, match="^paired: paired-directions schema 0 is not 1$"):
         DirectionReport.from_dict({**d, "paired": {**paired, "schema_version": 0}})
 
 

@@ -56,7 +56,8 @@ scaled to the Frobenius norm of the real step on the hidden matrices (``scaling 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from math import nan
 from typing import Any, ClassVar
 
 import torch
@@ -69,7 +70,7 @@ from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
 from curvlab.errors import CurvlabError
 from curvlab.models.roles import matrix_shapes
 from curvlab.optim.shadow import ShadowSettings, ShadowState, muon_step
-from curvlab.util import schema
+from curvlab.util.codec import Record
 
 DIRECTIONS = ("adamw", "muon", "sgd", "sign")
 PAIRED = ("adamw", "muon")  # the two arms, paired at every checkpoint that carries a shadow
@@ -105,6 +106,8 @@ class PairedDirection:
             raise CurvlabError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
         return self.all if scope == "all" else self.hidden
 
+    # by hand: each scope's object is a view of its DirectionCurvature, DIRECTION_KEYS: no realized or
+    # predicted decrease (nothing is stepped here: read back as NaN and I1 - I2) but the derived q
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -115,12 +118,24 @@ class PairedDirection:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PairedDirection:
-        scopes = (DirectionCurvature.from_dict(d[s]) for s in SCOPES)
-        return cls(d["name"], d["source"], d["scaling"], *scopes)
+        return cls(d["name"], d["source"], d["scaling"], *(_unstepped(d[s]) for s in SCOPES))
+
+
+def _unstepped(d: Mapping[str, Any]) -> DirectionCurvature:
+    """A paired direction's scope (DIRECTION_KEYS; ``q`` is derived, not read; null reads as NaN)."""
+    first_order, penalty = _float(d["first_order"]), _float(d["curvature_penalty"])
+    rest = {k: _float(d[k]) for k in ("nds", "update_norm", "grad_norm", "cosine")}
+    return DirectionCurvature(
+        first_order=first_order, curvature_penalty=penalty, predicted=first_order - penalty, realized=nan, **rest
+    )
+
+
+def _float(x: Any) -> float:
+    return nan if x is None else float(x)
 
 
 @dataclass(frozen=True)
-class PairedDirections:
+class PairedDirections(Record):
     """Several directions measured at one W, on one batch, under one H.
 
     Attributes:
@@ -141,6 +156,7 @@ class PairedDirections:
     shadow: dict[str, Any] | None = None
     SCHEMA_VERSION: ClassVar[int] = PAIRED_SCHEMA_VERSION
     WHAT: ClassVar[str] = "paired-directions"
+    JSON_KEYS: ClassVar[tuple] = ("schema_version", "base", "real", "multiplier", "hidden_names", "shadow", ...)
 
     def get(self, name: str) -> PairedDirection:
         for d in self.directions:
@@ -164,29 +180,6 @@ class PairedDirections:
                 out[f"paired_q_{d.name}_{scope}"] = s.q
                 out[f"paired_norm_{d.name}_{scope}"] = s.update_norm
         return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": PAIRED_SCHEMA_VERSION,
-            "base": self.base,
-            "real": self.real,
-            "multiplier": self.multiplier,
-            "hidden_names": list(self.hidden_names),
-            "shadow": self.shadow,
-            "directions": [d.to_dict() for d in self.directions],
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PairedDirections:
-        schema.check(d, cls)
-        return cls(
-            d["base"],
-            d["real"],
-            tuple(PairedDirection.from_dict(x) for x in d["directions"]),
-            tuple(d["hidden_names"]),
-            d["multiplier"],
-            d.get("shadow"),
-        )
 
 
 # -- the directions from an optimizer's state ---------------------------------------------------
@@ -422,7 +415,7 @@ def measured_directions(
 
 
 @dataclass(frozen=True)
-class DirectionLandscape:
+class DirectionLandscape(Record):
     r"""The split of a between-run NDS ratio into direction and landscape terms (module docstring):
     ``between = direction_at_adamw * landscape_along_muon = direction_at_muon * landscape_along_adamw``.
 
@@ -459,10 +452,3 @@ class DirectionLandscape:
             landscape_along_adamw=ratio(adamw_at_a, adamw_at_b),
             sign_agreement=all(v > 0 for v in values) or all(v < 0 for v in values),
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DirectionLandscape:
-        return cls(**d)

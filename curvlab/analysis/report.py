@@ -46,7 +46,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -71,7 +71,7 @@ from curvlab.curvature.scalars import (
     taylor_error,
     taylor_holds,
 )
-from curvlab.curvature.scope import NAN_CURVATURE, DirectionCurvature
+from curvlab.curvature.scope import NAN_CURVATURE
 from curvlab.curvature.spectral import EigenResult, TraceResult, hutchinson, lanczos, overlap_with
 from curvlab.curvature.taylor import (
     BlockMatrix,
@@ -172,9 +172,9 @@ class CurvatureReport:
     SCHEMA_VERSION: ClassVar[int] = REPORT_SCHEMA_VERSION
     WHAT: ClassVar[str] = "report"
 
-    # by hand: the Taylor split's keys sit at the top level and its hidden scope under "hidden" with its
-    # names, the block grouping inside "blocks", the times under "timing" (and TaylorSplit and BlockMatrix,
-    # whose JSON these are, are being reworked with DirectionScope)
+    # by hand: the Taylor split's keys sit at the top level (not under a key of their own), the block
+    # grouping (a setting) inside "blocks", the two times under "timing", and the spectrum is read back
+    # with the split's NDS
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": REPORT_SCHEMA_VERSION,
@@ -203,7 +203,7 @@ class CurvatureReport:
             CurvlabError: another schema version.
         """
         schema.check(d, cls)
-        split = TaylorSplit.from_dict(d)
+        split = TaylorSplit.from_dict({f.name: d[f.name] for f in fields(TaylorSplit) if f.name in d})
         blocks = {k: v for k, v in d["blocks"].items() if k != "grouping"}
         return cls(
             checkpoint=d["checkpoint"],
@@ -231,8 +231,8 @@ class CurvatureReport:
         return CheckpointScalars(
             step=self.step,
             val_loss=self.val_loss,
-            all=DirectionCurvature.from_dict(split.to_dict()),
-            hidden=NAN_CURVATURE if split.hidden is None else split.hidden,
+            all=split.curvature(),
+            hidden=NAN_CURVATURE if split.hidden is None else split.hidden.curvature(),
             within=self.blocks.within,
             cross=self.blocks.cross,
             rho_within=self.blocks.rho_within,

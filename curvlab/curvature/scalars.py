@@ -162,7 +162,7 @@ class CheckpointScalars:
         """A copy with context fields (``optimizer``, ``multiplier``, ..., :data:`CONTEXT_KEYS`) set."""
         return replace(self, **context)
 
-    # by hand: the JSON is flat (both scopes' TaylorScope keys, the hidden one's prefixed, and the paired
+    # by hand: the JSON is flat (both scopes' DirectionCurvature keys, the hidden one's prefixed, the paired
     # scalars at the top level; context keys only where known; a scalar an older file lacks reads as NaN)
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"step": self.step, **{k: self.value(k) for k in SCALAR_KEYS}}

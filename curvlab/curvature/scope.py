@@ -13,7 +13,8 @@ option also takes the names of a scope of the caller's own.
     \cos = \frac{I_1}{\|G_S\|\,\|Z_S\|},\quad q = \frac{\cos^2}{\mathrm{NDS}},
 
 the predicted decrease :math:`I_1 - I_2` and, where the loss was evaluated at :math:`W - Z_S`, the
-realized one :math:`L(W) - L(W - Z_S)`. The Taylor split (:mod:`curvlab.curvature.taylor`), the monitor's
+realized one :math:`L(W) - L(W - Z_S)`. :class:`ScopeCurvature` is the same with the scope's parameter names
+(a split's second scope). The Taylor split (:mod:`curvlab.curvature.taylor`), the monitor's
 rows, the per-checkpoint scalars and the counterfactual directions (:mod:`curvlab.analysis.directions`)
 all hold it.
 """
@@ -22,14 +23,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields
 
 from torch import Tensor, nn
 
 from curvlab.curvature.groupings import hidden_matrices
 from curvlab.engine import params as P
 from curvlab.errors import CurvlabError
+from curvlab.util.codec import Record
 
 SCOPES = ("all", "hidden")
 """The named scopes (``scope=``): ``"all"`` parameters, or the ``"hidden"`` matrices (by role); a list of
@@ -37,7 +38,7 @@ parameter names is a scope too."""
 
 
 @dataclass(frozen=True)
-class DirectionCurvature:
+class DirectionCurvature(Record):
     r"""The curvature of one direction Z over one scope S at one point (see the module docstring).
 
     Attributes:
@@ -88,25 +89,22 @@ class DirectionCurvature:
             cosine=gz / (gnorm * znorm) if gnorm > 0 else math.nan,
         )
 
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DirectionCurvature:
-        """The record from :meth:`to_dict`'s keys (any others in ``d``, ``q`` among them, are ignored); null
-        reads as NaN. A record written without ``predicted`` and ``realized`` (a paired direction's, which
-        keeps ``q`` instead) reads them as :math:`I_1 - I_2` and NaN."""
-        d = {"realized": None, **d}
-        if "predicted" not in d:
-            d["predicted"] = _float(d["first_order"]) - _float(d["curvature_penalty"])
-        return cls(**{f.name: _float(d[f.name]) for f in fields(cls)})
+    def curvature(self) -> DirectionCurvature:
+        """The eight quantities alone, as a plain :class:`DirectionCurvature` (of a
+        :class:`~curvlab.curvature.taylor.TaylorSplit`, say, or a :class:`ScopeCurvature`)."""
+        return DirectionCurvature(**{k: getattr(self, k) for k in CURVATURE_KEYS})
 
 
-def _float(x: Any) -> float:
-    return math.nan if x is None else float(x)
+@dataclass(frozen=True)
+class ScopeCurvature(DirectionCurvature):
+    """A :class:`DirectionCurvature` with the parameter names of its scope (JSON: the eight and ``names``)."""
+
+    names: tuple[str, ...] = ()
 
 
-NAN_CURVATURE = DirectionCurvature(**{f.name: math.nan for f in fields(DirectionCurvature)})
+CURVATURE_KEYS = tuple(f.name for f in fields(DirectionCurvature))
+"""A :class:`DirectionCurvature`'s keys, in order (a report's and a monitor row's top level holds them)."""
+NAN_CURVATURE = DirectionCurvature(**{k: math.nan for k in CURVATURE_KEYS})
 
 
 def scope_names(

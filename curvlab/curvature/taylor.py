@@ -28,12 +28,13 @@ import torch
 from torch import Tensor
 
 from curvlab.curvature.groupings import group_parameters, model_of
-from curvlab.curvature.scope import DirectionCurvature, scope_names
+from curvlab.curvature.scope import DirectionCurvature, ScopeCurvature, scope_names
 from curvlab.engine import params as P
 from curvlab.engine.dtensors import any_dtensor
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint, working_dtype
 from curvlab.engine.loss import LossFn
 from curvlab.errors import CurvlabError
+from curvlab.util.codec import Record, meta
 
 BLOCK_METHODS = ("hvp", "alpha")
 """The block-matrix methods (``block_method=``): ``"hvp"``, one HVP per block at one point, or ``"alpha"``, the
@@ -44,30 +45,17 @@ Scope = str | Sequence[str] | None  # "hidden", "all", parameter names, or None 
 @dataclass(frozen=True)
 class TaylorSplit(DirectionCurvature):
     """The :class:`~curvlab.curvature.scope.DirectionCurvature` of a step over all parameters, plus ``loss`` =
-    L(W) and the same over the second scope, ``hidden`` (by default the hidden matrices; ``None`` when the
-    scope is empty), whose parameter names are ``hidden_names``."""
+    L(W) and the same over the second scope, ``hidden`` (by default the hidden matrices, with their
+    parameter names; ``None`` when the scope is empty). JSON: the eight quantities, ``loss`` and ``hidden``
+    (the eight and ``names``, or null), the keys of a curvature report."""
 
     loss: float = float("nan")
-    hidden: DirectionCurvature | None = None
-    hidden_names: tuple[str, ...] = ()
+    hidden: ScopeCurvature | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """The eight quantities over all parameters, ``loss``, and ``hidden`` (the same eight and its
-        ``names``, or null): the keys of a curvature report."""
-        out = {k: getattr(self, k) for k in DirectionCurvature.__dataclass_fields__}
-        out["loss"] = self.loss
-        out["hidden"] = None if self.hidden is None else {**self.hidden.to_dict(), "names": list(self.hidden_names)}
-        return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TaylorSplit:
-        hidden = d.get("hidden")
-        return cls(
-            **DirectionCurvature.from_dict(d).to_dict(),
-            loss=float(d["loss"]),
-            hidden=None if hidden is None else DirectionCurvature.from_dict(hidden),
-            hidden_names=tuple(hidden["names"]) if hidden else (),
-        )
+    @property
+    def hidden_names(self) -> tuple[str, ...]:
+        """The second scope's parameter names (``()`` without one)."""
+        return () if self.hidden is None else self.hidden.names
 
 
 def _check_direction(params: Mapping[str, Tensor], z: Mapping[str, Tensor], what: str = "direction") -> float:
@@ -98,7 +86,8 @@ def _split(point: CurvaturePoint, z: P.Params, hz: P.Params, names: list[str], h
     if hz_sub is not None:
         z_sub = P.restrict(z, names)
         sub = _curvature(loss, g, z_sub, hz_sub, point.loss_at(P.add(p, z_sub, -1.0)), names)
-    return TaylorSplit(**full.to_dict(), loss=loss, hidden=sub, hidden_names=tuple(names))
+    hidden = None if sub is None else ScopeCurvature(**vars(sub), names=tuple(names))
+    return TaylorSplit(**vars(full), loss=loss, hidden=hidden)
 
 
 def _proper(names: list[str], params: Mapping[str, Tensor], z: P.Params) -> bool:
@@ -186,7 +175,7 @@ def taylor_split(
 
 
 @dataclass(frozen=True)
-class BlockMatrix:
+class BlockMatrix(Record):
     r"""The block interaction matrix of a step and what follows from it.
 
     Attributes:
@@ -204,47 +193,16 @@ class BlockMatrix:
     """
 
     names: tuple[str, ...]
-    matrix: np.ndarray
+    matrix: np.ndarray = field(metadata=meta(dtype=float))
     within: float
     cross: float
     nds: float
     rho_within: float
-    first_order: np.ndarray
-    norm: np.ndarray
-    block_nds: np.ndarray
+    first_order: np.ndarray = field(metadata=meta(dtype=float))
+    norm: np.ndarray = field(metadata=meta(dtype=float))
+    block_nds: np.ndarray = field(metadata=meta(dtype=float, strict=True))  # (NaN, no block's own: null)
     asymmetry: float
     members: dict[str, list[str]] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "names": list(self.names),
-            "matrix": self.matrix.tolist(),
-            "within": self.within,
-            "cross": self.cross,
-            "nds": self.nds,
-            "rho_within": self.rho_within,
-            "first_order": self.first_order.tolist(),
-            "norm": self.norm.tolist(),
-            "block_nds": [None if np.isnan(x) else float(x) for x in self.block_nds],
-            "asymmetry": self.asymmetry,
-            "members": self.members,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> BlockMatrix:
-        return cls(
-            names=tuple(d["names"]),
-            matrix=np.asarray(d["matrix"], dtype=float).reshape(len(d["names"]), len(d["names"])),
-            within=d["within"],
-            cross=d["cross"],
-            nds=d["nds"],
-            rho_within=d["rho_within"],
-            first_order=np.asarray(d["first_order"], dtype=float),
-            norm=np.asarray(d["norm"], dtype=float),
-            block_nds=np.array([np.nan if x is None else x for x in d["block_nds"]], dtype=float),
-            asymmetry=d["asymmetry"],
-            members={k: list(v) for k, v in d["members"].items()},
-        )
 
 
 def _block_directions(z: P.Params, members: Mapping[str, Sequence[str]]) -> list[P.Params]:

@@ -60,6 +60,8 @@ class ShardedMeta:
     WHAT: ClassVar[str] = "curvlab sharded checkpoint"
     FIXED_KEYS: ClassVar[dict[str, Any]] = {"format": FORMAT}
 
+    # by hand: no record but the META dict as it is (its keys are the run's state), only the RNG state's
+    # hex and null losses decoded
     @staticmethod
     def from_dict(d: dict[str, Any]) -> dict[str, Any]:
         """``d`` with torch's RNG state (hex) as the uint8 tensor it is and a null loss (strict JSON's NaN) as NaN."""

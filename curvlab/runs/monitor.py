@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from curvlab.curvature.groupings import GROUPINGS, group_parameters
 from curvlab.curvature.scalars import CheckpointScalars, layer_blocks_split, taylor_error, taylor_holds
-from curvlab.curvature.scope import NAN_CURVATURE, DirectionCurvature, scope_names
+from curvlab.curvature.scope import CURVATURE_KEYS, NAN_CURVATURE, DirectionCurvature, ScopeCurvature, scope_names
 from curvlab.curvature.taylor import Scope, taylor_split, taylor_split_and_block_matrix
 from curvlab.engine import params as P
 from curvlab.engine.exact import exact_second_order
@@ -166,8 +166,8 @@ class MonitorRow:
     def nds(self) -> float:
         return self.split.nds
 
-    # by hand: the all-parameter split's keys sit at the top level, the hidden scope's names inside its
-    # object (and TaylorScope, whose JSON these are, is being merged with DirectionScope)
+    # by hand: the all-parameter split's keys sit at the top level (not under a key of their own), and
+    # the kind and version first
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": ROW_KIND,
@@ -187,18 +187,18 @@ class MonitorRow:
     def from_dict(cls, d: Mapping[str, Any]) -> MonitorRow:
         """A row read back from its JSON; refuses another kind or schema version."""
         schema.check(d, cls)
-        hidden = d.get("hidden")
+        hidden = None if d.get("hidden") is None else ScopeCurvature.from_dict(d["hidden"])
         return cls(
             step=int(d["step"]),
             status=d["status"],
             message=d["message"],
             loss=float(d["loss"]),
-            split=DirectionCurvature.from_dict(d),
-            hidden=None if hidden is None else DirectionCurvature.from_dict(hidden),
+            split=DirectionCurvature.from_dict({k: d[k] for k in CURVATURE_KEYS if k in d}),
+            hidden=None if hidden is None else hidden.curvature(),
             blocks=None if d.get("blocks") is None else BlockSplit.from_dict(d["blocks"]),
             heldout_tokens=int(d["heldout_tokens"]),
             seconds=float(d["seconds"]),
-            hidden_names=tuple(hidden["names"]) if hidden else (),
+            hidden_names=() if hidden is None else hidden.names,
         )
 
     def log_scalars(self, prefix: str = "curvature/") -> dict[str, float]:
@@ -389,8 +389,8 @@ class CurvatureMonitor:
             grouping = self.blocks if isinstance(self.blocks, str) else "custom"
             matrix = tuple(tuple(float(x) for x in r) for r in bm.matrix)
             blocks = BlockSplit(grouping, bm.names, matrix, bm.within, bm.cross, bm.nds, bm.rho_within)
-        scope = DirectionCurvature.from_dict(split.to_dict())  # (the split over all parameters alone)
-        on_hidden = split.hidden if hidden else None
+        scope = split.curvature()  # (the split over all parameters alone)
+        on_hidden = split.hidden.curvature() if hidden else None
         values = {"loss": split.loss, **asdict(scope)}
         values.update({f"hidden {k}": v for k, v in (asdict(on_hidden) if on_hidden else {}).items()})
         values.update({} if blocks is None else {"within": blocks.within, "cross": blocks.cross})
