@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from timing import median_seconds
 
-from curvlab.studies.quadratic_model import TwoLevelSpec, two_level
+from curvlab.theory.quadratic_model import TwoLevelSpec, two_level
 
 
 def main() -> None:

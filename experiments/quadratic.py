@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from curvlab.output.files import write_quadratic
-from curvlab.studies.quadratic import quadratic_study
+from curvlab.theory.quadratic import quadratic_study
 
 
 def main(out: Path) -> None:

@@ -13,11 +13,11 @@ import pytest
 
 from curvlab.errors import CurvlabError
 from curvlab.runs.config import TrainConfig
-from curvlab.studies.quadratic import PhaseSweep
-from curvlab.studies.quadratic_model import Trajectory
 from curvlab.studies.records import LevelData
 from curvlab.studies.robustness import RobustnessLevels, RobustnessSummary
 from curvlab.studies.summary import Summary
+from curvlab.theory.quadratic import PhaseSweep
+from curvlab.theory.quadratic_model import Trajectory
 from curvlab.util import schema
 from curvlab.util.atomic import strict_json
 from curvlab.util.codec import Record, decode, encode, meta

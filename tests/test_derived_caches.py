@@ -7,7 +7,7 @@ import pytest
 
 from curvlab.jobs.presets import PRESETS
 from curvlab.jobs.reproduce import Reproduction
-from curvlab.studies.quadratic import quadratic_study
+from curvlab.theory.quadratic import quadratic_study
 
 
 @pytest.mark.parametrize("damage", ["edited", "truncated"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from curvlab.errors import CurvlabError
-from curvlab.studies import exact
+from curvlab.inference import exact_tests as exact
 
 # decimal strings: Fraction(s) is the value meant, float(s) what the code sees. The 0.1-steps make sums
 # that tie exactly but round differently in floats (0.1 + 0.2 vs 0.3), the integers make plain ties.

@@ -9,10 +9,10 @@ import pytest
 from scipy import stats as scipy_stats
 
 from curvlab.errors import CurvlabError
+from curvlab.inference import statistics as st
 from curvlab.jobs.presets import PRESETS
 from curvlab.output.plots import primary_forest
 from curvlab.output.text import render_readme_results, render_report
-from curvlab.studies import statistics as st
 from curvlab.studies.headline import headline
 from curvlab.studies.paper import PRIMARY
 from curvlab.studies.primary import Calibration, PrimaryEntry, calibration, primary_family
@@ -597,7 +597,7 @@ def test_an_exact_floor_that_holm_cannot_pass_is_labelled():
 
 
 def test_disjoint_aa_pairs_and_power_against_the_noncentral_t():
-    from curvlab.studies.exact import aa_power_closed_form
+    from curvlab.inference.exact_tests import aa_power_closed_form
 
     assert PRESETS["micro"].aa_seed_pairs() == [(0, 1), (1, 2), (2, 3)]
     disjoint = replace(PRESETS["standard"], seeds=8, aa_pairs="disjoint")

@@ -10,8 +10,9 @@ import torch
 from curvlab import hvp, taylor_split
 from curvlab.errors import CurvlabError
 from curvlab.output.files import read_quadratic, write_quadratic
-from curvlab.studies.quadratic import QUADRATIC_SCHEMA_VERSION, QuadraticStudy, phase_sweep, quadratic_study
-from curvlab.studies.quadratic_model import (
+from curvlab.studies.summary import QuadraticRecord
+from curvlab.theory.quadratic import QUADRATIC_SCHEMA_VERSION, QuadraticStudy, phase_sweep, quadratic_study
+from curvlab.theory.quadratic_model import (
     KroneckerQuadratic,
     Trajectory,
     TwoLevelSpec,
@@ -28,7 +29,6 @@ from curvlab.studies.quadratic_model import (
     theorem_condition,
     two_level,
 )
-from curvlab.studies.summary import QuadraticRecord
 
 EXAMPLE = TwoLevelSpec(d1=96, d2=96, q=88, m=8, w_H=100.0, w_L=1.0, sigma_H=3.0, sigma_L=1.0)
 

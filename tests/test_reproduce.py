@@ -13,6 +13,7 @@ from nbclient import NotebookClient
 from curvlab.curvature.scalars import CheckpointScalars
 from curvlab.data.shards import TrainBatches
 from curvlab.errors import CurvlabError
+from curvlab.inference.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
 from curvlab.jobs.presets import PRESETS
 from curvlab.jobs.reproduce import Reproduction
 from curvlab.output.text import (
@@ -26,7 +27,6 @@ from curvlab.studies.compare import Comparison, Level, WindowSide
 from curvlab.studies.controls import CONTROL_NAMES, TWIN_TOLERANCE
 from curvlab.studies.headline import headline
 from curvlab.studies.records import ComparisonRecord, LevelData
-from curvlab.studies.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
 from curvlab.studies.summary import Summary
 from curvlab.util.safe_stop import Stopped
 from tests.builders import assert_made_with_these_packages

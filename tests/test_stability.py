@@ -37,7 +37,7 @@ from curvlab.optim.stability import (
     nesterov_momenta,
     stability_point,
 )
-from curvlab.studies.quadratic_model import KroneckerQuadratic
+from curvlab.theory.quadratic_model import KroneckerQuadratic
 from tests.reference import dense_gradient, dense_hessian
 
 RATIOS = (1.2, 1.5, 2.0)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from curvlab.studies import statistics as st
+from curvlab.inference import statistics as st
 from tests.synthetic import ar1
 
 # The simulated experiments of the issue: 6 levels per seed, AR(1) correlation 0.7 between neighbouring

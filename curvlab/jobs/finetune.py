@@ -27,7 +27,7 @@ the main comparison. Each stage is skipped when its output exists with the same 
    checkpoints; every level is kept (no filter on NDS, ever);
 6. ``finetune.json`` (:class:`curvlab.studies.adapters.FinetuneResult`): the per-level data and, derived
    from it alone (:func:`curvlab.studies.adapters.estimates`), each ratio of means with its seed-level
-   interval (:mod:`curvlab.studies.statistics`); ``tuning.json``; a figure; ``report.md``.
+   interval (:mod:`curvlab.inference.statistics`); ``tuning.json``; a figure; ``report.md``.
 
 Ratios are AdamW over the Muon variant (sum over seeds and levels of AdamW's window means over the
 variant's), the orientation of the paper's AdamW/Muon NDS ratio. The presets are

@@ -48,6 +48,7 @@ from curvlab.analysis.targets import AnalysisSettings
 from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
 from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError
+from curvlab.inference.statistics import mean_inference
 from curvlab.jobs.finetune import Finetune
 from curvlab.jobs.job import Job
 from curvlab.jobs.lr_table import LR_TABLE, LrTable, optimum_moved, read_lr_table
@@ -66,12 +67,11 @@ from curvlab.studies.compare import compare_runs
 from curvlab.studies.controls import controls, stability
 from curvlab.studies.headline import headline, taylor_counts
 from curvlab.studies.primary import calibration, primary_family
-from curvlab.studies.quadratic import QuadraticStudy, quadratic_study
 from curvlab.studies.records import PRIMARY_COMPARISON, ComparisonRecord, LevelData, TrackRecord
-from curvlab.studies.statistics import mean_inference
 from curvlab.studies.summary import FinewebRecord, QuadraticRecord, Summary
 from curvlab.studies.track import track_run
 from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, log2_grid
+from curvlab.theory.quadratic import QuadraticStudy, quadratic_study
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.paths import inside
@@ -85,7 +85,7 @@ def _s_name(s: float) -> str:
 
 def final_loss_note(final: dict[str, dict[str, list]], steps: int) -> str:
     """Each arm's final validation loss at equal steps, mean and 95% t interval over seeds
-    (:func:`~curvlab.studies.statistics.mean_inference`), at each s: whether Muon beats AdamW here at all,
+    (:func:`~curvlab.inference.statistics.mean_inference`), at each s: whether Muon beats AdamW here at all,
     the premise the curvature is to explain. A seed without a finite loss leaves its arm no interval."""
     parts = []
     for s, arms in final.items():

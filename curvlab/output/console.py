@@ -24,10 +24,10 @@ from curvlab.output.text import calibration_line, finetune_table, primary_table
 from curvlab.runs.launch import Launched
 from curvlab.studies.adapters import FinetuneResult
 from curvlab.studies.compare import Comparison
-from curvlab.studies.quadratic import QuadraticStudy
 from curvlab.studies.robustness import RobustnessSummary
 from curvlab.studies.summary import Summary
 from curvlab.studies.track import Track
+from curvlab.theory.quadratic import QuadraticStudy
 
 
 def table(rows: Iterable[Sequence[Any]], header: Sequence[str], left: int = 1) -> str:

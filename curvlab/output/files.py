@@ -12,7 +12,7 @@ from pathlib import Path
 
 from curvlab.analysis.spectrum import CheckpointSpectrum
 from curvlab.output.plots import quadratic_phase, quadratic_trajectories, spectral_density_plot
-from curvlab.studies.quadratic import QuadraticStudy
+from curvlab.theory.quadratic import QuadraticStudy
 from curvlab.util import schema
 from curvlab.util.distributed import is_main
 
@@ -31,7 +31,7 @@ def write_spectrum(result: CheckpointSpectrum, out: str | Path) -> list[Path]:
 
 
 def write_quadratic(study: QuadraticStudy, out: str | Path, figures: bool = True) -> list[Path]:
-    """``out/quadratic.json`` (:class:`~curvlab.studies.quadratic.QuadraticStudy`, ``QUADRATIC_SCHEMA_VERSION``;
+    """``out/quadratic.json`` (:class:`~curvlab.theory.quadratic.QuadraticStudy`, ``QUADRATIC_SCHEMA_VERSION``;
     a non-finite value as null) and, with ``figures``, those of its trajectories and phase sweep."""
     if not is_main():
         return []

@@ -3,7 +3,7 @@
 Every function takes what curvlab writes, as its typed records (:class:`~curvlab.analysis.report.CurvatureReport`,
 :class:`~curvlab.studies.compare.Comparison`, :class:`~curvlab.curvature.scalars.CheckpointScalars` rows, the
 records of :mod:`curvlab.studies.records` and :mod:`curvlab.studies.summary`, the
-:class:`~curvlab.studies.tuning.TuningRecord`, the :class:`~curvlab.studies.quadratic.QuadraticStudy`) or, for
+:class:`~curvlab.studies.tuning.TuningRecord`, the :class:`~curvlab.theory.quadratic.QuadraticStudy`) or, for
 a spectral density, its JSON, and a path stem; it draws them, computing nothing, and returns the paths written.
 """
 
@@ -24,10 +24,10 @@ from curvlab.analysis.report import CurvatureReport
 from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.studies.compare import pair_reports, within_layer_gap
 from curvlab.studies.paper import CLAIMS
-from curvlab.studies.quadratic import QuadraticStudy
 from curvlab.studies.records import seed_band
 from curvlab.studies.track import Track
 from curvlab.studies.tuning import TuningRecord
+from curvlab.theory.quadratic import QuadraticStudy
 from curvlab.util.atomic import atomic_write_with
 
 COLORS = {

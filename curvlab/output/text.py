@@ -17,10 +17,10 @@ import shutil
 from pathlib import Path
 
 from curvlab.errors import CurvlabError
+from curvlab.inference import statistics as st
+from curvlab.inference.exact_tests import floor_text
 from curvlab.output.plots import robustness_ratios
-from curvlab.studies import statistics as st
 from curvlab.studies.controls import ControlEntry, StabilityEntry
-from curvlab.studies.exact import floor_text
 from curvlab.studies.headline import HeadlineEntry
 from curvlab.studies.paper import POST_HOC_RULES, QUADRATIC_EXAMPLE
 from curvlab.studies.primary import Calibration, PrimaryEntry

@@ -16,10 +16,10 @@ import numpy as np
 
 from curvlab.curvature.scalars import RATIO_KEYS, SCOPE_KEYS
 from curvlab.errors import CurvlabError
+from curvlab.inference import statistics as st
 from curvlab.runs.adapt import curvature_rows
 from curvlab.runs.match import MatchCriteria, match_runs
 from curvlab.runs.monitor import MonitorRow
-from curvlab.studies import statistics as st
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.codec import Record
@@ -132,7 +132,7 @@ def estimates(comparisons: list[AdapterComparison]) -> list[FinetuneEntry]:
     """Every summary entry, from the per-level data alone: for each comparison and each of
     :data:`ENTRY_SPECS`, the ratio of sums over seeds and levels of the window means, and each seed's
     median of its per-level ratios averaged over seeds (``_median``), each with its seed-level interval
-    (:func:`curvlab.studies.statistics.ratio_estimates`). No level is dropped."""
+    (:func:`curvlab.inference.statistics.ratio_estimates`). No level is dropped."""
     entries = []
     for c in comparisons:
         for name, quantity, num, den in ENTRY_SPECS:

@@ -5,7 +5,7 @@ Each control is reported per arm (the runs whose checkpoints it reads) with its 
 across seeds, what it must come out as, and whether it did (:class:`ControlEntry`). Per seed, a control
 reduces that seed's points (:func:`curvlab.studies.records.analysed_points`, the paired claim's) to one
 number, as the paired claim does (the median of per-point ratios), and infers across seeds with the
-primary family's log-t interval (:func:`curvlab.studies.statistics.ratio_inference`).
+primary family's log-t interval (:func:`curvlab.inference.statistics.ratio_inference`).
 
 Negative controls, which must come out null:
 
@@ -53,7 +53,7 @@ import numpy as np
 
 from curvlab.analysis.controls import INJECTED_RATIOS, STABILITY_QUANTITIES, heldout_key, injected_key
 from curvlab.curvature.scalars import CheckpointScalars
-from curvlab.studies import statistics as st
+from curvlab.inference import statistics as st
 from curvlab.studies.records import PRIMARY_COMPARISON, LevelData, analysed_points, with_levels_off_plateau
 from curvlab.util.codec import Record
 

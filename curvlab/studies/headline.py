@@ -4,7 +4,7 @@
     name, scope ("all" | "hidden"), quantity, value, ci95 [lo, hi] (or null), n_levels, n_seeds,
     per_level [{seed, ... , value}], paper, paper_text, verdict, note
 
-with the statistics of :mod:`curvlab.studies.statistics` and the claims of :mod:`curvlab.studies.paper`:
+with the statistics of :mod:`curvlab.inference.statistics` and the claims of :mod:`curvlab.studies.paper`:
 
 * matched-loss ratios (AdamW over Muon, and over the RMS-matched Muon arm): ratio of the sums over
   seeds and levels off the unigram plateau of the window means, e.g. sum NDS_AdamW / sum NDS_Muon;
@@ -22,7 +22,7 @@ with the statistics of :mod:`curvlab.studies.statistics` and the claims of :mod:
   (:meth:`~curvlab.studies.records.TrackRecord.early_and_late`), per seed, then the mean over seeds;
   the hidden scope uses the transformer-layer blocks only.
 
-Headline intervals are seed-level (:func:`curvlab.studies.statistics.estimate`): every headline entry is
+Headline intervals are seed-level (:func:`curvlab.inference.statistics.estimate`): every headline entry is
 *descriptive* (no verdict, no tally); only :mod:`curvlab.studies.primary` judges.
 """
 
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from curvlab.curvature.scalars import RATIO_KEYS, scope_key
-from curvlab.studies import statistics as st
+from curvlab.inference import statistics as st
 from curvlab.studies.paper import CLAIMS, Claim
 from curvlab.studies.records import MATCHED, PRIMARY_COMPARISON, SCOPES, LevelData, with_levels_off_plateau
 from curvlab.util.codec import Record
@@ -132,7 +132,7 @@ def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict]
 
 
 def _ratio_entries(base: str, suffix: str, scope: str, groups, per_level, note: str) -> list[HeadlineEntry]:
-    """Both estimates of one AdamW/Muon ratio (:func:`curvlab.studies.statistics.ratio_estimates`)."""
+    """Both estimates of one AdamW/Muon ratio (:func:`curvlab.inference.statistics.ratio_estimates`)."""
     both = {"": None, "_median": None} if groups is None else st.ratio_estimates(groups["levels"])
     mean, median = both[""], both["_median"]
     return [

@@ -7,7 +7,7 @@ from here; nothing else in curvlab writes the paper's numbers down.
 :data:`PRIMARY` is the primary family: at most six claims fixed before any data are seen, each with
 its quantity, scope, null, claimed direction and the paper's number where there is one. Only these
 get verdicts (a direction verdict from Holm-adjusted two-sided seed-level tests, and a magnitude
-verdict against the paper's number; :mod:`curvlab.studies.statistics`).
+verdict against the paper's number; :mod:`curvlab.inference.statistics`).
 
 :data:`CLAIMS` names every *descriptive* headline quantity (the ``name`` of a ``summary.json``
 headline entry): the paper's number where it gives one and the direction the paper asserts, printed

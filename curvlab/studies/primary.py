@@ -7,9 +7,9 @@
 
 Per seed, each claim aggregates that seed's units (the mean over its matched levels, the median of its
 paired points' ratios, or its trajectory), then infers across seeds
-(:func:`curvlab.studies.statistics.ratio_inference` or :func:`curvlab.studies.statistics.mean_inference`);
+(:func:`curvlab.inference.statistics.ratio_inference` or :func:`curvlab.inference.statistics.mean_inference`);
 Holm's correction runs over the claims that got a test (3 seeds or more, and judged by the design); beside
-the t model, each claim's exact sign-flip test (:mod:`curvlab.studies.exact`), Holm-adjusted alike. And
+the t model, each claim's exact sign-flip test (:mod:`curvlab.inference.exact_tests`), Holm-adjusted alike. And
 the **A/A calibration** (:func:`calibration`, a :class:`Calibration`)::
 
     false_verdict_rate, n_tests, per_test [{comparison, claim, n_seeds, value, ci95, p, p_holm, p_exact,
@@ -29,10 +29,10 @@ import numpy as np
 
 from curvlab.curvature.scalars import scope_key
 from curvlab.errors import CurvlabError
-from curvlab.studies import exact
-from curvlab.studies import statistics as st
+from curvlab.inference import exact_tests as exact
+from curvlab.inference import statistics as st
+from curvlab.inference.exact_tests import floor_text
 from curvlab.studies.controls import NULL_BAND, hp_twin_medians
-from curvlab.studies.exact import floor_text
 from curvlab.studies.paper import PRIMARY, PrimaryClaim, judged_claims
 from curvlab.studies.records import (
     PRIMARY_COMPARISON,
@@ -47,7 +47,7 @@ from curvlab.util.codec import Record
 
 @dataclass(frozen=True)
 class PrimaryEntry(Record):
-    """One claim of the primary family, judged (module docstring; :mod:`curvlab.studies.statistics`).
+    """One claim of the primary family, judged (module docstring; :mod:`curvlab.inference.statistics`).
 
     ``direction``: supported / contradicted / inconclusive, ``"descriptive: fewer than 3 seeds"`` or
     ``"not measured"``; ``magnitude``: consistent / larger / smaller / uninformative against ``paper``
@@ -74,7 +74,7 @@ class PrimaryEntry(Record):
     p_holm: float | None
     per_seed: list[dict[str, Any]] = field(default_factory=list)
     note: str = ""
-    # the exact seed-level test beside the t model (curvlab.studies.exact): its p (one-sided for a
+    # the exact seed-level test beside the t model (curvlab.inference.exact_tests): its p (one-sided for a
     # greater/less claim), the smallest p this many seeds can give, and whether the exact test, Holm-adjusted
     # over the same family, backs the verdict (None: no verdict to back)
     p_exact: float | None = None
@@ -103,7 +103,7 @@ class Calibration(Record):
     asserted a difference (NaN when there were no tests), over ``n_tests`` tests with 3 seeds or more;
     each test with its estimate, interval and p-values (``per_test``); the seed ``pairs`` of the
     between-run tests, the ``claims`` covered, the ``power`` to flag a same-arm bias of x1.5 and x2 (by
-    simulation on the run's own spreads: :func:`curvlab.studies.exact.aa_power`, the mean over the
+    simulation on the run's own spreads: :func:`curvlab.inference.exact_tests.aa_power`, the mean over the
     tests), and what it is (``kind``: a smoke test when its pairs share seeds or it has fewer than
     :data:`MIN_CALIBRATION_TESTS` tests, too few to estimate a 5% rate)."""
 
@@ -342,7 +342,7 @@ def _infer(claim: PrimaryClaim, values: _SeedValues, confidence: float) -> st.Se
 
 @dataclass(frozen=True)
 class _Exact:
-    """A claim's exact seed-level test (:mod:`curvlab.studies.exact`): the p in the claimed direction, the
+    """A claim's exact seed-level test (:mod:`curvlab.inference.exact_tests`): the p in the claimed direction, the
     p that would back the verdict (the opposite side for a contradicted greater/less claim; two one-sided
     tests against the band for a supported "about" claim), and the design's floor."""
 

@@ -5,7 +5,7 @@ claim by claim (docs/science.md section 12, reruns):
   independent replicates with exact intervals at 5 seeds this holds with probability 0.81 only;
 * the shift between the runs, paired by seed: the mean over their common seeds of the difference of
   the two runs' per-seed values (of their logs, for a claim judged on the log scale), with its t
-  interval and p-value (:func:`curvlab.studies.statistics.mean_inference`), where both runs judged the
+  interval and p-value (:func:`curvlab.inference.statistics.mean_inference`), where both runs judged the
   claim by the same t method. A rerun keeps each seed's initialization and data order, so the pairing
   removes the seed-to-seed spread, and what is left is what the change of floats did. Under "the
   rerun changes nothing systematic" p is uniform.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from curvlab.studies import statistics as st
+from curvlab.inference import statistics as st
 from curvlab.studies.primary import PrimaryEntry
 from curvlab.studies.summary import Summary
 

@@ -16,8 +16,8 @@ from curvlab.errors import CurvlabError
 from curvlab.studies.controls import ControlEntry, StabilityEntry
 from curvlab.studies.headline import HeadlineEntry, ZipfPoint
 from curvlab.studies.primary import Calibration, PrimaryEntry
-from curvlab.studies.quadratic import QuadraticStudy
 from curvlab.studies.tuning import TuningRecord
+from curvlab.theory.quadratic import QuadraticStudy
 from curvlab.util import schema
 from curvlab.util.codec import Record
 from curvlab.util.versions import SoftwareVersions
@@ -29,7 +29,7 @@ SUMMARY_SCHEMA_VERSION = 3  # 2: the primary family and the A/A calibration; hea
 @dataclass(frozen=True)
 class QuadraticRecord(Record):
     """The quadratic model's closed-form checks in ``summary.json`` (the example of
-    :class:`~curvlab.studies.quadratic.QuadraticStudy`): Muon's NDS, its contraction Γ² and gradient
+    :class:`~curvlab.theory.quadratic.QuadraticStudy`): Muon's NDS, its contraction Γ² and gradient
     descent's two-step contraction."""
 
     muon_nds: float

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from curvlab.errors import CurvlabError
-from curvlab.studies.statistics import standard_error
+from curvlab.inference.statistics import standard_error
 from curvlab.util.codec import Record
 
 TUNING_SCHEMA_VERSION = 1

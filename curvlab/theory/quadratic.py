@@ -1,7 +1,7 @@
 """The quadratic model's study (``curvlab quadratic``, the reproduction's quadratic stage): the theorem's
 worked example under line search and fixed learning rates, and the phase sweep over (ρ, α, σ_H/σ_L), as one
 typed record (:class:`QuadraticStudy`, JSON ``QUADRATIC_SCHEMA_VERSION``). The model itself, its
-optimizers and the theorem's closed forms are :mod:`curvlab.studies.quadratic_model`.
+optimizers and the theorem's closed forms are :mod:`curvlab.theory.quadratic_model`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from curvlab.errors import CurvlabError
-from curvlab.studies.quadratic_model import (
+from curvlab.theory.quadratic_model import (
     Trajectory,
     TwoLevelSpec,
     best_fixed_lr,

@@ -1,6 +1,6 @@
 """Exact randomization tests over seeds, the smallest p-value a design can reach, and A/A power.
 
-Beside the Student-t model of :mod:`curvlab.studies.statistics` (one value per seed), two tests that
+Beside the Student-t model of :mod:`curvlab.inference.statistics` (one value per seed), two tests that
 assume only exchangeability, computed by full enumeration (no Monte Carlo):
 
 * **sign flip** (:func:`sign_flip_p`), one sample of per-seed values x_1..x_n against ``null``: with
@@ -224,7 +224,7 @@ def aa_power(
     docstring): each draws n independent per-unit log values y_i = log(factor) + sd z_i (z standard
     normal from ``Generator(PCG64(seed))``; units are disjoint seed pairs, or seeds) and tests
     H0: E y = 0 with p = 2 P(T_{n-1} > |ȳ| / (s / sqrt n)) < alpha / n_tests, as
-    :mod:`curvlab.studies.statistics` does. Bonferroni's alpha / n_tests stands in for Holm's correction
+    :mod:`curvlab.inference.statistics` does. Bonferroni's alpha / n_tests stands in for Holm's correction
     over the n_tests claims of a family: conservative, since Holm's first step is exactly Bonferroni and
     each later step is no stricter. ``factor`` 1 gives the test's size, about alpha / n_tests.
 
