@@ -6,12 +6,17 @@ import them from here, never from ``conftest``).
 * a real Hugging Face ``Trainer``: :func:`tiny_gpt2`, :func:`token_data`, :func:`hf_trainer`,
   :func:`write_token_shards`;
 * a nanoGPT checkpoint written by nanoGPT's own model and optimizer groups (:func:`nanogpt_checkpoint`);
+* a shadowed run's config (:func:`shadow_config`) and its training losses (:func:`train_losses`);
+* an optimizer's step by hand: :func:`batch_for`, :func:`train_step`, :func:`snapshot`;
+* the command line: :data:`runner` and :func:`assert_refused` (bad input: status 2, one line, no output left);
 * small helpers: :func:`random_direction`, :func:`crash_training_after`, :func:`assert_made_with_these_packages`.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
+import json
 import platform
 import socket
 from pathlib import Path
@@ -24,8 +29,10 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
+from typer.testing import CliRunner
 
 import curvlab
+from curvlab.cli import app
 from curvlab.data.shards import write_shard
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.train import train
@@ -251,3 +258,56 @@ def assert_made_with_these_packages(versions: dict) -> None:
         "scipy": scipy.__version__,
         "transformers": transformers.__version__,
     }
+
+
+# -- a shadowed run ----------------------------------------------------------------------------
+
+
+def shadow_config(data, out, **kw):
+    return small_config(
+        data, out, **{"steps": 10, "warmup_steps": 2, "eval_every": 4, "ckpt_every": 4, "val_windows": 8, **kw}
+    )
+
+
+def train_losses(out):
+    return [json.loads(line)["train_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- an optimizer's step by hand -----------------------------------------------------------------
+
+
+def batch_for(model, seed=0, batch=4):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, model.config.vocab_size, (batch, model.config.block_size + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def train_step(model, opt, loss_fn, batch):
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(dict(model.named_parameters()), batch)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def snapshot(opt):
+    """The optimizer's full state as plain nested data, tensors cloned."""
+    return copy.deepcopy(opt.state_dict())
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def assert_refused(args, *expected, out=None):
+    """Exit status 2, one line starting with "error:" that holds every ``expected`` text, and no ``out``."""
+    r = runner.invoke(app, [str(a) for a in args])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2, r.output
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
+    for text in expected:
+        assert text in lines[0], r.output
+    if out is not None:
+        assert not Path(out).exists() or (Path(out).is_dir() and not any(Path(out).iterdir()))
+    return lines[0]

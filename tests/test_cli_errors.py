@@ -8,12 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 import curvlab.analysis.checkpoint
 from curvlab.cli import app
-
-runner = CliRunner()
+from tests.builders import assert_refused, runner
 
 
 def broken_copy(checkpoint: Path, tmp_path: Path, name: str, content: bytes) -> Path:
@@ -22,19 +20,6 @@ def broken_copy(checkpoint: Path, tmp_path: Path, name: str, content: bytes) -> 
     shutil.copytree(checkpoint, copy)
     (copy / name).write_bytes(content)
     return copy
-
-
-def assert_refused(args, *expected, out=None):
-    """Exit status 2, one line starting with "error:" that holds every ``expected`` text, and no ``out``."""
-    r = runner.invoke(app, [str(a) for a in args])
-    lines = r.output.strip().splitlines()
-    assert r.exit_code == 2, r.output
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
-    for text in expected:
-        assert text in lines[0], r.output
-    if out is not None:
-        assert not Path(out).exists() or (Path(out).is_dir() and not any(Path(out).iterdir()))
-    return lines[0]
 
 
 LFS = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"ab" * 32 + b"\nsize 123456\n"

@@ -23,11 +23,11 @@ from curvlab.optim.adam import adam_edge_of_stability
 from curvlab.optim.shadow import ShadowState
 from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
+from curvlab.runs.train import train
 from curvlab.studies.controls import CONTROL_NAMES, TWIN_TOLERANCE, controls, stability, twin_control
-from tests.builders import crash_training_after
+from tests.builders import crash_training_after, shadow_config, train_losses
 from tests.reference import assert_same
 from tests.synthetic import level_data, record
-from tests.test_shadow import config, train, train_losses
 
 STEPS = 6
 
@@ -36,7 +36,7 @@ STEPS = 6
 def controlled_run(request, pcfg_data, tmp_path_factory):
     """A run of each arm with its shadow and its twins, a checkpoint every step."""
     out = tmp_path_factory.mktemp(f"controls-{request.param}")
-    cfg = config(pcfg_data, out / "run", optimizer=request.param, steps=STEPS, eval_every=1, ckpt_every=1,
+    cfg = shadow_config(pcfg_data, out / "run", optimizer=request.param, steps=STEPS, eval_every=1, ckpt_every=1,
                  shadow=True, controls=True)  # fmt: skip
     train(cfg, progress=False)
     return request.param, out / "run", cfg

@@ -36,10 +36,8 @@ from curvlab.runs.checkpoint import load_checkpoint, read_checkpoint
 from curvlab.runs.dcp import convert_to_sharded, read_meta
 from curvlab.runs.train import train
 from curvlab.util.paths import inside
-from tests.builders import nanogpt_checkpoint, small_config
-from tests.test_cli_errors import assert_refused as assert_cli_refuses
-
-runner = CliRunner()
+from tests.builders import assert_refused as assert_cli_refuses
+from tests.builders import nanogpt_checkpoint, runner, small_config
 
 
 class Hostile:

@@ -17,8 +17,8 @@ from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.lora import AdaptedLayer, LoraMuon, PerFactorMuon, SMuon, adapter_blocks, lora_layers
 from curvlab.optim.muon import Muon, muon_scale
 from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, POLAR_EXPRESS_NORMALIZATION, polar_express_coefficients
+from tests.builders import batch_for, snapshot, train_step
 from tests.reference import assert_same
-from tests.test_optim import batch_for, snapshot, train_step
 
 F64 = torch.float64
 BF16_EDGE = 5 * 2**-8

@@ -17,18 +17,13 @@ import torch
 from curvlab import build_optimizer, make_loss_fn, next_update
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
+from tests.builders import batch_for
 from tests.reference import assert_same
 
 
 def tiny_gpt(seed=0, dropout=0.0):
     torch.manual_seed(seed)
     return GPT(get_config("tiny", vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout))
-
-
-def batch_for(model, seed=0, batch=4):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, model.config.vocab_size, (batch, model.config.block_size + 1), generator=g)
-    return idx[:, :-1], idx[:, 1:]
 
 
 def real_step(model, optimizers, loss_fn, batch, closure=False, backward=True, create_graph=False):

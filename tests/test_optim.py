@@ -9,6 +9,7 @@ from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.combined import CombinedOptimizer
 from curvlab.optim.muon import Muon, muon_scale
+from tests.builders import batch_for, snapshot, train_step
 from tests.reference import assert_same
 
 
@@ -16,25 +17,6 @@ def tiny_gpt(seed=0, **overrides):
     torch.manual_seed(seed)
     cfg = get_config("tiny", vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, **overrides)
     return GPT(cfg)
-
-
-def batch_for(model, seed=0, batch=4):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, model.config.vocab_size, (batch, model.config.block_size + 1), generator=g)
-    return idx[:, :-1], idx[:, 1:]
-
-
-def train_step(model, opt, loss_fn, batch):
-    opt.zero_grad(set_to_none=True)
-    loss = loss_fn(dict(model.named_parameters()), batch)
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
-
-
-def snapshot(opt):
-    """The optimizer's full state as plain nested data, tensors cloned."""
-    return copy.deepcopy(opt.state_dict())
 
 
 def test_default_muon_steps_equal_torch_muon():

@@ -12,27 +12,17 @@ from curvlab.optim.muon import Muon
 from curvlab.optim.shadow import ShadowSettings, ShadowState, build_shadow
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.train import build_run, train
-from tests.builders import crash_training_after, small_config
+from tests.builders import crash_training_after, shadow_config, train_losses
 from tests.reference import assert_same
-
-
-def config(data, out, **kw):
-    return small_config(
-        data, out, **{"steps": 10, "warmup_steps": 2, "eval_every": 4, "ckpt_every": 4, "val_windows": 8, **kw}
-    )
 
 
 def last_checkpoint(out):
     return load_checkpoint(out / read_index(out)[-1]["path"])
 
 
-def train_losses(out):
-    return [json.loads(line)["train_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_a_shadow_changes_nothing_and_resumes_bit_for_bit(pcfg_data, tmp_path, monkeypatch, optimizer):
-    plain = config(pcfg_data, tmp_path / "plain", optimizer=optimizer)
+    plain = shadow_config(pcfg_data, tmp_path / "plain", optimizer=optimizer)
     train(plain, progress=False)
     shadowed = replace(plain, out=str(tmp_path / "shadow"), shadow=True)
     train(shadowed, progress=False)
@@ -63,14 +53,14 @@ def test_a_shadow_changes_nothing_and_resumes_bit_for_bit(pcfg_data, tmp_path, m
 
 
 def test_resuming_a_run_without_a_shadow_with_one_is_refused(pcfg_data, tmp_path):
-    cfg = config(pcfg_data, tmp_path / "r", optimizer="adamw", steps=4)
+    cfg = shadow_config(pcfg_data, tmp_path / "r", optimizer="adamw", steps=4)
     train(cfg, progress=False)
     with pytest.raises(CurvlabError, match="shadow: False -> True"):
         train(replace(cfg, steps=8, shadow=True), progress=False)
 
 
 def test_an_old_config_without_the_shadow_fields_still_resumes(pcfg_data, tmp_path):
-    cfg = config(pcfg_data, tmp_path / "r", optimizer="adamw", steps=4)
+    cfg = shadow_config(pcfg_data, tmp_path / "r", optimizer="adamw", steps=4)
     train(cfg, progress=False)
     path = tmp_path / "r" / "config.json"
     saved = json.loads(path.read_text())
@@ -167,13 +157,13 @@ def test_shadow_payload_round_trip_and_bad_input():
 
 
 def test_build_shadow_refuses_an_optimizer_without_another_arm(pcfg_data, tmp_path):
-    run = build_run(config(pcfg_data, tmp_path / "r", optimizer="adamw"))
+    run = build_run(shadow_config(pcfg_data, tmp_path / "r", optimizer="adamw"))
     shadow = build_shadow("adamw", run.model)
     assert shadow.settings.kind == "muon" and all(".h." in n for n in shadow.names)
     with pytest.raises(CurvlabError, match="adamw and muon arms"):
         build_shadow("sgd", run.model)
     with pytest.raises(CurvlabError, match="adamw and muon arms"):
-        build_run(config(pcfg_data, tmp_path / "s", optimizer="sgd", shadow=True))
+        build_run(shadow_config(pcfg_data, tmp_path / "s", optimizer="sgd", shadow=True))
 
 
 def test_train_command_keeps_a_shadow_when_asked(pcfg_data, tmp_path):
