@@ -19,7 +19,7 @@ import multiprocessing as mp
 
 import torch
 import torch.nn.functional as F
-from timing import interleaved_medians, print_table, tiny_problem
+from timing import interleaved_medians, peak_bytes, print_table, tiny_problem
 from torch.func import functional_call, grad, jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -110,13 +110,8 @@ def report(cfg, params, t, args) -> None:
 
 
 def _peak(kind: str, batch: int, conn) -> None:
-    """In a fresh process: the peak of torch's own CPU memory timeline (``torch.profiler`` with
-    ``profile_memory``) during one gradient or one HVP, in bytes."""
-    import json
+    """In a fresh process: the peak of torch's own CPU allocations during one gradient or one HVP."""
     import os
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
 
     _, loss_fn, params, b = tiny_problem(batch)
     v = {k: torch.randn_like(t) for k, t in params.items()}
@@ -128,15 +123,7 @@ def _peak(kind: str, batch: int, conn) -> None:
             torch.autograd.grad(f(leaves), list(leaves.values()))
 
     run = gradient if kind == "gradient" else (lambda: hvp(loss_fn, params, b, v, method=kind))
-    run()  # warm up outside the profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        run()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "timeline.json")
-        prof.export_memory_timeline(path, device="cpu")
-        with open(path) as f:
-            _, sizes = json.load(f)
-    conn.send(max(sum(s) for s in sizes))  # a pipe's send returns once written: safe before _exit
+    conn.send(peak_bytes(run))  # a pipe's send returns once written: safe before _exit
     os._exit(0)  # (the profiler's stack records can crash the interpreter's own shutdown)
 
 

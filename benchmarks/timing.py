@@ -31,6 +31,35 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 7, 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def peak_bytes(fn, device: str = "cpu") -> int:
+    """The peak of torch's own allocations during one ``fn()`` (after one untimed call), in bytes: on a GPU
+    ``torch.cuda.max_memory_allocated``, on the CPU the profiler's memory timeline (``tracemalloc`` can't
+    see torch's tensors). Run it in a fresh process: the profiler's stack records can crash the
+    interpreter's own shutdown, so the caller sends the number and ends with ``os._exit``."""
+    import json
+    import os
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm up outside the measurement
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "timeline.json")
+        prof.export_memory_timeline(path, device="cpu")
+        with open(path) as f:
+            _, sizes = json.load(f)
+    return max(sum(s) for s in sizes)
+
+
 def print_table(title: str, rows: list[tuple[str, float, str]]) -> None:
     """Print ``(name, seconds, ratio text)`` rows as a Markdown table."""
     print(f"\n{title}\n")

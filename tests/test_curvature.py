@@ -1,4 +1,5 @@
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -84,7 +85,10 @@ def test_block_matrix_equals_dense_hessian_blocks(transformer_problem, via, meth
     assert bm.within + bm.cross == pytest.approx(bm.nds, rel=1e-12)
     assert bm.nds == pytest.approx(float(zf @ H @ zf / (zf @ zf)), rel=1e-9)
     assert bm.rho_within == pytest.approx(bm.within / bm.nds)
-    assert bm.asymmetry < 1e-10
+    if via == "hvp" and method == "rev_rev":  # the triangle by double backward, the rest by symmetry
+        assert math.isnan(bm.asymmetry)
+    else:
+        assert bm.asymmetry < 1e-10
     g = dense_gradient(loss_fn, params, batch)
     np.testing.assert_allclose(bm.first_order, [float(g @ (zf * m)) for m in masks], rtol=1e-9, atol=1e-14)
     np.testing.assert_allclose(bm.norm, [float((zf * m).norm()) for m in masks], rtol=1e-12)

@@ -344,3 +344,47 @@ def test_finite_difference_hvp_within_its_stated_error_and_its_record(mlp_proble
     for bad in ({**d, "schema_version": 2}, {**old, "schema": 2}):
         with pytest.raises(CurvlabError, match="finite-difference record schema 2 is not 1"):
             FiniteDifferenceHVP.from_dict(bad)
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+@pytest.mark.parametrize("method", ["rev_rev", "fwd_rev"])
+@pytest.mark.parametrize("order", ["network", "reversed", "shuffled"])
+def test_interactions_equal_whole_hvps_and_the_dense_hessian_in_any_order(problem, method, order, request):
+    """R[l, m] = <Z_l, H Z_m> from the triangle (each part's second backward on its own and the later
+    parts' parameters) equals both the same matrix from whole HVPs at the point (the path it replaces)
+    and the dense float64 Hessian's blocks, whichever order the parts come in."""
+    loss_fn, params, batch = request.getfixturevalue(problem)
+    H = dense_hessian(loss_fn, params, batch)
+    z = random_direction(params, 7)
+    names = list(params)
+    if order == "reversed":
+        names = names[::-1]
+    elif order == "shuffled":
+        names = [names[i] for i in torch.randperm(len(names), generator=torch.Generator().manual_seed(0))]
+    cuts = [names[i : i + 2] for i in range(0, len(names), 2)]  # parts of two tensors each
+    parts = [{n: z[n] for n in cut} for cut in cuts]
+    padded = [P.flatten({n: part.get(n, torch.zeros_like(t)) for n, t in params.items()}) for part in parts]
+    dense = torch.stack([torch.stack([u @ H @ v for v in padded]) for u in padded])
+    with CurvaturePoint(loss_fn, params, batch, method=method) as point:
+        R = point.interactions(parts)
+        whole = point.hvp_each(parts)
+        replaced = torch.tensor(
+            [[P.dot(parts[l], whole[m], cuts[l]) for m in range(len(parts))] for l in range(len(parts))],
+            dtype=torch.float64,
+        )
+        if method == "rev_rev":  # the triangle, and its transpose
+            assert torch.equal(R, R.T)
+        assert rel_err(R.flatten(), R.T.flatten()) <= 1e-12
+        assert rel_err(R.flatten(), dense.flatten()) <= 1e-10
+        assert rel_err(R.flatten(), replaced.flatten()) <= 1e-12
+        assert float(point.interactions([z])[0, 0]) == pytest.approx(float(P.flatten(z) @ H @ P.flatten(z)), rel=1e-10)
+        assert R.sum() == pytest.approx(float(P.flatten(z) @ H @ P.flatten(z)), rel=1e-10)
+
+
+def test_interactions_refuse_overlapping_or_no_parts(transformer_problem):
+    loss_fn, params, batch = transformer_problem
+    z = random_direction(params)
+    with CurvaturePoint(loss_fn, params, batch) as point:
+        for bad in ([], [z, {next(iter(z)): z[next(iter(z))]}]):
+            with pytest.raises(CurvlabError, match="disjoint"):
+                point.interactions(bad)

@@ -2,8 +2,8 @@ r"""Counterfactual directions at one point: several steps judged at the same W, 
 
 The paper's mechanism is that Muon's *direction* is less sharp. Between two runs, NDS also changes
 because the two runs stand at different W (the landscape). Here the landscape is held fixed: at one
-checkpoint, every direction is measured at one :class:`~curvlab.engine.hvp.CurvaturePoint`, in one batched
-HVP call. For each direction Z and each scope (:data:`~curvlab.curvature.scope.SCOPES`: ``"all"``
+checkpoint, every direction is measured at one :class:`~curvlab.engine.hvp.CurvaturePoint`, two second
+backwards a direction. For each direction Z and each scope (:data:`~curvlab.curvature.scope.SCOPES`: ``"all"``
 parameters, ``"hidden"`` matrices only), a :class:`~curvlab.curvature.scope.DirectionCurvature`:
 
 .. math::
@@ -345,8 +345,9 @@ def _other_arm(name, base, first, W, G, shapes, multiplier, shadow):
 def measure_directions(
     point: CurvaturePoint, directions: Sequence[Direction], hidden: Sequence[str]
 ) -> tuple[PairedDirection, ...]:
-    r"""Every direction over both scopes at one point: the 2K directions (each whole, and each
-    restricted to ``hidden``) in one batched :meth:`~curvlab.engine.hvp.CurvaturePoint.quadratic_forms` call.
+    r"""Every direction over both scopes at one point: each direction's curvature whole and restricted to
+    ``hidden`` from the interactions of its two parts (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`:
+    two second backwards, the second one on the hidden matrices alone).
 
     Raises:
         CurvlabError: a direction that doesn't match the point's parameters, is non-finite, or is zero
@@ -360,21 +361,20 @@ def measure_directions(
         raise CurvlabError(
             f"the hidden scope names unknown parameters: {P.names_text(unknown)}" if unknown else "no hidden matrices"
         )
-    rows = []
-    for d in directions:
-        full = {n: d.z[n] if n in d.z else torch.zeros_like(point.params[n]) for n in names}
-        P.check_like(point.params, full, f"direction {d.name}")
-        rows += [full, P.restrict(full, keep)]
-    stacked = {n: torch.stack([r[n].to(point.dtype) for r in rows]) for n in names}
-    gz, zhz = point.quadratic_forms(stacked)
-    zz = P.stacked_dot(stacked, stacked, names)
+    rest = [n for n in names if n not in keep]
     g = point.gradient
     gg = {"all": P.dot(g, g), "hidden": P.dot(g, g, hidden)}
     out = []
-    for k, d in enumerate(directions):
+    for d in directions:
+        full = {n: d.z[n] if n in d.z else torch.zeros_like(point.params[n]) for n in names}
+        P.check_like(point.params, full, f"direction {d.name}")
+        full = P.cast(full, point.dtype)
+        # the rest first, then the hidden matrices, whose second backward is taken on them alone
+        parts = ([{n: full[n] for n in rest}] if rest else []) + [{n: full[n] for n in hidden}]
+        R = point.interactions(parts)
         scopes = [
-            DirectionCurvature.of(float(gz[i]), float(zhz[i]), float(zz[i]), gg[s])
-            for i, s in ((2 * k, "all"), (2 * k + 1, "hidden"))
+            DirectionCurvature.of(P.dot(g, full, keys), float(zhz), P.dot(full, full, keys), gg[s])
+            for s, keys, zhz in (("all", names, R.sum()), ("hidden", hidden, R[-1, -1]))
         ]
         out.append(PairedDirection(d.name, d.source, d.scaling, *scopes))
     return tuple(out)

@@ -18,7 +18,6 @@ Every function takes ``(loss_fn, params, batch, z)`` positionally and its option
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,21 +70,20 @@ def _scope_names(point: CurvaturePoint, scope: Scope) -> list[str]:
     return scope_names(scope, point.params, model_of(point.loss_fn))
 
 
-def _curvature(loss: float, g: P.Params, z: P.Params, hz: P.Params, stepped_loss: float, keys) -> DirectionCurvature:
+def _curvature(loss: float, g: P.Params, z: P.Params, zhz: float, stepped_loss: float, keys) -> DirectionCurvature:
     keys = list(keys)
-    return DirectionCurvature.of(
-        P.dot(g, z, keys), P.dot(z, hz, keys), P.dot(z, z, keys), P.dot(g, g, keys), loss - stepped_loss
-    )
+    return DirectionCurvature.of(P.dot(g, z, keys), zhz, P.dot(z, z, keys), P.dot(g, g, keys), loss - stepped_loss)
 
 
-def _split(point: CurvaturePoint, z: P.Params, hz: P.Params, names: list[str], hz_sub: P.Params | None) -> TaylorSplit:
-    """The :class:`TaylorSplit` from H[Z] and, for a proper non-empty second scope S, H[Z_S]."""
+def _split(point: CurvaturePoint, z: P.Params, zhz: float, names: list[str], zhz_sub: float | None) -> TaylorSplit:
+    r"""The :class:`TaylorSplit` from :math:`\langle Z, H[Z]\rangle` and, for a proper second scope S,
+    :math:`\langle Z_S, H[Z_S]\rangle`."""
     p, loss, g = point.params, point.loss, point.gradient
-    full = _curvature(loss, g, z, hz, point.loss_at(P.add(p, z, -1.0)), p)
+    full = _curvature(loss, g, z, zhz, point.loss_at(P.add(p, z, -1.0)), p)
     sub = full if names else None
-    if hz_sub is not None:
+    if zhz_sub is not None:
         z_sub = P.restrict(z, names)
-        sub = _curvature(loss, g, z_sub, hz_sub, point.loss_at(P.add(p, z_sub, -1.0)), names)
+        sub = _curvature(loss, g, z_sub, zhz_sub, point.loss_at(P.add(p, z_sub, -1.0)), names)
     hidden = None if sub is None else ScopeCurvature(**vars(sub), names=tuple(names))
     return TaylorSplit(**vars(full), loss=loss, hidden=hidden)
 
@@ -129,17 +127,20 @@ def nds(
 def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], *, scope: Scope = "hidden") -> TaylorSplit:
     r"""The second-order Taylor split of the step :math:`W \to W - Z` at a :class:`~curvlab.engine.hvp.CurvaturePoint`.
 
-    :math:`H[Z]` and :math:`H[Z_S]` are two HVPs at the point (:math:`Z_S` touches only S); the
-    realized decreases are two more loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
+    The two curvatures come from the interactions of :math:`Z_S` and :math:`Z_{\bar S}` (the rest), two
+    second backwards at the point (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`, the second
+    one only with respect to :math:`\bar S`): :math:`\langle Z_S, H[Z_S]\rangle = R_{SS}` and
+    :math:`\langle Z, H[Z]\rangle = R_{SS} + 2R_{S\bar S} + R_{\bar S\bar S}`. The realized decreases are
+    two more loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
     """
     _check_direction(point.params, z, "update direction")
     z = P.cast(z, point.dtype)
     names = _scope_names(point, scope)
-    if _proper(names, point.params, z):
-        hz, hz_sub = point.hvp_each([z, {n: z[n] for n in names}])
-    else:
-        (hz,), hz_sub = point.hvp_each([z]), None
-    return _split(point, z, hz, names, hz_sub)
+    if not _proper(names, point.params, z):
+        return _split(point, z, float(point.interactions([z])[0, 0]), names, None)
+    inside = set(names)
+    R = point.interactions([{n: z[n] for n in names}, {n: t for n, t in z.items() if n not in inside}])
+    return _split(point, z, float(R.sum()), names, float(R[0, 0]))
 
 
 def taylor_split(
@@ -188,7 +189,9 @@ class BlockMatrix(Record):
         first_order: per block :math:`\langle G_l, Z_l\rangle`.
         norm: per block :math:`\|Z_l\|_F`.
         block_nds: per block :math:`\langle Z_l, H_{ll} Z_l\rangle / \|Z_l\|^2` (NaN where Z_l = 0).
-        asymmetry: :math:`\max|M - M^\top| / \max|M|` before symmetrizing (a rounding diagnostic).
+        asymmetry: :math:`\max|M - M^\top| / \max|M|` before symmetrizing, a rounding diagnostic where
+            every entry is computed (``block_method="alpha"``, or ``"fwd_rev"`` HVPs); NaN where double
+            backward computes the triangle and takes the rest by symmetry.
         members: the parameter names of each block.
     """
 
@@ -208,11 +211,6 @@ class BlockMatrix(Record):
 def _block_directions(z: P.Params, members: Mapping[str, Sequence[str]]) -> list[P.Params]:
     """Z_m for each block m, as directions that touch only the block's parameters."""
     return [{n: z[n] for n in names} for names in members.values()]
-
-
-def _interactions(z: P.Params, members: Mapping[str, Sequence[str]], hz_blocks: Sequence[P.Params]) -> np.ndarray:
-    """R[l, m] = <Z_l, H[Z_m]_l>."""
-    return np.array([[P.dot(z, hz, names) for hz in hz_blocks] for names in members.values()])
 
 
 class _AlphaLoss:
@@ -238,9 +236,9 @@ def block_matrix_at(
     _check_direction(point.params, z, "update direction")
     members = group_parameters(point.params.keys(), blocks=blocks, model=model_of(point.loss_fn))
     z = P.cast(z, point.dtype)
-    hz_blocks = point.hvp_each(_block_directions(z, members))
+    R = point.interactions(_block_directions(z, members)).numpy()
     first = np.array([P.dot(point.gradient, z, names) for names in members.values()])
-    return _assemble(members, z, first, _interactions(z, members, hz_blocks))
+    return _assemble(members, z, first, R, measured_asymmetry=point.method != "rev_rev")
 
 
 def block_matrix(
@@ -293,11 +291,14 @@ def block_matrix(
     return _assemble(members, zc, gz.double().cpu().numpy(), R.double().cpu().numpy())
 
 
-def _assemble(members: dict[str, list[str]], z: P.Params, first: np.ndarray, R: np.ndarray) -> BlockMatrix:
-    """A :class:`BlockMatrix` from R[l, m] = <Z_l, H[Z_m]_l> and the per-block first-order terms."""
+def _assemble(
+    members: dict[str, list[str]], z: P.Params, first: np.ndarray, R: np.ndarray, *, measured_asymmetry: bool = True
+) -> BlockMatrix:
+    """A :class:`BlockMatrix` from R[l, m] = <Z_l, H[Z_m]_l> and the per-block first-order terms
+    (``measured_asymmetry=False``: R was computed as a triangle, so its asymmetry is NaN, not measured)."""
     zz = P.dot(z, z)
     scale = max(np.abs(R).max(), np.finfo(float).tiny)
-    asymmetry = float(np.abs(R - R.T).max() / scale)
+    asymmetry = float(np.abs(R - R.T).max() / scale) if measured_asymmetry else float("nan")
     M = 0.5 * (R + R.T) / zz
     norms = np.array([P.norm(z, b) for b in members.values()])
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -326,27 +327,28 @@ def taylor_split_and_block_matrix_at(
     blocks: str | Mapping[str, Sequence[str]] = "layer",
     scope: Scope = "hidden",
 ) -> tuple[TaylorSplit, BlockMatrix]:
-    r""":func:`taylor_split_at` and :func:`block_matrix_at` of one step at one point, sharing their HVPs:
-    :math:`H[Z] = \sum_m H[Z_m]` by linearity, and when every block lies inside the scope S or
-    outside it, :math:`H[Z_S]` is the sum over the blocks inside. L HVPs (L + 1 otherwise)."""
+    r""":func:`taylor_split_at` and :func:`block_matrix_at` of one step at one point, sharing their second
+    backwards: the blocks' interactions R give :math:`\langle Z, H[Z]\rangle = \sum_{lm} R_{lm}`, and when
+    every block lies inside the scope S or outside it, :math:`\langle Z_S, H[Z_S]\rangle` is the sum of R
+    over the blocks inside. L second backwards (L + 1 otherwise: one for Z_S, taken only on S)."""
     _check_direction(point.params, z, "update direction")
     members = group_parameters(point.params.keys(), blocks=blocks, model=model_of(point.loss_fn))
     z = P.cast(z, point.dtype)
     names = _scope_names(point, scope)
     proper = _proper(names, point.params, z)
     inside = set(names)
-    aligned = all(set(b) <= inside or not set(b) & inside for b in members.values())
-    extra = [{n: z[n] for n in names}] if proper and not aligned else []
-    hzs = point.hvp_each(_block_directions(z, members) + extra)
-    hz_blocks = hzs[: len(members)]
-    hz = functools.reduce(P.add, hz_blocks)
-    hz_sub = None
+    R = point.interactions(_block_directions(z, members)).numpy()
+    zhz_sub = None
     if proper:
-        within_s = [hz_m for hz_m, b in zip(hz_blocks, members.values()) if set(b) <= inside]
-        hz_sub = hzs[-1] if extra else functools.reduce(P.add, within_s)
-    split = _split(point, z, hz, names, hz_sub)
+        within = [i for i, b in enumerate(members.values()) if set(b) <= inside]
+        aligned = all(set(b) <= inside or not set(b) & inside for b in members.values())
+        if aligned:
+            zhz_sub = float(R[np.ix_(within, within)].sum())
+        else:
+            zhz_sub = float(point.interactions([{n: z[n] for n in names}])[0, 0])
+    split = _split(point, z, float(R.sum()), names, zhz_sub)
     first = np.array([P.dot(point.gradient, z, b) for b in members.values()])
-    return split, _assemble(members, z, first, _interactions(z, members, hz_blocks))
+    return split, _assemble(members, z, first, R, measured_asymmetry=point.method != "rev_rev")
 
 
 def taylor_split_and_block_matrix(

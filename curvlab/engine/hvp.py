@@ -299,6 +299,73 @@ class CurvaturePoint:
         hv = self.hvps(stacked)
         return [{n: t[i] for n, t in hv.items()} for i in range(len(directions))]
 
+    @S.names_rank_on_collective_failure
+    def interactions(self, directions: Sequence[Mapping[str, Tensor]]) -> Tensor:
+        r"""The matrix :math:`R_{lm} = \langle Z_l, H[Z_m]\rangle` of directions :math:`Z_1, \dots, Z_L` on
+        disjoint supports (a step cut into blocks), a float64 ``(L, L)`` tensor, symmetric (exactly by double
+        backward, to rounding by forward-over-reverse, which computes every entry). Its sum is
+        :math:`\langle Z, H[Z]\rangle` of :math:`Z = \sum_l Z_l`; one block gives :math:`\langle Z_1, H[Z_1]\rangle`.
+
+        Double backward (``"rev_rev"``) differentiates :math:`\langle G, Z_m\rangle` only with respect to the
+        parameters of block m and the blocks after it, and takes :math:`R_{lm}` for l before m from
+        :math:`R_{ml}` (H is symmetric). Leaving the earlier blocks' parameters out lets autograd skip
+        their weight adjoints and, where they lie below block m in the network, every node below m.
+        By matrix products per linear layer, L layer blocks in the network's order (the bottom first, as
+        :func:`~curvlab.curvature.groupings.group_parameters` gives them) cost about 4 a layer above
+        block m where a whole HVP costs 6 a layer (docs/benchmarks.md). The order sets only the cost,
+        never the values.
+        Forward-over-reverse (``"fwd_rev"``) takes every :math:`H[Z_m]` whole, in one vectorized call.
+
+        Args:
+            directions: the L parts :math:`Z_l`, dicts over disjoint sets of parameter names (each
+                tensor shaped like its parameter), in the order their second backwards are taken.
+        """
+        supports = [list(d) for d in directions]
+        claimed = [n for names in supports for n in names]
+        if not supports or len(set(claimed)) != len(claimed):
+            raise CurvlabError("interactions take one or more directions on disjoint sets of parameters")
+        for d in directions:
+            self._check_stacked({n: t.unsqueeze(0) for n, t in d.items()})
+        parts = [P.cast(d, self.dtype) for d in directions]
+        n_blocks = len(parts)
+        R = torch.zeros(n_blocks, n_blocks, dtype=torch.float64, device="cpu")  # (scalars, on the host)
+        if self.method == "fwd_rev":
+            for m, hz in enumerate(self.hvp_each(parts)):
+                for l, b in enumerate(parts):
+                    R[l, m] = P.dot(b, hz, supports[l])
+            return R
+        for m, b in enumerate(parts):
+            later = [n for names in supports[m:] for n in names]
+            rows = self._sum(self._rows_rev_rev(b, later))
+            _check_finite_hvp(rows)
+            for l in range(m, n_blocks):
+                R[l, m] = R[m, l] = P.dot(parts[l], rows, supports[l])
+        return R
+
+    def _rows_rev_rev(self, v: Mapping[str, Tensor], wrt: Sequence[str]) -> P.Params:
+        r""":math:`H[v]` on the parameters ``wrt`` alone: double backward of :math:`\langle G_S, v_S\rangle`
+        through each kept graph taken only with respect to those leaves, so autograd visits just the
+        nodes on a path from them to :math:`G_S`."""
+        if self._graphs is None:
+            raise CurvlabError("this curvature point was closed: its graphs are freed")
+        index = {n: i for i, n in enumerate(self.params)}
+        total = None
+        for graph in self._graphs:
+            outputs = [(graph.grads[index[n]], t) for n, t in v.items() if graph.grads[index[n]].requires_grad]
+            if outputs:  # (else the gradient on the support doesn't depend on W: H[v] = 0 on this batch)
+                rows = torch.autograd.grad(
+                    [o for o, _ in outputs],
+                    [graph.leaves[index[n]] for n in wrt],
+                    [t for _, t in outputs],
+                    retain_graph=True,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                total = _accumulate(total, rows, graph.weight)
+        if total is None:
+            return {n: torch.zeros_like(self.params[n]) for n in wrt}
+        return dict(zip(wrt, total))
+
     def quadratic_forms(self, zs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         r""":math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions, by HVPs at this
         point (this point's method); each a float64 tensor of shape ``(K,)``."""

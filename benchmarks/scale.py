@@ -1,0 +1,201 @@
+"""The engine at every size: one gradient, one HVP, the Taylor split over both scopes, K = 8 directions at
+one point and the block matrix, as ratios to one gradient on the same batch, at `tiny` (1.02M), `pcfg-9m`
+(8.56M) and `gpt2-124m` (123.7M); and the curvature monitor's share of training time on `pcfg-9m`.
+Run by hand, on a quiet machine:
+
+    python benchmarks/scale.py [--models tiny,pcfg-9m,gpt2-124m] [--batch 4] [--seq 128] [--repeats 3] [--warmup 1]
+                               [--memory] [--monitor] [--device cpu|cuda] [--json FILE]
+
+Within one model every measurement runs once per round, in turn, and each figure is the median over the
+rounds (`timing.py`), so the ratios hold within one run when the machine's speed drifts. The gradient is
+plain ``torch.autograd.grad`` of the same loss on the same batch, attention pinned to the math backend
+as inside curvlab's exact mode. ``--memory`` measures each figure's peak in a fresh process from torch's
+own counters: on the CPU the profiler's memory timeline (`tracemalloc` can't see torch's tensors), on a
+GPU ``torch.cuda.max_memory_allocated``. ``--device cuda`` runs the GPU half (`benchmarks/gpu_check.py`
+calls it on a lent device); where no GPU is present it says so and measures nothing.
+
+Floors count matrix products per linear layer (a gradient is 3 units: docs/benchmarks.md): an HVP 9
+(3 + 6), the Taylor split over both scopes 17 (one first-order graph, H[Z] and H[Z_S] at 6 each, two
+losses at 1 each), and each further direction at a kept point 6, so 2.0x a gradient. The block matrix
+is shown against L sequential HVPs (each 9 units, its own point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from monitor import one_run
+from timing import interleaved_medians, peak_bytes
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from curvlab import CurvaturePoint, block_matrix, group_parameters, hvp, make_loss_fn, taylor_split
+from curvlab.data.dataset import generate_pcfg_dataset
+from curvlab.models.gpt import GPT, get_config
+from curvlab.runs.monitor import MonitorSettings
+
+MODELS = ("tiny", "pcfg-9m", "gpt2-124m")
+K = 8
+FLOORS = {"hvp": 9 / 3, "split": 17 / 3, "k8 per direction": 6 / 3}
+MEASUREMENTS = ("gradient", "hvp", "split", "k8", "block")
+
+
+def problem(name: str, batch: int, seq: int, device: str):
+    """A model of config ``name`` in float32 on ``device``, its loss, detached parameters, one random batch
+    of ``batch`` x ``seq`` tokens, a direction Z, K stacked directions and the layer blocks."""
+    torch.manual_seed(0)
+    cfg = get_config(name)
+    cfg = get_config(name, block_size=max(cfg.block_size, seq))  # (tiny's 64 positions: 128 for the batch)
+    model = GPT(cfg).to(device)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    g = torch.Generator(device=device).manual_seed(1)
+    z = {k: 1e-3 * torch.randn(t.shape, generator=g, device=device) for k, t in params.items()}
+    vs = {k: torch.randn((K, *t.shape), generator=g, device=device) for k, t in params.items()}
+    return make_loss_fn(model), params, (idx[:, :-1], idx[:, 1:]), z, vs
+
+
+def runners(loss_fn, params, batch, z, vs) -> dict[str, object]:
+    def gradient():
+        leaves = {k: t.clone().requires_grad_() for k, t in params.items()}
+        with sdpa_kernel(SDPBackend.MATH):
+            torch.autograd.grad(loss_fn(leaves, batch), list(leaves.values()))
+
+    def k_directions():
+        with CurvaturePoint(loss_fn, params, batch) as point:
+            point.hvps(vs)
+
+    return {
+        "gradient": gradient,
+        "hvp": lambda: hvp(loss_fn, params, batch, z),
+        "split": lambda: taylor_split(loss_fn, params, batch, z),
+        "k8": k_directions,
+        "block": lambda: block_matrix(loss_fn, params, batch, z),
+    }
+
+
+def _synchronized(fn, device: str):
+    if device != "cuda":
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def timings(name: str, args) -> dict[str, float]:
+    loss_fn, params, batch, z, vs = problem(name, args.batch, args.seq, args.device)
+    fns = {k: _synchronized(f, args.device) for k, f in runners(loss_fn, params, batch, z, vs).items()}
+    with CurvaturePoint(loss_fn, params, batch) as kept:  # "K more directions at a kept point"
+        fns["k8 at a kept point"] = _synchronized(lambda: kept.hvps(vs), args.device)
+        t = interleaved_medians(fns, args.repeats, warmup=args.warmup)
+    t["parameters"] = sum(p.numel() for p in params.values())
+    t["blocks"] = len(group_parameters(params, blocks="layer"))
+    return t
+
+
+def _peak_in_child(name: str, what: str, args, conn) -> None:
+    loss_fn, params, batch, z, vs = problem(name, args.batch, args.seq, args.device)
+    conn.send(peak_bytes(runners(loss_fn, params, batch, z, vs)[what], args.device))
+    os._exit(0)  # (the profiler's stack records can crash the interpreter's own shutdown)
+
+
+def memory(name: str, args) -> dict[str, int]:
+    """Each measurement's peak, each in its own fresh process."""
+    ctx, peaks = mp.get_context("spawn"), {}
+    for what in MEASUREMENTS:
+        receive, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_peak_in_child, args=(name, what, args, send))
+        proc.start()
+        send.close()  # (a child that dies unsent ends recv() with EOFError, not a hang)
+        peaks[what] = receive.recv()
+        proc.join()
+    return peaks
+
+
+def table(name: str, t: dict[str, float], peaks: dict[str, int] | None) -> list[str]:
+    g, L = t["gradient"], int(t["blocks"])
+    rows = [
+        ("gradient", t["gradient"], "1", "1"),
+        ("one HVP", t["hvp"], f"{t['hvp'] / g:.2f}x", f"{FLOORS['hvp']:.1f}x"),
+        ("Taylor split, both scopes", t["split"], f"{t['split'] / g:.2f}x", f"{FLOORS['split']:.2f}x"),
+        (f"K = {K} at one point, per direction", t["k8"] / K, f"{t['k8'] / K / g:.2f}x", "2.12x"),
+        (
+            f"K = {K} at a kept point, per direction",
+            t["k8 at a kept point"] / K,
+            f"{t['k8 at a kept point'] / K / g:.2f}x",
+            f"{FLOORS['k8 per direction']:.1f}x",
+        ),
+        (f"block matrix, {L} layer blocks", t["block"], f"{t['block'] / (L * t['hvp']):.2f}x {L} HVPs", "see docs"),
+    ]
+    mib = {"gradient": "gradient", "one HVP": "hvp", "Taylor split, both scopes": "split"}
+    mib |= {f"K = {K} at one point, per direction": "k8", f"block matrix, {L} layer blocks": "block"}
+    out = [f"\n`{name}` ({t['parameters'] / 1e6:.2f}M parameters)\n"]
+    out.append("| measurement | seconds | ratio | floor | peak memory |")
+    out.append("|---|---:|---:|---:|---:|")
+    for label, s, ratio, floor in rows:
+        peak = "" if peaks is None or label not in mib else f"{peaks[mib[label]] / 2**20:.0f} MiB"
+        out.append(f"| {label} | {s:.4f} | {ratio} | {floor} | {peak} |")
+    return out
+
+
+def monitor_overhead(args) -> dict[str, float]:
+    """`curvlab train --curvature-every 50` on `pcfg-9m` (the monitor's defaults: 1 held-out batch of 8
+    windows): the rows' seconds over the rest of the same run's time (in-run, the robust figure), and the
+    monitored run's wall time over an unmonitored run's in the same round, minus one."""
+    steps, every = 100, 50
+    settings = MonitorSettings(every)
+    in_run, whole = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = f"{tmp}/d"
+        generate_pcfg_dataset(data, s=1.0, tokens="500k", val_tokens="100k", progress=False)
+        for r in range(args.repeats):
+            plain, _ = one_run(data, Path(tmp) / f"plain{r}", steps, every, None, model="pcfg-9m")
+            seconds, rows = one_run(data, Path(tmp) / f"mon{r}", steps, every, settings, model="pcfg-9m")
+            in_run.append(rows / (seconds - rows))
+            whole.append(seconds / plain - 1)
+            print(f"monitor round {r}: {plain:.1f} s plain, {seconds:.1f} s monitored, rows {rows:.1f} s", flush=True)
+    return {"in_run": statistics.median(in_run), "whole_run": statistics.median(whole), "steps": steps, "every": every}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (0: gpt2-124m's round is minutes)")
+    ap.add_argument("--memory", action="store_true", help="also each figure's peak memory, in fresh processes")
+    ap.add_argument("--monitor", action="store_true", help="also the monitor's overhead at K = 50 on pcfg-9m")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--json", help="also write the figures to this file")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("GPU half: not run (no CUDA device on this machine)")
+        return
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{where}; batch {args.batch}x{args.seq}; medians of {args.repeats} interleaved rounds")
+    results = {}
+    for name in args.models.split(","):
+        t = timings(name, args)
+        peaks = memory(name, args) if args.memory else None
+        print("\n".join(table(name, t, peaks)), flush=True)
+        results[name] = {"seconds": t, "peak_bytes": peaks}
+    if args.monitor:
+        m = monitor_overhead(args)
+        print(f"\nmonitor at K = {m['every']} on pcfg-9m: {m['in_run']:.1%} in-run, {m['whole_run']:+.1%} whole-run")
+        results["monitor"] = m
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": where, "batch": [args.batch, args.seq], **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
