@@ -127,9 +127,9 @@ def nds(
 def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], *, scope: Scope = "hidden") -> TaylorSplit:
     r"""The second-order Taylor split of the step :math:`W \to W - Z` at a :class:`~curvlab.engine.hvp.CurvaturePoint`.
 
-    The two curvatures come from the interactions of :math:`Z_S` and :math:`Z_{\bar S}` (the rest), two
+    The two curvatures come from the interactions of :math:`Z_{\bar S}` (the rest) and :math:`Z_S`, two
     second backwards at the point (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`, the second
-    one only with respect to :math:`\bar S`): :math:`\langle Z_S, H[Z_S]\rangle = R_{SS}` and
+    one only with respect to S): :math:`\langle Z_S, H[Z_S]\rangle = R_{SS}` and
     :math:`\langle Z, H[Z]\rangle = R_{SS} + 2R_{S\bar S} + R_{\bar S\bar S}`. The realized decreases are
     two more loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
     """
@@ -139,8 +139,9 @@ def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], *, scope: Sc
     if not _proper(names, point.params, z):
         return _split(point, z, float(point.interactions([z])[0, 0]), names, None)
     inside = set(names)
-    R = point.interactions([{n: z[n] for n in names}, {n: t for n, t in z.items() if n not in inside}])
-    return _split(point, z, float(R.sum()), names, float(R[0, 0]))
+    # the rest first, then S, whose second backward is taken on S alone (as the directions' two scopes)
+    R = point.interactions([{n: t for n, t in z.items() if n not in inside}, {n: z[n] for n in names}])
+    return _split(point, z, float(R.sum()), names, float(R[1, 1]))
 
 
 def taylor_split(
