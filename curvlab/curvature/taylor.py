@@ -205,7 +205,7 @@ class BlockMatrix(Record):
     first_order: np.ndarray = field(metadata=meta(dtype=float))
     norm: np.ndarray = field(metadata=meta(dtype=float))
     block_nds: np.ndarray = field(metadata=meta(dtype=float, strict=True))  # (NaN, no block's own: null)
-    asymmetry: float
+    asymmetry: float = field(metadata=meta(strict=True))  # (NaN, not measured on the triangle: null)
     members: dict[str, list[str]] = field(default_factory=dict)
 
 
