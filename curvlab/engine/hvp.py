@@ -336,35 +336,12 @@ class CurvaturePoint:
             return R
         for m, b in enumerate(parts):
             later = [n for names in supports[m:] for n in names]
-            rows = self._sum(self._rows_rev_rev(b, later))
+            stacked = self._hvps_rev_rev({n: t.unsqueeze(0) for n, t in b.items()}, wrt=later)
+            rows = self._sum({n: t[0] for n, t in stacked.items()})
             _check_finite_hvp(rows)
             for l in range(m, n_blocks):
                 R[l, m] = R[m, l] = P.dot(parts[l], rows, supports[l])
         return R
-
-    def _rows_rev_rev(self, v: Mapping[str, Tensor], wrt: Sequence[str]) -> P.Params:
-        r""":math:`H[v]` on the parameters ``wrt`` alone: double backward of :math:`\langle G_S, v_S\rangle`
-        through each kept graph taken only with respect to those leaves, so autograd visits just the
-        nodes on a path from them to :math:`G_S`."""
-        if self._graphs is None:
-            raise CurvlabError("this curvature point was closed: its graphs are freed")
-        index = {n: i for i, n in enumerate(self.params)}
-        total = None
-        for graph in self._graphs:
-            outputs = [(graph.grads[index[n]], t) for n, t in v.items() if graph.grads[index[n]].requires_grad]
-            if outputs:  # (else the gradient on the support doesn't depend on W: H[v] = 0 on this batch)
-                rows = torch.autograd.grad(
-                    [o for o, _ in outputs],
-                    [graph.leaves[index[n]] for n in wrt],
-                    [t for _, t in outputs],
-                    retain_graph=True,
-                    allow_unused=True,
-                    materialize_grads=True,
-                )
-                total = _accumulate(total, rows, graph.weight)
-        if total is None:
-            return {n: torch.zeros_like(self.params[n]) for n in wrt}
-        return dict(zip(wrt, total))
 
     def quadratic_forms(self, zs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         r""":math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions, by HVPs at this
@@ -407,21 +384,26 @@ class CurvaturePoint:
             zhz_total += w * zhz.double().cpu()
         return self._sum(gz_total), self._sum(zhz_total)
 
-    def _hvps_rev_rev(self, vs: Mapping[str, Tensor]) -> P.Params:
+    def _hvps_rev_rev(self, vs: Mapping[str, Tensor], wrt: Sequence[str] | None = None) -> P.Params:
         r"""Double backward of :math:`\langle G_S, v_S\rangle` through each kept graph: only the gradient
-        entries of the support S are differentiated, so the part of the graph below S is never visited."""
+        entries of the support S are differentiated, so the part of the graph below S is never visited;
+        ``wrt``: :math:`H[v]` on those parameters alone, taken only with respect to their leaves, so that
+        autograd visits just the nodes on a path from them to :math:`G_S`."""
         if self._graphs is None:
             raise CurvlabError("this curvature point was closed: its graphs are freed")
         index = {n: i for i, n in enumerate(self.params)}
+        wrt = list(self.params) if wrt is None else list(wrt)
         total = None
         for graph in self._graphs:
             outputs = [(graph.grads[index[n]], v) for n, v in vs.items() if graph.grads[index[n]].requires_grad]
             if outputs:  # (else the gradient on the support doesn't depend on W: H[v] = 0 on this batch)
-                rows = _double_backward([o for o, _ in outputs], graph.leaves, [v for _, v in outputs])
+                leaves = [graph.leaves[index[n]] for n in wrt]
+                rows = _double_backward([o for o, _ in outputs], leaves, [v for _, v in outputs])
                 total = _accumulate(total, rows, graph.weight)
         if total is None:
-            return self._zeros(next(iter(vs.values())).shape[0])
-        return dict(zip(self.params, total))
+            zeros = self._zeros(next(iter(vs.values())).shape[0])
+            return {n: zeros[n] for n in wrt}
+        return dict(zip(wrt, total))
 
     def _hvps_fwd_rev(self, vs: Mapping[str, Tensor]) -> P.Params:
         """jvp of the full gradient with tangents only on the support S (the rest closed over, so no
