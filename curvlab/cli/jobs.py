@@ -49,7 +49,7 @@ def quadratic(
 def reproduce(
     preset: str = typer.Option(
         "quick",
-        help="micro (seconds), quick (CPU, ~11 min: AdamW and Muon, 6 seeds, s = 0), standard (CPU, ~75 min: "
+        help="micro (seconds), quick (CPU, ~10 min: AdamW and Muon, 6 seeds, s = 0), standard (CPU, ~75 min: "
         "8 seeds, 4412 tokens, the Zipf sweep, the control arm), paper (GPU) or robustness (CPU: the paired "
         "ratio at 9 settings of quick's design, 3 seeds each).",
     ),

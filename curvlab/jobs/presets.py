@@ -244,8 +244,8 @@ PRESETS = {
         },
         device="cpu",
     ),
-    # The paired design with power, on a CPU in eleven minutes (its budget is ten: the controls and a sixth
-    # seed took it over): AdamW and Muon, 6 seeds each, at s = 0 on a
+    # The paired design with power, on a CPU in ten minutes (596 s on two cores: its budget, with 4 s to
+    # spare; the controls and the sixth seed cost about 100 s each): AdamW and Muon, 6 seeds each, at s = 0 on a
     # 1024-token version of the grammar (with the paper's 4412 tokens, 70% of `tiny` is embedding and
     # head, and two CPUs for a few minutes don't get it past unigram statistics). The learning rates come
     # from the committed table (made by the full search at this size and horizon), checked on a

@@ -27,7 +27,7 @@ started again, continues from what is done), each timed (``timing.json``):
 6. the quadratic model; 7. figures; 8. ``summary.json`` and ``report.md``.
 
 Presets (:data:`curvlab.jobs.presets.PRESETS`): ``micro`` (the test suite's, seconds), ``quick`` (the CPU
-default, eleven minutes on two cores: AdamW and Muon, 6 seeds, s = 0, the paired design and its
+default, ten minutes on two cores: AdamW and Muon, 6 seeds, s = 0, the paired design and its
 controls), ``standard`` (CPU, about 75 minutes: 8 seeds with disjoint A/A pairs, the paper's 4412-token
 grammar, the Zipf sweep and the control arm) and ``paper`` (a GPU: ``pcfg-9m`` on the s sweep, and
 ``gpt2-124m`` on FineWeb shards the user provides). The robustness design, quick's paired ratio across the
