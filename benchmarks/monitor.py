@@ -40,12 +40,10 @@ SETTINGS = {  # name -> (batches, windows per batch, blocks)
 
 
 def one_run(data: str, out: Path, steps: int, every: int, setting, model: str = "tiny") -> tuple[float, float]:
-    """Wall time of a whole ``train`` call and the seconds its curvature rows took; ``setting`` is
-    ``None`` (no monitor), ``(batches, windows, blocks)`` or a :class:`MonitorSettings`."""
+    """Wall time of a whole ``train`` call and the seconds its curvature rows took (``setting``: ``None``, no
+    monitor, or ``(batches, windows, blocks)``)."""
     cfg = TrainConfig(data=data, out=str(out), model=model, steps=steps, warmup_steps=min(20, steps - 1), device="cpu")
-    monitor = setting
-    if isinstance(setting, tuple):
-        monitor = MonitorSettings(every, *setting[:2], blocks=setting[2])
+    monitor = None if setting is None else MonitorSettings(every, *setting[:2], blocks=setting[2])
     start = time.perf_counter()
     train(cfg, progress=False, monitor=monitor)
     seconds = time.perf_counter() - start

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from curvlab.analysis.direction_report import DirectionReport
 from curvlab.analysis.directions import (
+    Direction,
     DirectionLandscape,
     counterfactual_directions,
     measure_directions,
@@ -30,7 +31,8 @@ from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
 from curvlab.runs.match import MatchCriteria
 from curvlab.studies.compare import compare_runs
-from tests.builders import assert_made_with_these_packages, small_run
+from tests.builders import assert_made_with_these_packages, random_direction, small_run
+from tests.reference import dense_hessian
 
 runner = CliRunner()
 
@@ -310,3 +312,23 @@ def test_cli_directions_approximation_and_bad_input(runs, tmp_path):
     result = runner.invoke(app, ["nds", str(muon), "--directions", "muon,newton"])
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1 and "unknown direction 'newton'" in result.output
+
+
+def test_both_scopes_of_each_direction_equal_the_dense_hessian_where_the_scopes_couple(transformer_problem):
+    """Each direction's NDS over all parameters and over the hidden scope (the interactions of its two
+    parts: the rest's second backward, then the hidden matrices' on them alone) against the dense float64
+    Hessian, on a model whose hidden matrices and the rest are coupled (the cross term is not zero)."""
+    loss_fn, params, batch = transformer_problem
+    H = dense_hessian(loss_fn, params, batch)
+    hidden = [n for n, t in params.items() if t.dim() == 2][1:-1]
+    mask = P.flatten({n: torch.full_like(t, float(n in hidden)) for n, t in params.items()})
+    dirs = [Direction(f"d{k}", random_direction(params, 10 + k), "test", "own") for k in range(2)]
+    with CurvaturePoint(loss_fn, params, batch) as point:
+        measured = measure_directions(point, dirs, hidden)
+    for d, m in zip(dirs, measured):
+        z = P.flatten(d.z)
+        zs = z * mask
+        cross = float(zs @ H @ (z - zs))
+        assert abs(cross) > 1e-3 * abs(float(z @ H @ z))  # (the coupling under test is there)
+        assert m.all.nds == pytest.approx(float(z @ H @ z / (z @ z)), rel=1e-10)
+        assert m.hidden.nds == pytest.approx(float(zs @ H @ zs / (zs @ zs)), rel=1e-10)

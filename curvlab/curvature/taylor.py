@@ -209,9 +209,16 @@ class BlockMatrix(Record):
     members: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _block_directions(z: P.Params, members: Mapping[str, Sequence[str]]) -> list[P.Params]:
-    """Z_m for each block m, as directions that touch only the block's parameters."""
-    return [{n: z[n] for n in names} for names in members.values()]
+def _block_interactions(point: CurvaturePoint, z: P.Params, members: Mapping[str, Sequence[str]]) -> np.ndarray:
+    """R[l, m] = <Z_l, H[Z_m]> of the blocks' parts of Z, Z_m touching only block m's parameters."""
+    return point.interactions([{n: z[n] for n in names} for names in members.values()]).numpy()
+
+
+def _block_matrix(point: CurvaturePoint, z: P.Params, members: dict[str, list[str]], R: np.ndarray) -> BlockMatrix:
+    """The :class:`BlockMatrix` of Z from its blocks' interactions at the point; double backward computes
+    their triangle (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`), so its asymmetry isn't measured."""
+    first = np.array([P.dot(point.gradient, z, names) for names in members.values()])
+    return _assemble(members, z, first, R, measured_asymmetry=point.method != "rev_rev")
 
 
 class _AlphaLoss:
@@ -237,9 +244,7 @@ def block_matrix_at(
     _check_direction(point.params, z, "update direction")
     members = group_parameters(point.params.keys(), blocks=blocks, model=model_of(point.loss_fn))
     z = P.cast(z, point.dtype)
-    R = point.interactions(_block_directions(z, members)).numpy()
-    first = np.array([P.dot(point.gradient, z, names) for names in members.values()])
-    return _assemble(members, z, first, R, measured_asymmetry=point.method != "rev_rev")
+    return _block_matrix(point, z, members, _block_interactions(point, z, members))
 
 
 def block_matrix(
@@ -338,7 +343,7 @@ def taylor_split_and_block_matrix_at(
     names = _scope_names(point, scope)
     proper = _proper(names, point.params, z)
     inside = set(names)
-    R = point.interactions(_block_directions(z, members)).numpy()
+    R = _block_interactions(point, z, members)
     zhz_sub = None
     if proper:
         within = [i for i, b in enumerate(members.values()) if set(b) <= inside]
@@ -347,9 +352,7 @@ def taylor_split_and_block_matrix_at(
             zhz_sub = float(R[np.ix_(within, within)].sum())
         else:
             zhz_sub = float(point.interactions([{n: z[n] for n in names}])[0, 0])
-    split = _split(point, z, float(R.sum()), names, zhz_sub)
-    first = np.array([P.dot(point.gradient, z, b) for b in members.values()])
-    return split, _assemble(members, z, first, R, measured_asymmetry=point.method != "rev_rev")
+    return _split(point, z, float(R.sum()), names, zhz_sub), _block_matrix(point, z, members, R)
 
 
 def taylor_split_and_block_matrix(
