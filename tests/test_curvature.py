@@ -147,6 +147,35 @@ def test_taylor_split_in_float32_agrees_with_float64():
     assert s32.first_order == pytest.approx(s64.first_order, rel=1e-4)
 
 
+@pytest.mark.parametrize("problem", ["mlp_problem", "transformer_problem"])
+@pytest.mark.parametrize("method", ["rev_rev", "fwd_rev"])
+def test_taylor_split_of_both_scopes_equals_the_dense_hessian(problem, method, request):
+    """Both scopes of the split (S's second backward on every parameter, then the rest's on the rest alone,
+    and the first-order sums of both from one float64 table) equal the dense float64 Hessian, the dense
+    gradient and the losses evaluated directly, on the models of tests/test_hvp.py."""
+    loss_fn, params, batch = request.getfixturevalue(problem)
+    H, G = dense_hessian(loss_fn, params, batch), dense_gradient(loss_fn, params, batch)
+    z = P.scale(random_direction(params, 3), 1e-2)
+    names = list(params)[1::2]  # every other tensor: a scope that is neither a layer nor a kind
+    zs = P.flatten(P.restrict(z, names))
+    zf = P.flatten(z)
+    s = taylor_split(loss_fn, params, batch, z, scope=names, method=method)
+    assert s.nds == pytest.approx(float(zf @ H @ zf / (zf @ zf)), rel=1e-10)
+    assert s.hidden.nds == pytest.approx(float(zs @ H @ zs / (zs @ zs)), rel=1e-10)
+    for scope, v in ((s, zf), (s.hidden, zs)):
+        assert scope.first_order == pytest.approx(float(G @ v), rel=1e-12)
+        assert scope.update_norm == pytest.approx(float(v.norm()), rel=1e-12)
+        assert scope.curvature_penalty == pytest.approx(0.5 * float(v @ H @ v), rel=1e-10)
+    assert s.grad_norm == pytest.approx(float(G.norm()), rel=1e-12)
+    inside = P.flatten({n: torch.full_like(t, float(n in names)) for n, t in params.items()}).bool()
+    assert s.hidden.grad_norm == pytest.approx(float(G[inside].norm()), rel=1e-12)
+    plain = deterministic(loss_fn)
+    loss = plain(params, batch)
+    assert s.realized == pytest.approx(float(loss - plain(P.add(params, z, -1.0), batch)), rel=1e-9)
+    stepped = P.add(params, P.restrict(z, names), -1.0)
+    assert s.hidden.realized == pytest.approx(float(loss - plain(stepped, batch)), rel=1e-9)
+
+
 def test_bad_directions_and_blocks(transformer_problem):
     loss_fn, params, batch = transformer_problem
     z = random_direction(params)

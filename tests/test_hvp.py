@@ -1,4 +1,5 @@
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -379,6 +380,84 @@ def test_interactions_equal_whole_hvps_and_the_dense_hessian_in_any_order(proble
         assert rel_err(R.flatten(), replaced.flatten()) <= 1e-12
         assert float(point.interactions([z])[0, 0]) == pytest.approx(float(P.flatten(z) @ H @ P.flatten(z)), rel=1e-10)
         assert R.sum() == pytest.approx(float(P.flatten(z) @ H @ P.flatten(z)), rel=1e-10)
+
+
+def test_dot_table_is_the_float64_sum_piece_by_piece():
+    """Inner products taken piece by piece, each tensor converted once per piece however many pairs hold
+    it, against math.fsum of the products (a float32 product is exact in float64, so that reference is the
+    correctly rounded sum): several pieces and a ragged last one, a transposed view, an empty tensor,
+    float64 entries, and the sums over a subset of the keys. The bound is a float64 sum's in any order,
+    gamma_n = n u / (1 - n u) of the sum of |products| (Higham, Accuracy and Stability of Numerical Algorithms,
+    section 3.1), with n the longest chain of additions: one piece's, then the pieces'; a float32 sum, or a
+    piece lost or counted twice, is orders of magnitude outside it."""
+    g = torch.Generator().manual_seed(0)
+    a = {
+        "big": torch.randn(3 * P.PIECE + 17, generator=g),
+        "view": torch.randn(40, 30, generator=g).T,
+        "empty": torch.zeros(0),
+        "f64": torch.randn(7, generator=g, dtype=torch.float64),
+    }
+    b = {k: torch.randn(t.shape, generator=g, dtype=t.dtype) for k, t in a.items()}
+    pairs = [(a, b), (a, a), (b, b)]
+    table = P.dot_table(pairs, list(a))
+    assert table.shape == (4, 3) and table.dtype == torch.float64
+    for i, k in enumerate(a):
+        for j, (x, y) in enumerate(pairs):
+            products = [p * q for p, q in zip(x[k].double().flatten().tolist(), y[k].double().flatten().tolist())]
+            exact, scale = math.fsum(products), math.fsum(abs(t) for t in products)
+            n = min(x[k].numel(), P.PIECE) + -(-x[k].numel() // P.PIECE)
+            gamma = n * 2.0**-53 / (1 - n * 2.0**-53)
+            assert abs(float(table[i, j]) - exact) <= gamma * scale
+    keys = ["big", "f64"]
+    assert P.dots(pairs, keys) == pytest.approx(table[[0, 3]].sum(0).tolist(), rel=1e-15)
+    assert P.dot(a, b, keys) == pytest.approx(float(table[0, 0] + table[3, 0]), rel=1e-15)
+    assert P.dots(pairs, []) == [0.0, 0.0, 0.0]
+
+
+def test_interactions_name_a_non_finite_part_or_row(transformer_problem):
+    """Their finiteness checks come from the float64 dots the matrix takes anyway: a NaN in a part, or a
+    Hessian row that is not finite, is still refused by name."""
+    loss_fn, params, batch = transformer_problem
+    z = random_direction(params)
+    names = list(z)
+    with CurvaturePoint(loss_fn, params, batch) as point:
+        bad = {**{n: z[n] for n in names[2:]}, names[-1]: torch.full_like(z[names[-1]], float("nan"))}
+        with pytest.raises(CurvlabError, match=f"directions\\[{names[-1]!r}\\] holds non-finite"):
+            point.interactions([{n: z[n] for n in names[:2]}, bad])
+
+    def cusp(p, b):  # |w|^1.5 at w = 0: finite loss and gradient, an infinite second derivative
+        return p["w"].abs().pow(1.5).sum() + (p["u"] ** 2).sum()
+
+    at = {"w": torch.zeros(3, dtype=torch.float64), "u": torch.ones(2, dtype=torch.float64)}
+    with CurvaturePoint(cusp, at, None) as point, pytest.raises(CurvlabError, match="not finite .* in 'w'"):
+        point.interactions([{"w": torch.ones(3, dtype=torch.float64)}, {"u": torch.ones(2, dtype=torch.float64)}])
+
+
+class _HalfSquare(torch.autograd.Function):
+    """½‖w‖², whose backward hands out w itself as a view: double backward then returns its grad output."""
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.save_for_backward(w)
+        return 0.5 * (w * w).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return w.view_as(w) if float(grad) == 1.0 else grad * w
+
+
+def test_an_hvp_never_shares_memory_with_its_direction():
+    """Where autograd passes a direction through as the row (a gradient that is a view of its leaf), the
+    engine's result is still a tensor of its own: changing the direction after leaves H[v] = v as it was."""
+    params = {"w": torch.randn(5, dtype=torch.float64)}
+    v = {"w": torch.randn(5, dtype=torch.float64)}
+    with CurvaturePoint(lambda p, b: _HalfSquare.apply(p["w"]), params, None) as point:
+        hv = point.hvp(v)["w"]
+        expected = v["w"].clone()
+        assert torch.equal(hv, expected)  # H = I
+        v["w"].add_(1.0)
+        assert torch.equal(hv, expected)
 
 
 def test_interactions_refuse_overlapping_or_no_parts(transformer_problem):

@@ -57,12 +57,27 @@ class TaylorSplit(DirectionCurvature):
         return () if self.hidden is None else self.hidden.names
 
 
-def _check_direction(params: Mapping[str, Tensor], z: Mapping[str, Tensor], what: str = "direction") -> float:
-    P.check_like(params, z, what)
-    norm = P.norm(z)
-    if norm == 0.0:
+def _checked(
+    params: Mapping[str, Tensor], z: Mapping[str, Tensor], dtype: torch.dtype, what: str = "direction"
+) -> tuple[P.Params, dict[str, float]]:
+    r"""Z checked against the parameters and cast to ``dtype``, with its squared norm per parameter.
+
+    One float64 pass does both: a sum of squares is non-finite exactly when an entry is, so only then are
+    the entries searched, to name them.
+
+    Raises:
+        CurvlabError: Z mismatched with the parameters, non-finite (in its dtype or in ``dtype``), or zero.
+    """
+    P.check_like(params, z, what, finite=False)
+    zc = P.cast(z, dtype)
+    keys = list(params)
+    squares = P.dot_table([(zc, zc)], keys)[:, 0]
+    if not torch.isfinite(squares).all():
+        P.check_like(params, z, what)
+        P.check_like(params, zc, f"{what} (in {dtype})")
+    if float(squares.sum()) == 0.0:
         raise CurvlabError(f"the {what} is zero: NDS = <Z,HZ>/||Z||² is undefined")
-    return norm
+    return zc, dict(zip(keys, squares.tolist()))
 
 
 def _scope_names(point: CurvaturePoint, scope: Scope) -> list[str]:
@@ -70,38 +85,56 @@ def _scope_names(point: CurvaturePoint, scope: Scope) -> list[str]:
     return scope_names(scope, point.params, model_of(point.loss_fn))
 
 
-def _curvature(loss: float, g: P.Params, z: P.Params, zhz: float, stepped_loss: float, keys) -> DirectionCurvature:
-    keys = list(keys)
-    return DirectionCurvature.of(P.dot(g, z, keys), zhz, P.dot(z, z, keys), P.dot(g, g, keys), loss - stepped_loss)
-
-
-def _split(point: CurvaturePoint, z: P.Params, zhz: float, names: list[str], zhz_sub: float | None) -> TaylorSplit:
-    r"""The :class:`TaylorSplit` from :math:`\langle Z, H[Z]\rangle` and, for a proper second scope S,
-    :math:`\langle Z_S, H[Z_S]\rangle`."""
+def _split(
+    point: CurvaturePoint,
+    z: P.Params,
+    squares: Mapping[str, float],
+    zhz: float,
+    names: list[str],
+    zhz_sub: float | None,
+) -> TaylorSplit:
+    r"""The :class:`TaylorSplit` of Z (of these squared norms per parameter) from :math:`\langle Z, H[Z]\rangle`
+    and, for a proper second scope S, :math:`\langle Z_S, H[Z_S]\rangle`; the first-order sums of both scopes
+    from one table over the keys."""
     p, loss, g = point.params, point.loss, point.gradient
-    full = _curvature(loss, g, z, zhz, point.loss_at(P.add(p, z, -1.0)), p)
+    keys = list(p)
+    table = P.dot_table([(g, z), (g, g)], keys)  # per key: <G, Z>, <G, G>
+    zz = torch.tensor([squares[n] for n in keys], dtype=torch.float64)
+
+    def curvature(rows: list[int], zhz: float, stepped: P.Params) -> DirectionCurvature:
+        gz, gg = table[rows].sum(0).tolist()
+        return DirectionCurvature.of(gz, zhz, float(zz[rows].sum()), gg, loss - point.loss_at(stepped))
+
+    stepped = {n: w - z[n] for n, w in p.items()}
+    full = curvature(list(range(len(keys))), zhz, stepped)
     sub = full if names else None
     if zhz_sub is not None:
-        z_sub = P.restrict(z, names)
-        sub = _curvature(loss, g, z_sub, zhz_sub, point.loss_at(P.add(p, z_sub, -1.0)), names)
+        inside = set(names)
+        rows = [i for i, n in enumerate(keys) if n in inside]
+        # W - Z_S is W - Z on S and W elsewhere: its tensors are those two's, with nothing new to allocate
+        sub = curvature(rows, zhz_sub, {n: stepped[n] if n in inside else w for n, w in p.items()})
     hidden = None if sub is None else ScopeCurvature(**vars(sub), names=tuple(names))
     return TaylorSplit(**vars(full), loss=loss, hidden=hidden)
 
 
-def _proper(names: list[str], params: Mapping[str, Tensor], z: P.Params) -> bool:
-    """Whether the second scope is one of its own: not empty, not everything, and Z not zero on it."""
+def _proper(names: list[str], params: Mapping[str, Tensor], squares: Mapping[str, float]) -> bool:
+    """Whether the second scope is one of its own: not empty, not everything, and Z (of these squared norms
+    per parameter) not zero on it."""
     if not names or set(names) == set(params):
         return False
-    if P.norm(z, names) == 0.0:
+    if sum(squares[n] for n in names) == 0.0:
         raise CurvlabError("the update direction is zero on the scope: its NDS is undefined")
     return True
 
 
 def nds_at(point: CurvaturePoint, z: Mapping[str, Tensor]) -> float:
     r""":func:`nds` at a :class:`~curvlab.engine.hvp.CurvaturePoint`: one HVP there."""
-    _check_direction(point.params, z, "direction")
-    zc = P.cast(z, point.dtype)
-    return P.dot(zc, point.hvp(zc)) / P.dot(zc, zc)
+    zc, squares = _checked(point.params, z, point.dtype)
+    return _nds(point, zc, squares)
+
+
+def _nds(point: CurvaturePoint, z: P.Params, squares: Mapping[str, float]) -> float:
+    return P.dot(z, point.hvp(z)) / sum(squares.values())
 
 
 def nds(
@@ -119,29 +152,34 @@ def nds(
     Raises:
         CurvlabError: Z mismatched with the parameters, non-finite, or zero.
     """
-    _check_direction(params, z, "direction")
+    zc, squares = _checked(params, z, working_dtype(params, dtype=dtype))
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
-        return nds_at(point, z)
+        return _nds(point, zc, squares)
 
 
 def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], *, scope: Scope = "hidden") -> TaylorSplit:
     r"""The second-order Taylor split of the step :math:`W \to W - Z` at a :class:`~curvlab.engine.hvp.CurvaturePoint`.
 
-    The two curvatures come from the interactions of :math:`Z_{\bar S}` (the rest) and :math:`Z_S`, two
+    The two curvatures come from the interactions of :math:`Z_S` and :math:`Z_{\bar S}` (the rest), two
     second backwards at the point (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`, the second
-    one only with respect to S): :math:`\langle Z_S, H[Z_S]\rangle = R_{SS}` and
-    :math:`\langle Z, H[Z]\rangle = R_{SS} + 2R_{S\bar S} + R_{\bar S\bar S}`. The realized decreases are
-    two more loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
+    one only with respect to the rest): :math:`\langle Z_S, H[Z_S]\rangle = R_{SS}` and
+    :math:`\langle Z, H[Z]\rangle = R_{SS} + 2R_{S\bar S} + R_{\bar S\bar S}`. The first-order sums of
+    both scopes come from one float64 table over the parameters, and the realized decreases are two more
+    loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
     """
-    _check_direction(point.params, z, "update direction")
-    z = P.cast(z, point.dtype)
+    return _taylor_split(point, *_checked(point.params, z, point.dtype, "update direction"), scope)
+
+
+def _taylor_split(point: CurvaturePoint, z: P.Params, squares: Mapping[str, float], scope: Scope) -> TaylorSplit:
+    """:func:`taylor_split_at` of a checked step in the point's dtype, of these squared norms per parameter."""
     names = _scope_names(point, scope)
-    if not _proper(names, point.params, z):
-        return _split(point, z, float(point.interactions([z])[0, 0]), names, None)
+    if not _proper(names, point.params, squares):
+        return _split(point, z, squares, float(point.interactions([z])[0, 0]), names, None)
     inside = set(names)
-    # the rest first, then S, whose second backward is taken on S alone (as the directions' two scopes)
-    R = point.interactions([{n: t for n, t in z.items() if n not in inside}, {n: z[n] for n in names}])
-    return _split(point, z, float(R.sum()), names, float(R[1, 1]))
+    # S first, its second backward on every parameter, then the rest's on the rest alone, so that the hidden
+    # matrices' weight adjoints (most of the matrix products) are taken once, not twice (docs/benchmarks.md)
+    R = point.interactions([{n: z[n] for n in names}, {n: t for n, t in z.items() if n not in inside}])
+    return _split(point, z, squares, float(R.sum()), names, float(R[0, 0]))
 
 
 def taylor_split(
@@ -171,9 +209,9 @@ def taylor_split(
     Raises:
         CurvlabError: Z mismatched with the parameters, non-finite, or zero (NDS undefined).
     """
-    _check_direction(params, z, "update direction")
+    zc, squares = _checked(params, z, working_dtype(params, dtype=dtype), "update direction")
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
-        return taylor_split_at(point, z, scope=scope)
+        return _taylor_split(point, zc, squares, scope)
 
 
 @dataclass(frozen=True)
@@ -214,11 +252,16 @@ def _block_interactions(point: CurvaturePoint, z: P.Params, members: Mapping[str
     return point.interactions([{n: z[n] for n in names} for names in members.values()]).numpy()
 
 
-def _block_matrix(point: CurvaturePoint, z: P.Params, members: dict[str, list[str]], R: np.ndarray) -> BlockMatrix:
-    """The :class:`BlockMatrix` of Z from its blocks' interactions at the point; double backward computes
-    their triangle (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`), so its asymmetry isn't measured."""
-    first = np.array([P.dot(point.gradient, z, names) for names in members.values()])
-    return _assemble(members, z, first, R, measured_asymmetry=point.method != "rev_rev")
+def _block_matrix(
+    point: CurvaturePoint, z: P.Params, squares: Mapping[str, float], members: dict[str, list[str]], R: np.ndarray
+) -> BlockMatrix:
+    """The :class:`BlockMatrix` of Z (of these squared norms per parameter) from its blocks' interactions at
+    the point; double backward computes their triangle
+    (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`), so its asymmetry isn't measured."""
+    keys = list(point.params)
+    gz = dict(zip(keys, P.dot_table([(point.gradient, z)], keys)[:, 0].tolist()))
+    first = np.array([sum(gz[n] for n in names) for names in members.values()])
+    return _assemble(members, squares, first, R, measured_asymmetry=point.method != "rev_rev")
 
 
 class _AlphaLoss:
@@ -241,10 +284,12 @@ def block_matrix_at(
 ) -> BlockMatrix:
     r"""The block interaction matrix of the step Z at a :class:`~curvlab.engine.hvp.CurvaturePoint`: one HVP per
     block, :math:`H[Z_m]` with :math:`Z_m` touching only block m (see :func:`block_matrix`)."""
-    _check_direction(point.params, z, "update direction")
+    return _block_matrix_at(point, *_checked(point.params, z, point.dtype, "update direction"), blocks)
+
+
+def _block_matrix_at(point: CurvaturePoint, z: P.Params, squares: Mapping[str, float], blocks) -> BlockMatrix:
     members = group_parameters(point.params.keys(), blocks=blocks, model=model_of(point.loss_fn))
-    z = P.cast(z, point.dtype)
-    return _block_matrix(point, z, members, _block_interactions(point, z, members))
+    return _block_matrix(point, z, squares, members, _block_interactions(point, z, members))
 
 
 def block_matrix(
@@ -279,34 +324,40 @@ def block_matrix(
     """
     if block_method not in BLOCK_METHODS:
         raise CurvlabError(f"unknown block method {block_method!r}; choose one of {', '.join(BLOCK_METHODS)}")
-    _check_direction(params, z, "update direction")
+    dt = working_dtype(params, dtype=dtype)
+    zc, squares = _checked(params, z, dt, "update direction")
     if block_method == "hvp":
         with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
-            return block_matrix_at(point, z, blocks=blocks)
+            return _block_matrix_at(point, zc, squares, blocks)
     if any_dtensor(params.values()):
         raise CurvlabError("block_method 'alpha' takes unsharded parameters; on sharded ones use block_method='hvp'")
     members = group_parameters(params.keys(), blocks=blocks, model=model_of(loss_fn))
-    dt = working_dtype(params, dtype=dtype)
-    p, zc = P.cast(params, dt), P.cast(z, dt)
+    p = P.cast(params, dt)
     device = next(iter(p.values())).device
     alpha = {"alpha": torch.zeros(len(members), dtype=dt, device=device)}
     alpha_loss = _AlphaLoss(loss_fn, p, zc, members)
     with CurvaturePoint(alpha_loss, alpha, batch, method=method, dtype=dt, chunk_size=chunk_size) as point:
         R = point.hvps({"alpha": torch.eye(len(members), dtype=dt, device=device)})["alpha"]
         gz = point.gradient["alpha"]
-    return _assemble(members, zc, gz.double().cpu().numpy(), R.double().cpu().numpy())
+    return _assemble(members, squares, gz.double().cpu().numpy(), R.double().cpu().numpy())
 
 
 def _assemble(
-    members: dict[str, list[str]], z: P.Params, first: np.ndarray, R: np.ndarray, *, measured_asymmetry: bool = True
+    members: dict[str, list[str]],
+    squares: Mapping[str, float],
+    first: np.ndarray,
+    R: np.ndarray,
+    *,
+    measured_asymmetry: bool = True,
 ) -> BlockMatrix:
-    """A :class:`BlockMatrix` from R[l, m] = <Z_l, H[Z_m]_l> and the per-block first-order terms
-    (``measured_asymmetry=False``: R was computed as a triangle, so its asymmetry is NaN, not measured)."""
-    zz = P.dot(z, z)
+    """A :class:`BlockMatrix` from R[l, m] = <Z_l, H[Z_m]_l>, the per-block first-order terms and Z's squared
+    norm per parameter (``measured_asymmetry=False``: R was computed as a triangle, so its asymmetry is NaN,
+    not measured)."""
+    zz = sum(squares.values())
     scale = max(np.abs(R).max(), np.finfo(float).tiny)
     asymmetry = float(np.abs(R - R.T).max() / scale) if measured_asymmetry else float("nan")
     M = 0.5 * (R + R.T) / zz
-    norms = np.array([P.norm(z, b) for b in members.values()])
+    norms = np.sqrt([sum(squares[n] for n in b) for b in members.values()])
     with np.errstate(divide="ignore", invalid="ignore"):
         own = np.where(norms > 0, np.diag(M) * zz / norms**2, np.nan)
     nds = float(M.sum())
@@ -337,11 +388,15 @@ def taylor_split_and_block_matrix_at(
     backwards: the blocks' interactions R give :math:`\langle Z, H[Z]\rangle = \sum_{lm} R_{lm}`, and when
     every block lies inside the scope S or outside it, :math:`\langle Z_S, H[Z_S]\rangle` is the sum of R
     over the blocks inside. L second backwards (L + 1 otherwise: one for Z_S, taken only on S)."""
-    _check_direction(point.params, z, "update direction")
+    return _split_and_block_matrix(point, *_checked(point.params, z, point.dtype, "update direction"), blocks, scope)
+
+
+def _split_and_block_matrix(
+    point: CurvaturePoint, z: P.Params, squares: Mapping[str, float], blocks, scope: Scope
+) -> tuple[TaylorSplit, BlockMatrix]:
     members = group_parameters(point.params.keys(), blocks=blocks, model=model_of(point.loss_fn))
-    z = P.cast(z, point.dtype)
     names = _scope_names(point, scope)
-    proper = _proper(names, point.params, z)
+    proper = _proper(names, point.params, squares)
     inside = set(names)
     R = _block_interactions(point, z, members)
     zhz_sub = None
@@ -352,7 +407,7 @@ def taylor_split_and_block_matrix_at(
             zhz_sub = float(R[np.ix_(within, within)].sum())
         else:
             zhz_sub = float(point.interactions([{n: z[n] for n in names}])[0, 0])
-    return _split(point, z, float(R.sum()), names, zhz_sub), _block_matrix(point, z, members, R)
+    return _split(point, z, squares, float(R.sum()), names, zhz_sub), _block_matrix(point, z, squares, members, R)
 
 
 def taylor_split_and_block_matrix(
@@ -369,6 +424,6 @@ def taylor_split_and_block_matrix(
 ) -> tuple[TaylorSplit, BlockMatrix]:
     r""":func:`taylor_split` and :func:`block_matrix` (block method ``"hvp"``) of one step, at one point
     and sharing their HVPs (:func:`taylor_split_and_block_matrix_at`)."""
-    _check_direction(params, z, "update direction")
+    zc, squares = _checked(params, z, working_dtype(params, dtype=dtype), "update direction")
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
-        return taylor_split_and_block_matrix_at(point, z, blocks=blocks, scope=scope)
+        return _split_and_block_matrix(point, zc, squares, blocks, scope)

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_map
 
 from curvlab.engine import gathered as S
 from curvlab.engine import params as P
-from curvlab.engine.dtensors import all_finite, check_layout
+from curvlab.engine.dtensors import all_finite, any_dtensor, check_layout
 from curvlab.engine.exact import exact_second_order, running_statistics
 from curvlab.engine.loss import LossFn, weighted_batches
 from curvlab.errors import CurvlabError
@@ -266,6 +266,10 @@ class CurvaturePoint:
         Args:
             vs: ``{name: tensor (K, *param.shape)}`` for the parameters the directions touch; the
                 names left out are zero in every direction, and cost nothing.
+
+        Memory: by double backward, the K results (K parameter-sized tensors beside the K directions) and
+        one second backward's transient memory at a time, whatever K; ``chunk_size`` caps how many
+        directions ``"fwd_rev"`` vectorizes at once, and with it that method's memory.
         """
         if self.sharded and self.method == "fwd_rev":
             raise CurvlabError(S.FWD_REV_REFUSED)
@@ -324,8 +328,8 @@ class CurvaturePoint:
         claimed = [n for names in supports for n in names]
         if not supports or len(set(claimed)) != len(claimed):
             raise CurvlabError("interactions take one or more directions on disjoint sets of parameters")
-        for d in directions:
-            self._check_stacked({n: t.unsqueeze(0) for n, t in d.items()})
+        for d in directions:  # (finiteness from the dots below: each entry of every part is in the first row's)
+            self._check_stacked({n: t.unsqueeze(0) for n, t in d.items()}, finite=False)
         parts = [P.cast(d, self.dtype) for d in directions]
         n_blocks = len(parts)
         R = torch.zeros(n_blocks, n_blocks, dtype=torch.float64, device="cpu")  # (scalars, on the host)
@@ -334,13 +338,20 @@ class CurvaturePoint:
                 for l, b in enumerate(parts):
                     R[l, m] = P.dot(b, hz, supports[l])
             return R
+        whole = {n: t for b in parts for n, t in b.items()}
         for m, b in enumerate(parts):
             later = [n for names in supports[m:] for n in names]
             stacked = self._hvps_rev_rev({n: t.unsqueeze(0) for n, t in b.items()}, wrt=later)
             rows = self._sum({n: t[0] for n, t in stacked.items()})
-            _check_finite_hvp(rows)
+            table = P.dot_table([(whole, rows)], later)[:, 0]
+            if not torch.isfinite(table).all():  # (a non-finite entry makes its dot non-finite: name it)
+                for d in directions:
+                    self._check_stacked({n: t.unsqueeze(0) for n, t in d.items()})
+                _check_finite_hvp(rows)
+            start = 0
             for l in range(m, n_blocks):
-                R[l, m] = R[m, l] = P.dot(parts[l], rows, supports[l])
+                R[l, m] = R[m, l] = table[start : start + len(supports[l])].sum()
+                start += len(supports[l])
         return R
 
     def quadratic_forms(self, zs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -399,7 +410,7 @@ class CurvaturePoint:
             if outputs:  # (else the gradient on the support doesn't depend on W: H[v] = 0 on this batch)
                 leaves = [graph.leaves[index[n]] for n in wrt]
                 rows = _double_backward([o for o, _ in outputs], leaves, [v for _, v in outputs])
-                total = _accumulate(total, rows, graph.weight)
+                total = _accumulate(total, rows, graph.weight, owned=_fresh(rows, [v for _, v in outputs]))
         if total is None:
             zeros = self._zeros(next(iter(vs.values())).shape[0])
             return {n: zeros[n] for n in wrt}
@@ -435,7 +446,7 @@ class CurvaturePoint:
             return {n: torch.stack([torch.zeros_like(t)] * k) for n, t in self.params.items()}
         return {n: torch.zeros((k, *t.shape), dtype=t.dtype, device=t.device) for n, t in self.params.items()}
 
-    def _check_stacked(self, vs: Mapping[str, Tensor]) -> tuple[list[str], int]:
+    def _check_stacked(self, vs: Mapping[str, Tensor], *, finite: bool = True) -> tuple[list[str], int]:
         unknown = [n for n in vs if n not in self.params]
         if unknown:
             raise CurvlabError(f"directions name unknown parameters: {P.names_text(unknown)}")
@@ -454,7 +465,7 @@ class CurvaturePoint:
                 )
             check_layout(self.params[n], t, f"directions[{n!r}]", stacked=True)
             P.check_device(self.params[n], t, f"directions[{n!r}]")
-            if not all_finite([t]):
+            if finite and not all_finite([t]):
                 raise CurvlabError(f"directions[{n!r}] holds non-finite values (NaN or inf)")
         return list(vs), k
 
@@ -484,15 +495,39 @@ def _double_backward(outputs: list[Tensor], leaves: list[Tensor], vs: list[Tenso
     (``benchmarks/hvp.py``), and has no batching rule for some ops (``group_norm``).
     """
     kw = {"retain_graph": True, "allow_unused": True, "materialize_grads": True}
-    rows = [torch.autograd.grad(outputs, leaves, [v[i] for v in vs], **kw) for i in range(vs[0].shape[0])]
-    return [r[0].unsqueeze(0) for r in zip(*rows)] if len(rows) == 1 else [torch.stack(r) for r in zip(*rows)]
+    k = vs[0].shape[0]
+    if k == 1:
+        return [r.unsqueeze(0) for r in torch.autograd.grad(outputs, leaves, [v[0] for v in vs], **kw)]
+    if any_dtensor(leaves):
+        rows = [torch.autograd.grad(outputs, leaves, [v[i] for v in vs], **kw) for i in range(k)]
+        return [torch.stack(r) for r in zip(*rows)]
+    # each row goes into its place as it comes, so that one row at a time is alive beside the stack
+    # (stacking them after holds K rows twice) and the next row reuses its memory
+    stacked = [torch.empty((k, *leaf.shape), dtype=leaf.dtype, device=leaf.device) for leaf in leaves]
+    for i in range(k):
+        for out, row in zip(stacked, torch.autograd.grad(outputs, leaves, [v[i] for v in vs], **kw)):
+            out[i].copy_(row)
+    return stacked
 
 
-def _accumulate(total: list[Tensor] | None, terms: Sequence[Tensor], weight: float) -> list[Tensor]:
-    """``total + weight * terms``, tensor by tensor, into fresh tensors (``total`` ``None``: the first
-    batch's; the terms may be views of a kept graph's tensors, which must not change)."""
+def _fresh(rows: Sequence[Tensor], vs: Sequence[Tensor]) -> bool:
+    """Whether a second backward's rows are tensors of their own: plain, and sharing no memory with the
+    directions (a gradient that is the identity of a leaf passes its grad output through as it is)."""
+    if any_dtensor([*rows, *vs]):
+        return False
+    taken = {v.untyped_storage().data_ptr() for v in vs}
+    return not any(r.untyped_storage().data_ptr() in taken for r in rows)
+
+
+def _accumulate(
+    total: list[Tensor] | None, terms: Sequence[Tensor], weight: float, *, owned: bool = False
+) -> list[Tensor]:
+    """``total + weight * terms``, tensor by tensor (``total`` ``None``: the first batch's). The sum goes into
+    fresh tensors, since the terms may be views of a kept graph's tensors, which must not change; ``owned``
+    terms are fresh already (rows of a second backward), and at weight 1 are kept as they are, saving a
+    copy of the rows' memory."""
     if total is None:
-        return [t * weight for t in terms]
+        return list(terms) if owned and weight == 1.0 else [t * weight for t in terms]
     for acc, t in zip(total, terms):
         acc.add_(t, alpha=weight)
     return total

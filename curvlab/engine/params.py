@@ -8,15 +8,96 @@ the NDS of a late checkpoint is a ratio of two sums over ~10^8 terms.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from curvlab.engine.dtensors import all_finite, check_layout, resolved, sum_terms
+from curvlab.engine.dtensors import all_finite, check_layout, is_dtensor, resolved
 from curvlab.errors import CurvlabError
 
 Params = dict[str, Tensor]
+
+
+PIECE = 1 << 16
+"""Entries per float64 piece of an inner product on the CPU. A whole float64 copy of a large tensor is fresh
+memory that the OS faults in page by page (0.8 GB for GPT-2's embedding), where a 512 KiB piece comes back
+from the heap each time and stays in cache: 9x faster over 74M entries (docs/benchmarks.md). On a GPU the
+caching allocator reuses memory, so a tensor is converted whole."""
+
+
+def dot_table(pairs: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]], keys: Iterable[str]) -> Tensor:
+    r"""Inner products :math:`\langle a_k, b_k\rangle` of every pair ``(a, b)``, key by key, in float64: a
+    ``(len(keys), len(pairs))`` float64 tensor on the host.
+
+    Each tensor is converted to float64 once per piece however many pairs it is in (``(z, z)`` and
+    ``(g, z)`` convert ``z`` once), and the table comes over in one transfer (for sharded tensors, one
+    all-reduce of the per-rank partial sums), so that sums over any subset of the keys cost nothing more.
+    """
+    keys = list(keys)
+    plain: list[Tensor] = []  # (0-d terms, key by key, pair by pair)
+    plain_at: list[int] = []
+    sharded: list[Tensor] = []
+    sharded_at: list[int] = []
+    for i, k in enumerate(keys):
+        first = pairs[0][0][k]  # (a key's tensors are laid out alike: check_layout)
+        if is_dtensor(first):
+            sharded += [torch.sum(a[k].double() * b[k].double()) for a, b in pairs]
+            sharded_at.append(i)
+            continue
+        plain_at.append(i)
+        if first.numel() > PIECE and first.device.type == "cpu":
+            plain += _piecewise_dots([(a[k], b[k]) for a, b in pairs])
+            continue
+        converted: dict[int, Tensor] = {}
+        for a, b in pairs:
+            x, y = a[k], b[k]
+            xd = converted.get(id(x))
+            if xd is None:
+                xd = converted[id(x)] = x.double()
+            yd = converted.get(id(y))
+            if yd is None:
+                yd = converted[id(y)] = y.double()
+            plain.append(torch.sum(xd * yd))
+    n = len(pairs)
+    if not sharded:
+        if not plain:
+            return torch.zeros(len(keys), n, dtype=torch.float64, device="cpu")
+        return _stacked(plain).view(len(keys), n).cpu()
+    table = torch.zeros(len(keys), n, dtype=torch.float64, device="cpu")  # (scalars, on the host)
+    if plain:
+        table[plain_at] = _stacked(plain).view(-1, n).cpu()
+    table[sharded_at] = resolved(torch.stack(sharded)).view(-1, n).cpu()
+    return table
+
+
+def _stacked(terms: list[Tensor]) -> Tensor:
+    """0-d terms stacked on the first one's device (parameters may live on several)."""
+    device = terms[0].device
+    return torch.stack([t if t.device == device else t.to(device) for t in terms])
+
+
+def _piecewise_dots(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    """0-d float64 inner products of pairs of plain CPU tensors of one shape, :data:`PIECE` entries at a time,
+    each distinct tensor converted once per piece."""
+    flat: dict[int, Tensor] = {}
+    for pair in pairs:
+        for t in pair:
+            flat.setdefault(id(t), t.reshape(-1))
+    parts: list[list[Tensor]] = [[] for _ in pairs]
+    for i in range(0, pairs[0][0].numel(), PIECE):
+        piece = {key: f[i : i + PIECE].double() for key, f in flat.items()}
+        for j, (x, y) in enumerate(pairs):
+            parts[j].append(torch.dot(piece[id(x)], piece[id(y)]))
+    return [torch.stack(p).sum() for p in parts]
+
+
+def dots(pairs: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]], keys: Iterable[str]) -> list[float]:
+    r"""The inner products :math:`\langle a, b\rangle` over ``keys`` of every pair, in float64 (:func:`dot_table`)."""
+    keys = list(keys)
+    if not keys:
+        return [0.0] * len(pairs)
+    return dot_table(pairs, keys).sum(0).tolist()
 
 
 def dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str] | None = None) -> float:
@@ -24,12 +105,7 @@ def dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str] | 
 
     ``keys`` restricts the sum to a subset of the parameter names.
     """
-    keys = list(a.keys() if keys is None else keys)
-    if not keys:
-        return 0.0
-    # on the tensors' own device, one float64 sum per tensor, and a single transfer at the end (for
-    # sharded tensors, one all-reduce of the per-rank partial sums)
-    return float(sum_terms([torch.sum(a[k].double() * b[k].double()) for k in keys]))
+    return dots([(a, b)], a.keys() if keys is None else keys)[0]
 
 
 def stacked_dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str]) -> Tensor:
@@ -95,8 +171,11 @@ def unflatten(vector: Tensor, like: Mapping[str, Tensor]) -> Params:
     return {k: piece.view(t.shape) for (k, t), piece in zip(like.items(), vector.split(sizes))}
 
 
-def check_like(params: Mapping[str, Tensor], direction: Mapping[str, Tensor], what: str = "direction") -> None:
-    """Raise ``CurvlabError`` unless ``direction`` has exactly ``params``' keys and shapes and is finite."""
+def check_like(
+    params: Mapping[str, Tensor], direction: Mapping[str, Tensor], what: str = "direction", *, finite: bool = True
+) -> None:
+    """Raise ``CurvlabError`` unless ``direction`` has exactly ``params``' keys and shapes and (``finite``) is
+    finite: ``finite=False`` for a caller that learns finiteness from a float64 sum it takes anyway."""
     missing = [k for k in params if k not in direction]
     extra = [k for k in direction if k not in params]
     if missing or extra:
@@ -112,7 +191,7 @@ def check_like(params: Mapping[str, Tensor], direction: Mapping[str, Tensor], wh
             raise CurvlabError(f"{what}[{k!r}] has shape {tuple(d.shape)}, parameter has {tuple(p.shape)}")
         check_layout(p, d, f"{what}[{k!r}]")
         check_device(p, d, f"{what}[{k!r}]")
-        if not all_finite([d]):
+        if finite and not all_finite([d]):
             raise CurvlabError(f"{what}[{k!r}] holds non-finite values (NaN or inf)")
 
 
