@@ -347,7 +347,8 @@ def measure_directions(
 ) -> tuple[PairedDirection, ...]:
     r"""Every direction over both scopes at one point: each direction's curvature whole and restricted to
     ``hidden`` from the interactions of its two parts (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`:
-    two second backwards, the second one on the hidden matrices alone).
+    two second backwards, the hidden matrices' on every parameter, then the rest's on the rest alone), and
+    its first-order sums over both scopes from one float64 table.
 
     Raises:
         CurvlabError: a direction that doesn't match the point's parameters, is non-finite, or is zero
@@ -362,20 +363,24 @@ def measure_directions(
             f"the hidden scope names unknown parameters: {P.names_text(unknown)}" if unknown else "no hidden matrices"
         )
     rest = [n for n in names if n not in keep]
+    index = {n: i for i, n in enumerate(names)}
+    rows = {"all": list(range(len(names))), "hidden": [index[n] for n in hidden]}
     g = point.gradient
-    gg = {"all": P.dot(g, g), "hidden": P.dot(g, g, hidden)}
+    gg = P.dot_table([(g, g)], names)[:, 0]
     out = []
     for d in directions:
         full = {n: d.z[n] if n in d.z else torch.zeros_like(point.params[n]) for n in names}
         P.check_like(point.params, full, f"direction {d.name}")
         full = P.cast(full, point.dtype)
-        # the rest first, then the hidden matrices, whose second backward is taken on them alone
-        parts = ([{n: full[n] for n in rest}] if rest else []) + [{n: full[n] for n in hidden}]
+        # the hidden matrices first, their second backward on every parameter, then the rest's on the rest
+        # alone, so that the hidden matrices' weight adjoints are taken once (as the Taylor split's scopes)
+        parts = [{n: full[n] for n in hidden}] + ([{n: full[n] for n in rest}] if rest else [])
         R = point.interactions(parts)
-        scopes = [
-            DirectionCurvature.of(P.dot(g, full, keys), float(zhz), P.dot(full, full, keys), gg[s])
-            for s, keys, zhz in (("all", names, R.sum()), ("hidden", hidden, R[-1, -1]))
-        ]
+        table = P.dot_table([(g, full), (full, full)], names)  # per parameter: <G, Z>, <Z, Z>
+        scopes = []
+        for scope, zhz in (("all", R.sum()), ("hidden", R[0, 0])):
+            gz, zz = table[rows[scope]].sum(0).tolist()
+            scopes.append(DirectionCurvature.of(gz, float(zhz), zz, float(gg[rows[scope]].sum())))
         out.append(PairedDirection(d.name, d.source, d.scaling, *scopes))
     return tuple(out)
 
