@@ -14,11 +14,21 @@ own counters: on the CPU the profiler's memory timeline (`tracemalloc` can't see
 GPU ``torch.cuda.max_memory_allocated``. ``--device cuda`` runs the GPU half on a lent device; where no
 GPU is present it says so and measures nothing.
 
+On the CPU each figure also carries the minor page faults of one call (the median over the rounds): each
+is a page the kernel maps and zeroes, 4 KiB (2 MiB for a transparent huge page). torch's CPU allocator
+hands tensors above glibc's mmap threshold (32 MiB at most) fresh pages, and glibc gives a freed heap top
+back to the kernel, so a computation that makes and drops large temporaries pays for their pages each
+time. The header names the allocator settings in force (``THP_MEM_ALLOC_ENABLE``, torch's switch for
+transparent huge pages, and glibc's ``MALLOC_*_`` tunables), which move that cost: docs/benchmarks.md
+shows both.
+
 Floors count matrix products per linear layer (a gradient is 3 units: docs/benchmarks.md): an HVP 9
 (3 + 6); the Taylor split over both scopes 17 as the issue counts it (one first-order graph, H[Z] and
-H[Z_S] at 6 each, two losses at 1 each), about 15 on the triangle (the second backward on S alone, 4);
-K directions at one point 3 + 6K, so 2.0x a gradient each at a kept point; the block matrix of L layer
-blocks about 3 + 2L on the triangle, against L sequential HVPs at 9 each.
+H[Z_S] at 6 each, two losses at 1 each), and on the triangle that the split takes (S's second backward on
+every parameter, the rest's on the rest alone) 13 for a hidden matrix (3 + 6 + 2 + 2) and 15 for the head
+(3 + 4 + 6 + 2), weighted by their sizes; K directions at one point 3 + 6K, so 2.0x a gradient each at a
+kept point; the block matrix of L layer blocks about 3 + 2L on the triangle, against L sequential HVPs at
+9 each.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import tempfile
 from pathlib import Path
@@ -36,7 +47,7 @@ from monitor import one_run
 from timing import interleaved_medians, peak_bytes
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from curvlab import CurvaturePoint, block_matrix, group_parameters, hvp, make_loss_fn, taylor_split
+from curvlab import CurvaturePoint, block_matrix, group_parameters, hidden_matrices, hvp, make_loss_fn, taylor_split
 from curvlab.data.dataset import generate_pcfg_dataset
 from curvlab.models.gpt import CONFIGS, GPT, get_config
 from curvlab.runs.monitor import MonitorSettings
@@ -59,6 +70,14 @@ def problem(name: str, batch: int, seq: int, device: str):
     z = {k: 1e-3 * torch.randn(t.shape, generator=g, device=device) for k, t in params.items()}
     vs = {k: torch.randn((K, *t.shape), generator=g, device=device) for k, t in params.items()}
     return make_loss_fn(model), params, (idx[:, :-1], idx[:, 1:]), z, vs
+
+
+def split_floor_on_the_triangle(params, model) -> float:
+    """The split's floor in gradients by matrix products on the triangle: 13 units a hidden matrix, 15 the
+    head, weighted by their entries (the products per token); a gradient is 3."""
+    hidden = sum(params[n].numel() for n in hidden_matrices(params, model=model))
+    head = model.lm_head.weight.numel()
+    return (13 * hidden + 15 * head) / (3 * (hidden + head))
 
 
 def runners(loss_fn, params, batch, z, vs) -> dict[str, object]:
@@ -91,15 +110,30 @@ def _synchronized(fn, device: str):
     return run
 
 
-def timings(name: str, args) -> dict[str, float]:
+def _counting_faults(fn, faults: list[int]):
+    """``fn`` that appends the minor page faults of each call to ``faults``."""
+
+    def run():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        fn()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+    return run
+
+
+def timings(name: str, args) -> tuple[dict[str, float], dict[str, float]]:
+    """Each measurement's median seconds, and its median count of minor page faults."""
     loss_fn, params, batch, z, vs = problem(name, args.batch, args.seq, args.device)
     fns = {k: _synchronized(f, args.device) for k, f in runners(loss_fn, params, batch, z, vs).items()}
     with CurvaturePoint(loss_fn, params, batch) as kept:  # "K more directions at a kept point"
         fns["k8 at a kept point"] = _synchronized(lambda: kept.hvps(vs), args.device)
-        t = interleaved_medians(fns, args.repeats, warmup=args.warmup)
+        faults: dict[str, list[int]] = {k: [] for k in fns}
+        counted = {k: _counting_faults(f, faults[k]) for k, f in fns.items()}
+        t = interleaved_medians(counted, args.repeats, warmup=args.warmup)
     t["parameters"] = sum(p.numel() for p in params.values())
     t["blocks"] = len(group_parameters(params, blocks="layer"))
-    return t
+    t["split floor on the triangle"] = split_floor_on_the_triangle(params, loss_fn.model)
+    return t, {k: statistics.median(f[args.warmup :]) for k, f in faults.items()}
 
 
 def _peak_in_child(name: str, what: str, args, conn) -> None:
@@ -121,12 +155,17 @@ def memory(name: str, args) -> dict[str, int]:
     return peaks
 
 
-def table(name: str, t: dict[str, float], peaks: dict[str, int] | None) -> list[str]:
+def table(name: str, t: dict[str, float], faults: dict[str, float], peaks: dict[str, int] | None) -> list[str]:
     g, L = t["gradient"], int(t["blocks"])
     rows = [
         ("gradient", t["gradient"], "1", "1"),
         ("one HVP", t["hvp"], f"{t['hvp'] / g:.2f}x", f"{FLOORS['hvp']:.1f}x"),
-        ("Taylor split, both scopes", t["split"], f"{t['split'] / g:.2f}x", f"{FLOORS['split']:.2f}x"),
+        (
+            "Taylor split, both scopes",
+            t["split"],
+            f"{t['split'] / g:.2f}x",
+            f"{FLOORS['split']:.2f}x ({t['split floor on the triangle']:.2f}x on the triangle)",
+        ),
         (f"K = {K} at one point, per direction", t["k8"] / K, f"{t['k8'] / K / g:.2f}x", f"{FLOORS['k8']:.2f}x"),
         (
             f"K = {K} at a kept point, per direction",
@@ -141,14 +180,17 @@ def table(name: str, t: dict[str, float], peaks: dict[str, int] | None) -> list[
             f"{(3 + 2 * L) / (9 * L):.2f}x {L} HVPs",
         ),
     ]
-    mib = {"gradient": "gradient", "one HVP": "hvp", "Taylor split, both scopes": "split"}
-    mib |= {f"K = {K} at one point, per direction": "k8", f"block matrix, {L} layer blocks": "block"}
+    key = {"gradient": "gradient", "one HVP": "hvp", "Taylor split, both scopes": "split"}
+    key |= {f"K = {K} at one point, per direction": "k8", f"block matrix, {L} layer blocks": "block"}
+    key[f"K = {K} at a kept point, per direction"] = "k8 at a kept point"
+    per = {"k8": K, "k8 at a kept point": K}  # (the K rows are per direction)
     out = [f"\n`{name}` ({t['parameters'] / 1e6:.2f}M parameters)\n"]
-    out.append("| measurement | seconds | ratio | floor | peak memory |")
-    out.append("|---|---:|---:|---:|---:|")
+    out.append("| measurement | seconds | ratio | floor | page faults | peak memory |")
+    out.append("|---|---:|---:|---:|---:|---:|")
     for label, s, ratio, floor in rows:
-        peak = "" if peaks is None or label not in mib else f"{peaks[mib[label]] / 2**20:.0f} MiB"
-        out.append(f"| {label} | {s:.4f} | {ratio} | {floor} | {peak} |")
+        what = key[label]
+        peak = "" if peaks is None or what not in MEASUREMENTS else f"{peaks[what] / 2**20:.0f} MiB"
+        out.append(f"| {label} | {s:.4f} | {ratio} | {floor} | {faults[what] / per.get(what, 1):.0f} | {peak} |")
     return out
 
 
@@ -188,19 +230,22 @@ def main() -> None:
         print("GPU half: not run (no CUDA device on this machine)")
         return
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    allocator = {k: v for k, v in os.environ.items() if k == "THP_MEM_ALLOC_ENABLE" or k.startswith("MALLOC_")}
     print(f"{where}; batch {args.batch}x{args.seq}; medians of {args.repeats} interleaved rounds")
+    print(f"allocator settings: {allocator or 'the defaults'}")
     results = {}
     for name in args.models.split(","):
-        t = timings(name, args)
+        t, faults = timings(name, args)
         peaks = memory(name, args) if args.memory else None
-        print("\n".join(table(name, t, peaks)), flush=True)
-        results[name] = {"seconds": t, "peak_bytes": peaks}
+        print("\n".join(table(name, t, faults, peaks)), flush=True)
+        results[name] = {"seconds": t, "page_faults": faults, "peak_bytes": peaks}
     if args.monitor:
         m = monitor_overhead(args)
         print(f"\nmonitor at K = {m['every']} on pcfg-9m: {m['in_run']:.1%} in-run, {m['whole_run']:+.1%} whole-run")
         results["monitor"] = m
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": where, "batch": [args.batch, args.seq], **results}, indent=1))
+        head = {"device": where, "batch": [args.batch, args.seq], "allocator": allocator}
+        Path(args.json).write_text(json.dumps({**head, **results}, indent=1))
 
 
 if __name__ == "__main__":
