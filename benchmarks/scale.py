@@ -121,8 +121,9 @@ def _counting_faults(fn, faults: list[int]):
     return run
 
 
-def timings(name: str, args) -> tuple[dict[str, float], dict[str, float]]:
-    """Each measurement's median seconds, and its median count of minor page faults."""
+def timings(name: str, args) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Each measurement's median seconds and median count of minor page faults, and the model's figures
+    (its parameters, layer blocks and the split's floor on the triangle)."""
     loss_fn, params, batch, z, vs = problem(name, args.batch, args.seq, args.device)
     fns = {k: _synchronized(f, args.device) for k, f in runners(loss_fn, params, batch, z, vs).items()}
     with CurvaturePoint(loss_fn, params, batch) as kept:  # "K more directions at a kept point"
@@ -130,10 +131,12 @@ def timings(name: str, args) -> tuple[dict[str, float], dict[str, float]]:
         faults: dict[str, list[int]] = {k: [] for k in fns}
         counted = {k: _counting_faults(f, faults[k]) for k, f in fns.items()}
         t = interleaved_medians(counted, args.repeats, warmup=args.warmup)
-    t["parameters"] = sum(p.numel() for p in params.values())
-    t["blocks"] = len(group_parameters(params, blocks="layer"))
-    t["split floor on the triangle"] = split_floor_on_the_triangle(params, loss_fn.model)
-    return t, {k: statistics.median(f[args.warmup :]) for k, f in faults.items()}
+    model = {
+        "parameters": sum(p.numel() for p in params.values()),
+        "blocks": len(group_parameters(params, blocks="layer")),
+        "split floor on the triangle": split_floor_on_the_triangle(params, loss_fn.model),
+    }
+    return t, {k: statistics.median(f[args.warmup :]) for k, f in faults.items()}, model
 
 
 def _peak_in_child(name: str, what: str, args, conn) -> None:
@@ -155,8 +158,8 @@ def memory(name: str, args) -> dict[str, int]:
     return peaks
 
 
-def table(name: str, t: dict[str, float], faults: dict[str, float], peaks: dict[str, int] | None) -> list[str]:
-    g, L = t["gradient"], int(t["blocks"])
+def table(name: str, t: dict[str, float], faults: dict[str, float], model: dict[str, float], peaks) -> list[str]:
+    g, L = t["gradient"], int(model["blocks"])
     rows = [
         ("gradient", t["gradient"], "1", "1"),
         ("one HVP", t["hvp"], f"{t['hvp'] / g:.2f}x", f"{FLOORS['hvp']:.1f}x"),
@@ -164,7 +167,7 @@ def table(name: str, t: dict[str, float], faults: dict[str, float], peaks: dict[
             "Taylor split, both scopes",
             t["split"],
             f"{t['split'] / g:.2f}x",
-            f"{FLOORS['split']:.2f}x ({t['split floor on the triangle']:.2f}x on the triangle)",
+            f"{FLOORS['split']:.2f}x ({model['split floor on the triangle']:.2f}x on the triangle)",
         ),
         (f"K = {K} at one point, per direction", t["k8"] / K, f"{t['k8'] / K / g:.2f}x", f"{FLOORS['k8']:.2f}x"),
         (
@@ -184,7 +187,7 @@ def table(name: str, t: dict[str, float], faults: dict[str, float], peaks: dict[
     key |= {f"K = {K} at one point, per direction": "k8", f"block matrix, {L} layer blocks": "block"}
     key[f"K = {K} at a kept point, per direction"] = "k8 at a kept point"
     per = {"k8": K, "k8 at a kept point": K}  # (the K rows are per direction)
-    out = [f"\n`{name}` ({t['parameters'] / 1e6:.2f}M parameters)\n"]
+    out = [f"\n`{name}` ({model['parameters'] / 1e6:.2f}M parameters)\n"]
     out.append("| measurement | seconds | ratio | floor | page faults | peak memory |")
     out.append("|---|---:|---:|---:|---:|---:|")
     for label, s, ratio, floor in rows:
@@ -235,10 +238,10 @@ def main() -> None:
     print(f"allocator settings: {allocator or 'the defaults'}")
     results = {}
     for name in args.models.split(","):
-        t, faults = timings(name, args)
+        t, faults, model = timings(name, args)
         peaks = memory(name, args) if args.memory else None
-        print("\n".join(table(name, t, faults, peaks)), flush=True)
-        results[name] = {"seconds": t, "page_faults": faults, "peak_bytes": peaks}
+        print("\n".join(table(name, t, faults, model, peaks)), flush=True)
+        results[name] = {"seconds": t, "page_faults": faults, "model": model, "peak_bytes": peaks}
     if args.monitor:
         m = monitor_overhead(args)
         print(f"\nmonitor at K = {m['every']} on pcfg-9m: {m['in_run']:.1%} in-run, {m['whole_run']:+.1%} whole-run")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from curvlab import block_matrix, group_parameters, hidden_matrices, taylor_split
+from curvlab import CurvaturePoint, block_matrix, group_parameters, hidden_matrices, taylor_split
 from curvlab.engine import params as P
 from tests.builders import random_direction
 from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
@@ -174,6 +174,36 @@ def test_taylor_split_of_both_scopes_equals_the_dense_hessian(problem, method, r
     assert s.realized == pytest.approx(float(loss - plain(P.add(params, z, -1.0), batch)), rel=1e-9)
     stepped = P.add(params, P.restrict(z, names), -1.0)
     assert s.hidden.realized == pytest.approx(float(loss - plain(stepped, batch)), rel=1e-9)
+
+
+def test_taylor_split_takes_s_on_every_parameter_then_the_rest_on_the_rest(transformer_problem, monkeypatch):
+    """The order the split's cost rests on (docs/benchmarks.md): S's second backward with respect to every
+    parameter, then the rest's with respect to the rest alone; the values are the dense test's above."""
+    loss_fn, params, batch = transformer_problem
+    calls = []
+    original = CurvaturePoint._hvps_rev_rev
+
+    def spy(self, vs, wrt=None):
+        calls.append((list(vs), None if wrt is None else list(wrt)))
+        return original(self, vs, wrt)
+
+    monkeypatch.setattr(CurvaturePoint, "_hvps_rev_rev", spy)
+    names = list(params)[1::2]
+    rest = [n for n in params if n not in names]
+    taylor_split(loss_fn, params, batch, random_direction(params), scope=names)
+    assert calls == [(names, names + rest), (rest, rest)]
+
+
+def test_a_direction_too_large_for_its_working_dtype_is_named(transformer_problem):
+    """A float64 direction whose entries overflow once cast to float32 is refused by name, and one whose
+    squared norm overflows float64 itself is refused too (neither passes silently as inf)."""
+    loss_fn, params, batch = transformer_problem
+    z = random_direction(params)
+    big = {**z, "lm_head.weight": torch.full_like(z["lm_head.weight"], 1e300)}
+    with pytest.raises(ValueError, match=r"\['lm_head\.weight'\] holds values beyond the range of torch\.float32"):
+        taylor_split(loss_fn, params, batch, big, dtype=torch.float32)
+    with pytest.raises(ValueError, match="squared norm overflows float64"):
+        taylor_split(loss_fn, params, batch, big)
 
 
 def test_bad_directions_and_blocks(transformer_problem):

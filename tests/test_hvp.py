@@ -408,9 +408,13 @@ def test_dot_table_is_the_float64_sum_piece_by_piece():
             n = min(x[k].numel(), P.PIECE) + -(-x[k].numel() // P.PIECE)
             gamma = n * 2.0**-53 / (1 - n * 2.0**-53)
             assert abs(float(table[i, j]) - exact) <= gamma * scale
-    keys = ["big", "f64"]
-    assert P.dots(pairs, keys) == pytest.approx(table[[0, 3]].sum(0).tolist(), rel=1e-15)
-    assert P.dot(a, b, keys) == pytest.approx(float(table[0, 0] + table[3, 0]), rel=1e-15)
+    keys = ["big", "f64"]  # sums over a subset of the keys, against the exact sum of those keys' products
+    for total, (x, y) in zip(P.dots(pairs, keys), pairs):
+        products = [
+            p * q for k in keys for p, q in zip(x[k].double().flatten().tolist(), y[k].double().flatten().tolist())
+        ]
+        n = P.PIECE + 4 + len(keys)
+        assert abs(total - math.fsum(products)) <= n * 2.0**-53 / (1 - n * 2.0**-53) * math.fsum(map(abs, products))
     assert P.dots(pairs, []) == [0.0, 0.0, 0.0]
 
 
@@ -458,6 +462,28 @@ def test_an_hvp_never_shares_memory_with_its_direction():
         assert torch.equal(hv, expected)  # H = I
         v["w"].add_(1.0)
         assert torch.equal(hv, expected)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_hvp_rows_are_tensors_of_their_own(method):
+    """Autograd hands one gradient to both inputs of an addition as the same tensor, and a sum's gradient as
+    an expanded view (stride 0): the engine's rows are still each on their own writable memory. Against
+    the closed forms H = [[I, I], [I, I]] of 1/2 ||w1 + w2||^2 and H = 1 1^T of 1/2 (sum w)^2."""
+    params = {"w1": torch.randn(4, dtype=torch.float64), "w2": torch.randn(4, dtype=torch.float64)}
+    v = {n: torch.randn(4, dtype=torch.float64) for n in params}
+    with CurvaturePoint(lambda p, b: 0.5 * ((p["w1"] + p["w2"]) ** 2).sum(), params, None, method=method) as point:
+        hv = point.hvp(v)
+    expected = v["w1"] + v["w2"]
+    assert torch.equal(hv["w1"], expected) and torch.equal(hv["w2"], expected)
+    hv["w1"].mul_(2.0)
+    assert torch.equal(hv["w2"], expected)
+    w = {"w": torch.randn(5, dtype=torch.float64)}
+    u = {"w": torch.randn(5, dtype=torch.float64)}
+    with CurvaturePoint(lambda p, b: 0.5 * p["w"].sum() ** 2, w, None, method=method) as point:
+        row = point.hvp(u)["w"]
+    assert torch.allclose(row, u["w"].sum().expand(5), rtol=1e-15, atol=0)
+    row.add_(torch.arange(5.0, dtype=torch.float64))  # (raises on an expanded view)
+    assert torch.allclose(row, u["w"].sum() + torch.arange(5.0, dtype=torch.float64), rtol=1e-15, atol=0)
 
 
 def test_interactions_refuse_overlapping_or_no_parts(transformer_problem):

@@ -29,7 +29,7 @@ from torch import Tensor
 from curvlab.curvature.groupings import group_parameters, model_of
 from curvlab.curvature.scope import DirectionCurvature, ScopeCurvature, scope_names
 from curvlab.engine import params as P
-from curvlab.engine.dtensors import any_dtensor
+from curvlab.engine.dtensors import all_finite, any_dtensor
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint, working_dtype
 from curvlab.engine.loss import LossFn
 from curvlab.errors import CurvlabError
@@ -62,11 +62,12 @@ def _checked(
 ) -> tuple[P.Params, dict[str, float]]:
     r"""Z checked against the parameters and cast to ``dtype``, with its squared norm per parameter.
 
-    One float64 pass does both: a sum of squares is non-finite exactly when an entry is, so only then are
-    the entries searched, to name them.
+    One float64 pass does both: a sum of squares is non-finite when an entry is (or when float64 overflows),
+    so only then are the entries searched, to name them.
 
     Raises:
-        CurvlabError: Z mismatched with the parameters, non-finite (in its dtype or in ``dtype``), or zero.
+        CurvlabError: Z mismatched with the parameters, non-finite (in its dtype or once cast to ``dtype``),
+            too large for its squared norm in float64, or zero.
     """
     P.check_like(params, z, what, finite=False)
     zc = P.cast(z, dtype)
@@ -74,7 +75,10 @@ def _checked(
     squares = P.dot_table([(zc, zc)], keys)[:, 0]
     if not torch.isfinite(squares).all():
         P.check_like(params, z, what)
-        P.check_like(params, zc, f"{what} (in {dtype})")
+        for n, t in zc.items():
+            if not all_finite([t]):
+                raise CurvlabError(f"{what}[{n!r}] holds values beyond the range of {dtype}, its working dtype")
+        raise CurvlabError(f"the {what}'s squared norm overflows float64: its entries are too large")
     if float(squares.sum()) == 0.0:
         raise CurvlabError(f"the {what} is zero: NDS = <Z,HZ>/||Z||² is undefined")
     return zc, dict(zip(keys, squares.tolist()))

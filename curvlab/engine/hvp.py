@@ -267,9 +267,11 @@ class CurvaturePoint:
             vs: ``{name: tensor (K, *param.shape)}`` for the parameters the directions touch; the
                 names left out are zero in every direction, and cost nothing.
 
-        Memory: by double backward, the K results (K parameter-sized tensors beside the K directions) and
-        one second backward's transient memory at a time, whatever K; ``chunk_size`` caps how many
-        directions ``"fwd_rev"`` vectorizes at once, and with it that method's memory.
+        Memory: by double backward on one batch of unsharded parameters, the K results (K parameter-sized
+        tensors beside the K directions) and one second backward's transient memory at a time, whatever K
+        (several batches add a second stack of K for their weighted sum, sharded parameters hold the K rows
+        before stacking them, and a ``chunk_size`` below K concatenates its chunks); ``chunk_size`` caps how
+        many directions ``"fwd_rev"`` vectorizes at once, and with it that method's memory.
         """
         if self.sharded and self.method == "fwd_rev":
             raise CurvlabError(S.FWD_REV_REFUSED)
@@ -316,8 +318,8 @@ class CurvaturePoint:
         their weight adjoints and, where they lie below block m in the network, every node below m.
         By matrix products per linear layer, L layer blocks in the network's order (the bottom first, as
         :func:`~curvlab.curvature.groupings.group_parameters` gives them) cost about 4 a layer above
-        block m where a whole HVP costs 6 a layer (docs/benchmarks.md). The order sets only the cost,
-        never the values.
+        block m where a whole HVP costs 6 a layer (docs/benchmarks.md). The order sets the cost, and the
+        values only to rounding.
         Forward-over-reverse (``"fwd_rev"``) takes every :math:`H[Z_m]` whole, in one vectorized call.
 
         Args:
@@ -328,7 +330,9 @@ class CurvaturePoint:
         claimed = [n for names in supports for n in names]
         if not supports or len(set(claimed)) != len(claimed):
             raise CurvlabError("interactions take one or more directions on disjoint sets of parameters")
-        for d in directions:  # (finiteness from the dots below: each entry of every part is in the first row's)
+        # by double backward finiteness comes from the dots below (each entry of every part is in the first
+        # row's); forward-over-reverse's hvps check the cast parts
+        for d in directions:
             self._check_stacked({n: t.unsqueeze(0) for n, t in d.items()}, finite=False)
         parts = [P.cast(d, self.dtype) for d in directions]
         n_blocks = len(parts)
@@ -348,6 +352,7 @@ class CurvaturePoint:
                 for d in directions:
                     self._check_stacked({n: t.unsqueeze(0) for n, t in d.items()})
                 _check_finite_hvp(rows)
+                raise CurvlabError("the interactions <Z_l, H[Z_m]> overflow float64: the directions are too large")
             start = 0
             for l in range(m, n_blocks):
                 R[l, m] = R[m, l] = table[start : start + len(supports[l])].sum()
@@ -511,12 +516,17 @@ def _double_backward(outputs: list[Tensor], leaves: list[Tensor], vs: list[Tenso
 
 
 def _fresh(rows: Sequence[Tensor], vs: Sequence[Tensor]) -> bool:
-    """Whether a second backward's rows are tensors of their own: plain, and sharing no memory with the
-    directions (a gradient that is the identity of a leaf passes its grad output through as it is)."""
+    """Whether a second backward's rows are tensors of their own: plain, contiguous (an expanded row, of
+    stride 0, can't be written in place), each on its own memory, and none on the directions'. Autograd hands
+    one gradient to several inputs as the same tensor (an addition's), and a gradient that is the identity of
+    a leaf passes its grad output through as it is."""
     if any_dtensor([*rows, *vs]):
         return False
+    if not all(r.is_contiguous() for r in rows):
+        return False
+    pointers = [r.untyped_storage().data_ptr() for r in rows if r.numel()]
     taken = {v.untyped_storage().data_ptr() for v in vs}
-    return not any(r.untyped_storage().data_ptr() in taken for r in rows)
+    return len(set(pointers)) == len(pointers) and not taken.intersection(pointers)
 
 
 def _accumulate(

@@ -21,9 +21,10 @@ Params = dict[str, Tensor]
 
 PIECE = 1 << 16
 """Entries per float64 piece of an inner product on the CPU. A whole float64 copy of a large tensor is fresh
-memory that the OS faults in page by page (0.8 GB for GPT-2's embedding), where a 512 KiB piece comes back
-from the heap each time and stays in cache: 9x faster over 74M entries (docs/benchmarks.md). On a GPU the
-caching allocator reuses memory, so a tensor is converted whole."""
+memory that the OS faults in page by page (two copies and their product, 0.9 GB for GPT-2's embedding), where
+a 512 KiB piece comes back from the heap each time and stays in cache: 8.5-10.6x faster over 74M entries
+(``benchmarks/inner_products.py``, docs/benchmarks.md). On a GPU the caching allocator reuses memory, so a
+tensor is converted whole."""
 
 
 def dot_table(pairs: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]], keys: Iterable[str]) -> Tensor:
@@ -46,19 +47,10 @@ def dot_table(pairs: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]]
             sharded_at.append(i)
             continue
         plain_at.append(i)
-        if first.numel() > PIECE and first.device.type == "cpu":
-            plain += _piecewise_dots([(a[k], b[k]) for a, b in pairs])
-            continue
-        converted: dict[int, Tensor] = {}
-        for a, b in pairs:
-            x, y = a[k], b[k]
-            xd = converted.get(id(x))
-            if xd is None:
-                xd = converted[id(x)] = x.double()
-            yd = converted.get(id(y))
-            if yd is None:
-                yd = converted[id(y)] = y.double()
-            plain.append(torch.sum(xd * yd))
+        # (the list holds the tensors, so their ids name them while the dots are taken)
+        tensors = [(a[k], b[k]) for a, b in pairs]
+        piecewise = first.numel() > PIECE and first.device.type == "cpu"
+        plain += _piecewise_dots(tensors) if piecewise else _whole_dots(tensors)
     n = len(pairs)
     if not sharded:
         if not plain:
@@ -75,6 +67,16 @@ def _stacked(terms: list[Tensor]) -> Tensor:
     """0-d terms stacked on the first one's device (parameters may live on several)."""
     device = terms[0].device
     return torch.stack([t if t.device == device else t.to(device) for t in terms])
+
+
+def _whole_dots(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    """0-d float64 inner products of pairs of tensors of one shape, each distinct tensor converted once."""
+    converted: dict[int, Tensor] = {}
+    for pair in pairs:
+        for t in pair:
+            if id(t) not in converted:
+                converted[id(t)] = t.double()
+    return [torch.sum(converted[id(x)] * converted[id(y)]) for x, y in pairs]
 
 
 def _piecewise_dots(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
