@@ -363,10 +363,8 @@ def measure_directions(
             f"the hidden scope names unknown parameters: {P.names_text(unknown)}" if unknown else "no hidden matrices"
         )
     rest = [n for n in names if n not in keep]
-    index = {n: i for i, n in enumerate(names)}
-    rows = {"all": list(range(len(names))), "hidden": [index[n] for n in hidden]}
     g = point.gradient
-    gg = P.dot_table([(g, g)], names)[:, 0]
+    gg = P.group_sums(P.dot_table([(g, g)], names)[:, 0], names, [names, hidden]).tolist()  # (all, hidden)
     out = []
     for d in directions:
         full = {n: d.z[n] if n in d.z else torch.zeros_like(point.params[n]) for n in names}
@@ -376,11 +374,12 @@ def measure_directions(
         # alone, so that the hidden matrices' weight adjoints are taken once (as the Taylor split's scopes)
         parts = [{n: full[n] for n in hidden}] + ([{n: full[n] for n in rest}] if rest else [])
         R = point.interactions(parts)
-        table = P.dot_table([(g, full), (full, full)], names)  # per parameter: <G, Z>, <Z, Z>
-        scopes = []
-        for scope, zhz in (("all", R.sum()), ("hidden", R[0, 0])):
-            gz, zz = table[rows[scope]].sum(0).tolist()
-            scopes.append(DirectionCurvature.of(gz, float(zhz), zz, float(gg[rows[scope]].sum())))
+        # <G, Z> and <Z, Z> over all parameters and over the hidden matrices
+        sums = P.group_sums(P.dot_table([(g, full), (full, full)], names), names, [names, hidden]).tolist()
+        scopes = [
+            DirectionCurvature.of(gz, float(zhz), zz, gg_scope)
+            for (gz, zz), zhz, gg_scope in zip(sums, (R.sum(), R[0, 0]), gg)
+        ]
         out.append(PairedDirection(d.name, d.source, d.scaling, *scopes))
     return tuple(out)
 

@@ -103,20 +103,19 @@ def _split(
     p, loss, g = point.params, point.loss, point.gradient
     keys = list(p)
     table = P.dot_table([(g, z), (g, g)], keys)  # per key: <G, Z>, <G, G>
-    zz = torch.tensor([squares[n] for n in keys], dtype=torch.float64)
 
-    def curvature(rows: list[int], zhz: float, stepped: P.Params) -> DirectionCurvature:
-        gz, gg = table[rows].sum(0).tolist()
-        return DirectionCurvature.of(gz, zhz, float(zz[rows].sum()), gg, loss - point.loss_at(stepped))
+    def curvature(group: list[str], zhz: float, stepped: P.Params) -> DirectionCurvature:
+        gz, gg = P.group_sums(table, keys, [group])[0].tolist()
+        zz = sum(squares[n] for n in group)
+        return DirectionCurvature.of(gz, zhz, zz, gg, loss - point.loss_at(stepped))
 
     stepped = {n: w - z[n] for n, w in p.items()}
-    full = curvature(list(range(len(keys))), zhz, stepped)
+    full = curvature(keys, zhz, stepped)
     sub = full if names else None
     if zhz_sub is not None:
         inside = set(names)
-        rows = [i for i, n in enumerate(keys) if n in inside]
         # W - Z_S is W - Z on S and W elsewhere: its tensors are those two's, with nothing new to allocate
-        sub = curvature(rows, zhz_sub, {n: stepped[n] if n in inside else w for n, w in p.items()})
+        sub = curvature(names, zhz_sub, {n: stepped[n] if n in inside else w for n, w in p.items()})
     hidden = None if sub is None else ScopeCurvature(**vars(sub), names=tuple(names))
     return TaylorSplit(**vars(full), loss=loss, hidden=hidden)
 
@@ -263,8 +262,7 @@ def _block_matrix(
     the point; double backward computes their triangle
     (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`), so its asymmetry isn't measured."""
     keys = list(point.params)
-    gz = dict(zip(keys, P.dot_table([(point.gradient, z)], keys)[:, 0].tolist()))
-    first = np.array([sum(gz[n] for n in names) for names in members.values()])
+    first = P.group_sums(P.dot_table([(point.gradient, z)], keys)[:, 0], keys, members.values()).numpy()
     return _assemble(members, squares, first, R, measured_asymmetry=point.method != "rev_rev")
 
 

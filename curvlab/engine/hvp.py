@@ -337,26 +337,22 @@ class CurvaturePoint:
         parts = [P.cast(d, self.dtype) for d in directions]
         n_blocks = len(parts)
         R = torch.zeros(n_blocks, n_blocks, dtype=torch.float64, device="cpu")  # (scalars, on the host)
+        whole = {n: t for b in parts for n, t in b.items()}
         if self.method == "fwd_rev":
             for m, hz in enumerate(self.hvp_each(parts)):
-                for l, b in enumerate(parts):
-                    R[l, m] = P.dot(b, hz, supports[l])
+                R[:, m] = P.group_sums(P.dot_table([(whole, hz)], claimed)[:, 0], claimed, supports)
             return R
-        whole = {n: t for b in parts for n, t in b.items()}
         for m, b in enumerate(parts):
             later = [n for names in supports[m:] for n in names]
             stacked = self._hvps_rev_rev({n: t.unsqueeze(0) for n, t in b.items()}, wrt=later)
             rows = self._sum({n: t[0] for n, t in stacked.items()})
-            table = P.dot_table([(whole, rows)], later)[:, 0]
-            if not torch.isfinite(table).all():  # (a non-finite entry makes its dot non-finite: name it)
+            column = P.dot_table([(whole, rows)], later)[:, 0]
+            if not torch.isfinite(column).all():  # (a non-finite entry makes its dot non-finite: name it)
                 for d in directions:
                     self._check_stacked({n: t.unsqueeze(0) for n, t in d.items()})
                 _check_finite_hvp(rows)
                 raise CurvlabError("the interactions <Z_l, H[Z_m]> overflow float64: the directions are too large")
-            start = 0
-            for l in range(m, n_blocks):
-                R[l, m] = R[m, l] = table[start : start + len(supports[l])].sum()
-                start += len(supports[l])
+            R[m:, m] = R[m, m:] = P.group_sums(column, later, supports[m:])
         return R
 
     def quadratic_forms(self, zs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:

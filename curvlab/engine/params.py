@@ -36,6 +36,7 @@ def dot_table(pairs: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]]
     all-reduce of the per-rank partial sums), so that sums over any subset of the keys cost nothing more.
     """
     keys = list(keys)
+    n = len(pairs)
     plain: list[Tensor] = []  # (0-d terms, key by key, pair by pair)
     plain_at: list[int] = []
     sharded: list[Tensor] = []
@@ -47,20 +48,21 @@ def dot_table(pairs: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]]
             sharded_at.append(i)
             continue
         plain_at.append(i)
-        # (the list holds the tensors, so their ids name them while the dots are taken)
-        tensors = [(a[k], b[k]) for a, b in pairs]
-        piecewise = first.numel() > PIECE and first.device.type == "cpu"
-        plain += _piecewise_dots(tensors) if piecewise else _whole_dots(tensors)
-    n = len(pairs)
-    if not sharded:
-        if not plain:
-            return torch.zeros(len(keys), n, dtype=torch.float64, device="cpu")
-        return _stacked(plain).view(len(keys), n).cpu()
+        whole = first.device.type != "cpu" or first.numel() <= PIECE
+        plain += _dots([(a[k], b[k]) for a, b in pairs], max(first.numel(), 1) if whole else PIECE)
     table = torch.zeros(len(keys), n, dtype=torch.float64, device="cpu")  # (scalars, on the host)
     if plain:
         table[plain_at] = _stacked(plain).view(-1, n).cpu()
-    table[sharded_at] = resolved(torch.stack(sharded)).view(-1, n).cpu()
+    if sharded:
+        table[sharded_at] = resolved(torch.stack(sharded)).view(-1, n).cpu()
     return table
+
+
+def group_sums(table: Tensor, keys: Sequence[str], groups: Iterable[Iterable[str]]) -> Tensor:
+    """The rows of a per-key ``table`` (:func:`dot_table`'s over ``keys``, or one of its columns) summed over
+    each group of keys: shape ``(len(groups), *table.shape[1:])``."""
+    index = {k: i for i, k in enumerate(keys)}
+    return torch.stack([table[[index[k] for k in group]].sum(0) for group in groups])
 
 
 def _stacked(terms: list[Tensor]) -> Tensor:
@@ -69,36 +71,23 @@ def _stacked(terms: list[Tensor]) -> Tensor:
     return torch.stack([t if t.device == device else t.to(device) for t in terms])
 
 
-def _whole_dots(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
-    """0-d float64 inner products of pairs of tensors of one shape, each distinct tensor converted once."""
-    converted: dict[int, Tensor] = {}
-    for pair in pairs:
-        for t in pair:
-            if id(t) not in converted:
-                converted[id(t)] = t.double()
-    return [torch.sum(converted[id(x)] * converted[id(y)]) for x, y in pairs]
-
-
-def _piecewise_dots(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:
-    """0-d float64 inner products of pairs of plain CPU tensors of one shape, :data:`PIECE` entries at a time,
-    each distinct tensor converted once per piece."""
+def _dots(pairs: Sequence[tuple[Tensor, Tensor]], piece: int) -> list[Tensor]:
+    """0-d float64 inner products of pairs of plain tensors of one shape, ``piece`` entries at a time, each
+    distinct tensor converted once per piece (the list of pairs holds the tensors, so their ids name them)."""
     flat: dict[int, Tensor] = {}
     for pair in pairs:
         for t in pair:
             flat.setdefault(id(t), t.reshape(-1))
     parts: list[list[Tensor]] = [[] for _ in pairs]
-    for i in range(0, pairs[0][0].numel(), PIECE):
-        piece = {key: f[i : i + PIECE].double() for key, f in flat.items()}
+    for i in range(0, max(pairs[0][0].numel(), 1), piece):
+        converted = {key: f[i : i + piece].double() for key, f in flat.items()}
         for j, (x, y) in enumerate(pairs):
-            parts[j].append(torch.dot(piece[id(x)], piece[id(y)]))
-    return [torch.stack(p).sum() for p in parts]
+            parts[j].append(torch.dot(converted[id(x)], converted[id(y)]))
+    return [p[0] if len(p) == 1 else torch.stack(p).sum() for p in parts]
 
 
 def dots(pairs: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]], keys: Iterable[str]) -> list[float]:
     r"""The inner products :math:`\langle a, b\rangle` over ``keys`` of every pair, in float64 (:func:`dot_table`)."""
-    keys = list(keys)
-    if not keys:
-        return [0.0] * len(pairs)
     return dot_table(pairs, keys).sum(0).tolist()
 
 
