@@ -18,10 +18,13 @@ in ``tests/test_exact_ops.py`` measure each case against double backward):
   their affine forms. Forward-over-reverse (``jvp`` of ``grad``) and double backward are right, and
   ``group_norm``, ``rms_norm`` and ``batch_norm`` with running statistics are right under all four.
 
-So each method reroutes only what is wrong under it (:data:`REROUTES`): the HVP methods ``"rev_rev"``
+So each method reroutes what is wrong under it (:data:`REROUTES`): the HVP methods ``"rev_rev"``
 and ``"fwd_rev"`` keep the fused kernels, while ``"fwd_fwd"`` (and ``None``: any transform, for users
 who call ``torch.func.hessian`` themselves) route the three norms through composites of ``mean`` and
-``rsqrt``, whose derivatives of every order and mode are exact.
+``rsqrt``, whose derivatives of every order and mode are exact. One rerouting is for speed, not
+exactness: under ``"rev_rev"``, ``F.cross_entropy`` over class indices takes its second backward in
+closed form (:mod:`curvlab.engine._cross_entropy`: the same loss and gradient bit for bit, the same
+Hessian to rounding, in a few passes over the logits where autograd's generic formulas take about ten).
 
 Stochastic layers and activation checkpointing are the model's, not the functional ops': LayerDrop
 (``torch.rand([]) < layerdrop``: OPT, BART, Whisper), DropPath / stochastic depth (``torch.rand``
@@ -60,11 +63,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.batchnorm import _NormBase
 from torch.overrides import TorchFunctionMode
 
+from curvlab.engine._cross_entropy import closed_form_cross_entropy
 from curvlab.errors import CurvlabError
 
 # what each method needs rerouted beyond attention, dropout and running statistics: the HVP methods
 # (curvlab.engine.hvp.METHODS), forward-over-forward ("fwd_fwd") and None (any transform)
-REROUTES = {"rev_rev": frozenset(), "fwd_rev": frozenset(), "fwd_fwd": frozenset({"norms"}), None: frozenset({"norms"})}
+# ("cross_entropy": a second backward in closed form, for speed only, where nothing but autograd runs)
+REROUTES = {
+    "rev_rev": frozenset({"cross_entropy"}),
+    "fwd_rev": frozenset(),
+    "fwd_fwd": frozenset({"norms"}),
+    None: frozenset({"norms"}),
+}
 
 _DROPOUTS = {
     F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
@@ -169,9 +179,10 @@ _STATISTICS_NORMS = {
 
 
 class _ExactSecondOrderMode(TorchFunctionMode):
-    def __init__(self, composite_norms: bool, watch_dtype: torch.dtype | None, frozen: frozenset[int | None]):
+    def __init__(self, reroutes: frozenset[str], watch_dtype: torch.dtype | None, frozen: frozenset[int | None]):
         super().__init__()
-        self.composite_norms = composite_norms
+        self.composite_norms = "norms" in reroutes
+        self.closed_form_cross_entropy = "cross_entropy" in reroutes
         self.watch_dtype = watch_dtype
         self.frozen = frozen
         self.downcasts: dict[str, None] = {}  # every distinct place, in order (a dict as an ordered set)
@@ -199,6 +210,8 @@ class _ExactSecondOrderMode(TorchFunctionMode):
             return composite_layer_norm(*args, **kwargs)
         elif func is F.embedding:
             args, kwargs = _without_padding_idx(args, kwargs)
+        elif func is F.cross_entropy and self.closed_form_cross_entropy:
+            func = closed_form_cross_entropy
         out = func(*args, **kwargs)
         if self.watch_dtype is not None:
             self._watch(func, args, kwargs, out)
@@ -412,11 +425,12 @@ def exact_second_order(
     that is still left is reported with a warning naming the place.
     For ``method`` ``"fwd_fwd"`` or ``None`` (any transform, ``torch.func.hessian`` included),
     ``F.layer_norm``, ``F.batch_norm`` with batch statistics and ``F.instance_norm`` also run as
-    composites (:func:`composite_layer_norm`, ...). Re-entrant.
+    composites (:func:`composite_layer_norm`, ...); for ``"rev_rev"``, ``F.cross_entropy`` takes its
+    second backward in closed form (:mod:`curvlab.engine._cross_entropy`, for speed). Re-entrant.
 
     Args:
         method: ``"rev_rev"`` or ``"fwd_rev"`` (the HVP methods), ``"fwd_fwd"`` (quadratic forms), or
-            ``None`` for every rerouting.
+            ``None`` for every rerouting that makes a derivative exact under any transform.
         watch_dtype: warn, naming every place, when the model turns a tensor of this dtype (e.g.
             float64) that depends on the parameters into a lower-precision float: its curvature then
             has that lower precision.
@@ -429,7 +443,7 @@ def exact_second_order(
         raise CurvlabError(f"unknown method {method!r} for the exact mode; choose one of {known}")
     watch = watch_dtype if watch_dtype in _PRECISION else None
     frozen = frozenset(_storage(t) for t in [*keep, *running_statistics(model)])
-    mode = _ExactSecondOrderMode("norms" in REROUTES[method], watch, frozen)
+    mode = _ExactSecondOrderMode(REROUTES[method], watch, frozen)
     modes = _ACTIVE.__dict__.setdefault("modes", [])
     checkpoint_off = contextlib.nullcontext() if modes else _torch_checkpoint_off()
     with sdpa_kernel(SDPBackend.MATH), mode, checkpoint_off:
