@@ -88,10 +88,10 @@ def block_floor_on_the_triangle(params, model) -> float:
     taken on and 2 on each it only passes through (a head tied to the embedding is in the first block but
     used on top); with the first-order graph's 3, against L HVPs at 9 each."""
     blocks = list(group_parameters(params, blocks="layer").values())
+    hidden = set(hidden_matrices(params, model=model))
     head, top = model.lm_head.weight.data_ptr(), len(blocks) - 1
     matrices = []  # (entries, block, height in the network: the block's index, the head's on top)
     for index, names in enumerate(blocks):
-        hidden = set(hidden_matrices({n: params[n] for n in names}, model=model))
         for n in names:
             if n in hidden or params[n].data_ptr() == head:
                 height = index if n in hidden or index == top else len(blocks)

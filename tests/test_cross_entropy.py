@@ -9,12 +9,14 @@ import torch.nn.functional as F
 from torch.func import grad, jvp, vmap
 
 from curvlab import block_matrix, exact_second_order, hvps, taylor_split
-from curvlab.engine import exact
+from curvlab.engine import _cross_entropy, exact
 from curvlab.engine import params as P
 from curvlab.engine._cross_entropy import closed_form_cross_entropy
 from tests.builders import random_direction
 
 CLOSED_FORM = "_CrossEntropyBackward"
+# a second backward in closed form is a handful of roundings in its dtype; a third derivative a few more
+HVP_ROUNDING, THIRD_ROUNDING = 4, 16  # (units of the dtype's machine epsilon)
 CLASSES = 5
 # a label outside the classes, one of them, and past them: torch ignores each wherever it stands
 IGNORE_INDICES = [-100, 3, CLASSES + 2]
@@ -66,8 +68,7 @@ def test_loss_and_gradient_are_torchs_bit_for_bit_and_the_second_backward_its_he
     v = seeded(x, 5)
     (hv,) = torch.autograd.grad(g_ours, x, v)
     assert hv.dtype == dtype
-    rounding = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 3e-2}[dtype]
-    assert relative_error(hv.flatten(), H @ v.double().flatten()) <= rounding
+    assert relative_error(hv.flatten(), H @ v.double().flatten()) <= HVP_ROUNDING * torch.finfo(dtype).eps
 
 
 @pytest.mark.parametrize("ignore_index", IGNORE_INDICES)
@@ -82,7 +83,7 @@ def test_the_incoming_gradient_and_a_third_derivative_are_torchs(ignore_index):
         second.append((hv, dw))
         third.append(torch.autograd.grad((u * hv).sum(), (x, w, v)))
     for ours, theirs in (*zip(*second), *zip(*third)):
-        assert relative_error(ours, theirs) <= 1e-14
+        assert relative_error(ours, theirs) <= THIRD_ROUNDING * torch.finfo(torch.float64).eps
 
 
 def test_every_label_ignored_gives_torchs_zero_curvature():
@@ -108,13 +109,23 @@ def test_repeated_second_backwards_agree_and_the_incoming_gradient_is_its_own():
     again = torch.autograd.grad(g, x, v)[0]
     assert torch.equal(first, again)
     H = torch_hessian(x, t, "mean", 1.7, -100)
-    assert relative_error(first.flatten(), H @ v.flatten()) <= 1e-14
+    assert relative_error(first.flatten(), H @ v.flatten()) <= HVP_ROUNDING * torch.finfo(torch.float64).eps
+
+
+@pytest.fixture
+def closed_form_forbidden(monkeypatch):
+    """The closed form's Function fails the test if it is entered (a call under no grad shows no node)."""
+
+    def entered(*args):
+        raise AssertionError("the closed form was taken for a call it does not cover")
+
+    monkeypatch.setattr(_cross_entropy._CrossEntropy, "apply", entered)
 
 
 @pytest.mark.parametrize(
     "case", ["label_smoothing", "class_weights", "no_reduction", "spatial", "probabilities", "no_grad"]
 )
-def test_every_call_it_does_not_cover_is_torchs_own(case):
+def test_every_call_it_does_not_cover_is_torchs_own(case, closed_form_forbidden):
     x, t = logits_and_targets(torch.float64)
     kwargs = {
         "label_smoothing": {"label_smoothing": 0.1},
@@ -127,7 +138,6 @@ def test_every_call_it_does_not_cover_is_torchs_own(case):
         t = torch.softmax(seeded(x, 7), -1)
     with torch.set_grad_enabled(case != "no_grad"):
         ours, theirs = closed_form_cross_entropy(x, t, **kwargs), F.cross_entropy(x, t, **kwargs)
-    assert ours.grad_fn is None or type(ours.grad_fn).__name__ != CLOSED_FORM
     assert torch.equal(ours, theirs)
 
 
@@ -166,7 +176,7 @@ def _compiled_second_backward(ce, x, t):  # (traced by dynamo; the second backwa
     "run",
     [_per_sample_gradients, _over_targets, _grad_of_a_scale, _jvp, _forward_ad, _autocast, _compiled_second_backward],
 )
-def test_beyond_autograd_it_is_torchs_own(run):
+def test_beyond_autograd_it_is_torchs_own(run, closed_form_forbidden):
     x, t = logits_and_targets(torch.float64)
     torch._dynamo.reset()
     ours, theirs = run(closed_form_cross_entropy, x, t), run(F.cross_entropy, x, t)
@@ -219,8 +229,13 @@ def test_hvps_split_and_block_matrix_equal_torchs_double_backward(problem, reque
     ours_hv, ours_split, ours_block = everything()
     assert taken and all(taken)
     theirs_hv, theirs_split, theirs_block = torch_double_backward(everything)
-    assert (P.flatten(ours_hv) - P.flatten(theirs_hv)).norm() <= 1e-13 * P.flatten(theirs_hv).norm()
+    # the loss and gradient are torch's bit for bit, so is everything of first order; the curvature is the
+    # same to float64 rounding, with a sum's cancellation (measured: 2e-15 at most)
+    rounding = 1e-14
+    assert (P.flatten(ours_hv) - P.flatten(theirs_hv)).norm() <= rounding * P.flatten(theirs_hv).norm()
     for a, b in ((ours_split, theirs_split), (ours_split.hidden, theirs_split.hidden)):
-        for field in ("first_order", "curvature_penalty", "realized", "nds", "update_norm", "grad_norm"):
-            assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-12, abs=1e-15)
-    assert ours_block.matrix == pytest.approx(theirs_block.matrix, rel=1e-12, abs=1e-15)
+        for field in ("first_order", "realized", "update_norm", "grad_norm"):
+            assert getattr(a, field) == getattr(b, field)
+        for field in ("curvature_penalty", "nds"):
+            assert getattr(a, field) == pytest.approx(getattr(b, field), rel=rounding, abs=0)
+    assert abs(ours_block.matrix - theirs_block.matrix).max() <= rounding * abs(theirs_block.matrix).max()
