@@ -1,14 +1,17 @@
 r"""A mode under which any PyTorch model can be differentiated twice, exactly, without side effects.
 
 What breaks second derivatives of ordinary models on torch 2.13 (docs/science.md section 1; the tests
-in ``tests/test_exact_ops.py`` measure each case against double backward):
+in ``tests/test_exact_ops.py`` measure each case against double backward, and the op sweep,
+``tests/op_sweep.py``, every op with a derivative formula of its own against central differences of
+torch's gradient, by each method, over its options: docs/op-sweep.md has its table):
 
 * flash and memory-efficient attention have neither forward-mode AD nor double backward, so
   ``scaled_dot_product_attention`` must run on the math backend (every method);
 * dropout makes the loss random, so the "Hessian" would change between two HVPs (every method);
-* ``F.embedding``'s ``padding_idx`` zeroes part of the padding row's gradient without changing the
-  function, which makes the gradient's derivative asymmetric, so the HVP methods disagree on a batch
-  holding the padding token (every method: the mode drops it, see :func:`_without_padding_idx`);
+* ``F.embedding``'s ``padding_idx`` and ``scale_grad_by_freq`` change its gradient without changing
+  the function, which makes the gradient's derivative asymmetric, so the HVP methods disagree on a
+  batch holding the padding token (every method: the mode drops them, see
+  :func:`_embedding_function_only`; ``max_norm``, which renormalizes the weight in place, is refused);
 * batch and instance norms in training mode update their running statistics in place: curvature
   must never change the model, and under ``torch.func`` transforms the update even crashes (every
   method);
@@ -25,6 +28,17 @@ who call ``torch.func.hessian`` themselves) route the three norms through compos
 exactness: under ``"rev_rev"``, ``F.cross_entropy`` over class indices takes its second backward in
 closed form (:mod:`curvlab.engine._cross_entropy`: the same loss and gradient bit for bit, the same
 Hessian to rounding, in a few passes over the logits where autograd's generic formulas take about ten).
+
+Beyond the norms, the sweep finds fused ops whose second derivative torch gets wrong or lacks, and each
+is routed to a composite of the same value (:mod:`curvlab.engine.composites`) under the methods where
+it fails (:data:`_ROUTES`): weight norm (a wrong mixed g-v term under double backward, 20-95% off; no
+forward mode), layer norm with a bias and no weight (double backward), ``embedding_bag``, the margin
+losses, ``cdist``, ``pdist`` and ``hardsigmoid`` (no second derivative at all), ``mse_loss``,
+``huber_loss`` and ``soft_margin_loss`` (no forward mode of their backward), ``linalg.solve``,
+``householder_product`` and the determinants (wrong forward-over-forward), and ``glu``, ``rrelu`` and
+``binary_cross_entropy_with_logits`` (no forward-over-forward, or no batching rule). The ops with no
+second derivative that no composite replaces are refused by name with the way out (:data:`_REFUSED`):
+``ctc_loss`` under every method, ``grid_sample`` under the forward ones.
 
 Stochastic layers and activation checkpointing are the model's, not the functional ops': LayerDrop
 (``torch.rand([]) < layerdrop``: OPT, BART, Whisper), DropPath / stochastic depth (``torch.rand``
@@ -64,17 +78,67 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.overrides import TorchFunctionMode
 
 from curvlab.engine._cross_entropy import closed_form_cross_entropy
+from curvlab.engine.composites import (
+    composite_batch_norm,
+    composite_binary_cross_entropy_with_logits,
+    composite_cdist,
+    composite_det,
+    composite_embedding_bag,
+    composite_glu,
+    composite_hardsigmoid,
+    composite_householder_product,
+    composite_huber_loss,
+    composite_instance_norm,
+    composite_layer_norm,
+    composite_logdet,
+    composite_mse_loss,
+    composite_multi_margin_loss,
+    composite_multilabel_margin_loss,
+    composite_pdist,
+    composite_rrelu,
+    composite_slogdet,
+    composite_soft_margin_loss,
+    composite_solve,
+    composite_weight_norm,
+)
 from curvlab.errors import CurvlabError
 
-# what each method needs rerouted beyond attention, dropout and running statistics: the HVP methods
-# (curvlab.engine.hvp.METHODS), forward-over-forward ("fwd_fwd") and None (any transform)
-# ("cross_entropy": a second backward in closed form, for speed only, where nothing but autograd runs)
-REROUTES = {
-    "rev_rev": frozenset({"cross_entropy"}),
-    "fwd_rev": frozenset(),
-    "fwd_fwd": frozenset({"norms"}),
-    None: frozenset({"norms"}),
-}
+_ALL = ("rev_rev", "fwd_rev", "fwd_fwd", None)
+_FORWARD = ("fwd_rev", "fwd_fwd", None)
+_FWD_FWD = ("fwd_fwd", None)
+# each rerouting: the methods (curvlab.engine.hvp.METHODS, forward-over-forward "fwd_fwd", and None for any
+# transform) under which torch's own derivative is wrong or missing, as tests/op_sweep.py measures it
+# against central differences of torch's gradient, and the torch functions it replaces by composites
+# ("norms" and "cross_entropy" are handled in the mode itself: running statistics, and a closed form that
+# is for speed only, where nothing but autograd runs)
+_ROUTES: dict[str, tuple[tuple, dict]] = {
+    "norms": (_FWD_FWD, {}),
+    "cross_entropy": (("rev_rev",), {}),
+    "weight_norm": (_ALL, {torch._weight_norm: composite_weight_norm}),  # wrong g-v term; no forward mode
+    "embedding_bag": (_ALL, {F.embedding_bag: composite_embedding_bag}),  # no second derivative
+    "hardsigmoid": (_ALL, {F.hardsigmoid: composite_hardsigmoid}),  # no second derivative
+    "margin_losses": (_ALL, {F.multi_margin_loss: composite_multi_margin_loss,
+                             F.multilabel_margin_loss: composite_multilabel_margin_loss}),
+    "distances": (_ALL, {torch.cdist: composite_cdist, F.pdist: composite_pdist}),  # no second derivative
+    "pointwise_losses": (_FORWARD, {F.mse_loss: composite_mse_loss, F.huber_loss: composite_huber_loss,
+                                    F.soft_margin_loss: composite_soft_margin_loss}),
+    "rrelu": (_FORWARD, {F.rrelu: composite_rrelu}),  # no batching rule (vmap) for its kernel
+    "glu": (_FWD_FWD, {F.glu: composite_glu}),
+    "logit_loss": (_FWD_FWD, {F.binary_cross_entropy_with_logits: composite_binary_cross_entropy_with_logits}),
+    "linalg": (_FWD_FWD, {torch.linalg.solve: composite_solve, torch.linalg.det: composite_det,
+                          torch.det: composite_det, torch.linalg.slogdet: composite_slogdet,
+                          torch.slogdet: composite_slogdet, torch.logdet: composite_logdet,
+                          torch.linalg.householder_product: composite_householder_product}),
+}  # fmt: skip
+# what each method needs rerouted beyond attention, dropout, running statistics and embeddings' gradient options
+REROUTES = {m: frozenset(name for name, (methods, _) in _ROUTES.items() if m in methods) for m in _ALL}
+# the ops with no second derivative in torch and no composite here: (methods, why, the way out)
+_REFUSED = {
+    F.ctc_loss: (_ALL, "its backward has no derivative in torch", "use another loss, or finite differences of "
+                 "gradients (curvlab.engine.finite_difference.finite_difference_hvp)"),
+    F.grid_sample: (_FORWARD, "torch has no forward-mode derivative for it", "use method='rev_rev'"),
+}  # fmt: skip
+
 
 _DROPOUTS = {
     F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
@@ -95,80 +159,6 @@ _TORCH_DIR = str(Path(torch.__file__).parent)
 _ACTIVE = threading.local()  # the exact modes entered in this thread, innermost last
 
 
-def composite_layer_norm(
-    x: Tensor,
-    normalized_shape: Sequence[int],
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    eps: float = 1e-5,
-) -> Tensor:
-    r"""Layer normalization :math:`(x - \mu)/\sqrt{\sigma^2 + \epsilon}\,w + b` from primitive ops.
-
-    Same value as ``F.layer_norm`` (to rounding), with derivatives of every order and mode exact.
-    """
-    return _affine(_normalize(x, tuple(range(-len(normalized_shape), 0)), eps), weight, bias, x.dim(), 0)
-
-
-def composite_batch_norm(
-    x: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    training: bool = False,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-) -> Tensor:
-    r"""Batch normalization of ``(N, C, ...)`` from primitive ops, never updating running statistics.
-
-    With batch statistics (``training`` or no running statistics), :math:`\mu, \sigma^2` are taken over
-    every dimension but C (biased variance, as ``F.batch_norm`` normalizes); otherwise the running
-    ones are used. Derivatives of every order and mode are exact.
-    """
-    if training or running_mean is None or running_var is None:
-        y = _normalize(x, (0, *range(2, x.dim())), eps)
-    else:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        y = (x - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
-    return _affine(y, weight, bias, x.dim(), 1)
-
-
-def composite_instance_norm(
-    x: Tensor,
-    running_mean: Tensor | None = None,
-    running_var: Tensor | None = None,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    use_input_stats: bool = True,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-) -> Tensor:
-    """Instance normalization of ``(N, C, ...)`` over the spatial dimensions, from primitive ops, never
-    updating running statistics (see :func:`composite_batch_norm`)."""
-    if use_input_stats or running_mean is None or running_var is None:
-        y = _normalize(x, tuple(range(2, x.dim())), eps)
-    else:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        y = (x - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
-    return _affine(y, weight, bias, x.dim(), 1)
-
-
-def _normalize(x: Tensor, dims: tuple[int, ...], eps: float) -> Tensor:
-    centered = x - x.mean(dims, keepdim=True)
-    return centered * torch.rsqrt(centered.pow(2).mean(dims, keepdim=True) + eps)
-
-
-def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, ndim: int, channel_dim: int) -> Tensor:
-    """``y * weight + bias`` with the parameters broadcast along ``channel_dim`` (1: channels, 0: the
-    trailing normalized shape, which broadcasts as is)."""
-    shape = None if channel_dim == 0 else (-1,) + (1,) * (ndim - 2)
-    if weight is not None:
-        y = y * (weight if shape is None else weight.view(shape))
-    if bias is not None:
-        y = y + (bias if shape is None else bias.view(shape))
-    return y
-
-
 # F.batch_norm and F.instance_norm share one argument layout; their flag for batch statistics
 # ("training", "use_input_stats") is called batch_stats here
 _STATISTICS_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "batch_stats", "momentum", "eps")
@@ -179,10 +169,13 @@ _STATISTICS_NORMS = {
 
 
 class _ExactSecondOrderMode(TorchFunctionMode):
-    def __init__(self, reroutes: frozenset[str], watch_dtype: torch.dtype | None, frozen: frozenset[int | None]):
+    def __init__(self, method: str | None, watch_dtype: torch.dtype | None, frozen: frozenset[int | None]):
         super().__init__()
+        reroutes = REROUTES[method]
         self.composite_norms = "norms" in reroutes
         self.closed_form_cross_entropy = "cross_entropy" in reroutes
+        self.routes = {f: composite for name in reroutes for f, composite in _ROUTES[name][1].items()}
+        self.refused = {f: (why, way) for f, (methods, why, way) in _REFUSED.items() if method in methods}
         self.watch_dtype = watch_dtype
         self.frozen = frozen
         self.downcasts: dict[str, None] = {}  # every distinct place, in order (a dict as an ordered set)
@@ -206,16 +199,33 @@ class _ExactSecondOrderMode(TorchFunctionMode):
                 args = (*args[:4], 0.0, *args[5:])
         elif func in _STATISTICS_NORMS:
             return self._statistics_norm(func, args, kwargs)
-        elif func is F.layer_norm and self.composite_norms:
-            return composite_layer_norm(*args, **kwargs)
-        elif func is F.embedding:
-            args, kwargs = _without_padding_idx(args, kwargs)
-        elif func is F.cross_entropy and self.closed_form_cross_entropy:
+        elif func is F.layer_norm:
+            return self._layer_norm(args, kwargs)
+        elif func is F.embedding or func is F.embedding_bag:
+            args, kwargs = _embedding_function_only(func, args, kwargs)
+        if func in self.routes:
+            func = self.routes[func]
+        elif func in self.refused and _differentiated(args, kwargs):
+            why, way = self.refused[func]
+            raise CurvlabError(f"{func.__name__} can't be differentiated twice exactly: {why}; {way}")
+        if func is F.cross_entropy and self.closed_form_cross_entropy:
             func = closed_form_cross_entropy
         out = func(*args, **kwargs)
         if self.watch_dtype is not None:
             self._watch(func, args, kwargs, out)
         return out
+
+    def _layer_norm(self, args, kwargs) -> Tensor:
+        """Layer norm as a composite where the method needs one; with a bias and no weight, the norm
+        without it plus the bias (torch's double backward of that form is wrong, or fails)."""
+        b = dict(zip(("input", "normalized_shape", "weight", "bias", "eps"), args), **kwargs)
+        if self.composite_norms:
+            return composite_layer_norm(
+                b["input"], b["normalized_shape"], b.get("weight"), b.get("bias"), b.get("eps", 1e-5)
+            )
+        if b.get("weight") is None and b.get("bias") is not None:
+            return F.layer_norm(b["input"], b["normalized_shape"], None, None, b.get("eps", 1e-5)) + b["bias"]
+        return F.layer_norm(*args, **kwargs)
 
     def _statistics_norm(self, func, args, kwargs) -> Tensor:
         """Batch or instance norm that never updates its running statistics (as a composite when the
@@ -248,24 +258,47 @@ class _ExactSecondOrderMode(TorchFunctionMode):
             self.random_draws.setdefault(f"{getattr(func, '__name__', str(func))}() at {site}")
 
 
-_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+_EMBEDDING_ARGS = {
+    F.embedding: ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"),
+    F.embedding_bag: ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse",
+                      "per_sample_weights", "include_last_offset", "padding_idx"),
+}  # fmt: skip
 
 
-def _without_padding_idx(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    r"""``F.embedding``'s arguments without ``padding_idx``: the same values, and the derivatives of the function.
+def _embedding_function_only(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    r"""An embedding's arguments without those that change its gradient and not its value: the same
+    values, and the derivatives of the function.
 
-    ``padding_idx`` changes no value: it only zeroes the padding row's part of the gradient, while
-    the row's value still reaches the loss (and a tied head trains it). The derivative of that
-    gradient, :math:`J = M H` (M zeroes the padding row's lookup part), is not symmetric: double
-    backward (:math:`J^\top v`) and forward-over-reverse (:math:`J v`) disagree whenever the batch
-    holds the padding token (by 100% on a tiny OPT). Without it, every method gives the Hessian H of
-    the loss, and G its gradient; they differ from torch's ``.grad`` only in the padding row.
+    ``F.embedding``'s ``padding_idx`` changes no value: it only zeroes the padding row's part of the
+    gradient, while the row's value still reaches the loss (and a tied head trains it). The derivative
+    of that gradient, :math:`J = M H` (M zeroes the padding row's lookup part), is not symmetric:
+    double backward (:math:`J^\top v`) and forward-over-reverse (:math:`J v`) disagree whenever the
+    batch holds the padding token (by 100% on a tiny OPT). ``scale_grad_by_freq`` divides each row's
+    gradient by its count in the batch, the same asymmetry (64% off in the op sweep). Without them,
+    every method gives the Hessian H of the loss, and G its gradient; they differ from torch's
+    ``.grad`` only in those rows. (``F.embedding_bag``'s ``padding_idx`` leaves entries out of their
+    bags, a change of value, and stays.)
+
+    Raises:
+        CurvlabError: ``max_norm``, which renormalizes the weight's rows in place during the forward:
+            curvature would change the parameters it is taken at.
     """
-    b = dict(zip(_EMBEDDING_ARGS, args), **kwargs)
-    if b.get("padding_idx") is None:
+    b = dict(zip(_EMBEDDING_ARGS[func], args), **kwargs)
+    if b.get("max_norm") is not None:
+        raise CurvlabError(
+            f"{func.__name__} with max_norm renormalizes the weight's rows in place during the forward, so "
+            "curvature would change the parameters it is taken at; renormalize once beforehand and pass max_norm=None"
+        )
+    gradient_only = ("padding_idx", "scale_grad_by_freq") if func is F.embedding else ("scale_grad_by_freq",)
+    if all(b.get(k) is None or b.get(k) is False for k in gradient_only):
         return args, kwargs
-    b["padding_idx"] = None
-    return (), b
+    return (), {**b, **{k: (None if k == "padding_idx" else False) for k in gradient_only}}
+
+
+def _differentiated(args: tuple, kwargs: dict) -> bool:
+    """Whether a call forms a derivative (a loss value under ``no_grad`` is still allowed)."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    return torch.is_grad_enabled() and any(_depends_on_parameters(t) for t in tensors)
 
 
 def _model_marks_wrapped(t: Tensor) -> bool:
@@ -443,7 +476,7 @@ def exact_second_order(
         raise CurvlabError(f"unknown method {method!r} for the exact mode; choose one of {known}")
     watch = watch_dtype if watch_dtype in _PRECISION else None
     frozen = frozenset(_storage(t) for t in [*keep, *running_statistics(model)])
-    mode = _ExactSecondOrderMode(REROUTES[method], watch, frozen)
+    mode = _ExactSecondOrderMode(method, watch, frozen)
     modes = _ACTIVE.__dict__.setdefault("modes", [])
     checkpoint_off = contextlib.nullcontext() if modes else _torch_checkpoint_off()
     with sdpa_kernel(SDPBackend.MATH), mode, checkpoint_off:

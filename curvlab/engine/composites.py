@@ -1,0 +1,295 @@
+r"""Composite forms of the fused ops torch differentiates wrongly, or not twice: the same values from
+primitive ops (``mean``, ``rsqrt``, ``index_add``, ...), whose derivatives of every order and mode are exact.
+
+The exact mode (:mod:`curvlab.engine.exact`) routes each fused op here under the methods where torch's
+own formulas fail (``tests/op_sweep.py`` measures every op against central differences of torch's
+gradient, by each method; docs/science.md section 1 has the table):
+
+* ``F.layer_norm``, ``F.instance_norm`` and ``F.batch_norm`` with batch statistics: wrong forward-over-
+  forward (and ``jacrev`` of ``jacrev`` through their affine forms);
+* ``torch._weight_norm`` (``nn.utils.weight_norm`` and the ``weight_norm`` parametrization): the fused
+  ``_weight_norm_interface`` has a wrong mixed g–v second derivative and no forward mode;
+* ``F.embedding_bag``: its backward has no derivative at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def composite_layer_norm(
+    x: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""Layer normalization :math:`(x - \mu)/\sqrt{\sigma^2 + \epsilon}\,w + b` from primitive ops.
+
+    Same value as ``F.layer_norm`` (to rounding), with derivatives of every order and mode exact.
+    """
+    return _affine(_normalize(x, tuple(range(-len(normalized_shape), 0)), eps), weight, bias, x.dim(), 0)
+
+
+def composite_batch_norm(
+    x: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""Batch normalization of ``(N, C, ...)`` from primitive ops, never updating running statistics.
+
+    With batch statistics (``training`` or no running statistics), :math:`\mu, \sigma^2` are taken over
+    every dimension but C (biased variance, as ``F.batch_norm`` normalizes); otherwise the running
+    ones are used. Derivatives of every order and mode are exact.
+    """
+    if training or running_mean is None or running_var is None:
+        y = _normalize(x, (0, *range(2, x.dim())), eps)
+    else:
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        y = (x - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
+    return _affine(y, weight, bias, x.dim(), 1)
+
+
+def composite_instance_norm(
+    x: Tensor,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Instance normalization of ``(N, C, ...)`` over the spatial dimensions, from primitive ops, never
+    updating running statistics (see :func:`composite_batch_norm`)."""
+    if use_input_stats or running_mean is None or running_var is None:
+        y = _normalize(x, tuple(range(2, x.dim())), eps)
+    else:
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        y = (x - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
+    return _affine(y, weight, bias, x.dim(), 1)
+
+
+def _normalize(x: Tensor, dims: tuple[int, ...], eps: float) -> Tensor:
+    centered = x - x.mean(dims, keepdim=True)
+    return centered * torch.rsqrt(centered.pow(2).mean(dims, keepdim=True) + eps)
+
+
+def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, ndim: int, channel_dim: int) -> Tensor:
+    """``y * weight + bias`` with the parameters broadcast along ``channel_dim`` (1: channels, 0: the
+    trailing normalized shape, which broadcasts as is)."""
+    shape = None if channel_dim == 0 else (-1,) + (1,) * (ndim - 2)
+    if weight is not None:
+        y = y * (weight if shape is None else weight.view(shape))
+    if bias is not None:
+        y = y + (bias if shape is None else bias.view(shape))
+    return y
+
+
+def composite_weight_norm(v: Tensor, g: Tensor, dim: int = 0) -> Tensor:
+    r"""Weight normalization :math:`g\, v / \|v\|` from primitive ops, as ``torch._weight_norm(v, g, dim)``.
+
+    The norm is taken over every dimension but ``dim`` (over all of them for ``dim = -1``, as torch's
+    ``norm_except_dim`` does), and ``g`` broadcasts against it.
+    """
+    if dim == -1:
+        dims = tuple(range(v.dim()))
+    else:
+        dim %= v.dim()
+        dims = tuple(d for d in range(v.dim()) if d != dim)
+    return v * (g * torch.rsqrt((v * v).sum(dims, keepdim=True)))
+
+
+def composite_embedding_bag(
+    input: Tensor,
+    weight: Tensor,
+    offsets: Tensor | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    mode: str = "mean",
+    sparse: bool = False,
+    per_sample_weights: Tensor | None = None,
+    include_last_offset: bool = False,
+    padding_idx: int | None = None,
+) -> Tensor:
+    r"""``F.embedding_bag`` from a lookup and a reduction per bag (sum, mean or max), the same values.
+
+    Bags are the rows of a 2-D ``input``, or the runs of a 1-D ``input`` that ``offsets`` start (with
+    ``include_last_offset``, ``offsets`` has one entry more, which torch takes to be the input's length:
+    the last bag runs to the end, as torch's does). Entries equal to ``padding_idx`` are left
+    out of their bag (and of its count, for the mean); an empty bag is zero. ``per_sample_weights``
+    scales each entry (mode ``"sum"``). ``scale_grad_by_freq`` and ``sparse`` change torch's gradient,
+    not the function, and are not used (the exact mode refuses ``max_norm`` before this is called).
+    """
+    bags = input.shape[0] if input.dim() == 2 else offsets.numel() - int(include_last_offset)
+    flat, bag = _bags(input, offsets, bags)
+    keep = torch.ones_like(flat, dtype=torch.bool) if padding_idx is None else flat != padding_idx % weight.shape[0]
+    flat, bag = flat[keep], bag[keep]
+    rows = weight[flat]
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.reshape(-1)[keep].unsqueeze(-1)
+    out = rows.new_zeros(bags, weight.shape[1])
+    if mode == "max":
+        return out.scatter_reduce(0, bag.unsqueeze(-1).expand_as(rows), rows, "amax", include_self=False)
+    out = out.index_add(0, bag, rows)
+    if mode == "mean":
+        counts = torch.bincount(bag, minlength=bags).clamp(min=1).to(out.dtype)
+        out = out / counts.unsqueeze(-1)
+    return out
+
+
+def _bags(input: Tensor, offsets: Tensor | None, bags: int) -> tuple[Tensor, Tensor]:
+    """The entries, flat, and the bag of each."""
+    if input.dim() == 2:
+        return input.reshape(-1), torch.arange(bags, device=input.device).repeat_interleave(input.shape[1])
+    positions = torch.arange(input.numel(), device=input.device)
+    bag = torch.bucketize(positions, offsets, right=True) - 1  # offsets start the bags, in order
+    return input, bag.clamp(max=bags - 1)
+
+
+def composite_hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
+    r""":math:`\min(\max(x/6 + 1/2, 0), 1)`, as ``F.hardsigmoid`` (never in place: the input may be a leaf)."""
+    return (input / 6 + 0.5).clamp(0, 1)
+
+
+def composite_glu(input: Tensor, dim: int = -1) -> Tensor:
+    r""":math:`a \odot \sigma(b)` of the two halves of ``input`` along ``dim``, as ``F.glu``."""
+    a, b = input.chunk(2, dim)
+    return a * torch.sigmoid(b)
+
+
+def _reduced(loss: Tensor, reduction: str) -> Tensor:
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+
+def composite_mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None) -> Tensor:
+    """``F.mse_loss``: :math:`w (x - y)^2`, reduced (the legacy ``size_average``/``reduce`` are refused by
+    torch's own argument check before any rerouting matters, so they are passed over here)."""
+    loss = (input - target) ** 2
+    return _reduced(loss if weight is None else weight * loss, reduction)
+
+
+def composite_huber_loss(input, target, reduction="mean", delta=1.0, weight=None) -> Tensor:
+    r"""``F.huber_loss``: :math:`\tfrac12 d^2` where :math:`|d| < \delta`, else :math:`\delta(|d| - \delta/2)`."""
+    d = input - target
+    loss = torch.where(d.abs() < delta, 0.5 * d * d, delta * (d.abs() - 0.5 * delta))
+    return _reduced(loss if weight is None else weight * loss, reduction)
+
+
+def composite_soft_margin_loss(input, target, size_average=None, reduce=None, reduction="mean") -> Tensor:
+    r"""``F.soft_margin_loss``: :math:`\log(1 + e^{-y x})`, reduced."""
+    return _reduced(F.softplus(-target * input), reduction)
+
+
+def composite_multi_margin_loss(
+    input, target, p=1, margin=1.0, weight=None, size_average=None, reduce=None, reduction="mean"
+) -> Tensor:
+    r"""``F.multi_margin_loss``: :math:`\frac1C \sum_{j \ne y} w_y \max(0, m - x_y + x_j)^p` per sample."""
+    x = input if input.dim() == 2 else input.unsqueeze(0)
+    y = target.reshape(-1, 1)
+    hinge = (margin - x.gather(1, y) + x).clamp(min=0)
+    hinge = hinge**p if p != 1 else hinge
+    if weight is not None:
+        hinge = hinge * weight[y]
+    hinge = hinge.scatter(1, y, 0.0)  # (the target's own class is not a margin)
+    return _reduced(hinge.sum(1) / x.shape[1], reduction)
+
+
+def composite_multilabel_margin_loss(input, target, size_average=None, reduce=None, reduction="mean") -> Tensor:
+    r"""``F.multilabel_margin_loss``: :math:`\frac1C \sum_{j \in T} \sum_{k \notin T} \max(0, 1 - x_j + x_k)`,
+    T the target classes up to the first -1."""
+    x, t = (input, target) if input.dim() == 2 else (input.unsqueeze(0), target.unsqueeze(0))
+    listed = (t >= 0).cumprod(1).bool()  # the classes before the first -1
+    is_target = (F.one_hot(t.clamp(min=0), x.shape[1]) * listed.unsqueeze(-1)).sum(1) > 0
+    pairs = (1 - x.unsqueeze(2) + x.unsqueeze(1)).clamp(min=0)  # [i, j, k]: 1 - x_j + x_k
+    mask = is_target.unsqueeze(2) & ~is_target.unsqueeze(1)
+    loss = (pairs * mask).sum((1, 2)) / x.shape[1]
+    return _reduced(loss if input.dim() == 2 else loss.squeeze(0), reduction)
+
+
+def composite_cdist(x1: Tensor, x2: Tensor, p: float = 2.0, compute_mode: str | None = None) -> Tensor:
+    r"""``torch.cdist``: :math:`\|x_{1,i} - x_{2,j}\|_p` for every pair of rows (the compute mode changes
+    only rounding)."""
+    return torch.linalg.vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p, dim=-1)
+
+
+def composite_pdist(input: Tensor, p: float = 2.0) -> Tensor:
+    r"""``F.pdist``: :math:`\|x_i - x_j\|_p` for the rows i < j, in torch's order."""
+    i, j = torch.triu_indices(input.shape[0], input.shape[0], 1, device=input.device)
+    return torch.linalg.vector_norm(input[i] - input[j], p, dim=-1)
+
+
+def composite_solve(A: Tensor, B: Tensor, *, left: bool = True, out=None) -> Tensor:
+    """``torch.linalg.solve`` by an LU factorization (``lu_factor`` and ``lu_solve``, whose forward-over-
+    forward derivatives are right, where ``linalg_solve``'s are not). ``B`` of one dimension fewer than
+    ``A`` is a (batch of) vector(s), as torch reads it."""
+    vector = left and B.dim() == A.dim() - 1
+    b = B.unsqueeze(-1) if vector else B
+    x = torch.linalg.lu_solve(*torch.linalg.lu_factor(A), b, left=left)
+    return x.squeeze(-1) if vector else x
+
+
+def composite_householder_product(A: Tensor, tau: Tensor, *, out=None) -> Tensor:
+    r"""``torch.linalg.householder_product``: the first n columns of
+    :math:`\prod_i (I - \tau_i v_i v_i^\top)`, :math:`v_i` column i of ``A`` below the diagonal, 1 on it."""
+    m, n = A.shape[-2:]
+    eye = torch.eye(m, dtype=A.dtype, device=A.device)
+    q = eye.expand(*A.shape[:-2], m, m)
+    below = torch.ones(m, m, dtype=torch.bool, device=A.device).tril(-1)
+    for i in range(tau.shape[-1]):
+        v = A[..., :, i] * below[:, i] + eye[:, i]
+        q = q - tau[..., i, None, None] * (q @ v.unsqueeze(-1)) * v.unsqueeze(-2)
+    return q[..., :, :n]
+
+
+def _lu_signs(A: Tensor) -> tuple[Tensor, Tensor]:
+    """The diagonal of A's LU factor and the sign of its row permutation."""
+    lu, pivots = torch.linalg.lu_factor(A)
+    swaps = (pivots != torch.arange(1, pivots.shape[-1] + 1, device=A.device, dtype=pivots.dtype)).sum(-1)
+    return lu.diagonal(dim1=-2, dim2=-1), 1 - 2 * (swaps % 2).to(A.dtype)
+
+
+def composite_det(A: Tensor, *, out=None) -> Tensor:
+    r"""``torch.linalg.det``: :math:`\pm \prod_i U_{ii}` from an LU factorization."""
+    diagonal, sign = _lu_signs(A)
+    return sign * diagonal.prod(-1)
+
+
+def composite_slogdet(A: Tensor, *, out=None):
+    r"""``torch.linalg.slogdet``: the sign and :math:`\sum_i \log |U_{ii}|` from an LU factorization."""
+    diagonal, sign = _lu_signs(A)
+    sign = sign * torch.sign(diagonal).prod(-1)
+    return torch.return_types.linalg_slogdet((sign.detach(), diagonal.abs().log().sum(-1)))
+
+
+def composite_logdet(A: Tensor) -> Tensor:
+    """``torch.logdet``: the log of the determinant (NaN where it is negative, as torch's)."""
+    sign, logabsdet = composite_slogdet(A)
+    return torch.where(sign > 0, logabsdet, torch.where(sign == 0, -torch.inf, torch.nan))
+
+
+def composite_binary_cross_entropy_with_logits(
+    input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None
+) -> Tensor:
+    r"""``F.binary_cross_entropy_with_logits``: :math:`-w\,[p\,y \log\sigma(x) + (1 - y) \log\sigma(-x)]`."""
+    positive = F.logsigmoid(input) * (target if pos_weight is None else pos_weight * target)
+    loss = -(positive + (1 - target) * F.logsigmoid(-input))
+    return _reduced(loss if weight is None else weight * loss, reduction)
+
+
+def composite_rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False) -> Tensor:
+    """``F.rrelu`` in eval mode: a leaky ReLU of slope (lower + upper)/2 (in training mode it draws its
+    slopes at random, and torch's own runs: the exact mode reports the draw)."""
+    if training:
+        return F.rrelu(input, lower, upper, training)
+    return F.leaky_relu(input, (lower + upper) / 2)
