@@ -199,6 +199,8 @@ def read_checkpoint(path: str | Path) -> ReadCheckpoint:
     path = Path(path)
     if path.is_dir():
         return ReadCheckpoint("hf-trainer", path, _read_trainer_directory(path))
+    if path.is_file() and hf.is_safetensors(path):  # (a directory's weights, not "corrupt": say what to pass)
+        raise hf.weights_file_error(path)
     raw = read_file(path)
     if is_nanogpt_checkpoint(raw):
         return ReadCheckpoint("nanogpt", path, raw)

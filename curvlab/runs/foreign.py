@@ -16,7 +16,8 @@ Neither records the model's class or the optimizer's, so the user names them (:c
   JSON file of :class:`~curvlab.models.gpt.GPTConfig` fields, or a Hugging Face ``config.json`` (the
   file or its directory: the class its ``architectures`` names, built with no weights and nothing
   downloaded). The weights are found under whatever prefix the saving module gave them
-  (:func:`load_weights`) and must fill the model exactly, in their own dtype;
+  (:func:`load_weights`) and must fill the model exactly (a tied tensor under any one of its names), in
+  their own dtype; a Hugging Face class must be a causal LM (:func:`curvlab.runs.hf.causal_lm_class`);
 * the optimizer (:func:`rebuild_optimizer`): a ``torch.optim`` class, built on the model's
   trainable parameters in the grouping the saved state fits (one group, decayed matrices then the
   rest, or the Trainer's split), with the saved hyperparameters. Without a saved state it is the
@@ -42,6 +43,8 @@ from torch import Tensor, nn
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import CONFIGS, GPT, GPTConfig, get_config
 from curvlab.optim.model_optimizer import named_trainable
+from curvlab.runs.hf import causal_lm_class
+from curvlab.runs.weights import fill_ties, tie_groups
 
 FOREIGN_FORMATS = ("lightning", "state-dict")
 # what LR schedulers write into an optimizer's groups beside its own hyperparameters
@@ -169,13 +172,12 @@ def _hugging_face_model(config: dict[str, Any], path: Path) -> nn.Module:
         hf_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     except (ValueError, TypeError, KeyError) as e:
         raise CurvlabError(f"--config {path}: not a config this transformers builds ({e})") from e
-    architectures = getattr(hf_config, "architectures", None) or []
-    cls = getattr(transformers, architectures[0], None) if architectures else transformers.AutoModelForCausalLM
-    if cls is None:
-        raise CurvlabError(f"--config {path}: model class {architectures[0]} isn't in this transformers")
-    build = cls.from_config if cls is transformers.AutoModelForCausalLM else cls
-    try:
-        return build(hf_config).eval()
+    # (the class it names, if a causal LM: the batches are next-token windows; else the auto class's)
+    named = getattr(hf_config, "architectures", None)
+    cls = causal_lm_class(hf_config, f"--config {path}") if named else transformers.AutoModelForCausalLM
+    auto = cls is transformers.AutoModelForCausalLM
+    try:  # (no code a config names of its own is run: trust_remote_code=False)
+        return (cls.from_config(hf_config, trust_remote_code=False) if auto else cls(hf_config)).eval()
     except (ValueError, TypeError) as e:
         raise CurvlabError(f"--config {path}: {cls.__name__} can't be built from it ({e})") from e
 
@@ -183,41 +185,43 @@ def _hugging_face_model(config: dict[str, Any], path: Path) -> nn.Module:
 def load_weights(model: nn.Module, weights: Mapping[str, Tensor], path: Path) -> None:
     """Load ``weights`` into ``model``, in their own floating dtype, from under the prefix that makes them
     fill the model's state dict exactly (``model.`` for a LightningModule's ``self.model``; torch.compile's
-    ``_orig_mod.``; none): every key of the model, no other under that prefix, every shape equal.
+    ``_orig_mod.``; none): every tensor of the model, no other key under that prefix, every shape equal. A
+    tied key (one tensor under two names, :func:`curvlab.runs.weights.tie_groups`) may be saved under either.
+
+    Args:
+        model: the ``--config`` model, freshly built.
+        weights: the saved state dict, keys as saved.
+        path: the checkpoint, for messages.
 
     Raises:
-        CurvlabError: no prefix fits (the missing and unexpected keys under the nearest one), or a shape differs.
+        CurvlabError: no prefix fits (the missing, unexpected and mis-shaped tensors under the nearest one,
+            in one line), or tied keys saved with different values.
     """
-    wanted = set(model.state_dict())
-    prefixes = sorted(_prefixes(weights, wanted), key=len)
-    for prefix in prefixes:
-        inner = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-        if set(inner) == wanted:
-            break
-    else:
-        prefix = prefixes[0] if prefixes else ""
-        found = {k[len(prefix) :] for k in weights if k.startswith(prefix)}
-        missing, unexpected = sorted(wanted - found), sorted(found - wanted)
-        raise CurvlabError(
-            f"{path}: its weights don't fit the --config model (under prefix {prefix!r}: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
-        )
+    groups = tie_groups(model)
+    prefixes = sorted(_prefixes(weights, groups), key=len)
+
+    def under(prefix: str) -> dict[str, Tensor]:
+        return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+
+    def fills(inner: Mapping[str, Tensor]) -> bool:
+        return set(inner) <= set(groups) and all(any(g in inner for g in group) for group in groups.values())
+
+    prefix = next((p for p in prefixes if fills(under(p))), prefixes[0] if prefixes else "")
+    what = "the --config model" + (f" under prefix {prefix!r}" if prefix else "")
+    inner = fill_ties(model, under(prefix), path, what)
     dtype = next((v.dtype for v in inner.values() if v.is_floating_point()), None)
     if dtype is not None:
         model.to(dtype)  # (load_state_dict would cast a float64 checkpoint into float32 weights)
-    try:
-        model.load_state_dict(inner, strict=True)
-    except RuntimeError as e:
-        first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e).splitlines()[0])
-        raise CurvlabError(f"{path}: its weights don't fit the --config model ({first})") from e
+    model.load_state_dict(inner, strict=True)  # (keys and shapes checked above: a failure here is unexpected)
 
 
-def _prefixes(weights: Mapping[str, Tensor], wanted: set[str]) -> set[str]:
-    """The prefixes under which one key of the model (its first, sorted) appears among the saved keys."""
-    if not wanted:
+def _prefixes(weights: Mapping[str, Tensor], groups: Mapping[str, tuple[str, ...]]) -> set[str]:
+    """The prefixes under which one tensor of the model (its first key, sorted, under any of its tied names)
+    appears among the saved keys."""
+    if not groups:
         return {""}
-    anchor = min(wanted)
-    return {k[: len(k) - len(anchor)] for k in weights if k == anchor or k.endswith("." + anchor)}
+    anchors = groups[min(groups)]
+    return {k[: len(k) - len(a)] for k in weights for a in anchors if k == a or k.endswith("." + a)}
 
 
 def optimizer_class(name: str | None) -> type[torch.optim.Optimizer]:

@@ -25,6 +25,12 @@ never run. ``optimizer.pt`` and ``scheduler.pt`` are unpickled with ``weights_on
 tensors and plain data is refused in one line. The files are read by
 :func:`curvlab.runs.checkpoint.read_checkpoint`, with the errors of every other checkpoint; this module
 supplies what only transformers knows.
+
+``config.json`` is read with ``trust_remote_code=False`` (a config naming classes of its own is refused)
+and must name a causal LM (:func:`causal_lm_class`: the analysis's loss is the next-token loss, so a
+masked LM or a classifier is refused by its task), whose tensors the weights must fill exactly
+(:func:`curvlab.runs.weights.check_loading_info`: transformers would start a missing one at random). An
+accelerate ``save_state`` directory is told apart from a Trainer's (:func:`accelerate_state_error`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from __future__ import annotations
 import importlib
 import json
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +48,7 @@ import torch
 from torch import nn
 
 from curvlab.errors import CurvlabError
+from curvlab.runs.weights import check_loading_info
 from curvlab.util.weights_only import unpickling_error
 
 TRAINER_FILES = ("config.json", "optimizer.pt", "trainer_state.json", "training_args.bin")
@@ -47,6 +56,22 @@ WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # sharded weights, by name
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")  # Trainer's names for torch.optim.AdamW
 _ALLOWED_MODULES = ("transformers.", "accelerate.")
+# what accelerate's save_state writes beside the model's weights (a Trainer directory has optimizer.pt, rng_state.pth)
+ACCELERATE_FILES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
+# the tasks transformers registers model classes for (its auto classes' tables), by what they train on; a
+# class registered for causal LM is one (some are for pretraining too, under the same objective)
+CAUSAL_LM = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+TASKS = {
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES": "a masked-LM model",
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES": "a sequence-classification model",
+    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES": "a token-classification model",
+    "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES": "a question-answering model",
+    "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES": "a multiple-choice model",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES": "a sequence-to-sequence model",
+    "MODEL_FOR_PRETRAINING_MAPPING_NAMES": "a pretraining model (its own pretraining objective)",
+    "MODEL_FOR_NEXT_SENTENCE_PREDICTION_MAPPING_NAMES": "a next-sentence-prediction model",
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES": "an image-classification model",
+}
 
 
 @dataclass
@@ -94,12 +119,78 @@ def context_length(config: Any) -> int:
 
 
 def check_trainer_directory(path: Path) -> None:
-    """Raise ``CurvlabError`` unless ``path`` holds the files of a Trainer checkpoint."""
+    """Raise ``CurvlabError`` unless ``path`` holds the files of a Trainer checkpoint (an accelerate
+    ``save_state`` directory is told apart: :func:`accelerate_state_error`)."""
+    if is_accelerate_state(path):
+        raise accelerate_state_error(path)
     missing = [f for f in TRAINER_FILES if not (path / f).is_file()]
     if not any((path / w).is_file() for w in WEIGHTS + SHARD_INDEXES):
         missing.append(" or ".join(WEIGHTS + SHARD_INDEXES))
     if missing:
         raise CurvlabError(f"{path}: not a Hugging Face Trainer checkpoint (no {', '.join(missing)})")
+
+
+def is_accelerate_state(path: Path) -> bool:
+    """Whether directory ``path`` is what accelerate's ``Accelerator.save_state`` writes (``model.safetensors``,
+    ``optimizer.bin``, ``scheduler.bin``, ``random_states_*.pkl``) rather than a Trainer checkpoint (which
+    the Trainer writes through accelerate too, but with its own files: ``trainer_state.json``).
+
+    Args:
+        path: a directory.
+    """
+    if (path / "trainer_state.json").is_file():
+        return False
+    return any((path / f).is_file() for f in ACCELERATE_FILES) or any(path.glob("random_states_*.pkl"))
+
+
+def accelerate_state_error(path: Path, weights: Path | None = None) -> CurvlabError:
+    """The one-line error for an accelerate ``save_state`` directory: it records neither the model's config,
+    the optimizer's class nor the batch size, which a state-dict checkpoint takes from the command line, so it
+    says how to write one from the directory's own files.
+
+    Args:
+        path: the directory.
+        weights: its weights file, where that was the path given.
+    """
+    name = next((w for w in WEIGHTS if (path / w).is_file()), WEIGHTS[0])
+    load = "safetensors.torch.load_file" if name.endswith(".safetensors") else "torch.load"
+    what = f"{weights}: the weights of" if weights else f"{path}:"
+    return CurvlabError(
+        f"{what} an accelerate save_state directory, which records neither the model's config, the optimizer's "
+        "class nor the batch size: write its weights and optimizer state to one file, torch.save({'model': "
+        f"{load}('{path / name}'), 'optimizer': torch.load('{path / 'optimizer.bin'}'), 'step': N}}, 'ckpt.pt'), "
+        "and pass that with --config, --optimizer and --batch-size"
+    )
+
+
+def is_safetensors(path: Path) -> bool:
+    """Whether the file ``path`` opens as a safetensors file does: an 8-byte header length, then its JSON.
+
+    Args:
+        path: an existing file.
+    """
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") + 8 <= path.stat().st_size
+
+
+def weights_file_error(path: Path) -> CurvlabError:
+    """The one-line error for a checkpoint path that is a safetensors weights file (no checkpoint of its
+    own: it holds no optimizer state), saying what to pass: the directory it belongs to, or a state dict.
+
+    Args:
+        path: the weights file.
+    """
+    folder = path.parent
+    if is_accelerate_state(folder):
+        return accelerate_state_error(folder, path)
+    if (folder / "trainer_state.json").is_file():
+        return CurvlabError(f"{path}: the weights of a Trainer checkpoint; pass its directory, {folder}")
+    return CurvlabError(
+        f"{path}: a safetensors weights file alone; pass the checkpoint directory it belongs to (a Trainer's "
+        "checkpoint-N), or save it as a state dict, torch.save(safetensors.torch.load_file(FILE), 'weights.pt'), "
+        "with --config, --optimizer and --batch-size"
+    )
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -166,26 +257,113 @@ def global_step(path: Path) -> int:
         raise CurvlabError(f"{path}/trainer_state.json: unreadable ({type(e).__name__})") from e
 
 
-def load_model(path: Path) -> nn.Module:
-    """The model of a checkpoint directory, by the class its ``config.json`` names, in eval mode
-    (nothing is downloaded: ``local_files_only``; a ``pytorch_model.bin`` is unpickled by transformers
-    with ``weights_only=True``, and one that names anything beyond tensors is refused)."""
-    import transformers  # optional (the hf extra): only Hugging Face checkpoints need it
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings and progress bars off, then as they were: what doesn't fit a checkpoint is
+    refused here in one line, which transformers' load report (a table of every tensor) would bury."""
+    from transformers.utils import logging  # optional (the hf extra)
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def causal_lm_class(config: Any, where: str) -> type:
+    """The transformers class ``config.architectures`` names, if transformers registers it as a causal LM
+    (among ``AutoModelForCausalLM``'s classes).
+
+    curvlab's command line analyses a checkpoint with the next-token loss on windows of its data (the
+    labels are the inputs, which the model shifts); a model of another task never trained on that loss,
+    so it is refused, its task named by the auto class transformers registers it under.
+
+    Args:
+        config: a transformers config.
+        where: the config's file, for messages.
+
+    Raises:
+        CurvlabError: no class named, one this transformers hasn't, or one of another task.
+    """
+    import transformers  # optional (the hf extra)
+    from transformers.models.auto import modeling_auto
+
+    architectures = getattr(config, "architectures", None) or []
+    name = architectures[0] if architectures else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise CurvlabError(f"{where}: model class {architectures[:1]} isn't in this transformers")
+
+    def registered(table: str) -> bool:
+        classes = getattr(modeling_auto, table, {}).values()
+        return any(cls.__name__ in ((c,) if isinstance(c, str) else c) for c in classes)
+
+    if registered(CAUSAL_LM):
+        return cls
+    task = next((t for table, t in TASKS.items() if registered(table)), "no causal LM transformers registers")
+    raise CurvlabError(
+        f"{where}: {cls.__name__} is {task}; curvlab analyses causal-LM checkpoints (the next-token loss on "
+        "windows of --data, which this model never trained on); in Python, make_loss_fn takes it with batches "
+        "of its own task"
+    )
+
+
+def read_config(path: Path) -> Any:
+    """The transformers config of a checkpoint directory's ``config.json``, read with no code of its own run
+    (``trust_remote_code=False``: a config whose ``auto_map`` names its own classes is refused) and nothing
+    downloaded.
+
+    Args:
+        path: the checkpoint directory.
+    """
+    import transformers  # optional (the hf extra)
 
     try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
+        try:
+            own_code = "auto_map" in json.loads((path / "config.json").read_text())
+        except (OSError, ValueError, TypeError):
+            own_code = False
+        if own_code:
+            raise CurvlabError(f"{path}/config.json: names classes of its own (auto_map); curvlab runs no code "
+                               "a checkpoint brings") from e  # fmt: skip
         raise CurvlabError(f"{path}/config.json: unreadable ({type(e).__name__})") from e
-    architectures = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, architectures[0], None) if architectures else None
-    if cls is None:
-        raise CurvlabError(f"{path}/config.json: model class {architectures[:1]} isn't in this transformers")
-    try:
-        return cls.from_pretrained(path, local_files_only=True).eval()
-    except pickle.UnpicklingError as e:  # from torch's weights_only unpickler, which transformers passes on
-        raise unpickling_error(e, path, "a weights file (pytorch_model*.bin)") from None
-    except (OSError, ValueError, RuntimeError) as e:
-        raise CurvlabError(f"{path}: the weights don't load into {cls.__name__} ({type(e).__name__})") from e
+
+
+def load_model(path: Path) -> nn.Module:
+    """The model of a checkpoint directory, by the causal-LM class its ``config.json`` names
+    (:func:`causal_lm_class`), in eval mode, with every tensor from the checkpoint's weights (nothing is
+    downloaded: ``local_files_only``; no checkpoint's own code is run: ``trust_remote_code=False``; a
+    ``pytorch_model.bin`` is unpickled by transformers with ``weights_only=True``, and one that names
+    anything beyond tensors is refused).
+
+    Args:
+        path: the checkpoint directory.
+
+    Raises:
+        CurvlabError: an unreadable config, a class of another task, weights that don't fill the model
+            (missing, unexpected or mis-shaped tensors, or a config of another architecture: transformers
+            would start the missing ones at random), or weights that don't load.
+    """
+    with quiet_transformers():
+        config = read_config(path)
+        cls = causal_lm_class(config, f"{path}/config.json")
+        try:
+            model, info = cls.from_pretrained(
+                path, config=config, local_files_only=True, trust_remote_code=False, output_loading_info=True,
+                ignore_mismatched_sizes=True,  # (listed in info, then refused by name below, not raised as a table)
+            )  # fmt: skip
+        except pickle.UnpicklingError as e:  # from torch's weights_only unpickler, which transformers passes on
+            raise unpickling_error(e, path, "a weights file (pytorch_model*.bin)") from None
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CurvlabError(f"{path}: the weights don't load into {cls.__name__} ({type(e).__name__})") from e
+    check_loading_info(model, info, path)
+    return model.eval()
 
 
 def trainer_optimizer(ckpt: TrainerCheckpoint) -> torch.optim.Optimizer:
