@@ -12,12 +12,16 @@ Every curvature function takes a pure function of a parameter dict, exactly like
   from the model: Hugging Face's ``.loss`` casts the logits with ``.float()``, so a float64
   computation would come back with float32 accuracy;
 * its semantics are the model's own: for a causal LM (a Hugging Face model whose ``loss_type`` is
-  ``ForCausalLM``, or unset, which Hugging Face treats the same way) the logits at position t predict
-  the label at t + 1; masked-LM and token-classification models compare position by position;
+  ``ForCausalLM``, or unset on a model that generates, as GPT-2's ``LMHeadModel``) the logits at
+  position t predict the label at t + 1; masked-LM and token-classification models compare position by position;
   sequence classification is cross-entropy, MSE (one label) or BCE (multi-label), as Hugging Face
   decides; any other ``nn.Module`` compares logits and targets position by position. Labels equal to
   ``ignore_index`` (-100, as in torch and Hugging Face) are left out, and the loss is the mean over
   the rest;
+* a ``criterion(logits, targets)`` is given them as they come, unshifted, unless the model is a causal
+  LM or ``shift=True`` asks for the shift: a regression, a contrastive (CLIP, SigLIP) or a CTC loss
+  sees the model's own outputs. A dual encoder's logits are its ``logits_per_text`` (texts x images),
+  the matrix its own loss is computed from;
 * an encoder-decoder (``config.is_encoder_decoder``: T5, BART, Whisper, ...) is a sequence-to-sequence
   model: a batch without ``decoder_input_ids`` gets them from the labels as the model itself makes
   them (``prepare_decoder_input_ids_from_labels``: the labels shifted right behind the decoder start
@@ -55,10 +59,9 @@ LossFn = Callable[[Mapping[str, Tensor], Any], Tensor]
 IGNORE_INDEX = -100
 _INTEGER = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
-# Hugging Face's loss_type -> how curvlab computes the same loss (None is treated as a causal LM, as HF does)
+# Hugging Face's loss_type -> how curvlab computes the same loss (an unset one: see hf_task)
 _CAUSAL, _TOKENS, _SEQUENCE, _SEQ2SEQ = "causal_lm", "tokens", "sequence_classification", "seq2seq"
 _HF_TASKS = {
-    None: _CAUSAL,
     "ForCausalLM": _CAUSAL,
     "ForConditionalGeneration": _CAUSAL,  # (as Hugging Face's loss mapping has it; an encoder-decoder is seq2seq)
     "ForMaskedLM": _TOKENS,
@@ -82,16 +85,25 @@ def token_cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = 
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
 
 
+# Where an output keeps its logits, in order: a dual encoder (CLIP, SigLIP, ALIGN, CLAP) has no
+# ``logits`` but the similarities of its texts to its images (or audio), which its own loss is computed from
+_LOGITS_FIELDS = ("logits", "logits_per_text")
+
+
 def logits_of(output: Any) -> Tensor:
-    """The logits in a model's output: a tensor, ``.logits``, ``["logits"]`` or a tuple's first element."""
+    """The logits in a model's output: a tensor, ``.logits`` or ``["logits"]``, a dual encoder's
+    ``.logits_per_text`` or ``["logits_per_text"]``, or a tuple's first element."""
     if isinstance(output, Tensor):
         return output
-    if isinstance(getattr(output, "logits", None), Tensor):
-        return output.logits
+    for field in _LOGITS_FIELDS:
+        if isinstance(getattr(output, field, None), Tensor):
+            return getattr(output, field)
+        if isinstance(output, Mapping) and isinstance(output.get(field), Tensor):
+            return output[field]
     if isinstance(output, Mapping):
-        if isinstance(output.get("logits"), Tensor):
-            return output["logits"]
-        raise CurvlabError(f"the model returned a dict without 'logits' (keys: {', '.join(map(str, output))})")
+        raise CurvlabError(
+            f"the model returned a dict without 'logits' or 'logits_per_text' (keys: {', '.join(map(str, output))})"
+        )
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
         return output[0]
     raise CurvlabError(f"can't find logits in the model's output of type {type(output).__name__}")
@@ -118,6 +130,10 @@ def shifted_right(labels: Tensor, model: nn.Module) -> Tensor:
     return shifted.masked_fill(shifted == IGNORE_INDEX, pad)
 
 
+# the names transformers' mixture-of-experts models give the weight of ``aux_loss`` in their own loss
+_AUX_LOSS_COEFS = ("router_aux_loss_coef", "aux_loss_coef")
+
+
 def router_losses(output: Any) -> dict[str, Tensor]:
     """The router losses a mixture-of-experts model returns beside its logits (Hugging Face's ``aux_loss``,
     switch transformers' ``encoder_z_loss`` and the like): every tensor field named ``*aux_loss`` or
@@ -135,15 +151,32 @@ def _base(model: nn.Module) -> nn.Module:
 def hf_task(model: nn.Module) -> str | None:
     """How a Hugging Face model's own loss is computed: ``"causal_lm"``, ``"tokens"`` (masked LM, token
     classification), ``"sequence_classification"``, ``"seq2seq"`` (an encoder-decoder generating from
-    its labels), ``"unknown"`` (another ``loss_type``), or ``None`` for a model that isn't a Hugging
-    Face model (a peft wrapper is looked through)."""
+    its labels), ``"unknown"`` (another ``loss_type``, or none on a model that doesn't generate), or
+    ``None`` for a model that isn't a Hugging Face model (a peft wrapper is looked through).
+
+    Args:
+        model: the module, or a peft wrapper of it.
+    """
     base = _base(model)
     if not hasattr(base, "loss_type") or not hasattr(base, "config"):
         return None
-    task = _HF_TASKS.get(base.loss_type, "unknown")
+    if base.loss_type is None:
+        # Hugging Face derives loss_type from the class name, so it is unset on every class whose name names
+        # no task: GPT-2's LMHeadModel, but also CLIP's and SigLIP's dual encoders, a headless GPT2Model and
+        # a user's own PreTrainedModel. Its own loss_function then falls back to the causal-LM loss, which
+        # only the model that generates from its logits computes; the others' logits aren't next-token ones.
+        task = _CAUSAL if _generates(base) else "unknown"
+    else:
+        task = _HF_TASKS.get(base.loss_type, "unknown")
     if task in (_CAUSAL, "unknown") and getattr(base.config, "is_encoder_decoder", False):
         return _SEQ2SEQ
     return task
+
+
+def _generates(model: nn.Module) -> bool:
+    """Whether a Hugging Face model generates with ``.generate()`` (it derives from ``GenerationMixin``)."""
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate()) if callable(can_generate) else False
 
 
 # peft's prompt-learning methods that prepend virtual tokens to the inputs (prefix tuning extends the
@@ -173,7 +206,8 @@ class ModuleLoss:
         criterion: ``criterion(logits, targets) -> scalar``, or ``None`` for the model's own semantics
             (see the module docstring), computed in the working dtype.
         ignore_index: the label value left out of the loss and of the term count.
-        shift: whether position t's logits predict label t + 1 (``None`` at construction: a causal LM).
+        shift: whether position t's logits predict label t + 1, with or without a criterion (``None`` at
+            construction: a causal LM; any other model's logits and labels are compared as they come).
         tie_weights: passed to ``functional_call``: a parameter given for one of several tied names
             stands for all of them.
         task: how the model's own loss is computed (:func:`hf_task`; ``None`` for a plain module).
@@ -207,11 +241,13 @@ class ModuleLoss:
         self.router_loss = router_loss
         self.criterion = criterion
         self.ignore_index = ignore_index
+        if shift is not None and not isinstance(shift, bool):
+            raise CurvlabError(f"shift= is True, False or None (the model decides), got {shift!r}")
         task = hf_task(model)
         if task == "unknown" and criterion is None:
             raise CurvlabError(f"curvlab doesn't know the loss of a {type(model).__name__}: pass criterion=")
         self.task = task
-        self.shift = (task == _CAUSAL) if shift is None else bool(shift)
+        self.shift = (task == _CAUSAL) if shift is None else shift
         self.tie_weights = tie_weights
         self.label_key = label_key
         # (token tasks only: a sequence classifier's logits don't grow with the prompt)
@@ -256,9 +292,21 @@ class ModuleLoss:
 
     def targets(self, targets: Tensor) -> Tensor:
         """The targets the loss compares with: behind the virtual tokens of a prompt-tuning model, and
-        shifted one position left for a causal LM."""
+        shifted one position left for a causal LM (or ``shift=True``).
+
+        Token labels (integers) hold one entry a position, so their positions are their last axis;
+        floating targets (a regression's values, probabilities) have the logits' shape, whose last axis
+        is the features and the one before it the positions.
+
+        Args:
+            targets: the batch's targets.
+        """
         targets = self._prompted(targets)
-        return targets[..., 1:] if self.shift else targets
+        if not self.shift:
+            return targets
+        if not isinstance(targets, Tensor):
+            raise CurvlabError(f"the causal shift needs tensor targets, got {type(targets).__name__}: pass shift=False")
+        return targets[..., 1:, :] if targets.is_floating_point() and targets.dim() >= 2 else targets[..., 1:]
 
     def loss_terms(self, batch: Any) -> int:
         """The number of terms the loss of ``batch`` averages: targets after the causal shift that
@@ -269,9 +317,9 @@ class ModuleLoss:
 
     def loss_from_logits(self, logits: Tensor, targets: Any) -> Tensor:
         """The loss given the model's logits and the batch's targets (the model's own semantics)."""
-        targets = self._prompted(targets)
+        targets = self.targets(targets)
         if self.shift:
-            logits, targets = logits[..., :-1, :], targets[..., 1:]
+            logits = logits[..., :-1, :]
         if self.criterion is not None:
             return self.criterion(logits, targets)
         if self.task == _SEQUENCE:
@@ -329,9 +377,13 @@ class ModuleLoss:
             return 0.0
         base = _base(self.model)
         name = type(base).__name__
-        # (the forward reads the model's own attribute, set from the config at construction)
-        config_coef = getattr(getattr(base, "config", None), "router_aux_loss_coef", None)
-        coef = getattr(base, "router_aux_loss_coef", config_coef)
+        # (the forward reads the model's own attribute, set from the config at construction, by the config's
+        # name: router_aux_loss_coef in most models, aux_loss_coef in JetMoe; a vision-language MoE, Qwen3-VL-MoE's,
+        # reads its text config's)
+        config = getattr(base, "config", None)
+        holders = (base, config, getattr(config, "text_config", None))
+        coefs = [getattr(x, k) for x in holders for k in _AUX_LOSS_COEFS if getattr(x, k, None) is not None]
+        coef = coefs[0] if coefs else None
         unknown = sorted(k for k in found if k != "aux_loss" or coef is None)
         if unknown:
             raise CurvlabError(
@@ -380,10 +432,15 @@ def make_loss_fn(
         model: any ``nn.Module``, including Hugging Face and peft models.
         criterion: ``criterion(logits, targets) -> scalar``; default the model's own loss
             (:class:`ModuleLoss`): token cross-entropy, shifted for a causal LM, ignoring
-            ``ignore_index``; Hugging Face's sequence-classification losses.
+            ``ignore_index``; Hugging Face's sequence-classification losses. It gets the logits
+            (a dual encoder's ``logits_per_text``) and the batch's targets unshifted unless ``shift``
+            is on: an MSE, a contrastive (CLIP, SigLIP) or a CTC criterion sees the model's outputs.
         ignore_index: the label value left out (default -100, as torch and Hugging Face).
-        shift: whether logits at t predict the target at t + 1; default: ``True`` for a Hugging Face
-            causal LM (its labels are the inputs), ``False`` otherwise (targets already aligned).
+        shift: the causal shift: whether the logits at t predict the target at t + 1 (dropping the last
+            position of the logits and the first of the targets: :meth:`ModuleLoss.targets`), with or
+            without a criterion. Default ``None``: on for a Hugging Face causal LM (its labels are its
+            inputs: a ``loss_type`` of ``ForCausalLM``, or none on a model that generates), off for any
+            other model (its targets already aligned); ``True`` or ``False`` decides for any model.
         tie_weights: ``torch.func.functional_call``'s ``tie_weights``.
         router_loss: add the load-balancing loss a mixture-of-experts model computes
             (``router_aux_loss_coef * aux_loss``, when its config's ``output_router_logits`` is on), as
