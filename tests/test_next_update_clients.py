@@ -29,12 +29,14 @@ def tiny_gpt(seed=0, dropout=0.0):
 def real_step(model, optimizers, loss_fn, batch, closure=False, backward=True, create_graph=False):
     """The user's loop: zero grads, loss, backward, then every optimizer's step (with a closure if asked).
     ``backward=False``: L-BFGS's documented loop, ``step(closure)`` alone (its first call computes G);
-    ``create_graph``: a Hessian-reading optimizer's, ``backward(create_graph=True)``."""
+    ``create_graph``: a Hessian-reading optimizer's, ``backward(create_graph=True)``. Returns the gradients
+    ``backward()`` left, by name, as they were before any step (heavyball's optimizers write to ``.grad``)."""
     for o in optimizers:
         o.zero_grad(set_to_none=True)
     if backward:
         loss = loss_fn(dict(model.named_parameters()), batch)
         loss.backward(create_graph=create_graph)
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
 
     def again():  # (AliG calls it under no_grad: a user's closure enables grad itself)
         for o in optimizers:
@@ -46,12 +48,30 @@ def real_step(model, optimizers, loss_fn, batch, closure=False, backward=True, c
 
     for o in optimizers:
         o.step(again) if closure else o.step()
+    return grads
+
+
+def views_of_parameters(params, roots):
+    """Every tensor in ``roots`` (through dicts, lists and tuples) that lies in a parameter's memory: heavyball's
+    SOAP keeps its parameters' views, which a deep copy can't take (made without autograd, of a leaf)."""
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    found, stack = [], list(roots)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            found += [x] if x.untyped_storage().data_ptr() in storages else []
+        elif isinstance(x, dict):
+            stack += [*x.keys(), *x.values()]
+        elif isinstance(x, (list, tuple)):
+            stack += list(x)
+    return found
 
 
 def state_of(optimizer, memo=None):
     """Everything of an optimizer a step can change: its whole ``__dict__`` (inner optimizers' too, as
-    their state dicts), deep-copied over the same parameters, minus hooks."""
-    memo = memo or {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    their state dicts), deep-copied over the same parameters (and the same views of them), minus hooks."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    memo = memo or {id(t): t for t in [*params, *views_of_parameters(params, vars(optimizer).values())]}
     attrs = {}
     for k, v in vars(optimizer).items():
         if isinstance(v, torch.optim.Optimizer):
@@ -120,14 +140,14 @@ def check_next_update_is_the_real_step(
             assert_same(state_of(o), before)
             assert_same(o.state_dict(), state_dict)
         assert_untouched(model, buffers, attrs)
-        real_step(model, optimizers, loss_fn, batch, **loop)
+        real_grads = real_step(model, optimizers, loss_fn, batch, **loop)
         for n, p in model.named_parameters():
             real = W[n].double() - p.detach().double()
             assert Z[n].dtype == p.dtype
             worst = max(worst, float((Z[n] - real.to(p.dtype)).abs().max()))
             assert torch.equal(Z[n], real.to(p.dtype)), (s, n)
             if not closure:
-                assert torch.equal(G[n], torch.zeros_like(p) if p.grad is None else p.grad), (s, n)
+                assert torch.equal(G[n], real_grads[n]), (s, n)
     return worst
 
 

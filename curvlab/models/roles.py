@@ -30,6 +30,8 @@ The mathematical shape of a hidden matrix, :math:`d_\text{out} \times d_\text{in
 out x (in/groups * prod k). A bare 2-D parameter is taken as stored (out, in); a stack as
 (experts, out, in), or (experts, in, out) where its module declares ``is_transposed = True`` (Hugging
 Face's experts modules carry the flag: Mixtral's are (experts, out, in), GPT-OSS's (experts, in, out)).
+DBRX's 2-D (experts * out, in) stacks are read as (experts, out, in), as stored (its ``w2`` is applied
+as ``x @ w2``, (in, out) by that reading, which nothing in its structure declares).
 
 Overrides ``{name or glob: role}`` settle what structure can't (a head registered before the body,
 say), and reverse any of the rules above: ``parameter_roles(model, overrides={"*.ia3_l.*": "hidden"})``, then
@@ -72,14 +74,44 @@ def _is_stack(module: nn.Module, p: nn.Parameter) -> bool:
     return p.dim() == 3 and p.shape[0] > 1 and not isinstance(module, _CONVS + _conv1d_types())
 
 
+# the attributes in which transformers' mixture-of-experts modules declare how many experts they hold
+_EXPERT_COUNTS = ("num_experts", "moe_num_experts", "num_local_experts", "n_routed_experts", "num_routed_experts")
+
+
+def _row_stack(module: nn.Module, p: nn.Parameter) -> int | None:
+    """n for a 2-D parameter that ``module`` holds as n experts' matrices stacked by rows: the module
+    declares n > 1 experts and ``p``'s rows are n blocks of more than one row (DBRX's ``w1``, ``v1``,
+    ``w2``, (n * ffn) x hidden, which its experts module views as n x ffn x hidden). A router's n x d
+    weight, one row per expert, is not a stack; nor is a linear map's or an embedding's weight."""
+    if p.dim() != 2 or isinstance(module, (*_linear_types(), *_EMBEDDINGS)):
+        return None
+    declared = [getattr(module, k) for k in _EXPERT_COUNTS if isinstance(getattr(module, k, None), int)]
+    n = next((d for d in declared if d > 1 and not isinstance(d, bool)), None)
+    return n if n is not None and p.shape[0] % n == 0 and p.shape[0] > n else None
+
+
+def stack_sizes(model: nn.Module) -> dict[str, int]:
+    """The number of matrices in each stack of matrices (:func:`stacked_matrices`), by every name it has:
+    a 3-D stack's first dimension; the experts a module declares for a 2-D parameter that holds their
+    matrices stacked by rows (DBRX's)."""
+    sizes: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            n = p.shape[0] if _is_stack(m, p) else _row_stack(m, p)
+            if n is not None:
+                sizes[id(p)] = n
+    return {n: sizes[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in sizes}
+
+
 def stacked_matrices(model: nn.Module) -> set[str]:
     """Names of the parameters that are stacks of matrices, under every name they have: 3-D parameters
-    outside a convolution whose first dimension indexes more than one matrix. These are the fused experts
-    of Hugging Face's MoE models (Mixtral's, Qwen2-MoE's and OLMoE's ``gate_up_proj`` and ``down_proj``,
-    experts x out x in), each expert's slice its own matrix: Muon orthogonalizes and scales them one by
-    one (:class:`~curvlab.optim.muon.Muon`'s ``stacked`` groups)."""
-    ids = {id(p) for m in model.modules() for p in m.parameters(recurse=False) if _is_stack(m, p)}
-    return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+    outside a convolution whose first dimension indexes more than one matrix, and 2-D parameters that a
+    module declaring its number of experts holds as their matrices stacked by rows. These are the fused
+    experts of Hugging Face's MoE models (Mixtral's, Qwen2-MoE's and OLMoE's ``gate_up_proj`` and
+    ``down_proj``, experts x out x in; DBRX's ``w1``, ``v1``, ``w2``, (experts * out) x in), each
+    expert's slice its own matrix: Muon orthogonalizes and scales them one by one
+    (:class:`~curvlab.optim.muon.Muon`'s ``stacked`` groups; :func:`stack_sizes` counts them)."""
+    return set(stack_sizes(model))
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -194,11 +226,13 @@ def matrix_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     dimensions, or :math:`(n, d_\text{out}, d_\text{in})` of a stack of n matrices
     (:func:`stacked_matrices`): stored (in, out) matrices (:func:`stored_transposed`) transposed,
     convolution kernels flattened to out x (in/groups * prod k), everything else as stored."""
-    transposed, stacked = stored_transposed(model), stacked_matrices(model)
+    transposed, sizes = stored_transposed(model), stack_sizes(model)
     shapes = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.dim() >= 2:
-            lead = tuple(p.shape[:1]) if name in stacked else ()
-            rows, cols = p.shape[len(lead)], math.prod(p.shape[len(lead) + 1 :])
+            lead = (sizes[name],) if name in sizes else ()
+            # (a stack's matrix: its last dimension is the columns, whether it is n x r x c or (n * r) x c)
+            cols = p.shape[-1] if lead else math.prod(p.shape[1:])
+            rows = p.numel() // (cols * sizes[name]) if lead else p.shape[0]
             shapes[name] = (*lead, *((cols, rows) if name in transposed else (rows, cols)))
     return shapes

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from curvlab.errors import CurvlabError
-from curvlab.models.roles import parameter_roles, stacked_matrices, stored_transposed
+from curvlab.models.roles import parameter_roles, stack_sizes, stored_transposed
 from curvlab.optim.combined import CombinedOptimizer
 from curvlab.optim.lion import Lion
 from curvlab.optim.muon import Muon
@@ -73,7 +73,7 @@ def build_model_optimizer(
     out x (in * prod k) (see :class:`Muon`); Hugging Face ``Conv1D`` weights go in a group marked
     ``transposed``, so that Muon's shape scale reads them as (out, in), and fused MoE experts (3-D
     stacks, :func:`~curvlab.models.roles.stacked_matrices`) in a group marked ``stacked``, one matrix per
-    expert.
+    expert (DBRX's 2-D stacks in a group marked with their number of experts).
 
     Raises:
         CurvlabError: an unknown name or option, or a model with no 2-D weights for Muon.
@@ -104,15 +104,19 @@ def build_model_optimizer(
             raise CurvlabError("the model has no hidden weight matrices for Muon; use adamw, or pass muon_rule")
         muon_ids = {id(p) for _, p in chosen}
         rest = [p for _, p in named if id(p) not in muon_ids]
-        transposed, stacked = stored_transposed(model), stacked_matrices(model)
+        transposed, sizes = stored_transposed(model), stack_sizes(model)
+        # Muon's stacked flag: True for a 3-D stack (its first dimension counts the matrices), the count for
+        # a 2-D one (DBRX's experts, stacked by rows), whose shape can't tell it
+        stacked = {n: (p.dim() == 3 or sizes[n]) if n in sizes else False for n, p in chosen}
+        keys = [(False, False), (True, False), (False, True), (True, True)]
+        keys += sorted({(n in transposed, stacked[n]) for n, _ in chosen} - set(keys))
         groups = [  # (in the order models without stacks had, so their optimizer state dicts still load)
-            {"params": [p for n, p in chosen if (n in transposed, n in stacked) == key], **flags}
-            for key, flags in (
-                ((False, False), {}),
-                ((True, False), {"transposed": True}),
-                ((False, True), {"stacked": True}),
-                ((True, True), {"transposed": True, "stacked": True}),
-            )
+            {
+                "params": [p for n, p in chosen if (n in transposed, stacked[n]) == (t, s)],
+                **({"transposed": True} if t else {}),
+                **({"stacked": s} if s is not False else {}),
+            }
+            for t, s in keys
         ]
         parts = {"muon": Muon([g for g in groups if g["params"]], **muon_hp)}
         if rest:

@@ -44,20 +44,37 @@ def muon_scale(shape: tuple[int, ...], scale: str) -> float:
     raise CurvlabError(f"unknown Muon scale {scale!r}; choose one of {', '.join(SCALES)}")
 
 
-def matrix_shape(p: Tensor, transposed: bool = False, stacked: bool = False) -> tuple[int, ...]:
+def stack_size(p: Tensor, stacked: bool | int) -> int | None:
+    """How many matrices a group's ``stacked`` flag says ``p`` holds: ``True``, the first dimension of a
+    3-D stack; a number n, n (a 3-D stack of n, or n matrices stacked by rows in a 2-D parameter, as
+    DBRX stores its experts); ``False``, none (``p`` is one matrix)."""
+    if stacked is False or stacked is None:
+        return None
+    return p.shape[0] if stacked is True else int(stacked)
+
+
+def matrix_shape(p: Tensor, transposed: bool = False, stacked: bool | int = False) -> tuple[int, ...]:
     """The matrix Muon orthogonalizes for parameter ``p``: (out, in) for a 2-D weight (swapped when it
     is stored transposed, as Hugging Face's ``Conv1D``), out x (in/groups * prod k) for a
-    convolution kernel; (n, out, in) for a stack of n matrices (``stacked``: an MoE's fused experts,
-    :func:`~curvlab.models.roles.stacked_matrices`), each orthogonalized and scaled on its own."""
-    lead = tuple(p.shape[:1]) if stacked else ()
-    rows, cols = p.shape[len(lead)], math.prod(p.shape[len(lead) + 1 :])
-    return (*lead, *((cols, rows) if transposed else (rows, cols)))
+    convolution kernel; (n, out, in) for a stack of n matrices (``stacked``, :func:`stack_size`: an MoE's
+    fused experts, :func:`~curvlab.models.roles.stacked_matrices`, n x out x in, or DBRX's (n * out) x in),
+    each orthogonalized and scaled on its own."""
+    n = stack_size(p, stacked)
+    if n is None:
+        rows, cols = p.shape[0], math.prod(p.shape[1:])
+        return (cols, rows) if transposed else (rows, cols)
+    cols = p.shape[-1]
+    rows = p.numel() // (n * cols)
+    return (n, *((cols, rows) if transposed else (rows, cols)))
 
 
 def as_matrices(update: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """``update`` as what msign acts on: its stored rows x the rest, one matrix per slice of a stack
-    (``shape`` from :func:`matrix_shape`, three entries for a stack)."""
-    return update.reshape(*update.shape[: len(shape) - 1], -1)
+    """``update`` as what msign acts on: its stored rows x the rest, or for a stack of n matrices (three
+    entries in ``shape``, from :func:`matrix_shape`) n of them, each its stored rows x its last dimension
+    (a 3-D stack's slices; the row blocks of a 2-D one)."""
+    if len(shape) == 3:
+        return update.reshape(shape[0], -1, update.shape[-1])
+    return update.reshape(update.shape[0], -1)
 
 
 class Muon(torch.optim.Muon):
@@ -80,6 +97,8 @@ class Muon(torch.optim.Muon):
     the polar factor doesn't care (msign(Xᵀ) = msign(X)ᵀ) but the scale uses the (out, in) shape. A
     group with ``stacked=True`` holds 3-D stacks of matrices (an MoE's fused experts, experts x out x
     in): each expert's matrix gets its own polar factor and scale, as if it were a parameter of its own.
+    ``stacked=n`` does the same for n matrices stacked by rows in a 2-D parameter (DBRX's experts,
+    (n * out) x in), or a 3-D stack of n.
 
     Under torch.distributed (gradients already averaged by DDP) the polar factors are shared out: the
     matrices, sorted by size, go round-robin to the ranks, each rank orthogonalizes its own and
@@ -123,8 +142,7 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             for k, v in extra.items():
                 group.setdefault(k, v)
-            if group["stacked"] and any(p.dim() != 3 for p in group["params"]):
-                raise CurvlabError("a stacked Muon group takes 3-D stacks of matrices (n x out x in) only")
+            _check_stacks(group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -171,6 +189,28 @@ class Muon(torch.optim.Muon):
             for i, ortho in enumerate(orthos):
                 dist.broadcast(ortho, src=owner[i])
         return orthos
+
+
+def _check_stacks(group: dict) -> None:
+    """Refuse a group whose ``stacked`` flag doesn't fit its parameters: ``True`` takes 3-D stacks
+    (n x out x in); a number n, 3-D stacks of n or 2-D parameters whose rows are n blocks.
+
+    Raises:
+        CurvlabError: a flag that is neither, or a parameter that doesn't hold that many matrices.
+    """
+    stacked = group["stacked"]
+    if stacked is False:
+        return
+    if stacked is True:
+        if any(p.dim() != 3 for p in group["params"]):
+            raise CurvlabError("a stacked Muon group takes 3-D stacks of matrices (n x out x in) only")
+        return
+    if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 1:
+        raise CurvlabError(f"a Muon group's stacked is True, False or a number of matrices, got {stacked!r}")
+    for p in group["params"]:
+        fits = p.shape[0] == stacked if p.dim() == 3 else p.dim() == 2 and p.shape[0] % stacked == 0
+        if not fits:
+            raise CurvlabError(f"a Muon group stacked={stacked} can't split a parameter of shape {tuple(p.shape)}")
 
 
 def _polar_factor(group: dict, update: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ import copy
 import enum
 import inspect
 import traceback
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,25 +53,92 @@ def copy_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     attribute (a wrapper's inner optimizer and its state, step counters), not only ``state``.
     (``copy.deepcopy`` alone won't do: ``torch.optim.Optimizer.__getstate__`` keeps only
     ``defaults``, ``state`` and ``param_groups``.) An LR scheduler's ``step`` wrapper, which would
-    call the original's step, is left out of the copy.
+    call the original's step, is left out of the copy. A tensor of the state that lies in a parameter's
+    memory (heavyball's SOAP keeps reshaped views of its parameters) stays a view of that parameter
+    (:func:`_parameter_views`), so that the copy's step moves the parameter as the original's would.
 
     Raises:
         CurvlabError: some part of the state can't be copied.
     """
-    memo: dict[int, Any] = {}
-    for o in _reachable_optimizers(optimizer):
-        for group in o.param_groups:
-            for p in group["params"]:
-                memo[id(p)] = p  # the same parameters: only the optimizer's own data is copied
-    pairs = [(o, object.__new__(type(o))) for o in _reachable_optimizers(optimizer)]
+    optimizers = _reachable_optimizers(optimizer)
+    params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
+    memo: dict[int, Any] = {id(p): p for p in params}  # the same parameters: only the optimizer's own data is copied
+    pairs = [(o, object.__new__(type(o))) for o in optimizers]
     memo.update({id(o): shell for o, shell in pairs})
+    attrs = [
+        {k: v for k, v in vars(o).items() if not (k == "step" and hasattr(v, "_wrapped_by_lr_sched"))}
+        for o in optimizers
+    ]
     try:
-        for o, shell in pairs:
-            attrs = {k: v for k, v in vars(o).items() if not (k == "step" and hasattr(v, "_wrapped_by_lr_sched"))}
-            vars(shell).update(copy.deepcopy(attrs, memo))
+        views = _parameter_views(attrs, params)
+        memo.update({id(t): alias for t, alias in views})
+        for t, alias in views:  # (attributes a view carries, as a copied tensor keeps its own)
+            vars(alias).update(copy.deepcopy(vars(t), memo))
+        for (_, shell), own in zip(pairs, attrs):
+            vars(shell).update(copy.deepcopy(own, memo))
     except Exception as e:  # any failure here means the state can't be copied
         raise CurvlabError(f"the state of {type(optimizer).__name__} can't be copied: {e}") from e
     return memo[id(optimizer)]
+
+
+def _storage_key(t: Tensor) -> tuple[torch.device, int] | None:
+    """Where ``t``'s memory lies (device, address of its storage); ``None`` where it has none of its own to
+    tell (meta tensors, wrapper subclasses such as DTensor, empty storage)."""
+    if t.device.type == "meta":
+        return None
+    try:
+        address = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return (t.device, address) if address else None
+
+
+# what a deep copy keeps as it is (or, for a bound method, rebinds): nothing inside is copied
+_OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+
+
+def _parameter_views(roots: list[Any], params: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """(tensor, alias) for every tensor reachable from ``roots`` (through dicts, lists, tuples, sets and
+    objects' attributes) that lies in a parameter's memory but isn't a parameter (heavyball's SOAP keeps
+    its parameters' reshaped views; ``p.data``): the alias is the same view of that parameter, so that the
+    copy's step writes to the parameter as the original's would. A deep copy would give it memory of its
+    own, and the step would write there."""
+    owners: dict[tuple[torch.device, int], Tensor] = {}
+    for p in params:
+        key = _storage_key(p)
+        if key is not None:
+            owners.setdefault(key, p)
+    found: list[tuple[Tensor, Tensor]] = []
+    ids = {id(p) for p in params}
+    stack, seen = list(roots), set(ids)
+    while stack and owners:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, Tensor):
+            key = _storage_key(x)
+            if key in owners:
+                found.append((x, _alias(x, owners[key])))
+        elif isinstance(x, Mapping):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack.extend(x)
+        elif not isinstance(x, _OPAQUE) and isinstance(getattr(x, "__dict__", None), dict):
+            stack.extend(x.__dict__.values())
+    return found
+
+
+def _alias(view: Tensor, owner: Tensor) -> Tensor:
+    """A tensor on ``owner``'s memory with ``view``'s dtype, shape, strides and offset: a view of ``owner``
+    (made without autograd, as an optimizer's step makes its views), or of its memory where the dtypes differ."""
+    with torch.no_grad():
+        if view.dtype == owner.dtype:
+            return owner.as_strided(view.shape, view.stride(), view.storage_offset())
+        return torch.empty(0, dtype=view.dtype, device=view.device).set_(
+            owner.untyped_storage(), view.storage_offset(), view.shape, view.stride()
+        )
 
 
 def next_update(
@@ -82,6 +150,8 @@ def next_update(
     lr_scale: float = 1.0,
     dtype: torch.dtype | None = None,
     max_grad_norm: float | None = None,
+    grad_norm_type: float = 2.0,
+    max_grad_value: float | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     r"""The gradient G and the step :math:`Z = W - W_\text{next}` that ``optimizer`` would take on ``batch``.
 
@@ -91,9 +161,10 @@ def next_update(
     autograd on them in the module's current mode (dropout is live in train mode, BatchNorm uses the
     batch's statistics). Its options are keyword-only, as everywhere.
 
-    G is computed as a training step computes it, optionally clipped to ``max_grad_norm`` as the training
-    loop does; then a copy of the optimizer (:func:`copy_optimizer`: its state, groups, inner optimizers,
-    counters) really steps. A parameter that gets no gradient (an unused module, an expert no token was
+    G is computed as a training step computes it, optionally clipped as the training loop clips it (by
+    norm, ``max_grad_norm``, L2 unless ``grad_norm_type`` says otherwise, or by value, ``max_grad_value``);
+    then a copy of the optimizer (:func:`copy_optimizer`: its state, groups, inner optimizers, counters)
+    really steps. A parameter that gets no gradient (an unused module, an expert no token was
     routed to, a dropped layer) keeps ``.grad = None`` for the step, as ``backward()`` leaves it, and
     moves only as the real step would move it (torch's optimizers skip it); its G is reported as zeros.
 
@@ -142,15 +213,26 @@ def next_update(
         dtype: dtype of the returned G and Z; default each parameter's own (float32 for half
             precision, where a difference of two values needs more bits). Differences are taken in
             float64 first, so a bf16 Newton–Schulz step comes back exact.
+        max_grad_norm: clip the gradient by its total norm over the trainable parameters, as
+            ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type=grad_norm_type)`` (and the
+            Hugging Face Trainer's ``max_grad_norm``) does: the L2 norm unless ``grad_norm_type`` says
+            otherwise. Default ``None``: no clipping.
+        grad_norm_type: the norm ``max_grad_norm`` bounds, as ``clip_grad_norm_``'s ``norm_type``: 2.0
+            (the default), ``float("inf")`` for the largest absolute entry, or any other p > 0.
+        max_grad_value: clip every gradient entry to ``[-max_grad_value, max_grad_value]``, as
+            ``torch.nn.utils.clip_grad_value_`` does. Not with ``max_grad_norm``: the order of the two
+            changes the step, and a loop may take either.
 
     Returns:
         ``(G, Z)``, dicts keyed by parameter name (trainable parameters only).
 
     Raises:
         CurvlabError: no trainable parameters, a non-finite loss, a trainable parameter no optimizer
-            holds, optimizers sharing a parameter, a state that can't be copied, or a step that can't be
-            taken in any of the ways above.
+            holds, optimizers sharing a parameter, a state that can't be copied, a step that can't be
+            taken in any of the ways above, or clipping that can't be done (both kinds, a negative
+            bound, a norm type that isn't p > 0).
     """
+    clip = _clipping(max_grad_norm, grad_norm_type, max_grad_value)
     named = named_trainable(model)
     if not named:
         raise CurvlabError("the model has no trainable parameters: there is no update")
@@ -191,8 +273,7 @@ def next_update(
         evaluations += 1
         for p, g in zip(params, grads):
             p.grad = None if g is None else g if graph else g.detach().clone()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        clip(params)
         return total, [p.grad for p in params]
 
     try:
@@ -214,6 +295,32 @@ def next_update(
                 p.copy_(b)
                 p.grad = g
     return G, Z
+
+
+def _clipping(
+    max_grad_norm: float | None, grad_norm_type: float, max_grad_value: float | None
+) -> Callable[[list[Tensor]], None]:
+    """What clips the parameters' ``.grad`` in place, as torch's ``clip_grad_norm_`` or ``clip_grad_value_``
+    does in the training loop (nothing, with neither bound).
+
+    Raises:
+        CurvlabError: both bounds, a negative bound, or a norm type that isn't a number p > 0.
+    """
+    if max_grad_norm is not None and max_grad_value is not None:
+        raise CurvlabError(
+            "pass max_grad_norm or max_grad_value, not both: which comes first changes the step, and loops differ"
+        )
+    for name, bound in (("max_grad_norm", max_grad_norm), ("max_grad_value", max_grad_value)):
+        # (torch takes a negative bound: a value bound would clamp with min > max, a norm bound flip G)
+        if bound is not None and not (isinstance(bound, (int, float)) and bound >= 0):
+            raise CurvlabError(f"{name} must be a number >= 0, got {bound!r}")
+    if not (isinstance(grad_norm_type, (int, float)) and grad_norm_type > 0):
+        raise CurvlabError(f"grad_norm_type must be a number p > 0 or float('inf'), got {grad_norm_type!r}")
+    if max_grad_norm is not None:
+        return lambda params: torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type=grad_norm_type)
+    if max_grad_value is not None:
+        return lambda params: torch.nn.utils.clip_grad_value_(params, max_grad_value)
+    return lambda params: None
 
 
 @dataclass(frozen=True)
