@@ -34,12 +34,14 @@ from curvlab.engine.hvp import (
     hvps,
 )
 from curvlab.engine.loss import Batches, make_loss_fn, token_cross_entropy
-from curvlab.engine.operator import Operator, hessian_operator, preconditioned_operator
+from curvlab.engine.operator import Operator, hessian_operator, hessian_operator_at, preconditioned_operator
 
-# curvature: a direction's curvature over a scope, NDS, the Taylor split, the block matrix, spectra
+# curvature: a direction's curvature over a scope, NDS, the Taylor split, the block matrix, spectra,
+# the preconditioned sharpness
 from curvlab.curvature.groupings import group_parameters, hidden_matrices
+from curvlab.curvature.preconditioned import preconditioned_sharpness, preconditioned_sharpness_at
 from curvlab.curvature.scope import SCOPES, DirectionCurvature
-from curvlab.curvature.spectral import hutch_plus_plus, hutchinson, lanczos, spectral_density
+from curvlab.curvature.spectral import EigenResult, hutch_plus_plus, hutchinson, lanczos, spectral_density
 from curvlab.curvature.taylor import (
     BLOCK_METHODS,
     BlockMatrix,
@@ -54,10 +56,12 @@ from curvlab.curvature.taylor import (
     taylor_split_at,
 )
 
-# optim: optimizers by name, and the side-effect-free next update Z of any optimizer
+# optim: optimizers by name, the side-effect-free next update Z of any optimizer, and the edge of stability
+from curvlab.optim.adam import adam_edge_of_stability, adam_preconditioner
 from curvlab.optim.build import build_optimizer
 from curvlab.optim.model_optimizer import trainable_parameters
 from curvlab.optim.polar import msign
+from curvlab.optim.stability_point import StabilityPoint, stability_point
 from curvlab.optim.update import next_update
 
 # isort: on
@@ -108,6 +112,7 @@ __all__ = [  # noqa: RUF022 (by layer, as the imports)
     "forward_quadratic_forms",
     "gradient_and_hvps",
     "hessian_operator",
+    "hessian_operator_at",
     "hvp",
     "hvps",
     "make_loss_fn",
@@ -119,6 +124,7 @@ __all__ = [  # noqa: RUF022 (by layer, as the imports)
     "SCOPES",
     "BlockMatrix",
     "DirectionCurvature",
+    "EigenResult",
     "TaylorSplit",
     "block_matrix",
     "block_matrix_at",
@@ -129,15 +135,21 @@ __all__ = [  # noqa: RUF022 (by layer, as the imports)
     "lanczos",
     "nds",
     "nds_at",
+    "preconditioned_sharpness",
+    "preconditioned_sharpness_at",
     "spectral_density",
     "taylor_split",
     "taylor_split_and_block_matrix",
     "taylor_split_and_block_matrix_at",
     "taylor_split_at",
     # optim
+    "StabilityPoint",
+    "adam_edge_of_stability",
+    "adam_preconditioner",
     "build_optimizer",
     "msign",
     "next_update",
+    "stability_point",
     "trainable_parameters",
     # runs (loaded on first use)
     "CurvatureMonitor",

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+import torch
 
 from curvlab.errors import CurvlabError
 from curvlab.runs.config import TrainConfig
@@ -99,6 +100,23 @@ def test_json_that_keeps_nan_reads_back_the_same_floats():
     back = decode(Shape, json.loads(json.dumps(_shape().to_dict())))  # Python's JSON: NaN, Infinity
     assert back.corners[2] == Point(math.inf, -math.inf) and math.isnan(back.corners[1].x)
     assert back.corners[1].y is None
+
+
+@dataclass(frozen=True)
+class Spectrum(Record):
+    values: torch.Tensor
+    vectors: torch.Tensor = field(default=None, metadata=meta(skip=True))
+
+
+def test_a_tensor_writes_as_its_list_and_reads_back_as_a_float64_host_tensor():
+    record = Spectrum(torch.tensor([2.5, math.nan], dtype=torch.float32), torch.ones(3, 2))
+    text = json.dumps(schema.sealed(record.to_dict()))
+    assert json.loads(text)["values"] == [2.5, None]
+    back = Spectrum.from_dict(schema.unsealed(json.loads(text), "f", "spectrum"))
+    assert back.values.dtype == torch.float64 and back.values.device == torch.device("cpu")
+    assert back.values[0] == 2.5 and math.isnan(back.values[1]) and back.vectors is None
+    with pytest.raises(TypeError, match="values: expected an array, got a number"):
+        Spectrum.from_dict({"values": 1.0})
 
 
 def test_a_missing_key_takes_the_default_or_is_a_key_error():

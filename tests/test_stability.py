@@ -23,7 +23,6 @@ from curvlab.optim.muon import Muon, muon_scale
 from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
 from curvlab.optim.stability import (
     InjectionScalars,
-    StabilityPoint,
     inject,
     injected_nds,
     injection_coefficient,
@@ -35,8 +34,8 @@ from curvlab.optim.stability import (
     muon_preconditioner,
     muon_sharpness,
     nesterov_momenta,
-    stability_point,
 )
+from curvlab.optim.stability_point import StabilityPoint, stability_point
 from curvlab.theory.quadratic_model import KroneckerQuadratic
 from tests.reference import dense_gradient, dense_hessian
 
@@ -355,6 +354,8 @@ def test_stability_point_of_a_muon_state_against_dense_references():
     assert point.lambda_max == pytest.approx(float(lam[-1]), rel=1e-9)
     assert abs(float(point.eigenvector @ V[:, -1])) == pytest.approx(1.0, abs=1e-8)
     assert point.preconditioned_sharpness == pytest.approx(dense, rel=1e-8)
+    assert point.lambda_converged and point.preconditioned_converged and point.bias_correction is None
+    assert 0 < point.preconditioned_residual <= 1e-8 * dense
     assert point.edge_of_stability == pytest.approx(2 * 1.95 / (0.05 * 2.9 * 0.02), rel=1e-14)
     assert point.two_over_lr == pytest.approx(100.0)
     d = json.loads(json.dumps(point.to_dict()))
@@ -364,8 +365,13 @@ def test_stability_point_of_a_muon_state_against_dense_references():
     assert again.preconditioned_sharpness == pytest.approx(point.preconditioned_sharpness, rel=1e-9)
     # and muon_sharpness on a given operator, as the analysis pipeline calls it
     op = hessian_operator(loss_fn, params, batch)
-    sharp, edge, lr = muon_sharpness(op, model, opt, hidden, list(params), G, max_iter=400, tol=1e-10)
+    sharp, edge, lr, residual, converged = muon_sharpness(
+        op, model, opt, hidden, list(params), G, max_iter=400, tol=1e-10
+    )
     assert sharp == pytest.approx(dense, rel=1e-8) and edge == point.edge_of_stability and lr == 0.02
+    assert converged and residual <= 1e-8 * dense
+    short = muon_sharpness(op, model, opt, hidden, list(params), G, max_iter=3, tol=1e-10)
+    assert not short.converged and short.residual > 1e-6 * dense
 
 
 @pytest.mark.heavy
@@ -377,9 +383,10 @@ def test_stability_point_of_an_adam_state_against_dense_references():
     H = dense_hessian(loss_fn, params, batch)
     table = dict(model.named_parameters())
     diag = torch.cat([(opt.state[table[n]]["exp_avg_sq"] / (1 - 0.95**3)).sqrt().reshape(-1) + 1e-8 for n in params])
+    diag = (1 - 0.9**3) * diag  # (the first moment's bias correction, in P by default)
     dense = float(torch.linalg.eigvalsh(diag.rsqrt()[:, None] * H * diag.rsqrt()[None, :])[-1])
     point = stability_point(loss_fn, params, batch, model, opt, max_iter=H.shape[0], tol=1e-10)
-    assert point.arm == "adam" and point.lr == 0.004
+    assert point.arm == "adam" and point.lr == 0.004 and point.bias_correction is True
     assert point.lambda_max == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-9)
     assert point.preconditioned_sharpness == pytest.approx(dense, rel=1e-8)
     assert point.edge_of_stability == pytest.approx(38 / 0.004, rel=1e-14)

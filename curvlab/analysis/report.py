@@ -50,7 +50,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from curvlab.analysis.controls import PointControls, held_out_nds, stability_controls
@@ -134,13 +133,13 @@ class UpdateSpectrum:
         eigenvectors (the loaded ones are empty), nor how its ``num_hvps`` split between Lanczos and
         the trace (all are counted on Lanczos'), nor Hutchinson's sample count; the rest is exact, so
         :meth:`to_dict` gives the same JSON back."""
-        top = np.asarray(d["top"], dtype=float)
+        top = torch.tensor(d["top"], dtype=torch.float64)
         per = d["trace_per_parameter"]
         dim = round(d["trace"] / per) if per and math.isfinite(per) else 1
         eigen = EigenResult(
             top,
             torch.zeros(0, len(top), dtype=torch.float64),
-            np.asarray(d["residuals"], dtype=float),
+            torch.tensor(d["residuals"], dtype=torch.float64),
             d["num_hvps"],
             0,
             d["converged"],

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 from curvlab.analysis.targets import DTYPES, AnalysisSettings, evaluation_batches, open_checkpoint
 from curvlab.curvature.groupings import group_parameters
 from curvlab.curvature.spectral import (
@@ -31,12 +33,14 @@ SPECTRUM_SCHEMA_VERSION = 1  # the JSON of CheckpointSpectrum (``curvlab spectru
 
 @dataclass(frozen=True)
 class PreconditionedSharpness:
-    r""":math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` for Adam's P, beside its edge of stability
-    :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)` (:func:`adam_edge_of_stability`)."""
+    r""":math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` for Adam's P (:func:`adam_preconditioner`, with the
+    first moment's bias correction :math:`1 - \beta_1^t` when ``bias_correction``), beside its edge of
+    stability :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)` (:func:`adam_edge_of_stability`)."""
 
     eigen: EigenResult
     lr: float
     beta1: float
+    bias_correction: bool = True
 
     @property
     def edge_of_stability(self) -> float:
@@ -44,7 +48,13 @@ class PreconditionedSharpness:
 
     # by hand: the eigen result's keys sit at the top level, beside the lr, beta1 and the derived edge
     def to_dict(self) -> dict[str, Any]:
-        return {**self.eigen.to_dict(), "lr": self.lr, "beta1": self.beta1, "edge_of_stability": self.edge_of_stability}
+        return {
+            **self.eigen.to_dict(),
+            "lr": self.lr,
+            "beta1": self.beta1,
+            "bias_correction": self.bias_correction,
+            "edge_of_stability": self.edge_of_stability,
+        }
 
 
 # -- results of the analysis pipeline ---------------------------------------------------------------
@@ -170,8 +180,9 @@ def checkpoint_spectrum(
     sharpness = None
     if request.preconditioned:
         lr, beta1 = adam_step_settings(target.optimizer)
-        P = preconditioned_operator(H, adam_preconditioner(target.optimizer, model, list(params)))
-        sharpness = PreconditionedSharpness(extremes(P, 1), lr, beta1)
+        diagonal = adam_preconditioner(target.optimizer, model, list(params))  # (with its bias correction)
+        P = preconditioned_operator(H, torch.cat([d.reshape(-1) for d in diagonal.values()]))
+        sharpness = PreconditionedSharpness(extremes(P, 1), lr, beta1, bias_correction=True)
     return CheckpointSpectrum(
         checkpoint=str(path),
         step=target.step,

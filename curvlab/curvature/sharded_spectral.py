@@ -56,11 +56,12 @@ def random_direction(params: Mapping[str, Tensor], seed: int, *, kind: str = "ga
 @dataclass(frozen=True)
 class ShardedEigenResult:
     """Extreme eigenpairs of a sharded Hessian; ``eigenvectors`` are parameter dicts sharded like the
-    parameters. The JSON (:meth:`to_dict`) has :class:`curvlab.curvature.spectral.EigenResult`'s keys."""
+    parameters, ``eigenvalues`` and ``residuals`` float64 host tensors, as
+    :class:`curvlab.curvature.spectral.EigenResult`'s. The JSON (:meth:`to_dict`) has its keys."""
 
-    eigenvalues: np.ndarray
+    eigenvalues: Tensor
     eigenvectors: list[P.Params]
-    residuals: np.ndarray
+    residuals: Tensor
     num_matvecs: int
     iterations: int
     converged: bool
@@ -145,11 +146,11 @@ def sharded_lanczos(
         vectors.append(u)
         residuals.append(P.norm(_axpy(hu, u, -float(theta[i]))))
     scale = max(float(np.abs(theta).max()), np.finfo(float).tiny)
-    residuals = np.array(residuals)
+    residuals = np.array(residuals, dtype=np.float64)
     return ShardedEigenResult(
-        eigenvalues=theta[order],
+        eigenvalues=torch.from_numpy(np.array(theta[order], dtype=np.float64)),
         eigenvectors=vectors,
-        residuals=residuals,
+        residuals=torch.from_numpy(residuals),
         num_matvecs=matvecs,
         iterations=len(alphas),
         converged=bool((residuals <= 10 * tol * scale).all()),

@@ -62,19 +62,43 @@ def _host(x: Tensor) -> np.ndarray:
     return x.detach().cpu().numpy().astype(np.float64)
 
 
+def _host_tensor(x: np.ndarray) -> Tensor:
+    """Host numbers (eigenvalues, residuals) as a float64 CPU tensor: :class:`EigenResult`'s array type."""
+    return torch.from_numpy(np.array(x, dtype=np.float64))
+
+
 # -- Lanczos ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class EigenResult(Record):
-    """Extreme eigenpairs. ``eigenvectors`` is ``(dim, k)`` (columns, flat, on the operator's
-    device), ``residuals`` the true ``||A u - θ u||`` of each pair, ``converged`` whether every
-    residual is within tolerance; ``basis_vectors`` the most Lanczos vectors held at once and
-    ``restarts`` how often the basis was compressed to fit its memory budget."""
+    r"""Extreme eigenpairs :math:`(\theta_i, u_i)` of a symmetric operator A, every one with its residual.
 
-    eigenvalues: np.ndarray
+    Attributes:
+        eigenvalues: the k Ritz values :math:`\theta_i`, wanted end first (largest first for
+            ``"largest"``), float64 on the host.
+        eigenvectors: ``(dim, k)``: the unit Ritz vectors :math:`u_i` as columns, flat, on the
+            operator's device in its dtype (not written to JSON).
+        residuals: the true :math:`\|A u_i - \theta_i u_i\|`, one product each after the iteration,
+            float64 on the host: some eigenvalue of A lies within it of :math:`\theta_i` (within
+            :math:`r^2/\delta` of it when the rest of the spectrum is :math:`\delta` away).
+        num_matvecs: the operator's products taken (the final residuals' included).
+        iterations: the iterations run.
+        converged: whether every residual is within tolerance.
+        algorithm: ``"lanczos"`` or ``"eigsh"``.
+        which: ``"largest"`` or ``"smallest"``.
+        basis_vectors: the most Lanczos vectors held at once.
+        restarts: how often the basis was compressed to fit its memory budget.
+    """
+
+    # One array type, torch: the eigenvectors are as long as the model and must stay on the operator's
+    # device (a numpy copy would move 0.5 GB per vector to the host, and numpy has no accelerator); the
+    # eigenvalues and residuals are the k host numbers of the small float64 tridiagonal problem, kept in
+    # float64 on the CPU so that reading one never waits for a device and a float32 operator does not
+    # round its Ritz values. The JSON (the codec) writes a tensor as its list of floats, as it did numpy's.
+    eigenvalues: Tensor
     eigenvectors: Tensor = field(metadata=meta(skip=True))  # (not written: a JSON keeps the eigenvalues)
-    residuals: np.ndarray
+    residuals: Tensor
     num_matvecs: int
     iterations: int
     converged: bool
@@ -215,11 +239,25 @@ def lanczos(
     shows up only as far as rounding brings it in.
 
     Args:
+        op: the symmetric operator A.
+        k: how many eigenpairs.
+        which: ``"largest"`` or ``"smallest"`` (algebraic).
+        max_iter: matvecs at most (besides the k of the final residuals).
+        tol: the stopping tolerance on each pair's residual, relative to :math:`\max|\theta|`.
+        seed: the start vector's seed (drawn on the operator's device).
         memory: bytes the stored Lanczos vectors may take (``None``: no bound, one vector per
             iteration, up to ``max_iter``). When m = ``memory // vector_bytes(op)`` vectors are full,
             the basis is compressed to its ``(m + k) // 2`` best Ritz vectors (thick restart).
         basis_device: where the basis lives (default: the operator's device); ``"cpu"`` keeps it in
             host memory, and the reorthogonalization runs there.
+
+    Returns:
+        An :class:`EigenResult`: the k Ritz pairs, each with its true residual
+        :math:`\|A u_i - \theta_i u_i\|`, and ``converged`` True only when every residual is at most
+        :math:`10\,\mathrm{tol}\,\max|\theta|\sqrt{k}`, so a run cut short by ``max_iter`` says so.
+
+    Raises:
+        CurvlabError: k outside [1, dim], an unknown ``which``, a memory budget below k + 2 vectors.
     """
     _check_which(which)
     if not 1 <= k <= op.dim:
@@ -263,8 +301,9 @@ def lanczos(
     U = basis.combine(S[:, idx], op.device)
     residuals = _residuals(op, U, theta[idx])
     converged = bool(len(idx) == k and np.all(residuals <= 10 * tol * scale * max(1.0, math.sqrt(k))))
+    values = _host_tensor(theta[idx])
     return EigenResult(
-        theta[idx], U, residuals, op.num_matvecs - start, steps, converged, "lanczos", which, held, restarts
+        values, U, _host_tensor(residuals), op.num_matvecs - start, steps, converged, "lanczos", which, held, restarts
     )
 
 
@@ -300,7 +339,8 @@ def eigsh_extremes(
     used = op.num_matvecs - start
     ok = converged and len(vals) == k
     held = ncv or min(op.dim, max(2 * k + 1, 20))
-    return EigenResult(vals.astype(np.float64), U, residuals, used, used - len(vals), ok, "eigsh", which, held)
+    values, residuals = _host_tensor(vals), _host_tensor(residuals)
+    return EigenResult(values, U, residuals, used, used - len(vals), ok, "eigsh", which, held)
 
 
 # -- trace -------------------------------------------------------------------------------------

@@ -166,6 +166,36 @@ def hessian_operator(
         An operator on the parameters' device, in ``dtype``.
     """
     check_method(method)
+    names = _scope_names(params, scope)
+    _check_flat(params)
+    return hessian_operator_at(
+        CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size), scope=names
+    )
+
+
+def hessian_operator_at(point: CurvaturePoint, *, scope: str | Sequence[str] = "all") -> Operator:
+    r""":func:`hessian_operator` at a :class:`~curvlab.engine.hvp.CurvaturePoint`: its HVPs as an
+    :class:`Operator`, :math:`H_{SS}` over the parameter names ``scope`` (``"all"``: every parameter, in
+    ``point.params``' order). The operator shares the point's forward pass and first backward with
+    whatever else is measured there, and answers products only while the point is open.
+
+    Args:
+        point: the point (its parameters, batch, HVP method, dtype and chunk size).
+        scope: ``"all"`` or parameter names, as for :func:`hessian_operator`.
+
+    Returns:
+        An operator on the parameters' device, in the point's dtype.
+
+    Raises:
+        CurvlabError: unknown names, sharded parameters, or parameters on several devices.
+    """
+    p = point.params
+    names, device = _scope_names(p, scope), _check_flat(p)
+    dim = sum(p[n].numel() for n in names)
+    return Operator(dim, flat_matmat(point.hvps, p, names), device=device, dtype=point.dtype)
+
+
+def _scope_names(params: Mapping[str, Tensor], scope: str | Sequence[str]) -> list[str]:
     if isinstance(scope, str) and scope != "all":
         raise CurvlabError(
             f"hessian_operator takes scope 'all' or parameter names, got {scope!r} (the hidden matrices: "
@@ -179,6 +209,11 @@ def hessian_operator(
             if unknown
             else "the block names no parameter"
         )
+    return names
+
+
+def _check_flat(params: Mapping[str, Tensor]) -> torch.device:
+    """The one device of unsharded ``params``, where a flat operator over them lives."""
     if any_dtensor(params.values()):
         raise CurvlabError(
             "hessian_operator works on flat vectors of unsharded parameters; for sharded ones use "
@@ -187,8 +222,4 @@ def hessian_operator(
     devices = {t.device for t in params.values()}
     if len(devices) != 1:
         raise CurvlabError(f"the parameters lie on {len(devices)} devices; the operator needs them on one")
-    point = CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size)
-    p = point.params
-    return Operator(
-        sum(p[n].numel() for n in names), flat_matmat(point.hvps, p, names), device=devices.pop(), dtype=point.dtype
-    )
+    return devices.pop()

@@ -1,6 +1,24 @@
 r"""Adam's diagonal preconditioner and its edge of stability, read from an optimizer's state: what the
-preconditioned sharpness :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` of ``curvlab spectrum --preconditioned``
+preconditioned sharpness :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})`
+(:func:`~curvlab.curvature.preconditioned.preconditioned_sharpness`, ``curvlab spectrum --preconditioned``)
 is measured with and against.
+
+**The preconditioner.** After t steps Adam (and AdamW, whose decoupled weight decay is left out) holds
+:math:`m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t` and :math:`v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2`, and
+steps
+
+.. math::
+    W \leftarrow W - \eta\,\frac{m_t / (1-\beta_1^t)}{\sqrt{v_t / (1-\beta_2^t)} + \epsilon}
+      = W - \eta\,P_t^{-1} m_t,\qquad
+    P_t = (1-\beta_1^t)\Bigl(\sqrt{\hat v_t} + \epsilon\Bigr),\quad \hat v_t = \frac{v_t}{1-\beta_2^t}
+
+(Cohen et al. 2022, "Adaptive gradient methods at the edge of stability"). With P frozen, that is
+heavy-ball momentum on the *uncorrected* average :math:`m_t` in P's metric, whose threshold is
+:func:`adam_edge_of_stability`: the factor :math:`1-\beta_1^t` (the first moment's bias correction)
+belongs in P for the preconditioned sharpness to be compared with it. It is 0.65 at t = 10 and within
+:math:`10^{-4}` of 1 from t = 88 on (:math:`\beta_1 = 0.9`); leaving it out
+(``bias_correction=False``: :math:`P = \sqrt{\hat v_t} + \epsilon`) multiplies the sharpness by
+:math:`1-\beta_1^t`, under-reporting it early in training.
 """
 
 from __future__ import annotations
@@ -10,41 +28,89 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from curvlab.engine import params as P
 from curvlab.errors import CurvlabError
 
 # -- preconditioned sharpness ------------------------------------------------------------------------
 
 
-def adam_preconditioner(optimizer: torch.optim.Optimizer, model: torch.nn.Module, names: Sequence[str]) -> Tensor:
-    r"""Adam's diagonal :math:`P = \sqrt{\hat v} + \epsilon`, :math:`\hat v = v / (1 - \beta_2^t)`, from an
-    optimizer's state, flattened in the order of ``names`` (on the state's device, in float64).
+def adam_preconditioner(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    names: Sequence[str] | None = None,
+    *,
+    bias_correction: bool = True,
+) -> dict[str, Tensor]:
+    r"""Adam's diagonal preconditioner P from an optimizer's state (module docstring), per parameter:
+
+    .. math::
+        P = (1 - \beta_1^t)\Bigl(\sqrt{v / (1 - \beta_2^t)} + \epsilon\Bigr),
+
+    or :math:`P = \sqrt{v / (1 - \beta_2^t)} + \epsilon` with ``bias_correction=False``; with each
+    parameter's own step count t and its group's :math:`\beta_1, \beta_2, \epsilon` (AMSGrad's
+    running maximum of v in place of v), so that the next step is :math:`-\eta P^{-1} m` with the state's
+    :math:`m` (``exp_avg``) exactly when ``bias_correction`` is True.
+
+    Args:
+        optimizer: a ``torch.optim.Adam`` or ``AdamW`` (or any optimizer with their state and groups)
+            after at least one step.
+        model: the module whose parameters it steps.
+        names: the parameters to read, by their names in ``model`` (default: every parameter that
+            requires a gradient).
+        bias_correction: whether P carries the first moment's bias correction :math:`1 - \beta_1^t`
+            (True: the paper's P, the one :func:`adam_edge_of_stability` applies to; False: without it).
+            The second moment is bias-corrected either way, as Adam's step is.
+
+    Returns:
+        ``{name: P}``, each float64 and shaped like its parameter, on its state's device, in ``names``'
+        order: a preconditioner for :func:`~curvlab.curvature.preconditioned.preconditioned_sharpness`.
 
     Raises:
-        CurvlabError: a parameter without Adam state (``exp_avg_sq``), e.g. Muon's matrices.
+        CurvlabError: a name not in the model, a parameter without Adam state (``exp_avg_sq``, e.g.
+            Muon's matrices), or a state before its first step.
     """
     table = dict(model.named_parameters())
+    names = [n for n, p in table.items() if p.requires_grad] if names is None else list(names)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise CurvlabError(f"the model has no parameters {P.names_text(unknown)}")
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    pieces = []
+    out = {}
     for n in names:
         p = table[n]
-        state = optimizer.state.get(p, {})
-        if "exp_avg_sq" not in state:
-            raise CurvlabError(
-                f"{n} has no Adam state (exp_avg_sq): the preconditioned sharpness needs an Adam checkpoint"
-            )
-        group = group_of[id(p)]
-        beta2, eps = group["betas"][1], group["eps"]
-        step = float(state["step"])
-        v_hat = state["exp_avg_sq"].double() / (1 - beta2**step)
-        pieces.append((v_hat.sqrt() + eps).reshape(-1))
-    return torch.cat(pieces)
+        state, group = optimizer.state.get(p, {}), group_of.get(id(p), {})
+        if "exp_avg_sq" not in state or "betas" not in group:
+            raise CurvlabError(f"{n} has no Adam state (exp_avg_sq): the preconditioned sharpness needs Adam's")
+        (beta1, beta2), eps, step = group["betas"], group["eps"], float(state["step"])
+        if not step >= 1:
+            raise CurvlabError(f"{n}'s Adam state has taken no step yet: no preconditioner")
+        v = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+        diagonal = (v.detach().double() / (1 - float(beta2) ** step)).sqrt() + eps
+        out[n] = diagonal * (1 - float(beta1) ** step) if bias_correction else diagonal
+    return out
 
 
 def adam_edge_of_stability(lr: float, beta1: float) -> float:
-    r"""Adam's edge of stability :math:`(2 + 2\beta_1) / ((1 - \beta_1)\eta)`: on a quadratic, heavy-ball
-    momentum :math:`\beta_1` with step :math:`\eta` is stable while the (preconditioned) sharpness stays
-    below it (Cohen et al. 2022, "Adaptive gradient methods at the edge of stability"); 38/η at
-    :math:`\beta_1 = 0.9`, and gradient descent's 2/η at :math:`\beta_1 = 0`."""
+    r"""Adam's edge of stability
+
+    .. math::  \frac{2 + 2\beta_1}{(1 - \beta_1)\,\eta}
+
+    On a quadratic, heavy-ball momentum :math:`m \leftarrow \beta_1 m + (1 - \beta_1) g`,
+    :math:`W \leftarrow W - \eta P^{-1} m` with a frozen P is stable while the preconditioned sharpness
+    :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` stays below it (Cohen et al. 2022); 38/η at
+    :math:`\beta_1 = 0.9`, and gradient descent's 2/η at :math:`\beta_1 = 0`. It applies to P with the
+    first moment's bias correction (:func:`adam_preconditioner`).
+
+    Args:
+        lr: the learning rate η (> 0).
+        beta1: the momentum :math:`\beta_1`, in [0, 1).
+
+    Returns:
+        The threshold, in the units of the sharpness.
+
+    Raises:
+        CurvlabError: a learning rate that is not positive, or :math:`\beta_1` outside [0, 1).
+    """
     if not lr > 0:
         raise CurvlabError(f"the learning rate must be positive for an edge of stability, got {lr}")
     if not 0 <= beta1 < 1:

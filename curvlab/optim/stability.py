@@ -1,5 +1,6 @@
-r"""Edge-of-stability quantities at one point: injected sharp directions, Muon's preconditioned sharpness,
-the momentum methods' stability thresholds, and all of them together (:func:`stability_point`).
+r"""Edge-of-stability quantities at one point: injected sharp directions, Muon's preconditioned sharpness
+and the momentum methods' stability thresholds (all of them together:
+:func:`curvlab.optim.stability_point.stability_point`).
 
 **Injected sharp direction.** For a direction Z and the top eigenpair :math:`(\lambda_1, v_1)` of H
 (:math:`\|v_1\| = 1`), :math:`Z' = Z + c\,v_1` has
@@ -73,7 +74,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -82,9 +83,9 @@ from curvlab.curvature.spectral import EigenResult, lanczos
 from curvlab.engine import params as P
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
 from curvlab.engine.loss import LossFn
-from curvlab.engine.operator import Operator, hessian_operator, preconditioned_operator
+from curvlab.engine.operator import Operator, hessian_operator
 from curvlab.errors import CurvlabError
-from curvlab.optim.adam import adam_edge_of_stability, adam_preconditioner, adam_step_settings
+from curvlab.optim.adam import adam_edge_of_stability
 from curvlab.optim.muon import as_matrices, matrix_shape, muon_scale
 from curvlab.optim.polar import (
     NEWTON_SCHULZ_COEFFICIENTS,
@@ -92,7 +93,7 @@ from curvlab.optim.polar import (
     POLAR_METHODS,
     polar_express_coefficients,
 )
-from curvlab.util.codec import Record, meta
+from curvlab.util.codec import Record
 
 UNIT_TOLERANCE = 1e-4  # |<v1, v1> - 1| accepted as a unit vector (a float32 Lanczos vector is unit to ~1e-7)
 
@@ -479,11 +480,14 @@ def is_muon_group(group: Mapping[str, Any]) -> bool:
 
 
 class MuonSharpness(NamedTuple):
-    """Muon's preconditioned sharpness beside its threshold at the group's lr (``sharpness, edge, lr = ...``)."""
+    r"""Muon's preconditioned sharpness beside its threshold at the group's lr, with the eigenvalue's true
+    residual :math:`\|A u - \theta u\|` and whether Lanczos converged."""
 
     sharpness: float
     edge_of_stability: float
     lr: float
+    residual: float
+    converged: bool
 
 
 def muon_sharpness(
@@ -533,76 +537,5 @@ def muon_sharpness(
         )  # fmt: skip
     block = _principal_block(op, {n: table[n].numel() for n in names}, hidden)
     top = lanczos(muon_preconditioned_operator(block, factors), max_iter=max_iter, tol=tol, seed=seed, memory=memory)
-    return MuonSharpness(float(top.eigenvalues[0]), muon_edge_of_stability(lr, mu, nesterov=nesterov), lr)
-
-
-# -- everything at one point ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StabilityPoint(Record):
-    r"""The edge-of-stability quantities at one point: :math:`\lambda_{\max}(H)` over all parameters (and its
-    unit eigenvector, flat in ``params``' order, not serialised), the arm's preconditioned sharpness
-    (Adam: :math:`P = \sqrt{\hat v} + \epsilon` over all parameters; Muon: its frozen polar preconditioner
-    on its matrices) and its own threshold at its lr, beside gradient descent's 2/η."""
-
-    arm: str  # "adam" or "muon"
-    lr: float
-    lambda_max: float
-    lambda_residual: float
-    preconditioned_sharpness: float
-    edge_of_stability: float
-    num_matvecs: int
-    eigenvector: Tensor = field(repr=False, compare=False, metadata=meta(skip=True))
-    JSON_KEYS: ClassVar[tuple] = (..., "two_over_lr")  # (derived, for readers: not read back)
-
-    @property
-    def two_over_lr(self) -> float:
-        return 2 / self.lr
-
-
-def stability_point(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Any,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    gradient: Mapping[str, Tensor] | None = None,
-    *,
-    max_iter: int = 40,
-    tol: float = 1e-3,
-    dtype: torch.dtype | None = None,
-    method: str = DEFAULT_METHOD,
-    seed: int = 0,
-    memory: int | None = None,
-) -> StabilityPoint:
-    """:class:`StabilityPoint` of ``model``'s parameters ``params`` (named as in the model) on ``batch``,
-    with ``optimizer``'s state: Muon's arm if it has a Muon group (the gradient at the point, ``gradient``
-    or computed here by one more forward and backward, enters its momentum), else Adam's. One Hessian
-    operator; at most ``max_iter`` HVPs per eigenproblem (the integrator's budget: 30-60, ``tol`` 1e-3).
-
-    Raises:
-        CurvlabError: an optimizer with neither Muon groups nor Adam state.
-    """
-    names = list(params)
-    muon_ids = {id(p) for g in optimizer.param_groups if is_muon_group(g) for p in g["params"]}
-    table = dict(model.named_parameters())
-    if muon_ids and gradient is None:  # (before H: the two points' graphs are never held together)
-        with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
-            gradient = point.gradient
-    H = hessian_operator(loss_fn, params, batch, dtype=dtype, method=method)
-    top = lanczos(H, k=1, max_iter=max_iter, tol=tol, seed=seed, memory=memory)
-    if muon_ids:
-        hidden = [n for n in names if n in table and id(table[n]) in muon_ids]
-        sharp, edge, lr = muon_sharpness(
-            H, model, optimizer, hidden, names, gradient, max_iter=max_iter, tol=tol, seed=seed, memory=memory
-        )
-        arm = "muon"
-    else:
-        lr, beta1 = adam_step_settings(optimizer)
-        pre = preconditioned_operator(H, adam_preconditioner(optimizer, model, names))
-        sharp = float(lanczos(pre, k=1, max_iter=max_iter, tol=tol, seed=seed, memory=memory).eigenvalues[0])
-        edge, arm = adam_edge_of_stability(lr, beta1), "adam"
-    v = top.eigenvectors[:, 0]  # a float32 Ritz vector's norm is 1 only to ~1e-4 over a million entries
-    v = v / torch.linalg.vector_norm(v.double()).to(v.dtype)
-    return StabilityPoint(arm, lr, float(top.eigenvalues[0]), float(top.residuals[0]), sharp, edge, H.num_matvecs, v)
+    edge = muon_edge_of_stability(lr, mu, nesterov=nesterov)
+    return MuonSharpness(float(top.eigenvalues[0]), edge, lr, float(top.residuals[0]), top.converged)

@@ -24,6 +24,7 @@ a record (dataclass)   an object, one key per field (Keys, below)      the recor
 ``bool``                                                               no bool, a bool no int)
 ``np.ndarray``         nested lists (``tolist``)                       ``np.array`` (of the field's
                                                                        ``dtype``; null as NaN)
+``torch.Tensor``       nested lists (``tolist``, from the host)        a float64 CPU tensor (null as NaN)
 an ``Enum``            its value                                       the member of that value
 ``Any``                plain JSON: tuples as lists, records            the JSON value as it is
                        encoded, numpy scalars as Python's
@@ -64,6 +65,7 @@ from functools import cache
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 from curvlab.errors import CurvlabError
 from curvlab.util import schema
@@ -200,6 +202,8 @@ def _plain(value: Any, where: str) -> Any:
         return value.item()
     if isinstance(value, np.ndarray):
         return value.tolist()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return value.to_dict() if hasattr(value, "to_dict") else encode(value)
     if isinstance(value, Mapping):
@@ -314,6 +318,10 @@ def _value(hint: Any, value: Any, opt: FieldOptions, where: str) -> Any:
             raise _wrong(where, "an array", value)
         array = np.array(value, dtype=opt.dtype)
         return np.array(value, dtype=float) if array.dtype == object else array  # (nulls: NaN)
+    if hint is torch.Tensor:
+        if not isinstance(value, (list, tuple)):
+            raise _wrong(where, "an array", value)
+        return torch.from_numpy(np.array(value, dtype=np.float64))  # (nulls: NaN)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         from_dict = getattr(hint, "from_dict", None)
         if from_dict is None or getattr(from_dict, "__func__", None) is Record.from_dict.__func__:
