@@ -68,15 +68,17 @@ def norm_cases() -> Iterator[Case]:
     for o in grid(shape=[(5,), (4, 5)], weight=[False, True], eps=[None, 1e-3]):
         inputs = {"x": _r(3, 4, 5)} | ({"weight": _r(*o["shape"])} if o["weight"] else {})
         yield Case("norms", f"rms_norm[{label(o)}]", _rms_norm(o["shape"], o["eps"]), inputs)
-    for o in grid(groups=[1, 2, 4], affine=["none", "weight", "both"]):
+    for o in grid(groups=[1, 2, 4], affine=["none", "weight", "bias", "both"]):
         inputs = {"x": _r(3, 4, 5)} | _affine_inputs(o["affine"], (4,))
-        yield Case("norms", f"group_norm[{label(o)}]", _group_norm(o["groups"]), inputs)
-    for o in grid(training=[True, False], running=[True, False], affine=["none", "weight", "both"]):
+        # (a bias without a weight: torch's own first derivative fails, so the reference is the same sum)
+        ref = _group_norm_bias_apart(o["groups"]) if o["affine"] == "bias" else None
+        yield Case("norms", f"group_norm[{label(o)}]", _group_norm(o["groups"]), inputs, ref)
+    for o in grid(training=[True, False], running=[True, False], affine=["none", "weight", "bias", "both"]):
         if not (o["training"] or o["running"]):
             continue  # torch needs running statistics in eval mode
         inputs = {"x": _r(4, 3, 5)} | _affine_inputs(o["affine"], (3,))
         yield Case("norms", f"batch_norm[{label(o)}]", _batch_norm(o["training"], o["running"], F.batch_norm), inputs)
-    for o in grid(use_input_stats=[True, False], affine=["none", "both"]):
+    for o in grid(use_input_stats=[True, False], affine=["none", "bias", "both"]):
         inputs = {"x": _r(4, 3, 5)} | _affine_inputs(o["affine"], (3,))
         op = _batch_norm(o["use_input_stats"], not o["use_input_stats"], F.instance_norm)
         yield Case("norms", f"instance_norm[{label(o)}]", op, inputs)
@@ -106,6 +108,10 @@ def _rms_norm(shape, eps):
 
 def _group_norm(groups):
     return lambda x, weight=None, bias=None: F.group_norm(x, groups, weight, bias, eps=1e-3)
+
+
+def _group_norm_bias_apart(groups):
+    return lambda x, bias: F.group_norm(x, groups, None, None, eps=1e-3) + bias.view(1, -1, 1)
 
 
 def _batch_norm(batch_stats: bool, running: bool, fn):
@@ -447,15 +453,35 @@ def _classification_losses() -> Iterator[Case]:
         op = lambda x, kw=kw: F.multi_margin_loss(x, target, **kw)  # noqa: E731
         yield Case("losses", f"multi_margin_loss[{label(o)}]", op, {"x": _r(4, 3)})
     yield Case("losses", "multilabel_margin_loss", lambda x: F.multilabel_margin_loss(x, multi), {"x": _r(2, 3)})
+    repeated = torch.tensor([[0, 0, -1], [1, 2, 1]])  # (torch counts a listed class as often as it is listed)
+    op = lambda x: F.multilabel_margin_loss(x, repeated)  # noqa: E731
+    yield Case("losses", "multilabel_margin_loss[repeated targets]", op, {"x": _r(2, 3)})
     labels = (torch.rand(4, 3) > 0.5).double()
+    yield from _legacy_reductions(target, multi, labels)
     yield Case(
         "losses", "multilabel_soft_margin_loss", lambda x: F.multilabel_soft_margin_loss(x, labels), {"x": _r(4, 3)}
     )
     yield Case("losses", "soft_margin_loss", lambda x: F.soft_margin_loss(x, 2 * labels - 1), {"x": _r(4, 3)})
 
 
+def _legacy_reductions(target: Tensor, multi: Tensor, labels: Tensor) -> Iterator[Case]:
+    """The losses curvlab reroutes, with torch's legacy ``size_average`` and ``reduce`` arguments."""
+    losses = {
+        "mse_loss": lambda x, **kw: F.mse_loss(x, labels, **kw),
+        "soft_margin_loss": lambda x, **kw: F.soft_margin_loss(x, 2 * labels - 1, **kw),
+        "multi_margin_loss": lambda x, **kw: F.multi_margin_loss(x, target, **kw),
+        "multilabel_margin_loss": lambda x, **kw: F.multilabel_margin_loss(x[:2], multi, **kw),
+        "binary_cross_entropy_with_logits": lambda x, **kw: F.binary_cross_entropy_with_logits(x, labels, **kw),
+    }
+    for (name, f), o in itertools.product(losses.items(), grid(size_average=[False, True], reduce=[None, False])):
+        yield Case("losses", f"{name}[{label(o)}]", lambda x, f=f, o=o: f(x, **o), {"x": _r(4, 3)})
+
+
 def _regression_losses() -> Iterator[Case]:
     for reduction in ("mean", "sum", "none"):
+        weight = torch.rand(4, 3, dtype=DT) + 0.5
+        op = lambda x, y, w=weight, r=reduction: F.mse_loss(x, y, reduction=r, weight=w)  # noqa: E731
+        yield Case("losses", f"mse_loss[{reduction},weight]", op, _xy())
         for name, f in (("mse_loss", F.mse_loss), ("l1_loss", F.l1_loss)):
             yield Case("losses", f"{name}[{reduction}]", lambda x, y, f=f, r=reduction: f(x, y, reduction=r), _xy())
         for beta in (1.0, 0.5):
@@ -572,12 +598,20 @@ def linalg_cases() -> Iterator[Case]:
         "lu_solve": lambda x, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(spd(x)), b),
         "lstsq": lambda x, b: torch.linalg.lstsq(spd(x), b).solution,
         "cross": lambda x, b: torch.linalg.cross(x, torch.cat([b, b[:, :1]], 1)),
+        # the aliases of the ops above (Tensor methods, LAPACK names, the _ex forms) and torch's vector rule
+        "Tensor.det": lambda x: x.det(), "Tensor.logdet": lambda x: spd(x).logdet(),
+        "Tensor.slogdet": lambda x: spd(x).slogdet()[1], "det[singular]": lambda x: torch.linalg.det(x),
+        "orgqr": lambda x, tau: torch.orgqr(x, tau), "Tensor.orgqr": lambda x, tau: x.orgqr(tau),
+        "solve_ex": lambda x, b: torch.linalg.solve_ex(spd(x), b).result,
+        "solve[batch of A, one vector b]": lambda x, b: torch.linalg.solve(spd(x).expand(2, 3, 3), b[:, 0]),
     }  # fmt: skip
     for name, f in ops.items():
         inputs = {"x": _r(3, 3)}
         if "b" in f.__code__.co_varnames[: f.__code__.co_argcount]:
             inputs["b"] = _r(3, 2)
-        if name == "householder_product":
+        if name == "det[singular]":
+            inputs["x"][2] = inputs["x"][0]  # (det 0 at the point, not along the directions)
+        if name in ("householder_product", "orgqr", "Tensor.orgqr"):
             inputs["tau"] = 0.5 * _r(2)
             inputs["x"] = _r(3, 2)
         yield Case("linalg", name, f, inputs)

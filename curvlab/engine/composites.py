@@ -1,15 +1,11 @@
 r"""Composite forms of the fused ops torch differentiates wrongly, or not twice: the same values from
 primitive ops (``mean``, ``rsqrt``, ``index_add``, ...), whose derivatives of every order and mode are exact.
 
-The exact mode (:mod:`curvlab.engine.exact`) routes each fused op here under the methods where torch's
-own formulas fail (``tests/op_sweep.py`` measures every op against central differences of torch's
-gradient, by each method; docs/science.md section 1 has the table):
-
-* ``F.layer_norm``, ``F.instance_norm`` and ``F.batch_norm`` with batch statistics: wrong forward-over-
-  forward (and ``jacrev`` of ``jacrev`` through their affine forms);
-* ``torch._weight_norm`` (``nn.utils.weight_norm`` and the ``weight_norm`` parametrization): the fused
-  ``_weight_norm_interface`` has a wrong mixed g–v second derivative and no forward mode;
-* ``F.embedding_bag``: its backward has no derivative at all.
+The exact mode (:mod:`curvlab.engine.exact`, its ``_ROUTES``) routes each fused op here under the
+methods where torch's own formulas are wrong or missing, as the op sweep (``tests/op_sweep.py``) measures
+every op against central differences of torch's gradient, by each method; docs/op-sweep.md has the
+table. Each composite takes torch's signature and gives torch's value for every option it accepts (the
+sweep checks the values too); an option that changes only torch's gradient is not used.
 """
 
 from __future__ import annotations
@@ -101,12 +97,8 @@ def composite_weight_norm(v: Tensor, g: Tensor, dim: int = 0) -> Tensor:
     The norm is taken over every dimension but ``dim`` (over all of them for ``dim = -1``, as torch's
     ``norm_except_dim`` does), and ``g`` broadcasts against it.
     """
-    if dim == -1:
-        dims = tuple(range(v.dim()))
-    else:
-        dim %= v.dim()
-        dims = tuple(d for d in range(v.dim()) if d != dim)
-    return v * (g * torch.rsqrt((v * v).sum(dims, keepdim=True)))
+    dims = tuple(range(v.dim())) if dim == -1 else tuple(d for d in range(v.dim()) if d != dim % v.dim())
+    return v * (g / torch.linalg.vector_norm(v, 2, dims, keepdim=True))  # (accumulates low precision in float32)
 
 
 def composite_embedding_bag(
@@ -164,8 +156,17 @@ def composite_hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
 
 def composite_glu(input: Tensor, dim: int = -1) -> Tensor:
     r""":math:`a \odot \sigma(b)` of the two halves of ``input`` along ``dim``, as ``F.glu``."""
+    if input.shape[dim] % 2:
+        return F.glu(input, dim)  # (torch's own error)
     a, b = input.chunk(2, dim)
     return a * torch.sigmoid(b)
+
+
+def _reduction(size_average, reduce, reduction: str) -> str:
+    """The reduction, from the legacy ``size_average``/``reduce`` when either is given (as torch reads them)."""
+    if size_average is None and reduce is None:
+        return reduction
+    return torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=False)
 
 
 def _reduced(loss: Tensor, reduction: str) -> Tensor:
@@ -173,9 +174,11 @@ def _reduced(loss: Tensor, reduction: str) -> Tensor:
 
 
 def composite_mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None) -> Tensor:
-    """``F.mse_loss``: :math:`w (x - y)^2`, reduced (the legacy ``size_average``/``reduce`` are refused by
-    torch's own argument check before any rerouting matters, so they are passed over here)."""
-    loss = (input - target) ** 2
+    """``F.mse_loss``: :math:`w (x - y)^2`, reduced (a weighted mean divides by the weights' sum, as torch's;
+    the legacy ``size_average``/``reduce`` read as torch reads them)."""
+    loss, reduction = (input - target) ** 2, _reduction(size_average, reduce, reduction)
+    if weight is not None and reduction == "mean":
+        return (weight * loss).sum() / weight.sum()  # (torch's weighted mean: by the weights' sum)
     return _reduced(loss if weight is None else weight * loss, reduction)
 
 
@@ -188,7 +191,7 @@ def composite_huber_loss(input, target, reduction="mean", delta=1.0, weight=None
 
 def composite_soft_margin_loss(input, target, size_average=None, reduce=None, reduction="mean") -> Tensor:
     r"""``F.soft_margin_loss``: :math:`\log(1 + e^{-y x})`, reduced."""
-    return _reduced(F.softplus(-target * input), reduction)
+    return _reduced(F.softplus(-target * input), _reduction(size_average, reduce, reduction))
 
 
 def composite_multi_margin_loss(
@@ -202,7 +205,7 @@ def composite_multi_margin_loss(
     if weight is not None:
         hinge = hinge * weight[y]
     hinge = hinge.scatter(1, y, 0.0)  # (the target's own class is not a margin)
-    return _reduced(hinge.sum(1) / x.shape[1], reduction)
+    return _reduced(hinge.sum(1) / x.shape[1], _reduction(size_average, reduce, reduction))
 
 
 def composite_multilabel_margin_loss(input, target, size_average=None, reduce=None, reduction="mean") -> Tensor:
@@ -210,11 +213,11 @@ def composite_multilabel_margin_loss(input, target, size_average=None, reduce=No
     T the target classes up to the first -1."""
     x, t = (input, target) if input.dim() == 2 else (input.unsqueeze(0), target.unsqueeze(0))
     listed = (t >= 0).cumprod(1).bool()  # the classes before the first -1
-    is_target = (F.one_hot(t.clamp(min=0), x.shape[1]) * listed.unsqueeze(-1)).sum(1) > 0
+    listed_count = (F.one_hot(t.clamp(min=0), x.shape[1]) * listed.unsqueeze(-1)).sum(1)  # (a repeat counts twice)
     pairs = (1 - x.unsqueeze(2) + x.unsqueeze(1)).clamp(min=0)  # [i, j, k]: 1 - x_j + x_k
-    mask = is_target.unsqueeze(2) & ~is_target.unsqueeze(1)
+    mask = listed_count.unsqueeze(2) * (listed_count == 0).unsqueeze(1)
     loss = (pairs * mask).sum((1, 2)) / x.shape[1]
-    return _reduced(loss if input.dim() == 2 else loss.squeeze(0), reduction)
+    return _reduced(loss if input.dim() == 2 else loss.squeeze(0), _reduction(size_average, reduce, reduction))
 
 
 def composite_cdist(x1: Tensor, x2: Tensor, p: float = 2.0, compute_mode: str | None = None) -> Tensor:
@@ -233,9 +236,19 @@ def composite_solve(A: Tensor, B: Tensor, *, left: bool = True, out=None) -> Ten
     """``torch.linalg.solve`` by an LU factorization (``lu_factor`` and ``lu_solve``, whose forward-over-
     forward derivatives are right, where ``linalg_solve``'s are not). ``B`` of one dimension fewer than
     ``A`` is a (batch of) vector(s), as torch reads it."""
-    vector = left and B.dim() == A.dim() - 1
-    b = B.unsqueeze(-1) if vector else B
-    x = torch.linalg.lu_solve(*torch.linalg.lu_factor(A), b, left=left)
+    return _lu_solved(*torch.linalg.lu_factor(A), B, left)
+
+
+def composite_solve_ex(A: Tensor, B: Tensor, *, left: bool = True, check_errors: bool = False, out=None):
+    """``torch.linalg.solve_ex``: :func:`composite_solve`'s solution and the LU factorization's ``info``."""
+    lu, pivots, info = torch.linalg.lu_factor_ex(A, check_errors=check_errors)
+    return torch.return_types.linalg_solve_ex((_lu_solved(lu, pivots, B, left), info))
+
+
+def _lu_solved(lu: Tensor, pivots: Tensor, B: Tensor, left: bool) -> Tensor:
+    """X of A X = B (X A = B unless ``left``) from A's LU factors; ``B`` a (batch of) vector(s) by torch's rule."""
+    vector = B.dim() == 1 or (B.dim() == lu.dim() - 1 and B.shape == lu.shape[:-1])
+    x = torch.linalg.lu_solve(lu, pivots, B.unsqueeze(-1) if vector else B, left=left)
     return x.squeeze(-1) if vector else x
 
 
@@ -248,13 +261,13 @@ def composite_householder_product(A: Tensor, tau: Tensor, *, out=None) -> Tensor
     below = torch.ones(m, m, dtype=torch.bool, device=A.device).tril(-1)
     for i in range(tau.shape[-1]):
         v = A[..., :, i] * below[:, i] + eye[:, i]
-        q = q - tau[..., i, None, None] * (q @ v.unsqueeze(-1)) * v.unsqueeze(-2)
+        q = q - tau[..., i, None, None] * (q @ v.unsqueeze(-1)) * v.conj().unsqueeze(-2)  # (I - tau v v^H)
     return q[..., :, :n]
 
 
 def _lu_signs(A: Tensor) -> tuple[Tensor, Tensor]:
     """The diagonal of A's LU factor and the sign of its row permutation."""
-    lu, pivots = torch.linalg.lu_factor(A)
+    lu, pivots, _ = torch.linalg.lu_factor_ex(A)  # (a singular A too: its det is 0, as torch's)
     swaps = (pivots != torch.arange(1, pivots.shape[-1] + 1, device=A.device, dtype=pivots.dtype)).sum(-1)
     return lu.diagonal(dim1=-2, dim2=-1), 1 - 2 * (swaps % 2).to(A.dtype)
 
@@ -268,7 +281,7 @@ def composite_det(A: Tensor, *, out=None) -> Tensor:
 def composite_slogdet(A: Tensor, *, out=None):
     r"""``torch.linalg.slogdet``: the sign and :math:`\sum_i \log |U_{ii}|` from an LU factorization."""
     diagonal, sign = _lu_signs(A)
-    sign = sign * torch.sign(diagonal).prod(-1)
+    sign = sign * torch.sgn(diagonal).prod(-1)
     return torch.return_types.linalg_slogdet((sign.detach(), diagonal.abs().log().sum(-1)))
 
 
@@ -284,7 +297,7 @@ def composite_binary_cross_entropy_with_logits(
     r"""``F.binary_cross_entropy_with_logits``: :math:`-w\,[p\,y \log\sigma(x) + (1 - y) \log\sigma(-x)]`."""
     positive = F.logsigmoid(input) * (target if pos_weight is None else pos_weight * target)
     loss = -(positive + (1 - target) * F.logsigmoid(-input))
-    return _reduced(loss if weight is None else weight * loss, reduction)
+    return _reduced(loss if weight is None else weight * loss, _reduction(size_average, reduce, reduction))
 
 
 def composite_rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False) -> Tensor:

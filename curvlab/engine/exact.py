@@ -19,7 +19,8 @@ torch's gradient, by each method, over its options: docs/op-sweep.md has its tab
   (``jvp`` of ``jvp``, the quadratic forms) is wrong through ``layer_norm``, ``instance_norm`` and
   ``batch_norm`` with batch statistics, and ``jacrev`` of ``jacrev`` (``torch.func.hessian``) through
   their affine forms. Forward-over-reverse (``jvp`` of ``grad``) and double backward are right, and
-  ``group_norm``, ``rms_norm`` and ``batch_norm`` with running statistics are right under all four.
+  ``group_norm``, ``rms_norm`` and ``batch_norm`` with running statistics are right under all four
+  (but for a bias without a weight: see below).
 
 So each method reroutes what is wrong under it (:data:`REROUTES`): the HVP methods ``"rev_rev"``
 and ``"fwd_rev"`` keep the fused kernels, while ``"fwd_fwd"`` (and ``None``: any transform, for users
@@ -32,7 +33,9 @@ Hessian to rounding, in a few passes over the logits where autograd's generic fo
 Beyond the norms, the sweep finds fused ops whose second derivative torch gets wrong or lacks, and each
 is routed to a composite of the same value (:mod:`curvlab.engine.composites`) under the methods where
 it fails (:data:`_ROUTES`): weight norm (a wrong mixed g-v term under double backward, 20-95% off; no
-forward mode), layer norm with a bias and no weight (double backward), ``embedding_bag``, the margin
+forward mode), layer, batch and instance norm with a bias and no weight (double backward; group norm's
+fails at first order), the determinants, ``solve`` and ``householder_product`` also as the aliases
+``Tensor.det``, ``orgqr``, ``solve_ex``, ``embedding_bag``, the margin
 losses, ``cdist``, ``pdist`` and ``hardsigmoid`` (no second derivative at all), ``mse_loss``,
 ``huber_loss`` and ``soft_margin_loss`` (no forward mode of their backward), ``linalg.solve``,
 ``householder_product`` and the determinants (wrong forward-over-forward), and ``glu``, ``rrelu`` and
@@ -99,6 +102,7 @@ from curvlab.engine.composites import (
     composite_slogdet,
     composite_soft_margin_loss,
     composite_solve,
+    composite_solve_ex,
     composite_weight_norm,
 )
 from curvlab.errors import CurvlabError
@@ -128,7 +132,10 @@ _ROUTES: dict[str, tuple[tuple, dict]] = {
     "linalg": (_FWD_FWD, {torch.linalg.solve: composite_solve, torch.linalg.det: composite_det,
                           torch.det: composite_det, torch.linalg.slogdet: composite_slogdet,
                           torch.slogdet: composite_slogdet, torch.logdet: composite_logdet,
-                          torch.linalg.householder_product: composite_householder_product}),
+                          torch.linalg.householder_product: composite_householder_product,
+                          Tensor.det: composite_det, Tensor.logdet: composite_logdet, Tensor.slogdet: composite_slogdet,
+                          torch.orgqr: composite_householder_product, Tensor.orgqr: composite_householder_product,
+                          torch.linalg.solve_ex: composite_solve_ex}),
 }  # fmt: skip
 # what each method needs rerouted beyond attention, dropout, running statistics and embeddings' gradient options
 REROUTES = {m: frozenset(name for name, (methods, _) in _ROUTES.items() if m in methods) for m in _ALL}
@@ -201,9 +208,11 @@ class _ExactSecondOrderMode(TorchFunctionMode):
             return self._statistics_norm(func, args, kwargs)
         elif func is F.layer_norm:
             return self._layer_norm(args, kwargs)
+        elif func is F.group_norm:
+            return _group_norm(args, kwargs)
         elif func is F.embedding or func is F.embedding_bag:
             args, kwargs = _embedding_function_only(func, args, kwargs)
-        if func in self.routes:
+        if func in self.routes and kwargs.get("out") is None:  # (out= has no derivative: torch's own runs)
             func = self.routes[func]
         elif func in self.refused and _differentiated(args, kwargs):
             why, way = self.refused[func]
@@ -238,6 +247,9 @@ class _ExactSecondOrderMode(TorchFunctionMode):
         weight, bias, eps = b.get("weight"), b.get("bias"), b.get("eps", 1e-5)
         if self.composite_norms:
             return composite(b["input"], *running, weight, bias, batch_stats, eps=eps)
+        if weight is None and bias is not None:  # (torch's double backward of that form is wrong, or fails)
+            shape = (1, -1) + (1,) * (b["input"].dim() - 2)
+            return func(b["input"], *running, None, None, batch_stats, 0.0, eps) + bias.view(shape)
         return func(b["input"], *running, weight, bias, batch_stats, 0.0, eps)
 
     def _watch(self, func, args, kwargs, out) -> None:
@@ -256,6 +268,16 @@ class _ExactSecondOrderMode(TorchFunctionMode):
         site = _caller(include_curvlab=True)
         if not site.startswith(_CURVLAB_SITE):
             self.random_draws.setdefault(f"{getattr(func, '__name__', str(func))}() at {site}")
+
+
+def _group_norm(args: tuple, kwargs: dict) -> Tensor:
+    """Group norm; with a bias and no weight, the norm without it plus the bias (torch's own first
+    derivative of that form fails)."""
+    b = dict(zip(("input", "num_groups", "weight", "bias", "eps"), args), **kwargs)
+    if b.get("weight") is None and b.get("bias") is not None:
+        shape = (1, -1) + (1,) * (b["input"].dim() - 2)
+        return F.group_norm(b["input"], b["num_groups"], None, None, b.get("eps", 1e-5)) + b["bias"].view(shape)
+    return F.group_norm(*args, **kwargs)
 
 
 _EMBEDDING_ARGS = {
@@ -297,8 +319,17 @@ def _embedding_function_only(func, args: tuple, kwargs: dict) -> tuple[tuple, di
 
 def _differentiated(args: tuple, kwargs: dict) -> bool:
     """Whether a call forms a derivative (a loss value under ``no_grad`` is still allowed)."""
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-    return torch.is_grad_enabled() and any(_depends_on_parameters(t) for t in tensors)
+    return any(_carries_derivative(a) for a in (*args, *kwargs.values()) if isinstance(a, Tensor))
+
+
+def _carries_derivative(t: Tensor) -> bool:
+    """Whether ``t`` is differentiated: wrapped by a ``torch.func`` grad or jvp level (forward mode needs no
+    grad mode; a ``vmap`` level alone is no derivative), or requiring grad while grad mode is on."""
+    while torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    if torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return True
+    return t.requires_grad and torch.is_grad_enabled()
 
 
 def _model_marks_wrapped(t: Tensor) -> bool:
