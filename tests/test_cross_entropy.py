@@ -22,6 +22,13 @@ CLASSES = 5
 IGNORE_INDICES = [-100, 3, CLASSES + 2]
 
 
+@pytest.fixture(autouse=True)
+def closed_form_at_any_size(monkeypatch):
+    """The closed form at every size: these tests' logits (7 x 5, a small model's) are below the size where
+    it is taken for speed (test_small_logits_keep_torchs_own_second_backward)."""
+    monkeypatch.setattr(_cross_entropy, "SMALLEST", 0)
+
+
 def logits_and_targets(dtype, ignore_index=-100, n=7):
     g = torch.Generator().manual_seed(3)
     x = (3 * torch.randn(n, CLASSES, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
@@ -190,6 +197,16 @@ def test_only_double_backward_takes_the_closed_form(method):
     with exact_second_order(method=method):
         loss = F.cross_entropy(x, t)
     assert (type(loss.grad_fn).__name__ == CLOSED_FORM) == (method == "rev_rev")
+
+
+def test_small_logits_keep_torchs_own_second_backward(monkeypatch):
+    x, t = logits_and_targets(torch.float64)
+    taken = []
+    for smallest in (x.numel() + 1, x.numel()):  # (below the size, then at it)
+        monkeypatch.setattr(_cross_entropy, "SMALLEST", smallest)
+        with exact_second_order(method="rev_rev"):
+            taken.append(type(F.cross_entropy(x, t).grad_fn).__name__ == CLOSED_FORM)
+    assert taken == [False, True]
 
 
 @pytest.fixture

@@ -437,6 +437,33 @@ def test_interactions_name_a_non_finite_part_or_row(transformer_problem):
         point.interactions([{"w": torch.ones(3, dtype=torch.float64)}, {"u": torch.ones(2, dtype=torch.float64)}])
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_non_finite_direction_of_one_hvp_is_named_wherever_it_is(transformer_problem, method):
+    """One HVP by double backward checks its direction's finiteness with its product's, after it (one
+    synchronization): a NaN or an inf is still named, in a part the loss reaches and in one it doesn't."""
+    loss_fn, params, batch = transformer_problem
+    v = random_direction(params)
+    names = list(v)
+    with CurvaturePoint(loss_fn, params, batch, method=method) as point:
+        for name, bad in ((names[0], float("nan")), (names[-1], float("inf"))):
+            poisoned = {**v, name: v[name].clone().view(-1).index_fill_(0, torch.tensor([1]), bad).view_as(v[name])}
+            match = f"directions?\\[{name!r}\\] holds non-finite"
+            with pytest.raises(CurvlabError, match=match):
+                point.hvp(poisoned)
+            with pytest.raises(CurvlabError, match=match):
+                hvp(loss_fn, params, batch, poisoned, method=method)
+            with pytest.raises(CurvlabError, match=match):
+                point.hvp({name: poisoned[name]})
+
+    def half_used(p, b):  # u is not in the loss: its row of H is zero, and H[v] can't carry its NaN
+        return (p["w"] ** 2).sum()
+
+    at = {"w": torch.ones(3, dtype=torch.float64), "u": torch.ones(2, dtype=torch.float64)}
+    bad = {"w": torch.ones(3, dtype=torch.float64), "u": torch.tensor([1.0, math.nan], dtype=torch.float64)}
+    with pytest.raises(CurvlabError, match="directions?\\['u'\\] holds non-finite"):
+        hvp(half_used, at, None, bad, method=method)
+
+
 class _HalfSquare(torch.autograd.Function):
     """½‖w‖², whose backward hands out w itself as a view: double backward then returns its grad output."""
 

@@ -29,6 +29,11 @@ from torch import Tensor
 from torch.autograd import Function
 
 _REDUCTIONS = {"sum": 2, "mean": 1}  # torch's reduction enums (torch.nn._reduction)
+SMALLEST = 1 << 16
+"""The fewest logits (rows x classes) taken in closed form. Its two autograd Functions and a dozen small ops
+cost a fixed 100-200 us on a CPU, which the passes over the logits it saves pay back only from about 2^16
+entries on (``benchmarks/small_models.py``, docs/benchmarks.md): below, torch's own double backward is faster,
+and the curvature the same to rounding."""
 
 
 def closed_form_cross_entropy(
@@ -42,16 +47,17 @@ def closed_form_cross_entropy(
     label_smoothing: float = 0.0,
 ) -> Tensor:
     r"""``F.cross_entropy``, with the second backward in closed form where the call is the plain case it
-    covers: ``(N, C)`` logits that require grad, ``(N,)`` class indices, no class weights or label
-    smoothing, a mean or a sum, plain tensors under autograd alone (see :func:`_beyond_autograd`).
-    Otherwise ``F.cross_entropy`` itself.
+    covers: ``(N, C)`` logits that require grad, at least :data:`SMALLEST` of them, ``(N,)`` class
+    indices, no class weights or label smoothing, a mean or a sum, plain tensors under autograd alone
+    (see :func:`_beyond_autograd`). Otherwise ``F.cross_entropy`` itself.
 
     The logits are kept for the backward (torch keeps :math:`\log p` instead), so changing them in
     place before the backward is refused, as for any tensor autograd saves.
     """
     covered = (
-        torch.is_grad_enabled()
-        and type(input) is Tensor
+        type(input) is Tensor
+        and input.numel() >= SMALLEST  # (first: a small model's logits, the common miss, cost one test)
+        and torch.is_grad_enabled()
         and type(target) is Tensor
         and input.requires_grad
         and input.dim() == 2

@@ -12,11 +12,14 @@ Reductions of sharded tensors (an inner product :math:`\sum_i a_i b_i`, a finite
 
 from __future__ import annotations
 
+import cmath
+import math
 from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from curvlab.errors import CurvlabError
@@ -65,16 +68,42 @@ def sum_terms(terms: list[Tensor]) -> Tensor:
 def all_finite(tensors: Iterable[Tensor]) -> bool:
     """Whether every entry of every tensor is finite, decided over all ranks for sharded tensors (so
     that every rank raises together instead of one raising and the others waiting for it)."""
-    tensors = list(tensors)
-    sharded = [t for t in tensors if isinstance(t, DTensor)]
-    plain = [t for t in tensors if not isinstance(t, DTensor)]
-    ok = True
-    if plain:
-        ok = bool(torch.stack([torch.isfinite(t).all() for t in plain]).all())
+    plain: list[Tensor] = []
+    sharded: list[Tensor] = []
+    for t in tensors:
+        (sharded if isinstance(t, DTensor) else plain).append(t)
+    ok = all(_plain_finite(group) for group in _by_device(plain))
     if sharded:
         bad = sum_terms([(~torch.isfinite(t)).sum().double() for t in sharded])
         ok = ok and float(bad) == 0.0
     return ok
+
+
+def _by_device(tensors: list[Tensor]) -> Iterable[list[Tensor]]:
+    """The floating (and complex) tensors that hold entries, grouped by device: integer and boolean ones are
+    finite, and an empty one has no entry (nor an infinity norm)."""
+    groups: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        if t.numel() and (t.is_floating_point() or t.is_complex()):
+            groups.setdefault(t.device, []).append(t)
+    return groups.values()
+
+
+_FLAT = 1 << 16
+"""Entries up to which tensors are checked as one vector: copying them into it costs less than a kernel's setup
+a tensor (``benchmarks/small_models.py --checks``, docs/benchmarks.md)."""
+
+
+def _plain_finite(tensors: list[Tensor]) -> bool:
+    """Whether tensors on one device are finite, in one synchronization: the infinity norm (max |x|) is NaN or
+    inf exactly where an entry is (a maximum overflows nothing). Of each tensor, in one call, where
+    ``isfinite`` and ``all`` take two calls a tensor and a bool tensor as large as each (on a GPU, one fused
+    kernel for all). When they are few, of one vector of them all, and only if its sum is not finite: NaN and
+    inf carry through a sum, so a finite one has finite terms (one that overflows is settled by the norm)."""
+    if sum(t.numel() for t in tensors) <= _FLAT:
+        flat = _flatten_dense_tensors(tensors)
+        return cmath.isfinite(flat.sum().item()) or math.isfinite(flat.abs().max().item())  # (cmath: complex too)
+    return all(map(math.isfinite, torch.stack(torch._foreach_norm(tensors, math.inf)).tolist()))
 
 
 def stacked_placements(placements) -> tuple:

@@ -76,10 +76,10 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.batchnorm import _NormBase
 from torch.overrides import TorchFunctionMode
 
+from curvlab.engine._attention import math_attention
 from curvlab.engine._cross_entropy import closed_form_cross_entropy
 from curvlab.engine.composites import (
     composite_batch_norm,
@@ -175,14 +175,30 @@ _STATISTICS_NORMS = {
 }
 
 
+# each method's rerouted ops {func: composite} and refused ops {func: (why, way)}, made once: a mode is entered
+# at every curvature call, and on a small model building them there showed
+_TABLES = {
+    m: (
+        {f: composite for name in REROUTES[m] for f, composite in _ROUTES[name][1].items()},
+        {f: (why, way) for f, (methods, why, way) in _REFUSED.items() if m in methods},
+    )
+    for m in REROUTES
+}
+# the ops the mode looks at (every other op runs as it is, watched for precision)
+_SPECIAL = frozenset({
+    *_DROPOUTS, *_RANDOM, *_STATISTICS_NORMS, Tensor.requires_grad_, F.scaled_dot_product_attention, F.layer_norm,
+    F.group_norm, F.embedding, F.embedding_bag, F.cross_entropy,
+})  # fmt: skip
+_TABLES = {m: (routes, refused, _SPECIAL | routes.keys() | refused.keys()) for m, (routes, refused) in _TABLES.items()}
+
+
 class _ExactSecondOrderMode(TorchFunctionMode):
     def __init__(self, method: str | None, watch_dtype: torch.dtype | None, frozen: frozenset[int | None]):
         super().__init__()
         reroutes = REROUTES[method]
         self.composite_norms = "norms" in reroutes
         self.closed_form_cross_entropy = "cross_entropy" in reroutes
-        self.routes = {f: composite for name in reroutes for f, composite in _ROUTES[name][1].items()}
-        self.refused = {f: (why, way) for f, (methods, why, way) in _REFUSED.items() if method in methods}
+        self.routes, self.refused, self.special = _TABLES[method]  # (shared, read only)
         self.watch_dtype = watch_dtype
         self.frozen = frozen
         self.downcasts: dict[str, None] = {}  # every distinct place, in order (a dict as an ordered set)
@@ -190,6 +206,15 @@ class _ExactSecondOrderMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in self.special or (self.frozen and args and _in_place(func)):
+            return self._handle(func, args, kwargs)
+        out = func(*args, **kwargs)  # (most ops: nothing to do but watch)
+        if self.watch_dtype is not None:
+            self._watch(func, args, kwargs, out)
+        return out
+
+    def _handle(self, func, args, kwargs):
+        """An op the mode changes, refuses or watches for; or an in-place op on a frozen tensor."""
         if self.frozen and args and _in_place(func) and _storage(args[0]) in self.frozen:
             return args[0]  # e.g. nn.BatchNorm's num_batches_tracked.add_(1): the model stays as it was
         if func in _DROPOUTS:
@@ -337,7 +362,9 @@ def _model_marks_wrapped(t: Tensor) -> bool:
     marks its inputs) on a tensor wrapped by a ``torch.func`` transform."""
     if not torch._C._functorch.is_functorch_wrapped_tensor(t):
         return False
-    frame = sys._getframe(2)  # (1 is __torch_function__; 2 called requires_grad_)
+    frame = sys._getframe(1)
+    while frame.f_code.co_filename == __file__:  # (the mode's own frames: then the one that called requires_grad_)
+        frame = frame.f_back
     return not frame.f_code.co_filename.startswith(_TORCH_DIR)
 
 
@@ -421,18 +448,38 @@ def eval_forward(model: nn.Module | None) -> Iterator[None]:
     for m in model.modules():
         if m.training and not isinstance(m, _NormBase):
             training.append(m)
-        flags.extend((m, f) for f in CHECKPOINT_FLAGS if getattr(m, f, None) is True)
+        for f in CHECKPOINT_FLAGS:
+            if _flag_on(m, f):
+                flags.append((m, f))
     try:
         for m in training:
-            m.training = False  # (the attribute, not .eval(): .eval() would reach the batch norms too)
+            _set_training(m, False)  # (the attribute, not .eval(): .eval() would reach the batch norms too)
         for m, f in flags:
             setattr(m, f, False)
         yield
     finally:
         for m in training:
-            m.training = True
+            _set_training(m, True)
         for m, f in flags:
             setattr(m, f, True)
+
+
+def _flag_on(m: nn.Module, flag: str) -> bool:
+    """``getattr(m, flag, None) is True``, without nn.Module's __getattr__, which raises (slowly, at every module
+    of every forward: most modules lack the flags) for a name a module lacks: the class's attribute where the
+    class has the name (a property, a default), else the instance's own (nn.Module's __getattr__ would find only
+    parameters, buffers and submodules there, never ``True``)."""
+    return (getattr(m, flag, None) if hasattr(type(m), flag) else m.__dict__.get(flag)) is True
+
+
+def _set_training(m: nn.Module, mode: bool) -> None:
+    """``m.training = mode`` as nn.Module's __setattr__ sets a bool, without its search of the module's
+    parameters, buffers and submodules for the name (at every module of every forward), unless the class sets
+    attributes its own way."""
+    if type(m).__setattr__ is nn.Module.__setattr__:
+        object.__setattr__(m, "training", mode)
+    else:
+        m.training = mode
 
 
 class _NoCheckpoint:
@@ -510,7 +557,7 @@ def exact_second_order(
     mode = _ExactSecondOrderMode(method, watch, frozen)
     modes = _ACTIVE.__dict__.setdefault("modes", [])
     checkpoint_off = contextlib.nullcontext() if modes else _torch_checkpoint_off()
-    with sdpa_kernel(SDPBackend.MATH), mode, checkpoint_off:
+    with math_attention(), mode, checkpoint_off:
         modes.append(mode)
         try:
             with eval_forward(model):

@@ -33,6 +33,8 @@ float64 parameters) say otherwise; bf16 and fp16 parameters and directions are u
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +44,10 @@ from torch import Tensor
 from torch.func import grad_and_value, jvp, vmap
 from torch.utils._pytree import tree_map
 
+from curvlab.engine import checks as C
 from curvlab.engine import gathered as S
 from curvlab.engine import params as P
-from curvlab.engine.dtensors import all_finite, any_dtensor, check_layout
+from curvlab.engine.dtensors import any_dtensor
 from curvlab.engine.exact import exact_second_order, running_statistics
 from curvlab.engine.loss import LossFn, weighted_batches
 from curvlab.errors import CurvlabError
@@ -89,33 +92,6 @@ def check_method(method: str) -> None:
     """Raise :class:`CurvlabError` unless ``method`` is an HVP method."""
     if method not in METHODS:
         raise CurvlabError(f"unknown HVP method {method!r}; choose one of {', '.join(METHODS)}")
-
-
-def _scalar(value: Any) -> Tensor:
-    if not isinstance(value, Tensor) or value.dim() != 0:
-        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-        raise CurvlabError(f"loss_fn must return a scalar tensor, got {shape}")
-    return value
-
-
-def _check_finite_loss(loss: Tensor) -> None:
-    if not torch.isfinite(loss).all():
-        raise CurvlabError(f"the loss is not finite ({float(loss.detach())}) at these parameters and batch")
-
-
-def _detached_error() -> CurvlabError:
-    return CurvlabError(
-        "the loss does not depend on the parameters: it has no autograd graph to them (was it detached, "
-        "e.g. by .item() or .detach(), or computed with weights that are not in params?)"
-    )
-
-
-def _check_finite_hvp(hv: Mapping[str, Tensor]) -> None:
-    if all_finite(hv.values()):
-        return  # (one synchronization in the common case)
-    bad = [n for n, t in hv.items() if not all_finite([t])]
-    if bad:
-        raise CurvlabError(f"the Hessian-vector product is not finite (NaN or inf) in {P.names_text(bad)}")
 
 
 @dataclass
@@ -178,6 +154,7 @@ class CurvaturePoint:
         self._graphs: list[_Graph] | None = None
         self._loss: float | None = None
         self._gradient: P.Params | None = None
+        self._shared = False  # (whether the gradient's tensors are a kept graph's own: see gradient)
         if method == "rev_rev":
             self._graphs = self._first_order(create_graph=True)
 
@@ -187,10 +164,7 @@ class CurvaturePoint:
         """This process's ``(p -> loss, weight)`` pairs, inside the exact mode for ``method``, with the
         running statistics of the loss's model (if it has one) left untouched: the one batch loop."""
         keep = running_statistics(getattr(self.loss_fn, "model", None))
-        # a torch.compile'd model runs eagerly here: AOTAutograd's graphs have no double backward,
-        # and the curvature is that of the same function either way
-        exact = exact_second_order(method=method, watch_dtype=self.dtype, keep=keep)
-        with exact, torch.compiler.set_stance("force_eager"):
+        with exact_second_order(method=method, watch_dtype=self.dtype, keep=keep), _eager():
             for b, w in self._pairs:
                 yield _bound(self.loss_fn, b), w
 
@@ -204,31 +178,51 @@ class CurvaturePoint:
 
     @S.names_rank_on_collective_failure
     def _first_order(self, create_graph: bool) -> list[_Graph]:
-        """Forward and backward for every batch of this process; loss and gradient accumulated."""
+        """Forward and backward for every batch of this process; loss and gradient accumulated.
+
+        Every op inside the exact mode is a call into Python, so curvlab's own stay out of it where they can: the
+        first batch's leaves are made before it, and the backwards whose graphs are kept run after it (the mode
+        is off during a backward anyway: torch takes it off while it handles ``torch.autograd.grad``, and the
+        forward has chosen attention's kernel, run without checkpointing and eagerly). Without a graph each
+        batch's backward runs as it comes, and its gradient is summed, to be freed. One kept graph at weight 1
+        in one process gives its gradient as it is, copied only if it is read while the graph is kept
+        (:attr:`gradient`)."""
         names = list(self.params)
-        graphs, loss_total, g_total = [], 0.0, None
+        forwards, graphs, loss_total, g_total = [], [], 0.0, None
+        first = [self.params[n].detach().requires_grad_() for n in names]
         with torch.enable_grad():
-            for f, w in self._each_batch(self.method):
-                leaves = [self.params[n].detach().requires_grad_() for n in names]
+            for i, (f, w) in enumerate(self._each_batch(self.method)):
+                leaves = first if i == 0 else [self.params[n].detach().requires_grad_() for n in names]
                 loss = f(dict(zip(names, leaves)))
-                _check_finite_loss(loss)
+                loss_total += w * C.finite_loss(loss)
                 if not loss.requires_grad:
-                    raise _detached_error()
-                # sharded: the backward sums the gradient over ranks, so each rank's weight goes in first
-                w_in, w_out = (w, 1.0) if self.sharded else (1.0, w)
-                grads = torch.autograd.grad(
-                    loss * w_in if w_in != 1.0 else loss,
-                    leaves,
-                    create_graph=create_graph,
-                    allow_unused=True,
-                    materialize_grads=True,
-                )
-                loss_total += w * float(loss.detach())
-                g_total = _accumulate(g_total, [t.detach() for t in grads], w_out)
+                    raise C.detached_error()
                 if create_graph:
-                    graphs.append(_Graph(w_out, leaves, list(grads)))
+                    forwards.append((loss, leaves, w))
+                else:
+                    w_out, grads = self._backward(loss, leaves, w, create_graph=False)
+                    g_total = _accumulate(g_total, [t.detach() for t in grads], w_out)
+            for loss, leaves, w in forwards:
+                w_out, grads = self._backward(loss, leaves, w, create_graph=True)
+                graphs.append(_Graph(w_out, leaves, grads))
+        self._shared = len(graphs) == 1 and graphs[0].weight == 1.0 and not self._reduce
+        for graph in graphs:
+            g_total = _accumulate(g_total, [t.detach() for t in graph.grads], graph.weight, owned=self._shared)
         self._loss, self._gradient = self._sum(loss_total), self._sum(dict(zip(names, g_total)))
         return graphs
+
+    def _backward(self, loss: Tensor, leaves: list[Tensor], w: float, create_graph: bool) -> tuple[float, list]:
+        """One batch's first backward: the weight its gradient is summed with, and the gradient. Sharded, the
+        backward sums the gradient over ranks, so each rank's weight goes in first."""
+        w_in, w_out = (w, 1.0) if self.sharded else (1.0, w)
+        grads = torch.autograd.grad(
+            loss * w_in if w_in != 1.0 else loss,
+            leaves,
+            create_graph=create_graph,
+            allow_unused=True,
+            materialize_grads=True,
+        )
+        return w_out, list(grads)
 
     @property
     def loss(self) -> float:
@@ -242,6 +236,8 @@ class CurvaturePoint:
         r""":math:`G = \nabla L(W)`, a dict like ``params`` (in the working dtype)."""
         if self._gradient is None:
             self._first_order(create_graph=False)
+        elif self._shared and self._graphs is not None:  # (a copy, so that no one changes the kept graph's tensors)
+            self._gradient, self._shared = {n: t.clone() for n, t in self._gradient.items()}, False
         return self._gradient
 
     @S.names_rank_on_collective_failure
@@ -252,9 +248,7 @@ class CurvaturePoint:
         total = 0.0
         with torch.no_grad():
             for f, w in self._each_batch(self.method):
-                loss = f(p)
-                _check_finite_loss(loss)
-                total += w * float(loss)
+                total += w * C.finite_loss(f(p))
         return self._sum(total)
 
     # -- second order ------------------------------------------------------------------------
@@ -273,21 +267,35 @@ class CurvaturePoint:
         before stacking them, and a ``chunk_size`` below K concatenates its chunks); ``chunk_size`` caps how
         many directions ``"fwd_rev"`` vectorizes at once, and with it that method's memory.
         """
+        names, k = C.check_directions(self.params, vs)
         if self.sharded and self.method == "fwd_rev":
             raise CurvlabError(S.FWD_REV_REFUSED)
-        names, k = self._check_stacked(vs)
         vs = P.cast({n: vs[n] for n in names}, self.dtype)
         step = k if self.chunk_size is None else max(1, self.chunk_size)
         chunk = self._hvps_rev_rev if self.method == "rev_rev" else self._hvps_fwd_rev
-        pieces = [chunk({n: t[i : i + step] for n, t in vs.items()}) for i in range(0, k, step)]
-        hv = pieces[0] if len(pieces) == 1 else {n: torch.cat([p[n] for p in pieces]) for n in self.params}
+        if step >= k:  # (one chunk: the directions whole, not sliced)
+            hv = chunk(vs)
+        else:
+            pieces = [chunk({n: t[i : i + step] for n, t in vs.items()}) for i in range(0, k, step)]
+            hv = {n: torch.cat([p[n] for p in pieces]) for n in self.params}
         hv = self._sum(hv)
-        _check_finite_hvp(hv)
+        C.check_finite_hvp(hv)
         return hv
 
     def hvp(self, v: Mapping[str, Tensor]) -> P.Params:
         r"""The exact :math:`H[v]`, a dict like ``params`` (``v`` may name only some parameters)."""
-        return {n: t[0] for n, t in self.hvps({n: t.unsqueeze(0) for n, t in v.items()}).items()}
+        return self._hvp(v, checked=False)
+
+    def _hvp(self, v: Mapping[str, Tensor], checked: bool) -> P.Params:
+        """:meth:`hvp`, of a direction ``checked`` already or not. By double backward in one process the
+        direction as it is, not stacked as one of K (stacking it and taking its row back are four views a
+        parameter, which show on a small model); otherwise by :meth:`hvps`, which names a rank that fails."""
+        if self.sharded or self.method != "rev_rev":
+            return {n: t[0] for n, t in self.hvps({n: t.unsqueeze(0) for n, t in v.items()}).items()}
+        names = list(v) if checked else C.check_directions(self.params, v, stacked=False, finite=False)[0]
+        hv = self._sum(self._rev_rev(P.cast({n: v[n] for n in names}, self.dtype), None, stacked=False))
+        C.check_finite_hvp(hv, v)  # (the direction's finiteness too: one synchronization for both)
+        return hv
 
     def hvp_each(self, directions: Sequence[Mapping[str, Tensor]]) -> list[P.Params]:
         r""":math:`H[v]` for each direction of a list, each of which may name only some parameters.
@@ -333,7 +341,7 @@ class CurvaturePoint:
         # by double backward finiteness comes from the dots below (each entry of every part is in the first
         # row's); forward-over-reverse's hvps check the cast parts
         for d in directions:
-            self._check_stacked({n: t.unsqueeze(0) for n, t in d.items()}, finite=False)
+            C.check_directions(self.params, {n: t.unsqueeze(0) for n, t in d.items()}, finite=False)
         parts = [P.cast(d, self.dtype) for d in directions]
         n_blocks = len(parts)
         R = torch.zeros(n_blocks, n_blocks, dtype=torch.float64, device="cpu")  # (scalars, on the host)
@@ -349,8 +357,8 @@ class CurvaturePoint:
             column = P.dot_table([(whole, rows)], later)[:, 0]
             if not torch.isfinite(column).all():  # (a non-finite entry makes its dot non-finite: name it)
                 for d in directions:
-                    self._check_stacked({n: t.unsqueeze(0) for n, t in d.items()})
-                _check_finite_hvp(rows)
+                    C.check_directions(self.params, {n: t.unsqueeze(0) for n, t in d.items()})
+                C.check_finite_hvp(rows)
                 raise CurvlabError("the interactions <Z_l, H[Z_m]> overflow float64: the directions are too large")
             R[m:, m] = R[m, m:] = P.group_sums(column, later, supports[m:])
         return R
@@ -377,7 +385,7 @@ class CurvaturePoint:
         """
         if self.sharded:
             return self.quadratic_forms(zs)
-        _, k = self._check_stacked(zs)
+        _, k = C.check_directions(self.params, zs)
         p, zs = self.params, P.cast(zs, self.dtype)
         gz_total, zhz_total = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
         for f, w in self._each_batch("fwd_fwd"):
@@ -391,7 +399,7 @@ class CurvaturePoint:
                 return value, slope, curvature
 
             loss, gz, zhz = _vmap_directions(one, zs, self.chunk_size, out_dims=(None, 0, 0))
-            _check_finite_loss(loss)
+            C.finite_loss(loss)
             gz_total += w * gz.double().cpu()
             zhz_total += w * zhz.double().cpu()
         return self._sum(gz_total), self._sum(zhz_total)
@@ -401,6 +409,10 @@ class CurvaturePoint:
         entries of the support S are differentiated, so the part of the graph below S is never visited;
         ``wrt``: :math:`H[v]` on those parameters alone, taken only with respect to their leaves, so that
         autograd visits just the nodes on a path from them to :math:`G_S`."""
+        return self._rev_rev(vs, wrt, stacked=True)
+
+    def _rev_rev(self, vs: Mapping[str, Tensor], wrt: Sequence[str] | None, stacked: bool) -> P.Params:
+        """:meth:`_hvps_rev_rev` of K stacked directions or (``stacked=False``) of one, not stacked."""
         if self._graphs is None:
             raise CurvlabError("this curvature point was closed: its graphs are freed")
         index = {n: i for i, n in enumerate(self.params)}
@@ -410,10 +422,10 @@ class CurvaturePoint:
             outputs = [(graph.grads[index[n]], v) for n, v in vs.items() if graph.grads[index[n]].requires_grad]
             if outputs:  # (else the gradient on the support doesn't depend on W: H[v] = 0 on this batch)
                 leaves = [graph.leaves[index[n]] for n in wrt]
-                rows = _double_backward([o for o, _ in outputs], leaves, [v for _, v in outputs])
+                rows = _double_backward([o for o, _ in outputs], leaves, [v for _, v in outputs], stacked)
                 total = _accumulate(total, rows, graph.weight, owned=_fresh(rows, [v for _, v in outputs]))
         if total is None:
-            zeros = self._zeros(next(iter(vs.values())).shape[0])
+            zeros = self._zeros(next(iter(vs.values())).shape[0] if stacked else None)
             return {n: zeros[n] for n in wrt}
         return dict(zip(wrt, total))
 
@@ -431,8 +443,7 @@ class CurvaturePoint:
                 return loss, g, hv
 
             loss, g, hv = vmap(one, out_dims=(None, None, 0), randomness="same")(vs)
-            _check_finite_loss(loss)
-            loss_total += w * float(loss)
+            loss_total += w * C.finite_loss(loss)
             g_total = P.add(g_total, g, w)
             for n, t in total.items():
                 t.add_(hv[n], alpha=w)
@@ -442,33 +453,13 @@ class CurvaturePoint:
                 self._first_order(create_graph=False)  # all zero: raises if the loss is detached
         return total
 
-    def _zeros(self, k: int) -> P.Params:
+    def _zeros(self, k: int | None) -> P.Params:
+        """Zeros like the parameters, stacked K times (``None``: not stacked)."""
+        if k is None:
+            return P.zeros_like(self.params)
         if self.sharded:  # (stacked zeros laid out like the parameters, sharded one dim later)
             return {n: torch.stack([torch.zeros_like(t)] * k) for n, t in self.params.items()}
         return {n: torch.zeros((k, *t.shape), dtype=t.dtype, device=t.device) for n, t in self.params.items()}
-
-    def _check_stacked(self, vs: Mapping[str, Tensor], *, finite: bool = True) -> tuple[list[str], int]:
-        unknown = [n for n in vs if n not in self.params]
-        if unknown:
-            raise CurvlabError(f"directions name unknown parameters: {P.names_text(unknown)}")
-        if not vs:
-            raise CurvlabError("the directions name no parameter")
-        first = next(iter(vs.values()))
-        if first.dim() == 0:
-            raise CurvlabError("directions must be stacked along a leading dimension K")
-        k = first.shape[0]
-        if k == 0:
-            raise CurvlabError("no directions given (K = 0)")
-        for n, t in vs.items():
-            if tuple(t.shape) != (k, *self.params[n].shape):
-                raise CurvlabError(
-                    f"directions[{n!r}] has shape {tuple(t.shape)}, expected ({k}, *{tuple(self.params[n].shape)})"
-                )
-            check_layout(self.params[n], t, f"directions[{n!r}]", stacked=True)
-            P.check_device(self.params[n], t, f"directions[{n!r}]")
-            if finite and not all_finite([t]):
-                raise CurvlabError(f"directions[{n!r}] holds non-finite values (NaN or inf)")
-        return list(vs), k
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -483,19 +474,33 @@ class CurvaturePoint:
         self.close()
 
 
+def _eager() -> contextlib.AbstractContextManager:
+    """torch.compile'd code runs eagerly within: AOTAutograd's graphs have no double backward, and the
+    curvature is that of the same function either way. Nothing was compiled where torch.compile's module was
+    never imported, and then this does not import it (a second, at the first call of a process)."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
 def _bound(loss_fn: LossFn, batch: Any):
     """``p -> loss_fn(p, batch)``, checked to be a scalar."""
-    return lambda p: _scalar(loss_fn(p, batch))
+    return lambda p: C.scalar(loss_fn(p, batch))
 
 
-def _double_backward(outputs: list[Tensor], leaves: list[Tensor], vs: list[Tensor]) -> list[Tensor]:
-    r"""Rows :math:`\nabla_W \langle \text{outputs}, v_k\rangle` stacked over the K directions in ``vs``.
+def _double_backward(
+    outputs: list[Tensor], leaves: list[Tensor], vs: list[Tensor], stacked: bool = True
+) -> list[Tensor]:
+    r"""Rows :math:`\nabla_W \langle \text{outputs}, v_k\rangle` stacked over the K directions in ``vs``
+    (``stacked=False``: the one row of one direction).
 
     One plain backward per direction: on the kept graph that costs about two gradients, where one
     vmapped ``is_grads_batched`` backward over the K directions measured 1.7x slower per direction
     (``benchmarks/hvp.py``), and has no batching rule for some ops (``group_norm``).
     """
     kw = {"retain_graph": True, "allow_unused": True, "materialize_grads": True}
+    if not stacked:
+        return list(torch.autograd.grad(outputs, leaves, vs, **kw))
     k = vs[0].shape[0]
     if k == 1:
         return [r.unsqueeze(0) for r in torch.autograd.grad(outputs, leaves, [v[0] for v in vs], **kw)]
@@ -516,13 +521,11 @@ def _fresh(rows: Sequence[Tensor], vs: Sequence[Tensor]) -> bool:
     stride 0, can't be written in place), each on its own memory, and none on the directions'. Autograd hands
     one gradient to several inputs as the same tensor (an addition's), and a gradient that is the identity of
     a leaf passes its grad output through as it is."""
-    if any_dtensor([*rows, *vs]):
-        return False
-    if not all(r.is_contiguous() for r in rows):
+    if any_dtensor(rows) or any_dtensor(vs) or not all(r.is_contiguous() for r in rows):
         return False
     pointers = [r.untyped_storage().data_ptr() for r in rows if r.numel()]
     taken = {v.untyped_storage().data_ptr() for v in vs}
-    return len(set(pointers)) == len(pointers) and not taken.intersection(pointers)
+    return len(set(pointers)) == len(pointers) and taken.isdisjoint(pointers)
 
 
 def _accumulate(
@@ -533,9 +536,8 @@ def _accumulate(
     terms are fresh already (rows of a second backward), and at weight 1 are kept as they are, saving a
     copy of the rows' memory."""
     if total is None:
-        return list(terms) if owned and weight == 1.0 else [t * weight for t in terms]
-    for acc, t in zip(total, terms):
-        acc.add_(t, alpha=weight)
+        return list(terms) if owned and weight == 1.0 else list(torch._foreach_mul(terms, weight))
+    torch._foreach_add_(total, terms, alpha=weight)  # (one call for all the tensors: one kernel on a GPU)
     return total
 
 
@@ -567,7 +569,7 @@ def gradient_and_hvps(
         ``(loss, G, HV)`` with ``G`` shaped like ``params`` and ``HV`` like ``vs``, accumulated over
         batches with loss-term weights.
     """
-    _check_full(params, vs)
+    C.check_full(params, vs)
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
         hv = point.hvps(vs)
         return point.loss, point.gradient, hv
@@ -606,16 +608,9 @@ def hvp(
         method: ``"rev_rev"`` (double backward, default) or ``"fwd_rev"`` (jvp of grad).
         dtype: computation dtype (default float32, or float64 when the parameters are).
     """
-    P.check_like(params, v)
-    stacked = {n: t.unsqueeze(0) for n, t in v.items()}
-    return {n: t[0] for n, t in hvps(loss_fn, params, batch, stacked, method=method, dtype=dtype).items()}
-
-
-def _check_full(params: Mapping[str, Tensor], vs: Mapping[str, Tensor]) -> None:
-    """Stacked directions over exactly ``params``' names (the shortcuts take no partial directions)."""
-    missing = [n for n in params if n not in vs]
-    if missing:
-        raise CurvlabError(f"directions do not match the parameters: missing {P.names_text(missing)}")
+    P.check_like(params, v, finite=False)  # (finiteness with the product's: CurvaturePoint._hvp)
+    with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
+        return point._hvp(v, checked=True)  # (checked above, before the forward: the point's check would be a second)
 
 
 def forward_quadratic_forms(
@@ -637,7 +632,7 @@ def forward_quadratic_forms(
     Returns:
         ``(gz, zhz)``, float64 tensors of shape ``(K,)`` (the loss: :func:`evaluate_loss`).
     """
-    _check_full(params, zs)
+    C.check_full(params, zs)
     # a "fwd_rev" point keeps nothing; sharded parameters take the pair by double backward (see the method)
     method = DEFAULT_METHOD if S.is_sharded(params) else "fwd_rev"
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:

@@ -360,7 +360,8 @@ class ModuleLoss:
 
     def __call__(self, params: Mapping[str, Tensor], batch: Any) -> Tensor:
         args, kwargs, targets = self.split(batch)
-        dtype = next((p.dtype for p in params.values() if p.is_floating_point()), None)
+        # (the dtype's is_floating_point, not the tensor's: in the exact mode each tensor method calls into Python)
+        dtype = next((d for d in (p.dtype for p in params.values()) if d.is_floating_point), None)
         tensors = {**self._module_tensors(params, dtype), **params}
         if dtype is not None:
             args = tuple(_cast(a, dtype) for a in args)
@@ -368,7 +369,8 @@ class ModuleLoss:
         with eval_forward(self.model):  # (inside the exact mode only: no LayerDrop, DropPath, checkpointing)
             output = functional_call(self.model, tensors, args, kwargs, tie_weights=self.tie_weights, strict=False)
         loss = self.loss_from_logits(logits_of(output), targets)
-        return loss + self._router_loss(output) if self.router_loss else loss
+        router = self._router_loss(output) if self.router_loss else 0.0
+        return loss if isinstance(router, float) else loss + router  # (none: no + 0.0 in the graph)
 
     def _router_loss(self, output: Any) -> Tensor | float:
         """The router losses weighted as the model's own ``outputs.loss`` weighs them (0 without any)."""
@@ -413,7 +415,8 @@ class ModuleLoss:
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:
-    return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != dtype else x
+    own = x.dtype if isinstance(x, Tensor) else None
+    return x.to(dtype) if own is not None and own.is_floating_point and own != dtype else x
 
 
 def make_loss_fn(

@@ -145,8 +145,15 @@ def restrict(a: Mapping[str, Tensor], keys: Iterable[str]) -> Params:
 
 
 def cast(a: Mapping[str, Tensor], dtype: torch.dtype) -> Params:
-    """Detached copies of ``a`` in ``dtype`` (floating tensors only; others pass through)."""
-    return {k: t.detach().to(dtype) if t.is_floating_point() else t.detach() for k, t in a.items()}
+    """``a`` detached, its floating tensors in ``dtype`` (copied only to change their dtype; others as they are)."""
+    return {k: _cast(t, dtype) for k, t in a.items()}
+
+
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    if t.is_floating_point() and t.dtype != dtype:
+        return t.detach().to(dtype)
+    # (a plain tensor outside autograd as it is: its detached alias would be the same tensor, one op more)
+    return t if type(t) is Tensor and not t.requires_grad else t.detach()
 
 
 def flatten(a: Mapping[str, Tensor]) -> Tensor:
@@ -177,13 +184,22 @@ def check_like(
             parts.append(f"unknown {names_text(extra)}")
         raise CurvlabError(f"{what} does not match the parameters: {'; '.join(parts)}")
     for k, p in params.items():
-        d = direction[k]
-        if tuple(d.shape) != tuple(p.shape):
-            raise CurvlabError(f"{what}[{k!r}] has shape {tuple(d.shape)}, parameter has {tuple(p.shape)}")
-        check_layout(p, d, f"{what}[{k!r}]")
-        check_device(p, d, f"{what}[{k!r}]")
-        if finite and not all_finite([d]):
-            raise CurvlabError(f"{what}[{k!r}] holds non-finite values (NaN or inf)")
+        d, where = direction[k], f"{what}[{k!r}]"
+        if d.shape != p.shape:
+            raise CurvlabError(f"{where} has shape {tuple(d.shape)}, parameter has {tuple(p.shape)}")
+        check_layout(p, d, where)
+        check_device(p, d, where)
+    bad = non_finite({k: direction[k] for k in params}) if finite else []
+    if bad:
+        raise CurvlabError(f"{what}[{bad[0]!r}] holds non-finite values (NaN or inf)")
+
+
+def non_finite(a: Mapping[str, Tensor]) -> list[str]:
+    """The names of the tensors of ``a`` that hold a NaN or an inf, in order: one check of them all (one
+    synchronization), and one a tensor only when it fails."""
+    if all_finite(a.values()):
+        return []
+    return [k for k, t in a.items() if not all_finite([t])]
 
 
 def check_device(param: Tensor, direction: Tensor, what: str) -> None:
