@@ -23,7 +23,7 @@ def test_bad_input_gives_one_line_and_nonzero_exit(tmp_path):
     assert r.exit_code == 2
     assert r.output.strip().startswith("error:") and len(r.output.strip().splitlines()) == 1
     r = runner.invoke(app, ["pcfg", "generate", "--out", str(tmp_path / "neg"), "--s", "-1", "--tokens", "1k"])
-    assert r.exit_code == 2 and "Zipf exponent must be >= 0" in r.output
+    assert r.exit_code == 2 and "Invalid value for '--s'" in r.output
     assert not (tmp_path / "neg").exists()
 
 

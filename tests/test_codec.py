@@ -180,7 +180,7 @@ def test_a_versioned_record_writes_its_fixed_keys_and_version_first_and_refuses_
     path.write_text(json.dumps({"kind": "test", "schema_version": 3, "value": 1.0}))
     with pytest.raises(CurvlabError, match=r"r.json: probe schema 3 is not 2$"):
         schema.load(path, Versioned)
-    path.write_text(json.dumps({"kind": "test", "schema_version": 2, "value": "x"}))
+    path.write_text(json.dumps(schema.sealed({"kind": "test", "schema_version": 2, "value": "x"})))
     with pytest.raises(
         CurvlabError, match=r"r.json: not a probe record \(TypeError: value: expected a number, got a string\)$"
     ):

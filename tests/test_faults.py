@@ -5,14 +5,19 @@ fails with EFBIG, as with ENOSPC; Python ignores the SIGXFSZ that comes with it)
 ``/sys`` (where not even root may create a file; the tests run as root, whom permission bits don't
 bind; its cause, "Permission denied" or "Read-only file system", is the one a plain ``os.open`` there
 gets) or a folder that is a file; kill -9, SIGTERM and SIGINT are sent by the process to itself at a
-chosen point (mid-checkpoint-write, mid-step), so each lands exactly there.
+chosen point (mid-checkpoint-write, mid-step), so each lands exactly there. A full disk at a metrics row
+is ``os.write`` failing with ENOSPC (no file-size limit lets the checkpoint of step 0 through and stops a
+row of 100 bytes). What a run's folder holds that is not the run's own (a lock file that is a link, a
+Hugging Face checkpoint, a corrupt byte, a second trainer) is planted in a copy of a real run.
 """
 
 import contextlib
 import errno
 import json
 import os
+import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,9 +26,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from curvlab.analysis.report import StaleReport, cached_report, load_report, report_cache_path
 from curvlab.analysis.targets import AnalysisSettings
+from curvlab.cli import app
 from curvlab.data.dataset import generate_pcfg_dataset
 from curvlab.data.shards import TrainBatches
 from curvlab.errors import CurvlabError
@@ -32,11 +39,20 @@ from curvlab.jobs.reproduce import Reproduction
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria
+from curvlab.runs.metrics import read_metrics
 from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.records import LevelData
 from curvlab.util import atomic, schema
-from curvlab.util.atomic import TEMPORARY_SUFFIX, atomic_open, atomic_write_json, remove_stale_temporaries
+from curvlab.util.atomic import (
+    TEMPORARY_SUFFIX,
+    atomic_open,
+    atomic_write_json,
+    remove_stale_temporaries,
+    writes_confined_to,
+)
+from curvlab.util.digest import path_digest
+from curvlab.util.lock import LOCK_FILE
 from curvlab.util.safe_stop import Stopped, check_stop, stop_at_safe_points
 from tests.builders import SMALL_MODEL, small_config
 from tests.generating import generating, wait_for_it
@@ -57,20 +73,29 @@ def _train_args(data: Path, out: Path) -> list[str]:
             "--quiet"]  # fmt: skip
 
 
+def _command(args: list[str], before: str = "") -> list[str]:
+    """The command line of the CLI in a fresh process, after the Python lines ``before`` (the fault's hook)."""
+    # as a command typed at a terminal: SIGINT not ignored (a background job's would be)
+    foreground = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    code = f"{foreground}{before}\nfrom curvlab.cli import app\napp({args!r}, prog_name='curvlab')\n"
+    return [sys.executable, "-c", code]
+
+
+def _env() -> dict[str, str]:
+    # on as many threads as this process, which trains the references and the resumed runs (floats depend on it)
+    return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+
+
 def _curvlab(args: list[str], before: str = "", file_size: int | None = None) -> subprocess.CompletedProcess:
     """The CLI in a fresh process, after the Python lines ``before`` (the fault's hook), optionally under a
     file-size limit of ``file_size`` bytes."""
-    # as a command typed at a terminal: SIGINT not ignored (a background job's would be), and on as many
-    # threads as this process, which trains the references and the resumed runs (floats depend on it)
-    foreground = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-    code = f"{foreground}{before}\nfrom curvlab.cli import app\napp({args!r}, prog_name='curvlab')\n"
 
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
 
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-        preexec_fn=limit if file_size else None, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
+        _command(args, before), capture_output=True, text=True, timeout=300, preexec_fn=limit if file_size else None,
+        env=_env(),
     )  # fmt: skip
 
 
@@ -506,3 +531,219 @@ def test_a_killed_generations_directory_is_removed_by_the_next_and_a_live_one_is
         "val_000000.bin",
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "data", "killed", "live"]
+
+
+# -- nothing destroyed: what a run's folder holds that is not the run's own (issue 48) -----------------
+
+runner = CliRunner()
+
+
+def _copy_run(reference: Path, to: Path, upto: int | None = None) -> Path:
+    """A copy of the run ``reference``; with ``upto``, cut back to its checkpoints up to that step (a run
+    that resumes from there)."""
+    shutil.copytree(reference, to)
+    if upto is not None:
+        index = read_index(to)
+        for entry in index:
+            if entry["step"] > upto:
+                (to / entry["path"]).unlink()
+        (to / "index.json").write_text(json.dumps([e for e in index if e["step"] <= upto]))
+    return to
+
+
+def _digests(folder: Path) -> dict[str, str | None]:
+    """Each entry of ``folder`` by name: its content's digest, or where it points for a link."""
+    return {p.name: f"-> {os.readlink(p)}" if p.is_symlink() else path_digest(p) for p in folder.iterdir()}
+
+
+def _error_line(r) -> str:
+    """The one line of a command that failed as curvlab's errors do."""
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "kind, what",
+    [("symlink", "a symbolic link"), ("hard-link", "a hard link to a file with content"),
+     ("directory", "not a regular file")],
+)  # fmt: skip
+def test_a_lock_file_that_is_no_plain_file_is_refused_by_train_and_compare_and_nothing_changes(
+    pcfg_data, reference, tmp_path, kind, what
+):
+    run, victim = _copy_run(reference, tmp_path / "run"), tmp_path / "victim.txt"
+    victim.write_text("keep me\n")  # (filelock 3.x opens a lock file with O_TRUNC, following a link)
+    lock = run / LOCK_FILE
+    lock.unlink()
+    if kind == "symlink":
+        lock.symlink_to(victim)
+    elif kind == "hard-link":
+        os.link(victim, lock)
+    else:
+        lock.mkdir()
+    before, kept = _digests(run), path_digest(victim)
+    compare = ["compare", str(run), str(run), "--out", str(tmp_path / "cmp"), "--quiet"]  # (a reader)
+    for args in (_train_args(pcfg_data, run), compare):
+        assert _error_line(runner.invoke(app, args)) == (
+            f"error: {lock}: is {what}, where curvlab keeps its lock file: refused (remove it, if it is yours)"
+        )
+    assert _digests(run) == before and path_digest(victim) == kept and not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.parametrize("kind", ["run-without-index", "another-config", "hugging-face-checkpoint", "someones-files"])
+def test_train_over_a_folder_that_holds_no_run_of_its_own_is_refused_and_nothing_changes(
+    pcfg_data, reference, tmp_path, request, kind
+):
+    out = tmp_path / "out"
+    if kind == "run-without-index":
+        _copy_run(reference, out)
+        (out / "index.json").unlink()
+        expected = (
+            "holds a run's files (ckpt_000000.pt, ckpt_000002.pt, ckpt_000004.pt and 2 more) with no checkpoint "
+            "listed in index.json; refusing to begin a run over them (restore its index, or choose another --out)"
+        )
+    elif kind == "another-config":
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({**json.loads((reference / "config.json").read_text()), "seed": 7}))
+        expected = "holds a run with another config; refusing to resume (seed: 7 -> 0)"
+    elif kind == "hugging-face-checkpoint":
+        shutil.copytree(request.getfixturevalue("trainer_checkpoint")[0], out)
+        expected = "holds files curvlab didn't write ("  # (its weights, optimizer state...: by transformers' names)
+    else:
+        (out / "photos").mkdir(parents=True)
+        (out / "notes.txt").write_text("mine")
+        expected = "holds files curvlab didn't write (notes.txt, photos); refusing to begin a run there (choose a new " \
+            "or empty --out)"  # fmt: skip
+    before = _digests(out)
+    line = _error_line(runner.invoke(app, _train_args(pcfg_data, out)))
+    assert line.startswith(f"error: {out}: {expected}" if kind != "another-config" else f"error: {out} {expected}")
+    after = _digests(out)
+    assert {name: after.get(name) for name in before} == before  # (a Hugging Face config.json included)
+    assert set(after) - set(before) == ({LOCK_FILE} if kind == "another-config" else set())  # (refused unlocked)
+
+
+AT_STEP_3 = """
+import sys
+from curvlab.data.shards import TrainBatches
+real, calls = TrainBatches.next, []
+def next_batch(self):  # the batch of step 3 (checkpoint 2 is written): say so, and wait to be let go
+    calls.append(1)
+    if len(calls) == 3:
+        print("at step 3", flush=True)
+        sys.stdin.readline()
+    return real(self)
+TrainBatches.next = next_batch
+"""
+
+
+@pytest.mark.heavy
+def test_a_trainer_whose_lock_file_was_removed_stops_in_one_line_when_another_takes_the_run_over(
+    pcfg_data, reference, tmp_path, monkeypatch
+):
+    out, said = tmp_path / "run", []
+    with subprocess.Popen(
+        _command(_train_args(pcfg_data, out), AT_STEP_3), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=_env(),
+    ) as first:  # fmt: skip
+        try:
+            assert first.stdout.readline() == "at step 3\n"
+            (out / LOCK_FILE).unlink()  # by hand: the first holds the lock of a file that is gone
+            real = TrainBatches.next
+
+            def next_batch(self):  # the second's first step: the first goes on, and finds out taken over
+                if not said:
+                    said.append(first.communicate("go\n", timeout=300)[1])
+                return real(self)
+
+            monkeypatch.setattr(TrainBatches, "next", next_batch)
+            assert _resume(out).resumed_from == EVERY  # the second, in this process
+        finally:
+            if first.poll() is None:
+                first.kill()
+    assert first.returncode == 2, said
+    (line,) = said[0].splitlines()
+    assert line.startswith(
+        f"error: {out}: no longer held by this process: its owner record names process {os.getpid()}"
+    )
+    assert line.endswith("(its lock file was removed or replaced while this one held it); stopped after step 3, writing "
+                         "nothing more there")  # fmt: skip
+    _assert_same_final_state(out, reference)  # the first wrote nothing after step 2: no row lost or doubled
+
+
+FULL_DISK_AT_METRICS = """
+import errno, os, types
+from curvlab.runs import train
+def full(fd, data):  # the disk is full when the first row of metrics.jsonl is appended
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+train.os = types.SimpleNamespace(**{**vars(os), "write": full})  # (os.write: the rows' writes, and only theirs)
+"""
+
+
+@pytest.mark.heavy
+def test_a_full_disk_at_the_first_metrics_row_is_one_line_and_the_run_resumes(pcfg_data, reference, tmp_path):
+    out = tmp_path / "run"
+    r = _curvlab(_train_args(pcfg_data, out), before=FULL_DISK_AT_METRICS)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [f"error: {out / 'metrics.jsonl'}: can't write (No space left on device)"]
+    assert (out / "metrics.jsonl").read_bytes() == b"" and [e["step"] for e in read_index(out)] == [0]
+    assert _resume(out).resumed_from == 0
+    _assert_same_final_state(out, reference)
+
+
+@pytest.mark.parametrize(
+    "name, line, byte, expected",
+    [("config.json", 1, b"\xff", "corrupt training config ("),
+     ("metrics.jsonl", 3, b"\xff", "line 3 is corrupt (no JSON record with a step); refused"),
+     ("metrics.jsonl", 3, b"#", "line 3 is corrupt (no JSON record with a step); refused")],
+    ids=["config-not-utf8", "metrics-not-utf8", "metrics-not-json"],
+)  # fmt: skip
+def test_a_corrupt_byte_in_a_runs_config_or_metrics_is_refused_by_name_and_nothing_changes(
+    pcfg_data, reference, tmp_path, name, line, byte, expected
+):
+    run = _copy_run(reference, tmp_path / "run", upto=4)  # (a resume rewrites the metrics after step 4)
+    lines = (run / name).read_bytes().split(b"\n")
+    lines[line - 1] = byte + lines[line - 1][1:]
+    (run / name).write_bytes(b"\n".join(lines))
+    before = _digests(run)
+    assert _error_line(runner.invoke(app, _train_args(pcfg_data, run))).startswith(f"error: {run / name}: {expected}")
+    assert _digests(run) == before  # (before, rows 3-4 were dropped, and the resume from 4 doesn't retake them)
+    if name == "metrics.jsonl":
+        with pytest.raises(CurvlabError, match=re.escape(expected)):
+            read_metrics(run)  # (readers refuse it too)
+
+
+def test_a_metrics_line_cut_by_a_crash_still_ends_the_file(reference, tmp_path):
+    run = _copy_run(reference, tmp_path / "run", upto=4)  # (a crash cuts a row after the last checkpoint)
+    text = (run / "metrics.jsonl").read_bytes()
+    (run / "metrics.jsonl").write_bytes(text[: len(text) - 20])  # the last row, cut short: no newline after it
+    rows = [json.loads(r) for r in text.splitlines()[:-1]]
+    assert read_metrics(run) == [{k: v for k, v in r.items() if k != "row_digest"} for r in rows]
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "index.json"])
+def test_a_run_never_writes_through_a_link_out_of_its_folder(pcfg_data, reference, tmp_path, name):
+    run, outside = _copy_run(reference, tmp_path / "run", upto=4), tmp_path / "outside"
+    outside.mkdir()
+    if name == "index.json":  # the link's target: the run's own index, elsewhere (its read is no write)
+        (outside / name).write_text((run / name).read_text())
+    (run / name).unlink()
+    (run / name).symlink_to(outside / name)  # (metrics: to a file that doesn't exist yet)
+    before = _digests(outside)
+    why = "a run's metrics are a file of its own" if name == "metrics.jsonl" else "curvlab replaces files, never a link"
+    assert _error_line(runner.invoke(app, _train_args(pcfg_data, run))) == (
+        f"error: {run / name}: is a symbolic link: refused ({why}; remove it)"
+    )
+    assert _digests(outside) == before and (run / name).is_symlink()
+
+
+def test_inside_a_run_a_write_whose_folder_is_a_link_out_of_it_is_refused(reference, tmp_path):
+    run, outside = _copy_run(reference, tmp_path / "run"), tmp_path / "outside"
+    outside.mkdir()
+    (run / "ckpt_000008").symlink_to(outside, target_is_directory=True)  # (a sharded checkpoint's folder)
+    with writes_confined_to(run):
+        with pytest.raises(CurvlabError) as e:
+            atomic_write_json(run / "ckpt_000008" / "meta.json", {})
+        atomic_write_json(run / "ckpt_000010" / "meta.json", {})  # a folder inside it: made, and written
+    assert str(e.value) == f"{run / 'ckpt_000008' / 'meta.json'}: its folder leads out of {run} (a symbolic link on " \
+        "the way): refused"  # fmt: skip
+    assert list(outside.iterdir()) == [] and json.loads((run / "ckpt_000010" / "meta.json").read_text()) == {}

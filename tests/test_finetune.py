@@ -187,7 +187,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path):
         ["--out", str(tmp_path / "e"), "--base", str(tmp_path / "ok.pt"), "--rank", "20"], "rank 20 exceeds layer"
     )
     _one_line_error(["--out", str(tmp_path / "f"), "--rank", "40"], "rank 40 exceeds layer")  # micro's 32-wide GPT
-    _one_line_error(["--out", str(tmp_path / "g"), "--rank", "0"], "--rank must be >= 1")
+    _one_line_error(["--out", str(tmp_path / "g"), "--rank", "0"], "Invalid value for '--rank'")
     _one_line_error(["--out", str(tmp_path / "h"), "--base", str(tmp_path / "ok.pt")], "not a Zipf-PCFG directory")
     data = tmp_path / "data"
     data.mkdir()

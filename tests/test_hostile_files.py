@@ -5,18 +5,28 @@ or a shard),
 a sharded checkpoint's ``curvlab.json``, a schema-1 ``curvlab.pt``, torch's DCP ``.metadata``, a DCP
 byte item and a tensor item, the lr table), is refused by the CLI command and by the library loader
 that read it: the marker stays absent, the exit status is 2 and the error one line. So is a ``.metadata``
-that would change a class for the whole process, or whose parts aren't torch's, and a corrupt shard."""
+that would change a class for the whole process, or whose parts aren't torch's, and a corrupt shard.
+
+Issue 48's probes: a config naming code of its own runs none even answered "y"; a safetensors header
+that lies (offsets, dtypes, shapes, its own length), a ``trainer_state.json`` or ``architectures`` of the
+wrong kind, a pickle that broke the opcode walker, and nanoGPT ``model_args`` far larger than the weights
+are each refused in one line; the walker's work is linear in the pickle."""
 
 import dataclasses
 import datetime
 import io
 import json
+import math
 import os
 import pathlib
 import pickle
+import pickletools
 import shlex
 import shutil
+import subprocess
+import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -25,17 +35,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from curvlab.analysis.sharded import open_sharded_checkpoint
 from curvlab.cli import app
 from curvlab.errors import CurvlabError
 from curvlab.jobs.lr_table import read_lr_table
+from curvlab.models.nanogpt import load_nanogpt
 from curvlab.runs._dcp_reader import read_metadata
 from curvlab.runs.checkpoint import load_checkpoint, read_checkpoint
 from curvlab.runs.dcp import convert_to_sharded, read_meta
 from curvlab.runs.train import train
 from curvlab.util.paths import inside
+from curvlab.util.weights_only import _walk
 from tests.builders import assert_refused as assert_cli_refuses
 from tests.builders import nanogpt_checkpoint, runner, small_config
 
@@ -483,3 +496,212 @@ def test_an_lr_table_that_would_run_code_is_refused(tmp_path):
     table.write_bytes(pickle.dumps(Hostile(marker)))
     assert_library_refuses(lambda: read_lr_table(table), str(table), "corrupt JSON")
     assert not marker.exists()
+
+
+# --- issue 48: code a config names, lying safetensors headers, JSON of the wrong kind, nanoGPT sizes -----
+
+
+def fresh_cli_refuses(args: list, tmp_path: Path, stdin: str = "") -> str:
+    """``python -m curvlab ARGS`` in a process of its own (``stdin`` on its standard input; transformers' cache
+    in ``tmp_path``): exit status 2 and one line in all, an ``error:`` line, which is returned."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "curvlab", *map(str, args)]
+    r = subprocess.run(command, input=stdin, capture_output=True, text=True, env=env)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), r.stdout + r.stderr
+    return lines[0]
+
+
+def test_a_config_naming_code_of_its_own_runs_none_when_answered_yes(trainer_checkpoint, tmp_path):
+    """transformers asks "[y/N]" before it runs a config's own code unless told not to: with "y" on standard
+    input, such a checkpoint directory and such a --config are refused, run nothing and write nothing."""
+    path, data = trainer_checkpoint
+    bad, marker = poisoned_copy(path, tmp_path / "ckpt")
+    config = {**json.loads((bad / "config.json").read_text()), "model_type": "own-gpt"}
+    config["auto_map"] = {"AutoConfig": "own.OwnConfig", "AutoModelForCausalLM": "own.OwnModel"}
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "own.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    torch.save(load_file(path / "model.safetensors"), tmp_path / "w.pt")  # (a state dict, for --config)
+    files = sorted((p, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file())
+    line = fresh_cli_refuses(["nds", bad, "--data", data, "--out", tmp_path / "r.json"], tmp_path, "y\n")
+    assert "names classes of its own (auto_map)" in line
+    options = ["--config", str(bad), "--optimizer", "adamw", "--batch-size", "4", "--out", str(tmp_path / "r.json")]
+    r = runner.invoke(app, ["nds", str(tmp_path / "w.pt"), "--data", str(data), *options], input="y\n")
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "not a config this transformers builds" in r.output
+    assert not marker.exists()
+    assert sorted((p, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()) == files
+
+
+def lying(change):
+    """A change of a safetensors file's header (``change(header, tensors by offset)``), its data kept."""
+
+    def rewrite(path: Path) -> None:
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + n])
+        change(header, sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"]))
+        text = json.dumps(header).replace('"INF"', "Infinity").encode()  # (JSON as Python reads it)
+        path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+    return rewrite
+
+
+def claiming_ten_gigabytes(path: Path) -> None:
+    """A sparse 10 GB file whose header says it is 10 GB long (read whole, it was a MemoryError)."""
+    with open(path, "wb") as f:
+        f.write((10 * 2**30 - 8).to_bytes(8, "little") + b"{")
+        f.truncate(10 * 2**30)
+
+
+@pytest.mark.parametrize(
+    "malform,expected",
+    [
+        (lying(lambda h, t: h[t[0]].update(data_offsets=h[t[0]]["data_offsets"][::-1])), "malformed safetensors file (Error while deserializing header: invalid offset"),
+        (lying(lambda h, t: h.update({t[1]: h[t[0]]})), "invalid offset for tensor"),
+        (lying(lambda h, t: h[t[0]].update(data_offsets=[0, 10**6])), "truncated: "),
+        (lying(lambda h, t: h[t[0]].update(shape=[3])), "invalid shape, data type, or offset"),
+        (lying(lambda h, t: h[t[0]].update(dtype="X99")), "unknown variant `X99`"),
+        (lying(lambda h, t: h[t[0]].update(shape=[2**40, 2**40])), "overflow computing buffer size"),
+        (lying(lambda h, t: h[t[0]].update(data_offsets=["INF", "INF"])), "offsets aren't integers"),
+        (lying(lambda h, t: h["transformer.wte.weight"].update(dtype="I32")), "isn't floating for the model's floating weights (transformer.wte.weight (I32))"),
+        (claiming_ten_gigabytes, "a header of 10737418232 bytes, above the format's limit of 100000000"),
+    ],
+    ids=["begin>end", "overlap", "end>size", "bytes!=numel", "dtype", "huge-shape", "infinity", "I32-for-F32", "10GB"],
+)  # fmt: skip
+def test_a_safetensors_header_that_lies_is_refused(trainer_checkpoint, tmp_path, malform, expected):
+    path, data = trainer_checkpoint
+    bad, _ = poisoned_copy(path, tmp_path / "ckpt")
+    malform(bad / "model.safetensors")
+    assert_library_refuses(lambda: read_checkpoint(bad), str(bad), expected)
+    out = tmp_path / "r.json"
+    assert_cli_refuses(["nds", bad, "--data", data, "--out", out], str(bad), expected, out=out)
+
+
+@pytest.mark.parametrize(
+    "change,expected",
+    [({"n_embd": 60000}, "describes a GPT2LMHeadModel of 43,204,380,000 parameters (173 GB as float32), but the weights hold 4,240 values"),
+     ({"n_layer": 10**6}, "describes 1000000 layers, but the weights hold 16 tensors")],
+    ids=["n_embd=60000", "n_layer=1e6"],
+)  # fmt: skip
+def test_a_config_far_larger_than_its_weights_is_refused_before_building(
+    trainer_checkpoint, tmp_path, change, expected
+):
+    """nanoGPT's probe in a Trainer directory: transformers allocated the model before any shape was compared."""
+    path, data = trainer_checkpoint
+    bad, _ = poisoned_copy(path, tmp_path / "ckpt")
+    (bad / "config.json").write_text(json.dumps({**json.loads((bad / "config.json").read_text()), **change}))
+    out = tmp_path / "r.json"
+    assert_cli_refuses(["nds", bad, "--data", data, "--out", out], f"{bad}/config.json: {expected}", out=out)
+
+
+def test_a_state_dict_of_integers_for_float_weights_is_refused(trainer_checkpoint, tmp_path):
+    path, data = trainer_checkpoint
+    weights = load_file(path / "model.safetensors")
+    torch.save(
+        {**weights, "transformer.wte.weight": weights["transformer.wte.weight"].view(torch.int32)}, tmp_path / "w.pt"
+    )
+    args = ["nds", tmp_path / "w.pt", "--data", data, "--config", path, "--optimizer", "adamw", "--batch-size", "4"]
+    assert_cli_refuses(args, "transformer.wte.weight (torch.int32)", "isn't floating")
+
+
+@pytest.mark.parametrize(
+    "file,content,expected",
+    [
+        ("trainer_state.json", {"global_step": float("inf")}, "its global_step inf is not a step count"),
+        ("trainer_state.json", [1], "not the Trainer's state (a JSON object) but a list"),
+        ("trainer_state.json", None, "not the Trainer's state (a JSON object) but null"),
+        ("trainer_state.json", "[" * 10**5 + "]" * 10**5, "unreadable (RecursionError)"),
+        ("config.json", {"architectures": [123]}, "model class [123] isn't in this transformers"),
+        ("config.json", {"architectures": ["__class__"]}, "model class ['__class__'] isn't in this transformers"),
+        ("config.json", {"architectures": {"a": 1}}, "its architectures {'a': 1} is not a list of class names"),
+    ],
+    ids=["1e999", "list", "null", "deep", "[123]", "__class__", "object"],
+)  # fmt: skip
+def test_json_of_the_wrong_kind_is_refused(trainer_checkpoint, tmp_path, file, content, expected):
+    """In a checkpoint directory, and (a config.json) as --config beside a state dict."""
+    path, data = trainer_checkpoint
+    bad, _ = poisoned_copy(path, tmp_path / "ckpt")
+    if isinstance(content, dict) and file == "config.json":
+        content = {**json.loads((bad / file).read_text()), **content}
+    (bad / file).write_text(content if isinstance(content, str) else json.dumps(content))  # (inf as 1e999 would)
+    out = tmp_path / "r.json"
+    assert_cli_refuses(["nds", bad, "--data", data, "--out", out], f"{bad}/{file}: {expected}", out=out)
+    if file == "config.json":
+        torch.save(load_file(path / "model.safetensors"), tmp_path / "w.pt")
+        options = ["--config", bad, "--optimizer", "adamw", "--batch-size", "4", "--out", out]
+        assert_cli_refuses(["nds", tmp_path / "w.pt", "--data", data, *options], f"--config {bad}/{file}: {expected}")
+
+
+def test_a_refused_config_is_one_line_in_a_fresh_process(trainer_checkpoint, tmp_path):
+    """transformers warns once a process about a config (its token ids outside the vocabulary): a fresh one
+    shows those warnings, which came before the --config's error line."""
+    path, data = trainer_checkpoint
+    bad, _ = poisoned_copy(path, tmp_path / "ckpt")
+    (bad / "config.json").write_text(
+        json.dumps({**json.loads((bad / "config.json").read_text()), "architectures": [123]})
+    )
+    torch.save(load_file(path / "model.safetensors"), tmp_path / "w.pt")
+    args = ["nds", tmp_path / "w.pt", "--data", data, "--config", bad, "--optimizer", "adamw", "--batch-size", "4"]
+    assert "model class [123] isn't in this transformers" in fresh_cli_refuses(args, tmp_path)
+
+
+def torch_file_of(pickled: bytes, path: Path) -> Path:
+    """A ``torch.save`` zip archive at ``path`` whose ``data.pkl`` is ``pickled``."""
+    buffer = io.BytesIO()
+    torch.save({}, buffer)
+    with zipfile.ZipFile(buffer) as real, zipfile.ZipFile(path, "w") as archive:
+        for info in real.infolist():
+            archive.writestr(info, pickled if info.filename.endswith("/data.pkl") else real.read(info))
+    return path
+
+
+def test_a_pickle_that_broke_the_opcode_walker_is_refused_in_one_line(pcfg_data, tmp_path):
+    """STACK_GLOBAL reaching below a mark: the walker took the mark for an object (a TypeError)."""
+    bad = torch_file_of(b"\x80\x02(cposix\nsystem\n\x93.", tmp_path / "ckpt.pt")
+    assert_library_refuses(lambda: read_checkpoint(bad), f"{bad}: the checkpoint names posix.system", REFUSED)
+    assert_cli_refuses(["nds", bad, "--data", pcfg_data], "names posix.system", REFUSED)
+
+
+def test_the_opcode_walker_does_work_linear_in_the_pickle(pcfg_data, tmp_path):
+    """``{'a': ((([m.f0, m.f1, ...],),)...)}``: many globals in a list inside many tuples; the walker copied
+    the set of every global named below an object once per tuple (minutes for a megabyte)."""
+    moved = {}
+    for scale in (1, 4):
+        names = b"".join(f"cm\nf{i}\n".encode() for i in range(1000 * scale))
+        pickled = b"\x80\x02}X\x01\x00\x00\x00a(" + names + b"l" + b"\x85" * (20_000 * scale) + b"s."
+        bad = torch_file_of(pickled, tmp_path / f"ckpt{scale}.pt")
+        assert_cli_refuses(["nds", bad, "--data", pcfg_data], "names m.f0", "it is in 'a'")
+        entry, moved[scale] = _walk(pickled, "m.f0")
+        opcodes = sum(1 for _ in pickletools.genops(pickled))
+        assert entry == "a" and moved[scale] <= 4 * opcodes, (moved, opcodes)  # (each entry pushed once, popped once)
+    assert moved[4] <= 4 * moved[1]
+
+
+@pytest.mark.parametrize(
+    "model_args,expected",
+    [({"n_embd": 60000}, "describe 86,406,480,000 parameters (346 GB as float32), but the weights hold"),
+     ({"n_layer": 100_000}, "describe 328,001,312 parameters"), ({"n_embd": float("inf")}, "n_embd inf is not a positive integer")],
+    ids=["n_embd=60000", "n_layer=1e5", "infinite"],
+)  # fmt: skip
+def test_nanogpt_model_args_far_larger_than_the_weights_are_refused(pcfg_data, tmp_path, model_args, expected):
+    """model_args that describe a model far larger than the weights: refused with the estimate before any of it
+    is allocated (it was 12 GB and a traceback, for n_embd=60000)."""
+    _, _, payload = nanogpt_checkpoint(tmp_path)
+    bad, out = tmp_path / "big.pt", tmp_path / "r.json"
+    torch.save({**payload, "model_args": {**payload["model_args"], **model_args}}, bad)
+    assert_library_refuses(lambda: load_nanogpt(read_checkpoint(bad).payload), expected)
+    assert_cli_refuses(["nds", bad, "--data", pcfg_data, "--out", out], expected, out=out)
+
+
+COUNTERS = [(None, "iter_num", math.inf), ("config", "batch_size", 1e30), ("config", "gradient_accumulation_steps", 0)]
+
+
+@pytest.mark.parametrize("where,key,value", COUNTERS)
+def test_nanogpt_counters_that_are_no_integers_are_refused(pcfg_data, tmp_path, where, key, value):
+    """nanoGPT's step and batch sizes come from anyone's file: inf was an OverflowError traceback."""
+    _, _, payload = nanogpt_checkpoint(tmp_path)
+    record = payload if where is None else {**payload[where]}
+    record[key] = value
+    bad, out = tmp_path / "counted.pt", tmp_path / "r.json"
+    torch.save(payload if where is None else {**payload, where: record}, bad)
+    assert_cli_refuses(["nds", bad, "--data", pcfg_data, "--out", out], f"nanoGPT's {key} {value!r}", out=out)

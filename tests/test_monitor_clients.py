@@ -239,7 +239,8 @@ def test_without_the_optional_packages_one_line_says_which(pcfg_data, tmp_path, 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard weren't installed
     monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
     run = tmp_path / "run"
-    args = ["train", "--data", str(pcfg_data), "--out", str(run), "--steps", "1", "--tensorboard", str(tmp_path / "tb")]
+    args = ["train", "--data", str(pcfg_data), "--out", str(run), "--steps", "1", "--warmup-steps", "0"]
+    args += ["--tensorboard", str(tmp_path / "tb")]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 2 and r.output.strip().splitlines() == [
         "error: --tensorboard needs the tensorboard package: pip install 'curvlab[tensorboard]'"

@@ -122,7 +122,7 @@ def test_bad_inputs(tmp_path):
         parse_count("lots")
     good = make_grammar(seed=0).to_dict()
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+    with pytest.raises(ValueError, match="bad.json: corrupt JSON"):
         Grammar.load(tmp_path / "bad.json")
     broken = json.loads(json.dumps(good))
     del broken["levels"]

@@ -29,6 +29,7 @@ from curvlab.theory.quadratic_model import (
     theorem_condition,
     two_level,
 )
+from curvlab.util import schema
 
 EXAMPLE = TwoLevelSpec(d1=96, d2=96, q=88, m=8, w_H=100.0, w_L=1.0, sigma_H=3.0, sigma_L=1.0)
 
@@ -281,12 +282,16 @@ def test_the_study_record_round_trips_and_its_json_is_the_old_dict(small_study, 
 
 
 def test_a_file_of_the_dict_era_reads_as_the_record(small_study, tmp_path):
-    """A quadratic.json written by ``json.dumps`` of the dict (``Infinity``/``NaN`` allowed) reads back."""
+    """A quadratic.json written by ``json.dumps`` of the dict (``Infinity``/``NaN`` allowed) reads back, sealed
+    (unsealed, it is refused: nothing unsealed is trusted, and a reproduction recomputes it)."""
     old = json.loads(json.dumps(small_study.to_dict()))
     diverged = {"method": "gd", "loss": [0.0, math.inf], "nds": [math.nan], "step_norm": [1.0], "first_order": [-1.0],
                 "lr": 10.0}  # fmt: skip
     old["example"]["fixed_lr"]["gd-diverged"] = diverged
     (tmp_path / "quadratic.json").write_text(json.dumps(old))  # the old writer
+    with pytest.raises(CurvlabError, match="unsealed quadratic"):
+        read_quadratic(tmp_path / "quadratic.json")
+    (tmp_path / "quadratic.json").write_text(json.dumps(schema.sealed(old, strict=False)))
     study = read_quadratic(tmp_path / "quadratic.json")
     assert study.line_search == small_study.line_search and study.sweep == small_study.sweep
     t = study.fixed_lr["gd-diverged"]
@@ -314,7 +319,8 @@ def test_read_quadratic_of_another_version_or_none_is_none_and_a_corrupt_file_an
     with pytest.raises(CurvlabError, match="corrupt JSON") as e:
         read_quadratic(path)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
-    path.write_text(json.dumps({**d, "example": {k: v for k, v in d["example"].items() if k != "closed_forms"}}))
+    malformed = {**d, "example": {k: v for k, v in d["example"].items() if k != "closed_forms"}}
+    path.write_text(json.dumps(schema.sealed(malformed, strict=False)))  # (sealed: its content is what is wrong)
     with pytest.raises(CurvlabError, match="not a quadratic study record .KeyError") as e:
         read_quadratic(path)
     assert "\n" not in str(e.value)

@@ -92,7 +92,7 @@ def test_a_malformed_index_is_one_line(tmp_path):
     bad_loss = '[{"step": 0, "path": "a", "val_loss": "x"}]'
     for content in ('{"step": 0}', '[{"step": "0", "path": "a"}]', '[{"step": 0}]', "[3]", "\xff", bad_loss):
         (run / "index.json").write_text(content, errors="surrogateescape")
-        with pytest.raises(CurvlabError, match="corrupt index") as e:
+        with pytest.raises(CurvlabError, match="corrupt (JSON in a checkpoint )?index") as e:
             read_index(run)
         assert "\n" not in str(e.value)
 

@@ -21,7 +21,7 @@ from curvlab.analysis.report import (
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.curvature.scalars import SCALAR_KEYS, SCOPE_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
-from curvlab.runs.metrics import read_metrics, truncate_metrics
+from curvlab.runs.metrics import read_metrics, row_line, truncate_metrics
 from curvlab.studies.compare import Comparison, WindowSide
 from curvlab.studies.records import LevelData, seed_band
 from curvlab.util.digest import json_digest, path_digest
@@ -51,7 +51,8 @@ def test_a_real_report_round_trips_through_its_json(report, tmp_path):
     assert _json(loaded.to_dict()) == _json(d)
     assert loaded.blocks.names == report.blocks.names and loaded.split.hidden_names == report.split.hidden_names
     np.testing.assert_array_equal(loaded.blocks.matrix, report.blocks.matrix)
-    (tmp_path / "bad.json").write_text(json.dumps({**d, "blocks": {"names": []}}))
+    bad = {**d, "blocks": {"names": []}}
+    (tmp_path / "bad.json").write_text(json.dumps({**bad, DIGESTS: {"report": json_digest(bad), "checkpoint": None}}))
     with pytest.raises(CurvlabError, match="malformed report"):
         load_report(tmp_path / "bad.json")
     (tmp_path / "old.json").write_text(json.dumps({**d, "schema_version": 2}))
@@ -188,7 +189,7 @@ def test_metrics_are_read_up_to_a_step_and_cut_at_a_broken_line(tmp_path):
         {"kind": "curvature", "step": 2, "nds": 0.2},  # done at step 3
         {"step": 3, "train_loss": 2.0},
     ]
-    lines = [json.dumps(r) for r in rows]
+    lines = [row_line(r) for r in rows]  # (as a run writes them: with their digests)
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "train_lo')  # a crash mid-line
     assert read_metrics(tmp_path) == rows
     assert read_metrics(tmp_path, upto=2) == rows[:3]

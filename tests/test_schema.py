@@ -41,7 +41,8 @@ def test_a_record_round_trips_through_strict_json(tmp_path):
         ("{not json", "corrupt JSON"),
         ('{"schema_version": 99, "mode": "search"}', "tuning schema 99 is not 1"),
         ("[1, 2]", "tuning schema None is not 1"),
-        ('{"schema_version": 1, "mode": "search"}', "not a tuning record .KeyError"),
+        ('{"schema_version": 1, "mode": "search"}', "unsealed tuning record"),
+        (json.dumps(schema.sealed({"schema_version": 1, "mode": "search"})), "not a tuning record .KeyError"),
     ],
 )
 def test_bad_files_are_one_line_errors_naming_the_file(tmp_path, text, match):
@@ -77,10 +78,10 @@ def test_matches_is_what_check_accepts_and_fixed_keys_come_before_the_version():
     assert not schema.matches({"kind": "curvature", "schema_version": 2}, MonitorRow)
 
 
-def test_a_sealed_record_refuses_an_edit_and_an_unsealed_one_still_reads(tmp_path):
+def test_a_sealed_record_refuses_an_edit_and_one_without_its_seal(tmp_path):
     """Every saved record carries the SHA-256 of its content (recomputed here with hashlib, not curvlab's
-    digest): an edit into other valid JSON is refused in one line, a file without a seal (written by an
-    older curvlab, or by hand) is read as it is."""
+    digest): an edit into other valid JSON is refused in one line, and so is the edit with its seal
+    deleted (nothing unsealed is trusted)."""
     path = tmp_path / "tuning.json"
     schema.save(path, _record())
     d = json.loads(path.read_text())
@@ -94,7 +95,8 @@ def test_a_sealed_record_refuses_an_edit_and_an_unsealed_one_still_reads(tmp_pat
     assert "\n" not in str(e.value) and str(path) in str(e.value)
     del d[schema.SEAL]
     path.write_text(json.dumps(d))
-    assert schema.load(path, TuningRecord).chosen["adamw"]["lr"] == 0.008
+    with pytest.raises(CurvlabError, match="unsealed tuning record"):
+        schema.load(path, TuningRecord)
 
 
 def test_levels_keep_their_nan_and_refuse_an_edit(tmp_path):

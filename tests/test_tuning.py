@@ -1,3 +1,4 @@
+import json
 import math
 
 import numpy as np
@@ -5,6 +6,7 @@ import pytest
 
 from curvlab.jobs.presets import PRESETS
 from curvlab.studies.tuning import LrSearch, log2_grid, search_lr
+from curvlab.util import schema
 
 
 def bowl(best: float, noise: float = 0.0):
@@ -148,6 +150,6 @@ def test_a_corrupt_table_is_a_one_line_error(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="corrupt JSON"):
         read_lr_table(bad)
-    bad.write_text('{"schema_version": 1}')
+    bad.write_text(json.dumps(schema.sealed({"schema_version": 1})))
     with pytest.raises(ValueError, match="not a learning-rate table"):
         read_lr_table(bad)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -403,21 +404,26 @@ class StaleReport(UserWarning):
 
 
 def load_report(path: str | Path) -> CurvatureReport:
-    """A saved report, checked for its schema version and, where it records one, its content digest
-    (:meth:`CurvatureReport.save`); an unreadable, malformed or edited file is a one-line
-    ``CurvlabError``."""
+    """A saved report, checked for its content digest (:meth:`CurvatureReport.save`) and its schema
+    version; an unreadable, malformed or edited file, or one without its digest (nothing unsealed is
+    trusted), is a one-line ``CurvlabError``."""
     path = Path(path)
     d = _report_json(path)
-    if isinstance(d, dict) and _edited(d):
-        raise CurvlabError(f"{path}: edited or corrupt report (its content does not match its digest)")
+    recorded = _recorded_digest(d)
+    if recorded is None:
+        schema.check(d, CurvatureReport, path)  # another version is named as such first, as schema.load does
+        raise CurvlabError(f"{path}: unsealed report (it {_NO_DIGEST}): not trusted")
+    if json_digest(_content(d)) != recorded:
+        raise CurvlabError(f"{path}: edited or corrupt report ({_EDITED}): not trusted")
     return _report_of(path, d)
 
 
 def _report_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:  # (ValueError: invalid JSON, or bytes that are no text)
+        text = path.read_text()
+    except (OSError, ValueError) as e:  # (ValueError: bytes that are no text)
         raise CurvlabError(f"{path}: unreadable report ({e})") from e
+    return schema.parse_json(text, path, "a report")
 
 
 def _report_of(path: Path, d: Any) -> CurvatureReport:
@@ -429,12 +435,19 @@ def _report_of(path: Path, d: Any) -> CurvatureReport:
         raise CurvlabError(f"{path}: malformed report ({type(e).__name__}: {e})") from e
 
 
-def _edited(d: dict[str, Any]) -> bool:
-    """Whether ``d`` records a content digest that its content does not match."""
-    digests = d.get(DIGESTS)
-    if not isinstance(digests, dict) or "report" not in digests:
-        return False
-    return json_digest({k: v for k, v in d.items() if k != DIGESTS}) != digests["report"]
+_NO_DIGEST = "records no digests of its content (edited, or written by an older curvlab)"
+_EDITED = "its content does not match its digest"
+
+
+def _recorded_digest(d: Any) -> Any:
+    """The content digest the saved report ``d`` records (:meth:`CurvatureReport.save`), or ``None``."""
+    digests = d.get(DIGESTS) if isinstance(d, dict) else None
+    return digests.get("report") if isinstance(digests, dict) else None
+
+
+def _content(d: dict[str, Any]) -> dict[str, Any]:
+    """What a saved report's content digest is of: all of it but its digests."""
+    return {k: v for k, v in d.items() if k != DIGESTS}
 
 
 def _distrust(d: Any, checkpoint_digest: str | None) -> str | None:
@@ -443,11 +456,14 @@ def _distrust(d: Any, checkpoint_digest: str | None) -> str | None:
     if not isinstance(d, dict) or not schema.matches(d, CurvatureReport):
         version = d.get("schema_version") if isinstance(d, dict) else None
         return f"is of another schema version ({version}, this curvlab's is {REPORT_SCHEMA_VERSION})"
-    digests = d.get(DIGESTS)
-    if not isinstance(digests, dict) or not digests.get("checkpoint"):
-        return "records no digests (an older curvlab wrote it)"
-    if _edited(d):
-        return "was edited or is corrupt (its content does not match its digest)"
+    recorded = _recorded_digest(d)
+    if recorded is None:
+        return _NO_DIGEST
+    if json_digest(_content(d)) != recorded:
+        return f"was edited or is corrupt ({_EDITED})"
+    digests = d[DIGESTS]
+    if not digests.get("checkpoint"):
+        return "records no checkpoint digest (an older curvlab wrote it)"
     if digests["checkpoint"] != checkpoint_digest:
         return "was made from other checkpoint bytes than those there now"
     return None
@@ -483,7 +499,7 @@ def report_cache_path(cache_dir: str | Path, checkpoint: str | Path, settings: A
     stamped = checkpoint / SHARDED_META if (checkpoint / SHARDED_META).is_file() else checkpoint
     stat = stamped.stat() if stamped.is_file() else None
     ident = f"{checkpoint}:{stat.st_size if stat else 0}:{stat.st_mtime_ns if stat else 0}"
-    digest = hashlib.sha256(ident.encode()).hexdigest()[:8]
+    digest = hashlib.sha256(os.fsencode(ident)).hexdigest()[:8]  # (fsencode: a path's bytes, UTF-8 or not)
     return Path(cache_dir) / f"{checkpoint.parent.name}-{checkpoint.stem}-{settings.key()}-{digest}.json"
 
 

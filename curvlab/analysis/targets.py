@@ -115,6 +115,15 @@ class Target:
     controls: Mapping[str, ShadowState] = field(default_factory=dict)  # its twins, if it keeps them
 
 
+def _count(record: object, key: str, default: int, path: Path, least: int = 0) -> int:
+    """A nanoGPT checkpoint's counter ``key`` (its default where absent), checked to be an integer >= ``least``:
+    the file is anyone's, and a float such as inf or 1e30 is no step or batch size."""
+    value = record.get(key, default) if isinstance(record, dict) else None
+    if type(value) is not int or not least <= value < 2**63:
+        raise CurvlabError(f"{path}: nanoGPT's {key} {value!r:.40} is not an integer >= {least}")
+    return value
+
+
 def open_checkpoint(
     path: str | Path,
     data: str | Path | None = None,
@@ -154,12 +163,12 @@ def open_checkpoint(
         model.to(dev)
         optimizer.load_state_dict(optimizer.state_dict())  # (moves the moments to the parameters' device)
         conf = ckpt.payload.get("config", {})
-        step = int(ckpt.payload.get("iter_num", 0))
-        micro = int(conf.get("gradient_accumulation_steps", 1))
+        step = _count(ckpt.payload, "iter_num", 0, path)
+        micro = _count(conf, "gradient_accumulation_steps", 1, path, least=1)
         train, val, draw = _seeded_draw(
             data,
             model.config.vocab_size,
-            int(conf.get("batch_size", 12)),
+            _count(conf, "batch_size", 12, path, least=1),
             model.config.block_size,
             step,
             micro,

@@ -4,7 +4,8 @@ library function and prints the result through :mod:`curvlab.output.console`.
 The commands live by group: :mod:`~curvlab.cli.training` (``train``), :mod:`~curvlab.cli.analysis` (``nds``,
 ``compare``, ``track``, ``spectrum``), :mod:`~curvlab.cli.jobs` (``quadratic``, ``reproduce``, ``finetune``
 and the pages) and :mod:`~curvlab.cli.pcfg` (``pcfg generate``, ``pcfg stats``); how each fails is
-:mod:`~curvlab.cli.errors`. This module gathers them into :data:`app`, in the order ``--help`` lists them.
+:mod:`~curvlab.cli.errors`, and how each option checks its value where it is parsed :mod:`~curvlab.cli.options`.
+This module gathers them into :data:`app`, in the order ``--help`` lists them.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import typer
 
 import curvlab
 from curvlab.cli import analysis, jobs, pcfg, training
+from curvlab.cli.options import OneLineUsageErrors
 
 app = typer.Typer(
+    cls=OneLineUsageErrors,  # a bad option value is one line, as every other bad input
     help="curvlab: exact curvature analysis of neural-network optimizers (NDS, Taylor split, block curvature).",
     no_args_is_help=True,
     add_completion=False,

@@ -13,6 +13,7 @@ from curvlab.analysis.direction_report import DirectionReport
 from curvlab.analysis.spectrum import SpectrumRequest, checkpoint_spectrum
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli.errors import one_line_errors
+from curvlab.cli.options import count, positive, refuse_beyond_memory
 from curvlab.engine.hvp import DEFAULT_METHOD
 from curvlab.output.console import (
     comparison_text,
@@ -62,6 +63,9 @@ DIRECTIONS_HELP = (
 METHOD_HELP = "HVP method: rev_rev (double backward, fastest) or fwd_rev (jvp of grad, for ops without it)."
 BLOCK_METHOD_HELP = "hvp (one HVP per block) or alpha (Hessian in alpha)."
 DTYPE_HELP = "float32 or float64."
+# What each matched level holds at the least while the runs are matched (its target, its reach, the line that
+# says why it found no pair): --levels past the checkpoints all find none, each with its line
+LEVEL_BYTES = 250
 
 
 @one_line_errors
@@ -69,7 +73,7 @@ def nds(
     checkpoint: Path = typer.Argument(..., help=CHECKPOINT_HELP),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
-    batches: int = typer.Option(1, help=BATCHES_HELP),
+    batches: int = count(1, help=BATCHES_HELP),
     data: Path = typer.Option(None, help=DATA_HELP),
     out: Path = typer.Option(None, help="Write the report JSON here."),
     dtype: str = typer.Option("float32", help=DTYPE_HELP),
@@ -80,7 +84,7 @@ def nds(
     fsdp: bool = typer.Option(False, "--fsdp", help="CHECKPOINT is a sharded (DCP) directory: run sharded."),
     config: str = typer.Option(None, help=CONFIG_HELP),
     optimizer: str = typer.Option(None, help=OPTIMIZER_HELP),
-    batch_size: int = typer.Option(
+    batch_size: int = count(
         None, help="Lightning and state-dict checkpoints: sequences in the next step's batch (curvlab's draw)."
     ),
 ) -> None:
@@ -115,24 +119,20 @@ def nds(
 def compare(
     run_a: Path = typer.Argument(..., help="First run directory."),
     run_b: Path = typer.Argument(..., help="Second run directory."),
-    levels: int = typer.Option(
-        MatchCriteria.levels, help="Matched validation-loss levels inside the range both runs reach."
-    ),
-    tolerance: float = typer.Option(
-        MatchCriteria.tolerance, help="Largest relative validation-loss mismatch of a pair."
-    ),
+    levels: int = count(MatchCriteria.levels, help="Matched validation-loss levels inside the range both runs reach."),
+    tolerance: float = positive(MatchCriteria.tolerance, help="Largest relative validation-loss mismatch of a pair."),
     phase: str = typer.Option(
         MatchCriteria.phase,
         help="Which checkpoints may pair: stable (both in the schedule's stable phase: train with --schedule wsd), "
         "multiplier (equal schedule multipliers) or any (matched loss alone, whatever the learning rate).",
     ),
-    window: int = typer.Option(
-        MatchCriteria.window, help="Average each level over this many neighbouring checkpoints on each side."
+    window: int = count(
+        MatchCriteria.window, low=0, help="Average each level over this many neighbouring checkpoints on each side."
     ),
     out: Path = typer.Option(Path("compare"), help="Output directory (compare.csv, compare.json, reports/)."),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
-    batches: int = typer.Option(1, help=BATCHES_HELP),
+    batches: int = count(1, help=BATCHES_HELP),
     dtype: str = typer.Option("float32", help=DTYPE_HELP),
     block_method: str = typer.Option("hvp", help=BLOCK_METHOD_HELP),
     method: str = typer.Option(DEFAULT_METHOD, help=METHOD_HELP),
@@ -153,6 +153,7 @@ def compare(
     settings.validate()
     criteria = MatchCriteria(levels=levels, tolerance=tolerance, phase=phase, window=window)
     criteria.validate()
+    refuse_beyond_memory(levels * LEVEL_BYTES, f"--levels {levels}")
     check_output(out, directory=True)
     with distributed_context() as (rank, _):
         result = compare_runs(
@@ -169,13 +170,13 @@ def compare(
 @one_line_errors
 def track(
     run: Path = typer.Argument(..., help="A run directory."),
-    every: int = typer.Option(1, help="Analyse every N-th checkpoint (or draw every N-th monitor row)."),
+    every: int = count(1, help="Analyse every N-th checkpoint (or draw every N-th monitor row)."),
     out: Path = typer.Option(None, help="Output directory (default: RUN/track)."),
     blocks: str = typer.Option("layer", help=BLOCKS_HELP),
     batch: str = typer.Option("train", help=BATCH_HELP),
-    batches: int = typer.Option(1, help=BATCHES_HELP),
+    batches: int = count(1, help=BATCHES_HELP),
     dtype: str = typer.Option("float32", help=DTYPE_HELP),
-    spectrum: int = typer.Option(0, help="Also λ_max and the top-K eigenvalues at each checkpoint (K > 0)."),
+    spectrum: int = count(0, low=0, help="Also λ_max and the top-K eigenvalues at each checkpoint (K > 0)."),
     block_method: str = typer.Option("hvp", help=BLOCK_METHOD_HELP),
     method: str = typer.Option(DEFAULT_METHOD, help=METHOD_HELP),
     device: str = typer.Option("cpu", help="Device for the analysis."),
@@ -217,17 +218,17 @@ def track(
 @one_line_errors
 def spectrum(
     checkpoint: Path = typer.Argument(..., help=CHECKPOINT_HELP),
-    top: int = typer.Option(5, help="Largest eigenvalues (Lanczos)."),
-    bottom: int = typer.Option(0, help="Smallest eigenvalues."),
+    top: int = count(5, low=0, help="Largest eigenvalues (Lanczos)."),
+    bottom: int = count(0, low=0, help="Smallest eigenvalues."),
     trace: bool = typer.Option(False, help="Trace by Hutchinson and Hutch++."),
     density: bool = typer.Option(False, help="Spectral density by stochastic Lanczos quadrature (and its figure)."),
     blocks: str = typer.Option(None, help="Also λ_max of each block of this grouping (layer, tensor, kind)."),
     preconditioned: bool = typer.Option(False, help="Adam's preconditioned sharpness (AdamW checkpoints)."),
     batch: str = typer.Option("train", help=BATCH_HELP),
-    batches: int = typer.Option(1, help=BATCHES_HELP),
+    batches: int = count(1, help=BATCHES_HELP),
     data: Path = typer.Option(None, help="Data directory (default: the checkpoint's)."),
-    max_iter: int = typer.Option(100, help="Lanczos iterations at most (HVPs)."),
-    memory: float = typer.Option(
+    max_iter: int = count(100, help="Lanczos iterations at most (HVPs)."),
+    memory: float = positive(
         None, help="GB the stored Lanczos vectors may take (thick restart beyond); default: unbounded."
     ),
     method: str = typer.Option(DEFAULT_METHOD, help=METHOD_HELP),
@@ -247,6 +248,8 @@ def spectrum(
         max_iter=max_iter, memory=None if memory is None else int(memory * 1e9),
     )  # fmt: skip
     request.validate()
+    if memory is not None:  # a budget the device can't hold is no bound
+        refuse_beyond_memory(request.memory, f"--memory {memory:g}", device)
     if out:
         check_output(out, directory=True)
     with distributed_context() as (rank, _):

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from curvlab.cli.errors import one_line_errors
+from curvlab.cli.options import count, positive, refuse_beyond_memory, require_extras
 from curvlab.errors import CurvlabError
 from curvlab.jobs.finetune import Finetune
 from curvlab.jobs.presets import PRESETS, ROBUSTNESS_PRESETS, with_preset
@@ -20,25 +21,30 @@ from curvlab.theory.quadratic import quadratic_study
 from curvlab.theory.quadratic_model import TwoLevelSpec
 from curvlab.util.atomic import check_output
 
+# What the quadratic study holds at the least per entry of a d x d matrix: about 50 float64 matrices of that
+# size live at once (456 bytes an entry measured at d = 256 to 768, whatever the steps)
+QUADRATIC_BYTES_PER_ENTRY = 400
+
 
 @one_line_errors
 def quadratic(
     out: Path = typer.Option(Path("results/quadratic"), help="Output directory (quadratic.json and figures)."),
-    steps: int = typer.Option(30, help="Line-search steps of the worked example."),
-    d: int = typer.Option(128, help="Matrix size d1 = d2 of the worked example."),
-    q: int = typer.Option(88, help="Paired modes."),
-    m: int = typer.Option(8, help="High-curvature modes."),
-    w_high: float = typer.Option(100.0, "--w-high", help="w_H."),
-    w_low: float = typer.Option(1.0, "--w-low", help="w_L."),
-    sigma_high: float = typer.Option(3.0, "--sigma-high", help="σ_H."),
-    sigma_low: float = typer.Option(1.0, "--sigma-low", help="σ_L."),
-    sweep_steps: int = typer.Option(20, help="Steps T of the phase sweep."),
+    steps: int = count(30, help="Line-search steps of the worked example."),
+    d: int = count(128, help="Matrix size d1 = d2 of the worked example."),
+    q: int = count(88, help="Paired modes."),
+    m: int = count(8, help="High-curvature modes."),
+    w_high: float = positive(100.0, "--w-high", help="w_H."),
+    w_low: float = positive(1.0, "--w-low", help="w_L."),
+    sigma_high: float = positive(3.0, "--sigma-high", help="σ_H."),
+    sigma_low: float = positive(1.0, "--sigma-low", help="σ_L."),
+    sweep_steps: int = count(20, help="Steps T of the phase sweep."),
     outside_theorem: bool = typer.Option(False, help="Allow an example that breaks the theorem's assumptions."),
 ) -> None:
     """The stylized Kronecker quadratic model: the worked example and the phase sweep, with figures."""
 
-    check_output(out, directory=True)
     spec = TwoLevelSpec(d1=d, d2=d, q=q, m=m, w_H=w_high, w_L=w_low, sigma_H=sigma_high, sigma_L=sigma_low)
+    refuse_beyond_memory(QUADRATIC_BYTES_PER_ENTRY * d * d, f"--d {d}")
+    check_output(out, directory=True)
     study = quadratic_study(spec, steps=steps, sweep_steps=sweep_steps, outside_theorem=outside_theorem)
     paths = write_quadratic(study, out)
     typer.echo(quadratic_text(study))
@@ -62,14 +68,16 @@ def reproduce(
 
     if preset not in PRESETS and preset not in ROBUSTNESS_PRESETS:
         raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *ROBUSTNESS_PRESETS])}")
+    design = PRESETS.get(preset) or ROBUSTNESS_PRESETS[preset]
+    require_extras(design.extras, f"reproduce --preset {preset}")
     out = out or Path("results") / preset
     check_output(out, directory=True)
     if preset in ROBUSTNESS_PRESETS:
         if fineweb is not None:
             raise CurvlabError("--fineweb is the paper preset's; the robustness design trains on its own grammar")
-        typer.echo(robustness_text(Robustness(ROBUSTNESS_PRESETS[preset], out, progress=not quiet).run(), out))
+        typer.echo(robustness_text(Robustness(design, out, progress=not quiet).run(), out))
         return
-    typer.echo(reproduction_text(Reproduction(PRESETS[preset], out, fineweb=fineweb, progress=not quiet).run(), out))
+    typer.echo(reproduction_text(Reproduction(design, out, fineweb=fineweb, progress=not quiet).run(), out))
 
 
 @one_line_errors
@@ -85,16 +93,15 @@ def finetune(
         None, help="Reuse a pretrained run directory (its last checkpoint) or checkpoint instead of pretraining."
     ),
     data: Path = typer.Option(None, help="The s = 1 adaptation data (default: generated with the base's grammar)."),
-    rank: int = typer.Option(None, help="LoRA rank, alpha = 2 rank (default: the preset's; quick 4, standard 8)."),
-    seeds: int = typer.Option(None, help="Seeds per optimizer (default: the preset's, 3)."),
+    rank: int = count(None, help="LoRA rank, alpha = 2 rank (default: the preset's; quick 4, standard 8)."),
+    seeds: int = count(None, help="Seeds per optimizer (default: the preset's, 3)."),
     quiet: bool = typer.Option(False, help="No progress bars."),
 ) -> None:
     """LoRA fine-tuning at s = 1 of a model pretrained at s = 0, under sMuon, LoRA-Muon, per-factor Muon and
     AdamW (each lr tuned alike): NDS and Taylor split of the adapter steps at matched validation loss."""
 
-    if rank is not None and rank < 1:
-        raise CurvlabError(f"--rank must be >= 1, got {rank}")
     chosen = with_preset(preset, rank=rank, seeds=seeds)
+    require_extras(chosen.extras, "finetune")
     out = out or Path("results") / f"finetune-{preset}"
     check_output(out, directory=True)
     result = Finetune(chosen, out, base=base, data=data, progress=not quiet).run()

@@ -16,9 +16,10 @@ from typing import Any
 import typer
 
 from curvlab.cli.errors import one_line_errors
+from curvlab.cli.options import count, number, positive, refuse_beyond_memory
 from curvlab.errors import CurvlabError
 from curvlab.output.console import trained_line
-from curvlab.runs.config import FIELD_HELP, TrainConfig
+from curvlab.runs.config import FIELD_HELP, FIELD_RANGES, TrainConfig
 from curvlab.runs.launch import launch
 from curvlab.runs.monitor import MonitorSettings
 from curvlab.util.atomic import check_output
@@ -46,8 +47,8 @@ def _key_values(pairs: list[str] | None, flag: str) -> dict:
 
 def _field_option(f: dataclasses.Field, hint: Any) -> inspect.Parameter:
     """The keyword parameter (a typer option) of a config field: its type on the command line, its flag,
-    its help, and its config default shown (the option itself defaults to None, so that only the options
-    given override a config file)."""
+    its help, its range (:data:`FIELD_RANGES`), and its config default shown (the option itself defaults to
+    None, so that only the options given override a config file)."""
     if isinstance(hint, types.UnionType):  # `int | None`: the option is an int that may be left out
         hint = next(t for t in typing.get_args(hint) if t is not type(None))
     decls: tuple[str, ...] = ()
@@ -60,7 +61,10 @@ def _field_option(f: dataclasses.Field, hint: Any) -> inspect.Parameter:
         shown = NONE_DEFAULTS[f.name] if f.default is None else str(f.default)
     if f.name in PATH_FIELDS:
         hint, shown = Path, False
-    option = typer.Option(None, *decls, help=FIELD_HELP[f.name], show_default=shown)
+    low, high = FIELD_RANGES.get(f.name, (None, None))
+    make = number if hint is float else count if hint is int else typer.Option
+    bounds = {"low": low, "high": high} if hint in (int, float) else {}
+    option = make(None, *decls, help=FIELD_HELP[f.name], show_default=shown, **bounds)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=hint)
 
 
@@ -93,18 +97,20 @@ def config_overrides(fields: dict[str, Any], lr: float | None) -> dict[str, Any]
 @one_line_errors
 def train(
     *,
-    lr: float = typer.Option(
+    lr: float = positive(
         None,
         help="Peak learning rate (Muon's for muon; its AdamW side: --opt adam_lr=...).",
         show_default="the optimizer's",
     ),
     config: Path = typer.Option(None, help="A JSON file of these fields; options given here override it."),
     quiet: bool = typer.Option(False, help="No progress bar."),
-    curvature_every: int = typer.Option(
-        0, help="Every K steps, the NDS and Taylor split of the step taken, on held-out windows, into metrics.jsonl."
+    curvature_every: int = count(
+        0,
+        low=0,
+        help="Every K steps, the NDS and Taylor split of the step taken, on held-out windows, into metrics.jsonl.",
     ),
-    curvature_batches: int = typer.Option(1, help="Held-out batches of --curvature-windows validation windows."),
-    curvature_windows: int = typer.Option(
+    curvature_batches: int = count(1, help="Held-out batches of --curvature-windows validation windows."),
+    curvature_windows: int = count(
         8, help="Windows per held-out batch. The defaults cost under 10% of training time at K = 50 on tiny."
     ),
     blocks: str = typer.Option(
@@ -131,6 +137,10 @@ def train(
     check_output(cfg.out, directory=True)
     if tensorboard is not None:
         check_output(tensorboard, directory=True)
+    cfg.validate()  # (build_run does too; the estimate below needs a valid model first)
+    refuse_beyond_memory(
+        cfg.memory_estimate(), f"a step of batch_size {cfg.batch_size} on model {cfg.model}", cfg.device
+    )
     monitor = None
     if curvature_every:
         monitor = MonitorSettings(

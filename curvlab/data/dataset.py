@@ -24,7 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from curvlab.data.pcfg import count_stats, make_grammar
-from curvlab.data.shards import find_shards, read_shard, write_shard
+from curvlab.data.shards import data_vocab_size, find_shards, read_shard, read_stats_json, write_shard
 from curvlab.errors import CurvlabError
 from curvlab.util.atomic import TEMPORARY_SUFFIX, atomic_write_text, make_public, temporary_of, temporary_options
 from curvlab.util.progress import refresh_interval
@@ -141,7 +141,7 @@ def _existing(out: Path, config: dict) -> dict | None:
     """
     existing = out / "stats.json"
     if existing.is_file():
-        stats = json.loads(existing.read_text())
+        stats = read_stats_json(existing)
         if stats.get("config") == config:
             return stats
         raise CurvlabError(f"{out} already holds a dataset made with another config; choose another --out")
@@ -184,10 +184,7 @@ def read_stats(data_dir: str | Path) -> dict:
     path = Path(data_dir) / "stats.json"
     if not path.is_file():
         raise CurvlabError(f"{data_dir}: no stats.json (not a directory written by `curvlab pcfg generate`)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
+    return read_stats_json(path)
 
 
 def unigram_plateau_nats(data_dir: str | Path) -> float:
@@ -199,7 +196,8 @@ def unigram_plateau_nats(data_dir: str | Path) -> float:
     validation unigram entropy (by 0.6-0.8 nats at s = 1 on the quick grammar). ``p_train`` is
     add-one smoothed, so a token never seen in training costs a finite loss, as it would a model.
     """
-    vocab = int(read_stats(data_dir)["vocab_size"])
+    read_stats(data_dir)  # (a missing file named as such)
+    vocab = data_vocab_size(data_dir)
     counts = {}
     for split in ("train", "val"):
         c = np.zeros(vocab, dtype=np.int64)

@@ -21,7 +21,6 @@ every symbol in one numpy gather (SEP rewrites to itself).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,9 +29,13 @@ from pathlib import Path
 import numpy as np
 
 from curvlab.errors import CurvlabError
-from curvlab.util.atomic import atomic_write_text
+from curvlab.util import schema
+from curvlab.util.atomic import atomic_write_json
 
-GRAMMAR_VERSION = 1
+# 2: sealed (its content_digest, schema.sealed); 1: curvlab 0.2.0 and before, unsealed, still read
+GRAMMAR_VERSION = 2
+UNSEALED_GRAMMAR_VERSIONS = (1,)
+SENTENCES_PER_CHUNK = 2048  # what Grammar.stream samples at once
 
 
 @dataclass(frozen=True)
@@ -104,13 +107,13 @@ class Grammar:
         }
 
     def save(self, path: str | Path) -> None:
-        """Write the grammar as JSON (atomically)."""
-        atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=1))
+        """Write the grammar as JSON, sealed (:func:`curvlab.util.schema.sealed`), atomically."""
+        atomic_write_json(Path(path), schema.sealed(self.to_dict()))
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "grammar") -> Grammar:
         try:
-            if d.get("version") != GRAMMAR_VERSION:
+            if d.get("version") not in (GRAMMAR_VERSION, *UNSEALED_GRAMMAR_VERSIONS):
                 raise CurvlabError(f"unsupported grammar version {d.get('version')!r} (expected {GRAMMAR_VERSION})")
             levels = d["levels"]
             g = cls(
@@ -121,7 +124,7 @@ class Grammar:
                 seed=int(d.get("seed", 0)),
                 rule_s=float(d.get("rule_s", 0.0)),
             )
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, OverflowError) as e:  # (OverflowError: int() of an inf)
             raise CurvlabError(f"{source}: malformed grammar JSON ({type(e).__name__}: {e})") from e
         except ValueError as e:
             raise CurvlabError(f"{source}: {e}") from e
@@ -130,13 +133,19 @@ class Grammar:
 
     @classmethod
     def load(cls, path: str | Path) -> Grammar:
+        """The grammar :meth:`save` wrote to ``path``; one of version 1 (curvlab 0.2.0 and before, which
+        sealed none) is read without a seal, any other only with its own.
+
+        Raises:
+            CurvlabError: a missing file, invalid JSON, a seal its content doesn't match, no seal on a grammar
+                of version 2, or a malformed grammar.
+        """
         path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise CurvlabError(f"{path}: no such grammar file") from None
-        except json.JSONDecodeError as e:
-            raise CurvlabError(f"{path}: not valid JSON ({e})") from e
+        d = schema.read_json(path, "a grammar")
+        unsealed = isinstance(d, dict) and d.get("version") in UNSEALED_GRAMMAR_VERSIONS and schema.SEAL not in d
+        d = d if unsealed else schema.unsealed(d, path, "grammar")
+        if not isinstance(d, dict):
+            raise CurvlabError(f"{path}: malformed grammar JSON (an object expected, found {type(d).__name__})")
         return cls.from_dict(d, str(path))
 
     def validate(self, source: str = "grammar") -> None:
@@ -215,8 +224,8 @@ class Grammar:
 
     def sample_sentences(self, n: int, s: float, rng: np.random.Generator) -> np.ndarray:
         """``n`` sentences, each followed by the separator, as one int64 token stream."""
-        if s < 0:
-            raise CurvlabError(f"the Zipf exponent s must be >= 0, got {s}")
+        if not (math.isfinite(s) and s >= 0):
+            raise CurvlabError(f"the Zipf exponent s must be >= 0 and finite, got {s}")
         rhs, cdf, n_nt, sep = self._expansion_tables()
         symbols = np.empty(2 * n, dtype=np.int64)
         symbols[0::2], symbols[1::2] = 0, sep
@@ -236,7 +245,9 @@ class Grammar:
         tokens[words] = np.minimum(position, offsets[c + 1] - 1)  # rounding can't spill into class c + 1
         return tokens
 
-    def stream(self, n_tokens: int, s: float, seed: int, sentences_per_chunk: int = 2048) -> Iterator[np.ndarray]:
+    def stream(
+        self, n_tokens: int, s: float, seed: int, sentences_per_chunk: int = SENTENCES_PER_CHUNK
+    ) -> Iterator[np.ndarray]:
         """Yield chunks of a token stream (sentences + separators) until ``n_tokens`` have been produced."""
         rng = np.random.default_rng(seed)
         produced = 0
@@ -268,8 +279,8 @@ def make_grammar(
         raise CurvlabError("need n_tokens >= n_classes >= 1, depth >= 1 and width >= 1")
     if not (1 <= min_rules <= max_rules and 1 <= min_rhs <= max_rhs):
         raise CurvlabError("need 1 <= min_rules <= max_rules and 1 <= min_rhs <= max_rhs")
-    if rule_s < 0:
-        raise CurvlabError(f"rule_s must be >= 0, got {rule_s}")
+    if not (math.isfinite(rule_s) and rule_s >= 0):
+        raise CurvlabError(f"rule_s must be >= 0 and finite, got {rule_s}")
     rng = np.random.default_rng(seed)
     sizes = [1] + [width] * (depth - 1)
     rules, probs = [], []
@@ -296,6 +307,24 @@ def make_grammar(
     g = Grammar(rules=rules, rule_probs=probs, class_sizes=class_sizes, ranks=ranks, seed=seed, rule_s=rule_s)
     g.validate()
     return g
+
+
+def generation_footprint(
+    tokens: int, val_tokens: int, shard_tokens: int, depth: int = 7, width: int = 3
+) -> tuple[int, int]:
+    """The bytes of memory and of disk that generating a data directory of :func:`make_grammar`'s grammar
+    (default rules) takes at the least, for refusing a size the machine can't hold before starting.
+
+    Memory: a chunk of sentences being expanded (75 bytes a token measured; a sentence averages 2.5^depth
+    tokens, each right-hand side holding 2-3 symbols), the grammar's tables (about 1 kB a nonterminal) and
+    the shard being filled (int64, copied as it grows). Disk: 2 bytes a token (uint16 shards) and at least
+    a block per shard file.
+    """
+    chunk = 75 * SENTENCES_PER_CHUNK * 2.5**depth
+    shard = 16 * min(shard_tokens, max(tokens, val_tokens))
+    memory = int(chunk + 1000 * depth * width + shard)
+    files = -(-tokens // shard_tokens) + -(-val_tokens // shard_tokens)
+    return memory, 2 * (tokens + val_tokens) + 4096 * files
 
 
 def _cover(level_rules: list[list[list[int]]], below: int, rng: np.random.Generator) -> None:

@@ -13,7 +13,6 @@ so FineWeb shards prepared by modded-nanogpt or nanoGPT can be used as they are.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from curvlab.errors import CurvlabError
+from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_with
 
 MAGIC = 20240520
@@ -89,12 +89,34 @@ def find_shards(data_dir: str | Path, split: str) -> list[Path]:
     return files
 
 
+def read_stats_json(path: Path) -> dict[str, Any]:
+    """The JSON object in a data directory's ``stats.json`` at ``path``.
+
+    Raises:
+        CurvlabError: a corrupt file (not UTF-8 text, no JSON, no JSON object).
+    """
+    try:
+        stats = schema.parse_json(path.read_text(), path, "a data directory's stats")
+    except UnicodeDecodeError:
+        raise CurvlabError(f"{path}: corrupt JSON in a data directory's stats (not UTF-8 text)") from None
+    if not isinstance(stats, dict):
+        raise CurvlabError(f"{path}: corrupt stats (not a JSON object)")
+    return stats
+
+
 def data_vocab_size(data_dir: str | Path) -> int | None:
-    """The vocabulary recorded in a curvlab data directory's ``stats.json`` (None if absent)."""
-    stats = Path(data_dir) / "stats.json"
-    if stats.is_file():
-        return int(json.loads(stats.read_text())["vocab_size"])
-    return None
+    """The vocabulary recorded in a curvlab data directory's ``stats.json`` (None if absent).
+
+    Raises:
+        CurvlabError: a corrupt ``stats.json``, or one whose ``vocab_size`` is no positive integer.
+    """
+    path = Path(data_dir) / "stats.json"
+    if not path.is_file():
+        return None
+    vocab = read_stats_json(path).get("vocab_size")
+    if type(vocab) is not int or vocab < 1:
+        raise CurvlabError(f"{path}: corrupt stats (vocab_size {vocab!r} is no positive integer)")
+    return vocab
 
 
 @dataclass

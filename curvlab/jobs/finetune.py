@@ -66,6 +66,7 @@ class Finetune(Job):
     TAG = "finetune"
     CONFIG_FILE = "finetune-config.json"
     WHAT = "a fine-tuning comparison"
+    PATH_KEYS = ("base", "data")
 
     def __init__(
         self,
@@ -78,8 +79,8 @@ class Finetune(Job):
         preset.validate()
         super().__init__(out, progress)
         self.preset = preset
-        self.base = Path(base) if base else None
-        self.data_dir = Path(data) if data else None
+        self.base = Path(base).resolve() if base else None  # (resolved: the directory's identity, Job.out)
+        self.data_dir = Path(data).resolve() if data else None
         self._tuning_base: Path | None = None  # the base checkpoint or run the tuning runs adapt (tune())
         # a missing or incompatible base, or a rank that does not fit, fails now, not after the data
         model = (
@@ -105,10 +106,10 @@ class Finetune(Job):
                 return self.data_dir, self.base
             _, config = load_base(self.base)
             source = Path(config.get("data", ""))
-            stats = read_stats(source) if config.get("data") else None
-            if stats is None or "grammar_options" not in stats.get("config", {}):
+            made = read_stats(source).get("config") if config.get("data") else None
+            if not (isinstance(made, dict) and isinstance(made.get("grammar_options"), dict) and "seed" in made):
                 raise CurvlabError(f"{self.base}: its training data is not a Zipf-PCFG directory; pass --data")
-            grammar, seed = stats["config"]["grammar_options"], stats["config"]["seed"]
+            grammar, seed = made["grammar_options"], made["seed"]
         else:
             grammar, seed = p.grammar, 0
         target = self.data_dir or self.out / "data" / "s1"

@@ -8,9 +8,13 @@
 * :func:`guard_config`: the directory belongs to one configuration; a re-run with the same one
   continues it, any other is refused (results of two configurations are never mixed).
 * :class:`StageClock`: wall and CPU seconds per stage, and the machine's load at the end of each.
-* :func:`record_invocation`: every invocation's times in ``timing.json``; the job's times are their
-  sums (a re-run that finds everything done must not report the job as taking seconds), under the
-  conditions (load, threads) of the invocation that did the most work.
+* :func:`record_invocation`: every invocation's times in ``timing.json`` (sealed: :mod:`curvlab.util.schema`),
+  an interrupted one's too (a stop by a signal, or a failure): the job's times are their sums (a re-run
+  that finds everything done must not report the job as taking seconds), under the conditions (load,
+  threads) of the invocation that did the most work.
+
+Paths are stored resolved (a job's ``out`` is), and a path a saved configuration names is compared
+resolved (``PATH_KEYS``), so that a directory's identity does not depend on how ``--out`` was spelled.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,7 +38,9 @@ from curvlab.runs.train import TrainingDiverged
 from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, search_lr
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_json, atomic_write_text, remove_stale_temporaries
+from curvlab.util.codec import Record
 from curvlab.util.lock import own_directory
+from curvlab.util.paths import same_path
 from curvlab.util.safe_stop import check_stop
 
 CONDITIONS = ("load", "threads", "cpus")
@@ -55,23 +62,49 @@ def _without_retired(config: Any) -> Any:
     return config
 
 
-def guard_config(path: Path, config: dict[str, Any], what: str) -> None:
+def _same_config(saved: dict[str, Any], config: dict[str, Any], path_keys: tuple[str, ...]) -> bool:
+    """Whether ``saved`` is ``config``, the paths under ``path_keys`` compared as the places they name (a
+    relative one, as an older curvlab saved it, against the working directory)."""
+    return set(saved) == set(config) and all(
+        same_path(saved[k], config[k]) if k in path_keys else saved[k] == config[k] for k in config
+    )
+
+
+def _saved_config(path: Path) -> dict[str, Any]:
+    """The configuration a job saved in ``path``.
+
+    Raises:
+        CurvlabError: the file is no JSON object (damaged, or not curvlab's).
+    """
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise CurvlabError(f"{path}: corrupt JSON in a job's configuration (not UTF-8 text)") from None
+    saved = schema.parse_json(text, path, "a job's configuration")
+    if not isinstance(saved, dict):
+        raise CurvlabError(f"{path}: corrupt job configuration (not a JSON object)")
+    return saved
+
+
+def guard_config(path: Path, config: dict[str, Any], what: str, path_keys: tuple[str, ...] = ()) -> None:
     """Write ``config`` (with ``config_version``: :data:`CONFIG_VERSION`) to ``path`` on the first run;
-    refuse a later run whose config differs (a saved field of :data:`RETIRED_FIELDS` is no difference).
+    refuse a later run whose config differs (a saved field of :data:`RETIRED_FIELDS` is no difference;
+    the paths under ``path_keys`` are compared resolved).
 
     Raises:
         CurvlabError: the directory holds ``what`` of another configuration, or one that an older
-            curvlab wrote in another form (another ``config_version``).
+            curvlab wrote in another form (another ``config_version``), or its saved configuration is
+            corrupt.
     """
     config = json.loads(json.dumps({**config, "config_version": CONFIG_VERSION}))  # as it reads back
     if path.is_file():
-        saved = json.loads(path.read_text())
+        saved = _saved_config(path)
         if saved.get("config_version") != CONFIG_VERSION:
             raise CurvlabError(
                 f"{path.parent} holds {what} written by another curvlab version (config version "
                 f"{saved.get('config_version', 1)}, this one writes {CONFIG_VERSION}): choose a fresh --out"
             )
-        if _without_retired(saved) != config:
+        if not _same_config(_without_retired(saved), config, path_keys):
             raise CurvlabError(
                 f"{path.parent} holds {what} of another configuration; refusing to mix them: choose a fresh --out"
             )
@@ -111,12 +144,35 @@ class StageClock:
         }
 
 
+@dataclass(frozen=True)
+class Invocations(Record):
+    """Every invocation's times (``timing.json``): stage -> seconds, with ``total`` and the conditions."""
+
+    invocations: list[dict[str, float]]
+    SCHEMA_VERSION: ClassVar[int] = 1
+    WHAT: ClassVar[str] = "timing.json"
+
+
+def read_invocations(path: Path) -> list[dict[str, float]]:
+    """The invocations recorded in ``path`` (none without the file).
+
+    Raises:
+        CurvlabError: a damaged, edited, unsealed or older (a bare list) file: the job's earlier times
+            can't be trusted, and the message says how to go on without them.
+    """
+    if not path.is_file():
+        return []
+    try:
+        return schema.load(path, Invocations).invocations
+    except CurvlabError as e:
+        raise CurvlabError(f"{e}; delete it to go on (the invocations it held are then not counted)") from None
+
+
 def record_invocation(path: Path, invocation: dict[str, float]) -> dict[str, float]:
-    """Append ``invocation`` to the list in ``path`` (``timing.json``) and return the job's times:
-    every stage summed over the invocations, the conditions of the longest one, and their count."""
-    invocations = json.loads(path.read_text()) if path.is_file() else []
-    invocations.append(invocation)
-    atomic_write_text(path, json.dumps(invocations, indent=1))
+    """Append ``invocation`` to those in ``path`` (``timing.json``) and return the job's times: every
+    stage summed over the invocations, the conditions of the longest one, and their count."""
+    invocations = [*read_invocations(path), invocation]
+    schema.save(path, Invocations(invocations))
     keys = {k for i in invocations for k in i if k not in CONDITIONS}
     timing = {k: sum(i.get(k, 0.0) for i in invocations) for k in sorted(keys)}
     longest = max(invocations, key=lambda i: i["total"])
@@ -137,7 +193,11 @@ def _owning(run):
         with own_directory(self.out, self.TAG) as previous:
             if previous is not None:
                 self._say(f"took {self.out} over from {previous.describe()}, which is no longer running")
-            return run(self, *args, **kwargs)
+            try:
+                return run(self, *args, **kwargs)
+            except BaseException:  # (a stop by a signal, or a failure: its time was spent all the same)
+                self._record_unfinished()
+                raise
 
     return owned
 
@@ -157,6 +217,7 @@ class Job:
     TAG: ClassVar[str] = "job"
     CONFIG_FILE: ClassVar[str] = "job.json"
     WHAT: ClassVar[str] = "a job"
+    PATH_KEYS: ClassVar[tuple[str, ...]] = ()  # the keys of config() that hold paths (compared resolved)
 
     def __init_subclass__(cls, **kwargs):
         # wrapped here, for every subclass that defines ``run``, so that no job can forget to own its out
@@ -165,9 +226,12 @@ class Job:
             cls.run = _owning(cls.__dict__["run"])
 
     def __init__(self, out: str | Path, progress: bool = True):
-        self.out, self.progress = Path(out), progress
+        # resolved: every path the job stores (a run's data, a base run) is then the same however --out
+        # was spelled (relative, absolute, through a link)
+        self.out, self.progress = Path(out).resolve(), progress
         self.log: list[str] = []
         self.clock = StageClock()
+        self._unrecorded = False  # an invocation started whose times are not in timing.json yet
 
     # -- what a subclass gives ----------------------------------------------------------------
 
@@ -190,7 +254,7 @@ class Job:
         return self.WHAT
 
     def _check_config(self) -> None:
-        guard_config(self.out / self.CONFIG_FILE, self.config(), self.what())
+        guard_config(self.out / self.CONFIG_FILE, self.config(), self.what(), self.PATH_KEYS)
 
     def _say(self, message: str) -> None:
         self.log.append(message)
@@ -201,19 +265,34 @@ class Job:
         """A fresh invocation: its clock starts, the directory's configuration is checked, and then
         (the directory is this job's) what killed writes left there is removed
         (:func:`~curvlab.util.atomic.remove_stale_temporaries`, everywhere below ``out``: only curvlab's
-        temporaries are named so)."""
+        temporaries are named so) and ``timing.json`` is read (a damaged one is refused now, not once
+        the work is done)."""
         self.clock = StageClock()
         self._check_config()
         remove_stale_temporaries(self.out, recursive=True)
+        read_invocations(self.timing_path)
+        self._unrecorded = True
 
     def safe_point(self, done: str) -> None:
         """Stop here if a SIGINT or SIGTERM asked to (:mod:`curvlab.util.safe_stop`): ``done`` is saved,
         and a re-run continues from it."""
         check_stop(f"after {done} in {self.out}: run the same command again to continue")
 
+    @property
+    def timing_path(self) -> Path:
+        return self.out / "timing.json"
+
     def timing(self) -> dict[str, float]:
         """Record this invocation's times in ``timing.json``; the job's, over every invocation."""
-        return record_invocation(self.out / "timing.json", self.clock.invocation())
+        self._unrecorded = False
+        return record_invocation(self.timing_path, self.clock.invocation())
+
+    def _record_unfinished(self) -> None:
+        """Record the times of an invocation that stopped before :meth:`timing` (a signal, a failure), so
+        that the invocation that finishes the job counts them; nothing before :meth:`start` passed."""
+        if self._unrecorded:
+            self._unrecorded = False
+            record_invocation(self.timing_path, self.clock.invocation())
 
     # -- tuning -------------------------------------------------------------------------------
 

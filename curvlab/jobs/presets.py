@@ -32,6 +32,9 @@ LR_SOURCES = ("table", "search")
 KEEP = ("last", "windows", "all")
 AA_PAIRS = ("neighbouring", "disjoint")
 CONTROL_ARM = "muon-moonlight"
+# The optional packages a LoRA fine-tuning needs beyond curvlab's dependencies (module -> the curvlab extra
+# that installs it): its adapters are peft's. A job that runs one names them missing before it starts
+FINETUNE_EXTRAS = {"peft": "hf"}
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,11 @@ class Preset:
     def tuning_settings(self) -> TuningSettings:
         """:attr:`tuning` with its horizon set (the compared one, ``steps``, unless it names another)."""
         return self.tuning.at(self.steps)
+
+    @property
+    def extras(self) -> dict[str, str]:
+        """The optional packages this design needs (module -> curvlab extra): a fine-tuning's, if it runs one."""
+        return dict(FINETUNE_EXTRAS) if self.finetune else {}
 
     @property
     def aa_batches(self) -> int:
@@ -380,6 +388,11 @@ class RobustnessPreset:
     def seed_list(self) -> list[int]:
         return [self.seed_base + i for i in range(self.seeds)]
 
+    @property
+    def extras(self) -> dict[str, str]:
+        """The optional packages this design needs (module -> curvlab extra): its base's."""
+        return self.base.extras
+
     def validate(self) -> None:
         self.base.validate()
         if self.seeds < 3:
@@ -453,6 +466,11 @@ class FinetunePreset:
     def tuning_settings(self) -> TuningSettings:
         """:attr:`tuning` with its horizon set (the compared one, ``steps``, unless it names another)."""
         return self.tuning.at(self.steps)
+
+    @property
+    def extras(self) -> dict[str, str]:
+        """The optional packages a fine-tuning needs (module -> curvlab extra)."""
+        return dict(FINETUNE_EXTRAS)
 
     def validate(self) -> None:
         if self.seeds < 1:

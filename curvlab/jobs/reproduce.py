@@ -183,12 +183,13 @@ class Reproduction(Job):
 
     TAG = "reproduce"
     CONFIG_FILE = "reproduce.json"
+    PATH_KEYS = ("fineweb",)
 
     def __init__(self, preset: Preset, out: str | Path, fineweb: str | Path | None = None, progress: bool = True):
         preset.validate()
         super().__init__(out, progress)
         self.preset = preset
-        self.fineweb = Path(fineweb) if fineweb else None
+        self.fineweb = Path(fineweb).resolve() if fineweb else None  # (resolved, as Job.out)
         if preset.fineweb:
             if self.fineweb is None:
                 raise CurvlabError("the paper preset trains gpt2-124m on FineWeb: pass --fineweb DIR with its shards")

@@ -17,12 +17,14 @@ rate, so the saved group learning rates are those of the next step.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, GPTConfig
+from curvlab.models.size import check_model_size
 
 ATTN_SPLIT = ("c_q", "c_k", "c_v")
 
@@ -31,20 +33,43 @@ def is_nanogpt_checkpoint(ckpt: Any) -> bool:
     return isinstance(ckpt, dict) and "model_args" in ckpt and "model" in ckpt
 
 
+SIZES = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+
+
 def nanogpt_config(model_args: dict[str, Any]) -> GPTConfig:
-    try:
-        return GPTConfig(
-            vocab_size=int(model_args["vocab_size"]),
-            block_size=int(model_args["block_size"]),
-            n_layer=int(model_args["n_layer"]),
-            n_head=int(model_args["n_head"]),
-            n_embd=int(model_args["n_embd"]),
-            dropout=float(model_args.get("dropout", 0.0)),
-            bias=bool(model_args.get("bias", True)),
-            tie_embeddings=True,
-        )
-    except KeyError as e:
-        raise CurvlabError(f"nanoGPT model_args lack {e}") from None
+    """curvlab's GPTConfig of nanoGPT's ``model_args``: every size a positive integer, ``dropout`` in [0, 1]."""
+    if not isinstance(model_args, dict):
+        raise CurvlabError(f"nanoGPT model_args is a {type(model_args).__name__}, not a dict")
+    for key in SIZES:
+        if key not in model_args:
+            raise CurvlabError(f"nanoGPT model_args lack {key!r}")
+        if type(model_args[key]) is not int or model_args[key] < 1:
+            raise CurvlabError(f"nanoGPT model_args' {key} {model_args[key]!r:.40} is not a positive integer")
+    dropout = model_args.get("dropout", 0.0)
+    if type(dropout) not in (int, float) or not 0 <= dropout <= 1:
+        raise CurvlabError(f"nanoGPT model_args' dropout {dropout!r:.40} is not a probability")
+    sizes = {key: model_args[key] for key in SIZES}
+    return GPTConfig(**sizes, dropout=float(dropout), bias=bool(model_args.get("bias", True)), tie_embeddings=True)
+
+
+def check_fits_weights(cfg: GPTConfig, state: dict[str, Any]) -> None:
+    """Raise ``CurvlabError`` unless ``state`` is a dict of tensors, and the model ``cfg`` describes is not
+    far larger than them (:func:`curvlab.models.size.check_model_size`), before that model is built: a
+    checkpoint of a few kilobytes whose model_args say ``n_embd=60000`` would otherwise allocate gigabytes
+    before a shape is compared.
+
+    The count is exact and costs no memory: models of no layer and of one, built on the meta device, give
+    the embeddings' and a layer's parameters (and any ``n_layer`` takes constant time).
+    """
+    if not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())):
+        raise CurvlabError("nanoGPT model is not a state dict (names -> tensors)")
+    with torch.device("meta"):
+        base, layer = (GPT(dataclasses.replace(cfg, n_layer=n)).num_parameters() for n in (0, 1))
+    what = (
+        f"nanoGPT model_args (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}, "
+        f"block_size={cfg.block_size}) describe"
+    )
+    check_model_size(base + cfg.n_layer * (layer - base), sum(v.numel() for v in state.values()), what)
 
 
 def nanogpt_parameter_names(cfg: GPTConfig) -> list[str]:
@@ -135,6 +160,7 @@ def load_nanogpt(ckpt: dict[str, Any]) -> tuple[GPT, torch.optim.AdamW | None]:
     The optimizer is ``None`` when the checkpoint holds no optimizer state.
     """
     cfg = nanogpt_config(ckpt["model_args"])
+    check_fits_weights(cfg, ckpt["model"])
     model = GPT(cfg)
     missing, unexpected = model.load_state_dict(convert_model_state(ckpt["model"]), strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte

@@ -7,7 +7,8 @@ which builds on :mod:`curvlab.optim.model_optimizer`. This module sits above bot
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -41,3 +42,53 @@ def build_optimizer(
             raise CurvlabError(f"muon_rule applies to muon only, not to {name}")
         return build_lora_optimizer(name, model, **hyperparameters)
     return build_model_optimizer(name, model, muon_rule, **hyperparameters)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _fraction(value: Any) -> bool:
+    return _real(value) and 0 <= value < 1
+
+
+def _betas(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(map(_fraction, value))
+
+
+def _dtype_name(value: Any) -> bool:
+    dtype = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else value
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
+# What each option's value must be, whichever optimizer reads it (an option an optimizer doesn't take, the
+# builders name): a JSON value from `--opt KEY=VALUE` or a config file, checked before anything is built
+OPTION_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "lr": ("a finite number > 0", lambda v: _real(v) and v > 0),
+    "eps": ("a finite number > 0", lambda v: _real(v) and v > 0),
+    "momentum": ("a number in [0, 1)", _fraction),
+    "weight_decay": ("a finite number >= 0", lambda v: _real(v) and v >= 0),
+    "betas": ("a pair of numbers in [0, 1), e.g. [0.9,0.95]", _betas),
+    "nesterov": ("true or false", lambda v: isinstance(v, bool)),
+    "ns_steps": ("an integer in [1, 2**31 - 1]", lambda v: _real(v) and isinstance(v, int) and 1 <= v <= 2**31 - 1),
+    "scale": ("a name", lambda v: isinstance(v, str)),
+    "polar": ("a name", lambda v: isinstance(v, str)),
+    "polar_dtype": ("a torch floating dtype, e.g. float32", _dtype_name),
+}
+OPTION_RULES |= {f"adam_{k}": OPTION_RULES[k] for k in ("lr", "betas", "eps", "weight_decay")}
+
+
+def check_optimizer_options(options: Mapping[str, Any], where: str = "optimizer option") -> None:
+    """Each option of :data:`OPTION_RULES` in ``options`` has its type and lies in its range.
+
+    Args:
+        options: option name -> value, as ``build_optimizer`` takes them.
+        where: how the error names them (``"optimizer_options (--opt)"`` for a training config).
+
+    Raises:
+        CurvlabError: the first bad value, with its option named.
+    """
+    for key, value in options.items():
+        what, good = OPTION_RULES.get(key, ("", lambda v: True))
+        if not good(value):
+            raise CurvlabError(f"{where}: {key} must be {what}, got {value!r}")

@@ -25,8 +25,10 @@ from curvlab.runs.metrics import monitor_rows
 from curvlab.runs.monitor import CurvatureMonitor, MonitorRow
 from curvlab.runs.schedule import lr_multiplier, schedule_phase
 from curvlab.runs.train import Run, pick_device, train_loop
+from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
-from curvlab.util.lock import own_directory
+from curvlab.util.lock import check_not_owned, own_directory
+from curvlab.util.paths import same_path
 
 ADAPTER_FILE = "adapter.json"  # the LoRA settings of an adaptation run, beside its config.json
 
@@ -81,23 +83,32 @@ def lora_model(base: nn.Module, rank: int, targets: list[str] | None = None) -> 
 
 
 def load_base(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict[str, Any]]:
-    """The GPT of a curvlab checkpoint, or of a run directory's last checkpoint, and the checkpoint's
-    training config (``config``).
+    """The GPT of a curvlab checkpoint, or of a finished run directory's last checkpoint, and the
+    checkpoint's training config (``config``).
 
     Raises:
-        CurvlabError: no such run or checkpoint, a corrupt one, or one without a GPT config.
+        CurvlabError: no such run or checkpoint, a corrupt one, or one without a GPT config; a run
+            that another process is training (:func:`~curvlab.util.lock.check_not_owned`) or that
+            stopped before its last step (its checkpoint file may be passed instead).
     """
-    path = Path(path)
+    run, path = None, Path(path)
     if path.is_dir():
+        check_not_owned(path, "it is still training; adapt it once it has finished")
         index = read_index(path)
         if not index:
             raise CurvlabError(f"{path}: not a training run (no checkpoints in index.json)")
-        path = path / index[-1]["path"]
+        run, path = path, path / index[-1]["path"]
     if not path.is_file():
         raise CurvlabError(f"{path}: no such base run or checkpoint")
     ckpt = load_checkpoint(path, map_location=device)
     if "model_config" not in ckpt or "model" not in ckpt:
         raise CurvlabError(f"{path}: not a curvlab GPT checkpoint (no model_config)")
+    config = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+    if run is not None and ckpt.get("step") != config.get("steps"):  # (a run stopped, or cut short by a crash)
+        raise CurvlabError(
+            f"{run}: has not finished training (its last checkpoint is step {ckpt.get('step')} of "
+            f"{config.get('steps')}): finish it, or pass that checkpoint ({path}) to adapt it as it is"
+        )
     model = GPT(GPTConfig(**ckpt["model_config"])).to(device)
     model.load_state_dict(ckpt["model"])
     return model, ckpt.get("config", {})
@@ -118,22 +129,32 @@ def adapter_reference(base: str | Path, rank: int) -> dict[str, Any]:
     return {"base": str(base), "rank": rank, "alpha": 2 * rank}
 
 
-def _adapter_difference(out: Path, reference: dict[str, Any]) -> list[str]:
+def _saved_settings(out: Path, name: str, what: str) -> dict[str, Any]:
+    """The JSON object in ``out / name`` (``what``: the run, for the message).
+
+    Raises:
+        CurvlabError: the file is missing or unreadable, or holds no JSON object.
+    """
     try:
-        adapter = json.loads((out / ADAPTER_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CurvlabError(f"{out}: an adaptation run without readable settings ({type(e).__name__})") from None
-    if adapter.get("rank") != reference["rank"] or adapter.get("base") != reference["base"]:
+        text = (out / name).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CurvlabError(f"{out}: {what} without readable settings ({type(e).__name__})") from None
+    saved = schema.parse_json(text, out / name, f"the settings of {what}")
+    if not isinstance(saved, dict):
+        raise CurvlabError(f"{out / name}: corrupt settings of {what} (not a JSON object)")
+    return saved
+
+
+def _adapter_difference(out: Path, reference: dict[str, Any]) -> list[str]:
+    adapter = _saved_settings(out, ADAPTER_FILE, "an adaptation run")
+    if adapter.get("rank") != reference["rank"] or not same_path(adapter.get("base"), reference["base"]):
         return [f"adapter: {adapter} -> base {reference['base']!r}, rank {reference['rank']}"]
     return []
 
 
 def _check_finished_run(out: Path, cfg: TrainConfig, base: Path, rank: int) -> None:
     """Refuse to reuse a finished run made with other settings (its directory does not name them)."""
-    try:
-        saved = json.loads((out / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CurvlabError(f"{out}: a finished run without readable settings ({type(e).__name__})") from None
+    saved = _saved_settings(out, "config.json", "a finished run")
     changed = config_difference(saved, json.loads(json.dumps(cfg.to_dict())))
     changed += _adapter_difference(out, adapter_reference(base, rank))
     if changed:
@@ -193,9 +214,11 @@ def _adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int |
         return float(index[-1]["val_loss"])
     reference = adapter_reference(base, rank)
     if index and "optimizer" not in load_checkpoint(out / index[-1]["path"]):
-        # cut short before adapter runs could resume (no optimizer state): it starts over, as it did then
-        (out / "index.json").unlink()
-        index = []
+        # cut short before adapter runs could resume (no optimizer state): not resumed, nor written over
+        raise CurvlabError(
+            f"{out}: holds an adapter run cut short before adapter runs could resume (its checkpoints hold no "
+            "optimizer state); remove it, or choose another --out"
+        )
     if index:
         changed = _adapter_difference(out, reference)
         if changed:

@@ -18,8 +18,9 @@ controls   (runs with ``controls`` on) ``{twin, hp_twin}``: shadow states of the
 ========== =====================================================================
 
 Writes go to a temporary file that is renamed into place, so a crash mid-write leaves the previous
-checkpoint valid. A run directory also keeps ``index.json``: ``[{step, val_loss, path}]`` for every
-checkpoint, so matching by validation loss never has to open checkpoints.
+checkpoint valid. A run directory also keeps ``index.json``: ``{step, val_loss, path}`` for every
+checkpoint, so matching by validation loss never has to open checkpoints; sealed (its ``content_digest``,
+:func:`curvlab.util.schema.sealed`), so that a flipped digit of a loss is refused, never read.
 
 This is also the one place where checkpoints of every format are read, with one set of errors
 (:func:`read_checkpoint`): curvlab's own, nanoGPT's ``ckpt.pt``, a Hugging Face ``Trainer``
@@ -49,7 +50,8 @@ from curvlab.errors import CurvlabError
 from curvlab.models.nanogpt import is_nanogpt_checkpoint
 from curvlab.runs import hf
 from curvlab.runs.foreign import FOREIGN_FORMATS, configured_optimizers, foreign_checkpoint
-from curvlab.util.atomic import atomic_open, atomic_write_text
+from curvlab.util import schema
+from curvlab.util.atomic import atomic_open, atomic_write_json
 from curvlab.util.paths import inside
 from curvlab.util.weights_only import entry_naming, refused_global, unpickling_error
 
@@ -130,10 +132,24 @@ def _check_crcs(path: Path, what: str) -> None:
         raise CurvlabError(f"{path}: corrupt {what}: its record {bad} fails its checksum")
 
 
-def check_safetensors(path: str | Path) -> None:
-    """Raise ``CurvlabError`` unless ``path`` is a whole safetensors file: an 8-byte header length, a
-    JSON header, and every tensor's bytes present (a truncated download, a Git LFS pointer, and other
-    bytes each get one line naming the file)."""
+SAFETENSORS_HEADER_LIMIT = 100_000_000  # bytes: the safetensors format's own limit on a header
+
+
+def check_safetensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Raise ``CurvlabError`` unless ``path`` is a whole, well-formed safetensors file; returns each
+    tensor's dtype, as safetensors names it (``"F32"``), and shape by its key, which the model is checked
+    against (:func:`curvlab.runs.hf.load_model`).
+
+    The header's length is checked against the format's limit (100 MB) before the header is read (a
+    sparse 10 GB file that claims a 10 GB header is refused unread), then each tensor's end must be an
+    integer within the file (a truncated download is told apart), then safetensors' own validation
+    (``safe_open``) checks the rest: known dtypes, ``begin <= end``, offsets that tile the data with no
+    gap or overlap, each tensor's bytes its dtype's size times its shape's elements (no overflow), and
+    nothing after them. A truncated download, a Git LFS pointer and other bytes each get one line naming
+    the file.
+    """
+    import safetensors  # (transformers' dependency, the hf extra: only a Trainer directory's weights are read here)
+
     path = Path(path)
     check_not_lfs_pointer(path, "weights file")
     size = path.stat().st_size
@@ -142,14 +158,27 @@ def check_safetensors(path: str | Path) -> None:
         n = int.from_bytes(start, "little") if len(start) == 8 else -1
         if n < 2 or 8 + n > size:
             raise CurvlabError(f"{path}: not a safetensors file, or cut short ({size} bytes)")
+        if n > SAFETENSORS_HEADER_LIMIT:
+            raise CurvlabError(
+                f"{path}: not a safetensors file (a header of {n} bytes, above the format's limit of "
+                f"{SAFETENSORS_HEADER_LIMIT})"
+            )
         try:
             header = json.loads(f.read(n))
-            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
             raise CurvlabError(f"{path}: not a safetensors file (its header is unreadable)") from e
+    if not all(type(end) is int for end in ends):  # (JSON allows 1e3, 1.5 and Infinity)
+        raise CurvlabError(f"{path}: not a safetensors file (a tensor's offsets aren't integers)")
     need = 8 + n + max(ends, default=0)
     if need > size:
         raise CurvlabError(f"{path}: truncated: {size} bytes where its header needs {need}")
+    try:
+        with safetensors.safe_open(path, "pt") as f:
+            slices = {key: f.get_slice(key) for key in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+            return {key: (t.get_dtype(), tuple(t.get_shape())) for key, t in slices.items()}
+    except safetensors.SafetensorError as e:
+        raise CurvlabError(f"{path}: a malformed safetensors file ({' '.join(str(e).split())})") from e
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -252,9 +281,10 @@ def restore_lightning(module: torch.nn.Module, path: str | Path) -> list[torch.o
 def _read_trainer_directory(path: Path):
     """A Hugging Face Trainer checkpoint directory as a :class:`curvlab.runs.hf.TrainerCheckpoint`."""
     hf.check_trainer_directory(path)
+    saved: dict[str, tuple[str, tuple[int, ...]]] = {}  # (the tensors' dtypes and shapes, for the model's checks)
     for weights in hf.weight_files(path):
         if weights.suffix == ".safetensors":
-            check_safetensors(weights)
+            saved.update(check_safetensors(weights))
         else:
             check_not_lfs_pointer(weights, "weights file")
     args_file, scheduler = path / "training_args.bin", path / "scheduler.pt"
@@ -264,7 +294,7 @@ def _read_trainer_directory(path: Path):
     optimizer_state = read_file(path / "optimizer.pt", "optimizer state")
     scheduler_state = read_file(scheduler, "scheduler state") if scheduler.is_file() else None
     return hf.TrainerCheckpoint(
-        model=hf.load_model(path),
+        model=hf.load_model(path, saved),
         optimizer_state=optimizer_state,
         scheduler_state=scheduler_state,
         step=hf.global_step(path),
@@ -287,24 +317,60 @@ def check_checkpoint(ckpt: Any, path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
-def read_index(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The run's checkpoint index, sorted by step (``[]`` if there is none yet).
+INDEX_FORMAT = "curvlab-index"
+# 2: a sealed object (schema.sealed) {format, version, entries, legacy_rows_upto}; 1: a bare list of entries,
+# unsealed (curvlab 0.2.0 and before), still read: its run's metrics rows predate their digests (runs.metrics)
+INDEX_VERSION = 2
+LEGACY_ROWS_UPTO = "legacy_rows_upto"  # rows done at this step or before may lack digests (an upgraded run's)
+
+
+@dataclass(frozen=True)
+class RunIndex:
+    """A run's ``index.json``: its ``entries`` by step; ``legacy_rows_upto``: the step at or before which the
+    run's metrics rows were written by a curvlab that gave them no digest (``None``: all of them, a version-1
+    index's run; -1: none)."""
+
+    entries: list[dict[str, Any]]
+    legacy_rows_upto: int | None
+
+
+def read_run_index(run_dir: str | Path) -> RunIndex | None:
+    """The run's checkpoint index (``None`` if there is none yet), entries sorted by step.
 
     Every entry's ``path`` is a name inside the run (:func:`curvlab.util.paths.inside`): an index that
     names a file elsewhere (``../x``, an absolute path, a link out) is refused, so that nothing that
     reads, resumes from or prunes a run's checkpoints touches a file outside it.
 
     Raises:
-        CurvlabError: the index is not JSON, an entry lacks an integer ``step`` or a ``path``, its
-            ``val_loss`` is neither a number nor null, or a ``path`` leads outside the run.
+        CurvlabError: the index is not JSON, not sealed or not its seal's content (a version-2 index), of
+            another version, an entry lacks an integer ``step`` or a ``path``, its ``val_loss`` is neither a
+            number nor null, or a ``path`` leads outside the run.
     """
     path = Path(run_dir) / INDEX
     if not path.is_file():
-        return []
+        return None
     try:
-        entries = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CurvlabError(f"{path}: corrupt index ({e})") from e
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise CurvlabError(f"{path}: corrupt index (not UTF-8 text)") from None
+    d = schema.parse_json(text, path, "a checkpoint index")
+    legacy: int | None = None
+    if isinstance(d, dict):
+        if schema.SEAL not in d:  # (a version-2 index is sealed: one without it was edited, or is no index)
+            raise CurvlabError(f"{path}: corrupt index (no {schema.SEAL}: edited, or not written by curvlab)")
+        d = schema.unsealed(d, path, "checkpoint index")
+        if d.get("format") != INDEX_FORMAT or d.get("version") != INDEX_VERSION:
+            raise CurvlabError(f"{path}: corrupt index (not a {INDEX_FORMAT} of version {INDEX_VERSION})")
+        d, legacy = d.get("entries"), d.get(LEGACY_ROWS_UPTO)
+        if type(legacy) is not int:
+            raise CurvlabError(f"{path}: corrupt index ({LEGACY_ROWS_UPTO} {legacy!r} is not an integer)")
+    elif d == []:  # (no version of curvlab writes an empty index: a damaged one)
+        raise CurvlabError(f"{path}: corrupt index (no entries)")
+    return RunIndex(_checked_entries(d, run_dir, path), legacy)
+
+
+def _checked_entries(entries: Any, run_dir: str | Path, path: Path) -> list[dict[str, Any]]:
+    """``entries`` sorted by step, once each is ``{step, val_loss, path}`` with a path inside the run."""
     if not isinstance(entries, list):
         raise CurvlabError(f"{path}: corrupt index (a list of entries expected, found {type(entries).__name__})")
     for k, entry in enumerate(entries):
@@ -317,10 +383,27 @@ def read_index(run_dir: str | Path) -> list[dict[str, Any]]:
     return sorted(entries, key=lambda e: e["step"])
 
 
+def read_index(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The entries of the run's checkpoint index (:func:`read_run_index`), sorted by step (``[]`` if there
+    is none yet)."""
+    index = read_run_index(run_dir)
+    return [] if index is None else index.entries
+
+
 def add_to_index(run_dir: str | Path, step: int, val_loss: float, name: str) -> None:
-    """Record a checkpoint in the run's index (rewritten atomically; an entry of the same step is replaced).
-    ``name`` must lie inside the run, as :func:`read_index` requires."""
+    """Record a checkpoint in the run's index (rewritten atomically and sealed; an entry of the same step is
+    replaced). ``name`` must lie inside the run, as :func:`read_index` requires. A version-1 index is
+    rewritten as version 2, whose ``legacy_rows_upto`` is its last step (the run resumed from there: the
+    rows after it are this curvlab's, with digests)."""
     inside(run_dir, name, Path(run_dir) / INDEX)
-    entries = [e for e in read_index(run_dir) if e["step"] != step]
+    index = read_run_index(run_dir)
+    if index is None:
+        index = RunIndex([], -1)
+    elif index.legacy_rows_upto is None:
+        index = RunIndex(index.entries, index.entries[-1]["step"])
+    entries = [e for e in index.entries if e["step"] != step]
     entries.append({"step": step, "val_loss": None if math.isnan(val_loss) else val_loss, "path": name})
-    atomic_write_text(Path(run_dir) / INDEX, json.dumps(sorted(entries, key=lambda e: e["step"]), indent=1))
+    record = {"format": INDEX_FORMAT, "version": INDEX_VERSION, LEGACY_ROWS_UPTO: index.legacy_rows_upto}
+    atomic_write_json(
+        Path(run_dir) / INDEX, schema.sealed({**record, "entries": sorted(entries, key=lambda e: e["step"])})
+    )

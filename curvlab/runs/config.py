@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -14,9 +15,29 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from curvlab.errors import CurvlabError
+from curvlab.models.gpt import CONFIGS, get_config
+from curvlab.optim.build import check_optimizer_options
+from curvlab.optim.model_optimizer import LORA_OPTIMIZERS, OPTIMIZERS
 from curvlab.util.codec import Record
+from curvlab.util.paths import same_path
 
 SCHEDULES = ("cosine", "wsd", "constant")
+# The largest count (steps, batch size, ...) any option takes: far past any run, far below where a C integer
+# on the way (numpy's, torch's, range()'s) would overflow
+MAX_COUNT = 2**31 - 1
+SEED_MAX = 2**32 - 1  # numpy's and torch's seeds both take [0, 2**32)
+# The numeric fields' ranges [low, high] (None: unbounded), which `curvlab train --help` shows and validate()
+# checks in a config file. grad_clip 0 is the command line's "no clipping" (None in the config)
+FIELD_RANGES: dict[str, tuple[float, float | None]] = {
+    "batch_size": (1, MAX_COUNT), "seq_len": (1, MAX_COUNT), "steps": (1, MAX_COUNT), "warmup_steps": (0, MAX_COUNT),
+    "cooldown_frac": (0.0, 1.0), "min_lr_frac": (0.0, 1.0), "grad_clip": (0.0, None), "seed": (0, SEED_MAX),
+    "eval_every": (1, MAX_COUNT), "ckpt_every": (1, MAX_COUNT), "val_windows": (1, MAX_COUNT),
+}  # fmt: skip
+# The ranges of the model fields --model-opt may set (and n_head must divide n_embd, dropout stay below 1)
+MODEL_RANGES: dict[str, tuple[float, float]] = {
+    "vocab_size": (1, MAX_COUNT), "block_size": (1, MAX_COUNT), "n_layer": (1, MAX_COUNT), "n_head": (1, MAX_COUNT),
+    "n_embd": (1, MAX_COUNT), "dropout": (0.0, 1.0),
+}  # fmt: skip
 # Fields that may change between a run and its resumption: they don't change the math of a step.
 RESUMABLE_CHANGES = {"out", "device", "compile", "eval_every", "ckpt_every"}
 
@@ -74,16 +95,39 @@ class TrainConfig(Record):
         for required in ("data", "out"):
             if not merged.get(required):
                 raise CurvlabError(f"--{required} is required (or give {required} in the config file)")
-        return cls(**merged)  # build_run validates it (after the CLI has checked that out is writable)
+        return cls(**merged)  # its user validates it (the CLI once out is known writable, build_run again)
 
     def validate(self) -> None:
+        """Raise CurvlabError naming the first field, or option key, that is out of its range: the numbers of
+        :data:`FIELD_RANGES`, the names, the model's overrides and the optimizer's options, key by key."""
         if self.schedule not in SCHEDULES:
             raise CurvlabError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        for name in ("batch_size", "steps", "eval_every", "ckpt_every", "val_windows"):
-            if getattr(self, name) < 1:
-                raise CurvlabError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, (low, high) in FIELD_RANGES.items():
+            if getattr(self, name) is not None and not _within(getattr(self, name), low, high):
+                raise CurvlabError(f"{name} must lie in {_span(low, high)}, got {getattr(self, name)!r}")
+        if self.grad_clip == 0:
+            raise CurvlabError("grad_clip must be > 0, or null for no clipping")
         if not 0 <= self.warmup_steps < self.steps:
             raise CurvlabError(f"warmup_steps must lie in [0, steps), got {self.warmup_steps}")
+        _check_model(self.model, self.model_overrides)
+        if self.optimizer not in OPTIMIZERS + LORA_OPTIMIZERS:
+            raise CurvlabError(
+                f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS + LORA_OPTIMIZERS)}"
+            )
+        check_optimizer_options(self.optimizer_options, "optimizer_options (--opt)")
+        check_optimizer_options(self.shadow_options, "shadow_options")
+
+    def memory_estimate(self) -> int:
+        """The bytes a training step takes at the least: the parameters with their gradients and two optimizer
+        states (float32), the activations each layer keeps for the backward (16 n_embd a token) and the logits
+        with their gradient (2 vocab_size a token), at 2 bytes a value (bfloat16 under CUDA's autocast; a CPU
+        stores twice that); attention scores and workspace come on top. For refusing, before anything is
+        allocated, a batch no machine could hold. Call :meth:`validate` first."""
+        m = get_config(self.model, **self.model_overrides)
+        tokens = self.batch_size * (self.seq_len or m.block_size)
+        embeddings = m.vocab_size * m.n_embd * (1 if m.tie_embeddings else 2) + m.block_size * m.n_embd
+        parameters = embeddings + 12 * m.n_layer * m.n_embd**2  # (attention 4 n_embd², MLP 8 n_embd² a layer)
+        return 4 * 4 * parameters + 2 * tokens * (16 * m.n_layer * m.n_embd + 2 * m.vocab_size)
 
 
 MERGED_FIELDS = ("optimizer_options", "model_overrides", "shadow_options")
@@ -153,11 +197,45 @@ def _has_type(value: Any, t: Any) -> bool:
     return isinstance(value, t)
 
 
+def _within(value: float, low: float, high: float | None) -> bool:
+    return math.isfinite(value) and low <= value and (high is None or value <= high)
+
+
+def _span(low: float, high: float | None) -> str:
+    return f">= {low}" if high is None else f"[{low}, {high}]"
+
+
+def _check_model(model: str, overrides: Mapping[str, Any]) -> None:
+    """``model`` is a known config and each override a field of it, of its type and in its range."""
+    if model not in CONFIGS:
+        raise CurvlabError(f"unknown model config {model!r}; choose one of {', '.join(CONFIGS)}")
+    where = "model_overrides (--model-opt)"
+    defaults = CONFIGS[model].to_dict()
+    for key, value in overrides.items():
+        if key not in defaults:
+            raise CurvlabError(f"{where}: unknown key {key!r}; choose from {', '.join(defaults)}")
+        kind = type(defaults[key])
+        if not _has_type(value, kind):
+            raise CurvlabError(f"{where}: {key} must be {kind.__name__}, got {value!r}")
+        if key in MODEL_RANGES and not _within(value, *MODEL_RANGES[key]):
+            raise CurvlabError(f"{where}: {key} must lie in {_span(*MODEL_RANGES[key])}, got {value!r}")
+    merged = get_config(model, **overrides)
+    if merged.dropout == 1:
+        raise CurvlabError(f"{where}: dropout must be < 1 (1 drops everything), got {merged.dropout}")
+    if merged.n_embd % merged.n_head:
+        raise CurvlabError(f"{where}: n_head {merged.n_head} must divide n_embd {merged.n_embd}")
+
+
 def config_difference(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Fields whose values differ (ignoring those a resume may change)."""
+    """Fields whose values differ (ignoring those a resume may change; ``data`` is the directory it names,
+    however it was spelled: relative, absolute, through a link)."""
     keys = sorted((set(saved) | set(new)) - RESUMABLE_CHANGES)
     saved = {**_config_defaults(), **saved}  # a field added since the run was saved has its default there
-    return [f"{k}: {saved.get(k)!r} -> {new.get(k)!r}" for k in keys if saved.get(k) != new.get(k)]
+    return [f"{k}: {saved.get(k)!r} -> {new.get(k)!r}" for k in keys if not _same(k, saved.get(k), new.get(k))]
+
+
+def _same(key: str, saved: Any, new: Any) -> bool:
+    return same_path(saved, new) if key == "data" else saved == new
 
 
 def _config_defaults() -> dict[str, Any]:

@@ -59,6 +59,7 @@ class ShardedMeta:
     SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
     WHAT: ClassVar[str] = "curvlab sharded checkpoint"
     FIXED_KEYS: ClassVar[dict[str, Any]] = {"format": FORMAT}
+    SEALED: ClassVar[bool] = False  # (its writer, save_sharded_checkpoint, writes no seal)
 
     # by hand: no record but the META dict as it is (its keys are the run's state), only the RNG state's
     # hex and null losses decoded

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import CONFIGS, GPT, GPTConfig, get_config
 from curvlab.optim.model_optimizer import named_trainable
-from curvlab.runs.hf import causal_lm_class
+from curvlab.runs.hf import causal_lm_class, quiet_transformers
 from curvlab.runs.weights import fill_ties, tie_groups
 
 FOREIGN_FORMATS = ("lightning", "state-dict")
@@ -153,7 +153,8 @@ def build_model(config: str | Path) -> nn.Module:
     if not isinstance(fields_of, dict):
         raise CurvlabError(f"--config {path}: not a JSON object of config fields")
     if "model_type" in fields_of:
-        return _hugging_face_model(fields_of, path)
+        with quiet_transformers():  # (its warnings about the config would precede the one line of a refusal)
+            return _hugging_face_model(fields_of, path)
     known = {f.name for f in fields(GPTConfig)}
     unknown = sorted(set(fields_of) - known)
     if unknown:

@@ -29,16 +29,21 @@ supplies what only transformers knows.
 ``config.json`` is read with ``trust_remote_code=False`` (a config naming classes of its own is refused)
 and must name a causal LM (:func:`causal_lm_class`: the analysis's loss is the next-token loss, so a
 masked LM or a classifier is refused by its task), whose tensors the weights must fill exactly
-(:func:`curvlab.runs.weights.check_loading_info`: transformers would start a missing one at random). An
-accelerate ``save_state`` directory is told apart from a Trainer's (:func:`accelerate_state_error`).
+(:func:`curvlab.runs.weights.check_loading_info`: transformers would start a missing one at random). A
+safetensors file's header is checked before transformers reads it
+(:func:`curvlab.runs.checkpoint.check_safetensors`), the model its config describes against the header's
+sizes before it is built (:func:`check_fits_weights`), and its floating tensors against the header's
+dtypes. An accelerate ``save_state`` directory is told apart from a Trainer's (:func:`accelerate_state_error`).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
+import math
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +53,8 @@ import torch
 from torch import nn
 
 from curvlab.errors import CurvlabError
-from curvlab.runs.weights import check_loading_info
+from curvlab.models.size import check_model_size
+from curvlab.runs.weights import check_floating, check_loading_info
 from curvlab.util.weights_only import unpickling_error
 
 TRAINER_FILES = ("config.json", "optimizer.pt", "trainer_state.json", "training_args.bin")
@@ -250,11 +256,24 @@ def check_training_args(args: Any, path: Path) -> Any:
 
 
 def global_step(path: Path) -> int:
-    """``global_step`` from the directory's ``trainer_state.json``."""
+    """``global_step`` from the directory's ``trainer_state.json`` (0 where it has none).
+
+    Raises:
+        CurvlabError: a file that isn't a JSON object (a list, ``null``, nesting deeper than the parser
+            goes) or a ``global_step`` that isn't an integer >= 0 (``1e999`` reads as infinity).
+    """
+    file = path / "trainer_state.json"
     try:
-        return int(json.loads((path / "trainer_state.json").read_text()).get("global_step", 0))
-    except (OSError, ValueError) as e:
-        raise CurvlabError(f"{path}/trainer_state.json: unreadable ({type(e).__name__})") from e
+        state = json.loads(file.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CurvlabError(f"{file}: unreadable ({type(e).__name__})") from e
+    if not isinstance(state, dict):
+        found = "null" if state is None else f"a {type(state).__name__}"
+        raise CurvlabError(f"{file}: not the Trainer's state (a JSON object) but {found}")
+    step = state.get("global_step", 0)
+    if type(step) is not int or step < 0:
+        raise CurvlabError(f"{file}: its global_step {step!r:.40} is not a step count (an integer >= 0)")
+    return step
 
 
 @contextmanager
@@ -287,16 +306,19 @@ def causal_lm_class(config: Any, where: str) -> type:
         where: the config's file, for messages.
 
     Raises:
-        CurvlabError: no class named, one this transformers hasn't, or one of another task.
+        CurvlabError: architectures that aren't a list, no class named, one this transformers hasn't, or one of
+            another task.
     """
     import transformers  # optional (the hf extra)
     from transformers.models.auto import modeling_auto
 
     architectures = getattr(config, "architectures", None) or []
+    if not isinstance(architectures, list):  # (a JSON object, or a string: its first letter was the class)
+        raise CurvlabError(f"{where}: its architectures {architectures!r:.80} is not a list of class names")
     name = architectures[0] if architectures else None
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise CurvlabError(f"{where}: model class {architectures[:1]} isn't in this transformers")
+        raise CurvlabError(f"{where}: model class {architectures[:1]!r:.80} isn't in this transformers")
 
     def registered(table: str) -> bool:
         classes = getattr(modeling_auto, table, {}).values()
@@ -335,7 +357,7 @@ def read_config(path: Path) -> Any:
         raise CurvlabError(f"{path}/config.json: unreadable ({type(e).__name__})") from e
 
 
-def load_model(path: Path) -> nn.Module:
+def load_model(path: Path, saved: Mapping[str, tuple[str, tuple[int, ...]]] | None = None) -> nn.Module:
     """The model of a checkpoint directory, by the causal-LM class its ``config.json`` names
     (:func:`causal_lm_class`), in eval mode, with every tensor from the checkpoint's weights (nothing is
     downloaded: ``local_files_only``; no checkpoint's own code is run: ``trust_remote_code=False``; a
@@ -344,15 +366,21 @@ def load_model(path: Path) -> nn.Module:
 
     Args:
         path: the checkpoint directory.
+        saved: its safetensors weights' dtypes and shapes by key (:func:`curvlab.runs.checkpoint.check_safetensors`):
+            the model they describe is checked against them before it is built (:func:`check_fits_weights`),
+            and its floating tensors against their dtypes once it is (:func:`curvlab.runs.weights.check_floating`).
 
     Raises:
-        CurvlabError: an unreadable config, a class of another task, weights that don't fill the model
-            (missing, unexpected or mis-shaped tensors, or a config of another architecture: transformers
-            would start the missing ones at random), or weights that don't load.
+        CurvlabError: an unreadable config, a class of another task, a config of a model larger than the
+            weights, weights that don't fill the model (missing, unexpected or mis-shaped tensors, or a config
+            of another architecture: transformers would start the missing ones at random), integers saved
+            for floating tensors, or weights that don't load.
     """
     with quiet_transformers():
         config = read_config(path)
         cls = causal_lm_class(config, f"{path}/config.json")
+        if saved:
+            check_fits_weights(cls, config, saved, path)
         try:
             model, info = cls.from_pretrained(
                 path, config=config, local_files_only=True, trust_remote_code=False, output_loading_info=True,
@@ -363,7 +391,33 @@ def load_model(path: Path) -> nn.Module:
         except (OSError, ValueError, RuntimeError) as e:
             raise CurvlabError(f"{path}: the weights don't load into {cls.__name__} ({type(e).__name__})") from e
     check_loading_info(model, info, path)
+    check_floating(model, {key: dtype for key, (dtype, _) in (saved or {}).items()}, path)
     return model.eval()
+
+
+def check_fits_weights(cls: type, config: Any, saved: Mapping[str, tuple[str, tuple[int, ...]]], path: Path) -> None:
+    """Raise ``CurvlabError`` if the ``cls`` model ``config`` describes is far larger than the ``saved``
+    tensors (:func:`curvlab.models.size.check_model_size`), before it is built: transformers allocates the
+    tensors weights don't fill before :func:`check_loading_info` can name them, so a config.json saying
+    ``n_embd=60000`` beside kilobytes of weights would take hundreds of gigabytes first. The count is the
+    model's built on the meta device (no memory); a config of more layers than the weights have tensors is
+    refused before that build, which takes time per layer.
+
+    Args:
+        cls: the model class (:func:`causal_lm_class`).
+        config: its config, from the checkpoint's config.json.
+        saved: the weights' dtypes and shapes by key.
+        path: the checkpoint directory, for the message.
+    """
+    where = f"{path}/config.json: describes"
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > len(saved):
+        raise CurvlabError(
+            f"{where} {layers} layers, but the weights hold {len(saved)} tensors: not the weights' model"
+        )
+    with torch.device("meta"):  # (on a copy: building a model settles fields of its config, as loading will)
+        need = sum(p.numel() for p in cls(copy.deepcopy(config)).parameters())
+    check_model_size(need, sum(math.prod(shape) for _, shape in saved.values()), f"{where} a {cls.__name__} of")
 
 
 def trainer_optimizer(ckpt: TrainerCheckpoint) -> torch.optim.Optimizer:

@@ -31,7 +31,6 @@ closer to independent, and a single noisy step cannot sway two of them).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -42,6 +41,7 @@ from curvlab.errors import CurvlabError
 from curvlab.runs.checkpoint import read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.schedule import lr_multiplier, schedule_phase
+from curvlab.util import schema
 from curvlab.util.codec import Record
 
 PHASES = ("stable", "multiplier", "any")
@@ -143,14 +143,22 @@ class Matching:
     plateau_ceiling: float | None = None  # losses at or above this are on the unigram plateau
 
 
-def _run_config(run_dir: Path):
+def _run_config(run_dir: Path) -> TrainConfig | None:
+    """The run's ``config.json`` (``None`` if it has none).
+
+    Raises:
+        CurvlabError: the file is not JSON, or not a training config (a field missing, or of another type).
+    """
     path = run_dir / "config.json"
     if not path.is_file():
         return None
+    d = schema.read_json(path, "a training config")
+    if not isinstance(d, dict):
+        raise CurvlabError(f"{path}: not a training config (a JSON object expected, found {type(d).__name__})")
     try:
-        return TrainConfig.from_dict(json.loads(path.read_text()))
-    except json.JSONDecodeError as e:
-        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
+        return TrainConfig.from_dict(d)
+    except (KeyError, TypeError, ValueError) as e:  # (from_dict's refusals: a field missing, a value's type)
+        raise CurvlabError(f"{path}: not a training config ({type(e).__name__}: {e})") from None
 
 
 def run_checkpoints(run_dir: str | Path) -> list[Checkpoint]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -34,16 +35,31 @@ from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.build import build_optimizer
 from curvlab.optim.shadow import ShadowState, build_controls, build_shadow
-from curvlab.runs.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
+from curvlab.runs.checkpoint import (
+    INDEX,
+    add_to_index,
+    checkpoint_name,
+    is_checkpoint_name,
+    load_checkpoint,
+    read_index,
+    save_checkpoint,
+)
 from curvlab.runs.config import TrainConfig, config_difference
-from curvlab.runs.metrics import METRICS_FILE, truncate_metrics
+from curvlab.runs.metrics import METRICS_FILE, row_line, truncate_metrics
 from curvlab.runs.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
 from curvlab.runs.schedule import lr_multiplier
-from curvlab.util.atomic import atomic_write_text, remove_stale_temporaries, write_errors
+from curvlab.util.atomic import (
+    atomic_write_text,
+    remove_stale_temporaries,
+    temporary_of,
+    write_errors,
+    writes_confined_to,
+)
 from curvlab.util.distributed import all_reduce_sum, barrier, device_for_rank, my_share, rank_and_world
-from curvlab.util.lock import own_directory
+from curvlab.util.lock import LOCK_FILE, OWNER_FILE, check_still_owner, own_directory
 from curvlab.util.progress import progress as progress_bar
 from curvlab.util.safe_stop import check_stop, stop_at_safe_points
+from curvlab.util.schema import parse_json
 
 
 def pick_device(name: str) -> torch.device:
@@ -242,21 +258,30 @@ def _load(run: Run, path: Path) -> None:
 DENSE = RunLayout(forward=_dense_forward, evaluate=evaluate, save=_save, load=_load)
 
 
+@contextlib.contextmanager
 def _open_metrics(path: Path, is_main: bool):
-    """``metrics.jsonl`` open for appending on rank 0 (a context that gives ``None`` elsewhere)."""
+    """``metrics.jsonl``'s descriptor, open for appending on rank 0 (``None`` elsewhere), never through a
+    link (``O_NOFOLLOW``). Unbuffered: a write that fails (a full disk) fails once, in :func:`_write_row`,
+    and closing has nothing left to write."""
     if not is_main:
-        return contextlib.nullcontext()
+        yield None
+        return
     with write_errors(path):
-        return open(path, "a")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
-def _write_row(log, path: Path, row: dict[str, Any]) -> None:
-    """Append ``row`` to the open ``metrics.jsonl`` (rank 0's; ``None`` elsewhere); a failed write (no
+def _write_row(log: int | None, path: Path, row: dict[str, Any]) -> None:
+    """Append ``row`` to ``metrics.jsonl`` open as ``log`` (rank 0's; ``None`` elsewhere); a failed write (no
     space) is one line naming the file (a line it cut short ends the file for readers: runs.metrics)."""
     if log is not None:
+        data = (row_line(row) + "\n").encode()  # (with its digest: runs.metrics)
         with write_errors(path):
-            log.write(json.dumps(row) + "\n")
-            log.flush()
+            while data:  # (a write may take part of it, and fail on the rest)
+                data = data[os.write(log, data) :]
 
 
 def _record_curvature(row: MonitorRow, log, path: Path, stop: bool) -> None:
@@ -335,12 +360,71 @@ def check_resume(out: Path, cfg: TrainConfig) -> None:
     """Refuse to resume the run in ``out`` under a config other than the one it was started with.
 
     Raises:
-        CurvlabError: the saved ``config.json`` differs from ``cfg`` (the differences are named).
+        CurvlabError: the saved ``config.json`` differs from ``cfg`` (the differences are named), or is
+            corrupt.
     """
-    saved = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
-    diff = config_difference(saved, cfg.to_dict())
+    diff = config_difference(_saved_config(out) or {}, cfg.to_dict())
     if diff:
         raise CurvlabError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
+
+
+def _saved_config(out: Path) -> dict[str, Any] | None:
+    """The config a run in ``out`` was started with (``config.json``), or ``None`` where there is none;
+    a ``CurvlabError`` if it is no JSON object (a corrupt byte, another program's file)."""
+    path = out / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:  # (bytes that are no text)
+        raise CurvlabError(f"{path}: corrupt training config ({e})") from None
+    saved = parse_json(text, path, "a training config")  # (huge numbers and deep nesting too: one line)
+    if not isinstance(saved, dict):
+        raise CurvlabError(f"{path}: corrupt training config (a JSON object expected, found {type(saved).__name__})")
+    return saved
+
+
+# what a run's folder holds before its first checkpoint is listed in its index: the lock and owner record
+# (curvlab.util.lock), the config it began with, and an adapter run's settings (curvlab.runs.adapt.ADAPTER_FILE)
+BEFORE_INDEX = frozenset({LOCK_FILE, OWNER_FILE, "config.json", "adapter.json"})
+
+
+def _files_not_before_index(out: Path) -> tuple[list[str], list[str]]:
+    """The names in ``out`` that a run without an index doesn't hold (:data:`BEFORE_INDEX`; temporaries
+    aside): a run's (checkpoints, metrics, an empty index), and the rest, which curvlab doesn't write in a run."""
+    names = sorted(p.name for p in out.iterdir() if temporary_of(p) is None) if out.is_dir() else []
+    runs = [n for n in names if n in (INDEX, METRICS_FILE) or is_checkpoint_name(n) or is_checkpoint_name(f"{n}.pt")]
+    return runs, [n for n in names if n not in BEFORE_INDEX and n not in runs]
+
+
+def check_no_foreign_files(out: Path) -> None:
+    """Refuse (one line naming some of them) to begin a run in ``out``, if it has no index, where it holds
+    files curvlab doesn't write there (a Hugging Face checkpoint, someone's notes)."""
+    foreign = [] if (out / INDEX).exists() else _files_not_before_index(out)[1]
+    if foreign:
+        raise CurvlabError(
+            f"{out}: holds files curvlab didn't write ({_some(foreign)}); refusing to begin a run there (choose a new "
+            "or empty --out)"
+        )
+
+
+def check_new_run(out: Path, cfg: TrainConfig) -> None:
+    """Refuse (one line, nothing written) to begin the run ``cfg`` in ``out``, which has no index, over
+    files not its own: a run whose index is gone (its checkpoints or metrics), another run's config, any
+    file curvlab doesn't write there. A run cut short before its first checkpoint was listed passes."""
+    runs, _ = _files_not_before_index(out)
+    if runs:
+        raise CurvlabError(
+            f"{out}: holds a run's files ({_some(runs)}) with no checkpoint listed in {INDEX}; refusing to begin a "
+            "run over them (restore its index, or choose another --out)"
+        )
+    check_no_foreign_files(out)
+    if _saved_config(out) is not None:
+        check_resume(out, cfg)
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def stopped_where(out: Path, step: int, last_checkpoint: int) -> str:
@@ -381,20 +465,27 @@ def train_loop(
     ``curvature.due``) and written to ``metrics.jsonl`` as a row of kind ``"curvature"``.
 
     The run holds ``out`` while it trains (:func:`curvlab.util.lock.own_directory`): a second process
-    training there is refused, naming this one, and ``compare`` and ``track`` refuse to read it. A
-    SIGINT or SIGTERM stops it after the step in progress, on every rank (:mod:`curvlab.util.safe_stop`).
+    training there is refused, naming this one, and ``compare`` and ``track`` refuse to read it; one that
+    took ``out`` after its lock file was removed by hand stops this one before its next writes
+    (:func:`curvlab.util.lock.check_still_owner`). A new run begins only in a folder that holds nothing
+    but its own files (:func:`check_new_run`), and no write follows a link out of ``out``
+    (:func:`curvlab.util.atomic.writes_confined_to`). A SIGINT or SIGTERM stops it after the step in
+    progress, on every rank (:mod:`curvlab.util.safe_stop`).
 
     Raises:
-        CurvlabError: another process holds ``out``, a resume with a different config, a corrupt checkpoint.
+        CurvlabError: another process holds ``out`` or took it over, ``out`` holds files that are not this
+            run's, a resume with a different config, a corrupt checkpoint, config or metrics file.
         TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
         NonFiniteCurvature: a non-finite curvature row, with ``stop_on_nonfinite``.
         Stopped: a SIGINT or SIGTERM, honoured at the safe point after a step.
     """
     cfg, out, is_main = run.cfg, Path(run.cfg.out), rank == 0
     with contextlib.ExitStack() as stack:  # (holds out, the safe points and the TensorBoard writer)
+        check_no_foreign_files(out)  # (before the lock too: such a folder gets no lock file)
         previous = stack.enter_context(own_directory(cfg.out, "train"))  # before anything in out is read
         if previous is not None and progress and is_main:
             print(f"[train] took {cfg.out} over from {previous.describe()}, which is no longer running", flush=True)
+        stack.enter_context(writes_confined_to(out))  # (no link in out leads a write elsewhere)
         stack.enter_context(stop_at_safe_points())
         resumed_from = _resume_or_begin(run, layout, is_main)
         writer = None
@@ -442,6 +533,8 @@ def train_loop(
             record = {"step": run.step, "train_loss": train_loss, "lr": lr, "tokens": run.step * tokens_per_step}
             if evaluate_now:
                 record["val_loss"] = val_loss
+            # out's lock file removed by hand and another process training there: it writes, this one stops
+            check_still_owner(out, f"stopped after step {run.step}, writing nothing more there", world)
             _write_row(log, metrics_path, record)
             scalars = {"train/loss": train_loss, "train/lr": lr} | ({"val/loss": val_loss} if evaluate_now else {})
             _write_scalars(writer, run.step, scalars)
@@ -482,6 +575,8 @@ def _resume_or_begin(run: Run, layout: RunLayout, is_main: bool) -> int:
     if is_main:  # what a killed write left (kill -9 mid-checkpoint): never read, so removed
         remove_stale_temporaries(out)
     index = read_index(out)
+    if not index:
+        check_new_run(out, run.cfg)
     barrier()  # every rank has decided whether to resume before rank 0 writes anything
     if index:
         check_resume(out, run.cfg)

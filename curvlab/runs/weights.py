@@ -7,6 +7,11 @@ Tied weights (one tensor the model holds under several names: a head tied to the
 under one of their names only by safetensors, which keeps no tensor twice; they are known here by the
 model's structure, the names that reach one tensor object, never by their names' spelling
 (:func:`tie_groups`).
+
+Two lies a file can tell are caught before they are used: floating weights saved as integers (loading
+converts values, so float bytes under an ``I32`` header load as other numbers: :func:`check_floating`), and
+a config of a model far larger than its weights (built, it would allocate what the weights never held:
+:func:`curvlab.models.size.check_model_size`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from torch import Tensor, nn
 from curvlab.errors import CurvlabError
 
 SHOWN = 3  # tensors named in a message; the rest are counted
+# safetensors' names of the floating dtypes weights may be saved in (loading casts them to the model's dtype)
+FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 
 
 def key_list(keys: Iterable[str]) -> str:
@@ -130,6 +137,33 @@ def check_loading_info(model: nn.Module, info: Mapping[str, Any], where: Path) -
         raise CurvlabError(f"{where}: the weights don't fill its config.json's {name}: {'; '.join(problems)}{random}")
 
 
+def check_floating(model: nn.Module, saved: Mapping[str, str | torch.dtype], where: Path) -> None:
+    """Raise ``CurvlabError`` if a floating tensor of ``model`` is saved in a dtype that isn't floating
+    (integers, booleans, a float format not in :data:`FLOATING`): loading converts values, not bytes, so
+    float data under an ``I32`` header would load as the integers its bits spell, silently.
+
+    Args:
+        model: the model the weights are for.
+        saved: each saved tensor's dtype by its saved key: safetensors' name (``"F32"``) or torch's dtype.
+            A key may lack the model's ``base_model_prefix`` or have one the model hasn't (transformers adds
+            and strips it), and one the model has no tensor for is another check's (left alone here).
+        where: the checkpoint, for the message.
+    """
+    state = model.state_dict()
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    wrong = []
+    for key, dtype in saved.items():
+        floating = dtype.is_floating_point if isinstance(dtype, torch.dtype) else dtype in FLOATING
+        ours = next((k for k in (key, prefix + key, key.removeprefix(prefix)) if k in state), None)
+        if not floating and ours is not None and state[ours].is_floating_point():
+            wrong.append(f"{key} ({dtype})")
+    if wrong:
+        raise CurvlabError(
+            f"{where}: {len(wrong)} tensor(s) saved in a dtype that isn't floating for the model's floating weights "
+            f"({key_list(wrong)}): loading would convert them into other numbers; refusing them"
+        )
+
+
 def fill_ties(model: nn.Module, weights: Mapping[str, Tensor], where: Path, what: str) -> dict[str, Tensor]:
     """``weights`` as a state dict that loads into ``model`` strictly: a tied key the weights lack is given
     the tensor of the key it is tied to (:func:`tie_groups`).
@@ -142,8 +176,9 @@ def fill_ties(model: nn.Module, weights: Mapping[str, Tensor], where: Path, what
 
     Raises:
         CurvlabError: a tensor of the model missing (tied ones aside), a key the model hasn't, a shape that
-            differs (all three kinds named, in one line), or tied keys saved with different values (a model
-            trained untied, which this model can't hold).
+            differs (all three kinds named, in one line), a floating tensor saved as integers
+            (:func:`check_floating`), or tied keys saved with different values (a model trained untied, which
+            this model can't hold).
     """
     state, groups = model.state_dict(), tie_groups(model)
     missing = [k for k in state if not any(g in weights for g in groups[k])]
@@ -158,6 +193,7 @@ def fill_ties(model: nn.Module, weights: Mapping[str, Tensor], where: Path, what
     problems += [f"size mismatch: {_shapes(mismatched)}"] if mismatched else []
     if problems:
         raise CurvlabError(f"{where}: its weights don't fit {what} ({'; '.join(problems)})")
+    check_floating(model, {k: v.dtype for k, v in weights.items()}, where)
     filled = dict(weights)
     for key, group in groups.items():
         saved = [g for g in group if g in weights]

@@ -11,6 +11,10 @@ A crash or a full disk mid-write leaves the previous file (or none) in place, ne
   removes such leftovers when a command next opens the folder for writing. A writer holds an exclusive
   ``flock`` on its temporary until the rename, so a live one's is never taken for a leftover (the
   kernel drops a killed process's lock).
+
+A write never goes through a link that someone put in a folder: a destination that is a symbolic link
+is refused (the rename would replace the link with a file), and inside :func:`writes_confined_to` (a
+training run's folder, while it trains) so is a destination whose folder resolves outside that folder.
 """
 
 from __future__ import annotations
@@ -37,11 +41,11 @@ TEMPORARY_SUFFIX = ".curvlab-tmp"
 TEMPORARY = re.compile(rf"^\.(?P<name>.+)\.[a-z0-9_]{{8}}{re.escape(TEMPORARY_SUFFIX)}$")
 
 # the errors of a write that the user can act on: space, size or quota, permissions, a read-only file
-# system, a failing device, a bad path; anything else (a timeout, a reset connection, no memory) is
-# unexpected and keeps its traceback
+# system, a failing device, a bad path (ELOOP: a link where a file opened with O_NOFOLLOW belongs);
+# anything else (a timeout, a reset connection, no memory) is unexpected and keeps its traceback
 WRITE_ERRNOS = frozenset(
     {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ENOTDIR,
-     errno.EISDIR, errno.ENAMETOOLONG}
+     errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP}
 )  # fmt: skip
 # what the RuntimeError of torch's zip writer says when the write under it failed
 TORCH_WRITER = ("inline_container", "unexpected pos", "PytorchStreamWriter")
@@ -92,6 +96,41 @@ def write_errors(path: str | Path, *names: str | Path) -> Iterator[None]:
         raise CurvlabError(f"{path}: can't write ({_cause(failure)})") from e
 
 
+# the folders whose writes stay inside them (writes_confined_to), as given, made absolute
+_confined: list[str] = []
+
+
+@contextlib.contextmanager
+def writes_confined_to(directory: str | Path) -> Iterator[None]:
+    """Inside, an :func:`atomic_open` of a path in ``directory`` (below it by name) must stay in it: one
+    whose folder resolves elsewhere, through a symbolic link on the way, is refused. A run's folder is
+    what the run's files name and other people may have handled, not where its files should lead."""
+    root = os.path.abspath(directory)
+    _confined.append(root)
+    try:
+        yield
+    finally:
+        _confined.remove(root)
+
+
+def _check_destination(path: Path) -> None:
+    """Refuse a destination that is a symbolic link, or whose folder leads out of a confined folder.
+
+    Raises:
+        CurvlabError: one line naming ``path``; nothing is written.
+    """
+    if path.is_symlink():
+        raise CurvlabError(f"{path}: is a symbolic link: refused (curvlab replaces files, never a link; remove it)")
+    for root in _confined:
+        if _below(os.path.abspath(path), root) and not _below(os.path.realpath(path.parent), os.path.realpath(root)):
+            raise CurvlabError(f"{path}: its folder leads out of {root} (a symbolic link on the way): refused")
+
+
+def _below(path: str, folder: str) -> bool:
+    """Whether the absolute ``path`` is ``folder`` or lies below it, by name."""
+    return os.path.commonpath([folder, path]) == folder
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside ``path``; on success it replaces ``path``, on error it vanishes.
@@ -99,10 +138,12 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     Raises:
         CurvlabError: a write failed (:func:`write_failure`: no space, a file-size limit, permissions,
             a read-only file system...): one line naming ``path`` and the cause; ``path`` is as it was
-            before. Any other error raised in the block keeps its type and traceback (and the temporary
-            is removed all the same).
+            before. ``path`` is a symbolic link, or its folder leads out of a folder whose writes are
+            confined (:func:`writes_confined_to`): refused, nothing written. Any other error raised in
+            the block keeps its type and traceback (and the temporary is removed all the same).
     """
     path = Path(path)
+    _check_destination(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = _locked_temporary(path)

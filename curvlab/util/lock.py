@@ -6,7 +6,13 @@ kernel drops when its process ends, however it ends, so the lock of a process ki
 is free again and the next owner simply takes it. While it holds the lock the owner keeps
 ``OUT/curvlab.owner.json`` (:class:`Owner`: process id, host, command, start time), which is what a
 refused process names, and what the next owner finds left behind by a killed one. The lock file itself
-stays (removing a lock file races with a process about to lock it).
+stays (removing a lock file races with a process about to lock it). A lock file that is a symbolic
+link, no regular file or a hard link to another file is refused before filelock opens it (filelock 3.x
+opens it with ``O_TRUNC``, following a link: the file linked to would be emptied).
+
+Removing the lock file by hand frees the directory for a second process while the first still runs.
+The owner record tells: the second replaces it with its own, and the first, which checks before every
+step's writes that the record is still its own (:func:`check_still_owner`), stops in one line.
 
 :func:`check_not_owned` is the readers' side: ``compare`` and ``track`` refuse a run whose directory a
 live process (``curvlab train``) holds, since its checkpoint series is still being written.
@@ -19,6 +25,7 @@ import datetime
 import json
 import os
 import socket
+import stat
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,6 +68,60 @@ def read_owner(directory: str | Path) -> Owner | None:
         return None
 
 
+# the owner record this process wrote in each directory it holds (the outermost hold's), by resolved path
+_records: dict[Path, Owner] = {}
+
+
+def check_still_owner(directory: str | Path, then: str, world: int = 1) -> None:
+    """Raise unless the owner record in ``directory``, which this process holds, is still the one it
+    wrote: a second process that took the directory after its lock file was removed by hand has
+    replaced it. The holder calls it before it writes there; ``then`` says what that means for it. With
+    ``world`` > 1 (every rank calls it at the same point) rank 0 looks and every rank learns.
+
+    Raises:
+        CurvlabError: ``"<directory>: no longer held by this process: its owner record names <owner> (its
+            lock file was removed or replaced while this one held it); <then>"``.
+    """
+    directory = Path(directory)
+    rank, _ = rank_and_world()
+    lost = None
+    if rank == 0:
+        mine, now = _records.get(directory.resolve()), read_owner(directory)
+        if mine is not None and now != mine:
+            lost = f"its owner record names {now.describe()}" if now else "its owner record is gone"
+    if world > 1 and all_reduce_sum(float(lost is not None)):
+        lost = lost or "its owner record is another's"
+    if lost is not None:
+        raise CurvlabError(
+            f"{directory}: no longer held by this process: {lost} (its lock file was removed or replaced while "
+            f"this one held it); {then}"
+        )
+
+
+def _check_lock_file(directory: Path) -> None:
+    """Refuse a lock file that is not a plain file of its own (looked at with ``lstat``, before filelock
+    opens it): a symbolic link, no regular file, or a hard link to a file with content (a lock file is
+    empty; that is another file's name).
+
+    Raises:
+        CurvlabError: ``"<directory>/curvlab.lock: is a symbolic link ...: refused ..."``.
+    """
+    path = directory / LOCK_FILE
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return  # (filelock makes it)
+    if stat.S_ISLNK(status.st_mode):
+        kind = "a symbolic link"
+    elif not stat.S_ISREG(status.st_mode):
+        kind = "not a regular file"
+    elif status.st_nlink > 1 and status.st_size > 0:
+        kind = "a hard link to a file with content"
+    else:
+        return
+    raise CurvlabError(f"{path}: is {kind}, where curvlab keeps its lock file: refused (remove it, if it is yours)")
+
+
 def _lock(directory: Path) -> filelock.FileLock:
     # one instance per path in a process (``is_singleton``), so a thread that holds it may take it again;
     # another thread's hold is its own (``thread_local``), so it is refused like another process
@@ -77,6 +138,7 @@ def _in_use(directory: Path, then: str) -> CurvlabError:
 def _hold(directory: Path, what: str) -> Iterator[Owner | None]:
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        _check_lock_file(directory)
         lock = _lock(directory)
         lock.acquire(timeout=0)
     except filelock.Timeout:
@@ -90,11 +152,14 @@ def _hold(directory: Path, what: str) -> Iterator[Owner | None]:
             me = Owner.me(what)
             previous = left if left and (left.pid, left.host) != (me.pid, me.host) else None
             atomic_write_json(directory / OWNER_FILE, asdict(me))
+            _records[directory.resolve()] = me
         yield previous
     finally:
         if lock.lock_counter == 1:
-            with contextlib.suppress(FileNotFoundError):
-                (directory / OWNER_FILE).unlink()
+            mine = _records.pop(directory.resolve(), None)
+            if mine is not None and read_owner(directory) == mine:  # (not the record of one that took it over)
+                with contextlib.suppress(FileNotFoundError):
+                    (directory / OWNER_FILE).unlink()
         lock.release()
 
 
@@ -151,7 +216,12 @@ def check_not_owned(directory: str | Path, why: str) -> None:
 
 
 def _probe(directory: Path, why: str) -> CurvlabError | None:
-    """The refusal :func:`check_not_owned` raises, if a live process holds ``directory``."""
+    """The refusal :func:`check_not_owned` raises, if a live process holds ``directory`` or its lock file
+    is no plain file (:func:`_check_lock_file`)."""
+    try:
+        _check_lock_file(directory)
+    except CurvlabError as e:
+        return e
     if not (directory / LOCK_FILE).is_file():
         return None
     lock = _lock(directory)

@@ -11,9 +11,10 @@ tested before the version. ``WHAT`` (default: the class name) names the record i
   is not JSON), atomically (:mod:`curvlab.util.atomic`): a crash leaves the previous file or none. The
   file is sealed (:func:`sealed`): it carries ``content_digest``, the SHA-256 of the rest.
 * :func:`load`: the record in a file; a missing file, invalid JSON, a seal its content does not match
-  (an edited file), a schema version other than the class's or a malformed record is a one-line
-  :class:`~curvlab.errors.CurvlabError` naming the file. A file without a seal (one an older curvlab
-  wrote, or a record written by hand) is read as it is.
+  (an edited file), no seal (one deleted with the edit, or a record written by hand: nothing unsealed
+  is trusted), a schema version other than the class's or a malformed record is a one-line
+  :class:`~curvlab.errors.CurvlabError` naming the file. A class whose files its writer does not seal
+  says so (``SEALED = False``: a sharded checkpoint's metadata) and is read without one.
 * :func:`check`: the version test itself, for a ``from_dict`` that is also fed dicts not read here.
 * :func:`matches`: the same test as a predicate, where another version is no error (a stale cache
   entry, recomputed).
@@ -91,19 +92,59 @@ def sealed(d: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
     return {**d, SEAL: json_digest(d)}
 
 
-def unsealed(d: Any, where: str | Path, what: str) -> Any:
-    """``d`` without its :data:`SEAL`, once its content matches it (``d`` as it is when it has none).
+def unsealed(d: Any, where: str | Path, what: str, required: bool = True) -> Any:
+    """``d`` without its :data:`SEAL`, once its content matches it. A JSON value that is no object is
+    returned as it is (no record: the version check refuses it).
+
+    Args:
+        required: whether a JSON object without a seal is refused (``False``: returned as it is).
 
     Raises:
-        CurvlabError: the content does not match the seal: the file was edited or damaged after it
-            was written, so nothing in it is trusted.
+        CurvlabError: the content does not match the seal (the file was edited or damaged after it was
+            written), or, ``required``, there is none (deleted, say, with an edit): nothing in it is trusted.
     """
-    if not isinstance(d, Mapping) or SEAL not in d:
+    if not isinstance(d, Mapping):
+        return d
+    if SEAL not in d:
+        if required:
+            raise CurvlabError(f"{where}: unsealed {what} (no {SEAL}: edited, or not written by curvlab): not trusted")
         return d
     rest = {k: v for k, v in d.items() if k != SEAL}
     if json_digest(rest) != d[SEAL]:
         raise CurvlabError(f"{where}: edited or corrupt {what} (its content does not match its digest): not trusted")
     return rest
+
+
+def parse_json(text: str, where: str | Path, what: str) -> Any:
+    """The JSON value of ``text`` (a file's, ``where``; ``what`` names its content in the message).
+
+    Raises:
+        CurvlabError: invalid JSON, an integer too long for Python to read, or nesting too deep to parse.
+    """
+    try:
+        return json.loads(text)
+    except ValueError as e:  # (json.JSONDecodeError, and int()'s limit on digits)
+        raise CurvlabError(f"{where}: corrupt JSON in {what} ({e})") from None
+    except RecursionError:
+        raise CurvlabError(f"{where}: corrupt JSON in {what} (nested too deeply)") from None
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """The JSON value in the file ``path`` (``what`` names its content in messages: "a grammar").
+
+    Raises:
+        CurvlabError: a missing or unreadable file, bytes that are no UTF-8 text, or what :func:`parse_json`
+            refuses.
+    """
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise CurvlabError(f"{path}: no such file ({what})") from None
+    except OSError as e:
+        raise CurvlabError(f"{path}: can't read {what} ({e.strerror or type(e).__name__})") from None
+    except UnicodeDecodeError:  # (binary bytes: a pickle, say, in a record's place)
+        raise CurvlabError(f"{path}: corrupt JSON in {what} (not UTF-8 text)") from None
+    return parse_json(text, path, what)
 
 
 def save(path: str | Path, record: Record) -> None:
@@ -115,23 +156,15 @@ def load(path: str | Path, cls: type[R]) -> R:
     """``cls.from_dict`` of the JSON in ``path``, after :func:`check`.
 
     Raises:
-        CurvlabError: a missing or unreadable file, invalid JSON, another schema version
-            (:class:`OtherVersion`), or a record ``from_dict`` can't parse (a missing key, a wrong type).
+        CurvlabError: a missing or unreadable file, invalid JSON, a seal that its content does not match
+            or no seal (unless ``cls.SEALED`` is false), another schema version (:class:`OtherVersion`),
+            or a record ``from_dict`` can't parse (a missing key, a wrong type).
     """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise CurvlabError(f"{path}: no such file (a {_name(cls)} record)") from None
-    except OSError as e:
-        raise CurvlabError(f"{path}: unreadable {_name(cls)} record ({e.strerror or type(e).__name__})") from None
-    except UnicodeDecodeError:  # (binary bytes: a pickle, say, in a record's place)
-        raise CurvlabError(f"{path}: corrupt JSON in a {_name(cls)} record (not UTF-8 text)") from None
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CurvlabError(f"{path}: corrupt JSON in a {_name(cls)} record ({e})") from None
-    d = unsealed(d, path, f"{_name(cls)} record")
+    d = read_json(path, f"a {_name(cls)} record")
+    if isinstance(d, Mapping) and SEAL not in d:
+        check(d, cls, path)  # another version first (OtherVersion: a cache recomputes it), then the missing seal
+    d = unsealed(d, path, f"{_name(cls)} record", required=getattr(cls, "SEALED", True))
     check(d, cls, path)
     try:
         return cls.from_dict(d)  # type: ignore[attr-defined]

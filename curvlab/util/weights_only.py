@@ -25,7 +25,6 @@ from curvlab.errors import CurvlabError
 _REFUSED_GLOBAL = re.compile(r"Weights only load failed.*?GLOBAL ([\w.]+)", re.DOTALL)
 # what Lightning writes of a module's and a datamodule's save_hyperparameters() (whatever values the user gave)
 _LIGHTNING_HPARAMS = ("hyper_parameters", "hparams_type", "datamodule_hyper_parameters", "datamodule_hparams_type")
-_MARK = object()
 
 
 def refused_global(error: BaseException) -> str | None:
@@ -77,39 +76,78 @@ def entry_naming(path: str | Path, name: str) -> str | None:
 
 
 def _entry_naming(pickled: bytes, name: str) -> str | None:
-    """The first key of the top-level dict in ``pickled`` whose value names the global ``name``.
+    """The first key of the top-level dict in ``pickled`` whose value names the global ``name``
+    (:func:`_walk`)."""
+    return _walk(pickled, name)[0]
 
-    Each object on the pickle machine's stack is followed as the globals it names (with its text, for a
-    string); an opcode's result names what its operands named (its stack effect, from pickletools'
-    table), a memo lookup what was memoized; the top-level dict's items are checked as they are set."""
-    stack: list = []  # (text or None, frozenset of globals) per object; _MARK for a mark
+
+def _walk(pickled: bytes, name: str) -> tuple[str | None, int]:
+    """Read the opcodes of ``pickled`` for the first key of its top-level dict whose value names the global
+    ``name``; returns that key (or None) and the stack entries the walk moved (pushed and popped).
+
+    Each object on the pickle machine's stack is followed as its text (a string's) and whether it names
+    ``name``, a constant size; an opcode's result names it if one of its operands does (its stack effect,
+    from pickletools' table), a memo lookup if what was memoized does; the top-level dict's items are
+    checked as they are set. Every entry is pushed once and popped at most once, so the work is linear in
+    the number of opcodes (a set of every global named, copied per opcode, was quadratic: minutes for a
+    pickle of a megabyte). Marks are kept apart, as the stack's length at each, as pickle keeps them.
+
+    Raises:
+        ValueError: a malformed pickle (pickletools' own errors, and a stack or mark underflow).
+        IndexError, KeyError: a memo entry of an empty stack, or a lookup of one never made.
+    """
+    stack: list[tuple[str | None, bool]] = []
+    marks: list[int] = []
     memo: dict = {}
+    moved = 0
     for op, arg, _ in pickletools.genops(pickled):
-        before = op.stack_before
-        taken = []
-        if pickletools.stackslice in before:  # everything above the last mark, and the mark
-            while stack[-1] is not _MARK:
-                taken.insert(0, stack.pop())
-            stack.pop()
-            before = before[: before.index(pickletools.markobject)]
-        below = [stack.pop() for _ in before][::-1]
-        if op.name in ("SETITEM", "SETITEMS") and not stack:  # items of the top-level dict
-            items = below[1:] + taken
-            for key, value in zip(items[::2], items[1::2]):
-                if name in value[1]:
-                    return key[0]
-        names = frozenset().union(*(item[1] for item in below + taken))
-        if op.name in ("GLOBAL", "INST"):
-            names |= {arg.replace(" ", ".")}
-        elif op.name == "STACK_GLOBAL":
-            names |= {f"{below[0][0]}.{below[1][0]}"}
         if op.name == "MARK":
-            stack.append(_MARK)
-        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            marks.append(len(stack))
+            continue
+        if op.name == "POP" and marks and marks[-1] == len(stack):  # (protocol 0 pops a mark so)
+            marks.pop()
+            continue
+        operands = _pop_operands(op, stack, marks)
+        moved += len(operands)
+        if op.name in ("SETITEM", "SETITEMS") and not stack:  # items of the top-level dict, below them
+            items = operands[1:]
+            found = next((key for key, value in zip(items[::2], items[1::2]) if value[1]), None)
+            if found is not None:
+                return found[0], moved
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
             memo[len(memo) if arg is None else arg] = stack[-1]
         elif op.name in ("GET", "BINGET", "LONG_BINGET"):
             stack.append(memo[arg])
         else:
-            text = arg if isinstance(arg, str) and not below and op.name not in ("GLOBAL", "INST") else None
+            text = arg if isinstance(arg, str) and not operands and op.name not in ("GLOBAL", "INST") else None
+            names = any(named for _, named in operands) or _global_of(op.name, arg, operands) == name
             stack.extend((text, names) for _ in op.stack_after)
+        moved += len(op.stack_after)
+    return None, moved
+
+
+def _pop_operands(op: pickletools.OpcodeInfo, stack: list, marks: list[int]) -> list:
+    """Pop what ``op`` takes off ``stack`` (everything above the last mark too, where it takes a slice),
+    bottom first; raise ValueError where it would reach below the last open mark."""
+    before = op.stack_before
+    bottom = len(stack)
+    if pickletools.stackslice in before:
+        if not marks:
+            raise ValueError(f"{op.name} without a mark")
+        bottom = marks.pop()
+        before = before[: before.index(pickletools.markobject)]
+    bottom -= len(before)
+    if bottom < (marks[-1] if marks else 0):
+        raise ValueError(f"pickle stack underflow at {op.name}")
+    operands = stack[bottom:]
+    del stack[bottom:]
+    return operands
+
+
+def _global_of(opcode: str, arg, operands: list) -> str | None:
+    """The global (``module.name``) a GLOBAL, INST or STACK_GLOBAL opcode names, else None."""
+    if opcode in ("GLOBAL", "INST"):
+        return arg.replace(" ", ".")
+    if opcode == "STACK_GLOBAL":
+        return f"{operands[0][0]}.{operands[1][0]}"
     return None
