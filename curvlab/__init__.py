@@ -56,13 +56,15 @@ from curvlab.curvature.taylor import (
     taylor_split_at,
 )
 
-# optim: optimizers by name, the side-effect-free next update Z of any optimizer, and the edge of stability
+# optim: optimizers by name, Adam's preconditioner and its edge of stability
 from curvlab.optim.adam import adam_edge_of_stability, adam_preconditioner
 from curvlab.optim.build import build_optimizer
 from curvlab.optim.model_optimizer import trainable_parameters
 from curvlab.optim.polar import msign
-from curvlab.optim.stability_point import StabilityPoint, stability_point
-from curvlab.optim.update import next_update
+
+# steps: the side-effect-free next update Z of any optimizer, and the sharpness its step sees
+from curvlab.steps.stability_point import StabilityPoint, stability_point
+from curvlab.steps.update import next_update
 
 # isort: on
 try:  # pyproject.toml states the version, once; records read the same metadata (curvlab.util.versions)
@@ -143,14 +145,15 @@ __all__ = [  # noqa: RUF022 (by layer, as the imports)
     "taylor_split_and_block_matrix_at",
     "taylor_split_at",
     # optim
-    "StabilityPoint",
     "adam_edge_of_stability",
     "adam_preconditioner",
     "build_optimizer",
     "msign",
+    "trainable_parameters",
+    # steps
+    "StabilityPoint",
     "next_update",
     "stability_point",
-    "trainable_parameters",
     # runs (loaded on first use)
     "CurvatureMonitor",
     "MonitorRow",

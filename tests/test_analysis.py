@@ -242,7 +242,7 @@ def test_nanogpt_next_step_accumulates_its_micro_batches(tmp_path):
     from curvlab.analysis.targets import open_checkpoint
     from curvlab.data.shards import TokenData
     from curvlab.engine.loss import make_loss_fn
-    from curvlab.optim.update import next_update
+    from curvlab.steps.update import next_update
 
     ref, ref_opt, _ = nanogpt_checkpoint(tmp_path, accumulation=2)
     data = token_data(tmp_path)

@@ -20,10 +20,10 @@ from curvlab.engine.hvp import forward_quadratic_form
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
 from curvlab.optim.adam import adam_edge_of_stability
-from curvlab.optim.shadow import ShadowState
-from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.train import train
+from curvlab.steps.shadow import ShadowState
+from curvlab.steps.update import next_update
 from curvlab.studies.controls import CONTROL_NAMES, TWIN_TOLERANCE, controls, stability, twin_control
 from tests.builders import crash_training_after, shadow_config, train_losses
 from tests.reference import assert_same

@@ -26,10 +26,10 @@ from curvlab.engine.hvp import CurvaturePoint
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
 from curvlab.optim.build import build_optimizer
-from curvlab.optim.shadow import ShadowSettings, ShadowState
-from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, save_checkpoint
 from curvlab.runs.match import MatchCriteria
+from curvlab.steps.shadow import ShadowSettings, ShadowState
+from curvlab.steps.update import next_update
 from curvlab.studies.compare import compare_runs
 from tests.builders import assert_made_with_these_packages, random_direction, small_run
 from tests.reference import dense_hessian

@@ -8,8 +8,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "curvlab"
 # bottom to top; one entry a layer
-LAYERS = ("errors", "util", "inference", "models", "data", "engine", "curvature", "optim", "theory", "runs",
-          "analysis", "studies", "output", "jobs", "cli")  # fmt: skip
+LAYERS = ("errors", "util", "inference", "models", "data", "engine", "curvature", "optim", "steps", "theory",
+          "runs", "analysis", "studies", "output", "jobs", "cli")  # fmt: skip
 FACADES = {"curvlab", "curvlab.__main__"}  # the package root re-exports the public API; __main__ runs the CLI
 
 

@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 from curvlab.cli import app
 from curvlab.errors import CurvlabError
 from curvlab.optim.muon import Muon
-from curvlab.optim.shadow import ShadowSettings, ShadowState, build_shadow
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.train import build_run, train
+from curvlab.steps.shadow import ShadowSettings, ShadowState, build_shadow
 from tests.builders import crash_training_after, shadow_config, train_losses
 from tests.reference import assert_same
 

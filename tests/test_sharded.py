@@ -40,13 +40,13 @@ from curvlab.engine.operator import hessian_operator
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
 from curvlab.optim.build import build_optimizer
-from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.dcp import convert_to_sharded, read_meta
 from curvlab.runs.match import MatchCriteria
 from curvlab.runs.metrics import METRICS_FILE
 from curvlab.runs.sharded_train import train_sharded
 from curvlab.runs.train import TrainingDiverged, train
+from curvlab.steps.update import next_update
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.track import track_run
 from tests.builders import SMALL_MODEL, init_group, leave_group, random_direction, small_config, spawn

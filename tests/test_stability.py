@@ -1,4 +1,4 @@
-"""curvlab.optim.stability against independent references: injected directions against dense float64
+"""curvlab.steps.stability against independent references: injected directions against dense float64
 Hessians from double-backward rows (a Kronecker quadratic and a tiny GPT), Muon's preconditioner against
 msign, a real Muon step and a Gram-matrix / matrix-polynomial construction, its preconditioned sharpness
 against a dense eigendecomposition, the thresholds against companion-matrix spectral radii."""
@@ -21,7 +21,7 @@ from curvlab.optim.adam import adam_edge_of_stability
 from curvlab.optim.model_optimizer import build_model_optimizer
 from curvlab.optim.muon import Muon, muon_scale
 from curvlab.optim.polar import NEWTON_SCHULZ_COEFFICIENTS, msign
-from curvlab.optim.stability import (
+from curvlab.steps.stability import (
     InjectionScalars,
     inject,
     injected_nds,
@@ -35,7 +35,7 @@ from curvlab.optim.stability import (
     muon_sharpness,
     nesterov_momenta,
 )
-from curvlab.optim.stability_point import StabilityPoint, stability_point
+from curvlab.steps.stability_point import StabilityPoint, stability_point
 from curvlab.theory.quadratic_model import KroneckerQuadratic
 from tests.reference import dense_gradient, dense_hessian
 

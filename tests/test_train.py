@@ -9,10 +9,10 @@ import torch
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import CONFIGS, GPT
-from curvlab.optim.update import next_update
 from curvlab.runs.checkpoint import load_checkpoint, read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.train import TrainingDiverged, build_run, restore, train
+from curvlab.steps.update import next_update
 from tests.builders import SMALL_MODEL, crash_training_after, small_config
 from tests.reference import assert_same
 

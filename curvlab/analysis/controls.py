@@ -13,7 +13,7 @@ eigenproblem), on the evaluation batch D:
   state :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})`, :math:`P = (1 - \beta_1^t)(\sqrt{\hat v} + \epsilon)`, against
   :math:`(2 + 2\beta_1) / ((1 - \beta_1)\eta)` (:mod:`curvlab.optim.adam`); for a Muon state the same
   on the hidden matrices with Muon's frozen polar preconditioner, against the threshold of its Nesterov
-  momentum (:mod:`curvlab.optim.stability`);
+  momentum (:mod:`curvlab.steps.stability`);
 * the injected sharp directions :math:`Z' = Z_\text{muon} + c\,v_1`, c chosen in closed form from
   :math:`\langle Z, HZ\rangle`, :math:`\langle v_1, HZ\rangle`, :math:`\langle v_1, Z\rangle` and
   :math:`\lambda_1` so that NDS(Z') / NDS(Z_muon) is r (:data:`INJECTED_RATIOS`),
@@ -39,8 +39,8 @@ from curvlab.analysis.directions import Direction, measure_directions
 from curvlab.engine import params as P
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.errors import CurvlabError
-from curvlab.optim.stability import inject, injection_scalars
-from curvlab.optim.stability_point import stability_point
+from curvlab.steps.stability import inject, injection_scalars
+from curvlab.steps.stability_point import stability_point
 from curvlab.util.codec import Record
 
 LANCZOS_TOL = 1e-3  # relative residual: the context needs lambda_max to a tenth of a percent, not more
@@ -116,7 +116,7 @@ def stability_controls(
     method: str,
     dtype: torch.dtype | None,
 ) -> PointControls:
-    r"""lambda_max(H), the arm's preconditioned sharpness (:func:`curvlab.optim.stability_point.stability_point`)
+    r"""lambda_max(H), the arm's preconditioned sharpness (:func:`curvlab.steps.stability_point.stability_point`)
     and the injected directions at one point (module docstring), in at most ``iterations`` Lanczos
     iterations per eigenproblem. The closed form takes :math:`\langle v_1, H v_1\rangle` for
     :math:`\lambda_1`, exact for any unit :math:`v_1`, converged or not."""

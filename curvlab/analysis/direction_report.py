@@ -14,8 +14,8 @@ from typing import ClassVar
 from curvlab.analysis.directions import PairedDirections, measured_directions, parse_directions
 from curvlab.analysis.targets import DTYPES, AnalysisSettings, Target, evaluation_batches, open_checkpoint
 from curvlab.engine.loss import make_loss_fn
-from curvlab.optim.update import next_update
 from curvlab.runs.foreign import Rebuild
+from curvlab.steps.update import next_update
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.codec import Record, meta
 from curvlab.util.versions import SoftwareVersions

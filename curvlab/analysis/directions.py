@@ -22,7 +22,7 @@ what the whole step would be with another rule on the hidden matrices. On the hi
 From an Adam-family state (an AdamW run; m, v after the next gradient G):
 
 * ``adamw``: the real next step, :math:`\eta\,\hat m / (\sqrt{\hat v} + \epsilon)`;
-* ``muon``: the shadow Muon's step (:mod:`curvlab.optim.shadow`) when the checkpoint carries one; else
+* ``muon``: the shadow Muon's step (:mod:`curvlab.steps.shadow`) when the checkpoint carries one; else
   :math:`\eta_\mu\, s\, \operatorname{msign}(m)`, **an approximation**: Adam's first moment (an EMA
   with :math:`\beta_1`, without Nesterov) stands in for Muon's momentum;
 * ``sgd``: the first moment m (momentum SGD); ``sign``: :math:`\operatorname{sign}(m)`.
@@ -69,7 +69,7 @@ from curvlab.engine import params as P
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
 from curvlab.errors import CurvlabError
 from curvlab.models.roles import matrix_shapes
-from curvlab.optim.shadow import ShadowSettings, ShadowState, muon_step
+from curvlab.steps.shadow import ShadowSettings, ShadowState, muon_step
 from curvlab.util.codec import Record
 
 DIRECTIONS = ("adamw", "muon", "sgd", "sign")
@@ -144,7 +144,7 @@ class PairedDirections(Record):
         directions: in the order asked for.
         hidden_names: the hidden matrices (scope ``"hidden"``, and where the directions differ).
         multiplier: the run's schedule multiplier at the step (scales the lr of shadow steps).
-        shadow: the settings of the shadow state a direction came from (:class:`~curvlab.optim.shadow.ShadowSettings`
+        shadow: the settings of the shadow state a direction came from (:class:`~curvlab.steps.shadow.ShadowSettings`
             as a dict: arm, peak lr, momentum or betas...), or ``None``.
     """
 
@@ -255,12 +255,12 @@ def counterfactual_directions(
 ) -> tuple[str, float, list[Direction]]:
     r"""The directions ``names`` at the model's current W (see the module docstring), from the
     optimizer's state on the hidden matrices after the next gradient G, and the shadow's; then one
-    direction per control shadow (``controls``: the run's twins, :func:`curvlab.optim.shadow.build_controls`),
+    direction per control shadow (``controls``: the run's twins, :func:`curvlab.steps.shadow.build_controls`),
     named by its key, at its own peak lr times the schedule multiplier.
 
     Args:
         G: the next step's gradient (clipped, as the optimizer sees it) and Z: the real next step,
-            both from :func:`~curvlab.optim.update.next_update`.
+            both from :func:`~curvlab.steps.update.next_update`.
         shadow: the run's shadow state, if it has one (the exact other arm).
         controls: shadow states of the run's own arm, by name (``twin``, ``hp_twin``).
 

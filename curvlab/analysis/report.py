@@ -2,7 +2,7 @@
 
 For one checkpoint (curvlab's, nanoGPT's ``ckpt.pt``, or a Hugging Face Trainer directory): rebuild
 model, optimizer and data position; take the batch the run would train on next; compute the gradient
-and the next update Z with :func:`~curvlab.optim.update.next_update` (the real step: schedule, momentum,
+and the next update Z with :func:`~curvlab.steps.update.next_update` (the real step: schedule, momentum,
 gradient accumulation, clipping and weight decay included); then, on the evaluation batch D (the same
 next batch by default, or fixed validation windows), the Taylor split over all parameters and over
 the hidden matrices, and the block interaction matrix. Nothing is written to the checkpoint.
@@ -29,7 +29,7 @@ Report JSON (``REPORT_SCHEMA_VERSION`` = 3)::
     digests{report (SHA-256 of the rest, checked on load), checkpoint (SHA-256 of the checkpoint's
     bytes, in a cache entry; else null)} (:meth:`CurvatureReport.save`)
 
-``paired``: at a checkpoint whose run keeps a shadow state of the other arm (:mod:`curvlab.optim.shadow`),
+``paired``: at a checkpoint whose run keeps a shadow state of the other arm (:mod:`curvlab.steps.shadow`),
 the AdamW and Muon directions at the same W, on the same batch D, under the same H
 (:class:`curvlab.analysis.directions.PairedDirections`: the run's real step and the shadow's step, each with
 NDS, cos(G, Z) and q = cos²/NDS over all parameters and the hidden matrices); null without a shadow.
@@ -85,9 +85,9 @@ from curvlab.engine.hvp import DEFAULT_METHOD
 from curvlab.engine.loss import ModuleLoss, make_loss_fn
 from curvlab.engine.operator import hessian_operator
 from curvlab.errors import CurvlabError
-from curvlab.optim.update import next_update
 from curvlab.runs.dcp import META as SHARDED_META
 from curvlab.runs.foreign import Rebuild
+from curvlab.steps.update import next_update
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.digest import json_digest, path_digest

@@ -19,7 +19,6 @@ from curvlab.engine.hvp import check_method
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT
 from curvlab.models.nanogpt import load_nanogpt
-from curvlab.optim.shadow import ShadowState
 from curvlab.runs.checkpoint import check_device, read_checkpoint
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.foreign import (
@@ -32,6 +31,7 @@ from curvlab.runs.foreign import (
 )
 from curvlab.runs.hf import context_length, token_batch, trainer_optimizer
 from curvlab.runs.train import build_run, restore
+from curvlab.steps.shadow import ShadowState
 from curvlab.util.codec import Record
 
 REPORT_SCHEMA_VERSION = 3  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own; 3: paired

@@ -201,7 +201,7 @@ def taylor_split(
     H[Z_S]; two more loss evaluations give :math:`L(W - Z)` and :math:`L(W - Z_S)`.
 
     Args:
-        z: the step Z, a dict like ``params`` (e.g. from :func:`~curvlab.optim.update.next_update`).
+        z: the step Z, a dict like ``params`` (e.g. from :func:`~curvlab.steps.update.next_update`).
         batch: one batch, or several (accumulated with loss-term weights).
         scope: the second scope S, the split's ``hidden``: ``"hidden"`` (default: the hidden matrices,
             :func:`~curvlab.curvature.groupings.hidden_matrices`, by role when ``loss_fn`` has a ``.model``),

@@ -1,1 +1,1 @@
-"""Optimizers and their next step: Muon, the LoRA optimizers, the one builder, shadow states."""
+"""Optimizers: Muon, Adam's preconditioner, Lion, the LoRA optimizers, combined optimizers, the one builder."""

@@ -13,7 +13,7 @@ data       the train loader's state (its generator), positioned at the next batc
 rng        torch's RNG state (dropout)
 val_loss   validation loss at this step (NaN if not evaluated)
 train_loss the last training loss
-shadow     (runs with ``shadow`` on) the other arm's shadow state: :mod:`curvlab.optim.shadow`
+shadow     (runs with ``shadow`` on) the other arm's shadow state: :mod:`curvlab.steps.shadow`
 controls   (runs with ``controls`` on) ``{twin, hp_twin}``: shadow states of the run's own arm
 ========== =====================================================================
 
@@ -243,7 +243,7 @@ def restore_lightning(module: torch.nn.Module, path: str | Path) -> list[torch.o
     """Load a Lightning ``.ckpt`` into a LightningModule (or any module with ``configure_optimizers``): its
     weights into ``module``, strictly, and each optimizer state into the optimizers ``configure_optimizers``
     builds, in order, as Lightning restores them. Returns those optimizers, for
-    :func:`~curvlab.optim.update.next_update` and the analyses (``module`` is the model).
+    :func:`~curvlab.steps.update.next_update` and the analyses (``module`` is the model).
 
     Raises:
         CurvlabError: not a Lightning checkpoint, weights that don't fit the module or have another dtype than

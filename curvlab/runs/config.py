@@ -70,10 +70,10 @@ class TrainConfig(Record):
     val_windows: int = 64
     device: str = "auto"
     compile: bool = False
-    # A shadow state of the other arm on the hidden matrices (curvlab.optim.shadow): updated, never applied.
+    # A shadow state of the other arm on the hidden matrices (curvlab.steps.shadow): updated, never applied.
     shadow: bool = False
     shadow_options: dict[str, Any] = field(default_factory=dict)
-    # The control shadows of the run's own arm (curvlab.optim.shadow.build_controls): its twin and its
+    # The control shadows of the run's own arm (curvlab.steps.shadow.build_controls): its twin and its
     # hyperparameter twin, updated like the shadow, never applied (docs/science.md section 14).
     controls: bool = False
 

@@ -21,7 +21,7 @@ Z comes from one of two places:
   Hugging Face Trainer (:func:`trainer_curvature_callback`) and Lightning (:func:`lightning_curvature_callback`)
   do this;
 * the step it would take: :meth:`CurvatureMonitor.measure_next` at a step boundary, given the batch
-  the next step trains on, runs :func:`~curvlab.optim.update.next_update` (gradient, clipping, optimizer on
+  the next step trains on, runs :func:`~curvlab.steps.update.next_update` (gradient, clipping, optimizer on
   cloned state). With the same batch, loss and clipping as the loop, that is the next step, bit for bit.
 
 Measuring changes nothing in the run: parameters, gradients and optimizer state are only read (or
@@ -64,7 +64,7 @@ from curvlab.engine.hvp import working_dtype
 from curvlab.engine.loss import LossFn, count_loss_terms, make_loss_fn, weighted_batches
 from curvlab.errors import CurvlabError
 from curvlab.optim.combined import Optimizers
-from curvlab.optim.update import next_update
+from curvlab.steps.update import next_update
 from curvlab.util import schema
 from curvlab.util.codec import Record
 
@@ -250,7 +250,7 @@ class CurvatureMonitor:
     Args:
         model: the model being trained; its trainable parameters (``requires_grad``) are W.
         optimizer: its optimizer, or a list of them (needed only by :meth:`measure_next`; any
-            optimizer :func:`~curvlab.optim.update.next_update` takes).
+            optimizer :func:`~curvlab.steps.update.next_update` takes).
         loss_fn: ``loss_fn(params, batch) -> scalar``, e.g. :func:`~curvlab.engine.loss.make_loss_fn`.
         batches: the held-out batch set D (a batch or a list of batches, accumulated with loss-term
             weights), fixed for the whole run. Move it to the model's device yourself.
@@ -321,7 +321,7 @@ class CurvatureMonitor:
 
     def measure_next(self, step: int, batch: Any) -> MonitorRow:
         """The row of the step the optimizer would take next on ``batch`` (the batch the next step
-        trains on), from :func:`~curvlab.optim.update.next_update`; nothing in the run changes."""
+        trains on), from :func:`~curvlab.steps.update.next_update`; nothing in the run changes."""
         if self.optimizer is None:
             raise CurvlabError("measure_next needs the optimizer: give it to CurvatureMonitor")
         start = time.perf_counter()

@@ -34,7 +34,6 @@ from curvlab.engine.loss import count_loss_terms, token_cross_entropy
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.build import build_optimizer
-from curvlab.optim.shadow import ShadowState, build_controls, build_shadow
 from curvlab.runs.checkpoint import (
     INDEX,
     add_to_index,
@@ -48,6 +47,7 @@ from curvlab.runs.config import TrainConfig, config_difference
 from curvlab.runs.metrics import METRICS_FILE, row_line, truncate_metrics
 from curvlab.runs.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
 from curvlab.runs.schedule import lr_multiplier
+from curvlab.steps.shadow import ShadowState, build_controls, build_shadow
 from curvlab.util.atomic import (
     atomic_write_text,
     remove_stale_temporaries,

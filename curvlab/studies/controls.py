@@ -10,7 +10,7 @@ primary family's log-t interval (:func:`curvlab.inference.statistics.ratio_infer
 Negative controls, which must come out null:
 
 * ``twin_shadow``: NDS(own step) / NDS(twin's step) on the hidden matrices, the twin being a shadow of the
-  run's own optimizer with its own settings from step 0 (:func:`curvlab.optim.shadow.build_controls`).
+  run's own optimizer with its own settings from step 0 (:func:`curvlab.steps.shadow.build_controls`).
   It must be 1 to float rounding at *every* point (:data:`TWIN_TOLERANCE`): a lagged or mis-scaled
   state, a wrong lr or schedule multiplier, or a shadow that read another batch breaks it.
 * ``hyperparameter_twin``: NDS(own) / NDS(hyperparameter twin's), the twin differing by one nudge (Muon's
@@ -26,7 +26,7 @@ Negative controls, which must come out null:
 Positive controls, with a known answer:
 
 * ``injected_sharp_<r>``: :math:`Z' = Z_\text{muon} + c\,v_1`, :math:`v_1` the top eigenvector of H
-  (Lanczos), with c chosen in closed form (:func:`curvlab.optim.stability.injection_coefficient`) so
+  (Lanczos), with c chosen in closed form (:func:`curvlab.steps.stability.injection_coefficient`) so
   that NDS(Z') / NDS(Z_muon) is r = 1.2, 1.5 or 2 over all parameters; the measured ratio goes through
   the paired claim's estimator. It passes when the estimate recovers r to rounding
   (:data:`INJECTION_TOLERANCE`) and the test against 1 detects it (t model, two-sided p < 0.05); whether

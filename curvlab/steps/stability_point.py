@@ -9,7 +9,7 @@ threshold: Adam's :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)`
 (:func:`~curvlab.optim.adam.adam_edge_of_stability`, with P of
 :func:`~curvlab.optim.adam.adam_preconditioner`), Muon's
 :math:`2(1+\mu)/((1-\mu)(1+2\mu)\eta)` with its polar preconditioner on the hidden matrices
-(:mod:`curvlab.optim.stability`). Full-batch training drives the sharpness up to the threshold and
+(:mod:`curvlab.steps.stability`). Full-batch training drives the sharpness up to the threshold and
 holds it there (Cohen et al. 2021, 2022).
 """
 
@@ -27,7 +27,7 @@ from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
 from curvlab.engine.loss import LossFn
 from curvlab.engine.operator import hessian_operator, preconditioned_operator
 from curvlab.optim.adam import adam_edge_of_stability, adam_preconditioner, adam_step_settings
-from curvlab.optim.stability import is_muon_group, muon_sharpness
+from curvlab.steps.stability import is_muon_group, muon_sharpness
 from curvlab.util.codec import Record, meta
 
 

@@ -4,7 +4,7 @@ vectors) and the other attributes in its ``__dict__`` (the tensor the legacy ``s
 ``weight_norm`` hooks leave as ``weight``, a cache a forward fills), and the random streams of torch (the
 CPU's and the parameters' devices'), numpy and Python.
 
-:func:`left_as_found` wraps :func:`curvlab.optim.update.next_update`; a :class:`SideState` captured when an
+:func:`left_as_found` wraps :func:`curvlab.steps.update.next_update`; a :class:`SideState` captured when an
 optimizer's turn begins lets it start a second try of that step from the very buffers and draws the first
 started from.
 """

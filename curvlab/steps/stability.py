@@ -1,6 +1,6 @@
 r"""Edge-of-stability quantities at one point: injected sharp directions, Muon's preconditioned sharpness
 and the momentum methods' stability thresholds (all of them together:
-:func:`curvlab.optim.stability_point.stability_point`).
+:func:`curvlab.steps.stability_point.stability_point`).
 
 **Injected sharp direction.** For a direction Z and the top eigenpair :math:`(\lambda_1, v_1)` of H
 (:math:`\|v_1\| = 1`), :math:`Z' = Z + c\,v_1` has

@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from curvlab.engine.gathered import gathering_loss
 from curvlab.engine.loss import Batches, weighted_batches
 from curvlab.errors import CurvlabError
-from curvlab.optim._no_trace import SideState, left_as_found
 from curvlab.optim.combined import Optimizers, as_optimizer_list
 from curvlab.optim.model_optimizer import named_trainable
+from curvlab.steps._no_trace import SideState, left_as_found
 
 
 def _reachable_optimizers(root: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
