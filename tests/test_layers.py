@@ -93,3 +93,9 @@ def test_imports_flow_down_the_layers_without_cycles():
 )
 def test_the_contract_catches_an_arrow_up_a_cycle_and_the_facade(edges, expected):
     assert any(expected in v for v in violations(edges))
+
+
+def test_output_imports_nothing_from_the_training_layer():
+    """Output formats results; importing it must not load training (runs/), not even for a type hint."""
+    reach = sorted(f"{m} -> {d}" for m, ds in graph().items() if layer(m) == "output" for d in ds if layer(d) == "runs")
+    assert reach == []

@@ -149,4 +149,7 @@ def train(
         )  # fmt: skip
     launched = launch(cfg, monitor=monitor, tensorboard=tensorboard, fsdp=fsdp, progress=not quiet)
     if launched.rank == 0:
-        typer.echo(trained_line(cfg.optimizer, launched))
+        r = launched.result
+        typer.echo(
+            trained_line(cfg.optimizer, r.step, r.val_loss, r.tokens_per_second, r.out, r.resumed_from, launched.world)
+        )

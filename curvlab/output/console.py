@@ -21,7 +21,6 @@ from curvlab.analysis.report import CurvatureReport
 from curvlab.analysis.spectrum import CheckpointSpectrum
 from curvlab.curvature.scalars import RATIO_KEYS, SCOPE_KEYS
 from curvlab.output.text import calibration_line, finetune_table, primary_table
-from curvlab.runs.launch import Launched
 from curvlab.studies.adapters import FinetuneResult
 from curvlab.studies.compare import Comparison
 from curvlab.studies.robustness import RobustnessSummary
@@ -64,14 +63,21 @@ def pcfg_stats_text(stats: dict[str, Any]) -> str:
     return head + "\n" + table(rows, ("split", "s", "tokens", "sentences", "entropy (bits)", "fitted Zipf exponent"))
 
 
-def trained_line(optimizer: str, launched: Launched) -> str:
-    """One line: the step a run reached, its validation loss, its speed and where its checkpoints are."""
-    result, world = launched.result, launched.world
-    resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
+def trained_line(
+    optimizer: str, step: int, val_loss: float, tokens_per_second: float, out: str | Path, resumed_from: int, world: int
+) -> str:
+    """One line: the step a run reached, its validation loss, its speed and where its checkpoints are.
+
+    Args:
+        optimizer: the run's optimizer, by name.
+        step, val_loss, tokens_per_second, out, resumed_from: the run's result (``resumed_from`` 0: not resumed).
+        world: the number of ranks it ran on.
+    """
+    resumed = f" (resumed from step {resumed_from})" if resumed_from else ""
     ranks = f" on {world} ranks" if world > 1 else ""
     return (
-        f"trained {optimizer} to step {result.step}{resumed}{ranks}: val loss {result.val_loss:.4f}, "
-        f"{result.tokens_per_second:.0f} tokens/s per rank; checkpoints in {result.out}"
+        f"trained {optimizer} to step {step}{resumed}{ranks}: val loss {val_loss:.4f}, "
+        f"{tokens_per_second:.0f} tokens/s per rank; checkpoints in {out}"
     )
 
 
