@@ -23,16 +23,8 @@ from curvlab.models.roles import parameter_roles
 # engine: losses over parameter dicts, exact Hessian-vector products at a point, operators
 from curvlab.engine import params
 from curvlab.engine.exact import exact_second_order
-from curvlab.engine.hvp import (
-    METHODS,
-    CurvaturePoint,
-    evaluate_loss,
-    forward_quadratic_form,
-    forward_quadratic_forms,
-    gradient_and_hvps,
-    hvp,
-    hvps,
-)
+from curvlab.engine.forward import evaluate_loss, forward_quadratic_form, forward_quadratic_forms
+from curvlab.engine.hvp import METHODS, CurvaturePoint, gradient_and_hvps, hvp, hvps
 from curvlab.engine.loss import Batches, make_loss_fn, token_cross_entropy
 from curvlab.engine.operator import Operator, hessian_operator, hessian_operator_at, preconditioned_operator
 

@@ -11,7 +11,7 @@ import pytest
 from scipy import stats
 
 from curvlab.jobs.presets import PRESETS
-from curvlab.jobs.reproduce import final_loss_note
+from curvlab.jobs.reproduction_notes import final_loss_note
 from curvlab.output.text import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
 from curvlab.studies.controls import controls, stability
 from curvlab.studies.headline import headline
@@ -154,7 +154,7 @@ def test_the_committed_controls_and_calibration_follow_from_the_committed_levels
 def test_the_committed_robustness_rows_follow_from_its_levels():
     """Every setting's row (ratio, interval, verdict, exact p, controls, stability) is what its own
     committed levels give, and the page is generated from the summary."""
-    from curvlab.output.text import paired_reference, render_robustness
+    from curvlab.output.robustness_page import paired_reference, render_robustness
     from curvlab.studies.robustness import RobustnessLevels, RobustnessSummary, setting_result
 
     summary = RobustnessSummary.load(RESULTS / "robustness" / "summary.json")

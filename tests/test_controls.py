@@ -16,7 +16,7 @@ from curvlab.analysis.directions import counterfactual_directions
 from curvlab.analysis.report import analyze
 from curvlab.analysis.targets import AnalysisSettings, open_checkpoint
 from curvlab.engine import params as P
-from curvlab.engine.hvp import forward_quadratic_form
+from curvlab.engine.forward import forward_quadratic_form
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
 from curvlab.optim.adam import adam_edge_of_stability

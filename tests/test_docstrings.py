@@ -5,8 +5,13 @@ where they say it does."""
 import ast
 import dataclasses
 import importlib
+import inspect
 import re
 from pathlib import Path
+
+from griffe import Docstring, DocstringSectionKind
+
+import curvlab
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "curvlab").rglob("*.py"))
@@ -164,3 +169,68 @@ def test_every_name_a_docstring_cites_exists():
                         found.append(f"{_where(path, node)}: ``{cls}.{attr}``")
     assert checked > 500, checked  # the scan sees the references (there are hundreds)
     assert not found, "docstrings citing names that don't exist:\n" + "\n".join(found)
+
+
+# a context manager's generator: ``with`` gives None, so there is nothing to return
+NOTHING_RETURNED = {None, type(None), "None", "Iterator[None]", "Generator[None, None, None]"}
+
+
+def _sections(obj) -> list:
+    """The Google-style sections of what the reference renders for ``obj``: its docstring, and for a class
+    its own ``__init__``'s (``merge_init_into_class``) and, for a dataclass, its bases' (where inherited
+    fields are documented)."""
+    owners = [c for c in obj.__mro__ if c is not object] if dataclasses.is_dataclass(obj) else [obj]
+    docs = [vars(c).get("__doc__") if isinstance(c, type) else c.__doc__ for c in owners]
+    if isinstance(obj, type) and "__init__" in vars(obj):
+        docs.append(vars(obj)["__init__"].__doc__)
+    return [s for d in docs if d for s in Docstring(inspect.cleandoc(d)).parse("google", warnings=False)]
+
+
+def missing_sections(obj) -> list[str]:
+    """What the docstring of a function or class leaves out: each parameter of its signature (a class's
+    constructor, ``self`` aside) not under ``Args:`` (a dataclass's fields may be under ``Attributes:``),
+    and ``Returns:`` where a function's return annotation isn't ``None`` (or absent)."""
+    sections = _sections(obj)
+    kinds = {DocstringSectionKind.parameters}
+    if dataclasses.is_dataclass(obj):
+        kinds.add(DocstringSectionKind.attributes)
+    documented = {item.name.lstrip("*") for s in sections if s.kind in kinds for item in s.value}
+    signature = inspect.signature(obj)
+    out = [f"Args: {name}" for name in signature.parameters if name != "self" and name not in documented]
+    returns = signature.return_annotation
+    if (
+        not isinstance(obj, type)
+        and returns not in NOTHING_RETURNED
+        and not any(s.kind is DocstringSectionKind.returns for s in sections)
+    ):
+        out.append("Returns:")
+    return out
+
+
+def _documented_example(loss_fn, params, *, dtype=None) -> float:
+    """An example.
+
+    Args:
+        loss_fn: the loss.
+        dtype: a dtype.
+    """
+    return 0.0
+
+
+def test_the_section_check_names_a_missing_parameter_and_returns():
+    assert missing_sections(_documented_example) == ["Args: params", "Returns:"]
+    assert missing_sections(curvlab.hvp) == []
+
+
+def test_every_export_documents_its_arguments_and_return_value():
+    """Each function and class of ``curvlab.__all__`` names every parameter under ``Args:`` and, where it
+    returns a value, has ``Returns:`` (as mkdocstrings renders them: tests/test_api_reference.py)."""
+    checked, found = 0, []
+    for name in curvlab.__all__:
+        obj = getattr(curvlab, name)
+        if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+            continue  # the constants (METHODS, ...) and the params module have no signature
+        checked += 1
+        found += [f"curvlab.{name}: {what}" for what in missing_sections(obj)]
+    assert checked > 45, checked  # every function and class is seen, the lazily loaded ones included
+    assert not found, "docstrings without these sections:\n" + "\n".join(found)

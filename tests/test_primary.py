@@ -632,13 +632,14 @@ def _judge_aa(records):
 def test_the_exact_test_takes_the_side_of_the_ratio_when_denominators_are_negative():
     """Fieller with every denominator negative: a/b > 1 is a - b < 0, so the contrast's sign is flipped
     before the one-sided flip test (else a ratio above 1 would read as evidence below it)."""
-    from curvlab.studies.primary import _exact, _SeedValues
+    from curvlab.studies.primary import _exact
+    from curvlab.studies.seed_values import SeedValues
 
     claim = next(c for c in PRIMARY if c.name == "between_nds_ratio")  # greater than 1
     num, den = [-3.0, -2.5, 0.5, -3.5, -2.8], [-1.0, -1.1, -0.9, -1.2, -1.0]  # seed 2's ratio is negative
     inf = st.ratio_inference(num, den, claim.null)
     assert inf.method == st.FIELLER and inf.value > 1
-    ex = _exact(claim, _SeedValues(list(range(5)), num, den, [1] * 5), inf, st.SUPPORTED)
+    ex = _exact(claim, SeedValues(list(range(5)), num, den, [1] * 5), inf, st.SUPPORTED)
     contrast = [-(a - b) for a, b in zip(num, den)]  # (a - b) < 0 is the ratio above 1
     assert ex.p == pytest.approx(_hand_sign_flip(contrast, 0.0, "greater")) and ex.p < 0.1
     assert _hand_sign_flip([a - b for a, b in zip(num, den)], 0.0, "greater") > 0.9  # the unflipped side

@@ -87,7 +87,7 @@ def test_micro_preset_writes_every_output(micro):
 
 @pytest.mark.heavy
 def test_only_the_matched_windows_and_the_last_checkpoint_are_kept(micro):
-    from curvlab.jobs.reproduce import _run_key, window_checkpoints
+    from curvlab.jobs.pruning import _run_key, window_checkpoints
     from curvlab.runs.checkpoint import read_index
 
     out, summary = micro
@@ -112,7 +112,7 @@ def test_only_the_matched_windows_and_the_last_checkpoint_are_kept(micro):
 def test_a_moved_output_directory_reruns_and_keeps_its_windows(micro, tmp_path):
     import shutil
 
-    from curvlab.jobs.reproduce import window_checkpoints
+    from curvlab.jobs.pruning import window_checkpoints
 
     out, _ = micro
     moved = tmp_path / "moved"

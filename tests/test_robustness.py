@@ -16,7 +16,7 @@ from curvlab.errors import CurvlabError
 from curvlab.jobs.presets import PRESETS, ROBUSTNESS_PRESETS, RobustnessPreset, RobustnessSetting
 from curvlab.jobs.robustness import Robustness, scaled_lrs
 from curvlab.models.gpt import get_config
-from curvlab.output.text import publish_robustness
+from curvlab.output.robustness_page import publish_robustness
 from curvlab.runs.checkpoint import read_index
 from curvlab.studies.controls import controls
 from curvlab.studies.primary import primary_family

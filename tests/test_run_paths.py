@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from curvlab.cli import app
 from curvlab.errors import CurvlabError
-from curvlab.jobs import reproduce
-from curvlab.jobs.reproduce import prune_run, window_checkpoints
+from curvlab.jobs import pruning
+from curvlab.jobs.pruning import prune_run, window_checkpoints
 from curvlab.runs.checkpoint import add_to_index, read_index
 from curvlab.studies.compare import Comparison, Level, WindowSide
 from curvlab.studies.records import ComparisonRecord
@@ -155,7 +155,7 @@ def test_window_reports_are_read_by_name_from_the_cache_never_where_a_record_poi
         read.append(Path(path))
         return SimpleNamespace(checkpoint="/old/out/runs/s0/adamw/seed0/ckpt_000001.pt")
 
-    monkeypatch.setattr(reproduce, "load_report", fake_load_report)
+    monkeypatch.setattr(pruning, "load_report", fake_load_report)
     keep = window_checkpoints([_record([str(outside)])], reports)
     assert read == [reports / "r.json", reports / "r.json"]  # both sides; never the recorded place
     assert keep == {Path("s0/adamw/seed0/ckpt_000001.pt")}

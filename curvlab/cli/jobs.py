@@ -16,7 +16,8 @@ from curvlab.jobs.reproduce import Reproduction
 from curvlab.jobs.robustness import Robustness
 from curvlab.output.console import finetune_text, quadratic_text, reproduction_text, robustness_text, wrote
 from curvlab.output.files import write_quadratic
-from curvlab.output.text import publish_robustness, update_readme
+from curvlab.output.robustness_page import publish_robustness
+from curvlab.output.text import update_readme
 from curvlab.theory.quadratic import quadratic_study
 from curvlab.theory.quadratic_model import TwoLevelSpec
 from curvlab.util.atomic import check_output

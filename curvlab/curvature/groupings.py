@@ -76,7 +76,15 @@ def is_hidden_matrix(name: str, tensor: Tensor) -> bool:
 def hidden_matrices(params: Mapping[str, Tensor], *, model: nn.Module | None = None) -> list[str]:
     """Names of the hidden matrices among ``params``, in order: role ``hidden`` given the model
     (:func:`~curvlab.models.roles.parameter_roles`), else 2-D tensors whose names say neither embedding nor
-    head. These are what Muon updates (docs/science.md section 5)."""
+    head. These are what Muon updates (docs/science.md section 5).
+
+    Args:
+        params: the parameter dict (only its names, shapes and order are read).
+        model: the module the names belong to (default ``None``: the name rules alone, for a bare dict).
+
+    Returns:
+        The hidden matrices' names, in ``params``' order.
+    """
     if model is None:
         return [n for n, t in params.items() if is_hidden_matrix(n, t)]
     roles = parameter_roles(model)
@@ -333,6 +341,10 @@ def group_parameters(
         blocks: the grouping, ``"layer"``, ``"tensor"``, ``"kind"``, or ``{block: [glob patterns or names]}``.
         model: the module the names belong to: ``"layer"`` and ``"kind"`` then read its structure
             (names it doesn't have fall back to the name rules).
+
+    Returns:
+        ``{block: [parameter names]}``, the blocks ordered as above and each block's names in
+        ``names``' order.
 
     Raises:
         CurvlabError: an unknown grouping, a mapping that leaves a parameter out or claims it twice,

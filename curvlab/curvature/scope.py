@@ -48,7 +48,8 @@ class DirectionCurvature(Record):
         realized: :math:`L(W) - L(W - Z_S)` (NaN where the loss was not evaluated there: the
             counterfactual directions, which are measured at W alone).
         nds: :math:`\langle Z_S, H[Z_S]\rangle / \|Z_S\|^2`.
-        update_norm, grad_norm: :math:`\|Z_S\|_F`, :math:`\|G_S\|_F`.
+        update_norm: :math:`\|Z_S\|_F`.
+        grad_norm: :math:`\|G_S\|_F`.
         cosine: :math:`I_1 / (\|G_S\|\,\|Z_S\|)` (NaN where :math:`G_S = 0`).
     """
 

@@ -360,7 +360,19 @@ class TraceResult(Record):
 def hutchinson(op: Operator, *, samples: int = 64, batch: int = 16, seed: int = 0) -> TraceResult:
     r"""Hutchinson's estimator :math:`\operatorname{tr} A \approx \frac1N \sum_i z_i^\top A z_i` with
     Rademacher :math:`z_i`; the standard error is the sample standard deviation over :math:`\sqrt N`.
-    Products are taken ``batch`` at a time (``2 × batch`` vectors in memory)."""
+    Products are taken ``batch`` at a time (``2 × batch`` vectors in memory).
+
+    Args:
+        op: the symmetric operator A (e.g. :func:`~curvlab.engine.operator.hessian_operator`).
+        samples: N, the number of Rademacher vectors (default 64: the standard error falls as
+            :math:`1/\sqrt N`, an eighth of one sample's spread at 64).
+        batch: vectors per batched product (bounds memory; more is faster where it fits).
+        seed: the seed of the vectors, drawn on the operator's device (fixed, so a rerun gives the same
+            estimate).
+
+    Returns:
+        The :class:`TraceResult`: the estimate, its standard error, and the products taken.
+    """
     if samples < 2:
         raise CurvlabError("Hutchinson needs at least 2 samples for a standard error")
     start = op.num_matvecs
@@ -379,7 +391,18 @@ def hutch_plus_plus(op: Operator, *, samples: int = 60, seed: int = 0) -> TraceR
     r"""Hutch++ (Meyer, Musco, Musco, Woodruff 2021): with m = samples/3, Q = orth(A S) for m random
     columns, :math:`\operatorname{tr}(Q^\top A Q)` exactly plus Hutchinson on the deflated
     :math:`(I - QQ^\top) A (I - QQ^\top)` with m vectors; the standard error is that of the second
-    part. About ``3m`` vectors are in memory at once."""
+    part. About ``3m`` vectors are in memory at once.
+
+    Args:
+        op: the symmetric operator A (e.g. :func:`~curvlab.engine.operator.hessian_operator`).
+        samples: the budget of products, split in three equal parts (default 60, a multiple of 3:
+            m = 20 sketch columns, 20 for the projection's trace and 20 Hutchinson vectors).
+        seed: the seed of the random vectors, drawn on the operator's device (fixed, so a rerun gives the
+            same estimate).
+
+    Returns:
+        The :class:`TraceResult`: the estimate, its standard error, and the products taken.
+    """
     m = max(2, samples // 3)
     start = op.num_matvecs
     g = _generator(op, seed)
@@ -472,6 +495,24 @@ def spectral_density(
     bound) holds their bases for full reorthogonalization when ``steps × vectors`` vectors fit; else
     as many runs at a time as fit; and when not even one run's ``steps`` vectors fit, all run the
     three-term recurrence without a basis (``reorthogonalized`` is then False).
+
+    Args:
+        op: the symmetric operator A (e.g. :func:`~curvlab.engine.operator.hessian_operator`).
+        steps: Lanczos steps per vector, the number of nodes each run gives (more resolve finer structure
+            of the density, at one product each).
+        vectors: random start vectors, the runs averaged (more lower the variance of the weights).
+        points: points of the grid the density is evaluated on, spanning the nodes' range plus five
+            ``sigma`` on each side.
+        sigma: the Gaussian broadening, in eigenvalue units (default ``None``: 1% of the spectral range,
+            so the density is smooth whatever the Hessian's scale).
+        seed: the seed of the start vectors, drawn on the operator's device (fixed, so a rerun gives the
+            same density).
+        memory: bytes the stored Lanczos bases may take (``None``: no bound).
+        basis_device: where the bases live (default: the operator's device); ``"cpu"`` keeps them in
+            host memory, and the reorthogonalization runs there.
+
+    Returns:
+        The :class:`DensityResult`: the density on its grid, the nodes and weights, and the cost.
     """
     steps = min(steps, op.dim)
     start = op.num_matvecs

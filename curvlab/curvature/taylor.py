@@ -46,7 +46,13 @@ class TaylorSplit(DirectionCurvature):
     """The :class:`~curvlab.curvature.scope.DirectionCurvature` of a step over all parameters, plus ``loss`` =
     L(W) and the same over the second scope, ``hidden`` (by default the hidden matrices, with their
     parameter names; ``None`` when the scope is empty). JSON: the eight quantities, ``loss`` and ``hidden``
-    (the eight and ``names``, or null), the keys of a curvature report."""
+    (the eight and ``names``, or null), the keys of a curvature report.
+
+    Attributes:
+        loss: :math:`L(W)` at the point (NaN where not evaluated).
+        hidden: the :class:`~curvlab.curvature.scope.DirectionCurvature` of the step over the second scope,
+            with its parameter ``names`` (``None`` when the scope is empty or skipped).
+    """
 
     loss: float = float("nan")
     hidden: ScopeCurvature | None = None
@@ -131,7 +137,15 @@ def _proper(names: list[str], params: Mapping[str, Tensor], squares: Mapping[str
 
 
 def nds_at(point: CurvaturePoint, z: Mapping[str, Tensor]) -> float:
-    r""":func:`nds` at a :class:`~curvlab.engine.hvp.CurvaturePoint`: one HVP there."""
+    r""":func:`nds` at a :class:`~curvlab.engine.hvp.CurvaturePoint`: one HVP there.
+
+    Args:
+        point: the point W (its loss, batch and HVP method).
+        z: the direction Z, a dict like the point's parameters.
+
+    Returns:
+        The NDS :math:`\langle Z, H[Z]\rangle / \|Z\|_F^2`.
+    """
     zc, squares = _checked(point.params, z, point.dtype)
     return _nds(point, zc, squares)
 
@@ -152,6 +166,17 @@ def nds(
     r"""The Normalized Directional Sharpness :math:`\langle Z, H[Z]\rangle / \|Z\|_F^2` of a direction Z:
     the curvature along it, whatever its length (one HVP; :func:`taylor_split` gives it with the rest).
 
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        params: parameter dict W (not modified).
+        batch: one batch, or several (accumulated with loss-term weights).
+        z: the direction Z, a dict like ``params``.
+        method: the HVP method, ``"rev_rev"`` (default) or ``"fwd_rev"``.
+        dtype: computation dtype (default float32, or float64 when the parameters are).
+
+    Returns:
+        The NDS, in loss units per squared parameter units (the scale of a Hessian eigenvalue).
+
     Raises:
         CurvlabError: Z mismatched with the parameters, non-finite, or zero.
     """
@@ -169,6 +194,15 @@ def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], *, scope: Sc
     :math:`\langle Z, H[Z]\rangle = R_{SS} + 2R_{S\bar S} + R_{\bar S\bar S}`. The first-order sums of
     both scopes come from one float64 table over the parameters, and the realized decreases are two more
     loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
+
+    Args:
+        point: the point W (its loss, batch and HVP method).
+        z: the step Z, a dict like the point's parameters.
+        scope: the second scope S, the split's ``hidden``: ``"hidden"`` (default: the hidden matrices,
+            which Muon updates), parameter names of your own, or ``None`` (or ``[]``) to skip it.
+
+    Returns:
+        The :class:`TaylorSplit` over all parameters, with its ``hidden`` split over ``scope``.
     """
     return _taylor_split(point, *_checked(point.params, z, point.dtype, "update direction"), scope)
 
@@ -201,13 +235,18 @@ def taylor_split(
     H[Z_S]; two more loss evaluations give :math:`L(W - Z)` and :math:`L(W - Z_S)`.
 
     Args:
-        z: the step Z, a dict like ``params`` (e.g. from :func:`~curvlab.steps.update.next_update`).
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        params: parameter dict W (not modified).
         batch: one batch, or several (accumulated with loss-term weights).
+        z: the step Z, a dict like ``params`` (e.g. from :func:`~curvlab.steps.update.next_update`).
         scope: the second scope S, the split's ``hidden``: ``"hidden"`` (default: the hidden matrices,
             :func:`~curvlab.curvature.groupings.hidden_matrices`, by role when ``loss_fn`` has a ``.model``),
             parameter names of your own, or ``None`` (or ``[]``) to skip it.
         method: the HVP method, ``"rev_rev"`` (default) or ``"fwd_rev"``.
         dtype: computation dtype (default float32, or float64 when the parameters are).
+
+    Returns:
+        The :class:`TaylorSplit` over all parameters, with its ``hidden`` split over ``scope``.
 
     Raises:
         CurvlabError: Z mismatched with the parameters, non-finite, or zero (NDS undefined).
@@ -285,7 +324,17 @@ def block_matrix_at(
     point: CurvaturePoint, z: Mapping[str, Tensor], *, blocks: str | Mapping[str, Sequence[str]] = "layer"
 ) -> BlockMatrix:
     r"""The block interaction matrix of the step Z at a :class:`~curvlab.engine.hvp.CurvaturePoint`: one HVP per
-    block, :math:`H[Z_m]` with :math:`Z_m` touching only block m (see :func:`block_matrix`)."""
+    block, :math:`H[Z_m]` with :math:`Z_m` touching only block m (see :func:`block_matrix`).
+
+    Args:
+        point: the point W (its loss, batch and HVP method).
+        z: the step Z, a dict like the point's parameters.
+        blocks: ``"layer"`` (default: the within/cross-layer split), ``"tensor"``, ``"kind"``, or
+            ``{block: [parameter names or globs]}`` (see :func:`~curvlab.curvature.groupings.group_parameters`).
+
+    Returns:
+        The :class:`BlockMatrix` of Z.
+    """
     return _block_matrix_at(point, *_checked(point.params, z, point.dtype, "update direction"), blocks)
 
 
@@ -309,6 +358,9 @@ def block_matrix(
     r"""The block interaction matrix :math:`M_{lm} = \langle Z_l, H_{lm}[Z_m]\rangle / \|Z\|^2`, exactly.
 
     Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        params: parameter dict W (not modified).
+        batch: one batch, or several (accumulated with loss-term weights).
         z: the step Z.
         blocks: ``"layer"``, ``"tensor"``, ``"kind"``, or ``{block: [parameter names or globs]}``
             (see :func:`~curvlab.curvature.groupings.group_parameters`).
@@ -319,6 +371,9 @@ def block_matrix(
         method: the HVP method, ``"rev_rev"`` (default) or ``"fwd_rev"``.
         dtype: computation dtype (default float32, or float64 when the parameters are).
         chunk_size: directions per vectorized call (bounds memory).
+
+    Returns:
+        The :class:`BlockMatrix` of Z: its L x L matrix over the blocks and what follows from it.
 
     Raises:
         CurvlabError: Z mismatched, non-finite or zero; a grouping that leaves a parameter out or
@@ -389,7 +444,17 @@ def taylor_split_and_block_matrix_at(
     r""":func:`taylor_split_at` and :func:`block_matrix_at` of one step at one point, sharing their second
     backwards: the blocks' interactions R give :math:`\langle Z, H[Z]\rangle = \sum_{lm} R_{lm}`, and when
     every block lies inside the scope S or outside it, :math:`\langle Z_S, H[Z_S]\rangle` is the sum of R
-    over the blocks inside. L second backwards (L + 1 otherwise: one for Z_S, taken only on S)."""
+    over the blocks inside. L second backwards (L + 1 otherwise: one for Z_S, taken only on S).
+
+    Args:
+        point: the point W (its loss, batch and HVP method).
+        z: the step Z, a dict like the point's parameters.
+        blocks: the grouping of :func:`block_matrix_at` (default ``"layer"``: the within/cross-layer split).
+        scope: the second scope of :func:`taylor_split_at` (default ``"hidden"``: the hidden matrices).
+
+    Returns:
+        ``(split, blocks)``: the :class:`TaylorSplit` and the :class:`BlockMatrix` of Z.
+    """
     return _split_and_block_matrix(point, *_checked(point.params, z, point.dtype, "update direction"), blocks, scope)
 
 
@@ -425,7 +490,22 @@ def taylor_split_and_block_matrix(
     chunk_size: int | None = None,
 ) -> tuple[TaylorSplit, BlockMatrix]:
     r""":func:`taylor_split` and :func:`block_matrix` (block method ``"hvp"``) of one step, at one point
-    and sharing their HVPs (:func:`taylor_split_and_block_matrix_at`)."""
+    and sharing their HVPs (:func:`taylor_split_and_block_matrix_at`).
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        params: parameter dict W (not modified).
+        batch: one batch, or several (accumulated with loss-term weights).
+        z: the step Z, a dict like ``params``.
+        blocks: the grouping of :func:`block_matrix` (default ``"layer"``: the within/cross-layer split).
+        scope: the second scope of :func:`taylor_split` (default ``"hidden"``: the hidden matrices).
+        method: the HVP method, ``"rev_rev"`` (default) or ``"fwd_rev"``.
+        dtype: computation dtype (default float32, or float64 when the parameters are).
+        chunk_size: directions per vectorized call (bounds memory; ``None`` = all at once).
+
+    Returns:
+        ``(split, blocks)``: the :class:`TaylorSplit` and the :class:`BlockMatrix` of Z.
+    """
     zc, squares = _checked(params, z, working_dtype(params, dtype=dtype), "update direction")
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
         return _split_and_block_matrix(point, zc, squares, blocks, scope)

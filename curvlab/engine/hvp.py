@@ -15,9 +15,9 @@ Methods:
   is kept; every call runs one forward and one backward pass carrying dual numbers, vmapped over
   its directions, with tangents only on the parameters the directions touch.
 
-:meth:`CurvaturePoint.forward_quadratic_forms` (and the shortcuts :func:`forward_quadratic_forms`,
-:func:`forward_quadratic_form`) is a third way for :math:`(\langle G, z\rangle, \langle z, H z\rangle)` alone:
-forward-over-forward, ``jvp`` of ``jvp``, with no backward pass at all.
+:meth:`CurvaturePoint.forward_quadratic_forms` (and its shortcuts in :mod:`curvlab.engine.forward`) is a third
+way for :math:`(\langle G, z\rangle, \langle z, H z\rangle)` alone: forward-over-forward, ``jvp`` of ``jvp``, with no
+backward pass at all.
 
 Every computation runs inside :func:`~curvlab.engine.exact.exact_second_order` with just the reroutings
 its method needs (math attention, no dropout, running statistics untouched; composite norms for
@@ -25,16 +25,14 @@ forward-over-forward), so it is exact on any model, and with torch's compiler st
 ``"force_eager"``, so that a ``torch.compile``'d model (whose compiled graphs have no double
 backward) works with every method. Computation is in float32 unless ``dtype`` (or
 float64 parameters) say otherwise; bf16 and fp16 parameters and directions are upcast. The functions
-:func:`hvp`, :func:`hvps`, :func:`gradient_and_hvps`, :func:`forward_quadratic_forms` and
-:func:`evaluate_loss` are one-point shortcuts over :class:`CurvaturePoint`. Every one takes
+:func:`hvp`, :func:`hvps`, :func:`gradient_and_hvps` (and, in :mod:`curvlab.engine.forward`, the loss and
+the forward quadratic forms) are one-point shortcuts over :class:`CurvaturePoint`. Every one takes
 ``(loss_fn, params, batch, <directions>)`` positionally and its options (``method``, ``dtype``,
 ``chunk_size``) by keyword only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +40,11 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.func import grad_and_value, jvp, vmap
-from torch.utils._pytree import tree_map
 
 from curvlab.engine import checks as C
 from curvlab.engine import gathered as S
 from curvlab.engine import params as P
-from curvlab.engine.dtensors import any_dtensor
+from curvlab.engine.backward import accumulate, bound_loss, double_backward, eager_stance, fresh_rows, vmap_directions
 from curvlab.engine.exact import exact_second_order, running_statistics
 from curvlab.engine.loss import LossFn, weighted_batches
 from curvlab.errors import CurvlabError
@@ -164,9 +161,9 @@ class CurvaturePoint:
         """This process's ``(p -> loss, weight)`` pairs, inside the exact mode for ``method``, with the
         running statistics of the loss's model (if it has one) left untouched: the one batch loop."""
         keep = running_statistics(getattr(self.loss_fn, "model", None))
-        with exact_second_order(method=method, watch_dtype=self.dtype, keep=keep), _eager():
+        with exact_second_order(method=method, watch_dtype=self.dtype, keep=keep), eager_stance():
             for b, w in self._pairs:
-                yield _bound(self.loss_fn, b), w
+                yield bound_loss(self.loss_fn, b), w
 
     def _sum(self, value):
         """A token-weighted sum over this process's batches, summed across ranks when they share them."""
@@ -201,13 +198,13 @@ class CurvaturePoint:
                     forwards.append((loss, leaves, w))
                 else:
                     w_out, grads = self._backward(loss, leaves, w, create_graph=False)
-                    g_total = _accumulate(g_total, [t.detach() for t in grads], w_out)
+                    g_total = accumulate(g_total, [t.detach() for t in grads], w_out)
             for loss, leaves, w in forwards:
                 w_out, grads = self._backward(loss, leaves, w, create_graph=True)
                 graphs.append(_Graph(w_out, leaves, grads))
         self._shared = len(graphs) == 1 and graphs[0].weight == 1.0 and not self._reduce
         for graph in graphs:
-            g_total = _accumulate(g_total, [t.detach() for t in graph.grads], graph.weight, owned=self._shared)
+            g_total = accumulate(g_total, [t.detach() for t in graph.grads], graph.weight, owned=self._shared)
         self._loss, self._gradient = self._sum(loss_total), self._sum(dict(zip(names, g_total)))
         return graphs
 
@@ -398,7 +395,7 @@ class CurvaturePoint:
                 slope, curvature, value = jvp(directional, (p,), (z,), has_aux=True)
                 return value, slope, curvature
 
-            loss, gz, zhz = _vmap_directions(one, zs, self.chunk_size, out_dims=(None, 0, 0))
+            loss, gz, zhz = vmap_directions(one, zs, self.chunk_size, out_dims=(None, 0, 0))
             C.finite_loss(loss)
             gz_total += w * gz.double().cpu()
             zhz_total += w * zhz.double().cpu()
@@ -422,8 +419,8 @@ class CurvaturePoint:
             outputs = [(graph.grads[index[n]], v) for n, v in vs.items() if graph.grads[index[n]].requires_grad]
             if outputs:  # (else the gradient on the support doesn't depend on W: H[v] = 0 on this batch)
                 leaves = [graph.leaves[index[n]] for n in wrt]
-                rows = _double_backward([o for o, _ in outputs], leaves, [v for _, v in outputs], stacked)
-                total = _accumulate(total, rows, graph.weight, owned=_fresh(rows, [v for _, v in outputs]))
+                rows = double_backward([o for o, _ in outputs], leaves, [v for _, v in outputs], stacked)
+                total = accumulate(total, rows, graph.weight, owned=fresh_rows(rows, [v for _, v in outputs]))
         if total is None:
             zeros = self._zeros(next(iter(vs.values())).shape[0] if stacked else None)
             return {n: zeros[n] for n in wrt}
@@ -474,81 +471,6 @@ class CurvaturePoint:
         self.close()
 
 
-def _eager() -> contextlib.AbstractContextManager:
-    """torch.compile'd code runs eagerly within: AOTAutograd's graphs have no double backward, and the
-    curvature is that of the same function either way. Nothing was compiled where torch.compile's module was
-    never imported, and then this does not import it (a second, at the first call of a process)."""
-    if "torch._dynamo" not in sys.modules:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("force_eager")
-
-
-def _bound(loss_fn: LossFn, batch: Any):
-    """``p -> loss_fn(p, batch)``, checked to be a scalar."""
-    return lambda p: C.scalar(loss_fn(p, batch))
-
-
-def _double_backward(
-    outputs: list[Tensor], leaves: list[Tensor], vs: list[Tensor], stacked: bool = True
-) -> list[Tensor]:
-    r"""Rows :math:`\nabla_W \langle \text{outputs}, v_k\rangle` stacked over the K directions in ``vs``
-    (``stacked=False``: the one row of one direction).
-
-    One plain backward per direction: on the kept graph that costs about two gradients, where one
-    vmapped ``is_grads_batched`` backward over the K directions measured 1.7x slower per direction
-    (``benchmarks/hvp.py``), and has no batching rule for some ops (``group_norm``).
-    """
-    kw = {"retain_graph": True, "allow_unused": True, "materialize_grads": True}
-    if not stacked:
-        return list(torch.autograd.grad(outputs, leaves, vs, **kw))
-    k = vs[0].shape[0]
-    if k == 1:
-        return [r.unsqueeze(0) for r in torch.autograd.grad(outputs, leaves, [v[0] for v in vs], **kw)]
-    if any_dtensor(leaves):
-        rows = [torch.autograd.grad(outputs, leaves, [v[i] for v in vs], **kw) for i in range(k)]
-        return [torch.stack(r) for r in zip(*rows)]
-    # each row goes into its place as it comes, so that one row at a time is alive beside the stack
-    # (stacking them after holds K rows twice) and the next row reuses its memory
-    stacked = [torch.empty((k, *leaf.shape), dtype=leaf.dtype, device=leaf.device) for leaf in leaves]
-    for i in range(k):
-        for out, row in zip(stacked, torch.autograd.grad(outputs, leaves, [v[i] for v in vs], **kw)):
-            out[i].copy_(row)
-    return stacked
-
-
-def _fresh(rows: Sequence[Tensor], vs: Sequence[Tensor]) -> bool:
-    """Whether a second backward's rows are tensors of their own: plain, contiguous (an expanded row, of
-    stride 0, can't be written in place), each on its own memory, and none on the directions'. Autograd hands
-    one gradient to several inputs as the same tensor (an addition's), and a gradient that is the identity of
-    a leaf passes its grad output through as it is."""
-    if any_dtensor(rows) or any_dtensor(vs) or not all(r.is_contiguous() for r in rows):
-        return False
-    pointers = [r.untyped_storage().data_ptr() for r in rows if r.numel()]
-    taken = {v.untyped_storage().data_ptr() for v in vs}
-    return len(set(pointers)) == len(pointers) and taken.isdisjoint(pointers)
-
-
-def _accumulate(
-    total: list[Tensor] | None, terms: Sequence[Tensor], weight: float, *, owned: bool = False
-) -> list[Tensor]:
-    """``total + weight * terms``, tensor by tensor (``total`` ``None``: the first batch's). The sum goes into
-    fresh tensors, since the terms may be views of a kept graph's tensors, which must not change; ``owned``
-    terms are fresh already (rows of a second backward), and at weight 1 are kept as they are, saving a
-    copy of the rows' memory."""
-    if total is None:
-        return list(terms) if owned and weight == 1.0 else list(torch._foreach_mul(terms, weight))
-    torch._foreach_add_(total, terms, alpha=weight)  # (one call for all the tensors: one kernel on a GPU)
-    return total
-
-
-def evaluate_loss(
-    loss_fn: LossFn, params: Mapping[str, Tensor], batch: Any, *, dtype: torch.dtype | None = None
-) -> float:
-    """:math:`L(W)` accumulated over batches with loss-term weights, evaluated exactly as the curvature
-    functions evaluate it (:meth:`CurvaturePoint.loss_at`)."""
-    return CurvaturePoint(loss_fn, params, batch, method="fwd_rev", dtype=dtype).loss_at(params)
-
-
 def gradient_and_hvps(
     loss_fn: LossFn,
     params: Mapping[str, Tensor],
@@ -562,7 +484,13 @@ def gradient_and_hvps(
     r"""Loss :math:`L(W)`, gradient :math:`G` and :math:`H[v_k]` for K stacked directions, at one point.
 
     Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        params: parameter dict W (not modified).
+        batch: one batch, or a ``list``/:class:`~curvlab.engine.loss.Batches` of batches to accumulate.
         vs: dict of tensors shaped ``(K, *param.shape)``, one per parameter.
+        method: ``"rev_rev"`` (double backward on the kept first-order graph, default) or ``"fwd_rev"``
+            (jvp of grad); the two agree to rounding (:data:`METHODS`).
+        dtype: computation dtype (default float32, or float64 when the parameters are).
         chunk_size: directions per vectorized call (bounds memory; ``None`` = all K at once).
 
     Returns:
@@ -585,7 +513,21 @@ def hvps(
     dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
 ) -> P.Params:
-    r""":math:`H[v_k]` for K directions stacked along dim 0, at one point (see :class:`CurvaturePoint`)."""
+    r""":math:`H[v_k]` for K directions stacked along dim 0, at one point (see :class:`CurvaturePoint`).
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        params: parameter dict W (not modified).
+        batch: one batch, or a ``list``/:class:`~curvlab.engine.loss.Batches` of batches to accumulate.
+        vs: dict of tensors shaped ``(K, *param.shape)``, one per parameter.
+        method: ``"rev_rev"`` (double backward on the kept first-order graph, default) or ``"fwd_rev"``
+            (jvp of grad); the two agree to rounding (:data:`METHODS`).
+        dtype: computation dtype (default float32, or float64 when the parameters are).
+        chunk_size: directions per vectorized call (bounds memory; ``None`` = all K at once).
+
+    Returns:
+        :math:`H[v_k]`, a dict of tensors shaped like ``vs`` (``(K, *param.shape)``).
+    """
     return gradient_and_hvps(loss_fn, params, batch, vs, method=method, dtype=dtype, chunk_size=chunk_size)[2]
 
 
@@ -607,67 +549,10 @@ def hvp(
         v: direction, a dict with ``params``' keys and shapes.
         method: ``"rev_rev"`` (double backward, default) or ``"fwd_rev"`` (jvp of grad).
         dtype: computation dtype (default float32, or float64 when the parameters are).
+
+    Returns:
+        :math:`H[v]`, a dict of tensors with ``params``' keys and shapes.
     """
     P.check_like(params, v, finite=False)  # (finiteness with the product's: CurvaturePoint._hvp)
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
         return point._hvp(v, checked=True)  # (checked above, before the forward: the point's check would be a second)
-
-
-def forward_quadratic_forms(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Any,
-    zs: Mapping[str, Tensor],
-    *,
-    dtype: torch.dtype | None = None,
-    chunk_size: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    r""":math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions by forward-over-forward
-    AD, at one point (:meth:`CurvaturePoint.forward_quadratic_forms`: no backward pass, no gradient formed).
-
-    Args:
-        zs: dict of tensors shaped ``(K, *param.shape)``, one per parameter.
-        chunk_size: directions per vectorized call (bounds memory; ``None`` = all K at once).
-
-    Returns:
-        ``(gz, zhz)``, float64 tensors of shape ``(K,)`` (the loss: :func:`evaluate_loss`).
-    """
-    C.check_full(params, zs)
-    # a "fwd_rev" point keeps nothing; sharded parameters take the pair by double backward (see the method)
-    method = DEFAULT_METHOD if S.is_sharded(params) else "fwd_rev"
-    with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
-        return point.forward_quadratic_forms(zs)
-
-
-def _vmap_directions(fn, vs, chunk_size, out_dims):
-    """``vmap`` of ``fn`` over directions stacked in ``vs``, ``chunk_size`` at a time.
-
-    Outputs with out_dim ``None`` don't depend on the direction (the loss, the gradient) and are kept
-    once, not K times. torch's own ``chunk_size`` can't combine with ``None``, so chunks are taken here.
-    """
-    k = next(iter(vs.values())).shape[0]
-    step = k if chunk_size is None else max(1, chunk_size)
-    batched = vmap(fn, out_dims=out_dims, randomness="same")
-    pieces = [batched({n: t[i : i + step] for n, t in vs.items()}) for i in range(0, k, step)]
-    return tuple(
-        first if dim is None else tree_map(lambda *xs: torch.cat(xs), *(p[j] for p in pieces))
-        for j, (first, dim) in enumerate(zip(pieces[0], out_dims))
-    )
-
-
-def forward_quadratic_form(
-    loss_fn: LossFn,
-    params: Mapping[str, Tensor],
-    batch: Any,
-    z: Mapping[str, Tensor],
-    *,
-    dtype: torch.dtype | None = None,
-) -> tuple[float, float]:
-    r"""The pair :math:`(\langle G, z\rangle, \langle z, H[z]\rangle)` of one direction by forward-over-forward AD.
-
-    Costs about one forward pass with second-order dual numbers: no gradient is formed (see
-    :func:`forward_quadratic_forms`, whose pair it is for K = 1).
-    """
-    P.check_like(params, z)
-    gz, zhz = forward_quadratic_forms(loss_fn, params, batch, {n: t.unsqueeze(0) for n, t in z.items()}, dtype=dtype)
-    return float(gz[0]), float(zhz[0])

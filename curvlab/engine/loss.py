@@ -79,6 +79,14 @@ def token_cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = 
 
     Half-precision logits are upcast to float32 (softmax over a large vocabulary needs it); float32
     and float64 logits are used as they are.
+
+    Args:
+        logits: unnormalized scores, shape ``(..., classes)``.
+        targets: class indices, shape ``(...)`` (the logits' shape without the last dimension).
+        ignore_index: the target value left out (default -100, as torch and Hugging Face).
+
+    Returns:
+        The mean cross-entropy in nats, a scalar tensor in the logits' dtype (float32 for half precision).
     """
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
@@ -448,6 +456,9 @@ def make_loss_fn(
         router_loss: add the load-balancing loss a mixture-of-experts model computes
             (``router_aux_loss_coef * aux_loss``, when its config's ``output_router_logits`` is on), as
             its own loss does; ``False``: the language model's loss alone (:class:`ModuleLoss`).
+
+    Returns:
+        The :class:`ModuleLoss`, ``loss_fn(params, batch) -> scalar`` (``loss_fn.model`` is ``model``).
     """
     return ModuleLoss(
         model, criterion, ignore_index=ignore_index, shift=shift, tie_weights=tie_weights, router_loss=router_loss
@@ -478,6 +489,12 @@ class Batches:
 
     ``Batches(list_of_batches)`` counts the loss terms (see :func:`weighted_batches`); pass
     ``weights`` when the loss is not a mean over targets (the weights are normalized to sum to one).
+
+    Args:
+        batches: the batches, each as ``loss_fn(params, batch)`` takes it.
+        weights: one weight per batch, in any units (normalized to sum to one); default
+            ``None``: each batch's number of loss terms, so the accumulated loss is the mean over all of
+            them, as one large batch would give.
     """
 
     batches: Sequence[Any]

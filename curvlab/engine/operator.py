@@ -102,7 +102,15 @@ class Operator:
 
 def preconditioned_operator(op: Operator, diagonal: Tensor) -> Operator:
     r""":math:`P^{-1/2} A P^{-1/2}` for a positive diagonal P (flat, in the operator's order), whose
-    largest eigenvalue is the preconditioned sharpness of a method that steps :math:`-\eta P^{-1} g`."""
+    largest eigenvalue is the preconditioned sharpness of a method that steps :math:`-\eta P^{-1} g`.
+
+    Args:
+        op: the symmetric operator A (e.g. :func:`hessian_operator`).
+        diagonal: P's diagonal, a flat positive tensor of the operator's size, in its parameter order.
+
+    Returns:
+        The :class:`Operator` :math:`x \mapsto P^{-1/2} A (P^{-1/2} x)`.
+    """
     if diagonal.numel() != op.dim:
         raise CurvlabError(f"the preconditioner has {diagonal.numel()} entries, the operator {op.dim}")
     if not (diagonal > 0).all():

@@ -46,7 +46,7 @@ from curvlab.jobs.job import Job
 from curvlab.jobs.presets import FinetunePreset
 from curvlab.models.gpt import GPT, get_config
 from curvlab.output import plots
-from curvlab.output import text as report
+from curvlab.output.finetune_text import finetune_section
 from curvlab.runs.adapt import adapt, check_rank, check_vocab, load_base
 from curvlab.runs.checkpoint import read_index
 from curvlab.runs.config import TrainConfig
@@ -261,6 +261,6 @@ class Finetune(Job):
         )
         result.save(self.out / "finetune.json")
         plots.finetune_ratios(result, self.out / "figures" / "finetune_ratios")
-        atomic_write_text(self.out / "report.md", "\n".join(report.finetune_section(result)) + "\n")
+        atomic_write_text(self.out / "report.md", "\n".join(finetune_section(result)) + "\n")
         self._say(f"done in {timing['total']:.0f} s: {self.out / 'finetune.json'}")
         return result

@@ -43,23 +43,24 @@ from typing import Any
 
 import numpy as np
 
-from curvlab.analysis.report import load_report
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
 from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError
-from curvlab.inference.statistics import mean_inference
 from curvlab.jobs.finetune import Finetune
 from curvlab.jobs.job import Job
 from curvlab.jobs.lr_table import LR_TABLE, LrTable, optimum_moved, read_lr_table
-from curvlab.jobs.presets import ARMS, CONTROL_ARM, PRESETS, Preset, with_preset
+from curvlab.jobs.presets import ARMS, CONTROL_ARM, Preset, with_preset
+from curvlab.jobs.pruning import prune_run, window_checkpoints
+from curvlab.jobs.reproduction_notes import reproduction_notes
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.model_optimizer import default_muon_rule
 from curvlab.optim.muon import matrix_shape, muon_scale
 from curvlab.output import plots
 from curvlab.output import text as report
 from curvlab.output.files import read_quadratic, write_quadratic
-from curvlab.runs.checkpoint import INDEX, is_checkpoint_name, read_index
+from curvlab.output.finetune_text import finetune_section
+from curvlab.runs.checkpoint import read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.match import MatchCriteria, NoMatchedLevel, plateau_ceiling
 from curvlab.runs.train import train
@@ -74,31 +75,12 @@ from curvlab.studies.tuning import LrSearch, TuningRecord, TuningSettings, log2_
 from curvlab.theory.quadratic import QuadraticStudy, quadratic_study
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
-from curvlab.util.paths import inside
 from curvlab.util.safe_stop import stop_at_safe_points
 from curvlab.util.versions import SoftwareVersions
 
 
 def _s_name(s: float) -> str:
     return f"s{s:g}"
-
-
-def final_loss_note(final: dict[str, dict[str, list]], steps: int) -> str:
-    """Each arm's final validation loss at equal steps, mean and 95% t interval over seeds
-    (:func:`~curvlab.inference.statistics.mean_inference`), at each s: whether Muon beats AdamW here at all,
-    the premise the curvature is to explain. A seed without a finite loss leaves its arm no interval."""
-    parts = []
-    for s, arms in final.items():
-        for arm, values in sorted(arms.items()):
-            x = [v for v in values if v is not None]
-            if len(x) >= 2 and all(math.isfinite(v) for v in x):
-                inf = mean_inference(x)
-                lo, hi = inf.ci95
-                parts.append(f"{arm} at s = {s}: {inf.value:.4f} [{lo:.4f}, {hi:.4f}] (n = {len(x)})")
-            elif len(x):
-                alone = "" if len(x) == 1 else ", no interval"
-                parts.append(f"{arm} at s = {s}: {np.mean(x):.4f} (n = {len(x)}{alone})")
-    return f"Final validation loss at step {steps}, mean [95% t interval over seeds]: " + "; ".join(parts) + "."
 
 
 def search_lr_table(preset: Preset, out: str | Path, progress: bool = True) -> dict[str, Any]:
@@ -136,46 +118,6 @@ def muon_norm_per_lr(shapes: list[tuple[int, int]], scale: str) -> float:
     r""":math:`\|Z\|_F / \eta` of a Muon step with an exactly orthogonal factor: each matrix
     contributes :math:`s_i^2 \min(m_i, n_i)` (its polar factor has that many unit singular values)."""
     return math.sqrt(sum(muon_scale(shape, scale) ** 2 * min(shape) for shape in shapes))
-
-
-def _run_key(path: str | Path) -> Path:
-    """A checkpoint's place inside a reproduction (``s0/adamw/seed0/ckpt_000100.pt``): the same after the
-    output directory is moved, which the absolute paths in the records are not."""
-    return Path(*Path(path).parts[-4:])
-
-
-def window_checkpoints(records: list[ComparisonRecord], reports: Path | None = None) -> set[Path]:
-    """Every checkpoint a matched comparison read, as :func:`_run_key`: the members of its windows, read
-    back from their reports. With ``reports`` (the reproduction's report cache) a report is looked up by
-    its file name there, wherever the record says it was (the directory may have moved; and a record
-    naming a file outside it is refused, :func:`~curvlab.util.paths.inside`). A report's checkpoint
-    path only becomes a key: it keeps a checkpoint, never names one to read or delete."""
-    keep = set()
-    for r in records:
-        for level in r.comparison.levels if r.comparison else []:
-            for side in (level.a, level.b):
-                for path in map(Path, side.reports):
-                    found = path if reports is None else inside(reports, path.name, f"the record of {r.name}")
-                    keep.add(_run_key(load_report(found).checkpoint))
-    return keep
-
-
-def prune_run(run: Path, keep: set[Path]) -> int:
-    """Delete the checkpoints of ``run`` outside ``keep`` (:func:`_run_key` s), except its last (a finished
-    run resumes from it as finished); the index keeps every entry (validation losses stay). Only
-    checkpoint files inside ``run`` are deleted: an index naming one elsewhere is refused
-    (:func:`read_index`), and one naming another of the run's files (``config.json``) deletes nothing.
-    Returns the bytes freed."""
-    index = read_index(run)
-    freed = 0
-    for entry in index[:-1]:
-        path = inside(run, entry["path"], run / INDEX)
-        if not is_checkpoint_name(path.name):
-            continue
-        if _run_key(path.resolve()) not in keep and path.is_file():
-            freed += path.stat().st_size
-            path.unlink()
-    return freed
 
 
 class Reproduction(Job):
@@ -542,77 +484,7 @@ class Reproduction(Job):
     ) -> list[str]:
         """The caveats the report states up front (what this preset reduced, what it tied, what the
         trajectory means leave out)."""
-        p = self.preset
-        tokens = f"{p.batch_size}x{get_config(p.model, **p.model_overrides).block_size}"
-        notes = []
-        if p.seeds < 3:
-            notes.append(f"{p.seeds} seeds per optimizer: fewer than 3, so every entry is descriptive (no verdict).")
-        if p.adam_side == "tied":
-            notes.append(
-                "Muon's AdamW side (embeddings, head, norms) runs at AdamW's learning rate "
-                f"({tuning.lr('adamw'):g}): it is tied, not tuned on its own."
-            )
-        seeds = ", ".join(str(x) for x in tuning.seeds)
-        if tuning.mode == "table":
-            table = tuning.table
-            moved = [arm for arm, m in tuning.moved.items() if m]
-            ties = []
-            for arm in ("adamw", "muon"):
-                search = table.get("searches", {}).get(f"{arm}.lr")
-                if search and search["ties"]:
-                    tied = ", ".join(f"{x:g}" for x in search["ties"])
-                    ties.append(f"{arm}'s {search['chosen']:g} is within one standard error of {tied}")
-            notes.append(
-                f"Learning rates from the committed table (the full search at this preset's settings: log2 grids, "
-                f"tuning seeds {table.get('seeds')}, {table.get('horizon_steps')}-step runs"
-                + (f"; {'; '.join(ties)}" if ties else "")
-                + f"), checked here on {p.check_points} points with check seed(s) {seeds}: "
-                + ("the optimum moved for " + ", ".join(moved) + "." if moved else "the optimum did not move.")
-            )
-        else:
-            notes.append(
-                f"Learning rates searched at s = {p.s_values[0]:g} on {tuning.horizon_steps}-step runs (the "
-                f"compared horizon) with tuning seeds {seeds}, disjoint from the measurement seeds 0..{p.seeds - 1}"
-                + (f" ({tuning.fallback})." if tuning.fallback else ".")
-            )
-        control = tuning.chosen.get(CONTROL_ARM)
-        if control:
-            notes.append(
-                f"The step-size control arm ({CONTROL_ARM}) is not tuned: its lr {control['lr']:g} is set so that "
-                f"its hidden ||Z|| equals AdamW's ({control['adamw_hidden_update_norm']:.3g}) at seed "
-                f"{control['set_from_seed']}'s matched levels."
-            )
-        notes.append(
-            f"Matched levels: {p.matching.description()} {p.ckpt_every} steps apart (windows share "
-            f"no checkpoint), each analysed on {p.analysis_batches} batch(es) of {tokens} tokens; trajectories on "
-            f"{p.track_batches}, stable phase only"
-            + (f"; the A/A comparisons' levels on {p.aa_batches}." if p.aa_batches != p.analysis_batches else ".")
-        )
-        if plateaus:
-            notes.append(
-                "Unigram plateau ceilings (a level or checkpoint at or above is left out of aggregates), per training "
-                "s: " + ", ".join(f"s = {s:g}: {c:.3f}" for s, c in plateaus.items()) + " nats."
-            )
-        if levels is not None and levels.tracks:
-            counts = {}
-            for t in levels.tracks:
-                n = counts.setdefault(t.arm, [0, 0])
-                n[0] += len(t.rows) - len(t.after_warmup())
-                n[1] += len(t.rows)
-            notes.append(
-                "Trajectory means leave out checkpoints on the unigram plateau or outside the stable phase: "
-                + ", ".join(f"{arm} {off} of {total}" for arm, (off, total) in sorted(counts.items()))
-                + "."
-            )
-        if final:
-            notes.append(final_loss_note(final, p.steps))
-        if p.analysis_batches < (full := PRESETS["paper"].analysis_batches):
-            notes.append(f"{p.analysis_batches} evaluation batch(es) per checkpoint (the paper preset uses {full}).")
-        if len(p.s_values) < 3:
-            notes.append(f"The Zipf sweep runs s = {', '.join(f'{s:g}' for s in p.s_values)} only.")
-        if p.grammar.get("n_tokens"):
-            notes.append(f"A {p.grammar['n_tokens']}-token grammar (the paper's has 4412).")
-        return notes
+        return reproduction_notes(self.preset, tuning, levels, plateaus, final)
 
     # -- the whole job ----------------------------------------------------------------------
 
@@ -680,7 +552,7 @@ class Reproduction(Job):
         schema.save(self.out / "summary.json", summary)  # NaN as null (strict JSON), sealed
         text = report.render_report(summary, levels)
         if finetune is not None:
-            text += "\n" + "\n".join(report.finetune_section(finetune)) + "\n"
+            text += "\n" + "\n".join(finetune_section(finetune)) + "\n"
         atomic_write_text(self.out / "report.md", text)
         mb = summary.disk_bytes / 2**20
         self._say(f"done in {summary.seconds:.0f} s, {mb:.0f} MB left on disk: {self.out / 'report.md'}")

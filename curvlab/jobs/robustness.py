@@ -25,7 +25,7 @@ from curvlab.jobs.lr_table import read_lr_table
 from curvlab.jobs.presets import RobustnessPreset, RobustnessSetting
 from curvlab.jobs.reproduce import Reproduction
 from curvlab.output import plots
-from curvlab.output import text as report
+from curvlab.output.robustness_page import render_robustness
 from curvlab.runs.match import plateau_ceiling
 from curvlab.studies.records import LevelData
 from curvlab.studies.robustness import RobustnessLevels, RobustnessSummary, setting_result
@@ -128,6 +128,6 @@ class Robustness(Job):
             [str(f.relative_to(self.out)) for f in figures],
         )  # fmt: skip
         schema.save(self.out / "summary.json", summary)
-        atomic_write_text(self.out / "report.md", report.render_robustness(summary))
+        atomic_write_text(self.out / "report.md", render_robustness(summary))
         self._say(f"done in {summary.seconds:.0f} s: {self.out / 'report.md'}")
         return summary

@@ -45,7 +45,19 @@ MICRO_OVERRIDES = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "v
 
 
 def get_config(name: str, **overrides) -> GPTConfig:
-    """A named config with fields overridden, e.g. ``get_config("tiny", vocab_size=100)``."""
+    """A named config with fields overridden, e.g. ``get_config("tiny", vocab_size=100)``.
+
+    Args:
+        name: ``"tiny"`` (~1M parameters), ``"pcfg-9m"`` (~9M) or ``"gpt2-124m"`` (GPT-2 small).
+        **overrides (Any): :class:`GPTConfig` fields to replace (``n_layer=2``, ...); a ``None`` value keeps
+            the named config's field, so a command's unset option can be passed straight through.
+
+    Returns:
+        The :class:`GPTConfig`.
+
+    Raises:
+        CurvlabError: an unknown config name.
+    """
     if name not in CONFIGS:
         raise CurvlabError(f"unknown model config {name!r}; choose one of {', '.join(CONFIGS)}")
     fields = {**CONFIGS[name].to_dict(), **{k: v for k, v in overrides.items() if v is not None}}
@@ -99,7 +111,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """``GPT(cfg)(idx) -> logits`` of shape ``(batch, time, vocab)``."""
+    """``GPT(cfg)(idx) -> logits`` of shape ``(batch, time, vocab)``.
+
+    Args:
+        cfg: the architecture (sizes, dropout, bias, tied embeddings), e.g. from :func:`get_config`.
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

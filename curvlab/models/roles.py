@@ -163,7 +163,12 @@ def parameter_roles(model: nn.Module, *, overrides: Mapping[str, str] | None = N
     each with the same role.
 
     Args:
+        model: any ``nn.Module`` (a Hugging Face, peft or timm model included); read, never modified.
         overrides: ``{name or glob pattern: role}``, applied last, in order.
+
+    Returns:
+        ``{parameter name: role}``, one of ``embedding``, ``head``, ``norm``, ``bias``, ``hidden`` and
+        ``other`` per name, in ``named_parameters`` order.
 
     Raises:
         CurvlabError: an unknown role, or an override pattern that matches no parameter.

@@ -33,6 +33,17 @@ def build_optimizer(
     ``"smuon"``, ``"lora-muon"`` and ``"per-factor-muon"`` train the factors of a peft LoRA model
     (:func:`curvlab.optim.lora.build_lora_optimizer`), and ``"adamw"`` on such a model is their baseline.
 
+    Args:
+        name: the optimizer, one of the names above.
+        model: the module whose trainable parameters (or LoRA factors) it trains.
+        muon_rule: ``muon_rule(name, param) -> bool``, the parameters Muon takes (default ``None``: the
+            hidden matrices, by the model's structure); only for an optimizer with Muon's split.
+        **hyperparameters (Any): the optimizer's options (``lr=...``, ``weight_decay=...``, ...); any not
+            given keep the defaults of the function that builds it (see above).
+
+    Returns:
+        The torch optimizer, over ``model``'s own parameter objects.
+
     Raises:
         CurvlabError: an unknown name or option, a ``muon_rule`` for an optimizer without Muon's split,
             or a model with no 2-D weights for Muon.

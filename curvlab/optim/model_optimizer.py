@@ -38,7 +38,14 @@ def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def trainable_parameters(model: nn.Module) -> dict[str, Tensor]:
     """The model's trainable parameters (``requires_grad``), detached: the ``params`` that go with the
     G and Z of :func:`~curvlab.steps.update.next_update`, which cover exactly these (frozen ones, a LoRA model's base
-    weights say, keep their values inside the loss function)."""
+    weights say, keep their values inside the loss function).
+
+    Args:
+        model: any ``nn.Module``.
+
+    Returns:
+        ``{name: tensor}`` in ``named_parameters`` order, sharing storage with the model's parameters.
+    """
     return {n: p.detach() for n, p in named_trainable(model)}
 
 

@@ -20,7 +20,8 @@ from curvlab.analysis.directions import PairedDirections
 from curvlab.analysis.report import CurvatureReport
 from curvlab.analysis.spectrum import CheckpointSpectrum
 from curvlab.curvature.scalars import RATIO_KEYS, SCOPE_KEYS
-from curvlab.output.text import calibration_line, finetune_table, primary_table
+from curvlab.output.finetune_text import finetune_table
+from curvlab.output.text import calibration_line, primary_table
 from curvlab.studies.adapters import FinetuneResult
 from curvlab.studies.compare import Comparison
 from curvlab.studies.robustness import RobustnessSummary

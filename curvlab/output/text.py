@@ -19,13 +19,21 @@ from pathlib import Path
 from curvlab.errors import CurvlabError
 from curvlab.inference import statistics as st
 from curvlab.inference.exact_tests import floor_text
-from curvlab.output.plots import robustness_ratios
+from curvlab.output.cells import (
+    fmt,
+    interval_text,
+    primary_cell,
+    seeds_and_levels_cell,
+    shift_cell,
+    value_cell,
+    yes_no_cell,
+)
 from curvlab.studies.controls import ControlEntry, StabilityEntry
 from curvlab.studies.headline import HeadlineEntry
 from curvlab.studies.paper import POST_HOC_RULES, QUADRATIC_EXAMPLE
 from curvlab.studies.primary import Calibration, PrimaryEntry
 from curvlab.studies.records import LevelData
-from curvlab.studies.rerun import RerunComparison, compare_reruns
+from curvlab.studies.rerun import compare_reruns
 from curvlab.studies.robustness import RobustnessSummary
 from curvlab.studies.summary import Summary
 from curvlab.studies.tuning import TuningRecord
@@ -51,31 +59,7 @@ README_ROWS = (
 )
 # fmt: on
 README_FIGURES = ("fig0_primary_forest", "fig2_nds_update_norm", "fig3_zipf_nds", "tuning_grids", "within_gap_by_layer")
-PERCENT = ("rho_within", "embed_head_share")
 STAGES = ("data", "tune", "train", "compare", "track", "finetune", "fineweb", "quadratic", "summary", "figures")
-
-
-def fmt(x: float | None, name: str = "") -> str:
-    """A number to 3 significant figures (a percentage for shares and rho_within)."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "—"
-    if any(name.startswith(p) for p in PERCENT):
-        return f"{x:.0%}"
-    return f"{x:.3g}"
-
-
-def value_cell(e: HeadlineEntry) -> str:
-    """``value [lo, hi]`` (or why there is no interval)."""
-    if e.value is None:
-        return f"— ({e.note})" if e.note else "—"
-    if e.ci95 is None:
-        why = "denominator's sign not settled: " if st.DENOMINATOR_NOTE in e.note else ""
-        return f"{fmt(e.value, e.name)} ({why}no interval)"
-    return f"{fmt(e.value, e.name)} [{fmt(e.ci95[0], e.name)}, {fmt(e.ci95[1], e.name)}]"
-
-
-def _units(e: HeadlineEntry) -> str:
-    return f"{e.n_seeds}, {e.n_levels}" if e.n_seeds else "—"
 
 
 def headline_table(entries: list[HeadlineEntry], names: tuple[str, ...] | None = None) -> list[str]:
@@ -88,18 +72,8 @@ def headline_table(entries: list[HeadlineEntry], names: tuple[str, ...] | None =
         "|---|---|---:|---:|---:|",
     ]
     for e in entries:
-        lines.append(f"| {e.quantity} | {e.scope} | {value_cell(e)} | {_units(e)} | {e.paper_text} |")
+        lines.append(f"| {e.quantity} | {e.scope} | {value_cell(e)} | {seeds_and_levels_cell(e)} | {e.paper_text} |")
     return lines
-
-
-def primary_cell(e: PrimaryEntry) -> str:
-    """``value [lo, hi]`` of a primary entry, with what was judged when a ratio fell back to a difference."""
-    if e.value is None:
-        return "not measured"
-    shown = f"{fmt(e.value)}" + ("" if e.ci95 is None else f" [{fmt(e.ci95[0])}, {fmt(e.ci95[1])}]")
-    if e.method == st.DIFFERENCE_T:
-        shown += " (as a difference: the denominator's sign is not settled)"
-    return shown
 
 
 def primary_table(entries: list[PrimaryEntry]) -> list[str]:
@@ -194,7 +168,7 @@ def controls_table(controls: list[ControlEntry]) -> list[str]:
         if e.name == "twin_shadow" and e.detail:
             extra = f"; largest deviation {e.detail['max_abs_deviation']:.1e}"
         lines.append(
-            f"| {e.name} | {e.arm} | {e.scope} | {fmt(e.value)}{_ci(e.ci95)} | {e.n_seeds}, {e.n_points} | "
+            f"| {e.name} | {e.arm} | {e.scope} | {fmt(e.value)}{interval_text(e.ci95)} | {e.n_seeds}, {e.n_points} | "
             f"{e.expected} | {_passed(e.passed)}{extra} |"
         )
     passed = sum(e.passed is True for e in controls)
@@ -210,12 +184,11 @@ def stability_table(entries: list[StabilityEntry]) -> list[str]:
         "| arm | quantity | value [95% CI] | seeds, points |",
         "|---|---|---:|---:|",
     ]
-    lines += [f"| {e.arm} | {e.quantity} | {fmt(e.value)}{_ci(e.ci95)} | {e.n_seeds}, {e.n_points} |" for e in entries]
+    lines += [
+        f"| {e.arm} | {e.quantity} | {fmt(e.value)}{interval_text(e.ci95)} | {e.n_seeds}, {e.n_points} |"
+        for e in entries
+    ]
     return [*lines, ""]
-
-
-def _ci(ci: list[float] | None) -> str:
-    return "" if ci is None else f" [{fmt(ci[0])}, {fmt(ci[1])}]"
 
 
 def controls_section(summary: Summary) -> list[str]:
@@ -245,7 +218,7 @@ def primary_section(summary: Summary, figure: str | None, brief: bool = False) -
     return lines
 
 
-def _stage_times(summary: Summary | RobustnessSummary) -> str:
+def stage_times(summary: Summary | RobustnessSummary) -> str:
     """``stage wall s (CPU s)`` for every stage that took half a second or more."""
     t = summary.timing
     parts = [
@@ -254,7 +227,7 @@ def _stage_times(summary: Summary | RobustnessSummary) -> str:
     return ", ".join(parts)
 
 
-def _conditions(summary: Summary | RobustnessSummary) -> str:
+def run_conditions(summary: Summary | RobustnessSummary) -> str:
     """Where the time was measured: torch threads, CPUs and the machine's load (other jobs sharing it)."""
     t = summary.timing
     if "load" not in t:
@@ -360,15 +333,14 @@ def _tuning_lines(tuning: TuningRecord) -> list[str]:
     return lines
 
 
-def render_report(summary: Summary, levels: LevelData | None = None) -> str:
-    """``report.md``: the primary family (table, forest plot, A/A calibration) and where it disagrees
-    with the paper, then the conditions, the descriptive headline, the Taylor check, matched levels,
-    the Zipf sweep, tuning, final losses and figures."""
-    lines = [
+def _report_opening(summary: Summary) -> list[str]:
+    """The report's title and run line, the primary family, the controls, the disagreements, the conditions,
+    the descriptive headline and the Taylor check."""
+    return [
         f"# curvlab reproduction ({summary.preset} preset)",
         "",
         f"Finished in {summary.seconds:.0f} s ({summary.invocations} invocation(s) of `curvlab reproduce`): "
-        f"{_stage_times(summary)} ({_conditions(summary)}). Tiny models on a synthetic language are not the paper's "
+        f"{stage_times(summary)} ({run_conditions(summary)}). Tiny models on a synthetic language are not the paper's "
         "124M model on FineWeb: the verdicts say whether the paper's direction holds *here*.",
         "",
         f"Made with {summary.versions.text()}." if summary.versions else "Package versions: not recorded.",
@@ -413,28 +385,28 @@ def render_report(summary: Summary, levels: LevelData | None = None) -> str:
         ),
         "",
     ]
-    if summary.fineweb:
-        f = summary.fineweb
-        rom = f.ratio_of_means
-        lines += [
-            "## FineWeb (the paper's own setting)",
-            "",
-            f"AdamW/Muon at matched validation loss in the stable phase ({f.levels} levels, {f.note}): NDS "
-            f"{fmt(rom['nds'])}, first-order gain {fmt(rom['first_order'])}, curvature penalty "
-            f"{fmt(rom['curvature_penalty'])}, update norm {fmt(rom['update_norm'])}.",
-            "",
-        ]
-    lines += ["## Zipf sweep: trajectory-mean NDS over Muon's at the first s", "", *_zipf_table(summary), ""]
-    if levels is not None:
-        lines += [
-            "## Matched levels",
-            "",
-            "Each side: the matched checkpoint's step, schedule multiplier and learning rate, and the window "
-            "means of ||Z|| (and ||Z|| / multiplier) and NDS.",
-            "",
-            *_level_tables(levels),
-        ]
-    lines += ["## Learning rates", "", *_tuning_lines(summary.tuning), "", "## Final validation loss per run", ""]
+
+
+def _fineweb_section(summary: Summary) -> list[str]:
+    """The FineWeb comparison, in the paper's own setting (none when the run made none)."""
+    if not summary.fineweb:
+        return []
+    f = summary.fineweb
+    rom = f.ratio_of_means
+    return [
+        "## FineWeb (the paper's own setting)",
+        "",
+        f"AdamW/Muon at matched validation loss in the stable phase ({f.levels} levels, {f.note}): NDS "
+        f"{fmt(rom['nds'])}, first-order gain {fmt(rom['first_order'])}, curvature penalty "
+        f"{fmt(rom['curvature_penalty'])}, update norm {fmt(rom['update_norm'])}.",
+        "",
+    ]
+
+
+def _report_closing(summary: Summary) -> list[str]:
+    """The report's last sections: the learning rates, the final validation losses, the quadratic model and the
+    figures."""
+    lines = ["## Learning rates", "", *_tuning_lines(summary.tuning), "", "## Final validation loss per run", ""]
     for s, arms in summary.final_val_loss.items():
         lines.append(f"- s = {s}: " + "; ".join(f"{a} " + ", ".join(fmt(v) for v in vals) for a, vals in arms.items()))
     q = summary.quadratic
@@ -449,6 +421,25 @@ def render_report(summary: Summary, levels: LevelData | None = None) -> str:
     ]
     for name, paths in summary.figures.items():
         lines += [f"![{name}]({p})" for p in paths if p.endswith(".png")]
+    return lines
+
+
+def render_report(summary: Summary, levels: LevelData | None = None) -> str:
+    """``report.md``: the primary family (table, forest plot, A/A calibration) and where it disagrees
+    with the paper, then the conditions, the descriptive headline, the Taylor check, matched levels,
+    the Zipf sweep, tuning, final losses and figures."""
+    lines = [*_report_opening(summary), *_fineweb_section(summary)]
+    lines += ["## Zipf sweep: trajectory-mean NDS over Muon's at the first s", "", *_zipf_table(summary), ""]
+    if levels is not None:
+        lines += [
+            "## Matched levels",
+            "",
+            "Each side: the matched checkpoint's step, schedule multiplier and learning rate, and the window "
+            "means of ||Z|| (and ||Z|| / multiplier) and NDS.",
+            "",
+            *_level_tables(levels),
+        ]
+    lines += _report_closing(summary)
     return "\n".join(lines) + "\n"
 
 
@@ -459,7 +450,7 @@ def render_readme_results(summary: Summary, figures_dir: str = "docs/results", n
     forest = f"{figures_dir}/fig0_primary_forest.png" if _figure(summary, "fig0_primary_forest") else None
     lines = [
         f"`curvlab reproduce --preset {summary.preset}`: {summary.seconds / 60:.0f} minutes on the development machine "
-        f"({_conditions(summary)}); by stage: {_stage_times(summary)}." + (f" {note}" if note else ""),
+        f"({run_conditions(summary)}); by stage: {stage_times(summary)}." + (f" {note}" if note else ""),
         "",
         "Primary family (pre-registered; the only claims judged):",
         "",
@@ -482,20 +473,6 @@ def render_readme_results(summary: Summary, figures_dir: str = "docs/results", n
         if _figure(summary, name):
             lines.append(f"![{name}]({figures_dir}/{name}.png)")
     return "\n".join(lines) + "\n"
-
-
-def _yes_no(inside: bool | None) -> str:
-    return "—" if inside is None else "yes" if inside else "no"
-
-
-def _shift_cell(row: RerunComparison) -> str:
-    """The paired shift between the runs: a factor on the log scale, a difference otherwise."""
-    if row.shift is None or row.shift.ci95 is None:
-        return "—"
-    m, (lo, hi) = row.shift.value, row.shift.ci95
-    if row.log_scale:
-        return f"×{math.exp(m):.3g} [{math.exp(lo):.3g}, {math.exp(hi):.3g}], p {row.shift.p:.2g}"
-    return f"{m:+.3g} [{lo:+.3g}, {hi:+.3g}], p {row.shift.p:.2g}"
 
 
 def rerun_agreement(summary: Summary, rerun: Summary) -> list[str]:
@@ -522,7 +499,7 @@ def rerun_agreement(summary: Summary, rerun: Summary) -> list[str]:
         e, o = r.this, r.other
         rows.append(
             f"| {e.name} | {e.scope} | {primary_cell(e)} | {primary_cell(o)} | {e.direction} / {o.direction} | "
-            f"{_yes_no(r.this_in_other)} | {_yes_no(r.other_in_this)} | {_shift_cell(r)} |"
+            f"{yes_no_cell(r.this_in_other)} | {yes_no_cell(r.other_in_this)} | {shift_cell(r)} |"
         )
     return [*rows, ""]
 
@@ -532,7 +509,8 @@ def render_readme_teaser(summary: Summary, figures_dir: str = "docs/results", pa
     A/A calibration) and a link to the whole results ``page``."""
     forest = f"{figures_dir}/fig0_primary_forest.png" if _figure(summary, "fig0_primary_forest") else None
     lines = [
-        f"`curvlab reproduce --preset {summary.preset}`: {summary.seconds / 60:.0f} minutes ({_conditions(summary)}).",
+        f"`curvlab reproduce --preset {summary.preset}`: {summary.seconds / 60:.0f} minutes "
+        f"({run_conditions(summary)}).",
         "",
         *primary_section(summary, forest, brief=True),
         f"The method, the notes, conditions, caveats, the descriptive quantities and every figure: [{page}]({page}).",
@@ -580,130 +558,3 @@ def update_readme(
     if rerun is not None:
         teaser += "\n" + "\n".join(rerun_agreement(summary, Summary.load(Path(rerun) / "summary.json")))
     atomic_write_text(readme, head + begin + "\n\n" + teaser + "\n" + end + tail)
-
-
-FINETUNE_ROWS = ("nds_ratio", "nds_ratio_median", "first_order_ratio", "curvature_penalty_ratio",
-                 "curvature_penalty_ratio_median", "update_norm_ratio", "rho_within_adamw", "rho_within_variant",
-                 "taylor_adamw_median", "taylor_variant_median")  # fmt: skip
-
-
-def finetune_table(result) -> list[str]:
-    """The markdown table of a fine-tuning comparison (:class:`curvlab.studies.adapters.FinetuneResult`):
-    every entry with its interval, its seeds and its levels over all seeds."""
-    lines = ["| quantity | comparison | value [95% CI] | seeds, levels in all |", "|---|---|---:|---:|"]
-    for c in result.comparisons:
-        for name in FINETUNE_ROWS:
-            e = result.entry(name, c.variant)
-            quantity = e.quantity.replace("variant", c.variant)
-            lines.append(f"| {quantity} | adamw/{c.variant} | {value_cell(e)} | {_units(e)} |")
-    return lines
-
-
-def finetune_section(result) -> list[str]:
-    """The report section of a fine-tuning comparison: table, learning rates, final losses, caveats."""
-    t = result.timing
-    lines = [
-        "## Curvature of adapter steps (LoRA fine-tuning)",
-        "",
-        "AdamW over each Muon variant at matched validation loss (s = 1), adapter parameters only, one block "
-        "per adapted layer (A and B together); ratios of sums over seeds and levels with 95% seed-level "
-        "intervals (t on per-seed log ratios, or Fieller's).",
-        "",
-        *finetune_table(result),
-        "",
-        "Tuned learning rates: " + ", ".join(f"{a} {lr:g}" for a, lr in result.chosen_lr.items()) + ".",
-        "Final validation loss (per seed): "
-        + "; ".join(f"{a} {', '.join(f'{x:.3f}' for x in v)}" for a, v in result.final_loss.items())
-        + ".",
-    ]
-    if "total" in t:
-        lines.append(
-            f"Wall time {t['total']:.0f} s on {t.get('threads', '?')} thread(s), "
-            f"load average {t.get('load', math.nan):.1f}"
-            + (f", over {t['invocations']:.0f} invocations." if t.get("invocations", 1) > 1 else ".")
-        )
-    refused = sum(len(c.refused) for c in result.comparisons)
-    if refused:
-        lines.append(f"{refused} level(s) or seed(s) found no match (see finetune.json, `refused`).")
-    lines += ["", "Caveats:", "", *(f"- {n}" for n in result.notes)]
-    return lines
-
-
-ROBUSTNESS_FIGURE = "robustness_ratios"
-
-
-def _lr_cell(lr: dict[str, float]) -> str:
-    return f"{lr['lr']:g}" + (f" (AdamW side {lr['adam_lr']:g})" if "adam_lr" in lr else "")
-
-
-def render_robustness(
-    summary: RobustnessSummary,
-    figures_dir: str = "figures",
-    reference: tuple[str, float, list[float] | None] | None = None,
-) -> str:
-    """The robustness design's page (docs/science.md section 15): the paired ratio at every setting, its
-    controls and edge-of-stability context, from ``summary.json`` alone; ``reference`` (a reproduction's
-    paired ratio: label, value, interval) is quoted beside it."""
-    t = summary.timing
-    lines = [
-        f"# The paired direction ratio across settings ({summary.preset})",
-        "",
-        f"`curvlab reproduce --preset {summary.preset}`: {summary.seconds / 60:.0f} minutes "
-        f"({t.get('total_cpu', float('nan')) / 60:.0f} CPU minutes; {_conditions(summary)}); by stage: "
-        f"{_stage_times(summary)}.",
-        "",
-        f"Each setting changes one thing in the `{summary.base}` design and runs both arms on seeds "
-        f"{', '.join(map(str, summary.seeds))} (disjoint from `{summary.base}`'s measured, tuning and check seeds). "
-        "The learning rates are the committed table's, times the setting's factor: nothing is re-tuned, for "
-        "either arm. Each ratio is judged alone (one claim; no Holm correction across settings), with the "
-        "exact one-sided sign-flip p beside the t model's verdict. A setting is one estimate under changed "
-        "conditions, not a test of its own.",
-        "",
-    ]
-    if reference is not None:
-        label, value, ci = reference
-        lines += [f"Reference, the {label}: {fmt(value)}{_ci(ci)}.", ""]
-    lines += [
-        "| setting | AdamW lr | Muon lr | paired ratio [95% CI] | seeds, points | verdict (alone) | exact p | "
-        "controls | failed |",
-        "|---|---:|---:|---:|---:|---|---:|---|---|",
-    ]
-    for x in summary.settings:
-        controls = {True: "all passed", False: "**not all**", None: "not measured"}[x.controls_passed]
-        lines.append(
-            f"| {x.label} | {_lr_cell(x.lr['adamw'])} | {_lr_cell(x.lr['muon'])} | "
-            f"{fmt(x.paired_ratio)}{_ci(x.ci95)} | "
-            f"{x.n_seeds}, {x.n_points} | {x.verdict} | {fmt(x.p_exact)} | {controls} | "
-            f"{', '.join(x.failed_controls) or '—'} |"
-        )
-    lines += ["", f"![{ROBUSTNESS_FIGURE}]({figures_dir}/{ROBUSTNESS_FIGURE}.png)", ""]
-    for x in summary.settings:
-        lines += [f"## {x.label}", "", *controls_table(x.controls)]
-        lines += stability_table(x.edge_of_stability) if x.edge_of_stability else []
-    return "\n".join(lines)
-
-
-def paired_reference(summary: Summary) -> tuple[str, float, list[float] | None] | None:
-    """A reproduction's paired ratio as the robustness page's reference (``None``: not measured)."""
-    e = summary.primary_entry("paired_direction_ratio")
-    return None if e.value is None else (f"{summary.preset} reproduction ({e.n_seeds} seeds)", e.value, e.ci95)
-
-
-def publish_robustness(results: Path, docs: Path, page: Path, reference: Path | None = None) -> None:
-    """Copy a robustness design's ``summary.json``, ``levels.json`` and figure into ``docs`` and write its page
-    (:func:`render_robustness`) to ``page``, quoting ``reference`` (a reproduction's ``summary.json``, e.g.
-    quick's committed one) beside it and in the figure, which is drawn again with it.
-
-    Raises:
-        CurvlabError: a missing or unreadable summary.
-    """
-    summary = RobustnessSummary.load(results / "summary.json")
-    ref = None if reference is None else paired_reference(Summary.load(reference))
-    figures = docs / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    for name in ("summary.json", "levels.json"):
-        payload = (results / name).read_bytes()
-        atomic_write_with(docs / name, lambda f, payload=payload: f.write(payload))
-    robustness_ratios(summary.settings, figures / ROBUSTNESS_FIGURE, ref)
-    relative = Path(os.path.relpath(figures, page.parent)).as_posix()
-    atomic_write_text(page, render_robustness(summary, relative, ref) + "\n")

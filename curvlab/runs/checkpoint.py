@@ -245,6 +245,14 @@ def restore_lightning(module: torch.nn.Module, path: str | Path) -> list[torch.o
     builds, in order, as Lightning restores them. Returns those optimizers, for
     :func:`~curvlab.steps.update.next_update` and the analyses (``module`` is the model).
 
+    Args:
+        module: the LightningModule (or any module with ``configure_optimizers``), in the dtype the
+            checkpoint was saved in; its weights are replaced in place.
+        path: the Lightning ``.ckpt`` file.
+
+    Returns:
+        The optimizers ``configure_optimizers`` builds, in its order, each holding its saved state.
+
     Raises:
         CurvlabError: not a Lightning checkpoint, weights that don't fit the module or have another dtype than
             its own (a checkpoint of ``precision="64-true"`` restores into ``module.double()``), or a different

@@ -228,6 +228,32 @@ def window(checkpoints: list[Checkpoint], i: int, width: int) -> tuple[Checkpoin
     return tuple(checkpoints[max(0, i - width) : i + width + 1])
 
 
+def _candidate_pairs(
+    a: list[Checkpoint],
+    b: list[Checkpoint],
+    mismatch: np.ndarray,
+    common: tuple[float, float],
+    ceiling: float | None,
+    tolerance: float,
+    phase: str,
+    multiplier_tolerance: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pairs ``(i, j)`` of checkpoints of ``a`` and ``b`` a level may take, with their mean losses: losses
+    within ``tolerance`` of each other (and, for ``phase="multiplier"``, equal multipliers), centred inside the
+    ``common`` range and below ``ceiling`` when given."""
+    la, lb = np.array([c.val_loss for c in a]), np.array([c.val_loss for c in b])
+    allowed = mismatch <= tolerance
+    if phase == "multiplier":
+        ma, mb = np.array([c.multiplier for c in a]), np.array([c.multiplier for c in b])
+        allowed &= np.abs(ma[:, None] - mb[None, :]) <= multiplier_tolerance * np.maximum(ma[:, None], mb[None, :])
+    ii, jj = np.nonzero(allowed)
+    centres = (la[ii] + lb[jj]) / 2
+    inside = (centres >= common[0]) & (centres <= common[1])
+    if ceiling is not None:
+        inside &= centres < ceiling
+    return ii[inside], jj[inside], centres[inside]
+
+
 def match_runs(
     run_a: str | Path,
     run_b: str | Path,
@@ -266,18 +292,9 @@ def match_runs(
             f"{run_b} spans [{lb.min():.4f}, {lb.max():.4f}]"
         )
     ceiling = plateau_ceiling
-    # candidate pairs: losses within tolerance of each other (and, for "multiplier", equal multipliers)
     mismatch = np.abs(la[:, None] - lb[None, :]) / ((la[:, None] + lb[None, :]) / 2)
-    allowed = mismatch <= tolerance
-    if phase == "multiplier":
-        ma, mb = np.array([c.multiplier for c in a]), np.array([c.multiplier for c in b])
-        allowed &= np.abs(ma[:, None] - mb[None, :]) <= multiplier_tolerance * np.maximum(ma[:, None], mb[None, :])
-    ii, jj = np.nonzero(allowed)
-    centres = (la[ii] + lb[jj]) / 2
-    inside = (centres >= low) & (centres <= high)
-    if isinstance(levels, int) and ceiling is not None:  # spaced targets stay off the plateau
-        inside &= centres < ceiling
-    ii, jj, centres = ii[inside], jj[inside], centres[inside]
+    off_plateau = ceiling if isinstance(levels, int) else None  # spaced targets stay off the plateau
+    ii, jj, centres = _candidate_pairs(a, b, mismatch, (low, high), off_plateau, tolerance, phase, multiplier_tolerance)
     if isinstance(levels, int):
         top = high if ceiling is None else min(high, ceiling)
         if top <= low:

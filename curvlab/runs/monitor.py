@@ -1,8 +1,7 @@
 r"""Curvature while training runs: every K steps, the NDS and Taylor split of the step the run takes.
 
-A :class:`CurvatureMonitor` holds a model, its optimizer, a loss function and a fixed held-out batch
-set D, chosen once. Called at step k, it measures the step :math:`Z_k = W_k - W_{k+1}` on D
-(docs/science.md sections 1-2):
+A :class:`CurvatureMonitor` holds a model, its optimizer, a loss function and a fixed held-out batch set D, chosen
+once. Called at step k, it measures the step :math:`Z_k = W_k - W_{k+1}` on D (docs/science.md sections 1-2):
 
 .. math::
     I_1 = \langle G_D, Z\rangle,\quad I_2 = \tfrac12\langle Z, H_D[Z]\rangle,\quad
@@ -16,10 +15,9 @@ cross = the off-diagonal sum, rho_within = within / NDS. Each measurement is a :
 Z comes from one of two places:
 
 * the step taken: :meth:`CurvatureMonitor.snapshot` before ``optimizer.step()``, then
-  :meth:`CurvatureMonitor.measure_taken` after it. Z is exactly the step the loop took, whatever
-  went into it (clipping, autocast, accumulation, DDP). ``curvlab train`` and the callbacks for the
-  Hugging Face Trainer (:func:`trainer_curvature_callback`) and Lightning (:func:`lightning_curvature_callback`)
-  do this;
+  :meth:`CurvatureMonitor.measure_taken` after it. Z is exactly the step the loop took, whatever went into it
+  (clipping, autocast, accumulation, DDP). ``curvlab train`` and the callbacks for the Hugging Face Trainer
+  (:func:`trainer_curvature_callback`) and Lightning (:func:`lightning_curvature_callback`) do this;
 * the step it would take: :meth:`CurvatureMonitor.measure_next` at a step boundary, given the batch
   the next step trains on, runs :func:`~curvlab.steps.update.next_update` (gradient, clipping, optimizer on
   cloned state). With the same batch, loss and clipping as the loop, that is the next step, bit for bit.
@@ -472,17 +470,22 @@ def trainer_curvature_callback(monitor: CurvatureMonitor, *, stop_on_nonfinite: 
     """A ``transformers.TrainerCallback`` that measures ``monitor``'s rows during ``Trainer.train()``.
 
     Before each due optimizer step (``on_pre_optimizer_step``, after clipping) it snapshots W; after it
-    (``on_optimizer_step``) it measures the step taken, so Z is the Trainer's real step. The row's step
-    is ``state.global_step`` before the step. Rows land in ``monitor.rows`` (and ``monitor.on_row``).
-    A non-finite row stops training only with ``stop_on_nonfinite``. transformers is imported here,
-    not by ``import curvlab``.
+    (``on_optimizer_step``) it measures the step taken, so Z is the Trainer's real step. The row's step is
+    ``state.global_step`` before the step. Rows land in ``monitor.rows`` (and ``monitor.on_row``). transformers is
+    imported here, not by ``import curvlab``. With the ``trainer`` (given here, by ``callback.attach(trainer)``, or by
+    :func:`add_trainer_curvature_callback`), each row also goes into the Trainer's own logs at the end of its step:
+    ``trainer.log(row.log_scalars())``, so ``curvature/nds``, ... reach ``state.log_history`` and every ``report_to``
+    integration (TensorBoard, W&B, ...) as the loss does, at the Trainer's ``global_step`` after the measured step. (A
+    callback is handed no trainer by transformers, and one added to a Trainer runs after the integrations, so it needs
+    the trainer to log through.)
 
-    With the ``trainer`` (given here, by ``callback.attach(trainer)``, or by
-    :func:`add_trainer_curvature_callback`), each row also goes into the Trainer's own logs at the end of its
-    step: ``trainer.log(row.log_scalars())``, so ``curvature/nds``, ... reach ``state.log_history`` and
-    every ``report_to`` integration (TensorBoard, W&B, ...) as the loss does, at the Trainer's
-    ``global_step`` after the measured step. (A callback is handed no trainer by transformers, and
-    one added to a Trainer runs after the integrations, so it needs the trainer to log through.)
+    Args:
+        monitor: the :class:`CurvatureMonitor` that measures the rows (its schedule, batches and scopes).
+        stop_on_nonfinite: a non-finite row stops training (default off: a measurement never ends a run).
+        trainer: the ``transformers.Trainer`` to log through (default ``None``: ``monitor.rows`` alone).
+
+    Returns:
+        (transformers.TrainerCallback): the callback, for ``Trainer(callbacks=[...])``.
     """
     from transformers import TrainerCallback  # optional (the hf extra): only this callback needs it
 
@@ -534,8 +537,16 @@ def trainer_curvature_callback(monitor: CurvatureMonitor, *, stop_on_nonfinite: 
 
 
 def add_trainer_curvature_callback(trainer: Any, monitor: CurvatureMonitor, *, stop_on_nonfinite: bool = False):
-    """Add :func:`trainer_curvature_callback` to a ``transformers.Trainer``, logging its rows through the
-    Trainer (its ``log_history`` and ``report_to``); returns the callback."""
+    """Add :func:`trainer_curvature_callback` to a ``transformers.Trainer``, logging its rows through the Trainer.
+
+    Args:
+        trainer: the ``transformers.Trainer`` to add it to, whose logs (``log_history``, ``report_to``) get the rows.
+        monitor: the :class:`CurvatureMonitor` that measures the rows.
+        stop_on_nonfinite: a non-finite row stops training (default off: a measurement never ends a run).
+
+    Returns:
+        (transformers.TrainerCallback): the callback added.
+    """
     callback = trainer_curvature_callback(monitor, stop_on_nonfinite=stop_on_nonfinite, trainer=trainer)
     trainer.add_callback(callback)
     return callback
@@ -544,15 +555,20 @@ def add_trainer_curvature_callback(trainer: Any, monitor: CurvatureMonitor, *, s
 def lightning_curvature_callback(monitor: CurvatureMonitor, *, stop_on_nonfinite: bool = False):
     """A ``lightning.pytorch.Callback`` that measures ``monitor``'s rows during ``Trainer.fit``.
 
-    Before each due optimizer step (``on_before_optimizer_step``: after the backward passes of the
-    step, and before the optimizer moves anything, which it does after the closure returns) it
-    snapshots W; at ``on_train_batch_end`` it measures the step taken, so Z is the step Lightning
-    took (accumulation, clipping, precision and all). The row's step is ``trainer.global_step``
-    before the step. Rows land in ``monitor.rows`` and go to every logger of the Trainer
-    (``logger.log_metrics``) as ``curvature/nds``, ... (:meth:`MonitorRow.log_scalars`), at the row's
-    step, where Lightning logs the training loss of the same batch. A
-    non-finite row stops training only with ``stop_on_nonfinite``. Lightning is imported here
-    (``pip install 'curvlab[lightning]'``), not by ``import curvlab``.
+    Before each due optimizer step (``on_before_optimizer_step``: after the backward passes of the step, and before
+    the optimizer moves anything, which it does after the closure returns) it snapshots W; at ``on_train_batch_end``
+    it measures the step taken, so Z is the step Lightning took (accumulation, clipping, precision and all). The
+    row's step is ``trainer.global_step`` before the step. Rows land in ``monitor.rows`` and go to every logger of
+    the Trainer (``logger.log_metrics``) as ``curvature/nds``, ... (:meth:`MonitorRow.log_scalars`), at the row's
+    step, where Lightning logs the training loss of the same batch. Lightning is imported here (``pip install
+    'curvlab[lightning]'``), not by ``import curvlab``.
+
+    Args:
+        monitor: the :class:`CurvatureMonitor` that measures the rows (its schedule, batches and scopes).
+        stop_on_nonfinite: a non-finite row stops training (default off: a measurement never ends a run).
+
+    Returns:
+        (lightning.pytorch.Callback): the callback, for ``Trainer(callbacks=[...])``.
     """
     try:
         from lightning.pytorch import Callback  # optional: only this callback needs Lightning

@@ -34,32 +34,23 @@ from curvlab.engine.loss import count_loss_terms, token_cross_entropy
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.build import build_optimizer
-from curvlab.runs.checkpoint import (
-    INDEX,
-    add_to_index,
-    checkpoint_name,
-    is_checkpoint_name,
-    load_checkpoint,
-    read_index,
-    save_checkpoint,
-)
-from curvlab.runs.config import TrainConfig, config_difference
+from curvlab.runs.checkpoint import add_to_index, checkpoint_name, load_checkpoint, read_index, save_checkpoint
+from curvlab.runs.config import TrainConfig
 from curvlab.runs.metrics import METRICS_FILE, row_line, truncate_metrics
 from curvlab.runs.monitor import CurvatureMonitor, MonitorRow, MonitorSettings, NonFiniteCurvature, training_monitor
+from curvlab.runs.run_folder import check_new_run, check_no_foreign_files, check_resume
 from curvlab.runs.schedule import lr_multiplier
 from curvlab.steps.shadow import ShadowState, build_controls, build_shadow
 from curvlab.util.atomic import (
     atomic_write_text,
     remove_stale_temporaries,
-    temporary_of,
     write_errors,
     writes_confined_to,
 )
 from curvlab.util.distributed import all_reduce_sum, barrier, device_for_rank, my_share, rank_and_world
-from curvlab.util.lock import LOCK_FILE, OWNER_FILE, check_still_owner, own_directory
+from curvlab.util.lock import check_still_owner, own_directory
 from curvlab.util.progress import progress as progress_bar
 from curvlab.util.safe_stop import check_stop, stop_at_safe_points
-from curvlab.util.schema import parse_json
 
 
 def pick_device(name: str) -> torch.device:
@@ -356,83 +347,62 @@ def train(
     )  # fmt: skip
 
 
-def check_resume(out: Path, cfg: TrainConfig) -> None:
-    """Refuse to resume the run in ``out`` under a config other than the one it was started with.
-
-    Raises:
-        CurvlabError: the saved ``config.json`` differs from ``cfg`` (the differences are named), or is
-            corrupt.
-    """
-    diff = config_difference(_saved_config(out) or {}, cfg.to_dict())
-    if diff:
-        raise CurvlabError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
-
-
-def _saved_config(out: Path) -> dict[str, Any] | None:
-    """The config a run in ``out`` was started with (``config.json``), or ``None`` where there is none;
-    a ``CurvlabError`` if it is no JSON object (a corrupt byte, another program's file)."""
-    path = out / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as e:  # (bytes that are no text)
-        raise CurvlabError(f"{path}: corrupt training config ({e})") from None
-    saved = parse_json(text, path, "a training config")  # (huge numbers and deep nesting too: one line)
-    if not isinstance(saved, dict):
-        raise CurvlabError(f"{path}: corrupt training config (a JSON object expected, found {type(saved).__name__})")
-    return saved
-
-
-# what a run's folder holds before its first checkpoint is listed in its index: the lock and owner record
-# (curvlab.util.lock), the config it began with, and an adapter run's settings (curvlab.runs.adapt.ADAPTER_FILE)
-BEFORE_INDEX = frozenset({LOCK_FILE, OWNER_FILE, "config.json", "adapter.json"})
-
-
-def _files_not_before_index(out: Path) -> tuple[list[str], list[str]]:
-    """The names in ``out`` that a run without an index doesn't hold (:data:`BEFORE_INDEX`; temporaries
-    aside): a run's (checkpoints, metrics, an empty index), and the rest, which curvlab doesn't write in a run."""
-    names = sorted(p.name for p in out.iterdir() if temporary_of(p) is None) if out.is_dir() else []
-    runs = [n for n in names if n in (INDEX, METRICS_FILE) or is_checkpoint_name(n) or is_checkpoint_name(f"{n}.pt")]
-    return runs, [n for n in names if n not in BEFORE_INDEX and n not in runs]
-
-
-def check_no_foreign_files(out: Path) -> None:
-    """Refuse (one line naming some of them) to begin a run in ``out``, if it has no index, where it holds
-    files curvlab doesn't write there (a Hugging Face checkpoint, someone's notes)."""
-    foreign = [] if (out / INDEX).exists() else _files_not_before_index(out)[1]
-    if foreign:
-        raise CurvlabError(
-            f"{out}: holds files curvlab didn't write ({_some(foreign)}); refusing to begin a run there (choose a new "
-            "or empty --out)"
-        )
-
-
-def check_new_run(out: Path, cfg: TrainConfig) -> None:
-    """Refuse (one line, nothing written) to begin the run ``cfg`` in ``out``, which has no index, over
-    files not its own: a run whose index is gone (its checkpoints or metrics), another run's config, any
-    file curvlab doesn't write there. A run cut short before its first checkpoint was listed passes."""
-    runs, _ = _files_not_before_index(out)
-    if runs:
-        raise CurvlabError(
-            f"{out}: holds a run's files ({_some(runs)}) with no checkpoint listed in {INDEX}; refusing to begin a "
-            "run over them (restore its index, or choose another --out)"
-        )
-    check_no_foreign_files(out)
-    if _saved_config(out) is not None:
-        check_resume(out, cfg)
-
-
-def _some(names: list[str], shown: int = 3) -> str:
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
 def stopped_where(out: Path, step: int, last_checkpoint: int) -> str:
     """What a run stopped by a signal says: where it stopped, and how to resume."""
     return (
         f"after step {step} in {out}; its last checkpoint is step {last_checkpoint}: run the same command "
         "again to resume from it"
     )
+
+
+def _take_step(
+    run: Run,
+    forward: Callable[[Tensor], Tensor],
+    world: int,
+    trainable: list[torch.nn.Parameter],
+    curvature: CurvatureMonitor | None,
+    due: Callable[[int], bool] | None,
+) -> tuple[Tensor, float, Any]:
+    r"""One optimizer step from :math:`\theta_k` (``run.step`` k) to :math:`\theta_{k+1}`: the next batch, its loss,
+    a non-finite check, backward, clipping, the shadow and control states, the optimizer and schedule steps.
+
+    Args:
+        run: the run being trained; its step counter advances by one.
+        forward: the model's forward pass as the layout runs it over ``world`` ranks.
+        world: how many ranks share the global batch.
+        trainable: the parameters whose gradient is clipped.
+        curvature: the curvature monitor, which snapshots the state before a measured step.
+        due: whether the step from a given step is measured (``None``: none is).
+
+    Returns:
+        ``(global_loss, lr, before)``: the loss over all ranks, the learning rate the step took, and the
+        monitor's snapshot (``None`` when not measured).
+
+    Raises:
+        TrainingDiverged: a non-finite training loss.
+    """
+    cfg = run.cfg
+    x, y = (t.to(run.device) for t in run.loader.next())
+    with run.autocast():
+        loss = token_cross_entropy(forward(x), y)
+    # every rank's share of the global batch has as many tokens: the mean of the means is the loss
+    global_loss = all_reduce_sum(loss.detach().double()) / world if world > 1 else loss.detach()
+    if not torch.isfinite(global_loss):
+        raise _diverged(Path(cfg.out), run.step + 1)
+    loss.backward()  # (DDP all-reduces, FSDP2 reduce-scatters the gradients, averaged over the ranks)
+    if cfg.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+    if run.shadow is not None:  # the gradient the optimizer sees (clipped); reads it, changes nothing
+        run.shadow.update_from(run.model)
+    for control in run.controls.values():
+        control.update_from(run.model)
+    lr = run.optimizer.param_groups[0]["lr"]
+    before = curvature.snapshot() if due is not None and due(run.step) else None
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return global_loss, lr, before
 
 
 def train_loop(
@@ -504,26 +474,7 @@ def train_loop(
         log = stack.enter_context(_open_metrics(metrics_path, is_main))
         for _ in bar:
             start = time.perf_counter()
-            x, y = (t.to(run.device) for t in run.loader.next())
-            with run.autocast():
-                loss = token_cross_entropy(forward(x), y)
-            # every rank's share of the global batch has as many tokens: the mean of the means is the loss
-            global_loss = all_reduce_sum(loss.detach().double()) / world if world > 1 else loss.detach()
-            if not torch.isfinite(global_loss):
-                raise _diverged(out, run.step + 1)
-            loss.backward()  # (DDP all-reduces, FSDP2 reduce-scatters the gradients, averaged over the ranks)
-            if cfg.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-            if run.shadow is not None:  # the gradient the optimizer sees (clipped); reads it, changes nothing
-                run.shadow.update_from(run.model)
-            for control in run.controls.values():
-                control.update_from(run.model)
-            lr = run.optimizer.param_groups[0]["lr"]
-            before = curvature.snapshot() if due is not None and due(run.step) else None
-            run.optimizer.step()
-            run.scheduler.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            run.step += 1
+            global_loss, lr, before = _take_step(run, forward, world, trainable, curvature, due)
             elapsed += time.perf_counter() - start
             steps_done += 1
             train_loss = float(global_loss)

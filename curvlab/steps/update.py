@@ -209,6 +209,12 @@ def next_update(
     :func:`~curvlab.optim.model_optimizer.trainable_parameters`.
 
     Args:
+        model: the module the optimizer trains, in the mode its training step runs in.
+        optimizer: a torch optimizer over ``model``'s parameters, or a list or tuple of them over disjoint
+            parameters; never modified.
+        loss_fn: ``loss_fn(params, batch) -> scalar`` (e.g. :func:`~curvlab.engine.loss.make_loss_fn`).
+        batch: one batch, or a ``list``/:class:`~curvlab.engine.loss.Batches` of micro-batches (one step
+            with gradient accumulation).
         lr_scale: multiply every group's learning rate by this for the step (Z for a scaled lr).
         dtype: dtype of the returned G and Z; default each parameter's own (float32 for half
             precision, where a difference of two values needs more bits). Differences are taken in
