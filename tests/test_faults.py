@@ -747,3 +747,20 @@ def test_inside_a_run_a_write_whose_folder_is_a_link_out_of_it_is_refused(refere
     assert str(e.value) == f"{run / 'ckpt_000008' / 'meta.json'}: its folder leads out of {run} (a symbolic link on " \
         "the way): refused"  # fmt: skip
     assert list(outside.iterdir()) == [] and json.loads((run / "ckpt_000010" / "meta.json").read_text()) == {}
+
+
+def test_a_run_killed_between_its_first_checkpoint_and_its_index_starts_again(pcfg_data, reference, tmp_path):
+    """The step-0 checkpoint written and the process killed before it was listed: the same command begins the
+    run again (that checkpoint is made anew) and ends as an uninterrupted run; another config is still refused."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.json", "ckpt_000000.pt"):
+        shutil.copy(reference / name, out / name)
+    r = runner.invoke(app, _train_args(pcfg_data, out))
+    assert r.exit_code == 0, r.output
+    _assert_same_final_state(out, reference)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(reference / "ckpt_000000.pt", other / "ckpt_000000.pt")
+    (other / "config.json").write_text(json.dumps({**json.loads((reference / "config.json").read_text()), "seed": 7}))
+    assert "holds a run with another config" in _error_line(runner.invoke(app, _train_args(pcfg_data, other)))

@@ -44,6 +44,9 @@ TRAIN_PROBES = [  # (options, what the error line must name)
     (["--model-opt", "n_layer=1.5"], "n_layer must be int"),
     (["--model-opt", "dropout=1"], "dropout must be < 1"),
     (["--model-opt", "heads=2"], "unknown key 'heads'"),
+    (["--model-opt", "n_embd=" + "9" * 400], "n_embd must lie in [1,"),  # (beyond the floats: no OverflowError)
+    (["--model-opt", "dropout=" + "9" * 400], "dropout"),
+    (["--opt", "weight_decay=" + "9" * 400], "weight_decay"),
 ]
 
 
@@ -88,6 +91,11 @@ def test_a_config_file_is_checked_as_the_options_are(pcfg_data, tmp_path):
         assert_refused(["train", "--config", config], message, out=out)
     config.write_text(json.dumps({"data": str(pcfg_data), "out": str(out), "cooldown_frac": float("nan")}))  # NaN
     assert_refused(["train", "--config", config], "cooldown_frac must lie in [0.0, 1.0], got nan", out=out)
+    config.write_text(json.dumps({"data": str(pcfg_data), "out": str(out)})[:-1] + ', "steps": ' + "9" * 400 + "}")
+    assert_refused(["train", "--config", config], "steps must lie in [1,", out=out)
+    for damaged, message in (("[" * 100_000, "nested too deeply"), ("\udcff", "not UTF-8 text")):
+        config.write_bytes(damaged.encode("utf-8", "surrogateescape"))
+        assert_refused(["train", "--config", config], message, out=out)
     assert not out.exists()
 
 
@@ -203,3 +211,19 @@ def test_the_documented_commands_parse_with_every_check():
     train = typer.main.get_command(app).commands["train"]
     with pytest.raises(typer.BadParameter):  # (the check above can fail)
         train.make_context("curvlab train", ["--grad-clip", "-1"])
+
+
+def test_the_memory_estimate_is_a_ranks_share():
+    """Each of W ranks takes rows rank::W of the batch, and under FSDP a share of the parameters: torchrun's
+    run of a batch no one device could hold is not refused for it."""
+    from curvlab.models.gpt import get_config
+    from curvlab.runs.config import TrainConfig
+
+    cfg = TrainConfig(data="d", out="o", model="gpt2-124m", batch_size=512, seq_len=1024)
+    m = get_config("gpt2-124m")
+    per_token = 2 * (16 * m.n_layer * m.n_embd + 2 * m.vocab_size)
+    one, eight = cfg.memory_estimate(), cfg.memory_estimate(8)
+    assert one - eight == (512 - 64) * 1024 * per_token  # (the activations of 448 of the 512 rows)
+    parameters = (eight - 64 * 1024 * per_token) // 16
+    assert cfg.memory_estimate(8, sharded=True) == 16 * -(-parameters // 8) + 64 * 1024 * per_token
+    assert eight < 80e9 < one  # (an H100 holds a rank's share, not the whole batch)

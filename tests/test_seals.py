@@ -201,7 +201,8 @@ def test_a_job_refused_at_its_config_records_no_time(tmp_path):
     "damage, expected",
     [
         (lambda t: t[: len(t) // 2], "corrupt JSON"),
-        (lambda t: json.dumps(json.loads(t)["invocations"]), "timing.json schema None is not 1"),  # an older list
+        (lambda t: json.dumps([{"load": 1.0}]), "an invocation is no object with a total"),  # a damaged 0.2.0 list
+        (lambda t: json.dumps([{"total": "300"}]), "total '300' is no finite number"),
         (lambda t: t.replace('"total": 300', '"total": 301'), "edited or corrupt timing.json record"),
         (lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != schema.SEAL}), "unsealed timing.json"),
         (lambda t: "[" * 100000 + "]" * 100000, "nested too deeply"),
@@ -220,6 +221,18 @@ def test_a_damaged_timing_file_is_refused_by_name_before_the_work(tmp_path, monk
         job.run(1.0, stop=False)
     _one_line(e, str(path), expected, "delete it to go on")
     assert job.clock.timing == {}  # refused before the work
+
+
+def test_a_timing_file_of_curvlab_0_2_0_is_counted_and_sealed_at_the_next_record(tmp_path, monkeypatch):
+    """0.2.0 wrote timing.json as a bare list: a job it left resumes, its invocations counted."""
+    clocks = _Clocks()
+    monkeypatch.setattr(job_module, "time", clocks)
+    path = tmp_path / "timing.json"
+    path.write_text(json.dumps([{"total": 40.0, "load": 1.5, "threads": 1, "cpus": 2}]))
+    assert read_invocations(path) == [{"total": 40.0, "load": 1.5, "threads": 1, "cpus": 2}]
+    _StoppedOnceJob(tmp_path, clocks).run(300.0, stop=False)
+    assert [i["total"] for i in read_invocations(path)] == [40.0, 300.0]
+    assert schema.SEAL in json.loads(path.read_text())  # (sealed from now on)
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff\xfe", "[" * 100000, "9" * 5000])

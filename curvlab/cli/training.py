@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import types
 import typing
 from pathlib import Path
@@ -138,8 +139,11 @@ def train(
     if tensorboard is not None:
         check_output(tensorboard, directory=True)
     cfg.validate()  # (build_run does too; the estimate below needs a valid model first)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # (torchrun's: each rank holds its share of the batch)
     refuse_beyond_memory(
-        cfg.memory_estimate(), f"a step of batch_size {cfg.batch_size} on model {cfg.model}", cfg.device
+        cfg.memory_estimate(world, sharded=fsdp),
+        f"a step of batch_size {cfg.batch_size} on model {cfg.model}" + (f" over {world} ranks" if world > 1 else ""),
+        cfg.device,
     )
     monitor = None
     if curvature_every:

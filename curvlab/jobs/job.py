@@ -154,18 +154,32 @@ class Invocations(Record):
 
 
 def read_invocations(path: Path) -> list[dict[str, float]]:
-    """The invocations recorded in ``path`` (none without the file).
+    """The invocations recorded in ``path`` (none without the file). A bare list is the form curvlab 0.2.0
+    wrote (unsealed then): read as it is, each entry checked, and sealed at the next record.
 
     Raises:
-        CurvlabError: a damaged, edited, unsealed or older (a bare list) file: the job's earlier times
-            can't be trusted, and the message says how to go on without them.
+        CurvlabError: a damaged, edited or unsealed file: the job's earlier times can't be trusted, and the
+            message says how to go on without them.
     """
     if not path.is_file():
         return []
     try:
+        legacy = schema.read_json(path, "a job's timing")
+        if isinstance(legacy, list):
+            return [_legacy_invocation(path, entry) for entry in legacy]
         return schema.load(path, Invocations).invocations
     except CurvlabError as e:
         raise CurvlabError(f"{e}; delete it to go on (the invocations it held are then not counted)") from None
+
+
+def _legacy_invocation(path: Path, entry: Any) -> dict[str, float]:
+    """One entry of a 0.2.0 ``timing.json``: seconds by stage and the conditions, every one a finite number."""
+    if not isinstance(entry, dict) or "total" not in entry:
+        raise CurvlabError(f"{path}: corrupt timing.json (an invocation is no object with a total)")
+    for key, value in entry.items():
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise CurvlabError(f"{path}: corrupt timing.json ({key} {value!r:.40} is no finite number)")
+    return entry
 
 
 def record_invocation(path: Path, invocation: dict[str, float]) -> dict[str, float]:

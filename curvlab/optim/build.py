@@ -55,12 +55,19 @@ def build_optimizer(
     return build_model_optimizer(name, model, muon_rule, **hyperparameters)
 
 
-def _real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def is_finite_number(value: Any) -> bool:
+    """Whether ``value`` is an int or a float (no bool) that is a finite float: an int beyond the floats' range
+    is not (math.isfinite raises OverflowError on one, and an optimizer would)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _fraction(value: Any) -> bool:
-    return _real(value) and 0 <= value < 1
+    return is_finite_number(value) and 0 <= value < 1
 
 
 def _betas(value: Any) -> bool:
@@ -75,13 +82,13 @@ def _dtype_name(value: Any) -> bool:
 # What each option's value must be, whichever optimizer reads it (an option an optimizer doesn't take, the
 # builders name): a JSON value from `--opt KEY=VALUE` or a config file, checked before anything is built
 OPTION_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "lr": ("a finite number > 0", lambda v: _real(v) and v > 0),
-    "eps": ("a finite number > 0", lambda v: _real(v) and v > 0),
+    "lr": ("a finite number > 0", lambda v: is_finite_number(v) and v > 0),
+    "eps": ("a finite number > 0", lambda v: is_finite_number(v) and v > 0),
     "momentum": ("a number in [0, 1)", _fraction),
-    "weight_decay": ("a finite number >= 0", lambda v: _real(v) and v >= 0),
+    "weight_decay": ("a finite number >= 0", lambda v: is_finite_number(v) and v >= 0),
     "betas": ("a pair of numbers in [0, 1), e.g. [0.9,0.95]", _betas),
     "nesterov": ("true or false", lambda v: isinstance(v, bool)),
-    "ns_steps": ("an integer in [1, 2**31 - 1]", lambda v: _real(v) and isinstance(v, int) and 1 <= v <= 2**31 - 1),
+    "ns_steps": ("an integer in [1, 2**31 - 1]", lambda v: type(v) is int and 1 <= v <= 2**31 - 1),
     "scale": ("a name", lambda v: isinstance(v, str)),
     "polar": ("a name", lambda v: isinstance(v, str)),
     "polar_dtype": ("a torch floating dtype, e.g. float32", _dtype_name),

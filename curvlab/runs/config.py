@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import math
 import types
 import typing
 from collections.abc import Mapping
@@ -16,10 +15,11 @@ from typing import Any, ClassVar
 
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import CONFIGS, get_config
-from curvlab.optim.build import check_optimizer_options
+from curvlab.optim.build import check_optimizer_options, is_finite_number
 from curvlab.optim.model_optimizer import LORA_OPTIMIZERS, OPTIMIZERS
 from curvlab.util.codec import Record
 from curvlab.util.paths import same_path
+from curvlab.util.schema import read_json
 
 SCHEDULES = ("cosine", "wsd", "constant")
 # The largest count (steps, batch size, ...) any option takes: far past any run, far below where a C integer
@@ -117,17 +117,19 @@ class TrainConfig(Record):
         check_optimizer_options(self.optimizer_options, "optimizer_options (--opt)")
         check_optimizer_options(self.shadow_options, "shadow_options")
 
-    def memory_estimate(self) -> int:
-        """The bytes a training step takes at the least: the parameters with their gradients and two optimizer
-        states (float32), the activations each layer keeps for the backward (16 n_embd a token) and the logits
-        with their gradient (2 vocab_size a token), at 2 bytes a value (bfloat16 under CUDA's autocast; a CPU
-        stores twice that); attention scores and workspace come on top. For refusing, before anything is
-        allocated, a batch no machine could hold. Call :meth:`validate` first."""
+    def memory_estimate(self, world: int = 1, sharded: bool = False) -> int:
+        """The bytes a training step takes at the least on one of ``world`` ranks: the parameters with their
+        gradients and two optimizer states (float32; a rank's share of them when ``sharded``, FSDP), the
+        activations each layer keeps for the backward (16 n_embd a token) and the logits with their gradient
+        (2 vocab_size a token) of the rank's share of the batch, at 2 bytes a value (bfloat16 under CUDA's
+        autocast; a CPU stores twice that); attention scores and workspace come on top. For refusing, before
+        anything is allocated, a batch no machine could hold. Call :meth:`validate` first."""
         m = get_config(self.model, **self.model_overrides)
-        tokens = self.batch_size * (self.seq_len or m.block_size)
+        tokens = -(-self.batch_size // world) * (self.seq_len or m.block_size)  # (each rank takes rows rank::world)
         embeddings = m.vocab_size * m.n_embd * (1 if m.tie_embeddings else 2) + m.block_size * m.n_embd
         parameters = embeddings + 12 * m.n_layer * m.n_embd**2  # (attention 4 n_embd², MLP 8 n_embd² a layer)
-        return 4 * 4 * parameters + 2 * tokens * (16 * m.n_layer * m.n_embd + 2 * m.vocab_size)
+        held = -(-parameters // world) if sharded else parameters
+        return 4 * 4 * held + 2 * tokens * (16 * m.n_layer * m.n_embd + 2 * m.vocab_size)
 
 
 MERGED_FIELDS = ("optimizer_options", "model_overrides", "shadow_options")
@@ -163,10 +165,7 @@ def _read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CurvlabError(f"{path}: no such config file")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CurvlabError(f"{path}: corrupt JSON ({e})") from e
+    d = read_json(path, "a training config")  # (corrupt bytes, huge numbers, deep nesting: one line)
     if not isinstance(d, dict):
         raise CurvlabError(f"{path}: a training config is a JSON object of fields, got {type(d).__name__}")
     return d
@@ -198,7 +197,7 @@ def _has_type(value: Any, t: Any) -> bool:
 
 
 def _within(value: float, low: float, high: float | None) -> bool:
-    return math.isfinite(value) and low <= value and (high is None or value <= high)
+    return is_finite_number(value) and low <= value and (high is None or value <= high)
 
 
 def _span(low: float, high: float | None) -> str:

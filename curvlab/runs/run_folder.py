@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from curvlab.errors import CurvlabError
-from curvlab.runs.checkpoint import INDEX, is_checkpoint_name
+from curvlab.runs.checkpoint import INDEX, checkpoint_name, is_checkpoint_name
 from curvlab.runs.config import TrainConfig, config_difference
 from curvlab.runs.metrics import METRICS_FILE
 from curvlab.util.atomic import temporary_of
@@ -71,9 +71,11 @@ def check_no_foreign_files(out: Path) -> None:
 def check_new_run(out: Path, cfg: TrainConfig) -> None:
     """Refuse (one line, nothing written) to begin the run ``cfg`` in ``out``, which has no index, over
     files not its own: a run whose index is gone (its checkpoints or metrics), another run's config, any
-    file curvlab doesn't write there. A run cut short before its first checkpoint was listed passes."""
+    file curvlab doesn't write there. A run cut short before its first checkpoint was listed passes, and so
+    does one killed between writing its step-0 checkpoint and listing it, under the same config: the run
+    writes that checkpoint again."""
     runs, _ = _files_not_before_index(out)
-    if runs:
+    if runs and not (runs == [checkpoint_name(0)] and _saved_config(out) is not None):
         raise CurvlabError(
             f"{out}: holds a run's files ({_some(runs)}) with no checkpoint listed in {INDEX}; refusing to begin a "
             "run over them (restore its index, or choose another --out)"
