@@ -692,7 +692,7 @@ def test_a_full_disk_at_the_first_metrics_row_is_one_line_and_the_run_resumes(pc
 
 @pytest.mark.parametrize(
     "name, line, byte, expected",
-    [("config.json", 1, b"\xff", "corrupt training config ("),
+    [("config.json", 1, b"\xff", "corrupt JSON in training config ("),
      ("metrics.jsonl", 3, b"\xff", "line 3 is corrupt (no JSON record with a step); refused"),
      ("metrics.jsonl", 3, b"#", "line 3 is corrupt (no JSON record with a step); refused")],
     ids=["config-not-utf8", "metrics-not-utf8", "metrics-not-json"],

@@ -419,11 +419,7 @@ def load_report(path: str | Path) -> CurvatureReport:
 
 
 def _report_json(path: Path) -> Any:
-    try:
-        text = path.read_text()
-    except (OSError, ValueError) as e:  # (ValueError: bytes that are no text)
-        raise CurvlabError(f"{path}: unreadable report ({e})") from e
-    return schema.parse_json(text, path, "a report")
+    return schema.read_json(path, "a report")
 
 
 def _report_of(path: Path, d: Any) -> CurvatureReport:

@@ -95,13 +95,7 @@ def read_stats_json(path: Path) -> dict[str, Any]:
     Raises:
         CurvlabError: a corrupt file (not UTF-8 text, no JSON, no JSON object).
     """
-    try:
-        stats = schema.parse_json(path.read_text(), path, "a data directory's stats")
-    except UnicodeDecodeError:
-        raise CurvlabError(f"{path}: corrupt JSON in a data directory's stats (not UTF-8 text)") from None
-    if not isinstance(stats, dict):
-        raise CurvlabError(f"{path}: corrupt stats (not a JSON object)")
-    return stats
+    return schema.read_json_object(path, "data directory's stats")
 
 
 def data_vocab_size(data_dir: str | Path) -> int | None:

@@ -70,22 +70,6 @@ def _same_config(saved: dict[str, Any], config: dict[str, Any], path_keys: tuple
     )
 
 
-def _saved_config(path: Path) -> dict[str, Any]:
-    """The configuration a job saved in ``path``.
-
-    Raises:
-        CurvlabError: the file is no JSON object (damaged, or not curvlab's).
-    """
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError:
-        raise CurvlabError(f"{path}: corrupt JSON in a job's configuration (not UTF-8 text)") from None
-    saved = schema.parse_json(text, path, "a job's configuration")
-    if not isinstance(saved, dict):
-        raise CurvlabError(f"{path}: corrupt job configuration (not a JSON object)")
-    return saved
-
-
 def guard_config(path: Path, config: dict[str, Any], what: str, path_keys: tuple[str, ...] = ()) -> None:
     """Write ``config`` (with ``config_version``: :data:`CONFIG_VERSION`) to ``path`` on the first run;
     refuse a later run whose config differs (a saved field of :data:`RETIRED_FIELDS` is no difference;
@@ -98,7 +82,7 @@ def guard_config(path: Path, config: dict[str, Any], what: str, path_keys: tuple
     """
     config = json.loads(json.dumps({**config, "config_version": CONFIG_VERSION}))  # as it reads back
     if path.is_file():
-        saved = _saved_config(path)
+        saved = schema.read_json_object(path, "a job's configuration")
         if saved.get("config_version") != CONFIG_VERSION:
             raise CurvlabError(
                 f"{path.parent} holds {what} written by another curvlab version (config version "

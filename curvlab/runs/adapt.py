@@ -135,14 +135,7 @@ def _saved_settings(out: Path, name: str, what: str) -> dict[str, Any]:
     Raises:
         CurvlabError: the file is missing or unreadable, or holds no JSON object.
     """
-    try:
-        text = (out / name).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CurvlabError(f"{out}: {what} without readable settings ({type(e).__name__})") from None
-    saved = schema.parse_json(text, out / name, f"the settings of {what}")
-    if not isinstance(saved, dict):
-        raise CurvlabError(f"{out / name}: corrupt settings of {what} (not a JSON object)")
-    return saved
+    return schema.read_json_object(out / name, f"settings of {what}")
 
 
 def _adapter_difference(out: Path, reference: dict[str, Any]) -> list[str]:

@@ -357,11 +357,7 @@ def read_run_index(run_dir: str | Path) -> RunIndex | None:
     path = Path(run_dir) / INDEX
     if not path.is_file():
         return None
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError:
-        raise CurvlabError(f"{path}: corrupt index (not UTF-8 text)") from None
-    d = schema.parse_json(text, path, "a checkpoint index")
+    d = schema.read_json(path, "a checkpoint index")
     legacy: int | None = None
     if isinstance(d, dict):
         if schema.SEAL not in d:  # (a version-2 index is sealed: one without it was edited, or is no index)

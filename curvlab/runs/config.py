@@ -19,7 +19,7 @@ from curvlab.optim.build import check_optimizer_options, is_finite_number
 from curvlab.optim.model_optimizer import LORA_OPTIMIZERS, OPTIMIZERS
 from curvlab.util.codec import Record
 from curvlab.util.paths import same_path
-from curvlab.util.schema import read_json
+from curvlab.util.schema import read_json_object
 
 SCHEDULES = ("cosine", "wsd", "constant")
 # The largest count (steps, batch size, ...) any option takes: far past any run, far below where a C integer
@@ -165,10 +165,7 @@ def _read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CurvlabError(f"{path}: no such config file")
-    d = read_json(path, "a training config")  # (corrupt bytes, huge numbers, deep nesting: one line)
-    if not isinstance(d, dict):
-        raise CurvlabError(f"{path}: a training config is a JSON object of fields, got {type(d).__name__}")
-    return d
+    return read_json_object(path, "training config")  # (corrupt bytes, huge numbers, deep nesting: one line)
 
 
 def _check_fields(d: Mapping[str, Any], where: str) -> None:

@@ -13,7 +13,7 @@ from curvlab.runs.config import TrainConfig, config_difference
 from curvlab.runs.metrics import METRICS_FILE
 from curvlab.util.atomic import temporary_of
 from curvlab.util.lock import LOCK_FILE, OWNER_FILE
-from curvlab.util.schema import parse_json
+from curvlab.util.schema import read_json_object
 
 
 def check_resume(out: Path, cfg: TrainConfig) -> None:
@@ -34,14 +34,7 @@ def _saved_config(out: Path) -> dict[str, Any] | None:
     path = out / "config.json"
     if not path.is_file():
         return None
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as e:  # (bytes that are no text)
-        raise CurvlabError(f"{path}: corrupt training config ({e})") from None
-    saved = parse_json(text, path, "a training config")  # (huge numbers and deep nesting too: one line)
-    if not isinstance(saved, dict):
-        raise CurvlabError(f"{path}: corrupt training config (a JSON object expected, found {type(saved).__name__})")
-    return saved
+    return read_json_object(path, "training config")  # (bytes no text, huge numbers, deep nesting: one line)
 
 
 # what a run's folder holds before its first checkpoint is listed in its index: the lock and owner record

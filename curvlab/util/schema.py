@@ -147,6 +147,18 @@ def read_json(path: str | Path, what: str) -> Any:
     return parse_json(text, path, what)
 
 
+def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
+    """:func:`read_json` of a file that must hold a JSON object (a config, settings, stats).
+
+    Raises:
+        CurvlabError: what :func:`read_json` refuses, or a JSON value that is no object.
+    """
+    value = read_json(path, what)
+    if not isinstance(value, dict):
+        raise CurvlabError(f"{path}: corrupt {what} (a JSON object expected, found {type(value).__name__})")
+    return value
+
+
 def save(path: str | Path, record: Record) -> None:
     """Write ``record.to_dict()`` to ``path`` as strict JSON, sealed (:func:`sealed`), atomically."""
     atomic_write_json(path, sealed(record.to_dict()))
