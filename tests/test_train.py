@@ -160,7 +160,7 @@ def test_config_sources_refuse_unknown_fields_and_bad_types(tmp_path):
             TrainConfig.from_sources(None, {"data": "d", "out": "o", field_name: value})
     assert TrainConfig.from_sources(None, {"data": "d", "out": "o", "grad_clip": 2}).grad_clip == 2  # an int is a float
     path.write_text("[1, 2]")
-    with pytest.raises(ValueError, match="a JSON object of fields"):
+    with pytest.raises(ValueError, match="a JSON object expected, found list"):
         TrainConfig.from_sources(path, {})
     path.write_text("{")
     with pytest.raises(ValueError, match="corrupt JSON"):
