@@ -17,14 +17,14 @@ from timing import interleaved_medians, print_table, tiny_problem
 
 from curvlab import block_matrix, evaluate_loss, group_parameters, hvp, taylor_split
 from curvlab.curvature.taylor import taylor_split_and_block_matrix
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 
 
 def curvature_costs(args) -> None:
     cfg, loss_fn, params, batch = tiny_problem(args.batch)
-    z = P.scale({k: torch.randn_like(t) for k, t in params.items()}, 1e-3)
+    z = param_dicts.scale({k: torch.randn_like(t) for k, t in params.items()}, 1e-3)
     blocks = group_parameters(params, blocks="layer")
-    padded = [P.restrict(z, names) for names in blocks.values()]
+    padded = [param_dicts.restrict(z, names) for names in blocks.values()]
     L = len(blocks)
     t = interleaved_medians(
         {

@@ -17,7 +17,7 @@ import argparse
 import torch
 from timing import interleaved_medians
 
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 
 
 def main() -> None:
@@ -31,9 +31,9 @@ def main() -> None:
     three = ((a, b), (b, b), (a, a))
     fns = {
         "one pair, whole": lambda: torch.sum(a["w"].double() * b["w"].double()),
-        "one pair, piecewise": lambda: P.dot_table([(a, b)], ["w"]),
+        "one pair, piecewise": lambda: param_dicts.dot_table([(a, b)], ["w"]),
         "three pairs, whole": lambda: [torch.sum(x["w"].double() * y["w"].double()) for x, y in three],
-        "three pairs, piecewise": lambda: P.dot_table(list(three), ["w"]),
+        "three pairs, piecewise": lambda: param_dicts.dot_table(list(three), ["w"]),
     }
     t = interleaved_medians(fns, args.repeats)
     threads = torch.get_num_threads()

@@ -37,8 +37,7 @@ from torch._utils import _flatten_dense_tensors
 from torch.func import functional_call
 
 from curvlab import CurvaturePoint, exact_second_order, hvp, make_loss_fn
-from curvlab.engine import _cross_entropy
-from curvlab.engine import dtensors as D
+from curvlab.engine import _cross_entropy, dtensors
 
 
 def problem(batch: int):
@@ -131,18 +130,18 @@ def checks(args) -> None:
             map(math.isfinite, torch.stack(torch._foreach_norm(ts, math.inf)).tolist())
         ),
         "the infinity norm of them flattened": lambda ts: math.isfinite(flat(ts).abs().max().item()),
-        "the sum of them flattened (now)": D._plain_finite,
+        "the sum of them flattened (now)": dtensors._plain_finite,
         "no check": lambda ts: True,
     }
-    original = D._plain_finite
+    original = dtensors._plain_finite
 
     def with_way(way):
         def run():
-            D._plain_finite = way
+            dtensors._plain_finite = way
             try:
                 hvp(loss_fn, params, batch, v)
             finally:
-                D._plain_finite = original
+                dtensors._plain_finite = original
 
         return run
 

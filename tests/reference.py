@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.batchnorm import _NormBase
 
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 
 
 def deterministic(loss_fn):
@@ -53,9 +53,9 @@ def dense_hessian(loss_fn, params, batch) -> torch.Tensor:
 
 def _dense_hessian(loss_fn, params, batch) -> torch.Tensor:
     loss_fn = deterministic(loss_fn)
-    flat = P.flatten(params).detach().double().clone().requires_grad_()
+    flat = param_dicts.flatten(params).detach().double().clone().requires_grad_()
     with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
-        loss = loss_fn(P.unflatten(flat, {k: v.double() for k, v in params.items()}), batch)
+        loss = loss_fn(param_dicts.unflatten(flat, {k: v.double() for k, v in params.items()}), batch)
         (g,) = torch.autograd.grad(loss, flat, create_graph=True)
         eye = torch.eye(flat.numel(), dtype=torch.float64)
         rows = [torch.autograd.grad(g, flat, e, retain_graph=True)[0] for e in eye]
@@ -64,9 +64,9 @@ def _dense_hessian(loss_fn, params, batch) -> torch.Tensor:
 
 def dense_gradient(loss_fn, params, batch) -> torch.Tensor:
     loss_fn = deterministic(loss_fn)
-    flat = P.flatten(params).detach().double().clone().requires_grad_()
+    flat = param_dicts.flatten(params).detach().double().clone().requires_grad_()
     with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
-        loss = loss_fn(P.unflatten(flat, {k: v.double() for k, v in params.items()}), batch)
+        loss = loss_fn(param_dicts.unflatten(flat, {k: v.double() for k, v in params.items()}), batch)
         (g,) = torch.autograd.grad(loss, flat)
     return g
 

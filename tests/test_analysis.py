@@ -37,7 +37,7 @@ def test_report_identities_and_schema(runs):
     report = analyze_checkpoint(runs / "muon" / "ckpt_000008.pt", AnalysisSettings(blocks="layer")).to_dict()
     b = report["blocks"]
     assert_made_with_these_packages(report["versions"])
-    assert report["schema_version"] == 3 and report["step"] == 8 and report["optimizer"] == "muon"
+    assert report["schema_version"] == 4 and report["step"] == 8 and report["optimizer"] == "muon"
     assert sum(map(sum, b["matrix"])) == pytest.approx(report["nds"], rel=1e-5)
     assert b["within"] + b["cross"] == pytest.approx(report["nds"], rel=1e-5)
     assert b["nds"] == pytest.approx(report["nds"], rel=1e-5)  # the total under its own name
@@ -94,11 +94,11 @@ def test_nds_matches_finite_differences_along_the_step_really_taken(pcfg_data, t
     assert report["realized"] == pytest.approx(realized, rel=1e-6)
 
 
-def test_both_hvp_methods_and_both_block_ways_give_the_same_report(runs):
+def test_both_methods_and_both_block_ways_give_the_same_report(runs):
     """--method and --block-method are choices of algorithm, not of result: float64 reports agree."""
     path = runs / "adamw" / "ckpt_000008.pt"
     reports = [
-        analyze_checkpoint(path, AnalysisSettings(dtype="float64", hvp_method=m, block_method=b)).to_dict()
+        analyze_checkpoint(path, AnalysisSettings(dtype="float64", method=m, block_method=b)).to_dict()
         for m, b in (("rev_rev", "hvp"), ("fwd_rev", "hvp"), ("rev_rev", "alpha"))
     ]
     for other in reports[1:]:
@@ -107,7 +107,7 @@ def test_both_hvp_methods_and_both_block_ways_give_the_same_report(runs):
         assert other["hidden"]["nds"] == pytest.approx(reports[0]["hidden"]["nds"], rel=1e-9)
         np.testing.assert_allclose(other["blocks"]["matrix"], reports[0]["blocks"]["matrix"], rtol=1e-8, atol=1e-12)
     with pytest.raises(ValueError, match="unknown HVP method"):
-        analyze_checkpoint(path, AnalysisSettings(hvp_method="magic"))
+        analyze_checkpoint(path, AnalysisSettings(method="magic"))
 
 
 def test_analysis_never_changes_the_checkpoint(runs):
@@ -338,7 +338,7 @@ def test_spectrum_command(runs, tmp_path):
     assert all(row["nds"] <= row["lambda_max"] * 1.001 for row in rows)
 
 
-def test_compare_and_track_take_the_block_and_hvp_methods(runs, tmp_path):
+def test_compare_and_track_take_the_method_and_the_block_method(runs, tmp_path):
     """--block-method and --method reach the analysis of compare and track, as they do nds's: the settings
     recorded are those asked for, and the float64 numbers equal the default methods' report."""
     methods = ["--block-method", "alpha", "--method", "fwd_rev", "--dtype", "float64", "--quiet"]
@@ -346,7 +346,7 @@ def test_compare_and_track_take_the_block_and_hvp_methods(runs, tmp_path):
                             str(tmp_path / "t"), *methods])  # fmt: skip
     assert r.exit_code == 0, r.output
     track = json.loads((tmp_path / "t" / "track.json").read_text())
-    assert (track["settings"]["block_method"], track["settings"]["hvp_method"]) == ("alpha", "fwd_rev")
+    assert (track["settings"]["block_method"], track["settings"]["method"]) == ("alpha", "fwd_rev")
     row = track["rows"][0]
     default = analyze_checkpoint(runs / "muon" / f"ckpt_{row['step']:06d}.pt", AnalysisSettings(dtype="float64"))
     assert row["nds"] == pytest.approx(default.split.nds, rel=1e-9)
@@ -355,7 +355,7 @@ def test_compare_and_track_take_the_block_and_hvp_methods(runs, tmp_path):
                             "--tolerance", "1", "--out", str(tmp_path / "c"), *methods])  # fmt: skip
     assert r.exit_code == 0, r.output
     settings = json.loads((tmp_path / "c" / "compare.json").read_text())["settings"]
-    assert (settings["block_method"], settings["hvp_method"], settings["dtype"]) == ("alpha", "fwd_rev", "float64")
+    assert (settings["block_method"], settings["method"], settings["dtype"]) == ("alpha", "fwd_rev", "float64")
     r = runner.invoke(app, ["track", str(runs / "muon"), "--block-method", "magic", "--out", str(tmp_path / "m")])
     assert r.exit_code == 2 and "magic" in r.output
 

@@ -38,7 +38,7 @@ from curvlab import (
     make_loss_fn,
     parameter_roles,
 )
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.loss import token_cross_entropy
 from curvlab.errors import CurvlabError
 from curvlab.runs.monitor import trainer_curvature_callback
@@ -242,7 +242,7 @@ def test_activation_checkpointing_is_off_inside_the_exact_mode(reentrant):
     for method in ("rev_rev", "fwd_rev"):
         assert rel_error(hvp(loss_fn, params, batch, v, method=method), hv) < 1e-12, method
     _, zhz = forward_quadratic_form(loss_fn, params, batch, v)
-    assert zhz == pytest.approx(P.dot(v, hv), rel=1e-10)
+    assert zhz == pytest.approx(param_dicts.dot(v, hv), rel=1e-10)
     assert model.training and model.is_activation_checkpointing
 
 
@@ -276,7 +276,7 @@ def test_torch_checkpoint_called_by_the_model_itself_runs_plainly_inside(reentra
     loss_fn = make_loss_fn(model, criterion=F.cross_entropy)
     for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
         for method in ("rev_rev", "fwd_rev"):
-            got = hvp(loss_fn, P.cast(params, dtype), (x, y), v, method=method)
+            got = hvp(loss_fn, param_dicts.cast(params, dtype), (x, y), v, method=method)
             assert rel_error({k: t.double() for k, t in got.items()}, hv) < tolerance, (dtype, method)
     calls = []
     model.a.register_forward_hook(lambda *_: calls.append(1))
@@ -334,7 +334,7 @@ def test_gradient_checkpointing_inside_a_real_trainer_run(tmp_path):
     for row, (before, after) in zip(monitor.rows, recorder.steps):
         z = {n: before[n] - after[n] for n in before}
         _, _, (hz,) = double_backward(ref, before, held_batch, [z])
-        assert row.nds == pytest.approx(P.dot(z, hz) / P.dot(z, z), rel=1e-10)
+        assert row.nds == pytest.approx(param_dicts.dot(z, hz) / param_dicts.dot(z, z), rel=1e-10)
     assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
 
 
@@ -404,8 +404,12 @@ def test_encoder_and_decoder_layers_are_separate_blocks(float64_t5_norm):
     z = direction(params, 8)
     bm = block_matrix(make_loss_fn(model), params, batch, z, blocks="layer")
     members = list(bm.members.values())
-    _, _, hvs = double_backward(ReferenceLoss(model, "seq2seq"), params, batch, [P.restrict(z, b) for b in members])
-    expected = torch.tensor([[P.dot(z, hm, b) / P.dot(z, z) for hm in hvs] for b in members], dtype=torch.float64)
+    _, _, hvs = double_backward(
+        ReferenceLoss(model, "seq2seq"), params, batch, [param_dicts.restrict(z, b) for b in members]
+    )
+    expected = torch.tensor(
+        [[param_dicts.dot(z, hm, b) / param_dicts.dot(z, z) for hm in hvs] for b in members], dtype=torch.float64
+    )
     got = torch.tensor(bm.matrix, dtype=torch.float64)
     assert float((got - expected).abs().max()) <= 1e-12 * float(expected.abs().max())
 

@@ -15,7 +15,7 @@ from curvlab.analysis.controls import INJECTED_RATIOS, heldout_key, injected_key
 from curvlab.analysis.directions import counterfactual_directions
 from curvlab.analysis.report import analyze
 from curvlab.analysis.targets import AnalysisSettings, open_checkpoint
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.forward import forward_quadratic_form
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
@@ -87,8 +87,11 @@ def test_the_twins_step_is_the_real_step_and_a_lagged_twin_is_not(controlled_run
         dirs, own = _directions(target, target.controls)
         hidden = target.shadow.names
         real, twin = dirs[own].z, dirs["twin"].z
-        scale = P.norm(real, hidden)
-        assert P.norm(P.add({n: real[n] for n in hidden}, {n: twin[n] for n in hidden}, alpha=-1.0)) <= 1e-5 * scale
+        scale = param_dicts.norm(real, hidden)
+        assert (
+            param_dicts.norm(param_dicts.add({n: real[n] for n in hidden}, {n: twin[n] for n in hidden}, alpha=-1.0))
+            <= 1e-5 * scale
+        )
         settings = AnalysisSettings(controls=True)
         reports.append(analyze(target, settings))
         before = open_checkpoint(_checkpoint(run, step - 1)).controls["twin"]
@@ -128,10 +131,10 @@ def test_held_out_injected_and_stability_at_a_checkpoint(controlled_run):
     hidden = r.paired.hidden_names
     for d in dirs:
         zh = {n: d.z[n] if n in hidden else torch.zeros_like(params[n]) for n in params}
-        zh = P.cast(zh, torch.float64)
-        expected = forward_quadratic_form(loss_fn, params, target.val_batches[0], zh, dtype=torch.float64)[1] / P.dot(
-            zh, zh
-        )
+        zh = param_dicts.cast(zh, torch.float64)
+        expected = forward_quadratic_form(loss_fn, params, target.val_batches[0], zh, dtype=torch.float64)[
+            1
+        ] / param_dicts.dot(zh, zh)
         assert c.held_out[d.name] == pytest.approx(expected, rel=1e-8)
         assert r.scalars().paired[heldout_key(d.name)] == c.held_out[d.name]
     for ratio in INJECTED_RATIOS:

@@ -10,7 +10,7 @@ from torch.func import grad, jvp, vmap
 
 from curvlab import block_matrix, exact_second_order, hvps, taylor_split
 from curvlab.engine import _cross_entropy, exact
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine._cross_entropy import closed_form_cross_entropy
 from tests.builders import random_direction
 
@@ -249,7 +249,9 @@ def test_hvps_split_and_block_matrix_equal_torchs_double_backward(problem, reque
     # the loss and gradient are torch's bit for bit, so is everything of first order; the curvature is the
     # same to float64 rounding, with a sum's cancellation (measured: 2e-15 at most)
     rounding = 1e-14
-    assert (P.flatten(ours_hv) - P.flatten(theirs_hv)).norm() <= rounding * P.flatten(theirs_hv).norm()
+    assert (param_dicts.flatten(ours_hv) - param_dicts.flatten(theirs_hv)).norm() <= rounding * param_dicts.flatten(
+        theirs_hv
+    ).norm()
     for a, b in ((ours_split, theirs_split), (ours_split.hidden, theirs_split.hidden)):
         for field in ("first_order", "realized", "update_norm", "grad_norm"):
             assert getattr(a, field) == getattr(b, field)

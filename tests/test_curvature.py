@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from curvlab import CurvaturePoint, block_matrix, group_parameters, hidden_matrices, taylor_split
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from tests.builders import random_direction
 from tests.reference import MLP, dense_gradient, dense_hessian, deterministic
 
@@ -33,7 +33,7 @@ def quadratic_problem(seed=0):
 def test_taylor_split_on_a_quadratic_equals_closed_forms():
     loss_fn, params, A, b = quadratic_problem()
     z = random_direction(params, 3)
-    w, zf = P.flatten(params), P.flatten(z)
+    w, zf = param_dicts.flatten(params), param_dicts.flatten(z)
     G = A @ w - b
     s = taylor_split(loss_fn, params, None, z)
     assert s.first_order == pytest.approx(float(G @ zf), rel=1e-12)
@@ -54,7 +54,7 @@ def test_taylor_split_on_a_quadratic_equals_closed_forms():
 def test_block_matrix_on_a_quadratic_equals_closed_forms():
     loss_fn, params, A, _ = quadratic_problem()
     z = random_direction(params, 4)
-    zf = P.flatten(z)
+    zf = param_dicts.flatten(z)
     for via, method in itertools.product(("hvp", "alpha"), ("rev_rev", "fwd_rev")):
         bm = block_matrix(loss_fn, params, None, z, blocks="tensor", block_method=via, method=method)
         z1 = torch.cat([zf[:6], torch.zeros(4, dtype=torch.float64)])
@@ -72,12 +72,13 @@ def test_block_matrix_equals_dense_hessian_blocks(transformer_problem, via, meth
     z = random_direction(params, 5)
     H = dense_hessian(loss_fn, params, batch)
     bm = block_matrix(loss_fn, params, batch, z, blocks=grouping, block_method=via, method=method, chunk_size=3)
-    zf = P.flatten(z)
+    zf = param_dicts.flatten(z)
     members = group_parameters(
         params, blocks=grouping, model=loss_fn.model
     )  # the structural grouping block_matrix uses
     masks = [
-        P.flatten({n: torch.full_like(t, float(n in set(b))) for n, t in params.items()}) for b in members.values()
+        param_dicts.flatten({n: torch.full_like(t, float(n in set(b))) for n, t in params.items()})
+        for b in members.values()
     ]
     expected = np.array([[float((zf * ml) @ H @ (zf * mm)) for mm in masks] for ml in masks]) / float(zf @ zf)
     np.testing.assert_allclose(bm.matrix, expected, rtol=1e-9, atol=1e-12 * np.abs(expected).max())
@@ -119,14 +120,14 @@ def test_block_matrix_sums_to_the_taylor_nds(transformer_problem):
 
 def test_taylor_remainder_shrinks_like_the_cube_of_the_step(transformer_problem):
     loss_fn, params, batch = transformer_problem
-    z = P.scale(random_direction(params, 8), 0.01)
+    z = param_dicts.scale(random_direction(params, 8), 0.01)
     remainders = []
     for c in (1.0, 0.5, 0.25):
-        s = taylor_split(loss_fn, params, batch, P.scale(z, c), scope=None)
+        s = taylor_split(loss_fn, params, batch, param_dicts.scale(z, c), scope=None)
         remainders.append(abs(s.realized - s.predicted))
     for big, small in itertools.pairwise(remainders):
         assert 6.5 < big / small < 9.5
-    small_step = taylor_split(loss_fn, params, batch, P.scale(z, 0.1), scope=None)
+    small_step = taylor_split(loss_fn, params, batch, param_dicts.scale(z, 0.1), scope=None)
     assert small_step.realized == pytest.approx(small_step.predicted, rel=1e-3)
     L0 = float(deterministic(loss_fn)(params, batch))
     assert small_step.loss == pytest.approx(L0, rel=1e-12)
@@ -140,7 +141,7 @@ def test_taylor_split_in_float32_agrees_with_float64():
     loss_fn = make_loss_fn(model, criterion=torch.nn.functional.cross_entropy)
     params = {k: v.detach() for k, v in model.named_parameters()}
     batch = (torch.randn(32, 5), torch.randint(0, 3, (32,)))
-    z = P.scale(random_direction(params, 9), 0.01)
+    z = param_dicts.scale(random_direction(params, 9), 0.01)
     s32 = taylor_split(loss_fn, params, batch, z)
     s64 = taylor_split(loss_fn, params, batch, z, dtype=torch.float64)
     assert s32.nds == pytest.approx(s64.nds, rel=1e-4)
@@ -155,10 +156,10 @@ def test_taylor_split_of_both_scopes_equals_the_dense_hessian(problem, method, r
     gradient and the losses evaluated directly, on the models of tests/test_hvp.py."""
     loss_fn, params, batch = request.getfixturevalue(problem)
     H, G = dense_hessian(loss_fn, params, batch), dense_gradient(loss_fn, params, batch)
-    z = P.scale(random_direction(params, 3), 1e-2)
+    z = param_dicts.scale(random_direction(params, 3), 1e-2)
     names = list(params)[1::2]  # every other tensor: a scope that is neither a layer nor a kind
-    zs = P.flatten(P.restrict(z, names))
-    zf = P.flatten(z)
+    zs = param_dicts.flatten(param_dicts.restrict(z, names))
+    zf = param_dicts.flatten(z)
     s = taylor_split(loss_fn, params, batch, z, scope=names, method=method)
     assert s.nds == pytest.approx(float(zf @ H @ zf / (zf @ zf)), rel=1e-10)
     assert s.hidden.nds == pytest.approx(float(zs @ H @ zs / (zs @ zs)), rel=1e-10)
@@ -167,12 +168,12 @@ def test_taylor_split_of_both_scopes_equals_the_dense_hessian(problem, method, r
         assert scope.update_norm == pytest.approx(float(v.norm()), rel=1e-12)
         assert scope.curvature_penalty == pytest.approx(0.5 * float(v @ H @ v), rel=1e-10)
     assert s.grad_norm == pytest.approx(float(G.norm()), rel=1e-12)
-    inside = P.flatten({n: torch.full_like(t, float(n in names)) for n, t in params.items()}).bool()
+    inside = param_dicts.flatten({n: torch.full_like(t, float(n in names)) for n, t in params.items()}).bool()
     assert s.hidden.grad_norm == pytest.approx(float(G[inside].norm()), rel=1e-12)
     plain = deterministic(loss_fn)
     loss = plain(params, batch)
-    assert s.realized == pytest.approx(float(loss - plain(P.add(params, z, -1.0), batch)), rel=1e-9)
-    stepped = P.add(params, P.restrict(z, names), -1.0)
+    assert s.realized == pytest.approx(float(loss - plain(param_dicts.add(params, z, -1.0), batch)), rel=1e-9)
+    stepped = param_dicts.add(params, param_dicts.restrict(z, names), -1.0)
     assert s.hidden.realized == pytest.approx(float(loss - plain(stepped, batch)), rel=1e-9)
 
 
@@ -210,9 +211,9 @@ def test_bad_directions_and_blocks(transformer_problem):
     loss_fn, params, batch = transformer_problem
     z = random_direction(params)
     with pytest.raises(ValueError, match="zero"):
-        taylor_split(loss_fn, params, batch, P.zeros_like(params))
+        taylor_split(loss_fn, params, batch, param_dicts.zeros_like(params))
     with pytest.raises(ValueError, match="zero"):
-        block_matrix(loss_fn, params, batch, P.zeros_like(params))
+        block_matrix(loss_fn, params, batch, param_dicts.zeros_like(params))
     nan = {**z, "lm_head.weight": torch.full_like(z["lm_head.weight"], float("nan"))}
     with pytest.raises(ValueError, match="non-finite"):
         taylor_split(loss_fn, params, batch, nan)

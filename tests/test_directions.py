@@ -21,7 +21,7 @@ from curvlab.analysis.report import CurvatureReport, analyze_checkpoint
 from curvlab.analysis.targets import AnalysisSettings, open_checkpoint
 from curvlab.cli import app
 from curvlab.curvature.taylor import nds
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
@@ -187,7 +187,7 @@ def runs(pcfg_data, tmp_path_factory):
 def test_report_pairs_the_real_step_with_the_shadow_step(runs, optimizer):
     path = runs / optimizer / "ckpt_000006.pt"
     report = analyze_checkpoint(path, AnalysisSettings(dtype="float64")).to_dict()
-    assert report["schema_version"] == 3
+    assert report["schema_version"] == 4
     paired = report["paired"]
     other = {"adamw": "muon", "muon": "adamw"}[optimizer]
     assert [d["name"] for d in paired["directions"]] == ["adamw", "muon"] and paired["real"] == optimizer
@@ -212,7 +212,7 @@ def test_report_pairs_the_real_step_with_the_shadow_step(runs, optimizer):
     Zh = {n: Zs.get(n, torch.zeros_like(w)) for n, w in W.items()}
     expected = nds(loss_fn, W, target.train_batches[0], Zh, dtype=torch.float64)
     assert shadow["hidden"]["nds"] == pytest.approx(expected, rel=1e-8)
-    assert shadow["hidden"]["update_norm"] == pytest.approx(P.norm(Zs), rel=1e-9)
+    assert shadow["hidden"]["update_norm"] == pytest.approx(param_dicts.norm(Zs), rel=1e-9)
     scalars = CurvatureReport.from_dict(report).scalars().paired
     for kind in ("nds", "cos", "q"):
         for arm in ("adamw", "muon"):
@@ -321,12 +321,12 @@ def test_both_scopes_of_each_direction_equal_the_dense_hessian_where_the_scopes_
     loss_fn, params, batch = transformer_problem
     H = dense_hessian(loss_fn, params, batch)
     hidden = [n for n, t in params.items() if t.dim() == 2][1:-1]
-    mask = P.flatten({n: torch.full_like(t, float(n in hidden)) for n, t in params.items()})
+    mask = param_dicts.flatten({n: torch.full_like(t, float(n in hidden)) for n, t in params.items()})
     dirs = [Direction(f"d{k}", random_direction(params, 10 + k), "test", "own") for k in range(2)]
     with CurvaturePoint(loss_fn, params, batch) as point:
         measured = measure_directions(point, dirs, hidden)
     for d, m in zip(dirs, measured):
-        z = P.flatten(d.z)
+        z = param_dicts.flatten(d.z)
         zs = z * mask
         cross = float(zs @ H @ (z - zs))
         assert abs(cross) > 1e-3 * abs(float(z @ H @ z))  # (the coupling under test is there)

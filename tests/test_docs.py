@@ -368,6 +368,13 @@ def test_the_readme_quick_start_is_the_two_commands_ci_runs():
     assert CPU_TORCH in readme and LOCAL_CPU_TORCH in readme
 
 
+def test_the_readme_is_a_front_page():
+    """The README stays a front page, 150 lines at most: its results sections keep the headline tables and
+    link to their pages for the rest (issue 49)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: move detail to docs/"
+
+
 def test_the_quick_start_installs_what_it_runs():
     """``.[dev]`` names pytest and the test suite's packages, every core dependency states its supported
     range, and ``curvlab`` is an installed command (read from the installed package's own metadata)."""

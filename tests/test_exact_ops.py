@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, jvp
 
 from curvlab import CurvaturePoint, exact_second_order, forward_quadratic_form, hvp, make_loss_fn
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from tests.builders import random_direction
 from tests.reference import dense_hessian
 
@@ -75,16 +75,16 @@ def test_every_path_is_exact_through_every_norm_and_leaves_the_model_alone(name)
     reference_model = copy.deepcopy(model)  # the reference may update its own running statistics
     H = dense_hessian(make_loss_fn(reference_model, criterion=F.cross_entropy), params, batch)
     v = random_direction(params, 3)
-    exact = H @ P.flatten(v)
+    exact = H @ param_dicts.flatten(v)
     for method in ("rev_rev", "fwd_rev"):
-        got = P.flatten(hvp(loss_fn, params, batch, v, method=method))
+        got = param_dicts.flatten(hvp(loss_fn, params, batch, v, method=method))
         assert (got - exact).norm() <= 1e-12 * exact.norm(), method
     _, zhz = forward_quadratic_form(loss_fn, params, batch, v)
-    assert zhz == pytest.approx(float(P.flatten(v) @ exact), rel=1e-10)
+    assert zhz == pytest.approx(float(param_dicts.flatten(v) @ exact), rel=1e-10)
     with CurvaturePoint(loss_fn, params, batch, method="rev_rev") as point:  # several directions at once
         stacked = {n: torch.stack([v[n], 2 * v[n]]) for n in params}
         two = point.hvps(stacked)
-        assert (P.flatten({n: t[1] for n, t in two.items()}) - 2 * exact).norm() <= 1e-12 * exact.norm()
+        assert (param_dicts.flatten({n: t[1] for n, t in two.items()}) - 2 * exact).norm() <= 1e-12 * exact.norm()
     for k, b in buffers_of(model).items():  # curvature never changes running statistics
         assert torch.equal(b, before[k]), k
 
@@ -93,11 +93,11 @@ def reroutes_needed(name: str) -> bool:
     """Whether forward-over-forward through the *native* norm kernel is wrong, per norm."""
     model, loss_fn, params, batch = norm_problem(name)
     v = random_direction(params, 3)
-    flat = P.flatten(params)
-    exact = float(P.flatten(v) @ dense_hessian(loss_fn, params, batch) @ P.flatten(v))
+    flat = param_dicts.flatten(params)
+    exact = float(param_dicts.flatten(v) @ dense_hessian(loss_fn, params, batch) @ param_dicts.flatten(v))
 
     def along(t):  # the native kernels, on copies of the buffers (batch norm updates them in place)
-        p = {**P.unflatten(flat + t * P.flatten(v), params), **buffers_of(model)}
+        p = {**param_dicts.unflatten(flat + t * param_dicts.flatten(v), params), **buffers_of(model)}
         return F.cross_entropy(functional_call(model, p, (batch[0],)), batch[1])
 
     one = torch.ones((), dtype=torch.float64)
@@ -124,19 +124,19 @@ def test_forward_over_forward_needs_the_composites_exactly_where_they_are_used(n
     assert reroutes_needed(name) is wrong
 
 
-def test_the_hvp_methods_need_no_composite_norms():
+def test_rev_rev_and_fwd_rev_need_no_composite_norms():
     """jvp of grad and double backward through the fused LayerNorm equal the dense reference, which is
     why ``rev_rev`` and ``fwd_rev`` keep the fused kernels."""
     from torch.func import grad
 
     model, loss_fn, params, batch = norm_problem("layer_norm")
     v = random_direction(params, 5)
-    exact = dense_hessian(loss_fn, params, batch) @ P.flatten(v)
+    exact = dense_hessian(loss_fn, params, batch) @ param_dicts.flatten(v)
 
     def f(p):
         return F.cross_entropy(functional_call(model, p, (batch[0],)), batch[1])
 
-    native = P.flatten(jvp(grad(f), (params,), (v,))[1])
+    native = param_dicts.flatten(jvp(grad(f), (params,), (v,))[1])
     assert (native - exact).norm() <= 1e-12 * exact.norm()
 
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from curvlab import block_matrix, make_loss_fn, taylor_split
 from curvlab.cli import app
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, get_config
 from curvlab.optim.lora import adapter_blocks, lora_layers
@@ -56,7 +56,7 @@ def test_adapter_taylor_split_and_block_matrix_match_a_dense_float64_reference()
     g = torch.Generator().manual_seed(2)
     z = {n: 0.05 * torch.randn(p.shape, generator=g, dtype=F64) for n, p in params.items()}
     batch = (torch.randint(0, 24, (3, 6), generator=g), torch.randint(0, 24, (3, 6), generator=g))
-    H, G, zf = dense_hessian(loss_fn, params, batch), dense_gradient(loss_fn, params, batch), P.flatten(z)
+    H, G, zf = dense_hessian(loss_fn, params, batch), dense_gradient(loss_fn, params, batch), param_dicts.flatten(z)
     norm2 = float(zf @ zf)
 
     split = taylor_split(loss_fn, params, batch, z, scope=None)

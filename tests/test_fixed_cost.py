@@ -13,7 +13,7 @@ from torch import nn
 
 from curvlab import CurvaturePoint, exact_second_order
 from curvlab.engine import dtensors
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.exact import eval_forward
 from tests.builders import random_direction
 
@@ -33,7 +33,7 @@ def test_every_nan_and_inf_is_found_wherever_it_is(dtype, size):
             t = torch.randn(size, generator=g).to(dtype)
             t[where] = bad
             assert not dtensors.all_finite([other, t])
-            assert P.non_finite({"other": other, "t": t}) == ["t"]
+            assert param_dicts.non_finite({"other": other, "t": t}) == ["t"]
 
 
 def test_finite_entries_whose_sum_overflows_are_finite_and_what_needs_no_check_passes():
@@ -120,7 +120,7 @@ def test_one_direction_gives_the_row_of_a_stack_of_one(transformer_problem):
 
 def test_cast_passes_a_tensor_that_needs_nothing_as_it_is():
     plain, float64, leaf = torch.randn(3), torch.randn(3, dtype=torch.float64), torch.randn(3, requires_grad=True)
-    out = P.cast({"plain": plain, "float64": float64, "leaf": leaf, "int": torch.arange(3)}, torch.float32)
+    out = param_dicts.cast({"plain": plain, "float64": float64, "leaf": leaf, "int": torch.arange(3)}, torch.float32)
     assert out["plain"] is plain
     assert out["float64"].dtype == torch.float32 and torch.equal(out["float64"], float64.float())
     assert not out["leaf"].requires_grad and out["leaf"].data_ptr() == leaf.data_ptr()

@@ -20,7 +20,7 @@ import os
 import random
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from curvlab.jobs import finetune as finetune_module
 from curvlab.jobs.finetune import Finetune
 from curvlab.jobs.job import read_invocations
 from curvlab.jobs.presets import PRESETS, with_preset
-from curvlab.jobs.reproduce import Reproduction
+from curvlab.jobs.reproduce import Reproduction, make_data
 from curvlab.output import plots
 from curvlab.output.files import read_quadratic
 from curvlab.runs.adapt import adapt
@@ -79,7 +79,7 @@ def reproduction(tmp_path_factory):
     then a one-seed micro fine-tuning of its first AdamW run. Its figures are left out (no JSON, and most
     of its time)."""
     out = tmp_path_factory.mktemp("fuzz") / "results"
-    preset = replace(PRESETS["micro"], seeds=2, s_values=(0.0,), arms=("adamw", "muon"), finetune=None)
+    preset = PRESETS["micro"].changed(seeds=2, s_values=(0.0,), arms=("adamw", "muon"), finetune=None)
     fine = with_preset("micro", seeds=1)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(plots, "reproduction_figures", lambda *args, **kwargs: {})
@@ -138,7 +138,7 @@ def targets(out: Path, preset, fine) -> list[Target]:
             return RECOMPUTED
 
     def quadratic(path):
-        try:  # (Reproduction.quadratic recomputes the study on a CurvlabError, or on None)
+        try:  # (side_studies.quadratic recomputes the study on a CurvlabError, or on None)
             return read_quadratic(path) or RECOMPUTED
         except CurvlabError:
             return RECOMPUTED
@@ -151,7 +151,7 @@ def targets(out: Path, preset, fine) -> list[Target]:
         return run_checkpoints(run)
 
     def data(path):
-        job.data()
+        make_data(job, job.preset)
         return unigram_plateau_nats(out / "data/s0"), tuner.prepare()
 
     return [

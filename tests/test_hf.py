@@ -47,7 +47,7 @@ from curvlab import (
     trainable_parameters,
 )
 from curvlab.curvature.groupings import hidden_matrices
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.loss import count_loss_terms, weighted_batches
 from curvlab.errors import CurvlabError
 from curvlab.models.roles import matrix_shapes
@@ -187,22 +187,26 @@ def test_curvature_matches_double_backward(problems, name, exact_rms_norm):
     for method in ("fwd_rev", "rev_rev"):
         assert rel_error(hvp(loss_fn, params, batch, v, method=method), hv) < 1e-12, method
     gz, zhz = forward_quadratic_form(loss_fn, params, batch, v)
-    assert gz == pytest.approx(P.dot(g, v), rel=1e-12) and zhz == pytest.approx(P.dot(v, hv), rel=1e-12)
+    assert gz == pytest.approx(param_dicts.dot(g, v), rel=1e-12) and zhz == pytest.approx(
+        param_dicts.dot(v, hv), rel=1e-12
+    )
 
     hidden = [n for n, r in parameter_roles(model).items() if r == "hidden" and n in params]
-    v_hidden = P.restrict(v, hidden)
+    v_hidden = param_dicts.restrict(v, hidden)
     _, _, (hv_hidden,) = double_backward(ref, params, batch, [v_hidden])
     split = taylor_split(loss_fn, params, batch, v)
     assert list(split.hidden_names) == hidden
-    assert split.nds == pytest.approx(P.dot(v, hv) / P.dot(v, v), rel=1e-12)
-    assert split.first_order == pytest.approx(P.dot(g, v), rel=1e-12)
-    assert split.realized == pytest.approx(loss - float(ref(P.add(params, v, -1.0), batch)), rel=1e-12)
-    assert split.hidden.nds == pytest.approx(P.dot(v_hidden, hv_hidden) / P.dot(v_hidden, v_hidden), rel=1e-12)
+    assert split.nds == pytest.approx(param_dicts.dot(v, hv) / param_dicts.dot(v, v), rel=1e-12)
+    assert split.first_order == pytest.approx(param_dicts.dot(g, v), rel=1e-12)
+    assert split.realized == pytest.approx(loss - float(ref(param_dicts.add(params, v, -1.0), batch)), rel=1e-12)
+    assert split.hidden.nds == pytest.approx(
+        param_dicts.dot(v_hidden, hv_hidden) / param_dicts.dot(v_hidden, v_hidden), rel=1e-12
+    )
 
     bm = block_matrix(loss_fn, params, batch, v, blocks="layer")
     members = list(bm.members.values())
-    _, _, hv_blocks = double_backward(ref, params, batch, [P.restrict(v, b) for b in members])
-    expected = [[P.dot(v, hm, b) / P.dot(v, v) for hm in hv_blocks] for b in members]
+    _, _, hv_blocks = double_backward(ref, params, batch, [param_dicts.restrict(v, b) for b in members])
+    expected = [[param_dicts.dot(v, hm, b) / param_dicts.dot(v, v) for hm in hv_blocks] for b in members]
     np.testing.assert_allclose(bm.matrix, expected, rtol=1e-10, atol=1e-13 * np.abs(expected).max())
 
 
@@ -220,14 +224,14 @@ def test_lora_adapter_curvature_against_the_dense_hessian(problems):
     assert G.keys() == Z.keys() == adapters.keys()
     params = {k: t.double() for k, t in adapters.items()}
     H = dense_hessian(ReferenceLoss(model, causal=True), params, batch)
-    z = P.flatten(Z)
+    z = param_dicts.flatten(Z)
     split = taylor_split(loss_fn, params, batch, Z)
     assert split.nds == pytest.approx(float(z @ H @ z / (z @ z)), rel=1e-10)
     hv = hvp(loss_fn, params, batch, Z, method="rev_rev")
-    np.testing.assert_allclose(P.flatten(hv), H @ z, rtol=1e-10, atol=1e-12 * float((H @ z).abs().max()))
+    np.testing.assert_allclose(param_dicts.flatten(hv), H @ z, rtol=1e-10, atol=1e-12 * float((H @ z).abs().max()))
     # Adam's first step on a fresh optimizer is lr G / (|G| + eps): Z really is that step
-    g = P.flatten(G)
-    np.testing.assert_allclose(P.flatten(Z), 1e-2 * g / (g.abs() + 1e-8), rtol=1e-5)
+    g = param_dicts.flatten(G)
+    np.testing.assert_allclose(param_dicts.flatten(Z), 1e-2 * g / (g.abs() + 1e-8), rtol=1e-5)
 
 
 def test_float64_through_frozen_float32_weights_equals_the_float64_model(problems):
@@ -287,7 +291,7 @@ def test_batch_weights_count_the_terms_the_loss_averages(problems):
     the ignored labels (4 : 16 here, where counting the labels before the shift gives 4 : 20)."""
     model, _, _ = problems["gpt2"]
     loss_fn = make_loss_fn(model)
-    params = P.cast(dict(model.named_parameters()), torch.float64)
+    params = param_dicts.cast(dict(model.named_parameters()), torch.float64)
     whole = causal_batch(5, rows=5, length=6, padded=((0, 5), (1, 2)))
     parts = [{k: t[:1] for k, t in whole.items()}, {k: t[1:] for k, t in whole.items()}]
     parts[0]["labels"][0, :1] = -100  # ignored from the start too
@@ -303,7 +307,7 @@ def test_batch_weights_count_the_terms_the_loss_averages(problems):
     # classification: one term per labelled sequence
     model, batch, _ = problems["bert"]
     loss_fn = make_loss_fn(model)
-    params = P.cast(dict(model.named_parameters()), torch.float64)
+    params = param_dicts.cast(dict(model.named_parameters()), torch.float64)
     parts = [{k: t[:1] for k, t in batch.items()}, {k: t[1:] for k, t in batch.items()}]
     assert [loss_fn.loss_terms(b) for b in parts] == [1, 2]
     v = direction(params, 4)

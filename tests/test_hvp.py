@@ -22,7 +22,7 @@ from curvlab import (
     hvps,
     make_loss_fn,
 )
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.finite_difference import FiniteDifferenceHVP, finite_difference_hvp
 from curvlab.engine.hvp import METHODS
 from curvlab.errors import CurvlabError
@@ -42,17 +42,17 @@ def test_hvp_equals_dense_hessian(problem, method, request):
     loss_fn, params, batch = request.getfixturevalue(problem)
     H = dense_hessian(loss_fn, params, batch)
     v = random_direction(params)
-    hv = P.flatten(hvp(loss_fn, params, batch, v, method=method))
+    hv = param_dicts.flatten(hvp(loss_fn, params, batch, v, method=method))
     assert hv.dtype == torch.float64
-    assert rel_err(hv, H @ P.flatten(v)) <= 1e-8
+    assert rel_err(hv, H @ param_dicts.flatten(v)) <= 1e-8
 
 
 @pytest.mark.parametrize("problem", PROBLEMS)
 def test_hvp_is_symmetric(problem, request):
     loss_fn, params, batch = request.getfixturevalue(problem)
     u, v = random_direction(params, 1), random_direction(params, 2)
-    uhv = P.dot(u, hvp(loss_fn, params, batch, v))
-    vhu = P.dot(v, hvp(loss_fn, params, batch, u))
+    uhv = param_dicts.dot(u, hvp(loss_fn, params, batch, v))
+    vhu = param_dicts.dot(v, hvp(loss_fn, params, batch, u))
     assert abs(uhv - vhu) <= 1e-10 * abs(uhv)
 
 
@@ -60,10 +60,10 @@ def test_hvp_matches_central_differences_of_gradient(transformer_problem):
     loss_fn, params, batch = transformer_problem
     v = random_direction(params)
     eps = 1e-5
-    plus = dense_gradient(loss_fn, P.add(params, v, eps), batch)
-    minus = dense_gradient(loss_fn, P.add(params, v, -eps), batch)
+    plus = dense_gradient(loss_fn, param_dicts.add(params, v, eps), batch)
+    minus = dense_gradient(loss_fn, param_dicts.add(params, v, -eps), batch)
     fd = (plus - minus) / (2 * eps)
-    assert rel_err(P.flatten(hvp(loss_fn, params, batch, v)), fd) <= 1e-7
+    assert rel_err(param_dicts.flatten(hvp(loss_fn, params, batch, v)), fd) <= 1e-7
 
 
 @pytest.mark.parametrize("method", ["fwd_rev", "rev_rev"])
@@ -75,14 +75,14 @@ def test_batched_equals_one_by_one(transformer_problem, method):
         out = hvps(loss_fn, params, batch, stacked, chunk_size=chunk, method=method)
         for i, d in enumerate(dirs):
             single = hvp(loss_fn, params, batch, d, method=method)
-            assert rel_err(P.flatten({k: out[k][i] for k in params}), P.flatten(single)) <= 1e-12
+            assert rel_err(param_dicts.flatten({k: out[k][i] for k in params}), param_dicts.flatten(single)) <= 1e-12
 
 
 def test_gradient_and_loss_come_with_the_hvps(transformer_problem):
     loss_fn, params, batch = transformer_problem
     stacked = {k: t.unsqueeze(0) for k, t in random_direction(params).items()}
     loss, g, _ = gradient_and_hvps(loss_fn, params, batch, stacked)
-    assert rel_err(P.flatten(g), dense_gradient(loss_fn, params, batch)) <= 1e-12
+    assert rel_err(param_dicts.flatten(g), dense_gradient(loss_fn, params, batch)) <= 1e-12
     assert loss == pytest.approx(float(deterministic(loss_fn)(params, batch)), rel=1e-12)
 
 
@@ -93,14 +93,14 @@ def test_uneven_batches_are_weighted_by_loss_terms(transformer_problem):
     whole = (idx, tgt)
     parts = [(idx[:1], tgt[:1]), (idx[1:2], tgt[1:2]), (idx[2:], tgt[2:])]
     v = random_direction(params)
-    ref = dense_hessian(loss_fn, params, whole) @ P.flatten(v)
-    acc = P.flatten(hvp(loss_fn, params, parts, v))
+    ref = dense_hessian(loss_fn, params, whole) @ param_dicts.flatten(v)
+    acc = param_dicts.flatten(hvp(loss_fn, params, parts, v))
     assert rel_err(acc, ref) <= 1e-10
-    equal_weights = P.flatten(hvp(loss_fn, params, Batches(parts, weights=[1, 1, 1]), v))
+    equal_weights = param_dicts.flatten(hvp(loss_fn, params, Batches(parts, weights=[1, 1, 1]), v))
     assert rel_err(equal_weights, ref) > 1e-3  # the naive average is measurably wrong here
     gz, zhz = forward_quadratic_form(loss_fn, params, parts, v)
-    assert zhz == pytest.approx(float(P.flatten(v) @ ref), rel=1e-10)
-    assert gz == pytest.approx(float(P.flatten(v) @ dense_gradient(loss_fn, params, whole)), rel=1e-10)
+    assert zhz == pytest.approx(float(param_dicts.flatten(v) @ ref), rel=1e-10)
+    assert gz == pytest.approx(float(param_dicts.flatten(v) @ dense_gradient(loss_fn, params, whole)), rel=1e-10)
 
 
 @pytest.mark.heavy
@@ -111,12 +111,14 @@ def test_a_batch_with_every_label_ignored_weighs_nothing(transformer_problem):
     tgt[0] = -100  # the first row holds no loss term
     parts = [(idx[:1], tgt[:1]), (idx[1:], tgt[1:])]
     v = random_direction(params)
-    ref = dense_hessian(loss_fn, params, (idx[1:], tgt[1:])) @ P.flatten(v)
+    ref = dense_hessian(loss_fn, params, (idx[1:], tgt[1:])) @ param_dicts.flatten(v)
     for method in METHODS:
-        assert rel_err(P.flatten(hvp(loss_fn, params, parts, v, method=method)), ref) <= 1e-10, method
+        assert rel_err(param_dicts.flatten(hvp(loss_fn, params, parts, v, method=method)), ref) <= 1e-10, method
     gz, zhz = forward_quadratic_form(loss_fn, params, parts, v)
-    assert zhz == pytest.approx(float(P.flatten(v) @ ref), rel=1e-10)
-    assert gz == pytest.approx(float(P.flatten(v) @ dense_gradient(loss_fn, params, (idx[1:], tgt[1:]))), rel=1e-10)
+    assert zhz == pytest.approx(float(param_dicts.flatten(v) @ ref), rel=1e-10)
+    assert gz == pytest.approx(
+        float(param_dicts.flatten(v) @ dense_gradient(loss_fn, params, (idx[1:], tgt[1:]))), rel=1e-10
+    )
     with pytest.raises(CurvlabError, match="hold no loss terms"):
         hvp(loss_fn, params, [parts[0], parts[0]], v)  # every batch empty: no loss at all
 
@@ -136,8 +138,8 @@ def test_a_direction_on_the_meta_device_is_refused_in_one_line(transformer_probl
 def test_forward_over_reverse_equals_double_backward(problem, request):
     loss_fn, params, batch = request.getfixturevalue(problem)
     v = random_direction(params)
-    a = P.flatten(hvp(loss_fn, params, batch, v, method="fwd_rev"))
-    b = P.flatten(hvp(loss_fn, params, batch, v, method="rev_rev"))
+    a = param_dicts.flatten(hvp(loss_fn, params, batch, v, method="fwd_rev"))
+    b = param_dicts.flatten(hvp(loss_fn, params, batch, v, method="rev_rev"))
     assert rel_err(a, b) <= 1e-12
 
 
@@ -147,9 +149,9 @@ def test_quadratic_form_equals_hvp_inner_product(problem, request):
     z = random_direction(params)
     gz, zhz = forward_quadratic_form(loss_fn, params, batch, z)
     H = dense_hessian(loss_fn, params, batch)
-    flat = P.flatten(z)
+    flat = param_dicts.flatten(z)
     assert zhz == pytest.approx(float(flat @ H @ flat), rel=1e-10)
-    assert zhz == pytest.approx(P.dot(z, hvp(loss_fn, params, batch, z)), rel=1e-10)
+    assert zhz == pytest.approx(param_dicts.dot(z, hvp(loss_fn, params, batch, z)), rel=1e-10)
     assert gz == pytest.approx(float(flat @ dense_gradient(loss_fn, params, batch)), rel=1e-10)
 
 
@@ -200,10 +202,10 @@ def test_float32_model_in_float64_and_bf16_upcast():
     H = dense_hessian(loss_fn, params, (x.double(), y))
     hv64 = hvp(loss_fn, params, (x, y), v, dtype=torch.float64)
     assert hv64["fc1.weight"].dtype == torch.float64
-    assert rel_err(P.flatten(hv64), H @ P.flatten(v).double()) <= 1e-8
+    assert rel_err(param_dicts.flatten(hv64), H @ param_dicts.flatten(v).double()) <= 1e-8
     hv32 = hvp(loss_fn, params, (x, y), v)
     assert hv32["fc1.weight"].dtype == torch.float32
-    assert rel_err(P.flatten(hv32).double(), H @ P.flatten(v).double()) <= 1e-5
+    assert rel_err(param_dicts.flatten(hv32).double(), H @ param_dicts.flatten(v).double()) <= 1e-5
     bf16 = {k: t.bfloat16() for k, t in params.items()}
     hvb = hvp(loss_fn, bf16, (x, y), v)
     assert hvb["fc1.weight"].dtype == torch.float32
@@ -260,17 +262,19 @@ def test_a_point_answers_many_hvps_exactly_and_directions_may_touch_few_paramete
     with CurvaturePoint(loss_fn, params, batch, method=method) as point:
         for seed in (1, 2, 3):
             v = random_direction(params, seed)
-            assert rel_err(P.flatten(point.hvp(v)), H @ P.flatten(v)) <= 1e-10
+            assert rel_err(param_dicts.flatten(point.hvp(v)), H @ param_dicts.flatten(v)) <= 1e-10
         top = {n: t for n, t in random_direction(params, 4).items() if n.startswith(("h.1.", "lm_head"))}
-        padded = P.flatten({n: top.get(n, torch.zeros_like(t)) for n, t in params.items()})
-        assert rel_err(P.flatten(point.hvp(top)), H @ padded) <= 1e-10
+        padded = param_dicts.flatten({n: top.get(n, torch.zeros_like(t)) for n, t in params.items()})
+        assert rel_err(param_dicts.flatten(point.hvp(top)), H @ padded) <= 1e-10
         pieces = point.hvp_each([top, random_direction(params, 5)])
-        assert rel_err(P.flatten(pieces[0]), H @ padded) <= 1e-10
+        assert rel_err(param_dicts.flatten(pieces[0]), H @ padded) <= 1e-10
         z = random_direction(params, 6)
         gz, zhz = point.quadratic_forms({n: t.unsqueeze(0) for n, t in z.items()})
-        assert float(zhz[0]) == pytest.approx(float(P.flatten(z) @ H @ P.flatten(z)), rel=1e-10)
-        assert rel_err(P.flatten(point.gradient), dense_gradient(loss_fn, params, batch)) <= 1e-12
-        assert float(gz[0]) == pytest.approx(float(dense_gradient(loss_fn, params, batch) @ P.flatten(z)), rel=1e-10)
+        assert float(zhz[0]) == pytest.approx(float(param_dicts.flatten(z) @ H @ param_dicts.flatten(z)), rel=1e-10)
+        assert rel_err(param_dicts.flatten(point.gradient), dense_gradient(loss_fn, params, batch)) <= 1e-12
+        assert float(gz[0]) == pytest.approx(
+            float(dense_gradient(loss_fn, params, batch) @ param_dicts.flatten(z)), rel=1e-10
+        )
     if method == "rev_rev":
         with pytest.raises(ValueError, match="closed"):
             point.hvp(z)
@@ -334,8 +338,8 @@ def test_finite_difference_hvp_within_its_stated_error_and_its_record(mlp_proble
     loss_fn, params, batch = mlp_problem
     v = random_direction(params)
     fd = finite_difference_hvp(loss_fn, params, batch, v)
-    exact = dense_hessian(loss_fn, params, batch) @ P.flatten(v)
-    assert float((P.flatten(fd.hvp) - exact).norm()) <= fd.error < 1e-6 * float(exact.norm())
+    exact = dense_hessian(loss_fn, params, batch) @ param_dicts.flatten(v)
+    assert float((param_dicts.flatten(fd.hvp) - exact).norm()) <= fd.error < 1e-6 * float(exact.norm())
     d = json.loads(json.dumps(fd.to_dict()))
     assert d["schema_version"] == 1 and "schema" not in d
     back = FiniteDifferenceHVP.from_dict(d)
@@ -364,13 +368,13 @@ def test_interactions_equal_whole_hvps_and_the_dense_hessian_in_any_order(proble
         names = [names[i] for i in torch.randperm(len(names), generator=torch.Generator().manual_seed(0))]
     cuts = [names[i : i + 2] for i in range(0, len(names), 2)]  # parts of two tensors each
     parts = [{n: z[n] for n in cut} for cut in cuts]
-    padded = [P.flatten({n: part.get(n, torch.zeros_like(t)) for n, t in params.items()}) for part in parts]
+    padded = [param_dicts.flatten({n: part.get(n, torch.zeros_like(t)) for n, t in params.items()}) for part in parts]
     dense = torch.stack([torch.stack([u @ H @ v for v in padded]) for u in padded])
     with CurvaturePoint(loss_fn, params, batch, method=method) as point:
         R = point.interactions(parts)
         whole = point.hvp_each(parts)
         replaced = torch.tensor(
-            [[P.dot(parts[l], whole[m], cuts[l]) for m in range(len(parts))] for l in range(len(parts))],
+            [[param_dicts.dot(parts[l], whole[m], cuts[l]) for m in range(len(parts))] for l in range(len(parts))],
             dtype=torch.float64,
         )
         if method == "rev_rev":  # the triangle, and its transpose
@@ -378,8 +382,10 @@ def test_interactions_equal_whole_hvps_and_the_dense_hessian_in_any_order(proble
         assert rel_err(R.flatten(), R.T.flatten()) <= 1e-12
         assert rel_err(R.flatten(), dense.flatten()) <= 1e-10
         assert rel_err(R.flatten(), replaced.flatten()) <= 1e-12
-        assert float(point.interactions([z])[0, 0]) == pytest.approx(float(P.flatten(z) @ H @ P.flatten(z)), rel=1e-10)
-        assert R.sum() == pytest.approx(float(P.flatten(z) @ H @ P.flatten(z)), rel=1e-10)
+        assert float(point.interactions([z])[0, 0]) == pytest.approx(
+            float(param_dicts.flatten(z) @ H @ param_dicts.flatten(z)), rel=1e-10
+        )
+        assert R.sum() == pytest.approx(float(param_dicts.flatten(z) @ H @ param_dicts.flatten(z)), rel=1e-10)
 
 
 def test_dot_table_is_the_float64_sum_piece_by_piece():
@@ -392,30 +398,30 @@ def test_dot_table_is_the_float64_sum_piece_by_piece():
     piece lost or counted twice, is orders of magnitude outside it."""
     g = torch.Generator().manual_seed(0)
     a = {
-        "big": torch.randn(3 * P.PIECE + 17, generator=g),
+        "big": torch.randn(3 * param_dicts.PIECE + 17, generator=g),
         "view": torch.randn(40, 30, generator=g).T,
         "empty": torch.zeros(0),
         "f64": torch.randn(7, generator=g, dtype=torch.float64),
     }
     b = {k: torch.randn(t.shape, generator=g, dtype=t.dtype) for k, t in a.items()}
     pairs = [(a, b), (a, a), (b, b)]
-    table = P.dot_table(pairs, list(a))
+    table = param_dicts.dot_table(pairs, list(a))
     assert table.shape == (4, 3) and table.dtype == torch.float64
     for i, k in enumerate(a):
         for j, (x, y) in enumerate(pairs):
             products = [p * q for p, q in zip(x[k].double().flatten().tolist(), y[k].double().flatten().tolist())]
             exact, scale = math.fsum(products), math.fsum(abs(t) for t in products)
-            n = min(x[k].numel(), P.PIECE) + -(-x[k].numel() // P.PIECE)
+            n = min(x[k].numel(), param_dicts.PIECE) + -(-x[k].numel() // param_dicts.PIECE)
             gamma = n * 2.0**-53 / (1 - n * 2.0**-53)
             assert abs(float(table[i, j]) - exact) <= gamma * scale
     keys = ["big", "f64"]  # sums over a subset of the keys, against the exact sum of those keys' products
-    for total, (x, y) in zip(P.dots(pairs, keys), pairs):
+    for total, (x, y) in zip(param_dicts.dots(pairs, keys), pairs):
         products = [
             p * q for k in keys for p, q in zip(x[k].double().flatten().tolist(), y[k].double().flatten().tolist())
         ]
-        n = P.PIECE + 4 + len(keys)
+        n = param_dicts.PIECE + 4 + len(keys)
         assert abs(total - math.fsum(products)) <= n * 2.0**-53 / (1 - n * 2.0**-53) * math.fsum(map(abs, products))
-    assert P.dots(pairs, []) == [0.0, 0.0, 0.0]
+    assert param_dicts.dots(pairs, []) == [0.0, 0.0, 0.0]
 
 
 def test_interactions_name_a_non_finite_part_or_row(transformer_problem):

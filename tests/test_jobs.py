@@ -2,7 +2,6 @@
 
 import json
 import math
-from dataclasses import replace
 
 import pytest
 
@@ -36,7 +35,7 @@ def test_a_directory_whose_config_holds_a_removed_field_continues(tmp_path):
     path.write_text(json.dumps(old))
     guard_config(path, config, "a reproduction")
     assert json.loads(path.read_text()) == old
-    other = Reproduction(replace(PRESETS["micro"], steps=PRESETS["micro"].steps + 1), tmp_path).config()
+    other = Reproduction(PRESETS["micro"].changed(steps=PRESETS["micro"].training.steps + 1), tmp_path).config()
     with pytest.raises(CurvlabError, match="holds a reproduction of another configuration"):
         guard_config(path, other, "a reproduction")
 
@@ -187,20 +186,47 @@ def test_tuning_seeds_are_disjoint_from_the_measured_ones_in_both_jobs():
 def test_the_a_a_comparisons_read_their_own_number_of_batches(tmp_path, monkeypatch):
     """``aa_analysis_batches`` sets the A/A comparisons' evaluation batches (standard: 1 against the claims'
     2), and only theirs; unset, the A/A reads as many as the claims; 0 is refused."""
-    from dataclasses import replace
 
+    import curvlab.jobs.measure as measure
     import curvlab.jobs.reproduce as reproduce
     from curvlab.jobs.presets import PRESETS
 
     seen = {}
-    monkeypatch.setattr(reproduce, "compare_runs", lambda a, b, out, criteria, settings, **kw: seen.update(
-        {out.name: settings.batches}))  # fmt: skip
-    preset = replace(PRESETS["micro"], analysis_batches=3, aa_analysis_batches=1)
+
+    def compare_runs(a, b, out, criteria, settings, **kw):
+        seen[out.name] = settings.batches
+
+    monkeypatch.setattr(measure, "compare_runs", compare_runs)
+    preset = PRESETS["micro"].changed(analysis_batches=3, aa_analysis_batches=1)
     job = reproduce.Reproduction(preset, tmp_path / "out", progress=False)
     for name in ("adamw/muon", "adamw/sgd", "adamw/adamw", "muon/muon"):
-        job._compare(name, 1, tmp_path / "a", tmp_path / "b", 0.0, name.replace("/", "-"))
+        measure.compare(job, preset, name, 1, (tmp_path / "a", tmp_path / "b"), 0.0, name.replace("/", "-"))
     assert seen == {"adamw-muon": 3, "adamw-sgd": 3, "adamw-adamw": 1, "muon-muon": 1}
-    assert PRESETS["standard"].aa_batches == 1 and PRESETS["standard"].analysis_batches == 2
-    assert replace(preset, aa_analysis_batches=None).aa_batches == 3
+    assert PRESETS["standard"].aa_batches == 1 and PRESETS["standard"].measurement.analysis_batches == 2
+    assert preset.changed(aa_analysis_batches=None).aa_batches == 3
     with pytest.raises(CurvlabError, match="aa_analysis_batches 0 must be >= 1"):
-        replace(preset, aa_analysis_batches=0).validate()
+        preset.changed(aa_analysis_batches=0).validate()
+
+
+def test_directories_made_before_presets_became_records_continue(tmp_path):
+    """Presets became records grouped by concept (issue 49); a job's saved config keeps the flat form, so
+    a directory an earlier curvlab made continues. The fixture holds the configs the code before the
+    change wrote (``tests/data/micro/configs_v2.json``, made at 03a10c4) for micro, quick, standard and the
+    robustness design; each is accepted by the guard as this curvlab's, and one changed field is not."""
+    from curvlab.jobs.presets import ROBUSTNESS_PRESETS
+    from curvlab.jobs.robustness import Robustness
+    from tests.micro_fixture import FIXTURE
+
+    before = json.loads((FIXTURE / "configs_v2.json").read_text())
+    jobs = {n: Reproduction(PRESETS[n], tmp_path / n, progress=False) for n in ("micro", "quick", "standard")}
+    jobs["robustness"] = Robustness(ROBUSTNESS_PRESETS["robustness"], tmp_path / "robustness", progress=False)
+    assert set(jobs) == set(before)
+    for name, job in jobs.items():
+        path = tmp_path / name / job.CONFIG_FILE
+        path.parent.mkdir()
+        path.write_text(json.dumps({**before[name], "config_version": CONFIG_VERSION}))
+        job._check_config()  # the same configuration: no error
+        assert json.loads(path.read_text())["preset"] == before[name]["preset"]  # left as it was
+    changed = Reproduction(PRESETS["quick"].changed(check_points=5), tmp_path / "quick", progress=False)
+    with pytest.raises(CurvlabError, match="of another configuration"):
+        changed._check_config()

@@ -18,7 +18,7 @@ import transformers
 from torch import nn
 
 from curvlab import evaluate_loss, hvp, make_loss_fn
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.loss import hf_task, token_cross_entropy
 from curvlab.errors import CurvlabError
 from tests.reference import dense_hessian
@@ -116,10 +116,10 @@ def test_contrastive_hvp_against_the_dense_hessian(name):
     H = dense_hessian(loss_fn, params, batch)
     g = torch.Generator().manual_seed(3)
     v = {k: torch.randn(p.shape, generator=g, dtype=torch.float64) for k, p in params.items()}
-    expected = H @ P.flatten(v)
+    expected = H @ param_dicts.flatten(v)
     assert expected.abs().max() > 1e-3  # (the curvature isn't vanishing: the comparison means something)
     for method in ("rev_rev", "fwd_rev"):
-        got = P.flatten(hvp(loss_fn, params, batch, v, method=method))
+        got = param_dicts.flatten(hvp(loss_fn, params, batch, v, method=method))
         assert float((got - expected).norm() / expected.norm()) < 1e-12, method
 
 

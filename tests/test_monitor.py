@@ -13,7 +13,7 @@ from curvlab.curvature.groupings import group_parameters
 from curvlab.curvature.scalars import SCOPE_KEYS
 from curvlab.curvature.taylor import block_matrix, taylor_split
 from curvlab.data.shards import TokenData, validation_batches
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.loss import ModuleLoss, make_loss_fn, token_cross_entropy, weighted_batches
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, GPTConfig, get_config
@@ -128,7 +128,7 @@ def finite_differences(loss, W, z, h):
     (error O(h^4)), in float64. At h = 0.02 along a real step they agree with the exact values to ~1e-8."""
 
     def f(t):
-        return loss(P.add(W, z, -t))
+        return loss(param_dicts.add(W, z, -t))
 
     def slope_curvature(h):
         fp, f0, fm = f(h), f(0.0), f(-h)
@@ -169,18 +169,18 @@ def test_row_against_float64_finite_differences():
                 for b, w in weighted_batches(D)
             )
 
-    zz = P.dot(Z, Z)
+    zz = param_dicts.dot(Z, Z)
     gz, zhz = finite_differences(loss, W, Z, 0.02)
     assert row.split.first_order == pytest.approx(gz, rel=1e-6)
     assert row.split.curvature_penalty == pytest.approx(zhz / 2, rel=1e-6)
     assert row.nds == pytest.approx(zhz / zz, rel=1e-6)
-    assert row.split.realized == pytest.approx(loss(W) - loss(P.add(W, Z, -1.0)), rel=1e-9)
+    assert row.split.realized == pytest.approx(loss(W) - loss(param_dicts.add(W, Z, -1.0)), rel=1e-9)
     assert row.loss == pytest.approx(loss(W), rel=1e-12)
     assert row.split.update_norm == pytest.approx(zz**0.5, rel=1e-12)
     hidden = {n: Z[n] if n in row.hidden_names else torch.zeros_like(Z[n]) for n in Z}
     gz_s, zhz_s = finite_differences(loss, W, hidden, 0.02)
     assert row.hidden.first_order == pytest.approx(gz_s, rel=1e-6)
-    assert row.hidden.nds == pytest.approx(zhz_s / P.dot(hidden, hidden), rel=1e-6)
+    assert row.hidden.nds == pytest.approx(zhz_s / param_dicts.dot(hidden, hidden), rel=1e-6)
     within = 0.0
     for members in group_parameters(W, blocks="layer").values():
         z_l = {n: Z[n] if n in members else torch.zeros_like(Z[n]) for n in Z}
@@ -278,7 +278,7 @@ def test_bad_steps_give_rows_that_say_so():
     Z["lm_head.weight"][0, 0] = math.nan
     row = monitor.measure(7, W, Z)
     assert (row.status, row.message) == ("non-finite", "the step Z holds NaN or inf (in lm_head.weight)")
-    row = monitor.measure(8, W, P.zeros_like(W))
+    row = monitor.measure(8, W, param_dicts.zeros_like(W))
     assert row.status == "undefined" and "zero" in row.message
     assert [r.step for r in monitor.rows] == [7, 8]
     assert MonitorRow.from_dict(json.loads(json.dumps(row.to_dict()))).message == row.message

@@ -141,10 +141,10 @@ class Net(torch.nn.Module):
 def lightning_run(root, every):
     """Four steps of a real ``lightning.Trainer.fit`` (SGD with momentum, gradient clipping) on a tiny
     MLP, recording W before and after every step; with ``every``, the curvature callback measures."""
-    import lightning as L
+    import lightning
     from lightning.pytorch.loggers import CSVLogger
 
-    class Module(L.LightningModule):
+    class Module(lightning.LightningModule):
         def __init__(self):
             super().__init__()
             self.net = Net()
@@ -156,7 +156,7 @@ def lightning_run(root, every):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
-    class Recorder(L.Callback):
+    class Recorder(lightning.Callback):
         def __init__(self):
             self.weights = []
 
@@ -166,7 +166,7 @@ def lightning_run(root, every):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.weights.append({n: p.detach().clone() for n, p in pl_module.net.named_parameters()})
 
-    L.seed_everything(0, verbose=False)
+    lightning.seed_everything(0, verbose=False)
     module = Module()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
@@ -178,7 +178,7 @@ def lightning_run(root, every):
     if every:
         monitor = CurvatureMonitor(module.net, None, loss_fn, held, every=every)
         callbacks.insert(0, lightning_curvature_callback(monitor))
-    trainer = L.Trainer(
+    trainer = lightning.Trainer(
         max_steps=4, accelerator="cpu", logger=CSVLogger(str(root)), callbacks=callbacks, log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5,
     )  # fmt: skip

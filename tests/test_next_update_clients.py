@@ -11,7 +11,7 @@ import random
 
 import numpy as np
 import pytest
-import pytorch_optimizer as po
+import pytorch_optimizer
 import torch
 
 from curvlab import build_optimizer, make_loss_fn, next_update
@@ -575,11 +575,11 @@ def test_a_signature_that_cannot_tell():
 @pytest.mark.parametrize(
     ("build", "loop"),
     [
-        (lambda ps: po.AdaHessian(ps, lr=1e-2), {"create_graph": True}),
-        (lambda ps: po.SophiaH(ps, lr=1e-2, update_period=1), {"create_graph": True}),
-        (lambda ps: po.AliG(ps, max_lr=1e-1), {"closure": True, "backward": False}),
-        (lambda ps: po.SAM(ps, torch.optim.SGD, rho=0.05, lr=0.1), {"closure": True}),
-        (lambda ps: po.Kron(ps, lr=1e-3, preconditioner_update_probability=1.0), {}),
+        (lambda ps: pytorch_optimizer.AdaHessian(ps, lr=1e-2), {"create_graph": True}),
+        (lambda ps: pytorch_optimizer.SophiaH(ps, lr=1e-2, update_period=1), {"create_graph": True}),
+        (lambda ps: pytorch_optimizer.AliG(ps, max_lr=1e-1), {"closure": True, "backward": False}),
+        (lambda ps: pytorch_optimizer.SAM(ps, torch.optim.SGD, rho=0.05, lr=0.1), {"closure": True}),
+        (lambda ps: pytorch_optimizer.Kron(ps, lr=1e-3, preconditioner_update_probability=1.0), {}),
     ],
     ids=["AdaHessian", "SophiaH", "AliG", "SAM", "Kron"],
 )

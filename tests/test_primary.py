@@ -9,7 +9,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from curvlab.errors import CurvlabError
-from curvlab.inference import statistics as st
+from curvlab.inference import statistics
 from curvlab.jobs.presets import PRESETS
 from curvlab.output.plots import primary_forest
 from curvlab.output.text import render_readme_results, render_report
@@ -88,7 +88,7 @@ def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
     }.items():
         num, den = level_means(ka, kb, both)
         ref = scipy_stats.ttest_1samp(np.log(num / den), 0.0)
-        assert e[name].method == st.LOG_T and e[name].n_seeds == 4
+        assert e[name].method == statistics.LOG_T and e[name].n_seeds == 4
         assert e[name].value == pytest.approx(np.exp(np.log(num / den).mean()))
         assert e[name].ci95 == pytest.approx(list(np.exp(ref.confidence_interval(0.95))))
         assert e[name].p == pytest.approx(ref.pvalue)
@@ -103,7 +103,7 @@ def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
     g = (traj("adamw", 1.0) - traj("muon", 1.0) - traj("adamw", 0.0) + m0) / m0
     ref = scipy_stats.ttest_1samp(g, 0.0)
     z = e["zipf_gap_change"]
-    assert z.method == st.MEAN_T and z.value == pytest.approx(g.mean())
+    assert z.method == statistics.MEAN_T and z.value == pytest.approx(g.mean())
     assert z.ci95 == pytest.approx(list(ref.confidence_interval(0.95)))
     p["zipf_gap_change"] = ref.pvalue
     assert z.p == pytest.approx(p["zipf_gap_change"])
@@ -131,10 +131,15 @@ def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
         assert e[n].p_holm == pytest.approx(running)
     # verdicts: AdamW's own NDS 3x Muon's (paper 1.76: larger), its direction 6x at the same point,
     # alignment 0.30 vs 0.31 of each run's own step (about equal)
-    assert e["between_nds_ratio"].direction == st.SUPPORTED and e["between_nds_ratio"].magnitude == st.LARGER
-    assert e["paired_direction_ratio"].direction == st.SUPPORTED and e["paired_direction_ratio"].magnitude is None
-    assert e["alignment_ratio"].direction == st.SUPPORTED
-    assert e["rho_within_change_gap"].direction == st.SUPPORTED
+    assert (
+        e["between_nds_ratio"].direction == statistics.SUPPORTED
+        and e["between_nds_ratio"].magnitude == statistics.LARGER
+    )
+    assert (
+        e["paired_direction_ratio"].direction == statistics.SUPPORTED and e["paired_direction_ratio"].magnitude is None
+    )
+    assert e["alignment_ratio"].direction == statistics.SUPPORTED
+    assert e["rho_within_change_gap"].direction == statistics.SUPPORTED
 
 
 def test_missing_data_is_not_measured_never_a_verdict_or_a_crash():
@@ -143,12 +148,12 @@ def test_missing_data_is_not_measured_never_a_verdict_or_a_crash():
     data = _experiment(np.random.default_rng(1), 3, paired=False, s_values=(0.0,), tracks=False)
     e = _by_name(primary_family(data))
     for name in ("paired_direction_ratio", "alignment_ratio", "zipf_gap_change", "rho_within_change_gap"):
-        assert e[name].direction == st.NOT_MEASURED and e[name].value is None and e[name].p_holm is None
+        assert e[name].direction == statistics.NOT_MEASURED and e[name].value is None and e[name].p_holm is None
         assert e[name].note.startswith("not measured")
     assert "paired_nds_adamw_hidden" in e["paired_direction_ratio"].note
     assert e["between_nds_ratio"].p_holm == pytest.approx(e["between_nds_ratio"].p)  # a family of one
     empty = _by_name(primary_family(level_data()))
-    assert all(x.direction == st.NOT_MEASURED for x in empty.values())
+    assert all(x.direction == statistics.NOT_MEASURED for x in empty.values())
 
 
 def test_a_design_judges_only_its_own_claims_and_holm_runs_over_those():
@@ -162,27 +167,27 @@ def test_a_design_judges_only_its_own_claims_and_holm_runs_over_those():
         assert x.value == pytest.approx(full[name].value) and x.ci95 == pytest.approx(full[name].ci95)
         if name in judged:
             continue
-        assert x.direction == st.DESCRIPTIVE and x.magnitude is None and x.p_holm is None
+        assert x.direction == statistics.DESCRIPTIVE and x.magnitude is None and x.p_holm is None
         assert "descriptive in this design" in x.note
     p = sorted((e[n].p, n) for n in judged)
     assert e[p[0][1]].p_holm == pytest.approx(min(1.0, 2 * p[0][0]))
     assert e[p[1][1]].p_holm == pytest.approx(max(min(1.0, 2 * p[0][0]), p[1][0]))
-    assert e["paired_direction_ratio"].direction == st.SUPPORTED
-    assert full["between_nds_ratio"].direction == st.SUPPORTED  # the same data, judged in the full family
+    assert e["paired_direction_ratio"].direction == statistics.SUPPORTED
+    assert full["between_nds_ratio"].direction == statistics.SUPPORTED  # the same data, judged in the full family
     with pytest.raises(CurvlabError, match="unknown primary claims: nds_ratio"):
         primary_family(data, judged=("nds_ratio",))
     with pytest.raises(CurvlabError, match="unknown primary claims: paired "):
-        replace(PRESETS["quick"], primary=("paired", "alignment_ratio")).validate()
+        PRESETS["quick"].changed(primary=("paired", "alignment_ratio")).validate()
     PRESETS["quick"].validate()
 
 
 def test_two_seeds_are_descriptive_with_their_interval():
     e = _by_name(primary_family(_experiment(np.random.default_rng(2), 2)))
     for x in e.values():
-        assert x.direction == st.FEW_SEEDS and x.p_holm is None and x.ci95 is not None and x.n_seeds == 2
-        assert x.magnitude in (None, st.FEW_SEEDS)
+        assert x.direction == statistics.FEW_SEEDS and x.p_holm is None and x.ci95 is not None and x.n_seeds == 2
+        assert x.magnitude in (None, statistics.FEW_SEEDS)
     one = _by_name(primary_family(_experiment(np.random.default_rng(2), 1)))
-    assert one["between_nds_ratio"].ci95 is None and one["between_nds_ratio"].direction == st.FEW_SEEDS
+    assert one["between_nds_ratio"].ci95 is None and one["between_nds_ratio"].direction == statistics.FEW_SEEDS
 
 
 def test_a_denominator_of_unsettled_sign_becomes_a_difference_and_says_so():
@@ -195,9 +200,9 @@ def test_a_denominator_of_unsettled_sign_becomes_a_difference_and_says_so():
         b = _levels(rng, LEVELS, 1.0, 0.3, cos_muon)
         recs.append(record("adamw/muon", seed, a, b))
     e = _by_name(primary_family(level_data(recs, [], (0.0,))))["alignment_ratio"]
-    assert e.kind == "difference" and e.method == st.DIFFERENCE_T and "not settled" in e.note
+    assert e.kind == "difference" and e.method == statistics.DIFFERENCE_T and "not settled" in e.note
     # AdamW's cos minus Muon's: 0.10, 0.55, 0.15, 0.39 over the seeds, interval [-0.04, 0.63] (p = 0.067)
-    assert e.direction == st.INCONCLUSIVE and e.ci95[0] < 0 < e.ci95[1]
+    assert e.direction == statistics.INCONCLUSIVE and e.ci95[0] < 0 < e.ci95[1]
 
 
 def _aa_records(rng, n_records, effect=1.0, name="adamw/adamw"):
@@ -305,7 +310,7 @@ def test_descriptive_decomposition_of_the_between_run_ratio():
     assert entries[("direction_term_adamw_w", "hidden")].value == pytest.approx(ratio(a, n, a, m))
     assert entries[("direction_term_muon_w", "hidden")].value == pytest.approx(ratio(b, n, b, m))
     assert entries[("landscape_term", "hidden")].value == pytest.approx(ratio(a, m, b, m))
-    assert all(e.verdict == st.DESCRIPTIVE for e in entries.values())
+    assert all(e.verdict == statistics.DESCRIPTIVE for e in entries.values())
     older = _experiment(np.random.default_rng(12), 3, paired=False)
     assert not [e for e in headline(older)[0] if e.name.startswith(("direction_term", "landscape"))]
 
@@ -417,7 +422,7 @@ def test_a_seed_without_a_paired_ratio_is_named_and_a_negative_median_is_a_t_int
     assert e.n_seeds == 3 and "seeds [3]: Muon's NDS is 0 at every point, left out" in e.note
     medians = [np.median([m.value("paired_nds_adamw_hidden") / m.value("paired_nds_muon_hidden") for m in members(r)])
                for r in records[:3]]  # fmt: skip
-    assert medians[1] < 0 and e.method == st.FIELLER
+    assert medians[1] < 0 and e.method == statistics.FIELLER
     ref = scipy_stats.ttest_1samp(medians, 1.0)
     assert e.value == pytest.approx(np.mean(medians))
     assert e.ci95 == pytest.approx(list(ref.confidence_interval(0.95)))
@@ -537,9 +542,9 @@ def test_zipf_entries_pair_seeds_by_id_not_by_position():
 
 def test_the_primary_family_tests_claims_from_min_seeds_seeds(monkeypatch):
     """Holm's family takes the claims with at least ``statistics.MIN_SEEDS`` seeds (not a fixed 3)."""
-    monkeypatch.setattr(st, "MIN_SEEDS", 2)
+    monkeypatch.setattr(statistics, "MIN_SEEDS", 2)
     e = _by_name(primary_family(_experiment(np.random.default_rng(1), 2)))["between_nds_ratio"]
-    assert e.n_seeds == 2 and e.p_holm is not None and e.direction != st.FEW_SEEDS
+    assert e.n_seeds == 2 and e.p_holm is not None and e.direction != statistics.FEW_SEEDS
 
 
 def _hand_sign_flip(x, null, alternative):
@@ -578,9 +583,9 @@ def test_exact_p_beside_the_t_model_matches_a_hand_enumeration_at_5_seeds():
     assert gap.p_exact == pytest.approx(_hand_sign_flip(values, 0.0, "greater"), abs=1e-15)
     # every log ratio above 1 at 5 seeds: the exact p sits at its floor, and Holm over the family can't reach
     # 0.05 with it, so a t-model verdict is labelled
-    supported = [e for e in entries.values() if e.direction == st.SUPPORTED and e.exact_backed is False]
+    supported = [e for e in entries.values() if e.direction == statistics.SUPPORTED and e.exact_backed is False]
     for e in supported:
-        assert e.verdict_text.startswith(f"{st.SUPPORTED} (t model; ")
+        assert e.verdict_text.startswith(f"{statistics.SUPPORTED} (t model; ")
     assert all(e.verdict_text == e.direction for e in entries.values() if e.exact_backed is not False)
 
 
@@ -589,22 +594,22 @@ def test_an_exact_floor_that_holm_cannot_pass_is_labelled():
     p below 0.025, so the exact test can't back the t model's verdict and the table says so."""
     entries = {e.name: e for e in primary_family(_experiment(np.random.default_rng(22), 5))}
     paired = entries["paired_direction_ratio"]
-    assert paired.direction == st.SUPPORTED and paired.p_exact == 1 / 32
+    assert paired.direction == statistics.SUPPORTED and paired.p_exact == 1 / 32
     assert paired.exact_backed is False
     assert paired.verdict_text == "supported (t model; the exact floor is 1/32)"
     eight = {e.name: e for e in primary_family(_experiment(np.random.default_rng(22), 8))}["paired_direction_ratio"]
-    assert eight.p_exact == 1 / 256 and eight.exact_backed is True and eight.verdict_text == st.SUPPORTED
+    assert eight.p_exact == 1 / 256 and eight.exact_backed is True and eight.verdict_text == statistics.SUPPORTED
 
 
 def test_disjoint_aa_pairs_and_power_against_the_noncentral_t():
     from curvlab.inference.exact_tests import aa_power_closed_form
 
     assert PRESETS["micro"].aa_seed_pairs() == [(0, 1), (1, 2), (2, 3)]
-    disjoint = replace(PRESETS["standard"], seeds=8, aa_pairs="disjoint")
+    disjoint = PRESETS["standard"].changed(seeds=8, aa_pairs="disjoint")
     assert disjoint.aa_seed_pairs() == [(0, 1), (2, 3), (4, 5), (6, 7)]
-    assert replace(disjoint, calibration=False).aa_seed_pairs() == []
+    assert disjoint.changed(calibration=False).aa_seed_pairs() == []
     with pytest.raises(CurvlabError, match="aa_pairs"):
-        replace(disjoint, aa_pairs="random").validate()
+        disjoint.changed(aa_pairs="random").validate()
     records = _aa_records(np.random.default_rng(23), 4)
     for k, r in enumerate(records):
         r.seed = 2 * k + 1
@@ -626,7 +631,7 @@ def _judge_aa(records):
     from curvlab.studies.primary import _judge
 
     claims = tuple(c for c in PRIMARY if c.between_runs)
-    return _judge(claims, level_data(s_values=(0.0,)), records, st.CONFIDENCE)
+    return _judge(claims, level_data(s_values=(0.0,)), records, statistics.CONFIDENCE)
 
 
 def test_the_exact_test_takes_the_side_of_the_ratio_when_denominators_are_negative():
@@ -637,9 +642,9 @@ def test_the_exact_test_takes_the_side_of_the_ratio_when_denominators_are_negati
 
     claim = next(c for c in PRIMARY if c.name == "between_nds_ratio")  # greater than 1
     num, den = [-3.0, -2.5, 0.5, -3.5, -2.8], [-1.0, -1.1, -0.9, -1.2, -1.0]  # seed 2's ratio is negative
-    inf = st.ratio_inference(num, den, claim.null)
-    assert inf.method == st.FIELLER and inf.value > 1
-    ex = _exact(claim, SeedValues(list(range(5)), num, den, [1] * 5), inf, st.SUPPORTED)
+    inf = statistics.ratio_inference(num, den, claim.null)
+    assert inf.method == statistics.FIELLER and inf.value > 1
+    ex = _exact(claim, SeedValues(list(range(5)), num, den, [1] * 5), inf, statistics.SUPPORTED)
     contrast = [-(a - b) for a, b in zip(num, den)]  # (a - b) < 0 is the ratio above 1
     assert ex.p == pytest.approx(_hand_sign_flip(contrast, 0.0, "greater")) and ex.p < 0.1
     assert _hand_sign_flip([a - b for a, b in zip(num, den)], 0.0, "greater") > 0.9  # the unflipped side

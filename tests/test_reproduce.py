@@ -14,6 +14,7 @@ from curvlab.curvature.scalars import CheckpointScalars
 from curvlab.data.shards import TrainBatches
 from curvlab.errors import CurvlabError
 from curvlab.inference.statistics import CONTRADICTED, DESCRIPTIVE, INCONCLUSIVE, SUPPORTED
+from curvlab.jobs import measure, side_studies
 from curvlab.jobs.presets import PRESETS
 from curvlab.jobs.reproduce import Reproduction
 from curvlab.output.text import (
@@ -30,6 +31,7 @@ from curvlab.studies.records import ComparisonRecord, LevelData
 from curvlab.studies.summary import Summary
 from curvlab.util.safe_stop import Stopped
 from tests.builders import assert_made_with_these_packages
+from tests.micro_fixture import FIXTURE, fixture_text, key_paths, machine, normalized, run_micro
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 VERDICTS = {DESCRIPTIVE}  # the headline is descriptive: only the primary family is judged
@@ -38,8 +40,7 @@ VERDICTS = {DESCRIPTIVE}  # the headline is descriptive: only the primary family
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory):
     out = tmp_path_factory.mktemp("micro") / "results"
-    summary = Reproduction(PRESETS["micro"], out, progress=False).run()
-    return out, summary
+    return out, run_micro(out)  # (on one thread, as the fixture of the last test below was made)
 
 
 @pytest.mark.heavy
@@ -139,7 +140,7 @@ def test_keeping_only_the_last_checkpoints_changes_no_result(micro, tmp_path):
     again = tmp_path / "again"
     shutil.copytree(out, again)
     shutil.rmtree(again / "finetune")  # its config names the base run by its old path, and would be refused
-    Reproduction(dataclasses.replace(PRESETS["micro"], keep="last"), again, progress=False).run()
+    Reproduction(PRESETS["micro"].changed(keep="last"), again, progress=False).run()
     for run in (p.parent for p in (again / "runs").glob("s*/*/seed*/index.json")):
         index = read_index(run)
         kept = sorted(p.name for p in run.glob("ckpt_*.pt"))
@@ -148,7 +149,7 @@ def test_keeping_only_the_last_checkpoints_changes_no_result(micro, tmp_path):
     for key in ("headline", "primary", "calibration", "final_val_loss"):
         assert pruned[key] == first[key], key
     with pytest.raises(CurvlabError, match="keep must be one of"):
-        Reproduction(dataclasses.replace(PRESETS["micro"], keep="some"), tmp_path / "bad", progress=False)
+        Reproduction(PRESETS["micro"].changed(keep="some"), tmp_path / "bad", progress=False)
 
 
 @pytest.mark.heavy
@@ -156,12 +157,12 @@ def test_a_reproduction_stopped_by_sigterm_mid_training_resumes_to_the_same_numb
     """A real SIGTERM in the middle of seed 1's training: the job stops at the next safe point (exit
     status 143, one line), and running it again ends with every number of an uninterrupted run."""
     out, _ = micro
-    real_seed, real_next = Reproduction.seed, TrainBatches.next
+    real_seed, real_next = measure.measure_seed, TrainBatches.next
     state = {"seed": None, "sent": False}
 
-    def seed(self, seed, *args):
+    def seed(job, preset, seed, *args):
         state["seed"] = seed
-        return real_seed(self, seed, *args)
+        return real_seed(job, preset, seed, *args)
 
     def next_batch(self):
         if state["seed"] == 1 and not state["sent"]:
@@ -169,15 +170,15 @@ def test_a_reproduction_stopped_by_sigterm_mid_training_resumes_to_the_same_numb
             os.kill(os.getpid(), signal.SIGTERM)
         return real_next(self)
 
-    monkeypatch.setattr(Reproduction, "seed", seed)
+    monkeypatch.setattr(measure, "measure_seed", seed)
     monkeypatch.setattr(TrainBatches, "next", next_batch)
     again = tmp_path / "again"
     with pytest.raises(Stopped) as e:
-        Reproduction(PRESETS["micro"], again, progress=False).run()
+        run_micro(again)  # (on one thread, as ``micro``)
     assert state["sent"] and e.value.exit_code == 143 and "\n" not in str(e.value)
     assert not (again / "summary.json").exists() and (again / "analysis" / "seed0.json").is_file()
     monkeypatch.undo()
-    Reproduction(PRESETS["micro"], again, progress=False).run()
+    run_micro(again)
     resumed, first = (json.loads((d / "summary.json").read_text()) for d in (again, out))
     for key in ("headline", "primary", "calibration", "final_val_loss", "zipf", "taylor"):
         assert resumed[key] == first[key], key
@@ -239,7 +240,7 @@ def test_summary_schema(micro):
         assert len(search["grid"]) >= 2 and all(len(v) == 1 for v in search["grid"].values())
         assert f"{search['chosen']:g}" in search["grid"]
         assert search["seeds"] and not set(search["seeds"]) & measured  # tuning seeds are never measured
-    assert tuning["horizon_steps"] == PRESETS["micro"].tuning_steps
+    assert tuning["horizon_steps"] == PRESETS["micro"].tuning_settings.horizon_steps
     # the control arm's lr gives it AdamW's hidden ||Z|| at the levels it was set from (an estimate from the
     # shapes: the Newton–Schulz factor's singular values are near 1, not exactly 1)
     control = tuning["chosen"]["muon-moonlight"]
@@ -268,7 +269,7 @@ def test_every_summary_number_is_rederivable_from_the_per_level_json(micro):
                 den += np.mean([m["nds"] for m in level["b"]["members"]])
     assert summary.entry("nds_ratio").value == pytest.approx(num / den, rel=1e-12)
     # the Zipf ratio: Muon's trajectory NDS at s = 1 over its own at s = 0, every tracked point in the stable phase
-    warm = PRESETS["micro"].warmup_steps
+    warm = PRESETS["micro"].training.warmup_steps
 
     def pooled(arm, s):
         tracks = [t for t in raw["tracks"] if t["arm"] == arm and t["s"] == s]
@@ -418,18 +419,19 @@ def test_fineweb_stage_plumbing_with_a_small_model(tmp_path):
     rng = np.random.default_rng(0)
     write_shard(shards / "fineweb_train_000001.bin", rng.integers(0, 300, 40_000))
     write_shard(shards / "fineweb_val_000000.bin", rng.integers(0, 300, 5_000))
-    preset = dataclasses.replace(
-        PRESETS["micro"],
+    preset = PRESETS["micro"].changed(
         fineweb=True,
         fineweb_model="tiny",
         fineweb_steps=16,
         fineweb_batch_size=8,
         fineweb_ckpt_every=2,
         fineweb_model_overrides={"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "vocab_size": 320},
-        matching=dataclasses.replace(PRESETS["micro"].matching, tolerance=0.2),
+        matching=dataclasses.replace(PRESETS["micro"].measurement.matching, tolerance=0.2),
     )
     reproduction = Reproduction(preset, tmp_path / "out", fineweb=shards, progress=False)
-    result = reproduction.fineweb_comparison()  # the stage alone: the rest is the micro run above
+    result = side_studies.fineweb(
+        reproduction, preset, reproduction.fineweb
+    )  # the stage alone: micro above is the rest
     assert result.levels >= 1 and set(result.ratio_of_means) == {
         "nds",
         "first_order",
@@ -440,3 +442,23 @@ def test_fineweb_stage_plumbing_with_a_small_model(tmp_path):
     config = json.loads((tmp_path / "out" / "runs" / "fineweb" / "muon" / "config.json").read_text())
     assert config["optimizer_options"] == {"lr": 0.02} and config["data"] == str(shards)
     assert config["schedule"] == "wsd"
+
+
+@pytest.mark.heavy
+def test_the_micro_results_are_those_made_before_the_pipeline(micro):
+    """Issue 49: presets became records and the reproduction a pipeline of stages, and no number moved.
+    The fixture is micro's ``summary.json`` and ``levels.json`` as the code before the change wrote them
+    (``python -m tests.micro_fixture`` at 03a10c4). On the machine, thread count and packages they were made
+    with, the files are byte-identical but for the software's versions, the times, the run's directory and
+    the cache keys in report paths (:func:`~tests.micro_fixture.normalized`; ``hvp_method`` reads as
+    ``method``). Elsewhere floats differ (a run there is a replicate, not a copy), so there the files are
+    compared by structure: the same key paths."""
+    out, _ = micro
+    same_machine = machine() == json.loads((FIXTURE / "machine.json").read_text())
+    for name, path in (("summary.json", out / "summary.json"), ("levels.json", out / "analysis" / "levels.json")):
+        before, before_out = fixture_text(name)
+        if same_machine:
+            assert normalized(path.read_text(), out) == normalized(before, before_out), name
+        else:
+            now, then = (json.loads(normalized(t, o)) for t, o in ((path.read_text(), out), (before, before_out)))
+            assert key_paths(now) == key_paths(then), name

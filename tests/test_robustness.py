@@ -13,19 +13,20 @@ import pytest
 
 from curvlab.cli import app
 from curvlab.errors import CurvlabError
-from curvlab.jobs.presets import PRESETS, ROBUSTNESS_PRESETS, RobustnessPreset, RobustnessSetting
+from curvlab.jobs.presets import PRESETS, ROBUSTNESS_PRESETS
 from curvlab.jobs.robustness import Robustness, scaled_lrs
 from curvlab.models.gpt import get_config
 from curvlab.output.robustness_page import publish_robustness
 from curvlab.runs.checkpoint import read_index
 from curvlab.studies.controls import controls
+from curvlab.studies.design import RobustnessPreset, RobustnessSetting
 from curvlab.studies.primary import primary_family
 from curvlab.studies.records import LevelData
 from curvlab.studies.robustness import RobustnessLevels, RobustnessSummary
 from tests.test_cli import runner
 
 PAIRED = "paired_direction_ratio"
-MICRO_BASE = replace(PRESETS["micro"], name="rmicro", s_values=(0.0,), arms=("adamw", "muon"), finetune=None)
+MICRO_BASE = PRESETS["micro"].changed(name="rmicro", s_values=(0.0,), arms=("adamw", "muon"), finetune=None)
 SETTINGS = (
     RobustnessSetting("base", "x1"),
     RobustnessSetting("adamw-lr-x0.5", "AdamW lr x0.5", {"adamw": 0.5}),
@@ -38,17 +39,17 @@ def test_each_setting_changes_what_it_says_and_nothing_else():
     design = ROBUSTNESS_PRESETS["robustness"]
     design.validate()
     base = design.base
-    assert base.seeds == PRESETS["quick"].seeds and base.steps == PRESETS["quick"].steps  # quick's design
+    assert base.flat() == {**PRESETS["quick"].flat(), "name": "robustness"}  # quick's design
     for setting in design.settings:
         p = setting.preset(base)
-        changed = {k for k in vars(p) if getattr(p, k) != getattr(base, k)}
+        changed = {k for k, v in p.flat().items() if v != base.flat()[k]}
         expected = {"name", "calibration"}
         expected |= {"s_values"} if setting.s is not None else set()
         expected |= {"grammar_seed"} if setting.grammar_seed is not None else set()
         expected |= {"model_overrides"} if setting.width_factor != 1 else set()
         assert changed == expected, setting.name
     width = next(x for x in design.settings if x.width_factor == 2).preset(base)
-    doubled, plain = get_config(width.model, **width.model_overrides), get_config(base.model, **base.model_overrides)
+    doubled, plain = (get_config(x.network.model, **x.network.model_overrides) for x in (width, base))
     assert (doubled.n_embd, doubled.n_layer, doubled.n_head) == (2 * plain.n_embd, plain.n_layer, plain.n_head)
     factors = {(arm, f) for x in design.settings for arm, f in x.lr_factors.items()}
     assert factors == {("adamw", 0.25), ("adamw", 0.5), ("adamw", 2.0), ("muon", 0.5), ("muon", 2.0)}

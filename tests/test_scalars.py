@@ -56,7 +56,7 @@ def test_a_real_report_round_trips_through_its_json(report, tmp_path):
     with pytest.raises(CurvlabError, match="malformed report"):
         load_report(tmp_path / "bad.json")
     (tmp_path / "old.json").write_text(json.dumps({**d, "schema_version": 2}))
-    with pytest.raises(CurvlabError, match="report schema 2 is not 3"):
+    with pytest.raises(CurvlabError, match="report schema 2 is not 4"):
         load_report(tmp_path / "old.json")
 
 
@@ -78,7 +78,7 @@ def test_a_cached_report_of_another_schema_version_is_a_cache_miss(report, tmp_p
     with pytest.warns(StaleReport, match="another schema version"):
         assert cached_report(cache, checkpoint, report.settings, analyze_fn=analyze_fn) is report
     assert calls == [checkpoint.resolve()]  # another version's: recomputed, and replaced
-    assert json.loads(path.read_text())["schema_version"] == 3
+    assert json.loads(path.read_text())["schema_version"] == 4
     path.write_text(json.dumps({**report.to_dict(), "blocks": {"names": []}}))
     with pytest.warns(StaleReport, match="records no digests"):  # a cache is derived: recomputed, never fatal
         assert cached_report(cache, checkpoint, report.settings, analyze_fn=analyze_fn) is report
@@ -103,8 +103,8 @@ def test_paired_directions_and_direction_reports_of_another_schema_version_are_r
         json.dumps(DirectionReport(r.checkpoint, r.step, r.val_loss, r.optimizer, r.settings, r.paired, 1.0).to_dict())
     )
     assert _json(DirectionReport.from_dict(d).to_dict()) == _json(d)
-    with pytest.raises(CurvlabError, match="^directions schema 2 is not 1$"):
-        DirectionReport.from_dict({**d, "schema_version": 2})
+    with pytest.raises(CurvlabError, match="^directions schema 3 is not 2$"):
+        DirectionReport.from_dict({**d, "schema_version": 3})
     with pytest.raises(CurvlabError, match="^paired: paired-directions schema 0 is not 1$"):
         DirectionReport.from_dict({**d, "paired": {**paired, "schema_version": 0}})
 

@@ -32,7 +32,7 @@ from curvlab.cli import app
 from curvlab.curvature.sharded_spectral import random_direction as sharded_random_direction
 from curvlab.curvature.sharded_spectral import sharded_hutchinson, sharded_lanczos
 from curvlab.curvature.spectral import lanczos
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.dtensors import full, shard_like
 from curvlab.engine.finite_difference import finite_difference_hvp
 from curvlab.engine.hvp import CurvaturePoint
@@ -476,7 +476,7 @@ def test_lanczos_and_hutchinson_on_sharded_parameters_equal_one_process(tmp_path
     for i in range(3):
         z = sharded_random_direction(params, 7 + i, kind="rademacher")
         assert set(torch.unique(torch.cat([t.reshape(-1) for t in z.values()])).tolist()) == {-1.0, 1.0}
-        values.append(P.dot(z, hvp(loss_fn, params, batches, z)))
+        values.append(param_dicts.dot(z, hvp(loss_fn, params, batches, z)))
     assert trace["trace"] == pytest.approx(float(np.mean(values)), rel=1e-10)
     assert trace["std_error"] == pytest.approx(float(np.std(values, ddof=1) / np.sqrt(3)), rel=1e-8)
 

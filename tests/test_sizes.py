@@ -78,3 +78,31 @@ def test_no_function_over_the_line_limit():
         if n > MAX_FUNCTION_LINES
     ]
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines of code: {long}"
+
+
+ALLOWED_ALIASES = {("torch.nn.functional", "F")}  # the field's one universal single-letter alias
+
+
+def single_letter_aliases(source: str) -> list[str]:
+    """``line: import`` for every import in ``source`` bound to a one-letter name (``from curvlab.engine import
+    params as P``), but for :data:`ALLOWED_ALIASES`: a reader meets ``P.dot`` far from the import, where
+    ``param_dicts.dot`` says what it is."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                prefix = f"{node.module}." if isinstance(node, ast.ImportFrom) and node.module else ""
+                name = f"{prefix}{alias.name}"
+                if alias.asname and len(alias.asname) == 1 and (name, alias.asname) not in ALLOWED_ALIASES:
+                    found.append(f"{node.lineno}: {name} as {alias.asname}")
+    return found
+
+
+def test_no_single_letter_import_alias():
+    synthetic = (
+        "import torch.nn.functional as F\nfrom torch.nn import functional as F\nimport numpy as np\n"
+        "from curvlab.engine import params as P\ndef f():\n    import curvlab.util.schema as S\n"
+    )
+    assert single_letter_aliases(synthetic) == ["4: curvlab.engine.params as P", "6: curvlab.util.schema as S"]
+    found = [f"{p.relative_to(ROOT)}:{hit}" for p in SOURCES for hit in single_letter_aliases(p.read_text())]
+    assert not found, f"single-letter import aliases (name the module): {found}"

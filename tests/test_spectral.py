@@ -325,7 +325,7 @@ def test_the_guard_catches_a_tensor_made_without_device():
         torch.ones(3, device="cpu")
 
 
-def test_the_hvp_method_reaches_the_engine():
+def test_the_method_reaches_the_engine():
     """A function with a backward but no forward-mode rule: double backward works, jvp of grad can't."""
 
     class Sin(torch.autograd.Function):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from curvlab import make_loss_fn
 from curvlab.curvature.groupings import hidden_matrices
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.operator import Operator, hessian_operator
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
@@ -82,10 +82,10 @@ def check_injection(loss_fn, params, batch, H, z):
     lam1, v = float(lam[-1]), V[:, -1]
     z0 = dense_nds(H, z)
     assert 0 < z0 < lam1 / 2  # (the setting: every ratio reachable)
-    zd = P.unflatten(z, params)
+    zd = param_dicts.unflatten(z, params)
     for sign in (1.0, -1.0):
         v1 = sign * v
-        s = injection_scalars(loss_fn, params, batch, zd, P.unflatten(v1, params))
+        s = injection_scalars(loss_fn, params, batch, zd, param_dicts.unflatten(v1, params))
         hz = H @ z
         reference = (float(z @ hz), float(z @ z), float(v1 @ z), float(v1 @ hz), float(v1 @ H @ v1))
         np.testing.assert_allclose([s.zhz, s.zz, s.vz, s.vhz, s.vhv], reference, rtol=1e-10, atol=1e-12)
@@ -96,7 +96,7 @@ def check_injection(loss_fn, params, batch, H, z):
         for r in RATIOS:
             c = injection_coefficient(s.zhz, s.zz, s.vz, s.vhz, lam1, r)
             assert c == s.coefficient(r) or c == pytest.approx(s.coefficient(r), rel=1e-9)
-            zp = P.flatten(inject(zd, P.unflatten(v1, params), c))
+            zp = param_dicts.flatten(inject(zd, param_dicts.unflatten(v1, params), c))
             assert dense_nds(H, zp) / z0 == pytest.approx(r, abs=1e-10)
             assert s.nds_at(c) / s.nds == pytest.approx(r, abs=1e-10)
             # the other root, by numpy on the dense quadratic: also reaches r, and is at least as large
@@ -340,7 +340,7 @@ def test_stability_point_of_a_muon_state_against_dense_references():
     train(model, opt, batch)
     params = detached(model)
     H = dense_hessian(loss_fn, params, batch)
-    G = P.unflatten(dense_gradient(loss_fn, params, batch), params)
+    G = param_dicts.unflatten(dense_gradient(loss_fn, params, batch), params)
     table = dict(model.named_parameters())
     hidden = hidden_matrices(params, model=model)
     momenta = {}
@@ -398,7 +398,7 @@ def test_stability_point_of_an_adam_state_against_dense_references():
     with pytest.raises(CurvlabError, match="not in a Muon group"):
         muon_sharpness(
             hessian_operator(loss_fn, params, batch), model, opt, hidden_matrices(params, model=model), list(params),
-            P.zeros_like(params),
+            param_dicts.zeros_like(params),
         )  # fmt: skip
 
 

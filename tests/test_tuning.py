@@ -87,13 +87,14 @@ def _table_tuning(tmp_path, monkeypatch, best, searches=None):
     import dataclasses
 
     import curvlab.jobs.reproduce as reproduce
+    import curvlab.jobs.tune as tune
 
     chosen = {"adamw": {"lr": 0.004}, "muon": {"lr": 0.02, "adam_lr": 0.004}}
     micro = PRESETS["micro"]
-    preset = dataclasses.replace(micro, lr_source="table", tuning=dataclasses.replace(micro.tuning, tune_seeds=1))
+    preset = micro.changed(lr_source="table", tuning=dataclasses.replace(micro.tuning.rule, tune_seeds=1))
     entry = {"chosen": chosen, "seeds": [1000, 1001], "searches": searches or {}}
     table = {"micro": {**entry, "fingerprint": preset.tuning_fingerprint()}}
-    monkeypatch.setattr(reproduce, "read_lr_table", lambda: table)
+    monkeypatch.setattr(tune, "read_lr_table", lambda: table)
     calls = []
 
     def fake_loss(self, data, arm, options, seed):
@@ -101,7 +102,7 @@ def _table_tuning(tmp_path, monkeypatch, best, searches=None):
         return 3.0 + 0.1 * (math.log2(options["lr"]) - math.log2(best[arm])) ** 2
 
     monkeypatch.setattr(reproduce.Reproduction, "_tuning_loss", fake_loss)
-    return reproduce.Reproduction(preset, tmp_path, progress=False).tune(tmp_path / "data"), calls
+    return tune.tune(reproduce.Reproduction(preset, tmp_path, progress=False), preset, tmp_path / "data"), calls
 
 
 def test_table_learning_rates_are_checked_on_three_points_with_tuning_seeds(tmp_path, monkeypatch):
@@ -131,16 +132,17 @@ def test_a_table_entry_made_under_other_settings_is_not_used(tmp_path, monkeypat
     import dataclasses
 
     import curvlab.jobs.reproduce as reproduce
+    import curvlab.jobs.tune as tune
 
     micro = PRESETS["micro"]
-    preset = dataclasses.replace(micro, lr_source="table", tuning=dataclasses.replace(micro.tuning, tune_seeds=1))
-    other = dataclasses.replace(preset, batch_size=preset.batch_size * 2).tuning_fingerprint()  # other batches
+    preset = micro.changed(lr_source="table", tuning=dataclasses.replace(micro.tuning.rule, tune_seeds=1))
+    other = preset.changed(batch_size=preset.training.batch_size * 2).tuning_fingerprint()  # other batches
     entry = {"chosen": {"adamw": {"lr": 0.004}, "muon": {"lr": 0.02, "adam_lr": 0.004}}, "seeds": [1000, 1001]}
-    monkeypatch.setattr(reproduce, "read_lr_table", lambda: {"micro": {**entry, "fingerprint": other}})
+    monkeypatch.setattr(tune, "read_lr_table", lambda: {"micro": {**entry, "fingerprint": other}})
     monkeypatch.setattr(reproduce.Reproduction, "_tuning_loss", lambda self, data, arm, options, seed: 3.0)
-    tuning = reproduce.Reproduction(preset, tmp_path, progress=False).tune(tmp_path / "data")
+    tuning = tune.tune(reproduce.Reproduction(preset, tmp_path, progress=False), preset, tmp_path / "data")
     assert tuning.mode == "search" and "other settings" in tuning.fallback
-    assert tuning.seeds == preset.tuning_seeds()
+    assert tuning.seeds == preset.tuning_settings.seeds()
 
 
 def test_a_corrupt_table_is_a_one_line_error(tmp_path):

@@ -1,7 +1,4 @@
-"""One checkpoint analysed as ``curvlab nds`` asks: its curvature report, unsharded
-(:func:`~curvlab.analysis.report.analyze_checkpoint`) or sharded over the ranks of torchrun
-(:func:`~curvlab.analysis.sharded.analyze_sharded_checkpoint`), or the counterfactual directions compared
-at it (:func:`~curvlab.analysis.direction_report.checkpoint_directions`)."""
+"""One checkpoint analysed as ``curvlab nds`` asks (:func:`checkpoint_analysis`)."""
 
 from __future__ import annotations
 
@@ -33,7 +30,6 @@ def checkpoint_analysis(
     Raises:
         CurvlabError: bad settings; ``rebuild`` or ``directions`` with ``fsdp``; what the analysis raises.
     """
-    settings.validate()
     if fsdp and rebuild is not None and rebuild.given():
         raise CurvlabError("--config, --optimizer and --batch-size are for Lightning and state-dict checkpoints")
     if directions is not None:

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from curvlab.analysis.directions import Direction, measure_directions
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.errors import CurvlabError
 from curvlab.steps.stability import inject, injection_scalars
@@ -82,10 +82,8 @@ class PointControls(Record):
     def scalars(self) -> dict[str, float]:
         """The ``control_*`` scalars of :class:`curvlab.curvature.scalars.CheckpointScalars`."""
         out = {heldout_key(name): v for name, v in (self.held_out or {}).items()}
-        values = {
-            "lambda_max": self.lambda_max, "preconditioned_sharpness": self.preconditioned_sharpness,
-            "edge_of_stability": self.edge_of_stability, "two_over_lr": 2 / self.lr if self.lr else None,
-        }  # fmt: skip
+        values = {"lambda_max": self.lambda_max, "preconditioned_sharpness": self.preconditioned_sharpness}
+        values |= {"edge_of_stability": self.edge_of_stability, "two_over_lr": 2 / self.lr if self.lr else None}
         out |= {STABILITY_QUANTITIES[k]: v for k, v in values.items() if v is not None}
         if self.lambda_residual is not None:
             out["control_lambda_residual"] = self.lambda_residual
@@ -94,10 +92,16 @@ class PointControls(Record):
 
 
 def held_out_nds(
-    loss_fn, params: Mapping[str, Tensor], batch: Any, directions: Sequence[Direction], hidden: Sequence[str],
-    *, method: str, dtype: torch.dtype | None,
-) -> dict[str, float]:  # fmt: skip
-    """Each direction's NDS on the hidden matrices under the Hessian of ``batch``."""
+    loss_fn,
+    params: Mapping[str, Tensor],
+    batch,
+    directions: Sequence[Direction],
+    hidden: Sequence[str],
+    *,
+    method,
+    dtype,
+) -> dict[str, float]:
+    """Each direction's NDS on the hidden matrices under the Hessian of ``batch`` (by ``method``, in ``dtype``)."""
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
         measured = measure_directions(point, directions, hidden)
     return {d.name: d.hidden.nds for d in measured}
@@ -123,7 +127,7 @@ def stability_controls(
     point = stability_point(
         loss_fn, params, batch, model, optimizer, G, max_iter=iterations, tol=LANCZOS_TOL, dtype=dtype, method=method
     )
-    v1 = P.unflatten(point.eigenvector, params)
+    v1 = param_dicts.unflatten(point.eigenvector, params)
     z = {n: muon.z[n] for n in params}
     scalars = injection_scalars(loss_fn, params, batch, z, v1, dtype=dtype, method=method)
     coefficients, skipped = {}, []
@@ -138,11 +142,10 @@ def stability_controls(
         with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as at:
             stacked = {n: torch.stack([r[n].to(at.dtype) for r in rows]) for n in params}
             _, zhz = at.quadratic_forms(stacked)
-            zz = P.stacked_dot(stacked, stacked, list(params))
+            zz = param_dicts.stacked_dot(stacked, stacked, list(params))
         injected = {k: float(zhz[i] / zz[i]) / scalars.nds for i, k in enumerate(coefficients)}
     closed = {k: scalars.nds_at(c) / scalars.nds for k, c in coefficients.items()}
-    return PointControls(
-        lambda_max=point.lambda_max, lambda_residual=point.lambda_residual, lanczos_matvecs=point.num_matvecs,
-        preconditioned_sharpness=point.preconditioned_sharpness, edge_of_stability=point.edge_of_stability,
-        lr=point.lr, injected=injected, closed_form=closed, coefficients=coefficients, note="; ".join(skipped),
-    )  # fmt: skip
+    read = ("lambda_max", "lambda_residual", "preconditioned_sharpness", "edge_of_stability", "lr")
+    measured = {k: getattr(point, k) for k in read} | {"lanczos_matvecs": point.num_matvecs}
+    derived = {"injected": injected, "closed_form": closed, "coefficients": coefficients, "note": "; ".join(skipped)}
+    return PointControls(**measured, **derived)

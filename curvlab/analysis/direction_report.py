@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import ClassVar
 
 from curvlab.analysis.directions import PairedDirections, measured_directions, parse_directions
-from curvlab.analysis.targets import DTYPES, AnalysisSettings, Target, evaluation_batches, open_checkpoint
+from curvlab.analysis.targets import (
+    DTYPES,
+    AnalysisSettings,
+    Target,
+    evaluation_batches,
+    method_renamed,
+    open_checkpoint,
+)
 from curvlab.engine.loss import make_loss_fn
 from curvlab.runs.foreign import Rebuild
 from curvlab.steps.update import next_update
@@ -20,7 +27,7 @@ from curvlab.util.atomic import atomic_write_text
 from curvlab.util.codec import Record, meta
 from curvlab.util.versions import SoftwareVersions
 
-DIRECTIONS_SCHEMA_VERSION = 1
+DIRECTIONS_SCHEMA_VERSION = 2  # 2: settings.hvp_method is settings.method (1 is read as 2: method_renamed)
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,8 @@ class DirectionReport(Record):
     direction's NDS, cos(G, Z) and q over all parameters and the hidden matrices, at the same W, on the
     same batch D, under the same H (:mod:`curvlab.analysis.directions`).
 
-    JSON (``DIRECTIONS_SCHEMA_VERSION`` = 1)::
+    JSON (``DIRECTIONS_SCHEMA_VERSION`` = 2; one of 1, whose settings name the method ``hvp_method``, is read
+    as one of 2)::
 
         schema_version, checkpoint, step, val_loss (or null), optimizer, settings{...}, paired{base, real, multiplier,
         hidden_names, shadow (its settings, or null), directions[{name, source, scaling, all{nds,
@@ -46,6 +54,7 @@ class DirectionReport(Record):
     seconds: float
     versions: SoftwareVersions | None = None  # what it was made with
     SCHEMA_VERSION: ClassVar[int] = DIRECTIONS_SCHEMA_VERSION
+    MIGRATIONS: ClassVar[dict] = {1: method_renamed}  # 1 -> 2: settings.hvp_method is settings.method
     WHAT: ClassVar[str] = "directions"
 
     def save(self, path: str | Path) -> None:
@@ -72,7 +81,7 @@ def analyze_directions(target: Target, names, settings: AnalysisSettings, checkp
     params = {n: p.detach() for n, p in model.named_parameters()}
     paired, _ = measured_directions(
         model, target.optimizer, loss_fn, params, D, G, Z, names=names, shadow=target.shadow,
-        method=settings.hvp_method, dtype=DTYPES[settings.dtype],
+        method=settings.method, dtype=DTYPES[settings.dtype],
     )  # fmt: skip
     return DirectionReport(
         checkpoint,

@@ -36,9 +36,9 @@ From a Muon state (B, the momentum after G):
 **Scale.** On the hidden matrices NDS, cos and q don't depend on a direction's length; over all
 parameters they do. ``adamw`` and ``muon`` take their arm's lr (the real step's own; a shadow's or the
 approximation's: the shadow's peak lr (the other arm's default, or the lr the run set) times the run's
-current schedule multiplier, Muon's
-shape scale included). Momentum SGD and sign descent have no lr in these runs: ``sgd`` and ``sign`` are
-scaled to the Frobenius norm of the real step on the hidden matrices (``scaling = "matched"``).
+current schedule multiplier, Muon's shape scale included). Momentum SGD and sign descent have no lr in
+these runs: ``sgd`` and ``sign`` are scaled to the Frobenius norm of the real step on the hidden matrices
+(``scaling = "matched"``).
 
 **Direction and landscape.** For an AdamW checkpoint a and a Muon checkpoint b, write
 :math:`N_x(W)` for the NDS of direction x at W. The between-run ratio splits exactly:
@@ -65,7 +65,7 @@ from torch import Tensor, nn
 
 from curvlab.curvature.groupings import hidden_matrices
 from curvlab.curvature.scope import SCOPES, DirectionCurvature
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
 from curvlab.errors import CurvlabError
 from curvlab.models.roles import matrix_shapes
@@ -74,8 +74,7 @@ from curvlab.util.codec import Record
 
 DIRECTIONS = ("adamw", "muon", "sgd", "sign")
 PAIRED = ("adamw", "muon")  # the two arms, paired at every checkpoint that carries a shadow
-# what a paired direction's JSON keeps of each scope's record: no realized decrease (nothing is stepped
-# here) and no predicted one (I1 - I2), but q
+# what a paired direction's JSON keeps of each scope's record (see PairedDirection.to_dict)
 DIRECTION_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm", "grad_norm", "cosine", "q")
 BASES = {"adam": "adamw", "muon": "muon"}  # the optimizer state on the hidden matrices -> its real direction
 PAIRED_SCHEMA_VERSION = 1
@@ -171,15 +170,13 @@ class PairedDirections(Record):
     def scalars(self) -> dict[str, float]:
         """``paired_{nds,cos,q}_{direction}_{scope}`` for every direction and scope (the keys of
         :class:`curvlab.curvature.scalars.CheckpointScalars`), plus ``paired_norm_...``."""
-        out = {}
-        for d in self.directions:
-            for scope in SCOPES:
-                s = d.scope(scope)
-                out[f"paired_nds_{d.name}_{scope}"] = s.nds
-                out[f"paired_cos_{d.name}_{scope}"] = s.cosine
-                out[f"paired_q_{d.name}_{scope}"] = s.q
-                out[f"paired_norm_{d.name}_{scope}"] = s.update_norm
-        return out
+        keys = {"nds": "nds", "cos": "cosine", "q": "q", "norm": "update_norm"}
+        return {
+            f"paired_{key}_{d.name}_{scope}": getattr(d.scope(scope), attribute)
+            for d in self.directions
+            for scope in SCOPES
+            for key, attribute in keys.items()
+        }
 
 
 # -- the directions from an optimizer's state ---------------------------------------------------
@@ -282,33 +279,32 @@ def counterfactual_directions(
     W = {n: params[n].detach() for n in hidden}
     Gh = {n: G[n].to(device=W[n].device, dtype=W[n].dtype) for n in hidden}
     first = _first_moments(base, held, Gh)
-    real_norm = P.norm(Z, hidden)
+    real_norm = param_dicts.norm(Z, hidden)
     shapes = matrix_shapes(model)
+
+    def whole(on_hidden: Mapping[str, Tensor]) -> dict[str, Tensor]:  # the real step Z off the hidden matrices
+        return {n: on_hidden.get(n, t).to(params[n].dtype) for n, t in Z.items()}
+
     out = []
     for name in names:
         if name == BASES[base]:
-            out.append(Direction(name, {n: t.to(params[n].dtype) for n, t in Z.items()}, "real step", "lr"))
-            continue
-        if name in PAIRED:  # the other arm
+            out.append(Direction(name, whole({}), "real step", "lr"))
+        elif name in PAIRED:  # the other arm
             on_hidden, source = _other_arm(name, base, first, W, Gh, shapes, multiplier, shadow)
-            scaling = "lr"
+            out.append(Direction(name, whole(on_hidden), source, "lr"))
         else:
             on_hidden = {n: first[n] if name == "sgd" else torch.sign(first[n]) for n in hidden}
-            norm = P.norm(on_hidden)
+            norm = param_dicts.norm(on_hidden)
             if norm == 0.0:
                 raise CurvlabError(f"the {name} direction is zero on the hidden matrices")
-            on_hidden = P.scale(on_hidden, real_norm / norm)
             moment = "Adam's first moment m" if base == "adam" else "Muon's momentum buffer B"
             source = f"{moment}{'' if name == 'sgd' else ', its sign'}, scaled to the real step's hidden norm"
-            scaling = "matched"
-        z = {n: on_hidden.get(n, t).to(params[n].dtype) for n, t in Z.items()}
-        out.append(Direction(name, z, source, scaling))
+            out.append(Direction(name, whole(param_dicts.scale(on_hidden, real_norm / norm)), source, "matched"))
     for name, control in (controls or {}).items():
         if set(control.names) != set(W):
             raise CurvlabError(f"the {name} shadow covers other matrices than the model's hidden ones")
         on_hidden = control.direction(Gh, W, multiplier)
-        z = {n: on_hidden.get(n, t).to(params[n].dtype) for n, t in Z.items()}
-        out.append(Direction(name, z, f"{name} shadow ({control.settings.kind})", "lr"))
+        out.append(Direction(name, whole(on_hidden), f"{name} shadow ({control.settings.kind})", "lr"))
     return base, multiplier, out
 
 
@@ -360,22 +356,28 @@ def measure_directions(
     unknown = [n for n in hidden if n not in point.params]
     if unknown or not hidden:
         raise CurvlabError(
-            f"the hidden scope names unknown parameters: {P.names_text(unknown)}" if unknown else "no hidden matrices"
+            f"the hidden scope names unknown parameters: {param_dicts.names_text(unknown)}"
+            if unknown
+            else "no hidden matrices"
         )
     rest = [n for n in names if n not in keep]
     g = point.gradient
-    gg = P.group_sums(P.dot_table([(g, g)], names)[:, 0], names, [names, hidden]).tolist()  # (all, hidden)
+    gg = param_dicts.group_sums(
+        param_dicts.dot_table([(g, g)], names)[:, 0], names, [names, hidden]
+    ).tolist()  # (all, hidden)
     out = []
     for d in directions:
         full = {n: d.z[n] if n in d.z else torch.zeros_like(point.params[n]) for n in names}
-        P.check_like(point.params, full, f"direction {d.name}")
-        full = P.cast(full, point.dtype)
+        param_dicts.check_like(point.params, full, f"direction {d.name}")
+        full = param_dicts.cast(full, point.dtype)
         # the hidden matrices first, their second backward on every parameter, then the rest's on the rest
         # alone, so that the hidden matrices' weight adjoints are taken once (as the Taylor split's scopes)
         parts = [{n: full[n] for n in hidden}] + ([{n: full[n] for n in rest}] if rest else [])
         R = point.interactions(parts)
         # <G, Z> and <Z, Z> over all parameters and over the hidden matrices
-        sums = P.group_sums(P.dot_table([(g, full), (full, full)], names), names, [names, hidden]).tolist()
+        sums = param_dicts.group_sums(
+            param_dicts.dot_table([(g, full), (full, full)], names), names, [names, hidden]
+        ).tolist()
         scopes = [
             DirectionCurvature.of(gz, float(zhz), zz, gg_scope)
             for (gz, zz), zhz, gg_scope in zip(sums, (R.sum(), R[0, 0]), gg)

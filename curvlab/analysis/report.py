@@ -16,10 +16,11 @@ Two choices, stated because they differ from a literal replay of the run:
   from ``--data``, seeded with the checkpoint's step; the report's ``next_batch`` records the seed
   and the (shard, offset) of every row. A curvlab checkpoint resumes its own loader.
 
-Report JSON (``REPORT_SCHEMA_VERSION`` = 3)::
+Report JSON (``REPORT_SCHEMA_VERSION`` = 4; a report of 3, whose settings name the method ``hvp_method``,
+is read as one of 4)::
 
     schema_version, checkpoint, step, val_loss (null where the checkpoint has none), optimizer,
-    settings{blocks, batch, batches, dtype, block_method, hvp_method, spectrum_top}, loss, nds,
+    settings{blocks, batch, batches, dtype, block_method, method, spectrum_top}, loss, nds,
     first_order, curvature_penalty, predicted, realized, update_norm, grad_norm, cosine,
     hidden{the same eight, over the hidden 2-D matrices, or null}, blocks{grouping, names, matrix,
     within, cross, nds (the total, = sum(matrix)), rho_within, first_order[], norm[], block_nds[] (each
@@ -62,6 +63,7 @@ from curvlab.analysis.targets import (
     BatchDraw,
     Target,
     evaluation_batches,
+    method_renamed,
     open_checkpoint,
 )
 from curvlab.curvature.scalars import (
@@ -80,7 +82,7 @@ from curvlab.curvature.taylor import (
     taylor_split,
     taylor_split_and_block_matrix,
 )
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import DEFAULT_METHOD
 from curvlab.engine.loss import ModuleLoss, make_loss_fn
 from curvlab.engine.operator import hessian_operator
@@ -170,6 +172,7 @@ class CurvatureReport:
     versions: SoftwareVersions | None = None  # what it was made with (None: a report from before they were kept)
     controls: PointControls | None = None  # the controls beyond the paired directions, where asked for
     SCHEMA_VERSION: ClassVar[int] = REPORT_SCHEMA_VERSION
+    MIGRATIONS: ClassVar[dict] = {3: method_renamed}  # 3 -> 4: settings.hvp_method is settings.method
     WHAT: ClassVar[str] = "report"
 
     # by hand: the Taylor split's keys sit at the top level (not under a key of their own), the block
@@ -200,8 +203,9 @@ class CurvatureReport:
         <curvlab.analysis.report.UpdateSpectrum.from_dict>` for what a saved spectrum keeps).
 
         Raises:
-            CurvlabError: another schema version.
+            CurvlabError: another schema version (not one of :attr:`MIGRATIONS`).
         """
+        d = schema.upgrade(d, cls)
         schema.check(d, cls)
         split = TaylorSplit.from_dict({f.name: d[f.name] for f in fields(TaylorSplit) if f.name in d})
         blocks = {k: v for k, v in d["blocks"].items() if k != "grouping"}
@@ -273,7 +277,7 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
     params = {n: p.detach() for n, p in model.named_parameters()}
     dtype = DTYPES[settings.dtype]
     hvp_start = time.perf_counter()
-    method = settings.hvp_method
+    method = settings.method
     if settings.block_method == "hvp":  # one point and one set of HVPs serve both
         split, blocks = taylor_split_and_block_matrix(
             loss_fn, params, D, Z, blocks=settings.blocks, method=method, dtype=dtype
@@ -319,7 +323,7 @@ def _paired_and_controls(target: Target, settings: AnalysisSettings, loss_fn, pa
     """Both arms' directions at the point (:mod:`curvlab.analysis.directions`) and, as ``settings`` ask, the
     controls' (:mod:`curvlab.analysis.controls`): the twins' and momentum SGD's directions in the same
     batched call, the held-out H, lambda_max, the preconditioned sharpness and the injected directions."""
-    model, optimizer, method = target.model, target.optimizer, settings.hvp_method
+    model, optimizer, method = target.model, target.optimizer, settings.method
     names = (*PAIRED, "sgd") if settings.controls else PAIRED
     twins = target.controls if settings.controls else None
     paired, directions = measured_directions(
@@ -377,7 +381,7 @@ def update_spectrum(
     if top.converged and nds > lam + slack:
         raise RuntimeError(f"NDS {nds:.6g} exceeds λ_max {lam:.6g}: the HVPs or the update are inconsistent")
     trace = hutchinson(op, samples=trace_samples)
-    overlap = overlap_with(top.eigenvectors, P.flatten({n: Z[n] for n in params}))
+    overlap = overlap_with(top.eigenvectors, param_dicts.flatten({n: Z[n] for n in params}))
     return UpdateSpectrum(top, trace, overlap, nds, op.dim)
 
 
@@ -411,7 +415,8 @@ def load_report(path: str | Path) -> CurvatureReport:
     d = _report_json(path)
     recorded = _recorded_digest(d)
     if recorded is None:
-        schema.check(d, CurvatureReport, path)  # another version is named as such first, as schema.load does
+        # another version (not an older one it upgrades) is named as such first, as schema.load does
+        schema.check(schema.upgrade(d, CurvatureReport), CurvatureReport, path)
         raise CurvlabError(f"{path}: unsealed report (it {_NO_DIGEST}): not trusted")
     if json_digest(_content(d)) != recorded:
         raise CurvlabError(f"{path}: edited or corrupt report ({_EDITED}): not trusted")

@@ -161,7 +161,7 @@ def checkpoint_spectrum(
     request.validate()
     settings = settings or AnalysisSettings()
     settings.validate()
-    method, memory = settings.hvp_method, request.memory
+    method, memory = settings.method, request.memory
     target = open_checkpoint(path, data, device, settings.batches)
     model, loss_fn = target.model, make_loss_fn(target.model)
     params = {n: p.detach() for n, p in model.named_parameters()}

@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,9 @@ from curvlab.runs.train import build_run, restore
 from curvlab.steps.shadow import ShadowState
 from curvlab.util.codec import Record
 
-REPORT_SCHEMA_VERSION = 3  # 2: blocks.nds is the total NDS, blocks.block_nds each block's own; 3: paired
+# 2: blocks.nds is the total NDS, blocks.block_nds each block's own; 3: paired; 4: settings.hvp_method is
+# settings.method (a report of 3 is read as one of 4: method_renamed)
+REPORT_SCHEMA_VERSION = 4
 BATCHES = ("train", "val")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -48,7 +51,7 @@ class AnalysisSettings:
     batches: int = 1  # train: the step's batch and the N - 1 after it; val: the first N validation batches
     dtype: str = "float32"
     block_method: str = "hvp"
-    hvp_method: str = "rev_rev"  # rev_rev (double backward) or fwd_rev (jvp of grad): equal to rounding
+    method: str = "rev_rev"  # rev_rev (double backward) or fwd_rev (jvp of grad): equal to rounding
     spectrum_top: int = 0  # > 0: also λ_max, the top-k eigenvalues, Z's overlap with them and the trace
     paired: bool = True  # with a shadow state in the checkpoint: the AdamW and Muon directions at the same point
     # the controls (docs/science.md section 14): the twins' directions (where the checkpoint keeps them) and
@@ -70,12 +73,23 @@ class AnalysisSettings:
             raise CurvlabError(f"spectrum_top must be >= 0, got {self.spectrum_top}")
         if self.stability < 0:
             raise CurvlabError(f"stability (Lanczos iterations) must be >= 0, got {self.stability}")
-        check_method(self.hvp_method)
+        check_method(self.method)
 
     def key(self) -> str:
         """A short stable hash, for caching reports."""
         text = json.dumps({**asdict(self), "schema": REPORT_SCHEMA_VERSION}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def method_renamed(d: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of a record that keeps :class:`AnalysisSettings` under ``settings`` (a report of schema 3,
+    a comparison of schema 2, a directions report of schema 1), with the HVP method's old key,
+    ``hvp_method``, renamed ``method`` in its place (the keys keep their order): a ``MIGRATIONS`` step
+    (:func:`curvlab.util.schema.upgrade`)."""
+    settings = d.get("settings")
+    if not isinstance(settings, Mapping):
+        return d  # (malformed: left for the reader to refuse)
+    return {**d, "settings": {("method" if k == "hvp_method" else k): v for k, v in settings.items()}}
 
 
 @dataclass(frozen=True)

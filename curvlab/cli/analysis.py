@@ -97,7 +97,7 @@ def nds(
     if out:
         check_output(out)  # before the analysis, not after it
     settings = AnalysisSettings(
-        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, hvp_method=method
+        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, method=method
     )
     rebuild = Rebuild(config=config, optimizer=optimizer, batch_size=batch_size)
     with distributed_context() as (rank, _):
@@ -148,7 +148,7 @@ def compare(
     """
 
     settings = AnalysisSettings(
-        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, hvp_method=method
+        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, method=method
     )
     settings.validate()
     criteria = MatchCriteria(levels=levels, tolerance=tolerance, phase=phase, window=window)
@@ -198,7 +198,7 @@ def track(
     out = out or run / "track"
     check_output(out, directory=True)
     settings = AnalysisSettings(
-        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, hvp_method=method,
+        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, method=method,
         spectrum_top=spectrum,
     )  # fmt: skip
     with distributed_context() as (rank, _):
@@ -241,7 +241,7 @@ def spectrum(
     Under torchrun the ranks share the batches (--batches N, N >= the ranks); rank 0 prints and writes.
     """
 
-    settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype, hvp_method=method)
+    settings = AnalysisSettings(batch=batch, batches=batches, dtype=dtype, method=method)
     settings.validate()
     request = SpectrumRequest(
         top=top, bottom=bottom, trace=trace, density=density, blocks=blocks, preconditioned=preconditioned,

@@ -5,29 +5,21 @@ block. Given the model, groupings read its structure (:func:`~curvlab.models.rol
 its stack of repeated layers); without one (a loss function that isn't a module's), they read
 parameter names, which works on models that follow the usual naming conventions.
 
-* ``"layer"`` (default): one block per layer of the model's layer stack (the ``nn.ModuleList`` or
-  ``nn.Sequential`` of two or more modules of one class: ``transformer.h``, ``model.layers``,
-  ``encoder.layer``), named ``layer0``, ``layer1``, ...; ``embedding`` (embedding tables outside the
-  stack, and what shares a module with them, such as BERT's embedding LayerNorm), ``final_norm`` (a
-  norm after the stack: registered after it, or named as a final norm where the model registers it
-  first, as OPT does) and ``head`` (the head's parameters, a tied embedding included) blocks. An
-  embedding inside a layer (T5's relative position bias) is that layer's. A parameter outside all of
-  these lands in a block named after its module below the stack's parents (``pooler`` for BERT's
-  ``bert.pooler.dense.weight``, ``fc1`` for ``fc1.weight``). With several stacks, each layer is named
-  by the shortest tail of its stack's path that tells the stacks apart, and its index: ``layer1.0``
-  for a ResNet's stages, ``encoder.block.0`` and ``decoder.block.0`` for T5 (an encoder's and a
-  decoder's layers are never one block), with ``encoder.final_norm`` and ``decoder.final_norm`` for
-  the norms beside them. Without the model: by name (``...h.3...``, ``layers.3``, ``blocks.3``; a
-  top-level module's name otherwise).
+* ``"layer"`` (default): one block per layer of the model's layer stack (an ``nn.ModuleList`` or
+  ``nn.Sequential`` of two or more modules of one class: ``transformer.h``, ``model.layers``), named
+  ``layer0``, ``layer1``, ...; ``embedding`` (embedding tables outside the stack, and what shares a
+  module with them), ``final_norm`` (a norm after the stack, or named as a final norm, as OPT's) and
+  ``head`` (a tied embedding included) blocks. A parameter outside all of these lands in a block named
+  after its module below the stack's parents (``pooler`` for BERT's ``bert.pooler.dense.weight``).
+  With several stacks, each layer is named by the shortest tail of its stack's path that tells the
+  stacks apart, and its index: ``layer1.0`` for a ResNet's stages, ``encoder.block.0`` and
+  ``decoder.block.0`` for T5, with ``encoder.final_norm`` and ``decoder.final_norm``. Without the
+  model: by name (``...h.3...``, ``layers.3``, ``blocks.3``; a top-level module's name otherwise).
 * ``"tensor"``: one block per parameter tensor.
 * ``"kind"``: ``embedding``, ``head`` and ``norm`` by role; the projections of each layer by their
-  place in it (:func:`structural_kind_blocks`): the layer's last sub-block is the MLP (``mlp_in``,
-  and ``mlp_out`` for its last projection), the ones before it attention (``attn_q``, ``attn_k``,
-  ``attn_v``, or ``attn_qkv`` fused, and ``attn_o``; a decoder's cross-attention ``cross_attn_*``),
-  so GPT-2, GPT-NeoX, Llama, OPT, BERT, DistilBERT, ViT and T5 all get their parts whatever their
-  projections are called; an MoE's fused experts as the MLP (their last stack ``mlp_out``); biases and
-  adapters with their projection; anything else under its role
-  (``hidden``, ``bias``, ``other``). Without the model: by name (``other`` for what names don't tell).
+  place in it (:func:`structural_kind_blocks`): ``mlp_in``/``mlp_out``, ``attn_q``, ``attn_k``,
+  ``attn_v`` (or ``attn_qkv``), ``attn_o``, ``cross_attn_*``, whatever the projections are called;
+  anything else under its role (``hidden``, ``bias``, ``other``). Without the model: by name.
 * a mapping ``{block: [glob patterns]}``: user-defined; a parameter matched by no block, or by two,
   is an error.
 """
@@ -208,14 +200,11 @@ _QKV_NAMES = {  # the last name component of separate query, key and value proje
 
 
 def _is_projection(module: nn.Module, roles_by_id: Mapping[int, str]) -> bool:
-    """A module that computes one linear map: ``nn.Linear``, Hugging Face's ``Conv1D``, a convolution,
-    a peft tuner layer (its ``base_layer`` and adapters together), or any module that holds a hidden
-    matrix of its own (an MoE's fused experts)."""
-    if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) or isinstance(
-        getattr(module, "base_layer", None), nn.Module
-    ):
-        return True
-    if type(module).__name__ == "Conv1D":  # (transformers' GPT-2 layer; not imported here)
+    """A module that computes one linear map: ``nn.Linear``, Hugging Face's ``Conv1D`` (by name: not
+    imported here), a convolution, a peft tuner layer (its ``base_layer`` and adapters together), or any
+    module that holds a hidden matrix of its own (an MoE's fused experts)."""
+    peft = isinstance(getattr(module, "base_layer", None), nn.Module)
+    if peft or isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) or type(module).__name__ == "Conv1D":
         return True
     return any(p.dim() >= 2 and roles_by_id.get(id(p)) == "hidden" for p in module.parameters(recurse=False))
 
@@ -275,15 +264,12 @@ def _attention_kinds(projections: list[str], prefix: str) -> dict[str, str]:
 
 
 def structural_kind_blocks(model: nn.Module) -> dict[str, str]:
-    """Parameter name -> ``"kind"`` block, from the model's structure.
-
-    Embedding, head and norm parameters by role. In each layer of a layer stack, the sub-blocks
+    """Parameter name -> ``"kind"`` block, from the model's structure: embedding, head and norm parameters
+    by role. In each layer of a layer stack, the sub-blocks
     (:func:`_layer_parts`) are attention and MLP by their place: the last is the MLP (``mlp_in`` for
-    each projection but its last, ``mlp_out``), those before it attention (the first ``attn_*``, a
-    second one, a decoder's cross-attention, ``cross_attn_*``, further ones ``attn3_*``, ...; see
-    :func:`_attention_kinds`); a layer with one sub-block is an MLP. A projection's bias and adapters
-    (LoRA factors, IA3 vectors) share its kind. Everything else keeps its role (``hidden``, ``bias``,
-    ``other``), as do parameters outside the stacks (a pooler, a classifier's hidden layer).
+    each projection but its last, ``mlp_out``), those before it attention (``attn_*``, then a decoder's
+    ``cross_attn_*``, then ``attn3_*``, ...: :func:`_attention_kinds`). A projection's bias and adapters
+    share its kind. Everything else keeps its role, as do parameters outside the stacks.
     """
     roles = parameter_roles(model)
     roles_by_id = {id(p): roles[n] for n, p in model.named_parameters(remove_duplicate=False)}
@@ -343,8 +329,7 @@ def group_parameters(
             (names it doesn't have fall back to the name rules).
 
     Returns:
-        ``{block: [parameter names]}``, the blocks ordered as above and each block's names in
-        ``names``' order.
+        ``{block: [parameter names]}``, the blocks ordered as above, each block's names in ``names``' order.
 
     Raises:
         CurvlabError: an unknown grouping, a mapping that leaves a parameter out or claims it twice,

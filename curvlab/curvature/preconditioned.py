@@ -13,10 +13,8 @@ A method that steps :math:`W \leftarrow W - \eta P^{-1} m` with a positive diago
 
 the largest eigenvalue of the generalized problem :math:`H\Delta = \lambda P \Delta`, against the method's
 threshold (:func:`~curvlab.optim.adam.adam_edge_of_stability`: :math:`38/\eta` for Adam at
-:math:`\beta_1 = 0.9`; :math:`2/\eta` for gradient descent, P = I). It is computed by
-:func:`~curvlab.curvature.spectral.lanczos` on the symmetric operator
-:func:`~curvlab.engine.operator.preconditioned_operator`, one exact HVP per iteration, and comes back with
-its true residual and whether it converged.
+:math:`\beta_1 = 0.9`; :math:`2/\eta` for gradient descent), by :func:`~curvlab.curvature.spectral.lanczos`
+on :func:`~curvlab.engine.operator.preconditioned_operator`.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import torch
 from torch import Tensor
 
 from curvlab.curvature.spectral import EigenResult, lanczos
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
 from curvlab.engine.loss import LossFn
 from curvlab.engine.operator import hessian_operator_at, preconditioned_operator
@@ -56,14 +54,13 @@ def preconditioned_sharpness_at(
 
     Returns:
         The :class:`~curvlab.curvature.spectral.EigenResult` of the largest eigenvalue, with its residual
-        :math:`\|A u - \theta u\|` for :math:`A = P^{-1/2} H P^{-1/2}` and ``converged``; the eigenvector
-        u is in the preconditioned coordinates (:math:`\Delta = P^{-1/2} u` is the direction in the
-        parameters), flat in the parameters' order.
+        and ``converged``; the eigenvector u is in the preconditioned coordinates (:math:`\Delta = P^{-1/2}
+        u` in the parameters), flat in the parameters' order.
 
     Raises:
         CurvlabError: a preconditioner unlike the parameters, non-finite or not positive.
     """
-    P.check_like(point.params, preconditioner, "preconditioner")
+    param_dicts.check_like(point.params, preconditioner, "preconditioner")
     diagonal = torch.cat([preconditioner[n].reshape(-1) for n in point.params])
     op = preconditioned_operator(hessian_operator_at(point), diagonal)
     return lanczos(op, k=1, max_iter=max_iter, tol=tol, seed=seed, memory=memory)
@@ -106,6 +103,6 @@ def preconditioned_sharpness(
     Raises:
         CurvlabError: a preconditioner unlike the parameters, non-finite or not positive.
     """
-    P.check_like(params, preconditioner, "preconditioner")
+    param_dicts.check_like(params, preconditioner, "preconditioner")
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
         return preconditioned_sharpness_at(point, preconditioner, max_iter=max_iter, tol=tol, seed=seed, memory=memory)

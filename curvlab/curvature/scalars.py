@@ -1,9 +1,8 @@
 r"""The per-checkpoint scalars that the studies aggregate (:class:`CheckpointScalars`), and their names.
 
-One record per analysed checkpoint (a curvature report, :meth:`curvlab.analysis.report.CurvatureReport.scalars`)
-or per monitored step (:meth:`curvlab.runs.monitor.MonitorRow.scalars`): the Taylor split of the step over
-all parameters and over the hidden matrices, the layer-block decomposition, the Taylor check and, with
-a shadow state, the paired directions. Window means, track rows and the headline read these.
+One record per analysed checkpoint (:meth:`curvlab.analysis.report.CurvatureReport.scalars`) or per
+monitored step (:meth:`curvlab.runs.monitor.MonitorRow.scalars`); window means, track rows and the
+headline read these.
 
 JSON (flat, one object per checkpoint; the shape of a compare window member and of a track row)::
 
@@ -53,17 +52,14 @@ def scope_key(quantity: str, scope: str) -> str:
 
 def taylor_error(curvature: DirectionCurvature) -> float:
     r"""The scale-aware Taylor error :math:`|I_1 - I_2 - \Delta| / \max(|\Delta|, |I_1|)` (Δ the realized
-    decrease): how far the second-order prediction of the step's decrease is off, relative to the size
-    of the step's effect (the first-order gain keeps a step whose realized decrease happens to be near
-    zero from counting as a failure)."""
+    decrease; :math:`I_1` keeps a step whose realized decrease happens to be near zero from failing)."""
     scale = max(abs(curvature.realized), abs(curvature.first_order))
     return abs(curvature.predicted - curvature.realized) / scale if scale else 0.0
 
 
 def taylor_holds(curvature: DirectionCurvature, *, tolerance: float = TAYLOR_TOLERANCE) -> bool:
     """Whether the second-order prediction is within ``tolerance`` of the realized decrease
-    (:func:`taylor_error`). It judges statements about predicted against realized decrease; a step
-    that fails it (a loss spike, an overshoot past the line-search optimum) still has an NDS."""
+    (:func:`taylor_error`); a step that fails it still has an NDS."""
     return taylor_error(curvature) <= tolerance
 
 
@@ -78,9 +74,8 @@ def embed_head_share(blocks: BlockMatrix, grouping: str, update_norm: float) -> 
 
 def layer_blocks_split(names: Sequence[str], matrix: Any) -> tuple[float, float]:
     """(within, total) of a block matrix (``names``, L x L ``matrix``) restricted to the transformer-layer
-    blocks (``layerN``): within / total is rho_within of the step with its embedding, final-norm and head
-    parts removed (the hidden scope of the layer decomposition; both are over the full ||Z||², which
-    cancels). NaN without layer blocks."""
+    blocks (``layerN``): within / total is rho_within of the step without its embedding, final-norm and
+    head parts. NaN without layer blocks."""
     idx = [i for i, n in enumerate(names) if _LAYER_BLOCK.match(n)]
     if not idx:
         return math.nan, math.nan
@@ -104,11 +99,9 @@ class CheckpointScalars:
             layers (``layerN``): rho_within of the hidden scope is their ratio.
         embed_head_share: share of :math:`\|Z\|^2` in the embedding and head blocks (NaN unless the
             grouping is ``layer``).
-        taylor_error, taylor_ok: :func:`taylor_error` and :func:`taylor_holds` (a monitored step whose
-            status is not ``ok`` fails it).
+        taylor_error, taylor_ok: :func:`taylor_error` and :func:`taylor_holds`.
         paired: ``paired_{nds,cos,q,norm}_{direction}_{scope}`` of the paired directions (empty without a
-            shadow), and the ``control_*`` scalars of the controls where they were taken
-            (:mod:`curvlab.analysis.controls`).
+            shadow), and the ``control_*`` scalars of the controls (:mod:`curvlab.analysis.controls`).
         optimizer ... message: where the checkpoint sits (a track row's context), ``None`` where unknown.
     """
 

@@ -13,10 +13,8 @@ option also takes the names of a scope of the caller's own.
     \cos = \frac{I_1}{\|G_S\|\,\|Z_S\|},\quad q = \frac{\cos^2}{\mathrm{NDS}},
 
 the predicted decrease :math:`I_1 - I_2` and, where the loss was evaluated at :math:`W - Z_S`, the
-realized one :math:`L(W) - L(W - Z_S)`. :class:`ScopeCurvature` is the same with the scope's parameter names
-(a split's second scope). The Taylor split (:mod:`curvlab.curvature.taylor`), the monitor's
-rows, the per-checkpoint scalars and the counterfactual directions (:mod:`curvlab.analysis.directions`)
-all hold it.
+realized one :math:`L(W) - L(W - Z_S)`. :class:`ScopeCurvature` is the same with the scope's parameter
+names.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from dataclasses import dataclass, fields
 from torch import Tensor, nn
 
 from curvlab.curvature.groupings import hidden_matrices
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.errors import CurvlabError
 from curvlab.util.codec import Record
 
@@ -45,8 +43,7 @@ class DirectionCurvature(Record):
         first_order: :math:`I_1 = \langle G_S, Z_S\rangle`.
         curvature_penalty: :math:`I_2 = \tfrac12\langle Z_S, H[Z_S]\rangle`.
         predicted: :math:`I_1 - I_2`.
-        realized: :math:`L(W) - L(W - Z_S)` (NaN where the loss was not evaluated there: the
-            counterfactual directions, which are measured at W alone).
+        realized: :math:`L(W) - L(W - Z_S)` (NaN where the loss was not evaluated there).
         nds: :math:`\langle Z_S, H[Z_S]\rangle / \|Z_S\|^2`.
         update_norm: :math:`\|Z_S\|_F`.
         grad_norm: :math:`\|G_S\|_F`.
@@ -91,8 +88,7 @@ class DirectionCurvature(Record):
         )
 
     def curvature(self) -> DirectionCurvature:
-        """The eight quantities alone, as a plain :class:`DirectionCurvature` (of a
-        :class:`~curvlab.curvature.taylor.TaylorSplit`, say, or a :class:`ScopeCurvature`)."""
+        """The eight quantities alone, as a plain :class:`DirectionCurvature`."""
         return DirectionCurvature(**{k: getattr(self, k) for k in CURVATURE_KEYS})
 
 
@@ -126,5 +122,5 @@ def scope_names(
     names = list(scope)
     unknown = [n for n in names if n not in params]
     if unknown:
-        raise CurvlabError(f"the scope names unknown parameters: {P.names_text(unknown)}")
+        raise CurvlabError(f"the scope names unknown parameters: {param_dicts.names_text(unknown)}")
     return names

@@ -1,16 +1,12 @@
 r"""Lanczos and Hutchinson on the Hessian of sharded parameters, with sharded basis vectors.
 
-The estimators of :mod:`curvlab.curvature.spectral` act on flat vectors of one device. Here the vectors are
-parameter dicts laid out like the (sharded) parameters of a :class:`~curvlab.engine.hvp.CurvaturePoint`,
-so each rank holds 1/N of every basis vector, and the inner products are all-reduced
-(:func:`curvlab.engine.params.dot`): every rank runs the same small tridiagonal eigenproblem and reaches the
-same numbers. Random vectors are drawn one parameter at a time from a seeded generator (a full
-parameter, never the full vector, then this rank's shard), so they are those a single process draws.
+Here the vectors are parameter dicts laid out like the (sharded) parameters of a
+:class:`~curvlab.engine.hvp.CurvaturePoint`, so each rank holds 1/N of every basis vector, and the inner
+products are all-reduced: every rank runs the same small tridiagonal eigenproblem. Random vectors are
+drawn one full parameter at a time from a seeded generator, so they are those a single process draws.
 
-* :func:`sharded_lanczos`: the k extreme eigenpairs by Lanczos with full reorthogonalization (twice,
-  classical Gram–Schmidt) against the held basis; it stops when every wanted Ritz pair's residual
-  :math:`\beta_m |e_m^\top s_i|` is below ``tol`` times :math:`\max|\theta|`, then reports the true
-  residuals :math:`\|H u_i - \theta_i u_i\|`. The basis is ``iterations`` sharded vectors.
+* :func:`sharded_lanczos`: the k extreme eigenpairs by Lanczos with full reorthogonalization, stopping
+  as :func:`curvlab.curvature.spectral.lanczos` does; the basis is ``iterations`` sharded vectors.
 * :func:`sharded_hutchinson`: :math:`\operatorname{tr} H \approx \frac1N\sum_i z_i^\top H z_i` with
   Rademacher :math:`z_i`, and its standard error.
 """
@@ -28,7 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from curvlab.curvature.spectral import TraceResult
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.dtensors import resolved
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.errors import CurvlabError
@@ -36,7 +32,7 @@ from curvlab.errors import CurvlabError
 SCHEMA_VERSION = 1
 
 
-def random_direction(params: Mapping[str, Tensor], seed: int, *, kind: str = "gaussian") -> P.Params:
+def random_direction(params: Mapping[str, Tensor], seed: int, *, kind: str = "gaussian") -> param_dicts.Params:
     """A Gaussian or Rademacher direction laid out like ``params``, the same for any sharding: each
     parameter's full tensor is drawn from a generator seeded by ``(seed, its position)``, and a rank
     keeps its shard."""
@@ -56,11 +52,10 @@ def random_direction(params: Mapping[str, Tensor], seed: int, *, kind: str = "ga
 @dataclass(frozen=True)
 class ShardedEigenResult:
     """Extreme eigenpairs of a sharded Hessian; ``eigenvectors`` are parameter dicts sharded like the
-    parameters, ``eigenvalues`` and ``residuals`` float64 host tensors, as
-    :class:`curvlab.curvature.spectral.EigenResult`'s. The JSON (:meth:`to_dict`) has its keys."""
+    parameters, the rest as :class:`curvlab.curvature.spectral.EigenResult`'s, whose JSON keys it has."""
 
     eigenvalues: Tensor
-    eigenvectors: list[P.Params]
+    eigenvectors: list[param_dicts.Params]
     residuals: Tensor
     num_matvecs: int
     iterations: int
@@ -83,11 +78,11 @@ class ShardedEigenResult:
         }
 
 
-def _axpy(y: P.Params, x: P.Params, a: float) -> P.Params:
+def _axpy(y: param_dicts.Params, x: param_dicts.Params, a: float) -> param_dicts.Params:
     return {n: y[n] + a * x[n] for n in y}
 
 
-def _orthogonalize(w: P.Params, basis: list[P.Params]) -> P.Params:
+def _orthogonalize(w: param_dicts.Params, basis: list[param_dicts.Params]) -> param_dicts.Params:
     """``w`` minus its projection on the orthonormal ``basis``, twice (classical Gram-Schmidt); the
     inner products with the whole basis come in one all-reduce per pass."""
     sharded = [n for n in w if isinstance(w[n], DTensor)]
@@ -114,15 +109,15 @@ def sharded_lanczos(
         raise CurvlabError(f"need 1 <= k <= max_iter, got k={k}, max_iter={max_iter}")
     params = point.params
     q = random_direction(params, seed)
-    q = P.scale(q, 1.0 / P.norm(q))
+    q = param_dicts.scale(q, 1.0 / param_dicts.norm(q))
     basis, alphas, betas = [q], [], []
     matvecs, theta, S = 0, np.zeros(0), np.zeros((0, 0))
     for j in range(max_iter):
         w = point.hvp(basis[-1])
         matvecs += 1
-        alphas.append(P.dot(w, basis[-1]))
+        alphas.append(param_dicts.dot(w, basis[-1]))
         w = _orthogonalize(w, basis)
-        beta = P.norm(w)
+        beta = param_dicts.norm(w)
         T = np.diag(alphas) + np.diag(betas, 1) + np.diag(betas, -1)
         theta, S = np.linalg.eigh(T)
         order = np.argsort(-theta if which == "largest" else theta)[:k]
@@ -132,19 +127,19 @@ def sharded_lanczos(
             break
         if small:  # the Krylov space closed before k pairs: go on from a fresh direction
             w = _orthogonalize(random_direction(params, seed + j + 1), basis)
-            beta = P.norm(w)
+            beta = param_dicts.norm(w)
         betas.append(beta)
-        basis.append(P.scale(w, 1.0 / beta))
+        basis.append(param_dicts.scale(w, 1.0 / beta))
     order = np.argsort(-theta if which == "largest" else theta)[:k]
     vectors, residuals = [], []
     for i in order:
-        u = P.scale(basis[0], float(S[0, i]))
+        u = param_dicts.scale(basis[0], float(S[0, i]))
         for b, s in zip(basis[1 : S.shape[0]], S[1:, i]):
             u = _axpy(u, b, float(s))
         hu = point.hvp(u)
         matvecs += 1
         vectors.append(u)
-        residuals.append(P.norm(_axpy(hu, u, -float(theta[i]))))
+        residuals.append(param_dicts.norm(_axpy(hu, u, -float(theta[i]))))
     scale = max(float(np.abs(theta).max()), np.finfo(float).tiny)
     residuals = np.array(residuals, dtype=np.float64)
     return ShardedEigenResult(
@@ -160,13 +155,12 @@ def sharded_lanczos(
 
 def sharded_hutchinson(point: CurvaturePoint, *, samples: int = 64, seed: int = 0) -> TraceResult:
     r"""Hutchinson's :math:`\operatorname{tr} H \approx \frac1N \sum_i z_i^\top H z_i` with Rademacher
-    :math:`z_i` (:func:`random_direction` with seeds ``seed, seed + 1, ...``), and the standard error
-    over the samples."""
+    :math:`z_i` (:func:`random_direction` with seeds ``seed, seed + 1, ...``), and its standard error."""
     if samples < 2:
         raise CurvlabError("Hutchinson needs at least 2 samples for a standard error")
     values = []
     for i in range(samples):
         z = random_direction(point.params, seed + i, kind="rademacher")
-        values.append(P.dot(z, point.hvp(z)))
+        values.append(param_dicts.dot(z, point.hvp(z)))
     v = np.array(values)
     return TraceResult(float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))), samples, "hutchinson", samples)

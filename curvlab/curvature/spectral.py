@@ -2,26 +2,20 @@
 through :mod:`curvlab.engine.hvp` on any model (Adam's preconditioner is :mod:`curvlab.optim.adam`; what
 ``curvlab spectrum`` asks for and returns, :mod:`curvlab.analysis.spectrum`).
 
-Every estimator takes a symmetric :class:`~curvlab.engine.operator.Operator`: the Hessian
-(:func:`~curvlab.engine.operator.hessian_operator`, or a block of it), a preconditioned Hessian, any
-symmetric matrix (the tests use ones with known spectra). Everything runs on the operator's device
-in its dtype: the random vectors (and their generators) are made there, and only scalars and the
-small tridiagonal matrices go to the host.
+Every estimator takes a symmetric :class:`~curvlab.engine.operator.Operator` (the Hessian, a block of
+it, a preconditioned Hessian, any symmetric matrix) and runs on its device in its dtype: only scalars
+and the small tridiagonal matrices go to the host.
 
-Memory. A vector over the parameters takes ``dim × itemsize`` bytes (0.5 GB for the 124M-parameter
-GPT-2 in float32). Lanczos keeps an orthonormal basis of such vectors; ``memory`` (bytes) bounds it:
+Memory. A vector over the parameters takes ``dim × itemsize`` bytes (0.5 GB for GPT-2 in float32);
+``memory`` (bytes) bounds the Lanczos basis of such vectors:
 
-* :func:`lanczos` holds at most ``m = memory // vector_bytes`` basis vectors and thick-restarts
-  (Wu & Simon 2000) when they are full: it keeps the ``(m + k) // 2`` best Ritz vectors, which
-  carry what the basis has learnt, and goes on from the residual. Full reorthogonalization within
-  the basis means no spurious copies of converged eigenvalues, so the k wanted pairs (clusters and
-  multiplicities included) converge to the same values as without a bound, at the cost of more HVPs.
-  ``basis_device="cpu"`` keeps the basis in host memory while the operator runs on an accelerator.
-* :func:`spectral_density` (SLQ) needs the whole Krylov basis of each start vector for full
-  reorthogonalization; the budget decides how many start vectors share one batched HVP call, and
-  when one basis alone doesn't fit it runs the plain three-term recurrence (three vectors per start),
-  whose Gauss quadrature is still accurate in floating point (Greenbaum 1989, Knizhnerman 1996):
-  lost orthogonality only splits a converged node's weight among copies.
+* :func:`lanczos` holds at most ``m = memory // vector_bytes`` vectors and thick-restarts (Wu & Simon
+  2000) when they are full, keeping the ``(m + k) // 2`` best Ritz vectors: with full
+  reorthogonalization the k wanted pairs converge to the same values as without a bound, at the cost
+  of more HVPs. ``basis_device="cpu"`` keeps the basis in host memory.
+* :func:`spectral_density` (SLQ) fits as many start vectors' whole bases as it can into one batched
+  HVP call; when one basis alone doesn't fit it runs the plain three-term recurrence, whose Gauss
+  quadrature is still accurate in floating point (Greenbaum 1989, Knizhnerman 1996).
 """
 
 from __future__ import annotations
@@ -75,13 +69,11 @@ class EigenResult(Record):
     r"""Extreme eigenpairs :math:`(\theta_i, u_i)` of a symmetric operator A, every one with its residual.
 
     Attributes:
-        eigenvalues: the k Ritz values :math:`\theta_i`, wanted end first (largest first for
-            ``"largest"``), float64 on the host.
-        eigenvectors: ``(dim, k)``: the unit Ritz vectors :math:`u_i` as columns, flat, on the
-            operator's device in its dtype (not written to JSON).
-        residuals: the true :math:`\|A u_i - \theta_i u_i\|`, one product each after the iteration,
-            float64 on the host: some eigenvalue of A lies within it of :math:`\theta_i` (within
-            :math:`r^2/\delta` of it when the rest of the spectrum is :math:`\delta` away).
+        eigenvalues: the k Ritz values :math:`\theta_i`, wanted end first, float64 on the host.
+        eigenvectors: ``(dim, k)``: the unit Ritz vectors :math:`u_i` as columns, on the operator's device
+            in its dtype (not written to JSON).
+        residuals: the true :math:`\|A u_i - \theta_i u_i\|`, float64 on the host: some eigenvalue of A
+            lies within it of :math:`\theta_i` (within :math:`r^2/\delta` when the rest is :math:`\delta` away).
         num_matvecs: the operator's products taken (the final residuals' included).
         iterations: the iterations run.
         converged: whether every residual is within tolerance.
@@ -91,11 +83,8 @@ class EigenResult(Record):
         restarts: how often the basis was compressed to fit its memory budget.
     """
 
-    # One array type, torch: the eigenvectors are as long as the model and must stay on the operator's
-    # device (a numpy copy would move 0.5 GB per vector to the host, and numpy has no accelerator); the
-    # eigenvalues and residuals are the k host numbers of the small float64 tridiagonal problem, kept in
-    # float64 on the CPU so that reading one never waits for a device and a float32 operator does not
-    # round its Ritz values. The JSON (the codec) writes a tensor as its list of floats, as it did numpy's.
+    # One array type, torch: the eigenvectors stay on the operator's device; the eigenvalues and residuals
+    # are float64 on the CPU, so that reading one never waits for a device nor rounds to a float32 operator's
     eigenvalues: Tensor
     eigenvectors: Tensor = field(metadata=meta(skip=True))  # (not written: a JSON keeps the eigenvalues)
     residuals: Tensor
@@ -109,9 +98,8 @@ class EigenResult(Record):
 
 
 class _Basis:
-    """Up to ``capacity`` orthonormal vectors of length ``dim`` on ``device``, stored as rows of
-    blocks allocated as they fill: an unbounded run holds only the vectors it used (blocks of one
-    vector for large models, of up to 16 for small ones, where one product per block saves time)."""
+    """Up to ``capacity`` orthonormal vectors of length ``dim`` on ``device``, stored as rows of blocks
+    allocated as they fill (of up to 16 vectors for small models, where one product per block saves time)."""
 
     CHUNK = 1 << 22  # elements of a temporary in :meth:`rotate`, and of a block of small vectors
 
@@ -122,10 +110,8 @@ class _Basis:
         self.size = 0
 
     def _used(self) -> list[Tensor]:
-        return [b[: min(self.block, self.size - i * self.block)] for i, b in enumerate(self.blocks[: self._nblocks()])]
-
-    def _nblocks(self) -> int:
-        return -(-self.size // self.block)
+        full = -(-self.size // self.block)
+        return [b[: min(self.block, self.size - i * self.block)] for i, b in enumerate(self.blocks[:full])]
 
     def append(self, v: Tensor) -> None:
         i, r = divmod(self.size, self.block)
@@ -228,15 +214,13 @@ def lanczos(
     r"""The k largest (or smallest) eigenpairs by Lanczos with full reorthogonalization, thick-restarted
     to fit a memory budget.
 
-    With basis :math:`V` (orthonormal columns) and :math:`T = V^\top A V` (tridiagonal, with an arrow
-    after a restart) it holds :math:`A V = V T + f e_m^\top`, so a Ritz pair :math:`(\theta_i, V s_i)`
-    of T has residual :math:`\|f\|\,|e_m^\top s_i|`. It stops when every wanted pair's residual is
-    below ``tol`` times :math:`\max|\theta|`, or after ``max_iter`` matvecs; then reports the true
-    residuals (k more matvecs, batched) and ``converged`` from them. Never a silent wrong number: an
-    unconverged result says so. Like every Krylov method from one start vector, it sees one direction
-    per distinct eigenvalue: when that space closes (an exact multiplicity) it goes on from a fresh
-    random direction instead of stopping, but a multiplicity hidden in a space that never closes
-    shows up only as far as rounding brings it in.
+    With basis :math:`V` and :math:`T = V^\top A V` (tridiagonal, with an arrow after a restart),
+    :math:`A V = V T + f e_m^\top`, so a Ritz pair :math:`(\theta_i, V s_i)` of T has residual
+    :math:`\|f\|\,|e_m^\top s_i|`. It stops when every wanted pair's residual is below ``tol`` times
+    :math:`\max|\theta|`, or after ``max_iter`` matvecs, then takes the true residuals (k more matvecs).
+    From one start vector it sees one direction per distinct eigenvalue: when that space closes (an
+    exact multiplicity) it goes on from a fresh random direction; a multiplicity in a space that never
+    closes shows only as far as rounding brings it in.
 
     Args:
         op: the symmetric operator A.
@@ -245,16 +229,13 @@ def lanczos(
         max_iter: matvecs at most (besides the k of the final residuals).
         tol: the stopping tolerance on each pair's residual, relative to :math:`\max|\theta|`.
         seed: the start vector's seed (drawn on the operator's device).
-        memory: bytes the stored Lanczos vectors may take (``None``: no bound, one vector per
-            iteration, up to ``max_iter``). When m = ``memory // vector_bytes(op)`` vectors are full,
-            the basis is compressed to its ``(m + k) // 2`` best Ritz vectors (thick restart).
-        basis_device: where the basis lives (default: the operator's device); ``"cpu"`` keeps it in
-            host memory, and the reorthogonalization runs there.
+        memory: bytes the stored Lanczos vectors may take (``None``: no bound); a full basis is
+            thick-restarted (see the module docstring).
+        basis_device: where the basis lives and is reorthogonalized (default: the operator's device).
 
     Returns:
-        An :class:`EigenResult`: the k Ritz pairs, each with its true residual
-        :math:`\|A u_i - \theta_i u_i\|`, and ``converged`` True only when every residual is at most
-        :math:`10\,\mathrm{tol}\,\max|\theta|\sqrt{k}`, so a run cut short by ``max_iter`` says so.
+        An :class:`EigenResult`; ``converged`` only when every residual is at most
+        :math:`10\,\mathrm{tol}\,\max|\theta|\sqrt{k}`.
 
     Raises:
         CurvlabError: k outside [1, dim], an unknown ``which``, a memory budget below k + 2 vectors.
@@ -316,10 +297,8 @@ def eigsh_extremes(
     max_iter: int | None = None,
     memory: int | None = None,
 ) -> EigenResult:
-    """The same as :func:`lanczos` through ``scipy.sparse.linalg.eigsh`` on ``op.to_scipy()``
-    (ARPACK's implicitly restarted Lanczos, with its basis in host memory): ``memory`` bytes set its
-    number of Lanczos vectors ``ncv`` (default scipy's, ``max(2k + 1, 20)``)."""
-
+    """The same as :func:`lanczos` through ``scipy.sparse.linalg.eigsh`` on ``op.to_scipy()`` (its basis in
+    host memory): ``memory`` bytes set its number of Lanczos vectors ``ncv`` (default scipy's)."""
     _check_which(which)
     if not 1 <= k < op.dim:
         raise CurvlabError(f"eigsh needs 1 <= k < dim = {op.dim}, got k = {k}")
@@ -360,15 +339,12 @@ class TraceResult(Record):
 def hutchinson(op: Operator, *, samples: int = 64, batch: int = 16, seed: int = 0) -> TraceResult:
     r"""Hutchinson's estimator :math:`\operatorname{tr} A \approx \frac1N \sum_i z_i^\top A z_i` with
     Rademacher :math:`z_i`; the standard error is the sample standard deviation over :math:`\sqrt N`.
-    Products are taken ``batch`` at a time (``2 × batch`` vectors in memory).
 
     Args:
         op: the symmetric operator A (e.g. :func:`~curvlab.engine.operator.hessian_operator`).
-        samples: N, the number of Rademacher vectors (default 64: the standard error falls as
-            :math:`1/\sqrt N`, an eighth of one sample's spread at 64).
-        batch: vectors per batched product (bounds memory; more is faster where it fits).
-        seed: the seed of the vectors, drawn on the operator's device (fixed, so a rerun gives the same
-            estimate).
+        samples: N, the number of Rademacher vectors.
+        batch: vectors per batched product (``2 × batch`` vectors in memory).
+        seed: the seed of the vectors, drawn on the operator's device.
 
     Returns:
         The :class:`TraceResult`: the estimate, its standard error, and the products taken.
@@ -395,10 +371,8 @@ def hutch_plus_plus(op: Operator, *, samples: int = 60, seed: int = 0) -> TraceR
 
     Args:
         op: the symmetric operator A (e.g. :func:`~curvlab.engine.operator.hessian_operator`).
-        samples: the budget of products, split in three equal parts (default 60, a multiple of 3:
-            m = 20 sketch columns, 20 for the projection's trace and 20 Hutchinson vectors).
-        seed: the seed of the random vectors, drawn on the operator's device (fixed, so a rerun gives the
-            same estimate).
+        samples: the budget of products, split in three equal parts.
+        seed: the seed of the random vectors, drawn on the operator's device.
 
     Returns:
         The :class:`TraceResult`: the estimate, its standard error, and the products taken.
@@ -423,8 +397,8 @@ def hutch_plus_plus(op: Operator, *, samples: int = 60, seed: int = 0) -> TraceR
 
 @dataclass(frozen=True)
 class DensityResult(Record):
-    """A spectral density on ``grid`` (integrating to 1), from stochastic Lanczos quadrature nodes
-    and weights; ``reorthogonalized`` says whether the Lanczos bases were kept (see the module's memory notes)."""
+    """A spectral density on ``grid`` (integrating to 1), from stochastic Lanczos quadrature nodes and
+    weights; ``reorthogonalized``: whether the Lanczos bases were kept."""
 
     grid: np.ndarray
     density: np.ndarray
@@ -438,10 +412,9 @@ class DensityResult(Record):
 def _independent_lanczos(
     op: Operator, starts: Tensor, steps: int, keep_basis: bool, basis_device: torch.device
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    r"""``steps`` Lanczos steps from each column of ``starts`` (``dim × V``), all V through one
-    matmat per step: the tridiagonals' ``alpha`` (``steps × V``), ``beta`` (``steps × V``) and each
-    column's length (shorter where its Krylov space closed). ``keep_basis``: full reorthogonalization
-    against the kept basis (``steps × V`` vectors), else the three-term recurrence alone."""
+    r"""``steps`` Lanczos steps from each column of ``starts`` (``dim × V``), all V through one matmat per
+    step: the tridiagonals' ``alpha`` and ``beta`` (``steps × V``) and each column's length (shorter where
+    its Krylov space closed); ``keep_basis``: with full reorthogonalization."""
     V = starts.shape[1]
     q = (starts / starts.norm(dim=0)).T  # (V, dim): one row per start vector
     q_prev = torch.zeros_like(q)
@@ -491,25 +464,19 @@ def spectral_density(
     :math:`\tau_j = (e_1^\top s_j)^2`; the density is their average, each node broadened by a
     Gaussian of width ``sigma`` (default 1% of the spectral range), normalized to integrate to 1.
 
-    The ``vectors`` runs go through one batched matmat per step. ``memory`` (bytes; ``None``: no
-    bound) holds their bases for full reorthogonalization when ``steps × vectors`` vectors fit; else
-    as many runs at a time as fit; and when not even one run's ``steps`` vectors fit, all run the
-    three-term recurrence without a basis (``reorthogonalized`` is then False).
+    The ``vectors`` runs go through one batched matmat per step, as many at a time as ``memory`` holds
+    their bases for full reorthogonalization; when not even one run's fit, all run the three-term
+    recurrence (``reorthogonalized`` is then False).
 
     Args:
         op: the symmetric operator A (e.g. :func:`~curvlab.engine.operator.hessian_operator`).
-        steps: Lanczos steps per vector, the number of nodes each run gives (more resolve finer structure
-            of the density, at one product each).
-        vectors: random start vectors, the runs averaged (more lower the variance of the weights).
-        points: points of the grid the density is evaluated on, spanning the nodes' range plus five
-            ``sigma`` on each side.
-        sigma: the Gaussian broadening, in eigenvalue units (default ``None``: 1% of the spectral range,
-            so the density is smooth whatever the Hessian's scale).
-        seed: the seed of the start vectors, drawn on the operator's device (fixed, so a rerun gives the
-            same density).
+        steps: Lanczos steps per vector, the number of nodes each run gives.
+        vectors: random start vectors, the runs averaged.
+        points: points of the grid, spanning the nodes' range plus five ``sigma`` on each side.
+        sigma: the Gaussian broadening, in eigenvalue units (default ``None``: 1% of the spectral range).
+        seed: the seed of the start vectors, drawn on the operator's device.
         memory: bytes the stored Lanczos bases may take (``None``: no bound).
-        basis_device: where the bases live (default: the operator's device); ``"cpu"`` keeps them in
-            host memory, and the reorthogonalization runs there.
+        basis_device: where the bases live and are reorthogonalized (default: the operator's device).
 
     Returns:
         The :class:`DensityResult`: the density on its grid, the nodes and weights, and the cost.

@@ -11,9 +11,8 @@ Blocks :math:`Z = (Z_1, \dots, Z_L)` give the interaction matrix
 :math:`M_{lm} = \langle Z_l, H_{lm}[Z_m]\rangle / \|Z\|^2`, symmetric with entries summing to NDS;
 its trace is the within-layer NDS and its off-diagonal sum the cross-layer NDS.
 
-Every function takes ``(loss_fn, params, batch, z)`` positionally and its options by keyword only
-(``method``, ``dtype``, ``chunk_size``, ``blocks``, ``block_method``, ``scope``), and each has its
-``_at(point, z, ...)`` twin for a :class:`~curvlab.engine.hvp.CurvaturePoint` already built.
+Every function takes ``(loss_fn, params, batch, z)`` positionally and its options by keyword only, and
+each has its ``_at(point, z, ...)`` twin for a :class:`~curvlab.engine.hvp.CurvaturePoint` already built.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from torch import Tensor
 
 from curvlab.curvature.groupings import group_parameters, model_of
 from curvlab.curvature.scope import DirectionCurvature, ScopeCurvature, scope_names
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.dtensors import all_finite, any_dtensor
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint, working_dtype
 from curvlab.engine.loss import LossFn
@@ -44,8 +43,7 @@ Scope = str | Sequence[str] | None  # "hidden", "all", parameter names, or None 
 @dataclass(frozen=True)
 class TaylorSplit(DirectionCurvature):
     """The :class:`~curvlab.curvature.scope.DirectionCurvature` of a step over all parameters, plus ``loss`` =
-    L(W) and the same over the second scope, ``hidden`` (by default the hidden matrices, with their
-    parameter names; ``None`` when the scope is empty). JSON: the eight quantities, ``loss`` and ``hidden``
+    L(W) and the same over the second scope, ``hidden``. JSON: the eight quantities, ``loss`` and ``hidden``
     (the eight and ``names``, or null), the keys of a curvature report.
 
     Attributes:
@@ -65,22 +63,20 @@ class TaylorSplit(DirectionCurvature):
 
 def _checked(
     params: Mapping[str, Tensor], z: Mapping[str, Tensor], dtype: torch.dtype, what: str = "direction"
-) -> tuple[P.Params, dict[str, float]]:
-    r"""Z checked against the parameters and cast to ``dtype``, with its squared norm per parameter.
-
-    One float64 pass does both: a sum of squares is non-finite when an entry is (or when float64 overflows),
-    so only then are the entries searched, to name them.
+) -> tuple[param_dicts.Params, dict[str, float]]:
+    r"""Z checked against the parameters and cast to ``dtype``, with its squared norm per parameter: one
+    float64 pass, non-finite when an entry is (or float64 overflows), so only then are the entries searched.
 
     Raises:
         CurvlabError: Z mismatched with the parameters, non-finite (in its dtype or once cast to ``dtype``),
             too large for its squared norm in float64, or zero.
     """
-    P.check_like(params, z, what, finite=False)
-    zc = P.cast(z, dtype)
+    param_dicts.check_like(params, z, what, finite=False)
+    zc = param_dicts.cast(z, dtype)
     keys = list(params)
-    squares = P.dot_table([(zc, zc)], keys)[:, 0]
+    squares = param_dicts.dot_table([(zc, zc)], keys)[:, 0]
     if not torch.isfinite(squares).all():
-        P.check_like(params, z, what)
+        param_dicts.check_like(params, z, what)
         for n, t in zc.items():
             if not all_finite([t]):
                 raise CurvlabError(f"{what}[{n!r}] holds values beyond the range of {dtype}, its working dtype")
@@ -97,21 +93,20 @@ def _scope_names(point: CurvaturePoint, scope: Scope) -> list[str]:
 
 def _split(
     point: CurvaturePoint,
-    z: P.Params,
+    z: param_dicts.Params,
     squares: Mapping[str, float],
     zhz: float,
     names: list[str],
     zhz_sub: float | None,
 ) -> TaylorSplit:
-    r"""The :class:`TaylorSplit` of Z (of these squared norms per parameter) from :math:`\langle Z, H[Z]\rangle`
-    and, for a proper second scope S, :math:`\langle Z_S, H[Z_S]\rangle`; the first-order sums of both scopes
-    from one table over the keys."""
+    r"""The :class:`TaylorSplit` of Z from :math:`\langle Z, H[Z]\rangle` and, for a proper second scope S,
+    :math:`\langle Z_S, H[Z_S]\rangle`; the first-order sums of both scopes from one table over the keys."""
     p, loss, g = point.params, point.loss, point.gradient
     keys = list(p)
-    table = P.dot_table([(g, z), (g, g)], keys)  # per key: <G, Z>, <G, G>
+    table = param_dicts.dot_table([(g, z), (g, g)], keys)  # per key: <G, Z>, <G, G>
 
-    def curvature(group: list[str], zhz: float, stepped: P.Params) -> DirectionCurvature:
-        gz, gg = P.group_sums(table, keys, [group])[0].tolist()
+    def curvature(group: list[str], zhz: float, stepped: param_dicts.Params) -> DirectionCurvature:
+        gz, gg = param_dicts.group_sums(table, keys, [group])[0].tolist()
         zz = sum(squares[n] for n in group)
         return DirectionCurvature.of(gz, zhz, zz, gg, loss - point.loss_at(stepped))
 
@@ -127,8 +122,7 @@ def _split(
 
 
 def _proper(names: list[str], params: Mapping[str, Tensor], squares: Mapping[str, float]) -> bool:
-    """Whether the second scope is one of its own: not empty, not everything, and Z (of these squared norms
-    per parameter) not zero on it."""
+    """Whether the second scope is one of its own: not empty, not everything, and Z not zero on it."""
     if not names or set(names) == set(params):
         return False
     if sum(squares[n] for n in names) == 0.0:
@@ -150,8 +144,8 @@ def nds_at(point: CurvaturePoint, z: Mapping[str, Tensor]) -> float:
     return _nds(point, zc, squares)
 
 
-def _nds(point: CurvaturePoint, z: P.Params, squares: Mapping[str, float]) -> float:
-    return P.dot(z, point.hvp(z)) / sum(squares.values())
+def _nds(point: CurvaturePoint, z: param_dicts.Params, squares: Mapping[str, float]) -> float:
+    return param_dicts.dot(z, point.hvp(z)) / sum(squares.values())
 
 
 def nds(
@@ -163,8 +157,8 @@ def nds(
     method: str = DEFAULT_METHOD,
     dtype: torch.dtype | None = None,
 ) -> float:
-    r"""The Normalized Directional Sharpness :math:`\langle Z, H[Z]\rangle / \|Z\|_F^2` of a direction Z:
-    the curvature along it, whatever its length (one HVP; :func:`taylor_split` gives it with the rest).
+    r"""The Normalized Directional Sharpness :math:`\langle Z, H[Z]\rangle / \|Z\|_F^2` of a direction Z
+    (one HVP; :func:`taylor_split` gives it with the rest).
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``.
@@ -188,12 +182,10 @@ def nds(
 def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], *, scope: Scope = "hidden") -> TaylorSplit:
     r"""The second-order Taylor split of the step :math:`W \to W - Z` at a :class:`~curvlab.engine.hvp.CurvaturePoint`.
 
-    The two curvatures come from the interactions of :math:`Z_S` and :math:`Z_{\bar S}` (the rest), two
-    second backwards at the point (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`, the second
-    one only with respect to the rest): :math:`\langle Z_S, H[Z_S]\rangle = R_{SS}` and
-    :math:`\langle Z, H[Z]\rangle = R_{SS} + 2R_{S\bar S} + R_{\bar S\bar S}`. The first-order sums of
-    both scopes come from one float64 table over the parameters, and the realized decreases are two more
-    loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
+    The two curvatures come from the interactions of :math:`Z_S` and the rest :math:`Z_{\bar S}`, two second
+    backwards (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`): :math:`\langle Z_S, H[Z_S]\rangle =
+    R_{SS}` and :math:`\langle Z, H[Z]\rangle = R_{SS} + 2R_{S\bar S} + R_{\bar S\bar S}`; the realized
+    decreases are two more loss evaluations, :math:`L(W - Z)` and :math:`L(W - Z_S)`.
 
     Args:
         point: the point W (its loss, batch and HVP method).
@@ -207,7 +199,9 @@ def taylor_split_at(point: CurvaturePoint, z: Mapping[str, Tensor], *, scope: Sc
     return _taylor_split(point, *_checked(point.params, z, point.dtype, "update direction"), scope)
 
 
-def _taylor_split(point: CurvaturePoint, z: P.Params, squares: Mapping[str, float], scope: Scope) -> TaylorSplit:
+def _taylor_split(
+    point: CurvaturePoint, z: param_dicts.Params, squares: Mapping[str, float], scope: Scope
+) -> TaylorSplit:
     """:func:`taylor_split_at` of a checked step in the point's dtype, of these squared norms per parameter."""
     names = _scope_names(point, scope)
     if not _proper(names, point.params, squares):
@@ -231,8 +225,7 @@ def taylor_split(
 ) -> TaylorSplit:
     r"""The second-order Taylor split of the step :math:`W \to W - Z`, over all parameters and over ``scope``.
 
-    At one :class:`~curvlab.engine.hvp.CurvaturePoint` (forward and first backward once): L(W), G, H[Z] and
-    H[Z_S]; two more loss evaluations give :math:`L(W - Z)` and :math:`L(W - Z_S)`.
+    At one :class:`~curvlab.engine.hvp.CurvaturePoint` (see :func:`taylor_split_at`).
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``.
@@ -270,9 +263,8 @@ class BlockMatrix(Record):
         first_order: per block :math:`\langle G_l, Z_l\rangle`.
         norm: per block :math:`\|Z_l\|_F`.
         block_nds: per block :math:`\langle Z_l, H_{ll} Z_l\rangle / \|Z_l\|^2` (NaN where Z_l = 0).
-        asymmetry: :math:`\max|M - M^\top| / \max|M|` before symmetrizing, a rounding diagnostic where
-            every entry is computed (``block_method="alpha"``, or ``"fwd_rev"`` HVPs); NaN where double
-            backward computes the triangle and takes the rest by symmetry.
+        asymmetry: :math:`\max|M - M^\top| / \max|M|` before symmetrizing, a rounding diagnostic; NaN where
+            double backward computes only the triangle.
         members: the parameter names of each block.
     """
 
@@ -289,19 +281,26 @@ class BlockMatrix(Record):
     members: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _block_interactions(point: CurvaturePoint, z: P.Params, members: Mapping[str, Sequence[str]]) -> np.ndarray:
+def _block_interactions(
+    point: CurvaturePoint, z: param_dicts.Params, members: Mapping[str, Sequence[str]]
+) -> np.ndarray:
     """R[l, m] = <Z_l, H[Z_m]> of the blocks' parts of Z, Z_m touching only block m's parameters."""
     return point.interactions([{n: z[n] for n in names} for names in members.values()]).numpy()
 
 
 def _block_matrix(
-    point: CurvaturePoint, z: P.Params, squares: Mapping[str, float], members: dict[str, list[str]], R: np.ndarray
+    point: CurvaturePoint,
+    z: param_dicts.Params,
+    squares: Mapping[str, float],
+    members: dict[str, list[str]],
+    R: np.ndarray,
 ) -> BlockMatrix:
-    """The :class:`BlockMatrix` of Z (of these squared norms per parameter) from its blocks' interactions at
-    the point; double backward computes their triangle
-    (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`), so its asymmetry isn't measured."""
+    """The :class:`BlockMatrix` of Z from its blocks' interactions at the point (by double backward their
+    triangle: its asymmetry isn't measured)."""
     keys = list(point.params)
-    first = P.group_sums(P.dot_table([(point.gradient, z)], keys)[:, 0], keys, members.values()).numpy()
+    first = param_dicts.group_sums(
+        param_dicts.dot_table([(point.gradient, z)], keys)[:, 0], keys, members.values()
+    ).numpy()
     return _assemble(members, squares, first, R, measured_asymmetry=point.method != "rev_rev")
 
 
@@ -309,7 +308,9 @@ class _AlphaLoss:
     r""":math:`\alpha \mapsto L(W + \sum_l \alpha_l Z_l)`, a loss over one parameter ``alpha`` (one entry
     per block), whose Hessian at 0 is :math:`M\|Z\|^2` and whose gradient is :math:`\langle G_l, Z_l\rangle`."""
 
-    def __init__(self, loss_fn: LossFn, params: P.Params, z: P.Params, members: Mapping[str, Sequence[str]]):
+    def __init__(
+        self, loss_fn: LossFn, params: param_dicts.Params, z: param_dicts.Params, members: Mapping[str, Sequence[str]]
+    ):
         self.loss_fn, self.params, self.z = loss_fn, params, z
         self.block_of = {n: i for i, names in enumerate(members.values()) for n in names}
         self.model = getattr(loss_fn, "model", None)  # so that the point keeps its running statistics
@@ -324,7 +325,7 @@ def block_matrix_at(
     point: CurvaturePoint, z: Mapping[str, Tensor], *, blocks: str | Mapping[str, Sequence[str]] = "layer"
 ) -> BlockMatrix:
     r"""The block interaction matrix of the step Z at a :class:`~curvlab.engine.hvp.CurvaturePoint`: one HVP per
-    block, :math:`H[Z_m]` with :math:`Z_m` touching only block m (see :func:`block_matrix`).
+    block (see :func:`block_matrix`).
 
     Args:
         point: the point W (its loss, batch and HVP method).
@@ -338,7 +339,7 @@ def block_matrix_at(
     return _block_matrix_at(point, *_checked(point.params, z, point.dtype, "update direction"), blocks)
 
 
-def _block_matrix_at(point: CurvaturePoint, z: P.Params, squares: Mapping[str, float], blocks) -> BlockMatrix:
+def _block_matrix_at(point: CurvaturePoint, z: param_dicts.Params, squares: Mapping[str, float], blocks) -> BlockMatrix:
     members = group_parameters(point.params.keys(), blocks=blocks, model=model_of(point.loss_fn))
     return _block_matrix(point, z, squares, members, _block_interactions(point, z, members))
 
@@ -364,20 +365,17 @@ def block_matrix(
         z: the step Z.
         blocks: ``"layer"``, ``"tensor"``, ``"kind"``, or ``{block: [parameter names or globs]}``
             (see :func:`~curvlab.curvature.groupings.group_parameters`).
-        block_method: how (:data:`BLOCK_METHODS`): ``"hvp"`` (one HVP per block at one point,
-            :math:`H[Z_m]` with :math:`Z_m` touching only block m) or ``"alpha"`` (the Hessian in α of
-            :math:`L(W + \sum_l \alpha_l Z_l)`, which is :math:`M\|Z\|^2`, as the curvature of an
-            L-parameter loss). Both are exact; ``"hvp"`` is the default.
+        block_method: :data:`BLOCK_METHODS`: ``"hvp"`` (default; one HVP per block at one point) or
+            ``"alpha"`` (the Hessian in α of :math:`L(W + \sum_l \alpha_l Z_l)`, which is :math:`M\|Z\|^2`).
         method: the HVP method, ``"rev_rev"`` (default) or ``"fwd_rev"``.
         dtype: computation dtype (default float32, or float64 when the parameters are).
         chunk_size: directions per vectorized call (bounds memory).
 
     Returns:
-        The :class:`BlockMatrix` of Z: its L x L matrix over the blocks and what follows from it.
+        The :class:`BlockMatrix` of Z.
 
     Raises:
-        CurvlabError: Z mismatched, non-finite or zero; a grouping that leaves a parameter out or
-            claims one twice; an unknown block method.
+        CurvlabError: Z mismatched, non-finite or zero; a bad grouping; an unknown block method.
     """
     if block_method not in BLOCK_METHODS:
         raise CurvlabError(f"unknown block method {block_method!r}; choose one of {', '.join(BLOCK_METHODS)}")
@@ -389,7 +387,7 @@ def block_matrix(
     if any_dtensor(params.values()):
         raise CurvlabError("block_method 'alpha' takes unsharded parameters; on sharded ones use block_method='hvp'")
     members = group_parameters(params.keys(), blocks=blocks, model=model_of(loss_fn))
-    p = P.cast(params, dt)
+    p = param_dicts.cast(params, dt)
     device = next(iter(p.values())).device
     alpha = {"alpha": torch.zeros(len(members), dtype=dt, device=device)}
     alpha_loss = _AlphaLoss(loss_fn, p, zc, members)
@@ -408,8 +406,7 @@ def _assemble(
     measured_asymmetry: bool = True,
 ) -> BlockMatrix:
     """A :class:`BlockMatrix` from R[l, m] = <Z_l, H[Z_m]_l>, the per-block first-order terms and Z's squared
-    norm per parameter (``measured_asymmetry=False``: R was computed as a triangle, so its asymmetry is NaN,
-    not measured)."""
+    norm per parameter (``measured_asymmetry=False``: R was computed as a triangle)."""
     zz = sum(squares.values())
     scale = max(np.abs(R).max(), np.finfo(float).tiny)
     asymmetry = float(np.abs(R - R.T).max() / scale) if measured_asymmetry else float("nan")
@@ -442,9 +439,8 @@ def taylor_split_and_block_matrix_at(
     scope: Scope = "hidden",
 ) -> tuple[TaylorSplit, BlockMatrix]:
     r""":func:`taylor_split_at` and :func:`block_matrix_at` of one step at one point, sharing their second
-    backwards: the blocks' interactions R give :math:`\langle Z, H[Z]\rangle = \sum_{lm} R_{lm}`, and when
-    every block lies inside the scope S or outside it, :math:`\langle Z_S, H[Z_S]\rangle` is the sum of R
-    over the blocks inside. L second backwards (L + 1 otherwise: one for Z_S, taken only on S).
+    backwards: :math:`\langle Z, H[Z]\rangle = \sum_{lm} R_{lm}`, and when every block lies inside the
+    scope S or outside it, :math:`\langle Z_S, H[Z_S]\rangle` is the sum of R over the blocks inside.
 
     Args:
         point: the point W (its loss, batch and HVP method).
@@ -459,7 +455,7 @@ def taylor_split_and_block_matrix_at(
 
 
 def _split_and_block_matrix(
-    point: CurvaturePoint, z: P.Params, squares: Mapping[str, float], blocks, scope: Scope
+    point: CurvaturePoint, z: param_dicts.Params, squares: Mapping[str, float], blocks, scope: Scope
 ) -> tuple[TaylorSplit, BlockMatrix]:
     members = group_parameters(point.params.keys(), blocks=blocks, model=model_of(point.loss_fn))
     names = _scope_names(point, scope)
@@ -467,13 +463,11 @@ def _split_and_block_matrix(
     inside = set(names)
     R = _block_interactions(point, z, members)
     zhz_sub = None
-    if proper:
+    if proper and all(set(b) <= inside or not set(b) & inside for b in members.values()):
         within = [i for i, b in enumerate(members.values()) if set(b) <= inside]
-        aligned = all(set(b) <= inside or not set(b) & inside for b in members.values())
-        if aligned:
-            zhz_sub = float(R[np.ix_(within, within)].sum())
-        else:
-            zhz_sub = float(point.interactions([{n: z[n] for n in names}])[0, 0])
+        zhz_sub = float(R[np.ix_(within, within)].sum())
+    elif proper:
+        zhz_sub = float(point.interactions([{n: z[n] for n in names}])[0, 0])
     return _split(point, z, squares, float(R.sum()), names, zhz_sub), _block_matrix(point, z, squares, members, R)
 
 

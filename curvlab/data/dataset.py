@@ -150,16 +150,13 @@ def _existing(out: Path, config: dict) -> dict | None:
     return None
 
 
-def _remove_stale_generations(out: Path) -> list[Path]:
+def _remove_stale_generations(out: Path) -> None:
     """Remove the temporary directories of ``out`` (``.<out.name>.<8 random>.curvlab-tmp``) that
     generations killed mid-way (kill -9) left. Call it holding :func:`generation_lock`: every other
-    generation of ``out`` is then a dead one. Returns what was removed."""
-    removed = []
+    generation of ``out`` is then a dead one."""
     for tmp in sorted(out.parent.glob(f".{glob.escape(out.name)}.*{TEMPORARY_SUFFIX}")):
         if temporary_of(tmp) == out.name and tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-    return removed
 
 
 def _publish(tmp: Path, out: Path) -> None:

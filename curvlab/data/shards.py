@@ -161,9 +161,7 @@ class TrainBatches:
             np.asarray(self.shards[i][o : o + self.seq_len + 1], dtype=np.int64) for i, o in zip(shard_ids, offsets)
         ]
         mine = np.stack(rows)[self.rank :: self.world]
-        x = torch.from_numpy(mine[:, :-1].copy())
-        y = torch.from_numpy(mine[:, 1:].copy())
-        return x, y
+        return torch.from_numpy(mine[:, :-1].copy()), torch.from_numpy(mine[:, 1:].copy())
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self._rng.bit_generator.state}

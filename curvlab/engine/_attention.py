@@ -1,9 +1,7 @@
 """Attention on the math backend within a block, as ``sdpa_kernel(SDPBackend.MATH)`` sets it, for less.
 
-The exact mode (:mod:`curvlab.engine.exact`) enters this at every curvature call: flash and memory-efficient
-attention have neither double backward nor forward-mode derivatives. ``sdpa_kernel`` looks each backend's
-switch up by name on entry and again on exit, which costs more than the rest of the mode's entry (3% of a
-one-shot HVP on a small model, docs/benchmarks.md); here the switches are looked up once.
+The exact mode enters this at every curvature call; ``sdpa_kernel`` looks each backend's switch up by name
+on entry and exit, which costs more than the rest of the mode's entry (docs/benchmarks.md): here, once.
 """
 
 from __future__ import annotations

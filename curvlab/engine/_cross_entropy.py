@@ -7,17 +7,13 @@ For logits :math:`x_i` (one row per position) with targets :math:`y_i`, row weig
 .. math::  \nabla_{x_i} = c_i\,(p_i - e_{y_i}), \qquad
            \nabla_{x_i} \langle v, \nabla_x \rangle = c_i\,\bigl(p_i \odot v_i - p_i\,\langle p_i, v_i\rangle\bigr)
 
-(the softmax Jacobian :math:`\mathrm{diag}(p) - p p^\top` applied to :math:`v`; docs/science.md section 1).
-Autograd's own double backward of ``F.cross_entropy`` reaches the same numbers through
-``nll_loss`` and ``log_softmax``'s generic formulas: two ``exp`` over the logits and about ten
-full passes per second backward, where this takes one product, one row sum and two in-place updates,
-with :math:`p` kept once per point. Over a vocabulary of thousands those passes are most of an HVP's
-elementwise work (docs/benchmarks.md, "The engine at every size").
+(the softmax Jacobian :math:`\mathrm{diag}(p) - p p^\top` applied to :math:`v`). Autograd's own double
+backward takes two ``exp`` over the logits and about ten full passes per second backward, where this
+takes one product, one row sum and two in-place updates, with :math:`p` kept once per point: over a
+vocabulary of thousands, most of an HVP's elementwise work (docs/benchmarks.md).
 
-The loss and the gradient are computed by the very kernels ``F.cross_entropy`` runs (``log_softmax``,
-``nll_loss`` and their backwards), so both are bitwise the same as torch's; only the second backward
-is rewritten. A derivative of the second backward (a third derivative) recomputes :math:`p` from the
-logits, so it is exact too.
+The loss and the gradient are computed by the very kernels ``F.cross_entropy`` runs, so both are bitwise
+torch's; only the second backward is rewritten (a third derivative recomputes :math:`p` from the logits).
 """
 
 from __future__ import annotations
@@ -30,10 +26,8 @@ from torch.autograd import Function
 
 _REDUCTIONS = {"sum": 2, "mean": 1}  # torch's reduction enums (torch.nn._reduction)
 SMALLEST = 1 << 16
-"""The fewest logits (rows x classes) taken in closed form. Its two autograd Functions and a dozen small ops
-cost a fixed 100-200 us on a CPU, which the passes over the logits it saves pay back only from about 2^16
-entries on (``benchmarks/small_models.py``, docs/benchmarks.md): below, torch's own double backward is faster,
-and the curvature the same to rounding."""
+"""The fewest logits (rows x classes) taken in closed form: its fixed cost (100-200 us on a CPU) pays back only
+from about 2^16 entries on (``benchmarks/small_models.py``); below, torch's own double backward is faster."""
 
 
 def closed_form_cross_entropy(
@@ -49,10 +43,8 @@ def closed_form_cross_entropy(
     r"""``F.cross_entropy``, with the second backward in closed form where the call is the plain case it
     covers: ``(N, C)`` logits that require grad, at least :data:`SMALLEST` of them, ``(N,)`` class
     indices, no class weights or label smoothing, a mean or a sum, plain tensors under autograd alone
-    (see :func:`_beyond_autograd`). Otherwise ``F.cross_entropy`` itself.
-
-    The logits are kept for the backward (torch keeps :math:`\log p` instead), so changing them in
-    place before the backward is refused, as for any tensor autograd saves.
+    (see :func:`_beyond_autograd`). Otherwise ``F.cross_entropy`` itself. The logits are kept for the
+    backward (torch keeps :math:`\log p`), so changing them in place before it is refused.
     """
     covered = (
         type(input) is Tensor
@@ -79,8 +71,7 @@ def closed_form_cross_entropy(
 def _beyond_autograd(logits: Tensor) -> bool:
     """Whether more than autograd would see the call, for which the closed form has no rule: a
     ``torch.func`` transform, a forward-mode tangent on the logits, ``torch.compile``'s tracing, or
-    autocast (which computes the cross-entropy in float32 whatever the logits' dtype). A forward-mode
-    tangent on the gradient handed to the backward is not covered either."""
+    autocast (which computes the cross-entropy in float32)."""
     return (
         torch._C._are_functorch_transforms_active()
         or torch.compiler.is_compiling()

@@ -15,15 +15,14 @@ from torch import Tensor
 from torch.func import vmap
 from torch.utils._pytree import tree_map
 
-from curvlab.engine import checks as C
+from curvlab.engine import checks
 from curvlab.engine.dtensors import any_dtensor
 from curvlab.engine.loss import LossFn
 
 
 def eager_stance() -> contextlib.AbstractContextManager:
-    """torch.compile'd code runs eagerly within: AOTAutograd's graphs have no double backward, and the
-    curvature is that of the same function either way. Nothing was compiled where torch.compile's module was
-    never imported, and then this does not import it (a second, at the first call of a process)."""
+    """torch.compile'd code runs eagerly within: AOTAutograd's graphs have no double backward. Where
+    torch.compile's module was never imported nothing was compiled, and this does not import it."""
     if "torch._dynamo" not in sys.modules:
         return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
@@ -31,18 +30,15 @@ def eager_stance() -> contextlib.AbstractContextManager:
 
 def bound_loss(loss_fn: LossFn, batch: Any):
     """``p -> loss_fn(p, batch)``, checked to be a scalar."""
-    return lambda p: C.scalar(loss_fn(p, batch))
+    return lambda p: checks.scalar(loss_fn(p, batch))
 
 
 def double_backward(
     outputs: list[Tensor], leaves: list[Tensor], vs: list[Tensor], stacked: bool = True
 ) -> list[Tensor]:
     r"""Rows :math:`\nabla_W \langle \text{outputs}, v_k\rangle` stacked over the K directions in ``vs``
-    (``stacked=False``: the one row of one direction).
-
-    One plain backward per direction: on the kept graph that costs about two gradients, where one
-    vmapped ``is_grads_batched`` backward over the K directions measured 1.7x slower per direction
-    (``benchmarks/hvp.py``), and has no batching rule for some ops (``group_norm``).
+    (``stacked=False``: the one row of one direction), by one plain backward per direction: a vmapped
+    ``is_grads_batched`` backward measured 1.7x slower (``benchmarks/hvp.py``), and lacks some batching rules.
     """
     kw = {"retain_graph": True, "allow_unused": True, "materialize_grads": True}
     if not stacked:
@@ -63,10 +59,9 @@ def double_backward(
 
 
 def fresh_rows(rows: Sequence[Tensor], vs: Sequence[Tensor]) -> bool:
-    """Whether a second backward's rows are tensors of their own: plain, contiguous (an expanded row, of
-    stride 0, can't be written in place), each on its own memory, and none on the directions'. Autograd hands
-    one gradient to several inputs as the same tensor (an addition's), and a gradient that is the identity of
-    a leaf passes its grad output through as it is."""
+    """Whether a second backward's rows are tensors of their own: plain, contiguous, each on its own memory
+    (autograd hands an addition's gradient to both inputs as one tensor), and none on the directions' (an
+    identity passes its grad output through)."""
     if any_dtensor(rows) or any_dtensor(vs) or not all(r.is_contiguous() for r in rows):
         return False
     pointers = [r.untyped_storage().data_ptr() for r in rows if r.numel()]
@@ -77,10 +72,8 @@ def fresh_rows(rows: Sequence[Tensor], vs: Sequence[Tensor]) -> bool:
 def accumulate(
     total: list[Tensor] | None, terms: Sequence[Tensor], weight: float, *, owned: bool = False
 ) -> list[Tensor]:
-    """``total + weight * terms``, tensor by tensor (``total`` ``None``: the first batch's). The sum goes into
-    fresh tensors, since the terms may be views of a kept graph's tensors, which must not change; ``owned``
-    terms are fresh already (rows of a second backward), and at weight 1 are kept as they are, saving a
-    copy of the rows' memory."""
+    """``total + weight * terms``, tensor by tensor (``total`` ``None``: the first batch's), into fresh tensors:
+    the terms may be views of a kept graph's tensors; ``owned`` terms at weight 1 are kept as they are."""
     if total is None:
         return list(terms) if owned and weight == 1.0 else list(torch._foreach_mul(terms, weight))
     torch._foreach_add_(total, terms, alpha=weight)  # (one call for all the tensors: one kernel on a GPU)
@@ -88,11 +81,8 @@ def accumulate(
 
 
 def vmap_directions(fn, vs, chunk_size, out_dims):
-    """``vmap`` of ``fn`` over directions stacked in ``vs``, ``chunk_size`` at a time.
-
-    Outputs with out_dim ``None`` don't depend on the direction (the loss, the gradient) and are kept
-    once, not K times. torch's own ``chunk_size`` can't combine with ``None``, so chunks are taken here.
-    """
+    """``vmap`` of ``fn`` over directions stacked in ``vs``, ``chunk_size`` at a time (here: torch's own
+    ``chunk_size`` can't combine with an out_dim ``None``, the outputs kept once, not K times)."""
     k = next(iter(vs.values())).shape[0]
     step = k if chunk_size is None else max(1, chunk_size)
     batched = vmap(fn, out_dims=out_dims, randomness="same")

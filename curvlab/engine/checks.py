@@ -1,8 +1,6 @@
 """The engine's checks of what goes in and what comes out: directions against the parameters, the loss
-(a finite scalar that depends on them) and the Hessian-vector products (finite).
-
-Each check of finiteness takes one synchronization for all its tensors, and looks at them one by one only
-when it fails, to name them: on a small model a check a tensor costs more than the curvature.
+(a finite scalar that depends on them) and the Hessian-vector products (finite). Each check of finiteness
+takes one synchronization for all its tensors, and looks at them one by one only when it fails.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.dtensors import all_finite, check_layout
 from curvlab.errors import CurvlabError
 
@@ -27,8 +25,7 @@ def scalar(value: Any) -> Tensor:
 
 
 def finite_loss(loss: Tensor) -> float:
-    """The loss as a float, checked to be finite (its one synchronization: ``item`` of the value, not
-    ``isfinite`` of the tensor and then the value)."""
+    """The loss as a float, checked to be finite (one synchronization: ``item``, then a check of the value)."""
     value = loss.item()
     if not math.isfinite(value):
         raise CurvlabError(f"the loss is not finite ({value}) at these parameters and batch")
@@ -47,30 +44,29 @@ def check_finite_hvp(hv: Mapping[str, Tensor], direction: Mapping[str, Tensor] |
     one synchronization (a direction that is not finite is named first: it is the cause)."""
     if direction is not None and all_finite([*direction.values(), *hv.values()]):
         return
-    bad = P.non_finite(direction) if direction is not None else []
+    bad = param_dicts.non_finite(direction) if direction is not None else []
     if bad:
         raise CurvlabError(f"directions[{bad[0]!r}] holds non-finite values (NaN or inf)")
-    bad = P.non_finite(hv)
+    bad = param_dicts.non_finite(hv)
     if bad:
-        raise CurvlabError(f"the Hessian-vector product is not finite (NaN or inf) in {P.names_text(bad)}")
+        raise CurvlabError(f"the Hessian-vector product is not finite (NaN or inf) in {param_dicts.names_text(bad)}")
 
 
 def check_full(params: Mapping[str, Tensor], vs: Mapping[str, Tensor]) -> None:
     """Stacked directions over exactly ``params``' names (the shortcuts take no partial directions)."""
     missing = [n for n in params if n not in vs]
     if missing:
-        raise CurvlabError(f"directions do not match the parameters: missing {P.names_text(missing)}")
+        raise CurvlabError(f"directions do not match the parameters: missing {param_dicts.names_text(missing)}")
 
 
 def check_directions(
     params: Mapping[str, Tensor], vs: Mapping[str, Tensor], *, stacked: bool = True, finite: bool = True
 ) -> tuple[list[str], int | None]:
-    """The names and the number K of directions over some of ``params``' names, checked: known names, each
-    shaped like its parameter (``stacked``: ``(K, *param.shape)``, one K > 0 for all), laid out and placed
-    like it, and (``finite``) finite. K is ``None`` for one direction not stacked."""
+    """The names and the number K of directions over some of ``params``' names, checked against them
+    (``stacked``: ``(K, *param.shape)``, one K > 0 for all; K ``None`` otherwise) and (``finite``) finite."""
     unknown = [n for n in vs if n not in params]
     if unknown:
-        raise CurvlabError(f"directions name unknown parameters: {P.names_text(unknown)}")
+        raise CurvlabError(f"directions name unknown parameters: {param_dicts.names_text(unknown)}")
     if not vs:
         raise CurvlabError("the directions name no parameter")
     k = _stack_size(next(iter(vs.values()))) if stacked else None
@@ -81,8 +77,8 @@ def check_directions(
             want = tuple(p.shape) if k is None else f"({k}, *{tuple(p.shape)})"
             raise CurvlabError(f"{where} has shape {tuple(t.shape)}, expected {want}")
         check_layout(p, t, where, stacked=stacked)
-        P.check_device(p, t, where)
-    bad = P.non_finite(vs) if finite else []
+        param_dicts.check_device(p, t, where)
+    bad = param_dicts.non_finite(vs) if finite else []
     if bad:
         raise CurvlabError(f"directions[{bad[0]!r}] holds non-finite values (NaN or inf)")
     return list(vs), k

@@ -24,10 +24,7 @@ def composite_layer_norm(
     bias: Tensor | None = None,
     eps: float = 1e-5,
 ) -> Tensor:
-    r"""Layer normalization :math:`(x - \mu)/\sqrt{\sigma^2 + \epsilon}\,w + b` from primitive ops.
-
-    Same value as ``F.layer_norm`` (to rounding), with derivatives of every order and mode exact.
-    """
+    r"""Layer normalization :math:`(x - \mu)/\sqrt{\sigma^2 + \epsilon}\,w + b`, as ``F.layer_norm``."""
     return _affine(_normalize(x, tuple(range(-len(normalized_shape), 0)), eps), weight, bias, x.dim(), 0)
 
 
@@ -41,18 +38,11 @@ def composite_batch_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
 ) -> Tensor:
-    r"""Batch normalization of ``(N, C, ...)`` from primitive ops, never updating running statistics.
-
-    With batch statistics (``training`` or no running statistics), :math:`\mu, \sigma^2` are taken over
-    every dimension but C (biased variance, as ``F.batch_norm`` normalizes); otherwise the running
-    ones are used. Derivatives of every order and mode are exact.
-    """
-    if training or running_mean is None or running_var is None:
-        y = _normalize(x, (0, *range(2, x.dim())), eps)
-    else:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        y = (x - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
-    return _affine(y, weight, bias, x.dim(), 1)
+    r"""Batch normalization of ``(N, C, ...)``, never updating running statistics: with batch statistics
+    (``training`` or no running statistics), :math:`\mu, \sigma^2` over every dimension but C (biased
+    variance, as ``F.batch_norm`` normalizes); otherwise the running ones."""
+    dims = (0, *range(2, x.dim()))
+    return _statistics_norm(x, running_mean, running_var, weight, bias, training, dims, eps)
 
 
 def composite_instance_norm(
@@ -65,10 +55,16 @@ def composite_instance_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
 ) -> Tensor:
-    """Instance normalization of ``(N, C, ...)`` over the spatial dimensions, from primitive ops, never
-    updating running statistics (see :func:`composite_batch_norm`)."""
-    if use_input_stats or running_mean is None or running_var is None:
-        y = _normalize(x, tuple(range(2, x.dim())), eps)
+    """Instance normalization of ``(N, C, ...)`` over the spatial dimensions (see :func:`composite_batch_norm`)."""
+    dims = tuple(range(2, x.dim()))
+    return _statistics_norm(x, running_mean, running_var, weight, bias, use_input_stats, dims, eps)
+
+
+def _statistics_norm(x, running_mean, running_var, weight, bias, batch_stats: bool, dims: tuple, eps: float):
+    """Batch or instance norm: over ``dims`` with batch statistics (or without running ones), else by the
+    running statistics."""
+    if batch_stats or running_mean is None or running_var is None:
+        y = _normalize(x, dims, eps)
     else:
         shape = (1, -1) + (1,) * (x.dim() - 2)
         y = (x - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
@@ -92,11 +88,8 @@ def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, ndim: int, ch
 
 
 def composite_weight_norm(v: Tensor, g: Tensor, dim: int = 0) -> Tensor:
-    r"""Weight normalization :math:`g\, v / \|v\|` from primitive ops, as ``torch._weight_norm(v, g, dim)``.
-
-    The norm is taken over every dimension but ``dim`` (over all of them for ``dim = -1``, as torch's
-    ``norm_except_dim`` does), and ``g`` broadcasts against it.
-    """
+    r"""Weight normalization :math:`g\, v / \|v\|`, as ``torch._weight_norm(v, g, dim)``: the norm over every
+    dimension but ``dim`` (all of them for ``dim = -1``, as torch's ``norm_except_dim``)."""
     dims = tuple(range(v.dim())) if dim == -1 else tuple(d for d in range(v.dim()) if d != dim % v.dim())
     return v * (g / torch.linalg.vector_norm(v, 2, dims, keepdim=True))  # (accumulates low precision in float32)
 
@@ -114,14 +107,12 @@ def composite_embedding_bag(
     include_last_offset: bool = False,
     padding_idx: int | None = None,
 ) -> Tensor:
-    r"""``F.embedding_bag`` from a lookup and a reduction per bag (sum, mean or max), the same values.
-
-    Bags are the rows of a 2-D ``input``, or the runs of a 1-D ``input`` that ``offsets`` start (with
-    ``include_last_offset``, ``offsets`` has one entry more, which torch takes to be the input's length:
-    the last bag runs to the end, as torch's does). Entries equal to ``padding_idx`` are left
-    out of their bag (and of its count, for the mean); an empty bag is zero. ``per_sample_weights``
-    scales each entry (mode ``"sum"``). ``scale_grad_by_freq`` and ``sparse`` change torch's gradient,
-    not the function, and are not used (the exact mode refuses ``max_norm`` before this is called).
+    r"""``F.embedding_bag`` from a lookup and a reduction per bag (sum, mean or max), the same values. Bags
+    are the rows of a 2-D ``input``, or the runs of a 1-D ``input`` that ``offsets`` start (with
+    ``include_last_offset`` the last bag runs to the end, as torch's does). Entries equal to
+    ``padding_idx`` are left out of their bag (and of its count, for the mean); an empty bag is zero.
+    ``scale_grad_by_freq`` and ``sparse`` change torch's gradient, not the function, and are not used
+    (the exact mode refuses ``max_norm`` before this is called).
     """
     bags = input.shape[0] if input.dim() == 2 else offsets.numel() - int(include_last_offset)
     flat, bag = _bags(input, offsets, bags)

@@ -1,13 +1,8 @@
 r"""Sharded tensors (``torch.distributed.tensor.DTensor``) as curvlab's parameter dicts hold them.
 
-A DTensor is one global tensor laid out over a device mesh: each rank holds its local piece, and
-``placements`` say how (``Shard(d)``: split along dim d; ``Replicate()``: whole on every rank;
-``Partial()``: a sum over ranks not yet taken). FSDP2's ``fully_shard`` turns every parameter into a
-``Shard(0)`` DTensor. Curvature directions and results are kept in the same layout as the parameters:
-a direction stacked over K entries (``(K, *shape)``) is sharded along the dim after.
-
-Reductions of sharded tensors (an inner product :math:`\sum_i a_i b_i`, a finiteness check) come out
-``Partial``; :func:`resolved` takes the sum over ranks, so every rank sees the same number.
+Curvature directions and results are kept in the same layout as the parameters (FSDP2's ``Shard(0)``): a
+direction stacked over K entries (``(K, *shape)``) is sharded along the dim after. Reductions of sharded
+tensors come out ``Partial``; :func:`resolved` takes the sum over ranks, so every rank sees the same number.
 """
 
 from __future__ import annotations
@@ -96,10 +91,8 @@ a tensor (``benchmarks/small_models.py --checks``, docs/benchmarks.md)."""
 
 def _plain_finite(tensors: list[Tensor]) -> bool:
     """Whether tensors on one device are finite, in one synchronization: the infinity norm (max |x|) is NaN or
-    inf exactly where an entry is (a maximum overflows nothing). Of each tensor, in one call, where
-    ``isfinite`` and ``all`` take two calls a tensor and a bool tensor as large as each (on a GPU, one fused
-    kernel for all). When they are few, of one vector of them all, and only if its sum is not finite: NaN and
-    inf carry through a sum, so a finite one has finite terms (one that overflows is settled by the norm)."""
+    inf exactly where an entry is, of all tensors in one call. When they are few, of one vector of them all,
+    and only if its sum is not finite (NaN and inf carry through a sum; an overflow is settled by the norm)."""
     if sum(t.numel() for t in tensors) <= _FLAT:
         flat = _flatten_dense_tensors(tensors)
         return cmath.isfinite(flat.sum().item()) or math.isfinite(flat.abs().max().item())  # (cmath: complex too)
@@ -134,7 +127,7 @@ def check_layout(param: Tensor, direction: Tensor, what: str, stacked: bool = Fa
 def shard_like(direction: Mapping[str, Tensor], params: Mapping[str, Tensor], stacked: bool = False) -> dict:
     """``direction`` laid out like ``params``: a plain tensor (the same global tensor on every rank) is
     distributed, a DTensor redistributed, to the parameter's mesh and placements (``stacked``: for
-    ``(K, *shape)`` directions). Entries whose parameter is plain are returned as they are."""
+    ``(K, *shape)`` directions)."""
     out = {}
     for n, t in direction.items():
         p = params[n]
@@ -150,6 +143,5 @@ def shard_like(direction: Mapping[str, Tensor], params: Mapping[str, Tensor], st
 
 
 def full(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Every tensor as its global value, gathered on every rank (for tests, checkpoints and reports;
-    the curvature functions never need it)."""
+    """Every tensor as its global value, gathered on every rank."""
     return {n: resolved(t) for n, t in tensors.items()}

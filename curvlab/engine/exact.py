@@ -15,57 +15,38 @@ torch's gradient, by each method, over its options: docs/op-sweep.md has its tab
 * batch and instance norms in training mode update their running statistics in place: curvature
   must never change the model, and under ``torch.func`` transforms the update even crashes (every
   method);
-* the fused norm kernels have wrong second-order *forward-mode* formulas. Forward-over-forward
-  (``jvp`` of ``jvp``, the quadratic forms) is wrong through ``layer_norm``, ``instance_norm`` and
-  ``batch_norm`` with batch statistics, and ``jacrev`` of ``jacrev`` (``torch.func.hessian``) through
-  their affine forms. Forward-over-reverse (``jvp`` of ``grad``) and double backward are right, and
-  ``group_norm``, ``rms_norm`` and ``batch_norm`` with running statistics are right under all four
-  (but for a bias without a weight: see below).
+* the fused norm kernels have wrong second-order *forward-mode* formulas: forward-over-forward (``jvp``
+  of ``jvp``, the quadratic forms) through ``layer_norm``, ``instance_norm`` and ``batch_norm`` with
+  batch statistics, and ``jacrev`` of ``jacrev`` (``torch.func.hessian``) through their affine forms.
 
-So each method reroutes what is wrong under it (:data:`REROUTES`): the HVP methods ``"rev_rev"``
-and ``"fwd_rev"`` keep the fused kernels, while ``"fwd_fwd"`` (and ``None``: any transform, for users
-who call ``torch.func.hessian`` themselves) route the three norms through composites of ``mean`` and
-``rsqrt``, whose derivatives of every order and mode are exact. One rerouting is for speed, not
-exactness: under ``"rev_rev"``, ``F.cross_entropy`` over class indices takes its second backward in
-closed form (:mod:`curvlab.engine._cross_entropy`: the same loss and gradient bit for bit, the same
-Hessian to rounding, in a few passes over the logits where autograd's generic formulas take about ten).
+So each method reroutes what is wrong under it (:data:`REROUTES`): the HVP methods keep the fused
+kernels, while ``"fwd_fwd"`` (and ``None``: any transform, for users who call ``torch.func.hessian``
+themselves) route the three norms through composites of ``mean`` and ``rsqrt``. One rerouting is for
+speed, not exactness: under ``"rev_rev"``, ``F.cross_entropy`` over class indices takes its second
+backward in closed form (:mod:`curvlab.engine._cross_entropy`, in a few passes over the logits where
+autograd's generic formulas take about ten). Beyond the norms, each fused op whose second derivative
+torch gets wrong or lacks is routed to a composite of the same value (:mod:`curvlab.engine.composites`)
+under the methods where it fails (:data:`_ROUTES`); the ops with no second derivative that no composite
+replaces are refused by name with the way out (:data:`_REFUSED`).
 
-Beyond the norms, the sweep finds fused ops whose second derivative torch gets wrong or lacks, and each
-is routed to a composite of the same value (:mod:`curvlab.engine.composites`) under the methods where
-it fails (:data:`_ROUTES`): weight norm (a wrong mixed g-v term under double backward, 20-95% off; no
-forward mode), layer, batch and instance norm with a bias and no weight (double backward; group norm's
-fails at first order), the determinants, ``solve`` and ``householder_product`` also as the aliases
-``Tensor.det``, ``orgqr``, ``solve_ex``, ``embedding_bag``, the margin
-losses, ``cdist``, ``pdist`` and ``hardsigmoid`` (no second derivative at all), ``mse_loss``,
-``huber_loss`` and ``soft_margin_loss`` (no forward mode of their backward), ``linalg.solve``,
-``householder_product`` and the determinants (wrong forward-over-forward), and ``glu``, ``rrelu`` and
-``binary_cross_entropy_with_logits`` (no forward-over-forward, or no batching rule). The ops with no
-second derivative that no composite replaces are refused by name with the way out (:data:`_REFUSED`):
-``ctc_loss`` under every method, ``grid_sample`` under the forward ones.
-
-Stochastic layers and activation checkpointing are the model's, not the functional ops': LayerDrop
-(``torch.rand([]) < layerdrop``: OPT, BART, Whisper), DropPath / stochastic depth (``torch.rand``
-masks: ConvNext, Swin, BEiT), router jitter and SpecAugment masking all draw random numbers when
-their module is in training mode, and Hugging Face's ``GradientCheckpointingLayer`` recomputes its
-forward during the backward pass, outside :func:`torch.func.functional_call` (with the module's own,
-e.g. float32, weights) and outside this mode. So the curvature of a model is that of its eval mode:
-while the model runs inside the mode (:func:`eval_forward`, which :class:`~curvlab.engine.loss.ModuleLoss`
-enters by itself), every module but batch and instance norms has ``training=False`` and every
-``gradient_checkpointing``/``grad_checkpointing`` flag (Hugging Face's, timm's) is off; batch norms
-keep their batch statistics (and never update running ones). Both are put back as they were when
-the forward returns, so a training run goes on as before. A random draw that still happens inside
-the mode is reported (a warning naming the place): that curvature would differ from call to call.
+Stochastic layers (LayerDrop, DropPath, router jitter, SpecAugment) draw random numbers when their
+module is in training mode, and Hugging Face's ``GradientCheckpointingLayer`` recomputes its forward
+during the backward pass, outside :func:`torch.func.functional_call` and outside this mode. So the
+curvature of a model is that of its eval mode: while the model runs inside the mode
+(:func:`eval_forward`), every module but batch and instance norms has ``training=False`` and every
+activation-checkpointing flag is off, all put back when the forward returns. A random draw that still
+happens inside the mode is reported (a warning naming the place).
 
 With ``watch_dtype=torch.float64`` the mode also reports where the model computes in lower precision
 inside (a ``.float()`` of the logits, an RMSNorm computing in float32): the result would carry float32
-accuracy, whatever dtype the parameters have. Only casts of tensors that depend on the parameters
-count (a rotary ``inv_freq`` table computed in float32 is a constant of the function, not a loss of
-its precision), and every distinct place is named.
+accuracy. Only casts of tensors that depend on the parameters count (a rotary table computed in float32
+is a constant of the function), and every distinct place is named.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import threading
 import warnings
@@ -110,6 +91,20 @@ from curvlab.errors import CurvlabError
 _ALL = ("rev_rev", "fwd_rev", "fwd_fwd", None)
 _FORWARD = ("fwd_rev", "fwd_fwd", None)
 _FWD_FWD = ("fwd_fwd", None)
+_LINALG = {
+    torch.linalg.solve: composite_solve,
+    torch.linalg.solve_ex: composite_solve_ex,
+    **dict.fromkeys((torch.linalg.det, torch.det, Tensor.det), composite_det),
+    **dict.fromkeys((torch.linalg.slogdet, torch.slogdet, Tensor.slogdet), composite_slogdet),
+    **dict.fromkeys((torch.logdet, Tensor.logdet), composite_logdet),
+    **dict.fromkeys((torch.linalg.householder_product, torch.orgqr, Tensor.orgqr), composite_householder_product),
+}
+_MARGIN = {F.multi_margin_loss: composite_multi_margin_loss, F.multilabel_margin_loss: composite_multilabel_margin_loss}
+_POINTWISE = {
+    F.mse_loss: composite_mse_loss,
+    F.huber_loss: composite_huber_loss,
+    F.soft_margin_loss: composite_soft_margin_loss,
+}
 # each rerouting: the methods (curvlab.engine.hvp.METHODS, forward-over-forward "fwd_fwd", and None for any
 # transform) under which torch's own derivative is wrong or missing, as tests/op_sweep.py measures it
 # against central differences of torch's gradient, and the torch functions it replaces by composites
@@ -121,44 +116,33 @@ _ROUTES: dict[str, tuple[tuple, dict]] = {
     "weight_norm": (_ALL, {torch._weight_norm: composite_weight_norm}),  # wrong g-v term; no forward mode
     "embedding_bag": (_ALL, {F.embedding_bag: composite_embedding_bag}),  # no second derivative
     "hardsigmoid": (_ALL, {F.hardsigmoid: composite_hardsigmoid}),  # no second derivative
-    "margin_losses": (_ALL, {F.multi_margin_loss: composite_multi_margin_loss,
-                             F.multilabel_margin_loss: composite_multilabel_margin_loss}),
+    "margin_losses": (_ALL, _MARGIN),  # no second derivative
     "distances": (_ALL, {torch.cdist: composite_cdist, F.pdist: composite_pdist}),  # no second derivative
-    "pointwise_losses": (_FORWARD, {F.mse_loss: composite_mse_loss, F.huber_loss: composite_huber_loss,
-                                    F.soft_margin_loss: composite_soft_margin_loss}),
+    "pointwise_losses": (_FORWARD, _POINTWISE),  # no forward mode of their backward
     "rrelu": (_FORWARD, {F.rrelu: composite_rrelu}),  # no batching rule (vmap) for its kernel
-    "glu": (_FWD_FWD, {F.glu: composite_glu}),
+    "glu": (_FWD_FWD, {F.glu: composite_glu}),  # no forward-over-forward, as logit_loss
     "logit_loss": (_FWD_FWD, {F.binary_cross_entropy_with_logits: composite_binary_cross_entropy_with_logits}),
-    "linalg": (_FWD_FWD, {torch.linalg.solve: composite_solve, torch.linalg.det: composite_det,
-                          torch.det: composite_det, torch.linalg.slogdet: composite_slogdet,
-                          torch.slogdet: composite_slogdet, torch.logdet: composite_logdet,
-                          torch.linalg.householder_product: composite_householder_product,
-                          Tensor.det: composite_det, Tensor.logdet: composite_logdet, Tensor.slogdet: composite_slogdet,
-                          torch.orgqr: composite_householder_product, Tensor.orgqr: composite_householder_product,
-                          torch.linalg.solve_ex: composite_solve_ex}),
-}  # fmt: skip
+    "linalg": (_FWD_FWD, _LINALG),  # wrong forward-over-forward
+}
 # what each method needs rerouted beyond attention, dropout, running statistics and embeddings' gradient options
 REROUTES = {m: frozenset(name for name, (methods, _) in _ROUTES.items() if m in methods) for m in _ALL}
+_CTC_WAY = (
+    "use another loss, or finite differences of gradients (curvlab.engine.finite_difference.finite_difference_hvp)"
+)
 # the ops with no second derivative in torch and no composite here: (methods, why, the way out)
 _REFUSED = {
-    F.ctc_loss: (_ALL, "its backward has no derivative in torch", "use another loss, or finite differences of "
-                 "gradients (curvlab.engine.finite_difference.finite_difference_hvp)"),
+    F.ctc_loss: (_ALL, "its backward has no derivative in torch", _CTC_WAY),
     F.grid_sample: (_FORWARD, "torch has no forward-mode derivative for it", "use method='rev_rev'"),
-}  # fmt: skip
+}
 
-
-_DROPOUTS = {
-    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,  # (called directly)
-}  # fmt: skip
+_F_DROPOUTS = "dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout"
+_TORCH_DROPOUTS = "dropout alpha_dropout feature_dropout feature_alpha_dropout"  # (called directly)
+_DROPOUTS = {getattr(F, n) for n in _F_DROPOUTS.split()} | {getattr(torch, n) for n in _TORCH_DROPOUTS.split()}
 _PRECISION = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1}
 # the ops that draw from a random stream (dropout's are made the identity before they get here)
-_RANDOM = {
-    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like, torch.randint_like,
-    torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, torch.Tensor.uniform_, torch.Tensor.normal_,
-    torch.Tensor.bernoulli_, torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_,
-    torch.Tensor.cauchy_, torch.Tensor.log_normal_, torch.Tensor.bernoulli,
-}  # fmt: skip
+_RANDOM_TORCH = "rand randn randint randperm rand_like randn_like randint_like bernoulli multinomial normal poisson"
+_RANDOM_TENSOR = "uniform_ normal_ bernoulli_ random_ exponential_ geometric_ cauchy_ log_normal_ bernoulli"
+_RANDOM = {getattr(torch, n) for n in _RANDOM_TORCH.split()} | {getattr(Tensor, n) for n in _RANDOM_TENSOR.split()}
 # the flags that turn activation checkpointing on in a module (Hugging Face's, timm's)
 CHECKPOINT_FLAGS = ("gradient_checkpointing", "grad_checkpointing")
 _SITES_SHOWN = 4
@@ -173,23 +157,22 @@ _STATISTICS_NORMS = {
     F.batch_norm: ("training", False, composite_batch_norm),
     F.instance_norm: ("use_input_stats", True, composite_instance_norm),
 }
-
-
-# each method's rerouted ops {func: composite} and refused ops {func: (why, way)}, made once: a mode is entered
-# at every curvature call, and on a small model building them there showed
-_TABLES = {
-    m: (
-        {f: composite for name in REROUTES[m] for f, composite in _ROUTES[name][1].items()},
-        {f: (why, way) for f, (methods, why, way) in _REFUSED.items() if m in methods},
-    )
-    for m in REROUTES
-}
+# (the positional layout of their arguments)
+_EMBEDDING_ARGS = {f: tuple(inspect.signature(f).parameters) for f in (F.embedding, F.embedding_bag)}
 # the ops the mode looks at (every other op runs as it is, watched for precision)
-_SPECIAL = frozenset({
-    *_DROPOUTS, *_RANDOM, *_STATISTICS_NORMS, Tensor.requires_grad_, F.scaled_dot_product_attention, F.layer_norm,
-    F.group_norm, F.embedding, F.embedding_bag, F.cross_entropy,
-})  # fmt: skip
-_TABLES = {m: (routes, refused, _SPECIAL | routes.keys() | refused.keys()) for m, (routes, refused) in _TABLES.items()}
+_SPECIAL = {Tensor.requires_grad_, F.scaled_dot_product_attention, F.layer_norm, F.group_norm, F.cross_entropy}
+_SPECIAL |= {*_DROPOUTS, *_RANDOM, *_STATISTICS_NORMS, *_EMBEDDING_ARGS}
+
+
+def _tables(method: str | None) -> tuple[dict, dict, frozenset]:
+    """A method's rerouted ops {func: composite}, refused ops {func: (why, way)} and every op the mode looks
+    at: made once (:data:`_TABLES`), as a mode is entered at every curvature call."""
+    routes = {f: composite for name in REROUTES[method] for f, composite in _ROUTES[name][1].items()}
+    refused = {f: (why, way) for f, (methods, why, way) in _REFUSED.items() if method in methods}
+    return routes, refused, frozenset(_SPECIAL | routes.keys() | refused.keys())
+
+
+_TABLES = {m: _tables(m) for m in REROUTES}
 
 
 class _ExactSecondOrderMode(TorchFunctionMode):
@@ -305,26 +288,15 @@ def _group_norm(args: tuple, kwargs: dict) -> Tensor:
     return F.group_norm(*args, **kwargs)
 
 
-_EMBEDDING_ARGS = {
-    F.embedding: ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"),
-    F.embedding_bag: ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse",
-                      "per_sample_weights", "include_last_offset", "padding_idx"),
-}  # fmt: skip
-
-
 def _embedding_function_only(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    r"""An embedding's arguments without those that change its gradient and not its value: the same
-    values, and the derivatives of the function.
+    r"""An embedding's arguments without those that change its gradient and not its value.
 
-    ``F.embedding``'s ``padding_idx`` changes no value: it only zeroes the padding row's part of the
-    gradient, while the row's value still reaches the loss (and a tied head trains it). The derivative
-    of that gradient, :math:`J = M H` (M zeroes the padding row's lookup part), is not symmetric:
-    double backward (:math:`J^\top v`) and forward-over-reverse (:math:`J v`) disagree whenever the
-    batch holds the padding token (by 100% on a tiny OPT). ``scale_grad_by_freq`` divides each row's
-    gradient by its count in the batch, the same asymmetry (64% off in the op sweep). Without them,
-    every method gives the Hessian H of the loss, and G its gradient; they differ from torch's
-    ``.grad`` only in those rows. (``F.embedding_bag``'s ``padding_idx`` leaves entries out of their
-    bags, a change of value, and stays.)
+    ``F.embedding``'s ``padding_idx`` only zeroes the padding row's part of the gradient, while the row's
+    value still reaches the loss. The derivative of that gradient, :math:`J = M H` (M zeroes the padding
+    row's lookup part), is not symmetric: double backward (:math:`J^\top v`) and forward-over-reverse
+    (:math:`J v`) disagree whenever the batch holds the padding token. ``scale_grad_by_freq`` is the same
+    asymmetry. Without them every method gives the Hessian H of the loss. (``F.embedding_bag``'s
+    ``padding_idx`` leaves entries out of their bags, a change of value, and stays.)
 
     Raises:
         CurvlabError: ``max_norm``, which renormalizes the weight's rows in place during the forward:
@@ -434,12 +406,9 @@ def in_exact_mode() -> bool:
 def eval_forward(model: nn.Module | None) -> Iterator[None]:
     """Inside :func:`exact_second_order` (a no-op outside it): run ``model`` as in eval mode.
 
-    Every module but batch and instance norms gets ``training=False`` (LayerDrop, DropPath, router
-    jitter, dropout modules and Hugging Face's training-only paths off), and every
-    ``gradient_checkpointing``/``grad_checkpointing`` flag that is on is turned off (its recompute
-    would run outside the mode, on the module's own weights); batch and instance norms stay as they
-    are (batch statistics in training mode; the mode never lets them update running statistics).
-    Everything is put back on exit. :class:`~curvlab.engine.loss.ModuleLoss` wraps its forward in this.
+    Every module but batch and instance norms (which keep their batch statistics) gets ``training=False``,
+    and every :data:`CHECKPOINT_FLAGS` flag that is on is turned off (its recompute would run outside the
+    mode, on the module's own weights); all put back on exit.
     """
     if model is None or not in_exact_mode():
         yield
@@ -466,16 +435,14 @@ def eval_forward(model: nn.Module | None) -> Iterator[None]:
 
 def _flag_on(m: nn.Module, flag: str) -> bool:
     """``getattr(m, flag, None) is True``, without nn.Module's __getattr__, which raises (slowly, at every module
-    of every forward: most modules lack the flags) for a name a module lacks: the class's attribute where the
-    class has the name (a property, a default), else the instance's own (nn.Module's __getattr__ would find only
-    parameters, buffers and submodules there, never ``True``)."""
+    of every forward) for a name a module lacks: the class's attribute where the class has the name, else the
+    instance's own."""
     return (getattr(m, flag, None) if hasattr(type(m), flag) else m.__dict__.get(flag)) is True
 
 
 def _set_training(m: nn.Module, mode: bool) -> None:
-    """``m.training = mode`` as nn.Module's __setattr__ sets a bool, without its search of the module's
-    parameters, buffers and submodules for the name (at every module of every forward), unless the class sets
-    attributes its own way."""
+    """``m.training = mode`` without nn.Module's __setattr__ search of the module's tables (at every module of
+    every forward), unless the class sets attributes its own way."""
     if type(m).__setattr__ is nn.Module.__setattr__:
         object.__setattr__(m, "training", mode)
     else:
@@ -497,12 +464,10 @@ def _no_checkpoint_generator(*args, **kwargs):
 
 @contextlib.contextmanager
 def _torch_checkpoint_off() -> Iterator[None]:
-    """``torch.utils.checkpoint.checkpoint`` (and ``checkpoint_sequential``) called by a model that no
-    flag controls run their function plainly: a recompute would run during the backward pass, outside
-    ``functional_call`` (on the module's own weights) and outside this mode, and ``torch.func``
-    refuses checkpointing's saved-tensor hooks. The curvature is the same without checkpointing.
-    (Patched where ``checkpoint`` looks them up, so every way of importing it is covered; process-wide
-    while the outermost exact mode lasts.)"""
+    """``torch.utils.checkpoint.checkpoint`` called by a model that no flag controls runs its function
+    plainly: a recompute would run outside ``functional_call`` and this mode, and ``torch.func`` refuses
+    checkpointing's saved-tensor hooks. (Patched where ``checkpoint`` looks them up, process-wide while the
+    outermost exact mode lasts.)"""
     names = ("CheckpointFunction", "_checkpoint_without_reentrant_generator")
     stand_ins = (_NoCheckpoint, _no_checkpoint_generator)
     saved = {n: getattr(torch_checkpoint, n) for n in names if hasattr(torch_checkpoint, n)}
@@ -528,16 +493,10 @@ def exact_second_order(
 
     Inside it, for every ``method``: attention runs on the math backend with dropout 0, all functional
     dropouts are the identity, batch and instance norms never update their running statistics, and
-    in-place operations on the tensors in ``keep`` (pass :func:`running_statistics` of the model) are
-    skipped. A model's forward runs as in eval mode (see :func:`eval_forward`: no LayerDrop, DropPath
-    or activation checkpointing; :class:`~curvlab.engine.loss.ModuleLoss` does this by itself, pass ``model``
-    for a loss function of your own over a module), and ``torch.utils.checkpoint`` called regardless
-    of any flag runs its function plainly (:func:`_torch_checkpoint_off`). A random draw by the model
-    that is still left is reported with a warning naming the place.
-    For ``method`` ``"fwd_fwd"`` or ``None`` (any transform, ``torch.func.hessian`` included),
-    ``F.layer_norm``, ``F.batch_norm`` with batch statistics and ``F.instance_norm`` also run as
-    composites (:func:`composite_layer_norm`, ...); for ``"rev_rev"``, ``F.cross_entropy`` takes its
-    second backward in closed form (:mod:`curvlab.engine._cross_entropy`, for speed). Re-entrant.
+    in-place operations on the tensors in ``keep`` are skipped. A model's forward runs as in eval mode
+    (:func:`eval_forward`; :class:`~curvlab.engine.loss.ModuleLoss` does this by itself, pass ``model``
+    for a loss function of your own over a module), and ``torch.utils.checkpoint`` runs its function
+    plainly. Each method's reroutings are the module docstring's. Re-entrant.
 
     Args:
         method: ``"rev_rev"`` or ``"fwd_rev"`` (the HVP methods), ``"fwd_fwd"`` (quadratic forms), or

@@ -15,11 +15,9 @@ error is
     e = \frac{\|D(h) - D(2h)\|}{3} + 4\epsilon\,\frac{\|G(W+hu)\| + \|G(W-hu)\|}{2h}\,\|v\|,
 
 a bound on :math:`\|D(h) - H[v]\|_F` whenever the third derivative varies little over :math:`[-2h, 2h]`.
-The default step :math:`h = \epsilon^{1/3}` balances the two terms (about 6e-6 in float64, where the
-error is about 1e-10 of :math:`\|H[v]\|` on the test models). Four gradients, no second derivatives:
-a cross-check of the exact HVPs, and a fallback for ops without double backward. Parameters may be
-sharded (DTensors): the gradients are the sharded ones of :class:`~curvlab.engine.hvp.CurvaturePoint`, and
-the result is sharded like them.
+The default step :math:`h = \epsilon^{1/3}` balances the two terms. Four gradients, no second
+derivatives: a cross-check of the exact HVPs, and a fallback for ops without double backward.
+Parameters may be sharded (DTensors), and the result is sharded like them.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import CurvaturePoint, working_dtype
 from curvlab.engine.loss import LossFn
 from curvlab.errors import CurvlabError
@@ -70,11 +68,7 @@ class FiniteDifferenceHVP:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FiniteDifferenceHVP:
-        """The scalars of :meth:`to_dict`'s JSON (the loaded ``hvp`` is empty: the JSON keeps no tensors).
-
-        Raises:
-            CurvlabError: another schema version.
-        """
+        """The scalars of :meth:`to_dict`'s JSON (the loaded ``hvp`` is empty)."""
         d = {"schema_version": d.get("schema"), **d}  # (JSON written before the key was schema_version: "schema")
         schema.check(d, cls)
         return cls(hvp={}, **{k: float(d[k]) for k in ("step", "error", "truncation", "rounding", "norm")})
@@ -99,25 +93,25 @@ def finite_difference_hvp(
         step: h along :math:`v/\|v\|` (default :math:`\epsilon^{1/3}` of the working dtype).
         dtype: computation dtype (default float32, or float64 when the parameters are).
     """
-    P.check_like(params, v)
+    param_dicts.check_like(params, v)
     dt = working_dtype(params, dtype=dtype)
-    p, vc = P.cast(params, dt), P.cast(v, dt)
-    vnorm = P.norm(vc)
+    p, vc = param_dicts.cast(params, dt), param_dicts.cast(v, dt)
+    vnorm = param_dicts.norm(vc)
     if vnorm == 0.0:
         raise CurvlabError("the direction is zero")
     eps = torch.finfo(dt).eps
     h = float(eps ** (1 / 3)) if step is None else float(step)
     if not h > 0:
         raise CurvlabError(f"the finite-difference step must be positive, got {step}")
-    u = P.scale(vc, 1.0 / vnorm)
+    u = param_dicts.scale(vc, 1.0 / vnorm)
 
-    def gradient(t: float) -> P.Params:
+    def gradient(t: float) -> param_dicts.Params:
         # method fwd_rev: the point's first order only, no graph kept (no forward mode runs for a gradient)
-        return CurvaturePoint(loss_fn, P.add(p, u, t), batch, method="fwd_rev", dtype=dt).gradient
+        return CurvaturePoint(loss_fn, param_dicts.add(p, u, t), batch, method="fwd_rev", dtype=dt).gradient
 
     g_plus, g_minus = gradient(h), gradient(-h)
-    d1 = P.scale(P.add(g_plus, g_minus, -1.0), vnorm / (2 * h))
-    d2 = P.scale(P.add(gradient(2 * h), gradient(-2 * h), -1.0), vnorm / (4 * h))
-    truncation = P.norm(P.add(d1, d2, -1.0)) / 3
-    rounding = 4 * eps * (P.norm(g_plus) + P.norm(g_minus)) * vnorm / (2 * h)
-    return FiniteDifferenceHVP(d1, h, truncation + rounding, truncation, rounding, P.norm(d1))
+    d1 = param_dicts.scale(param_dicts.add(g_plus, g_minus, -1.0), vnorm / (2 * h))
+    d2 = param_dicts.scale(param_dicts.add(gradient(2 * h), gradient(-2 * h), -1.0), vnorm / (4 * h))
+    truncation = param_dicts.norm(param_dicts.add(d1, d2, -1.0)) / 3
+    rounding = 4 * eps * (param_dicts.norm(g_plus) + param_dicts.norm(g_minus)) * vnorm / (2 * h)
+    return FiniteDifferenceHVP(d1, h, truncation + rounding, truncation, rounding, param_dicts.norm(d1))

@@ -9,9 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from curvlab.engine import checks as C
-from curvlab.engine import gathered as S
-from curvlab.engine import params as P
+from curvlab.engine import checks, gathered
+from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
 from curvlab.engine.loss import LossFn
 
@@ -25,10 +24,8 @@ def evaluate_loss(
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``.
         params: parameter dict W (not modified).
-        batch: one batch, or a ``list``/:class:`~curvlab.engine.loss.Batches` of batches, accumulated with
-            weights proportional to their loss terms.
-        dtype: computation dtype (default float32, or float64 when the parameters are: the dtype the
-            curvature functions evaluate in, so the loss matches theirs).
+        batch: one batch, or a ``list``/:class:`~curvlab.engine.loss.Batches` of batches to accumulate.
+        dtype: computation dtype (default float32, or float64 when the parameters are).
 
     Returns:
         The loss :math:`L(W)`, a Python float.
@@ -59,9 +56,9 @@ def forward_quadratic_forms(
     Returns:
         ``(gz, zhz)``, float64 tensors of shape ``(K,)`` (the loss: :func:`evaluate_loss`).
     """
-    C.check_full(params, zs)
-    # a "fwd_rev" point keeps nothing; sharded parameters take the pair by double backward (see the method)
-    method = DEFAULT_METHOD if S.is_sharded(params) else "fwd_rev"
+    checks.check_full(params, zs)
+    # a "fwd_rev" point keeps nothing; sharded parameters take the pair by double backward
+    method = DEFAULT_METHOD if gathered.is_sharded(params) else "fwd_rev"
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
         return point.forward_quadratic_forms(zs)
 
@@ -74,10 +71,8 @@ def forward_quadratic_form(
     *,
     dtype: torch.dtype | None = None,
 ) -> tuple[float, float]:
-    r"""The pair :math:`(\langle G, z\rangle, \langle z, H[z]\rangle)` of one direction by forward-over-forward AD.
-
-    Costs about one forward pass with second-order dual numbers: no gradient is formed (see
-    :func:`forward_quadratic_forms`, whose pair it is for K = 1).
+    r"""The pair :math:`(\langle G, z\rangle, \langle z, H[z]\rangle)` of one direction by forward-over-forward AD
+    (:func:`forward_quadratic_forms` for K = 1).
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``.
@@ -89,6 +84,6 @@ def forward_quadratic_form(
     Returns:
         ``(gz, zhz)``: :math:`\langle G, z\rangle` and :math:`\langle z, H[z]\rangle`, Python floats.
     """
-    P.check_like(params, z)
+    param_dicts.check_like(params, z)
     gz, zhz = forward_quadratic_forms(loss_fn, params, batch, {n: t.unsqueeze(0) for n, t in z.items()}, dtype=dtype)
     return float(gz[0]), float(zhz[0])

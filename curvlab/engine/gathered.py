@@ -5,28 +5,20 @@ are ``DTensor`` shards (``dict(model.named_parameters())`` of an FSDP2 model, sa
 gradient, the directions and the HVPs sharded the same way. This module holds what makes that exact.
 
 **The route.** The loss is evaluated by a functional call over *gathered* parameters: each sharded
-:math:`W_i` becomes its full tensor by ``DTensor.full_tensor()``, an all-gather that is itself
-differentiable (its backward is a reduce-scatter, whose backward is an all-gather again), and the
-model runs on those through :func:`torch.func.functional_call` with FSDP2's own forward hooks off.
-So the first backward (``create_graph=True``) and the second one (the HVP) both run through the
-collectives, and :math:`H[v]` comes back as a DTensor sharded like :math:`W`, equal to the one-process
-HVP up to summation order. The other routes don't work on torch 2.13:
+:math:`W_i` becomes its full tensor by ``DTensor.full_tensor()``, a differentiable all-gather (its
+backward is a reduce-scatter, whose backward is an all-gather again), and the model runs on those with
+FSDP2's own forward hooks off. So both backwards run through the collectives, and :math:`H[v]` comes back
+sharded like :math:`W`, equal to the one-process HVP up to summation order. The other routes don't work
+on torch 2.13: ``torch.autograd.grad`` through FSDP2's hooks fails with respect to the sharded parameters
+(pytorch#172543), and forward mode fails through FSDP2 and DDP (pytorch#182641, #182661), so ``"fwd_rev"``
+and forward-over-forward are refused or replaced by double backward.
 
-* FSDP2's hooks: ``torch.autograd.grad`` with respect to the sharded parameters fails (the graph
-  holds FSDP's unsharded parameters, not the DTensors the user holds), and double backward through
-  its hooks needs ``reshard_after_forward=False`` (pytorch#172543);
-* forward mode (``torch.func.jvp``) fails through FSDP2 and DDP (pytorch#182641, #182661), so the
-  ``"fwd_rev"`` method and forward-over-forward quadratic forms are refused or replaced by double
-  backward on sharded parameters.
+**Batches.** With fewer batches than ranks every rank computes the same loss, and the gradients are
+taken as replicated; otherwise each rank takes its share, and the gradients are declared ``Partial``
+so that the reduce-scatter sums them over ranks.
 
-**Batches.** One batch (or fewer batches than ranks): every rank computes the same loss, and the
-gathered parameters' gradients are taken as replicated (each rank keeps its shard, no reduction).
-At least as many batches as ranks: each rank takes its share, and the gradients are declared
-``Partial`` so that the reduce-scatter sums them over ranks, exactly the one-process weighted sum.
-
-**Memory.** Each rank holds 1/N of the parameters, directions and results. The kept first-order
-graph of ``"rev_rev"`` holds the gathered weights the forward used (a linear layer's backward needs
-its whole weight), so the graph costs what FSDP2 with ``reshard_after_forward=False`` costs.
+**Memory.** Each rank holds 1/N of the parameters, directions and results; the kept graph of
+``"rev_rev"`` holds the gathered weights, as FSDP2 with ``reshard_after_forward=False`` does.
 """
 
 from __future__ import annotations
@@ -105,12 +97,8 @@ class GatheringLoss:
 
     Each DTensor in ``params`` is gathered by the differentiable ``full_tensor()``; sharded module
     parameters not in ``params`` (frozen ones) are gathered detached. With ``partial=True`` (ranks
-    hold different batches) the gradients of the gathered tensors are summed over ranks by the
-    reduce-scatter of the backward; with ``partial=False`` (every rank the same batch) each rank
-    keeps its shard of its (identical) gradient.
-
-    Attributes ``model`` and ``loss_terms`` are the wrapped loss function's, so batch weights and
-    parameter roles read as before.
+    hold different batches) the gradients are summed over ranks by the backward's reduce-scatter. Its
+    ``model`` and ``loss_terms`` are the wrapped loss function's.
     """
 
     def __init__(self, loss_fn: Any, partial: bool):
@@ -164,10 +152,8 @@ _COLLECTIVE_FAILURES = ("timed out", "timeout", "connection closed", "connection
 
 def names_rank_on_collective_failure(method: Callable) -> Callable:
     """Decorate a method of an object with a ``sharded`` flag: when sharded, a collective that fails
-    because another rank died or stalled past the process group's timeout becomes a one-line
-    :class:`CurvlabError` naming the rank(s) that died or stalled, found by a roll call of the ranks
-    (:func:`curvlab.util.distributed.unanswered_ranks`; the cause stays chained); anything else passes
-    through."""
+    because another rank died or stalled becomes a one-line :class:`CurvlabError` naming the rank(s),
+    found by a roll call (:func:`curvlab.util.distributed.unanswered_ranks`)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):

@@ -3,32 +3,25 @@ r"""Exact Hessian-vector products of ``loss_fn(params, batch)``, from one object
 Notation (docs/science.md): parameters W as a dict of tensors, gradient :math:`G = \nabla L(W)`, and the
 Hessian operator :math:`H[v] = \frac{d}{d\epsilon} \nabla L(W + \epsilon v)\big|_{\epsilon=0}`.
 
-:class:`CurvaturePoint` is the engine: built for a loss, parameters and batches (one or many,
-weighted by their loss terms, shared across ranks under torch.distributed), it runs the forward pass
-and the first backward once, then answers any number of HVPs, quadratic forms and gradients there.
-Methods:
+:class:`CurvaturePoint` is the engine: built for a loss, parameters and batches (weighted by
+their loss terms, shared across ranks under torch.distributed), it runs the forward pass and the first
+backward once, then answers any number of HVPs, quadratic forms and gradients there. Methods:
 
 * ``"rev_rev"`` (default): double backward on the kept first-order graph. Each further direction
   costs one backward pass through that graph (about 2 gradients), restricted to the gradient entries
   the direction touches, so a direction that lives in the top layers skips the bottom of the graph.
-* ``"fwd_rev"``: forward-over-reverse, ``jvp`` of ``grad``, for ops without double backward. Nothing
-  is kept; every call runs one forward and one backward pass carrying dual numbers, vmapped over
-  its directions, with tangents only on the parameters the directions touch.
+* ``"fwd_rev"``: forward-over-reverse, ``jvp`` of ``grad``, for ops without double backward: nothing is
+  kept, and every call runs one forward and one backward pass carrying dual numbers.
 
-:meth:`CurvaturePoint.forward_quadratic_forms` (and its shortcuts in :mod:`curvlab.engine.forward`) is a third
-way for :math:`(\langle G, z\rangle, \langle z, H z\rangle)` alone: forward-over-forward, ``jvp`` of ``jvp``, with no
-backward pass at all.
+:meth:`CurvaturePoint.forward_quadratic_forms` is a third way for :math:`(\langle G, z\rangle, \langle z, H
+z\rangle)` alone: forward-over-forward, ``jvp`` of ``jvp``, with no backward pass at all.
 
-Every computation runs inside :func:`~curvlab.engine.exact.exact_second_order` with just the reroutings
-its method needs (math attention, no dropout, running statistics untouched; composite norms for
-forward-over-forward), so it is exact on any model, and with torch's compiler stance
-``"force_eager"``, so that a ``torch.compile``'d model (whose compiled graphs have no double
-backward) works with every method. Computation is in float32 unless ``dtype`` (or
-float64 parameters) say otherwise; bf16 and fp16 parameters and directions are upcast. The functions
-:func:`hvp`, :func:`hvps`, :func:`gradient_and_hvps` (and, in :mod:`curvlab.engine.forward`, the loss and
-the forward quadratic forms) are one-point shortcuts over :class:`CurvaturePoint`. Every one takes
-``(loss_fn, params, batch, <directions>)`` positionally and its options (``method``, ``dtype``,
-``chunk_size``) by keyword only.
+Every computation runs inside :func:`~curvlab.engine.exact.exact_second_order` with the reroutings its
+method needs, so it is exact on any model, and with torch's compiler stance ``"force_eager"``, so that a
+``torch.compile``'d model (whose compiled graphs have no double backward) works with every method.
+Computation is in float32 unless ``dtype`` (or float64 parameters) say otherwise; bf16 and fp16 are
+upcast. :func:`hvp`, :func:`hvps` and :func:`gradient_and_hvps` are one-point shortcuts over
+:class:`CurvaturePoint`: ``(loss_fn, params, batch, <directions>)`` positionally, options by keyword.
 """
 
 from __future__ import annotations
@@ -41,9 +34,8 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value, jvp, vmap
 
-from curvlab.engine import checks as C
-from curvlab.engine import gathered as S
-from curvlab.engine import params as P
+from curvlab.engine import checks, gathered
+from curvlab.engine import params as param_dicts
 from curvlab.engine.backward import accumulate, bound_loss, double_backward, eager_stance, fresh_rows, vmap_directions
 from curvlab.engine.exact import exact_second_order, running_statistics
 from curvlab.engine.loss import LossFn, weighted_batches
@@ -66,15 +58,10 @@ def working_dtype(params: Mapping[str, Tensor], *, dtype: torch.dtype | None = N
 
 
 def shared_batches(batch: Any, loss_fn: Any = None, *, even: bool = False) -> tuple[list[tuple[Any, float]], bool]:
-    """This process's ``(batch, weight)`` pairs and whether results must be summed across ranks.
-
-    Weights are normalized over *all* batches (every rank knows them all), so under torch.distributed
-    each rank takes its share and the token-weighted sums are all-reduced: exactly the one-process
-    result. With fewer batches than ranks, every rank computes everything and nothing is reduced.
-    ``even``: every rank gets as many pairs (a short share is filled up with one of its batches at
-    weight 0), as sharded parameters need: each forward all-gathers them, so every rank must run as
-    many forwards and backwards as the others.
-    """
+    """This process's ``(batch, weight)`` pairs (weights normalized over *all* batches) and whether results
+    must be summed across ranks (not with fewer batches than ranks: every rank computes everything).
+    ``even``: a short share is filled up with one of its batches at weight 0, as sharded parameters need
+    (each forward all-gathers them, so every rank must run as many forwards and backwards)."""
     pairs = weighted_batches(batch, loss_fn)
     world = rank_and_world()[1]
     if world > 1 and len(pairs) >= world:
@@ -117,13 +104,9 @@ class CurvaturePoint:
         dtype: computation dtype (default float32, or float64 when the parameters are).
         chunk_size: directions per vectorized call (bounds memory; ``None`` = all at once).
 
-    Memory: ``"rev_rev"`` keeps one first-order graph per batch of this process (about the activation
-    memory of a training step with ``create_graph``, per batch) until :meth:`close` or the end of a
-    ``with`` block.
-
-    Sharded parameters (DTensors, e.g. an FSDP2 model's): the loss runs on gathered parameters, the
-    gradient, directions and HVPs stay sharded like the parameters, ``"fwd_rev"`` is refused
-    (:mod:`curvlab.engine.gathered`).
+    Memory: ``"rev_rev"`` keeps one first-order graph per batch of this process until :meth:`close` or the
+    end of a ``with`` block. Sharded parameters (DTensors): the gradient, directions and HVPs stay sharded
+    like the parameters, ``"fwd_rev"`` is refused (:mod:`curvlab.engine.gathered`).
     """
 
     def __init__(
@@ -137,20 +120,18 @@ class CurvaturePoint:
         chunk_size: int | None = None,
     ):
         check_method(method)
-        S.check_process_group(params)
+        gathered.check_process_group(params)
         self.loss_fn, self.method, self.chunk_size = loss_fn, method, chunk_size
         self.dtype = working_dtype(params, dtype=dtype)
-        self.params = P.cast(params, self.dtype)
+        self.params = param_dicts.cast(params, self.dtype)
         if not self.params:
             raise CurvlabError("no parameters given")
-        # sharded (DTensor) parameters: the loss runs on gathered ones, and results stay sharded
-        # (curvlab.engine.gathered)
-        self.sharded = S.is_sharded(self.params)
+        self.sharded = gathered.is_sharded(self.params)
         self._pairs, self._reduce = shared_batches(batch, loss_fn, even=self.sharded)
-        self.loss_fn = S.gathering_loss(loss_fn, self.params, partial=self._reduce)
+        self.loss_fn = gathered.gathering_loss(loss_fn, self.params, partial=self._reduce)
         self._graphs: list[_Graph] | None = None
         self._loss: float | None = None
-        self._gradient: P.Params | None = None
+        self._gradient: param_dicts.Params | None = None
         self._shared = False  # (whether the gradient's tensors are a kept graph's own: see gradient)
         if method == "rev_rev":
             self._graphs = self._first_order(create_graph=True)
@@ -168,22 +149,20 @@ class CurvaturePoint:
     def _sum(self, value):
         """A token-weighted sum over this process's batches, summed across ranks when they share them."""
         if self._reduce and self.sharded and isinstance(value, dict):
-            return S.sum_replicated(value)
+            return gathered.sum_replicated(value)
         return all_reduce_sum(value) if self._reduce else value
 
     # -- first order -------------------------------------------------------------------------
 
-    @S.names_rank_on_collective_failure
+    @gathered.names_rank_on_collective_failure
     def _first_order(self, create_graph: bool) -> list[_Graph]:
         """Forward and backward for every batch of this process; loss and gradient accumulated.
 
-        Every op inside the exact mode is a call into Python, so curvlab's own stay out of it where they can: the
-        first batch's leaves are made before it, and the backwards whose graphs are kept run after it (the mode
-        is off during a backward anyway: torch takes it off while it handles ``torch.autograd.grad``, and the
-        forward has chosen attention's kernel, run without checkpointing and eagerly). Without a graph each
-        batch's backward runs as it comes, and its gradient is summed, to be freed. One kept graph at weight 1
-        in one process gives its gradient as it is, copied only if it is read while the graph is kept
-        (:attr:`gradient`)."""
+        Every op inside the exact mode is a call into Python, so curvlab's own stay out of it: the first
+        batch's leaves are made before it, and the backwards whose graphs are kept run after it (the forward
+        has chosen attention's kernel, run without checkpointing and eagerly). Without a graph each batch's
+        backward runs as it comes, to free it. One kept graph at weight 1 in one process gives its gradient
+        as it is, copied only if it is read while the graph is kept (:attr:`gradient`)."""
         names = list(self.params)
         forwards, graphs, loss_total, g_total = [], [], 0.0, None
         first = [self.params[n].detach().requires_grad_() for n in names]
@@ -191,9 +170,9 @@ class CurvaturePoint:
             for i, (f, w) in enumerate(self._each_batch(self.method)):
                 leaves = first if i == 0 else [self.params[n].detach().requires_grad_() for n in names]
                 loss = f(dict(zip(names, leaves)))
-                loss_total += w * C.finite_loss(loss)
+                loss_total += w * checks.finite_loss(loss)
                 if not loss.requires_grad:
-                    raise C.detached_error()
+                    raise checks.detached_error()
                 if create_graph:
                     forwards.append((loss, leaves, w))
                 else:
@@ -229,7 +208,7 @@ class CurvaturePoint:
         return self._loss
 
     @property
-    def gradient(self) -> P.Params:
+    def gradient(self) -> param_dicts.Params:
         r""":math:`G = \nabla L(W)`, a dict like ``params`` (in the working dtype)."""
         if self._gradient is None:
             self._first_order(create_graph=False)
@@ -237,37 +216,35 @@ class CurvaturePoint:
             self._gradient, self._shared = {n: t.clone() for n, t in self._gradient.items()}, False
         return self._gradient
 
-    @S.names_rank_on_collective_failure
+    @gathered.names_rank_on_collective_failure
     def loss_at(self, params: Mapping[str, Tensor]) -> float:
         """:math:`L` at other parameters (e.g. :math:`W - Z`) on the same batches, in the same dtype and
         mode, so that differences of losses and Taylor predictions are comparable."""
-        p = P.cast(params, self.dtype)
+        p = param_dicts.cast(params, self.dtype)
         total = 0.0
         with torch.no_grad():
             for f, w in self._each_batch(self.method):
-                total += w * C.finite_loss(f(p))
+                total += w * checks.finite_loss(f(p))
         return self._sum(total)
 
     # -- second order ------------------------------------------------------------------------
 
-    @S.names_rank_on_collective_failure
-    def hvps(self, vs: Mapping[str, Tensor]) -> P.Params:
+    @gathered.names_rank_on_collective_failure
+    def hvps(self, vs: Mapping[str, Tensor]) -> param_dicts.Params:
         r""":math:`H[v_k]` for K directions stacked along dim 0, a dict over *all* parameters.
 
         Args:
             vs: ``{name: tensor (K, *param.shape)}`` for the parameters the directions touch; the
                 names left out are zero in every direction, and cost nothing.
 
-        Memory: by double backward on one batch of unsharded parameters, the K results (K parameter-sized
-        tensors beside the K directions) and one second backward's transient memory at a time, whatever K
-        (several batches add a second stack of K for their weighted sum, sharded parameters hold the K rows
-        before stacking them, and a ``chunk_size`` below K concatenates its chunks); ``chunk_size`` caps how
-        many directions ``"fwd_rev"`` vectorizes at once, and with it that method's memory.
+        Memory: by double backward, the K results and one second backward's transient memory at a time,
+        whatever K (several batches add a second stack of K for their sum); ``chunk_size`` caps how many
+        directions ``"fwd_rev"`` vectorizes at once, and with it that method's memory.
         """
-        names, k = C.check_directions(self.params, vs)
+        names, k = checks.check_directions(self.params, vs)
         if self.sharded and self.method == "fwd_rev":
-            raise CurvlabError(S.FWD_REV_REFUSED)
-        vs = P.cast({n: vs[n] for n in names}, self.dtype)
+            raise CurvlabError(gathered.FWD_REV_REFUSED)
+        vs = param_dicts.cast({n: vs[n] for n in names}, self.dtype)
         step = k if self.chunk_size is None else max(1, self.chunk_size)
         chunk = self._hvps_rev_rev if self.method == "rev_rev" else self._hvps_fwd_rev
         if step >= k:  # (one chunk: the directions whole, not sliced)
@@ -276,31 +253,26 @@ class CurvaturePoint:
             pieces = [chunk({n: t[i : i + step] for n, t in vs.items()}) for i in range(0, k, step)]
             hv = {n: torch.cat([p[n] for p in pieces]) for n in self.params}
         hv = self._sum(hv)
-        C.check_finite_hvp(hv)
+        checks.check_finite_hvp(hv)
         return hv
 
-    def hvp(self, v: Mapping[str, Tensor]) -> P.Params:
+    def hvp(self, v: Mapping[str, Tensor]) -> param_dicts.Params:
         r"""The exact :math:`H[v]`, a dict like ``params`` (``v`` may name only some parameters)."""
         return self._hvp(v, checked=False)
 
-    def _hvp(self, v: Mapping[str, Tensor], checked: bool) -> P.Params:
+    def _hvp(self, v: Mapping[str, Tensor], checked: bool) -> param_dicts.Params:
         """:meth:`hvp`, of a direction ``checked`` already or not. By double backward in one process the
-        direction as it is, not stacked as one of K (stacking it and taking its row back are four views a
-        parameter, which show on a small model); otherwise by :meth:`hvps`, which names a rank that fails."""
+        direction as it is, not stacked as one of K (four views a parameter, which show on a small model)."""
         if self.sharded or self.method != "rev_rev":
             return {n: t[0] for n, t in self.hvps({n: t.unsqueeze(0) for n, t in v.items()}).items()}
-        names = list(v) if checked else C.check_directions(self.params, v, stacked=False, finite=False)[0]
-        hv = self._sum(self._rev_rev(P.cast({n: v[n] for n in names}, self.dtype), None, stacked=False))
-        C.check_finite_hvp(hv, v)  # (the direction's finiteness too: one synchronization for both)
+        names = list(v) if checked else checks.check_directions(self.params, v, stacked=False, finite=False)[0]
+        hv = self._sum(self._rev_rev(param_dicts.cast({n: v[n] for n in names}, self.dtype), None, stacked=False))
+        checks.check_finite_hvp(hv, v)  # (the direction's finiteness too: one synchronization for both)
         return hv
 
-    def hvp_each(self, directions: Sequence[Mapping[str, Tensor]]) -> list[P.Params]:
-        r""":math:`H[v]` for each direction of a list, each of which may name only some parameters.
-
-        Double backward takes each on its own support (a direction in the top layers skips the bottom
-        of the graph); forward-over-reverse stacks them over the union of their supports, in one
-        vectorized call that shares the primal pass.
-        """
+    def hvp_each(self, directions: Sequence[Mapping[str, Tensor]]) -> list[param_dicts.Params]:
+        r""":math:`H[v]` for each direction of a list, each of which may name only some parameters: by double
+        backward each on its own support, by forward-over-reverse stacked over the union of the supports."""
         if self.method == "rev_rev":
             return [self.hvp(v) for v in directions]
         union = list(dict.fromkeys(n for v in directions for n in v))
@@ -310,22 +282,18 @@ class CurvaturePoint:
         hv = self.hvps(stacked)
         return [{n: t[i] for n, t in hv.items()} for i in range(len(directions))]
 
-    @S.names_rank_on_collective_failure
+    @gathered.names_rank_on_collective_failure
     def interactions(self, directions: Sequence[Mapping[str, Tensor]]) -> Tensor:
         r"""The matrix :math:`R_{lm} = \langle Z_l, H[Z_m]\rangle` of directions :math:`Z_1, \dots, Z_L` on
-        disjoint supports (a step cut into blocks), a float64 ``(L, L)`` tensor, symmetric (exactly by double
-        backward, to rounding by forward-over-reverse, which computes every entry). Its sum is
-        :math:`\langle Z, H[Z]\rangle` of :math:`Z = \sum_l Z_l`; one block gives :math:`\langle Z_1, H[Z_1]\rangle`.
+        disjoint supports (a step cut into blocks), a float64 ``(L, L)`` tensor, symmetric (to rounding by
+        forward-over-reverse). Its sum is :math:`\langle Z, H[Z]\rangle` of :math:`Z = \sum_l Z_l`.
 
-        Double backward (``"rev_rev"``) differentiates :math:`\langle G, Z_m\rangle` only with respect to the
-        parameters of block m and the blocks after it, and takes :math:`R_{lm}` for l before m from
-        :math:`R_{ml}` (H is symmetric). Leaving the earlier blocks' parameters out lets autograd skip
-        their weight adjoints and, where they lie below block m in the network, every node below m.
-        By matrix products per linear layer, L layer blocks in the network's order (the bottom first, as
-        :func:`~curvlab.curvature.groupings.group_parameters` gives them) cost about 4 a layer above
-        block m where a whole HVP costs 6 a layer (docs/benchmarks.md). The order sets the cost, and the
-        values only to rounding.
-        Forward-over-reverse (``"fwd_rev"``) takes every :math:`H[Z_m]` whole, in one vectorized call.
+        Double backward differentiates :math:`\langle G, Z_m\rangle` only with respect to the parameters of
+        block m and the blocks after it, and takes :math:`R_{lm}` for l before m from :math:`R_{ml}` (H is
+        symmetric), so autograd skips the earlier blocks' weight adjoints and, below block m, every node: in
+        the network's order (the bottom first, as :func:`~curvlab.curvature.groupings.group_parameters`
+        gives them) about 4 matrix products a layer above block m, where a whole HVP costs 6
+        (docs/benchmarks.md). Forward-over-reverse takes every :math:`H[Z_m]` whole, in one vectorized call.
 
         Args:
             directions: the L parts :math:`Z_l`, dicts over disjoint sets of parameter names (each
@@ -338,52 +306,49 @@ class CurvaturePoint:
         # by double backward finiteness comes from the dots below (each entry of every part is in the first
         # row's); forward-over-reverse's hvps check the cast parts
         for d in directions:
-            C.check_directions(self.params, {n: t.unsqueeze(0) for n, t in d.items()}, finite=False)
-        parts = [P.cast(d, self.dtype) for d in directions]
+            checks.check_directions(self.params, {n: t.unsqueeze(0) for n, t in d.items()}, finite=False)
+        parts = [param_dicts.cast(d, self.dtype) for d in directions]
         n_blocks = len(parts)
         R = torch.zeros(n_blocks, n_blocks, dtype=torch.float64, device="cpu")  # (scalars, on the host)
         whole = {n: t for b in parts for n, t in b.items()}
         if self.method == "fwd_rev":
             for m, hz in enumerate(self.hvp_each(parts)):
-                R[:, m] = P.group_sums(P.dot_table([(whole, hz)], claimed)[:, 0], claimed, supports)
+                R[:, m] = param_dicts.group_sums(param_dicts.dot_table([(whole, hz)], claimed)[:, 0], claimed, supports)
             return R
         for m, b in enumerate(parts):
             later = [n for names in supports[m:] for n in names]
             stacked = self._hvps_rev_rev({n: t.unsqueeze(0) for n, t in b.items()}, wrt=later)
             rows = self._sum({n: t[0] for n, t in stacked.items()})
-            column = P.dot_table([(whole, rows)], later)[:, 0]
+            column = param_dicts.dot_table([(whole, rows)], later)[:, 0]
             if not torch.isfinite(column).all():  # (a non-finite entry makes its dot non-finite: name it)
                 for d in directions:
-                    C.check_directions(self.params, {n: t.unsqueeze(0) for n, t in d.items()})
-                C.check_finite_hvp(rows)
+                    checks.check_directions(self.params, {n: t.unsqueeze(0) for n, t in d.items()})
+                checks.check_finite_hvp(rows)
                 raise CurvlabError("the interactions <Z_l, H[Z_m]> overflow float64: the directions are too large")
-            R[m:, m] = R[m, m:] = P.group_sums(column, later, supports[m:])
+            R[m:, m] = R[m, m:] = param_dicts.group_sums(column, later, supports[m:])
         return R
 
     def quadratic_forms(self, zs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         r""":math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)` for K stacked directions, by HVPs at this
         point (this point's method); each a float64 tensor of shape ``(K,)``."""
         hz = self.hvps(zs)
-        return P.stacked_dot(self.gradient, zs, zs), P.stacked_dot(zs, hz, zs)
+        return param_dicts.stacked_dot(self.gradient, zs, zs), param_dicts.stacked_dot(zs, hz, zs)
 
-    @S.names_rank_on_collective_failure
+    @gathered.names_rank_on_collective_failure
     def forward_quadratic_forms(self, zs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         r"""The same pair as :meth:`quadratic_forms`, :math:`(\langle G, z_k\rangle, \langle z_k, H z_k\rangle)`,
         by forward-over-forward AD whatever this point's method: the first and second derivatives of
-        :math:`t \mapsto L(W + t z_k)` at 0, ``jvp`` of ``jvp``, vmapped over the K directions. No backward
-        pass runs and no gradient is formed (nor kept graph used). Exact through the fused norms only because
-        :func:`~curvlab.engine.exact.exact_second_order` (method ``"fwd_fwd"``) routes them through composites.
-
-        On sharded parameters forward mode doesn't run through the collectives: there the pair comes by
-        HVPs (:meth:`quadratic_forms`, which needs a ``"rev_rev"`` point).
+        :math:`t \mapsto L(W + t z_k)` at 0, ``jvp`` of ``jvp``, vmapped over the K directions, with no
+        backward pass. On sharded parameters (forward mode doesn't run through the collectives) it comes
+        by HVPs (:meth:`quadratic_forms`, which needs a ``"rev_rev"`` point).
 
         Returns:
             ``(gz, zhz)``, float64 tensors of shape ``(K,)``.
         """
         if self.sharded:
             return self.quadratic_forms(zs)
-        _, k = C.check_directions(self.params, zs)
-        p, zs = self.params, P.cast(zs, self.dtype)
+        _, k = checks.check_directions(self.params, zs)
+        p, zs = self.params, param_dicts.cast(zs, self.dtype)
         gz_total, zhz_total = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
         for f, w in self._each_batch("fwd_fwd"):
 
@@ -396,19 +361,19 @@ class CurvaturePoint:
                 return value, slope, curvature
 
             loss, gz, zhz = vmap_directions(one, zs, self.chunk_size, out_dims=(None, 0, 0))
-            C.finite_loss(loss)
+            checks.finite_loss(loss)
             gz_total += w * gz.double().cpu()
             zhz_total += w * zhz.double().cpu()
         return self._sum(gz_total), self._sum(zhz_total)
 
-    def _hvps_rev_rev(self, vs: Mapping[str, Tensor], wrt: Sequence[str] | None = None) -> P.Params:
+    def _hvps_rev_rev(self, vs: Mapping[str, Tensor], wrt: Sequence[str] | None = None) -> param_dicts.Params:
         r"""Double backward of :math:`\langle G_S, v_S\rangle` through each kept graph: only the gradient
         entries of the support S are differentiated, so the part of the graph below S is never visited;
         ``wrt``: :math:`H[v]` on those parameters alone, taken only with respect to their leaves, so that
         autograd visits just the nodes on a path from them to :math:`G_S`."""
         return self._rev_rev(vs, wrt, stacked=True)
 
-    def _rev_rev(self, vs: Mapping[str, Tensor], wrt: Sequence[str] | None, stacked: bool) -> P.Params:
+    def _rev_rev(self, vs: Mapping[str, Tensor], wrt: Sequence[str] | None, stacked: bool) -> param_dicts.Params:
         """:meth:`_hvps_rev_rev` of K stacked directions or (``stacked=False``) of one, not stacked."""
         if self._graphs is None:
             raise CurvlabError("this curvature point was closed: its graphs are freed")
@@ -426,13 +391,13 @@ class CurvaturePoint:
             return {n: zeros[n] for n in wrt}
         return dict(zip(wrt, total))
 
-    def _hvps_fwd_rev(self, vs: Mapping[str, Tensor]) -> P.Params:
+    def _hvps_fwd_rev(self, vs: Mapping[str, Tensor]) -> param_dicts.Params:
         """jvp of the full gradient with tangents only on the support S (the rest closed over, so no
         tangent work happens below S), vmapped over the K directions; loss and gradient come with it."""
         rest = {n: t for n, t in self.params.items() if n not in vs}
         on_support = {n: self.params[n] for n in vs}
         total = self._zeros(next(iter(vs.values())).shape[0])
-        loss_total, g_total = 0.0, P.zeros_like(self.params)
+        loss_total, g_total = 0.0, param_dicts.zeros_like(self.params)
         for f, w in self._each_batch("fwd_rev"):
 
             def one(v, f=f):
@@ -440,8 +405,8 @@ class CurvaturePoint:
                 return loss, g, hv
 
             loss, g, hv = vmap(one, out_dims=(None, None, 0), randomness="same")(vs)
-            loss_total += w * C.finite_loss(loss)
-            g_total = P.add(g_total, g, w)
+            loss_total += w * checks.finite_loss(loss)
+            g_total = param_dicts.add(g_total, g, w)
             for n, t in total.items():
                 t.add_(hv[n], alpha=w)
         if self._gradient is None:
@@ -450,10 +415,10 @@ class CurvaturePoint:
                 self._first_order(create_graph=False)  # all zero: raises if the loss is detached
         return total
 
-    def _zeros(self, k: int | None) -> P.Params:
+    def _zeros(self, k: int | None) -> param_dicts.Params:
         """Zeros like the parameters, stacked K times (``None``: not stacked)."""
         if k is None:
-            return P.zeros_like(self.params)
+            return param_dicts.zeros_like(self.params)
         if self.sharded:  # (stacked zeros laid out like the parameters, sharded one dim later)
             return {n: torch.stack([torch.zeros_like(t)] * k) for n, t in self.params.items()}
         return {n: torch.zeros((k, *t.shape), dtype=t.dtype, device=t.device) for n, t in self.params.items()}
@@ -480,7 +445,7 @@ def gradient_and_hvps(
     method: str = DEFAULT_METHOD,
     dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
-) -> tuple[float, P.Params, P.Params]:
+) -> tuple[float, param_dicts.Params, param_dicts.Params]:
     r"""Loss :math:`L(W)`, gradient :math:`G` and :math:`H[v_k]` for K stacked directions, at one point.
 
     Args:
@@ -497,7 +462,7 @@ def gradient_and_hvps(
         ``(loss, G, HV)`` with ``G`` shaped like ``params`` and ``HV`` like ``vs``, accumulated over
         batches with loss-term weights.
     """
-    C.check_full(params, vs)
+    checks.check_full(params, vs)
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype, chunk_size=chunk_size) as point:
         hv = point.hvps(vs)
         return point.loss, point.gradient, hv
@@ -512,7 +477,7 @@ def hvps(
     method: str = DEFAULT_METHOD,
     dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
-) -> P.Params:
+) -> param_dicts.Params:
     r""":math:`H[v_k]` for K directions stacked along dim 0, at one point (see :class:`CurvaturePoint`).
 
     Args:
@@ -539,7 +504,7 @@ def hvp(
     *,
     method: str = DEFAULT_METHOD,
     dtype: torch.dtype | None = None,
-) -> P.Params:
+) -> param_dicts.Params:
     r"""The exact Hessian-vector product :math:`H[v] = \nabla^2 L(W)\, v`, a dict like ``params``.
 
     Args:
@@ -553,6 +518,6 @@ def hvp(
     Returns:
         :math:`H[v]`, a dict of tensors with ``params``' keys and shapes.
     """
-    P.check_like(params, v, finite=False)  # (finiteness with the product's: CurvaturePoint._hvp)
+    param_dicts.check_like(params, v, finite=False)  # (finiteness with the product's: CurvaturePoint._hvp)
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
         return point._hvp(v, checked=True)  # (checked above, before the forward: the point's check would be a second)

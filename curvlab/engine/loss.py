@@ -8,35 +8,27 @@ Every curvature function takes a pure function of a parameter dict, exactly like
   ``attention_mask``; the labels are *not* passed to the model);
 * the model may return the logits, an object with ``.logits`` (Hugging Face's outputs), a dict with
   a ``"logits"`` key, or a tuple whose first element is the logits;
-* the loss is computed here from the logits, in the working dtype (the parameters'), never taken
-  from the model: Hugging Face's ``.loss`` casts the logits with ``.float()``, so a float64
-  computation would come back with float32 accuracy;
-* its semantics are the model's own: for a causal LM (a Hugging Face model whose ``loss_type`` is
-  ``ForCausalLM``, or unset on a model that generates, as GPT-2's ``LMHeadModel``) the logits at
-  position t predict the label at t + 1; masked-LM and token-classification models compare position by position;
-  sequence classification is cross-entropy, MSE (one label) or BCE (multi-label), as Hugging Face
-  decides; any other ``nn.Module`` compares logits and targets position by position. Labels equal to
-  ``ignore_index`` (-100, as in torch and Hugging Face) are left out, and the loss is the mean over
-  the rest;
-* a ``criterion(logits, targets)`` is given them as they come, unshifted, unless the model is a causal
-  LM or ``shift=True`` asks for the shift: a regression, a contrastive (CLIP, SigLIP) or a CTC loss
-  sees the model's own outputs. A dual encoder's logits are its ``logits_per_text`` (texts x images),
-  the matrix its own loss is computed from;
-* an encoder-decoder (``config.is_encoder_decoder``: T5, BART, Whisper, ...) is a sequence-to-sequence
-  model: a batch without ``decoder_input_ids`` gets them from the labels as the model itself makes
-  them (``prepare_decoder_input_ids_from_labels``: the labels shifted right behind the decoder start
-  token, -100 replaced by the pad token), and the loss is the unshifted token cross-entropy of the
-  decoder's logits against the labels, -100 ignored: Hugging Face's ``.loss``;
-* a peft prompt-tuning model (prompt tuning, p-tuning, multitask prompt tuning) prepends its virtual
-  tokens to the inputs, so its logits are that many positions longer than the labels: the labels get
-  as many -100 in front, as peft does, and the loss is Hugging Face's ``.loss`` of the peft model;
-* the model runs as in eval mode inside curvlab's exact mode (:func:`~curvlab.engine.exact.eval_forward`:
-  no dropout, LayerDrop, DropPath or activation checkpointing), as it is in its own mode elsewhere.
+* the loss is computed here from the logits, in the working dtype, never taken from the model:
+  Hugging Face's ``.loss`` casts the logits with ``.float()`` (float32 accuracy);
+* its semantics are the model's own: for a causal LM (a ``loss_type`` of ``ForCausalLM``, or unset on
+  a model that generates, as GPT-2's ``LMHeadModel``) the logits at position t predict the label at
+  t + 1; sequence classification is cross-entropy, MSE (one label) or BCE (multi-label), as Hugging
+  Face decides; any other model compares position by position. Labels equal to ``ignore_index``
+  (-100) are left out, and the loss is the mean over the rest;
+* a ``criterion(logits, targets)`` is given them unshifted unless the model is a causal LM or
+  ``shift=True``: a regression, a contrastive (CLIP, SigLIP) or a CTC loss sees the model's own
+  outputs. A dual encoder's logits are its ``logits_per_text`` (texts x images);
+* an encoder-decoder (``config.is_encoder_decoder``: T5, BART, Whisper, ...) gets
+  ``decoder_input_ids`` from the labels as the model itself makes them, and the loss is the unshifted
+  token cross-entropy of the decoder's logits against the labels: Hugging Face's ``.loss``;
+* a peft prompt-tuning model prepends its virtual tokens to the inputs: the labels get as many -100
+  in front, as peft does;
+* the model runs as in eval mode inside curvlab's exact mode (:func:`~curvlab.engine.exact.eval_forward`),
+  as it is in its own mode elsewhere.
 
 Several batches are passed as a ``list`` (or a :class:`Batches`, to give weights explicitly); the
-loss they stand for is the mean over *all* their loss terms, so each batch is weighted by the
-number of terms its loss really averages (after the causal shift and the ignored labels), never
-equally:
+loss they stand for is the mean over *all* their loss terms, so each batch is weighted by the number
+of terms its loss really averages (after the causal shift and the ignored labels):
 
 .. math::  L = \sum_j \frac{n_j}{\sum_i n_i} L_j, \qquad n_j = \text{loss terms in batch } j.
 """
@@ -75,10 +67,7 @@ _HF_TASKS = {
 
 def token_cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Mean cross-entropy over all positions of ``(..., classes)`` logits; targets equal to
-    ``ignore_index`` are left out.
-
-    Half-precision logits are upcast to float32 (softmax over a large vocabulary needs it); float32
-    and float64 logits are used as they are.
+    ``ignore_index`` are left out. Half-precision logits are upcast to float32.
 
     Args:
         logits: unnormalized scores, shape ``(..., classes)``.
@@ -118,10 +107,9 @@ def logits_of(output: Any) -> Tensor:
 
 
 def shifted_right(labels: Tensor, model: nn.Module) -> Tensor:
-    """The decoder inputs an encoder-decoder makes from its labels when it has no
-    ``prepare_decoder_input_ids_from_labels`` (Whisper, and speech and vision seq2seq models): the labels
-    one position right, ``decoder_start_token_id`` first, ignored labels as ``pad_token_id``, as their own
-    ``forward`` does (Hugging Face's ``shift_tokens_right``).
+    """The decoder inputs an encoder-decoder without ``prepare_decoder_input_ids_from_labels`` (Whisper)
+    makes from its labels, as Hugging Face's ``shift_tokens_right``: one position right behind
+    ``decoder_start_token_id``, ignored labels as ``pad_token_id``.
 
     Raises:
         CurvlabError: a config without ``decoder_start_token_id`` or ``pad_token_id``.
@@ -143,9 +131,8 @@ _AUX_LOSS_COEFS = ("router_aux_loss_coef", "aux_loss_coef")
 
 
 def router_losses(output: Any) -> dict[str, Tensor]:
-    """The router losses a mixture-of-experts model returns beside its logits (Hugging Face's ``aux_loss``,
-    switch transformers' ``encoder_z_loss`` and the like): every tensor field named ``*aux_loss`` or
-    ``*z_loss``. Empty when the model doesn't compute them (``output_router_logits`` off)."""
+    """The router losses a mixture-of-experts model returns beside its logits: every tensor field named
+    ``*aux_loss`` or ``*z_loss`` (empty when ``output_router_logits`` is off)."""
     if not isinstance(output, Mapping):
         return {}
     return {k: v for k, v in output.items() if isinstance(v, Tensor) and k.endswith(("aux_loss", "z_loss"))}
@@ -158,9 +145,8 @@ def _base(model: nn.Module) -> nn.Module:
 
 def hf_task(model: nn.Module) -> str | None:
     """How a Hugging Face model's own loss is computed: ``"causal_lm"``, ``"tokens"`` (masked LM, token
-    classification), ``"sequence_classification"``, ``"seq2seq"`` (an encoder-decoder generating from
-    its labels), ``"unknown"`` (another ``loss_type``, or none on a model that doesn't generate), or
-    ``None`` for a model that isn't a Hugging Face model (a peft wrapper is looked through).
+    classification), ``"sequence_classification"``, ``"seq2seq"``, ``"unknown"``, or ``None`` for a model
+    that isn't a Hugging Face model (a peft wrapper is looked through).
 
     Args:
         model: the module, or a peft wrapper of it.
@@ -169,10 +155,9 @@ def hf_task(model: nn.Module) -> str | None:
     if not hasattr(base, "loss_type") or not hasattr(base, "config"):
         return None
     if base.loss_type is None:
-        # Hugging Face derives loss_type from the class name, so it is unset on every class whose name names
-        # no task: GPT-2's LMHeadModel, but also CLIP's and SigLIP's dual encoders, a headless GPT2Model and
-        # a user's own PreTrainedModel. Its own loss_function then falls back to the causal-LM loss, which
-        # only the model that generates from its logits computes; the others' logits aren't next-token ones.
+        # Hugging Face derives loss_type from the class name, so it is unset on GPT-2's LMHeadModel but also
+        # on dual encoders and headless models, whose logits aren't next-token ones: only a model that
+        # generates computes the causal-LM loss it falls back to
         task = _CAUSAL if _generates(base) else "unknown"
     else:
         task = _HF_TASKS.get(base.loss_type, "unknown")
@@ -204,10 +189,9 @@ def virtual_tokens(model: nn.Module) -> int:
 class ModuleLoss:
     r"""``loss_fn(params, batch)``: the loss of ``model`` with ``params`` substituted, on ``batch``.
 
-    Runs ``model`` through :func:`torch.func.functional_call` (with ``tie_weights``); names not in
-    ``params`` keep the module's own tensors, so frozen parameters need not be passed. Every floating
-    tensor the model reads that isn't in ``params`` (frozen parameters, buffers, floating inputs) is
-    cast to the parameters' dtype, so a float32 model runs in float64 when given float64 parameters.
+    Runs ``model`` through :func:`torch.func.functional_call`; names not in ``params`` keep the module's own
+    tensors. Every floating tensor the model reads that isn't in ``params`` (frozen parameters, buffers,
+    floating inputs) is cast to the parameters' dtype.
 
     Attributes:
         model: the module.
@@ -221,18 +205,10 @@ class ModuleLoss:
         task: how the model's own loss is computed (:func:`hf_task`; ``None`` for a plain module).
         virtual_tokens: positions a peft prompt-tuning model prepends (their labels are -100).
         router_loss: whether a mixture-of-experts model's load-balancing loss is added as its own
-            ``outputs.loss`` adds it (``router_aux_loss_coef * aux_loss``, whenever the config's
-            ``output_router_logits`` makes the model compute it); ``False`` leaves it out (the language
-            model's loss alone). A router loss curvlab can't weigh as the model does (a z-loss, or an
-            ``aux_loss`` with no ``router_aux_loss_coef``) is refused, never left out silently. Over a
-            list of micro-batches each one's loss, router term included, is weighted by its share of the
-            loss terms; the Trainer adds each micro-batch's router term at full weight when the model
-            takes its loss arguments (``num_items_in_batch``), which is k times curvlab's for k equal
-            micro-batches.
-
-    Inside :func:`~curvlab.engine.exact.exact_second_order` the forward runs as in eval mode
-    (:func:`~curvlab.engine.exact.eval_forward`); elsewhere (the real gradient of ``next_update``) the
-    model runs in its own mode.
+            ``outputs.loss`` adds it (``router_aux_loss_coef * aux_loss``); one curvlab can't weigh as the
+            model does (a z-loss, an ``aux_loss`` without coefficient) is refused, never left out silently.
+            Over micro-batches each one's router term is weighted by its share of the loss terms (the
+            Trainer, given ``num_items_in_batch``, adds each at full weight: k times curvlab's for k).
     """
 
     def __init__(
@@ -300,11 +276,8 @@ class ModuleLoss:
 
     def targets(self, targets: Tensor) -> Tensor:
         """The targets the loss compares with: behind the virtual tokens of a prompt-tuning model, and
-        shifted one position left for a causal LM (or ``shift=True``).
-
-        Token labels (integers) hold one entry a position, so their positions are their last axis;
-        floating targets (a regression's values, probabilities) have the logits' shape, whose last axis
-        is the features and the one before it the positions.
+        shifted one position left for a causal LM (or ``shift=True``): along the last axis of token labels,
+        the one before it of floating targets (shaped like the logits).
 
         Args:
             targets: the batch's targets.
@@ -317,9 +290,8 @@ class ModuleLoss:
         return targets[..., 1:, :] if targets.is_floating_point() and targets.dim() >= 2 else targets[..., 1:]
 
     def loss_terms(self, batch: Any) -> int:
-        """The number of terms the loss of ``batch`` averages: targets after the causal shift that
-        aren't ``ignore_index`` (integer targets), or every target entry (float targets, as MSE and
-        BCE average)."""
+        """The number of terms the loss of ``batch`` averages: integer targets after the causal shift that
+        aren't ``ignore_index``, or every entry of float targets."""
         _, _, targets = self.split(batch)
         return _count(self.targets(targets) if isinstance(targets, Tensor) else targets, self.ignore_index)
 
@@ -332,11 +304,8 @@ class ModuleLoss:
             return self.criterion(logits, targets)
         if self.task == _SEQUENCE:
             return self._sequence_loss(logits, targets)
-        if (
-            isinstance(targets, Tensor)
-            and logits.dim() >= 1
-            and logits.numel() // max(logits.size(-1), 1) != targets.numel()
-        ):
+        positions = logits.numel() // max(logits.size(-1), 1) if logits.dim() >= 1 else None
+        if isinstance(targets, Tensor) and positions is not None and positions != targets.numel():
             raise CurvlabError(
                 f"the model's logits {tuple(logits.shape)} don't match its labels {tuple(targets.shape)} position "
                 "for position (the model adds or drops positions curvlab doesn't know of): pass criterion="
@@ -387,9 +356,8 @@ class ModuleLoss:
             return 0.0
         base = _base(self.model)
         name = type(base).__name__
-        # (the forward reads the model's own attribute, set from the config at construction, by the config's
-        # name: router_aux_loss_coef in most models, aux_loss_coef in JetMoe; a vision-language MoE, Qwen3-VL-MoE's,
-        # reads its text config's)
+        # (the model's own attribute, else its config's or its text config's, as Qwen3-VL-MoE reads it; named
+        # aux_loss_coef in JetMoe)
         config = getattr(base, "config", None)
         holders = (base, config, getattr(config, "text_config", None))
         coefs = [getattr(x, k) for x in holders for k in _AUX_LOSS_COEFS if getattr(x, k, None) is not None]
@@ -441,21 +409,15 @@ def make_loss_fn(
 
     Args:
         model: any ``nn.Module``, including Hugging Face and peft models.
-        criterion: ``criterion(logits, targets) -> scalar``; default the model's own loss
-            (:class:`ModuleLoss`): token cross-entropy, shifted for a causal LM, ignoring
-            ``ignore_index``; Hugging Face's sequence-classification losses. It gets the logits
-            (a dual encoder's ``logits_per_text``) and the batch's targets unshifted unless ``shift``
-            is on: an MSE, a contrastive (CLIP, SigLIP) or a CTC criterion sees the model's outputs.
+        criterion: ``criterion(logits, targets) -> scalar``; default the model's own loss (see the module
+            docstring). It gets the logits (a dual encoder's ``logits_per_text``) and the targets
+            unshifted unless ``shift`` is on.
         ignore_index: the label value left out (default -100, as torch and Hugging Face).
-        shift: the causal shift: whether the logits at t predict the target at t + 1 (dropping the last
-            position of the logits and the first of the targets: :meth:`ModuleLoss.targets`), with or
-            without a criterion. Default ``None``: on for a Hugging Face causal LM (its labels are its
-            inputs: a ``loss_type`` of ``ForCausalLM``, or none on a model that generates), off for any
-            other model (its targets already aligned); ``True`` or ``False`` decides for any model.
+        shift: whether the logits at t predict the target at t + 1 (:meth:`ModuleLoss.targets`), with or
+            without a criterion. Default ``None``: on for a Hugging Face causal LM, off for any other model.
         tie_weights: ``torch.func.functional_call``'s ``tie_weights``.
-        router_loss: add the load-balancing loss a mixture-of-experts model computes
-            (``router_aux_loss_coef * aux_loss``, when its config's ``output_router_logits`` is on), as
-            its own loss does; ``False``: the language model's loss alone (:class:`ModuleLoss`).
+        router_loss: add the load-balancing loss a mixture-of-experts model computes, as its own loss
+            does; ``False``: the language model's loss alone (:class:`ModuleLoss`).
 
     Returns:
         The :class:`ModuleLoss`, ``loss_fn(params, batch) -> scalar`` (``loss_fn.model`` is ``model``).
@@ -474,9 +436,8 @@ def _count(targets: Any, ignore_index: int) -> int:
 
 
 def count_loss_terms(batch: Any, ignore_index: int = IGNORE_INDEX) -> int:
-    """Loss terms of a batch without knowing its loss function: the targets of ``(inputs, targets)``
-    or a dict's ``"labels"``, integer ones not equal to ``ignore_index``, else every entry. No causal
-    shift: pass the loss function to :func:`weighted_batches` for a model that shifts."""
+    """Loss terms of a batch without knowing its loss function (no causal shift): the targets of
+    ``(inputs, targets)`` or a dict's ``"labels"``, integer ones not equal to ``ignore_index``, else every entry."""
     if isinstance(batch, Mapping):
         return _count(batch.get("labels"), ignore_index)
     targets = batch[-1] if isinstance(batch, (tuple, list)) else batch
@@ -485,10 +446,7 @@ def count_loss_terms(batch: Any, ignore_index: int = IGNORE_INDEX) -> int:
 
 @dataclass(frozen=True)
 class Batches:
-    """Several batches with explicit weights.
-
-    ``Batches(list_of_batches)`` counts the loss terms (see :func:`weighted_batches`); pass
-    ``weights`` when the loss is not a mean over targets (the weights are normalized to sum to one).
+    """Several batches with explicit weights (pass them when the loss is not a mean over targets).
 
     Args:
         batches: the batches, each as ``loss_fn(params, batch)`` takes it.
@@ -504,10 +462,9 @@ class Batches:
 def weighted_batches(batch: Any, loss_fn: Any = None) -> list[tuple[Any, float]]:
     """Split ``batch`` into ``(batch_j, w_j)`` pairs with ``sum(w_j) == 1``.
 
-    A ``list`` or :class:`Batches` is several batches; anything else (a tuple, a dict, a tensor) is
-    one. Each batch's weight is its number of loss terms: ``loss_fn.loss_terms(batch_j)`` when the
-    loss function has that method (a :class:`ModuleLoss`: after the causal shift and ignored labels),
-    else :func:`count_loss_terms`. A batch with no loss terms (weight 0) is left out.
+    A ``list`` or :class:`Batches` is several batches; anything else is one. Each batch's weight is its
+    number of loss terms (``loss_fn.loss_terms`` where the loss function has it, else
+    :func:`count_loss_terms`); a batch with none is left out.
     """
     count = getattr(loss_fn, "loss_terms", None) or count_loss_terms
     if isinstance(batch, Batches):

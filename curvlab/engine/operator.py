@@ -3,16 +3,14 @@ r"""One symmetric linear operator on flat vectors, torch-native, on the paramete
 :class:`Operator` is all that the spectral estimators (:mod:`curvlab.curvature.spectral`) see:
 
 * ``op @ x`` or ``op.matvec(x)`` for one vector ``x`` of length ``dim``;
-* ``op @ X`` or ``op.matmat(X)`` for the K columns of ``X`` (``dim × K``) in one call: for the
-  Hessian, one vectorized HVP call that shares the forward pass and first backward among the columns;
+* ``op @ X`` or ``op.matmat(X)`` for the K columns of ``X`` (``dim × K``) in one call (for the
+  Hessian, one vectorized HVP call);
 * ``op.to_scipy()``: the same operator as a ``scipy.sparse.linalg.LinearOperator``, for ``eigsh``,
-  ``lobpcg``, ``cg`` and friends (vectors cross to the host as numpy arrays there).
+  ``lobpcg``, ``cg`` and friends.
 
-The Hessian :math:`H = \nabla^2 L(W)` (:func:`hessian_operator`), its principal block
-:math:`H_{SS}` over a subset S of the parameters, a dense matrix (:meth:`Operator.from_matrix`) and a
-diagonally preconditioned operator :math:`P^{-1/2} A P^{-1/2}` (:func:`preconditioned_operator`) are
-all this one class. An operator lives on one device in one dtype: inputs are moved there, outputs and
-every tensor made for it (the estimators' random vectors too) are created there.
+The Hessian (:func:`hessian_operator`), its principal block :math:`H_{SS}`, a dense matrix
+(:meth:`Operator.from_matrix`) and a diagonally preconditioned operator (:func:`preconditioned_operator`)
+are all this one class, living on one device in one dtype.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch
 from scipy.sparse.linalg import LinearOperator
 from torch import Tensor
 
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.dtensors import any_dtensor
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint, check_method
 from curvlab.engine.loss import LossFn
@@ -120,15 +118,11 @@ def preconditioned_operator(op: Operator, diagonal: Tensor) -> Operator:
 
 
 def flat_matmat(
-    stacked_hvps: Callable[[P.Params], P.Params], params: Mapping[str, Tensor], names: Sequence[str]
+    stacked_hvps: Callable[[param_dicts.Params], param_dicts.Params], params: Mapping[str, Tensor], names: Sequence[str]
 ) -> Matmat:
-    r"""Turn HVPs of K stacked directions into the flat ``matmat(X) = H_SS X`` over the parameters ``names``.
-
-    Each column of ``X`` (``n_S × K``, laid out in the order of ``names``) becomes one direction that
-    touches only ``names`` (:meth:`~curvlab.engine.hvp.CurvaturePoint.hvps` takes the rest as zero); the K
-    directions go through one ``stacked_hvps`` call (a dict of ``(K, *shape)`` tensors in, one over
-    every parameter out) and the rows of ``names`` come back as columns.
-    """
+    r"""Turn HVPs of K stacked directions into the flat ``matmat(X) = H_SS X`` over the parameters ``names``:
+    each column of ``X`` (``n_S × K``, in the order of ``names``) is one direction touching only ``names``,
+    all K through one ``stacked_hvps`` call."""
     sizes = [params[n].numel() for n in names]
 
     def matmat(X: Tensor) -> Tensor:
@@ -153,10 +147,8 @@ def hessian_operator(
     r"""The Hessian :math:`H = \nabla^2 L(W)` over the flattened parameters as an :class:`Operator`.
 
     ``op @ x`` is one exact HVP and ``op @ X`` one per column of X, all at one
-    :class:`~curvlab.engine.hvp.CurvaturePoint` built here: the forward pass and first backward run once for
-    the operator's whole life (accumulated over ``batch`` like every curvature function), and with
-    ``"rev_rev"`` its first-order graphs are kept until the operator is dropped. ``eigsh(op.to_scipy(),
-    k=1)`` works as with any scipy operator.
+    :class:`~curvlab.engine.hvp.CurvaturePoint` built here: the forward pass and first backward run once
+    for the operator's whole life (with ``"rev_rev"`` its graphs are kept until the operator is dropped).
 
     Args:
         loss_fn: as for :func:`curvlab.engine.hvp.hvp`.
@@ -167,8 +159,7 @@ def hessian_operator(
         chunk_size: columns per vectorized call (bounds memory; ``None`` = all at once).
         scope: ``"all"`` (default: every parameter, in ``params``' order, as
             :func:`curvlab.engine.params.flatten` lays them out) or parameter names S: the principal block
-            :math:`H_{SS}`, flattened in their order. (``"hidden"`` needs the parameters' roles, a layer
-            above: pass :func:`curvlab.curvature.groupings.hidden_matrices`' names.)
+            :math:`H_{SS}`, flattened in their order.
 
     Returns:
         An operator on the parameters' device, in ``dtype``.
@@ -183,9 +174,7 @@ def hessian_operator(
 
 def hessian_operator_at(point: CurvaturePoint, *, scope: str | Sequence[str] = "all") -> Operator:
     r""":func:`hessian_operator` at a :class:`~curvlab.engine.hvp.CurvaturePoint`: its HVPs as an
-    :class:`Operator`, :math:`H_{SS}` over the parameter names ``scope`` (``"all"``: every parameter, in
-    ``point.params``' order). The operator shares the point's forward pass and first backward with
-    whatever else is measured there, and answers products only while the point is open.
+    :class:`Operator`, answering products only while the point is open.
 
     Args:
         point: the point (its parameters, batch, HVP method, dtype and chunk size).
@@ -211,12 +200,10 @@ def _scope_names(params: Mapping[str, Tensor], scope: str | Sequence[str]) -> li
         )
     names = list(params) if scope == "all" else list(scope)
     unknown = [n for n in names if n not in params]
-    if unknown or not names:
-        raise CurvlabError(
-            f"the block names unknown parameters: {P.names_text(unknown)}"
-            if unknown
-            else "the block names no parameter"
-        )
+    if unknown:
+        raise CurvlabError(f"the block names unknown parameters: {param_dicts.names_text(unknown)}")
+    if not names:
+        raise CurvlabError("the block names no parameter")
     return names
 
 

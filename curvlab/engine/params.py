@@ -1,9 +1,8 @@
 """Arithmetic on parameter dicts: ``{name: tensor}`` mappings that share keys and shapes.
 
-Every curvature quantity in curvlab is an inner product over *all* parameter tensors of a model,
-so directions (gradients G, updates Z, Hessian-vector products H[Z]) are dicts keyed like
-``model.named_parameters()``. Inner products accumulate in float64 whatever the tensors' dtype:
-the NDS of a late checkpoint is a ratio of two sums over ~10^8 terms.
+Directions (gradients G, updates Z, Hessian-vector products H[Z]) are dicts keyed like
+``model.named_parameters()``. Inner products accumulate in float64 whatever the tensors' dtype: the NDS
+of a late checkpoint is a ratio of two sums over ~10^8 terms.
 """
 
 from __future__ import annotations
@@ -20,20 +19,15 @@ Params = dict[str, Tensor]
 
 
 PIECE = 1 << 16
-"""Entries per float64 piece of an inner product on the CPU. A whole float64 copy of a large tensor is fresh
-memory that the OS faults in page by page (two copies and their product, 0.9 GB for GPT-2's embedding), where
-a 512 KiB piece comes back from the heap each time and stays in cache: 8.5-10.6x faster over 74M entries
-(``benchmarks/inner_products.py``, docs/benchmarks.md). On a GPU the caching allocator reuses memory, so a
-tensor is converted whole."""
+"""Entries per float64 piece of an inner product on the CPU: a whole float64 copy of a large tensor is fresh
+memory faulted in page by page, where a 512 KiB piece comes back from the heap and stays in cache (8.5-10.6x
+faster, ``benchmarks/inner_products.py``). On a GPU the caching allocator reuses memory: converted whole."""
 
 
 def dot_table(pairs: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]], keys: Iterable[str]) -> Tensor:
     r"""Inner products :math:`\langle a_k, b_k\rangle` of every pair ``(a, b)``, key by key, in float64: a
-    ``(len(keys), len(pairs))`` float64 tensor on the host.
-
-    Each tensor is converted to float64 once per piece however many pairs it is in (``(z, z)`` and
-    ``(g, z)`` convert ``z`` once), and the table comes over in one transfer (for sharded tensors, one
-    all-reduce of the per-rank partial sums), so that sums over any subset of the keys cost nothing more.
+    ``(len(keys), len(pairs))`` tensor on the host, each tensor converted once per piece however many pairs
+    it is in, the table in one transfer (or all-reduce): sums over any subset of the keys cost nothing more.
     """
     keys = list(keys)
     n = len(pairs)
@@ -92,19 +86,14 @@ def dots(pairs: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]], key
 
 
 def dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str] | None = None) -> float:
-    r"""Euclidean inner product :math:`\langle a, b\rangle = \sum_k \sum_i a_{k,i} b_{k,i}` in float64.
-
-    ``keys`` restricts the sum to a subset of the parameter names.
-    """
+    r"""Euclidean inner product :math:`\langle a, b\rangle = \sum_k \sum_i a_{k,i} b_{k,i}` in float64 (over
+    ``keys`` if given)."""
     return dots([(a, b)], a.keys() if keys is None else keys)[0]
 
 
 def stacked_dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor], keys: Iterable[str]) -> Tensor:
-    r"""Inner products :math:`\langle a_k, b_k\rangle` over ``keys`` for K stacked entries, float64 ``(K,)``.
-
-    Tensors stacked along dim 0 (``(K, *shape)``) pair entry by entry; an unstacked tensor (``shape``)
-    pairs with every entry.
-    """
+    r"""Inner products :math:`\langle a_k, b_k\rangle` over ``keys`` for K stacked entries, float64 ``(K,)``;
+    an unstacked tensor pairs with every entry."""
     total = None
     for k in keys:
         x, y = a[k].double(), b[k].double()
@@ -177,12 +166,10 @@ def check_like(
     missing = [k for k in params if k not in direction]
     extra = [k for k in direction if k not in params]
     if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {names_text(missing)}")
-        if extra:
-            parts.append(f"unknown {names_text(extra)}")
-        raise CurvlabError(f"{what} does not match the parameters: {'; '.join(parts)}")
+        parts = "; ".join(
+            f"{label} {names_text(names)}" for label, names in (("missing", missing), ("unknown", extra)) if names
+        )
+        raise CurvlabError(f"{what} does not match the parameters: {parts}")
     for k, p in params.items():
         d, where = direction[k], f"{what}[{k!r}]"
         if d.shape != p.shape:
@@ -195,16 +182,14 @@ def check_like(
 
 
 def non_finite(a: Mapping[str, Tensor]) -> list[str]:
-    """The names of the tensors of ``a`` that hold a NaN or an inf, in order: one check of them all (one
-    synchronization), and one a tensor only when it fails."""
+    """The names of the tensors of ``a`` that hold a NaN or an inf, in order (one synchronization unless one does)."""
     if all_finite(a.values()):
         return []
     return [k for k, t in a.items() if not all_finite([t])]
 
 
 def check_device(param: Tensor, direction: Tensor, what: str) -> None:
-    """Raise ``CurvlabError`` unless ``direction`` lives on ``param``'s device and holds values (a tensor on
-    the ``meta`` device has a shape and no data: nothing can be computed along it)."""
+    """Raise ``CurvlabError`` unless ``direction`` lives on ``param``'s device and holds values (not ``meta``)."""
     if direction.is_meta or param.is_meta:
         which = "it" if direction.is_meta else "the parameter"
         raise CurvlabError(

@@ -80,12 +80,9 @@ def _share(stat: np.ndarray, observed: float, tol: float, alternative: str) -> i
 
 
 def sign_flip_p(values: Sequence[float], null: float = 0.0, alternative: str = "greater") -> float:
-    """The exact sign-flip p-value of H0: the per-seed d_i = values_i - null are symmetric about 0
-    (module docstring): the share of the 2^n sign vectors s whose sum_i s_i d_i is at least as extreme
-    as the observed sum_i d_i, the identity included (so p >= 2^-n).
-
-    The 2^n sums are built by doubling: after k values, the 2^k partial sums over the first k signs,
-    [S + d_k, S - d_k] next; 2^20 sums take 8 MB.
+    """The exact sign-flip p-value of H0: the per-seed d_i = values_i - null are symmetric about 0 (module
+    docstring). The 2^n sums are built by doubling: after k values, the 2^k partial sums over the first k
+    signs, [S + d_k, S - d_k] next; 2^20 sums take 8 MB.
 
     Raises:
         CurvlabError: no value, a non-finite value or ``null``, more than ``MAX_SIGN_FLIP_N`` values,
@@ -108,10 +105,8 @@ def sign_flip_p(values: Sequence[float], null: float = 0.0, alternative: str = "
 
 
 def permutation_p(a: Sequence[float], b: Sequence[float], alternative: str = "greater") -> float:
-    """The exact two-sample label-permutation p-value of mean(a) - mean(b) (unpaired; module
-    docstring): the share of the C(n_a + n_b, n_a) choices of which pooled values are labelled a whose
-    difference of means is at least as extreme as the observed one ("greater": a tends larger than b),
-    the observed labelling included (so p >= 1 / C).
+    """The exact two-sample label-permutation p-value of mean(a) - mean(b) (unpaired; module docstring),
+    the observed labelling included (so p >= 1 / C(n_a + n_b, n_a)).
 
     Raises:
         CurvlabError: an empty sample, a non-finite value, more than ``MAX_RELABELINGS`` relabelings, or
@@ -221,12 +216,9 @@ def aa_power(
     sd: float, n: int, factor: float, alpha: float = 0.05, n_tests: int = 1, sims: int = 20000, seed: int = 0
 ) -> float:
     """The share of ``sims`` simulated designs that the two-sided one-sample t test flags (module
-    docstring): each draws n independent per-unit log values y_i = log(factor) + sd z_i (z standard
-    normal from ``Generator(PCG64(seed))``; units are disjoint seed pairs, or seeds) and tests
-    H0: E y = 0 with p = 2 P(T_{n-1} > |ȳ| / (s / sqrt n)) < alpha / n_tests, as
-    :mod:`curvlab.inference.statistics` does. Bonferroni's alpha / n_tests stands in for Holm's correction
-    over the n_tests claims of a family: conservative, since Holm's first step is exactly Bonferroni and
-    each later step is no stricter. ``factor`` 1 gives the test's size, about alpha / n_tests.
+    docstring; z from ``Generator(PCG64(seed))``), as :mod:`curvlab.inference.statistics` tests. Bonferroni's alpha /
+    n_tests stands in for Holm's correction over the n_tests claims of a family: conservative, since Holm's first step
+    is exactly Bonferroni and each later step is no stricter. ``factor`` 1 gives the test's size, about alpha / n_tests.
 
     sd == 0: no spread, so the mean decides (as statistics' t test does): power 1 when factor != 1, else 0.
     The same ``seed`` gives the same z for every factor (common random numbers: power rises with factor).
@@ -247,9 +239,8 @@ def aa_power(
 
 
 def aa_power_closed_form(sd: float, n: int, factor: float, alpha: float = 0.05, n_tests: int = 1) -> float:
-    """The power :func:`aa_power` estimates, from the noncentral t (module docstring):
-    P(|T| > c) with T ~ t_{n-1}(sqrt(n) log(factor) / sd) and c the 1 - alpha / (2 n_tests) quantile of
-    t_{n-1}. sd == 0 as in :func:`aa_power`.
+    """The power :func:`aa_power` estimates, from the noncentral t (module docstring). sd == 0 as in
+    :func:`aa_power`.
 
     Raises:
         CurvlabError: as :func:`aa_power`.

@@ -39,10 +39,7 @@ Verdicts (:func:`direction_verdict`, :func:`magnitude_verdict`):
   difference, how many-fold its magnitude is pinned down), and infinite when the interval touches or
   contains 0 (it cannot tell the paper's effect from none) or is unbounded.
 
-:func:`estimate` keeps its older interface for the descriptive tables: a statistic on the data of the
-seeds every group has, with a seed-level interval (seeds paired by seed id across groups). A ratio's value
-is the statistic on the pooled data (the ratio of means); any other statistic's is the mean of its
-per-seed values, the centre of its t interval.
+:func:`estimate` keeps its older interface for the descriptive tables.
 """
 
 from __future__ import annotations
@@ -78,9 +75,6 @@ DIFFERENCE_NOTE = (
 SeedRows = Mapping[int, np.ndarray] | Sequence[np.ndarray]
 Groups = Mapping[str, SeedRows]
 Statistic = Callable[[Mapping[str, np.ndarray]], float]
-
-
-# -- seed-level inference -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -126,8 +120,8 @@ def _finite(values: Sequence[float], what: str) -> np.ndarray:
 
 
 def mean_inference(values: Sequence[float], null: float = 0.0, confidence: float = CONFIDENCE) -> SeedInference:
-    """The mean of per-seed values with its t interval, x̄ ± t_{n-1} sd / sqrt(n), and the two-sided
-    p-value of H0: E x = ``null`` (module docstring). One seed: the value alone.
+    """The mean of per-seed values with its t interval and the p-value of H0: E x = ``null`` (module docstring).
+    One seed: the value alone.
 
     Raises:
         CurvlabError: no seed, or a non-finite per-seed value.
@@ -165,10 +159,8 @@ def fieller_interval(
 def ratio_inference(
     numerator: Sequence[float], denominator: Sequence[float], null: float = 1.0, confidence: float = CONFIDENCE
 ) -> SeedInference:
-    """E a / E b from per-seed aggregates a_i, b_i (module docstring): log-t when every per-seed ratio
-    is positive (and ``null`` > 0), else Fieller's interval, else (denominator's sign not settled) the
-    difference a - null·b (a - b for a ratio against 1; the numerator alone against 0). One seed: the
-    ratio alone.
+    """E a / E b from per-seed aggregates a_i, b_i: log-t, Fieller, or the difference a - null·b (module
+    docstring; ``null`` > 0 for log-t, the numerator alone against 0). One seed: the ratio alone.
 
     Raises:
         CurvlabError: no seed, unequal lengths, or a non-finite per-seed value.
@@ -332,9 +324,9 @@ def estimate(
     confidence: float = CONFIDENCE,
     denominator: Statistic | None = None,
 ) -> Estimate:
-    """The statistic and a seed-level interval for it: the statistic on the shared seeds' data pooled,
-    except where the interval is the t interval of per-seed values, whose mean is then the value (with
-    no interval, as with one seed or a non-finite per-seed value, the value stays the pooled one).
+    """The statistic and a seed-level interval for it: the statistic on the shared seeds' data pooled (a
+    ratio's: the ratio of means), except where the interval is the t interval of per-seed values, whose mean
+    is then the value (with no interval, as with one seed or a non-finite per-seed value, the pooled one).
 
     Only the seeds every group has rows for enter (:func:`shared_seeds`: seeds are paired by id, so a
     seed missing from one group, or without rows there, is left out of every group, never replaced by
@@ -404,20 +396,15 @@ def median_ratio(rows: np.ndarray) -> float:
 
 def ratio_estimates(seeds: SeedRows) -> dict[str, Estimate]:
     """Both estimates of one ratio from the same (numerator, denominator) rows, one array per seed
-    (``{seed: rows}``, or a list whose positions are the seeds):
-    ``""`` the ratio of means (the paper's kind of average; its denominator checked for 0) and
-    ``"_median"`` each seed's median of its per-unit ratios, averaged over seeds, which one unit outside
-    the quadratic regime (a loss spike, NDS of either sign and hundreds of times the usual size) cannot
-    swing. No unit is dropped from either."""
+    (``{seed: rows}``, or a list whose positions are the seeds): ``""`` the ratio of means (the paper's kind
+    of average; its denominator checked for 0) and ``"_median"`` each seed's median of its per-unit ratios,
+    averaged over seeds, which one unit outside the quadratic regime (a loss spike, NDS of either sign and
+    hundreds of times the usual size) cannot swing. No unit is dropped from either."""
     groups = {"units": seeds}
-    return {
-        "": estimate(
-            groups,
-            lambda g: ratio_of_means(g["units"]),
-            denominator=lambda g: denominator_of_means(g["units"]),
-        ),
-        "_median": estimate(groups, lambda g: median_ratio(g["units"])),
-    }
+    of_means = estimate(
+        groups, lambda g: ratio_of_means(g["units"]), denominator=lambda g: denominator_of_means(g["units"])
+    )
+    return {"": of_means, "_median": estimate(groups, lambda g: median_ratio(g["units"]))}
 
 
 def mean(rows: np.ndarray) -> float:

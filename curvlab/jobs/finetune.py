@@ -43,15 +43,16 @@ from typing import Any
 from curvlab.data.dataset import generate_pcfg_dataset, read_stats
 from curvlab.errors import CurvlabError
 from curvlab.jobs.job import Job
-from curvlab.jobs.presets import FinetunePreset
 from curvlab.models.gpt import GPT, get_config
 from curvlab.output import plots
 from curvlab.output.finetune_text import finetune_section
+from curvlab.output.notes import finetune_notes
 from curvlab.runs.adapt import adapt, check_rank, check_vocab, load_base
 from curvlab.runs.checkpoint import read_index
 from curvlab.runs.config import TrainConfig
 from curvlab.runs.train import train
 from curvlab.studies.adapters import ADAPTER_ARMS, FinetuneResult, compare_adapters, estimates
+from curvlab.studies.design import FinetunePreset
 from curvlab.studies.tuning import TuningRecord, TuningSettings
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.safe_stop import stop_at_safe_points
@@ -151,7 +152,7 @@ class Finetune(Job):
         index = read_index(base)
         if not (index and index[-1]["step"] == p.pretrain_steps):
             train(cfg, progress=self.progress)
-        self._say(f"base: {base} (AdamW, {p.pretrain_steps} steps at s = 0)")
+        self.say(f"base: {base} (AdamW, {p.pretrain_steps} steps at s = 0)")
         return target, base
 
     def _config(
@@ -189,8 +190,10 @@ class Finetune(Job):
         self._tuning_base = base
         t = self.tuning_settings()
         seeds = t.seeds()
-        searches = {f"{arm}.lr": self._search(data, arm, "lr", t.grid(arm), {}, t.max_extensions, seeds)
-                    for arm in ADAPTER_ARMS}  # fmt: skip
+        search = self._search
+        searches = {
+            f"{arm}.lr": search(data, arm, "lr", t.grid(arm), {}, t.max_extensions, seeds) for arm in ADAPTER_ARMS
+        }
         chosen = {arm: {"lr": searches[f"{arm}.lr"].chosen} for arm in ADAPTER_ARMS}
         return self.save_tuning(TuningRecord("search", 1.0, t.horizon_steps, seeds, searches, chosen))
 
@@ -204,25 +207,8 @@ class Finetune(Job):
                 adapt(cfg, base, p.rank, p.heldout_windows, progress=self.progress)
                 runs[(arm, seed)] = run
                 self.safe_point(f"the {arm} run of seed {seed}")
-        self._say(f"adapted {len(runs)} runs")
+        self.say(f"adapted {len(runs)} runs")
         return runs
-
-    def notes(self) -> list[str]:
-        p = self.preset
-        notes = [
-            f"LoRA rank {p.rank} (alpha {2 * p.rank}) on every attention and MLP linear of `{p.model}`; "
-            f"{p.steps} adaptation steps at s = 1, warmup-stable-decay, the same for every optimizer.",
-            f"Learning rates tuned on {p.tuning_settings.description()}.",
-            f"Curvature of the step taken at each checkpoint of the stable phase ({p.ckpt_every} steps apart), over "
-            f"the adapter parameters, on {p.heldout_windows} held-out validation windows at s = 1 (the main "
-            "comparison measures on the step's training batches).",
-            f"Matched levels: {p.matching.description()}; no level is dropped.",
-        ]
-        if p.seeds < 3:
-            notes.append(f"{p.seeds} seeds per optimizer (3 in the standard preset): the intervals are rough.")
-        if p.tuning.grid_points < 5 or p.tuning.tune_seeds < 2:
-            notes.append("Reduced tuning (the standard preset: 5-point grids, 2 seeds per point).")
-        return notes
 
     def run(self) -> FinetuneResult:
         """The whole job (module docstring). A SIGINT or SIGTERM stops it at the next safe point (after a
@@ -255,12 +241,12 @@ class Finetune(Job):
             comparisons,
             entries,
             final,
-            self.notes(),
+            finetune_notes(self.preset),
             timing,
             SoftwareVersions.current(),
         )
         result.save(self.out / "finetune.json")
         plots.finetune_ratios(result, self.out / "figures" / "finetune_ratios")
         atomic_write_text(self.out / "report.md", "\n".join(finetune_section(result)) + "\n")
-        self._say(f"done in {timing['total']:.0f} s: {self.out / 'finetune.json'}")
+        self.say(f"done in {timing['total']:.0f} s: {self.out / 'finetune.json'}")
         return result

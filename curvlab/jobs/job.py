@@ -190,7 +190,7 @@ def _owning(run):
     def owned(self, *args, **kwargs):
         with own_directory(self.out, self.TAG) as previous:
             if previous is not None:
-                self._say(f"took {self.out} over from {previous.describe()}, which is no longer running")
+                self.say(f"took {self.out} over from {previous.describe()}, which is no longer running")
             try:
                 return run(self, *args, **kwargs)
             except BaseException:  # (a stop by a signal, or a failure: its time was spent all the same)
@@ -254,7 +254,7 @@ class Job:
     def _check_config(self) -> None:
         guard_config(self.out / self.CONFIG_FILE, self.config(), self.what(), self.PATH_KEYS)
 
-    def _say(self, message: str) -> None:
+    def say(self, message: str) -> None:
         self.log.append(message)
         if self.progress:
             print(f"[{self.TAG}] {message}", flush=True)
@@ -335,10 +335,11 @@ class Job:
     ) -> LrSearch:
         """:func:`~curvlab.studies.tuning.search_lr` of ``arm``'s option ``knob`` (the others ``fixed``) on
         :meth:`_tuning_loss`."""
-        result = search_lr(
-            lambda lr, seed: self._tuning_loss(data, arm, {**fixed, knob: lr}, seed),
-            grid, seeds, f"{arm}.{knob}", extensions, fixed,
-        )  # fmt: skip
+
+        def loss(lr: float, seed: int) -> float:
+            return self._tuning_loss(data, arm, {**fixed, knob: lr}, seed)
+
+        result = search_lr(loss, grid, seeds, f"{arm}.{knob}", extensions, fixed)
         grid = ", ".join(f"{x:g}" for x in sorted(result.grid))
-        self._say(f"{arm} {knob}: best {result.chosen:g} on the grid {grid}")
+        self.say(f"{arm} {knob}: best {result.chosen:g} on the grid {grid}")
         return result

@@ -1,12 +1,13 @@
 """``curvlab reproduce --preset robustness``: the paired direction ratio across the settings a reviewer
 would change (:data:`curvlab.jobs.presets.ROBUSTNESS_PRESETS`, docs/science.md section 15).
 
-Each setting is a :class:`~curvlab.jobs.presets.Preset` made from the base design
-(:meth:`~curvlab.jobs.presets.RobustnessSetting.preset`) and run by the reproduction's own stages in
-``settings/<name>/`` (:class:`~curvlab.jobs.reproduce.Reproduction`: data, each seed's runs with their
-shadows and twins, the matched comparison, the trajectories with the stability context), on the design's
-fresh seeds, without A/A. Its learning rates are not tuned: they are the committed table's entry for the
-base design times the setting's factors (one rule for both arms). Then from each setting's
+A composition of the reproduction's stages: each setting is a :class:`~curvlab.studies.design.Preset`
+made from the base design (:meth:`~curvlab.studies.design.RobustnessSetting.preset`) and measured in
+``settings/<name>/`` (a reproduction's layout) by the same stage functions
+(:func:`~curvlab.jobs.reproduce.make_data`, :func:`~curvlab.jobs.measure.measure_seed`: each seed's runs
+with their shadows and twins, the matched comparison, the trajectories with the stability context), on
+the design's fresh seeds, without A/A. Its learning rates are not tuned: they are the committed table's
+entry for the base design times the setting's factors (one rule for both arms). Then from each setting's
 ``levels.json`` alone its row (:func:`curvlab.studies.robustness.setting_result`), and ``summary.json``,
 ``levels.json`` (every setting's), the figure and ``report.md``. A re-run continues: a setting's seed
 whose analysis is saved is read back.
@@ -18,15 +19,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from curvlab.data.dataset import unigram_plateau_nats
 from curvlab.errors import CurvlabError
-from curvlab.jobs.job import Job
+from curvlab.jobs import measure
+from curvlab.jobs.job import Job, StageClock
 from curvlab.jobs.lr_table import read_lr_table
-from curvlab.jobs.presets import RobustnessPreset, RobustnessSetting
-from curvlab.jobs.reproduce import Reproduction
+from curvlab.jobs.reproduce import Reproduction, make_data, plateaus, reproduction_config
 from curvlab.output import plots
 from curvlab.output.robustness_page import render_robustness
-from curvlab.runs.match import plateau_ceiling
+from curvlab.studies.design import Preset, RobustnessPreset, RobustnessSetting
 from curvlab.studies.records import LevelData
 from curvlab.studies.robustness import RobustnessLevels, RobustnessSummary, setting_result
 from curvlab.studies.tuning import TuningRecord
@@ -45,6 +45,24 @@ def scaled_lrs(entry: dict[str, Any], factors: dict[str, float]) -> dict[str, di
     return chosen
 
 
+class _SettingDirectory(Job):
+    """One setting's directory inside a robustness design, in a reproduction's layout (its config as
+    ``reproduce.json``, its tuning and analyses), sharing the design's clock and progress."""
+
+    TAG = "robustness"
+    CONFIG_FILE = Reproduction.CONFIG_FILE
+
+    def __init__(self, preset: Preset, out: Path, clock: StageClock, progress: bool):
+        super().__init__(out, progress)
+        self.preset, self.clock = preset, clock
+
+    def config(self) -> dict[str, Any]:
+        return reproduction_config(self.preset)
+
+    def what(self) -> str:
+        return f"the results of preset {self.preset.name!r}"
+
+
 class Robustness(Job):
     """One robustness design in one output directory (module docstring)."""
 
@@ -56,7 +74,7 @@ class Robustness(Job):
         super().__init__(out, progress)
         self.preset = preset
         if preset.lr_table is None:  # the base's tuning centres, Muon's AdamW side tied to AdamW's
-            centres = preset.base.tuning.lr_centers
+            centres = preset.base.tuning.rule.lr_centers
             entry = {
                 "chosen": {
                     "adamw": {"lr": centres["adamw"]},
@@ -70,9 +88,9 @@ class Robustness(Job):
         self.table = entry
 
     def config(self) -> dict[str, Any]:
-        base = asdict(self.preset)
-        del base["base"]["keep"]  # as a reproduction's: what stays on disk changes no result
-        return {"preset": base, "table": self.table["chosen"]}
+        base = self.preset.base.flat()
+        del base["keep"]  # as a reproduction's: what stays on disk changes no result
+        return {"preset": asdict(self.preset) | {"base": base}, "table": self.table["chosen"]}
 
     def what(self) -> str:
         return f"the results of preset {self.preset.name!r}"
@@ -84,32 +102,22 @@ class Robustness(Job):
 
     def _setting(self, setting: RobustnessSetting) -> tuple[LevelData, dict[str, dict[str, float]]]:
         """One setting's runs and analyses, in ``settings/<name>``; its :class:`LevelData` and lrs."""
-        p = self.preset
-        job = Reproduction(setting.preset(p.base), self.out / "settings" / setting.name, progress=self.progress)
-        job.clock = self.clock  # one clock: the design's stage times
-        job._check_config()
-        path = job.out / "analysis" / "levels.json"
+        preset = setting.preset(self.preset.base)
+        part = _SettingDirectory(preset, self.out / "settings" / setting.name, self.clock, self.progress)
+        part._check_config()
+        path = part.out / "analysis" / "levels.json"
         chosen = scaled_lrs(self.table, setting.lr_factors)
         if path.is_file():
             return LevelData.load(path), chosen
-        s = job.preset.s_values[0]
+        s = preset.language.s_values[0]
         with self.clock("data"):
-            data = job.data()
-        plateaus = {s: plateau_ceiling(unigram_plateau_nats(data[s]), job.preset.plateau_fraction)}
-        tuning = job.saved_tuning() or job.save_tuning(
-            TuningRecord("table", s, job.preset.tuning_steps, [], {}, chosen, job.preset.adam_side, None, self.table)
-        )
-        per_seed = []
-        for seed in p.seed_list():
-            per_seed.append(job.seed(seed, data, tuning, plateaus))
-            job.prune(seed, per_seed[-1:])
-            self.safe_point(f"{setting.name} seed {seed}'s analysis")
-        levels = LevelData(
-            [r for lv in per_seed for r in lv.comparisons], [t for lv in per_seed for t in lv.tracks],
-            plateaus[s], [s],
-        )  # fmt: skip
+            ceilings = plateaus(preset, data := make_data(part, preset))
+        horizon = preset.tuning_settings.horizon_steps
+        table = TuningRecord("table", s, horizon, [], {}, chosen, preset.tuning.adam_side, None, self.table)
+        tuning = part.saved_tuning() or part.save_tuning(table)
+        levels, _ = measure.measure_seeds(part, preset, self.preset.seed_list(), data, tuning, ceilings)
         levels.save(path)
-        self._say(f"{setting.name}: done")
+        self.say(f"{setting.name}: done")
         return levels, chosen
 
     def _run(self) -> RobustnessSummary:
@@ -123,11 +131,10 @@ class Robustness(Job):
         with self.clock("figures"):
             figures = plots.robustness_ratios(rows, self.out / "figures" / "robustness_ratios")
         timing = self.timing()
-        summary = RobustnessSummary(
-            p.name, p.base.name, p.seed_list(), rows, timing, timing["total"], SoftwareVersions.current(),
-            [str(f.relative_to(self.out)) for f in figures],
-        )  # fmt: skip
+        paths = [str(f.relative_to(self.out)) for f in figures]
+        design = (p.name, p.base.name, p.seed_list(), rows)
+        summary = RobustnessSummary(*design, timing, timing["total"], SoftwareVersions.current(), paths)
         schema.save(self.out / "summary.json", summary)
         atomic_write_text(self.out / "report.md", render_robustness(summary))
-        self._say(f"done in {summary.seconds:.0f} s: {self.out / 'report.md'}")
+        self.say(f"done in {summary.seconds:.0f} s: {self.out / 'report.md'}")
         return summary

@@ -189,10 +189,6 @@ def load_nanogpt(ckpt: dict[str, Any]) -> tuple[GPT, torch.optim.AdamW | None]:
                     k: pieces[k][ours] if k in pieces else (v.clone() if torch.is_tensor(v) else v)
                     for k, v in entry.items()
                 }
-    optimizer.load_state_dict(
-        {
-            "state": state,
-            "param_groups": [{**h, "params": [index[m] for m in ours]} for ours, h in zip(our_groups, hyper)],
-        }
-    )
+    groups = [{**h, "params": [index[m] for m in ours]} for ours, h in zip(our_groups, hyper)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
     return model, optimizer

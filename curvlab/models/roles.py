@@ -104,13 +104,10 @@ def stack_sizes(model: nn.Module) -> dict[str, int]:
 
 
 def stacked_matrices(model: nn.Module) -> set[str]:
-    """Names of the parameters that are stacks of matrices, under every name they have: 3-D parameters
-    outside a convolution whose first dimension indexes more than one matrix, and 2-D parameters that a
-    module declaring its number of experts holds as their matrices stacked by rows. These are the fused
-    experts of Hugging Face's MoE models (Mixtral's, Qwen2-MoE's and OLMoE's ``gate_up_proj`` and
-    ``down_proj``, experts x out x in; DBRX's ``w1``, ``v1``, ``w2``, (experts * out) x in), each
-    expert's slice its own matrix: Muon orthogonalizes and scales them one by one
-    (:class:`~curvlab.optim.muon.Muon`'s ``stacked`` groups; :func:`stack_sizes` counts them)."""
+    """Names of the parameters that are stacks of matrices (:func:`stack_sizes`), under every name they have:
+    the fused experts of Hugging Face's MoE models (Mixtral's, Qwen2-MoE's and OLMoE's ``gate_up_proj`` and
+    ``down_proj``; DBRX's ``w1``, ``v1``, ``w2``), each expert's slice its own matrix, which Muon orthogonalizes
+    and scales one by one (:class:`~curvlab.optim.muon.Muon`'s ``stacked`` groups)."""
     return set(stack_sizes(model))
 
 

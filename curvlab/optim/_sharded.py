@@ -28,13 +28,6 @@ def _row_counts(rows: int, world: int) -> list[int]:
     return counts + [0] * (world - len(counts))
 
 
-def _check_layout(t: DTensor) -> None:
-    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
-        raise CurvlabError(
-            f"sharded Muon takes parameters sharded by rows on a 1-D mesh (FSDP2's Shard(0)), got {tuple(t.placements)}"
-        )
-
-
 def sharded_polar_factors(work: Sequence[tuple[Any, Tensor, Tensor]], factor: Callable[[Any, Tensor], Tensor]) -> list:
     r"""The polar factor of each sharded update, as a DTensor laid out like it.
 
@@ -44,8 +37,12 @@ def sharded_polar_factors(work: Sequence[tuple[Any, Tensor, Tensor]], factor: Ca
             the matrix's owner only.
     """
     require_process_group()
-    for _, _, update in work:
-        _check_layout(update)
+    for _, _, u in work:
+        if u.device_mesh.ndim != 1 or tuple(u.placements) != (Shard(0),):
+            raise CurvlabError(
+                "sharded Muon takes parameters sharded by rows on a 1-D mesh (FSDP2's Shard(0)), "
+                f"got {tuple(u.placements)}"
+            )
     order = sorted(range(len(work)), key=lambda i: -work[i][2].numel())
     outs: list[Tensor | None] = [None] * len(work)
     for k, i in enumerate(order):

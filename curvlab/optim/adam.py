@@ -28,10 +28,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.errors import CurvlabError
-
-# -- preconditioned sharpness ------------------------------------------------------------------------
 
 
 def adam_preconditioner(
@@ -41,13 +39,8 @@ def adam_preconditioner(
     *,
     bias_correction: bool = True,
 ) -> dict[str, Tensor]:
-    r"""Adam's diagonal preconditioner P from an optimizer's state (module docstring), per parameter:
-
-    .. math::
-        P = (1 - \beta_1^t)\Bigl(\sqrt{v / (1 - \beta_2^t)} + \epsilon\Bigr),
-
-    or :math:`P = \sqrt{v / (1 - \beta_2^t)} + \epsilon` with ``bias_correction=False``; with each
-    parameter's own step count t and its group's :math:`\beta_1, \beta_2, \epsilon` (AMSGrad's
+    r"""Adam's diagonal preconditioner :math:`P_t` (module docstring) from an optimizer's state, per
+    parameter, with its own step count t and its group's :math:`\beta_1, \beta_2, \epsilon` (AMSGrad's
     running maximum of v in place of v), so that the next step is :math:`-\eta P^{-1} m` with the state's
     :math:`m` (``exp_avg``) exactly when ``bias_correction`` is True.
 
@@ -57,9 +50,9 @@ def adam_preconditioner(
         model: the module whose parameters it steps.
         names: the parameters to read, by their names in ``model`` (default: every parameter that
             requires a gradient).
-        bias_correction: whether P carries the first moment's bias correction :math:`1 - \beta_1^t`
-            (True: the paper's P, the one :func:`adam_edge_of_stability` applies to; False: without it).
-            The second moment is bias-corrected either way, as Adam's step is.
+        bias_correction: whether P carries the first moment's bias correction :math:`1 - \beta_1^t` (the
+            paper's P, the one :func:`adam_edge_of_stability` applies to) or is :math:`\sqrt{\hat v_t} + \epsilon`;
+            the second moment is bias-corrected either way, as Adam's step is.
 
     Returns:
         ``{name: P}``, each float64 and shaped like its parameter, on its state's device, in ``names``'
@@ -73,7 +66,7 @@ def adam_preconditioner(
     names = [n for n, p in table.items() if p.requires_grad] if names is None else list(names)
     unknown = [n for n in names if n not in table]
     if unknown:
-        raise CurvlabError(f"the model has no parameters {P.names_text(unknown)}")
+        raise CurvlabError(f"the model has no parameters {param_dicts.names_text(unknown)}")
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out = {}
     for n in names:

@@ -24,9 +24,8 @@ and on convolutions (the factors flattened to :math:`r\times(d_\text{in} k)` and
   the least-squares fit (over :math:`\delta B A + B\,\delta A`) to the Muon step of the
   *first-order-equivalent* gradient H. This is **not** :math:`\operatorname{proj}_T(\operatorname{msign}(G))`:
   msign(H) leaves T, and on random matrices the two directions have cosine 0.84-0.93
-  (``benchmarks/lora.py``). The cost is O((d_out + d_in) r²): matrix products, four r x r
-  eigendecompositions (the thin SVDs of B, A and two d x r pieces of H) and one polar factor of an at most
-  2r x 2r matrix; the paper's recipe (matrix products, inverse square roots, a small polar factor).
+  (``benchmarks/lora.py``). The cost is O((d_out + d_in) r²), as the paper's recipe: matrix products, four
+  r x r eigendecompositions (thin SVDs of B, A and two d x r pieces of H), one polar factor of at most 2r x 2r.
 * :class:`LoraMuon` (Cesista, Simal, Crowson, Biderman 2026): each factor's momentum is whitened by the
   other factor's Gram matrix, orthogonalized, and given half of the step budget.
 * :class:`PerFactorMuon`: Muon on A and on B, each as a matrix of its own.
@@ -68,9 +67,9 @@ from torch import Tensor, nn
 
 from curvlab.errors import CurvlabError
 from curvlab.optim.combined import CombinedOptimizer
-from curvlab.optim.model_optimizer import ADAM_SIDE_DEFAULTS, LORA_OPTIMIZERS, reject_unknown_options
-from curvlab.optim.muon import evaluate_closure, muon_scale
-from curvlab.optim.polar import POLAR_METHODS, msign
+from curvlab.optim.model_optimizer import ADAM_SIDE_DEFAULTS, LORA_OPTIMIZERS, adamw, reject_unknown_options
+from curvlab.optim.muon import check_polar_settings, ema_momentum, evaluate_closure, muon_scale, polar_options
+from curvlab.optim.polar import msign
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -83,10 +82,6 @@ class AdaptedLayer:
     A: nn.Parameter
     B: nn.Parameter
     scaling: float
-
-    @property
-    def rank(self) -> int:
-        return self.A.shape[0]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -255,9 +250,7 @@ class _Point:
         return grad_a, grad_b
 
     def smuon_steps(self, t: _Tangent, polar: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        r"""Unit factor steps :math:`(\delta A, \delta B) = (B^+\Omega,\ (I - P_B)\Omega A^+)/s` with
-        :math:`\Omega = \operatorname{msign}(H)`, so that
-        :math:`s(\delta B\,A + B\,\delta A) = \operatorname{proj}_T(\Omega)`.
+        r""":func:`smuon_direction`'s unit factor steps, from H in tangent coordinates.
 
         :math:`H = Q_B X + Y Q_A^\top` has orthonormal column and row bases :math:`U = [Q_B, Q_Y]` and
         :math:`V = [Q_A, Q_X]`, with :math:`Q_Y` a basis of col(Y) (already orthogonal to :math:`Q_B`) and
@@ -347,24 +340,11 @@ class _AdapterOptimizer(torch.optim.Optimizer):
             raise CurvlabError(
                 f"need lr >= 0, weight_decay >= 0, 0 <= momentum < 1; got {lr}, {weight_decay}, {momentum}"
             )
-        muon_scale(torch.Size([1, 1]), scale)  # validates the name
-        if polar not in POLAR_METHODS:
-            raise CurvlabError(f"unknown polar method {polar!r}; choose one of {', '.join(POLAR_METHODS)}")
-        if isinstance(polar_dtype, str):  # a name from a JSON config, e.g. "float32"
-            polar_dtype = getattr(torch, polar_dtype.removeprefix("torch."))
+        polar_dtype = check_polar_settings(scale, polar, polar_dtype)
         groups = [{"params": [x.A, x.B], "scaling": x.scaling, "layer": x.name} for x in layers]
         defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov}
         defaults |= {"ns_steps": ns_steps, "scale": scale, "polar": polar, "polar_dtype": polar_dtype, "eps": eps}
         super().__init__(groups, defaults)
-
-    @staticmethod
-    def _polar(group: dict) -> dict[str, Any]:
-        return {
-            "polar": group["polar"],
-            "steps": group["ns_steps"],
-            "dtype": group["polar_dtype"],
-            "eps": group["eps"],
-        }
 
     def _directions(self, group: dict, point: _Point, ua: Tensor, ub: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -377,26 +357,17 @@ class _AdapterOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = evaluate_closure(closure)
         for group in self.param_groups:  # checked before anything moves
-            if group["lr"] * group["weight_decay"] >= 1:
-                decay = group["lr"] * group["weight_decay"]
+            decay = group["lr"] * group["weight_decay"]
+            if decay >= 1:
                 raise CurvlabError(f"lr·weight_decay = {decay} >= 1 in layer {group['layer']}: split decay needs < 1")
         for group in self.param_groups:
             A, B = group["params"]
             if A.grad is None and B.grad is None:
                 continue
-            lr, mu = group["lr"], group["momentum"]
+            lr = group["lr"]
             r, dt = A.shape[0], torch.promote_types(A.dtype, torch.float32)
-            inputs = []  # per factor: its momentum buffer and the update input (Nesterov or not), as matrices
-            for p in (A, B):
-                g = torch.zeros_like(p) if p.grad is None else p.grad
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(g, 1 - mu)
-                update = g.lerp(buf, mu) if group["nesterov"] else buf
-                inputs.append((buf, update))
-            (buf_a, ua), (buf_b, ub) = inputs
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in (A, B)]
+            (buf_a, ua), (buf_b, ub) = (ema_momentum(self.state[p], g, group) for p, g in zip((A, B), grads))
             point = _Point(A.reshape(r, -1).to(dt), B.reshape(-1, r).to(dt), group["scaling"])
             da, db = self._directions(group, point, ua.reshape(r, -1).to(dt), ub.reshape(-1, r).to(dt))
             kappa = math.sqrt(1 - lr * group["weight_decay"])
@@ -412,16 +383,10 @@ class SMuon(_AdapterOptimizer):
     r"""sMuon (Anson, Houghton, Milsom 2026): the least-squares fit of the factors' first-order change to
     the Muon step of :math:`H = \operatorname{proj}_T(G)`.
 
-    Per layer, with U the factor-gradient momenta (Nesterov input) standing in for :math:`(G_A, G_B)`:
-
-    .. math::
-        H = \operatorname{proj}_T(M),\quad \Omega = \operatorname{msign}(H),\quad
-        \Delta A = -\tfrac{\eta c}{s} B^+\Omega,\quad \Delta B = -\tfrac{\eta c}{s} (I - P_B)\,\Omega A^+,
-
-    so :math:`s(\Delta B\,A + B\,\Delta A) = -\eta\,c\,\operatorname{proj}_T(\Omega)`, with Muon's shape scale
-    :math:`c = c(d_\text{out}, d_\text{in})` of the whole layer (``scale``,
-    :func:`~curvlab.optim.muon.muon_scale`):
-    η means what it means for Muon on W, for any s. Then split weight decay (module docstring).
+    Per layer, the steps are :math:`-\eta c` times :func:`smuon_direction` of the factor-gradient momenta
+    (Nesterov input), with Muon's shape scale :math:`c = c(d_\text{out}, d_\text{in})` of the whole layer
+    (``scale``, :func:`~curvlab.optim.muon.muon_scale`): η means what it means for Muon on W, for any s.
+    Then split weight decay (module docstring).
 
     Momentum transport. The buffers hold the factor gradients :math:`(sB^\top M, sMA^\top)` of a momentum
     matrix M in the current tangent space. After the step, M is carried to the new factors (B', A') by
@@ -432,7 +397,7 @@ class SMuon(_AdapterOptimizer):
 
     def _directions(self, group, point, ua, ub):
         c = muon_scale(torch.Size([point.b.shape[0], point.a.shape[1]]), group["scale"])
-        da, db = point.smuon_steps(point.project(ua, ub), self._polar(group))
+        da, db = point.smuon_steps(point.project(ua, ub), polar_options(group))
         return c * da, c * db
 
     def _carry(self, point, ma, mb, a, b):
@@ -462,7 +427,7 @@ class LoraMuon(_AdapterOptimizer):
 
     def _directions(self, group, point, ua, ub):
         c = muon_scale(torch.Size([point.b.shape[0], point.a.shape[1]]), group["scale"])
-        Ra, Rb, polar = point.fa.inv_sqrt_gram, point.fb.inv_sqrt_gram, self._polar(group)
+        Ra, Rb, polar = point.fa.inv_sqrt_gram, point.fb.inv_sqrt_gram, polar_options(group)
         half = c / (2 * point.scaling)
         da = Rb @ msign(Rb @ ua, **polar).to(ua.dtype)  # B = 0 gives R_B = 0 and msign(0) = 0: no step
         db = msign(ub @ Ra, **polar).to(ub.dtype) @ Ra
@@ -482,7 +447,7 @@ class PerFactorMuon(_AdapterOptimizer):
     """
 
     def _directions(self, group, point, ua, ub):
-        polar = self._polar(group)
+        polar = polar_options(group)
         da = muon_scale(ua.shape, group["scale"]) * msign(ua, **polar).to(ua.dtype)
         db = muon_scale(ub.shape, group["scale"]) * msign(ub, **polar).to(ub.dtype)
         return da, db
@@ -509,21 +474,13 @@ def build_lora_optimizer(name: str, model: nn.Module, **hyperparameters: Any) ->
     """
     if name not in _CLASSES:
         raise CurvlabError(f"unknown adapter optimizer {name!r}; choose one of {', '.join(LORA_OPTIMIZERS)}")
-    hp = dict(hyperparameters)
-    adam = {k: hp.pop(k, v) for k, v in ADAM_SIDE_DEFAULTS.items()}
+    adam = {k: hyperparameters.pop(k, v) for k, v in ADAM_SIDE_DEFAULTS.items()}
     known = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "scale", "polar", "polar_dtype", "eps")
-    reject_unknown_options(name, {k: v for k, v in hp.items() if k not in known})
+    reject_unknown_options(name, {k: v for k, v in hyperparameters.items() if k not in known})
     layers = lora_layers(model)
-    optimizer = _CLASSES[name](layers, **hp)
+    optimizer = _CLASSES[name](layers, **hyperparameters)
     factors = {id(p) for layer in layers for p in (layer.A, layer.B)}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in factors]
     if not rest:
         return optimizer
-    adamw = torch.optim.AdamW(
-        rest,
-        lr=adam["adam_lr"],
-        betas=tuple(adam["adam_betas"]),
-        eps=adam["adam_eps"],
-        weight_decay=adam["adam_weight_decay"],
-    )
-    return CombinedOptimizer({name: optimizer, "adamw": adamw})
+    return CombinedOptimizer({name: optimizer, "adamw": adamw(rest, adam, prefix="adam_")})

@@ -57,6 +57,13 @@ def default_muon_rule(model: nn.Module) -> Callable[[str, Tensor], bool]:
     return lambda name, p: roles.get(name) == "hidden"
 
 
+def adamw(params: list, options: dict[str, Any], prefix: str = "") -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` with the options of :data:`ADAMW_DEFAULTS`, named with ``prefix`` in ``options``
+    (``"adam_"``: a hybrid's AdamW side, :data:`ADAM_SIDE_DEFAULTS`)."""
+    kw = {k: options[prefix + k] for k in ADAMW_DEFAULTS}
+    return torch.optim.AdamW(params, **{**kw, "betas": tuple(kw["betas"])})
+
+
 def build_model_optimizer(
     name: str,
     model: nn.Module,
@@ -76,11 +83,8 @@ def build_model_optimizer(
     ``scale``, ``polar`` and ``polar_dtype`` go to Muon, and ``adam_lr``, ``adam_betas``,
     ``adam_eps``, ``adam_weight_decay`` to its AdamW side. ``muon_rule(name, param) -> bool`` decides
     which parameters Muon takes (default :func:`default_muon_rule`: the hidden matrices, by
-    structure); a vector never reaches Muon. Convolution kernels go to Muon flattened to
-    out x (in * prod k) (see :class:`Muon`); Hugging Face ``Conv1D`` weights go in a group marked
-    ``transposed``, so that Muon's shape scale reads them as (out, in), and fused MoE experts (3-D
-    stacks, :func:`~curvlab.models.roles.stacked_matrices`) in a group marked ``stacked``, one matrix per
-    expert (DBRX's 2-D stacks in a group marked with their number of experts).
+    structure); a vector never reaches Muon. Convolution kernels, Hugging Face ``Conv1D`` weights (a group
+    marked ``transposed``) and fused MoE experts (a group marked ``stacked``) go to Muon as :class:`Muon` says.
 
     Raises:
         CurvlabError: an unknown name or option, or a model with no 2-D weights for Muon.
@@ -127,19 +131,13 @@ def build_model_optimizer(
         ]
         parts = {"muon": Muon([g for g in groups if g["params"]], **muon_hp)}
         if rest:
-            parts["adamw"] = torch.optim.AdamW(
-                rest,
-                lr=adam_hp["adam_lr"],
-                betas=tuple(adam_hp["adam_betas"]),
-                eps=adam_hp["adam_eps"],
-                weight_decay=adam_hp["adam_weight_decay"],
-            )
+            parts["adamw"] = adamw(rest, adam_hp, prefix="adam_")
         return CombinedOptimizer(parts)
     params = [p for _, p in named]
     if name == "adamw":
         opt = take(ADAMW_DEFAULTS)
         reject_unknown_options(name, hp)
-        return torch.optim.AdamW(params, **{**opt, "betas": tuple(opt["betas"])})
+        return adamw(params, opt)
     if name == "sgd":
         opt = take({"lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 0.0})
         reject_unknown_options(name, hp)

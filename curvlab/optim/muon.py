@@ -5,6 +5,7 @@ scaled by its shape (:func:`muon_scale`); :class:`Muon` is ``torch.optim.Muon`` 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,16 @@ def evaluate_closure(closure) -> Tensor | None:
         return closure()
 
 
+def ema_momentum(state: dict, grad: Tensor, group: dict) -> tuple[Tensor, Tensor]:
+    r"""Muon's EMA momentum: the buffer ``state["momentum_buffer"]`` after taking in ``grad``
+    (:math:`m \leftarrow \mu m + (1-\mu) g`), and the update it gives (Nesterov: :math:`g + \mu(m - g)`; else m)."""
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+    buf, mu = state["momentum_buffer"], group["momentum"]
+    buf.lerp_(grad, 1 - mu)
+    return buf, grad.lerp(buf, mu) if group["nesterov"] else buf
+
+
 def muon_scale(shape: tuple[int, ...], scale: str) -> float:
     r"""Muon's per-matrix learning-rate multiplier for a weight of mathematical shape ``rows x cols``
     (:math:`d_\text{out} \times d_\text{in}`, or ``n x rows x cols`` for a stack of n; see :func:`matrix_shape`).
@@ -44,28 +55,43 @@ def muon_scale(shape: tuple[int, ...], scale: str) -> float:
     raise CurvlabError(f"unknown Muon scale {scale!r}; choose one of {', '.join(SCALES)}")
 
 
-def stack_size(p: Tensor, stacked: bool | int) -> int | None:
-    """How many matrices a group's ``stacked`` flag says ``p`` holds: ``True``, the first dimension of a
-    3-D stack; a number n, n (a 3-D stack of n, or n matrices stacked by rows in a 2-D parameter, as
-    DBRX stores its experts); ``False``, none (``p`` is one matrix)."""
-    if stacked is False or stacked is None:
-        return None
-    return p.shape[0] if stacked is True else int(stacked)
-
-
 def matrix_shape(p: Tensor, transposed: bool = False, stacked: bool | int = False) -> tuple[int, ...]:
     """The matrix Muon orthogonalizes for parameter ``p``: (out, in) for a 2-D weight (swapped when it
     is stored transposed, as Hugging Face's ``Conv1D``), out x (in/groups * prod k) for a
-    convolution kernel; (n, out, in) for a stack of n matrices (``stacked``, :func:`stack_size`: an MoE's
-    fused experts, :func:`~curvlab.models.roles.stacked_matrices`, n x out x in, or DBRX's (n * out) x in),
-    each orthogonalized and scaled on its own."""
-    n = stack_size(p, stacked)
-    if n is None:
+    convolution kernel; (n, out, in) for a stack of n matrices, each orthogonalized and scaled on its own:
+    ``stacked=True``, the first dimension of a 3-D stack (an MoE's fused experts,
+    :func:`~curvlab.models.roles.stacked_matrices`); ``stacked=n``, a 3-D stack of n or n matrices stacked
+    by rows in a 2-D parameter (DBRX's experts, (n * out) x in)."""
+    if stacked is False or stacked is None:
         rows, cols = p.shape[0], math.prod(p.shape[1:])
         return (cols, rows) if transposed else (rows, cols)
+    n = p.shape[0] if stacked is True else int(stacked)
     cols = p.shape[-1]
     rows = p.numel() // (n * cols)
     return (n, *((cols, rows) if transposed else (rows, cols)))
+
+
+def check_polar_settings(scale: str, polar: str, polar_dtype: torch.dtype | str) -> torch.dtype:
+    """Refuse an unknown Muon ``scale`` or ``polar`` method, and return ``polar_dtype`` as a dtype (a JSON
+    config names it, e.g. ``"float32"``)."""
+    muon_scale(torch.Size([1, 1]), scale)  # validates the name
+    if polar not in POLAR_METHODS:
+        raise CurvlabError(f"unknown polar method {polar!r}; choose one of {', '.join(POLAR_METHODS)}")
+    return getattr(torch, polar_dtype.removeprefix("torch.")) if isinstance(polar_dtype, str) else polar_dtype
+
+
+def polar_options(group: dict) -> dict[str, Any]:
+    """:func:`~curvlab.optim.polar.msign`'s options from a param group (its ``ns_coefficients`` where it has
+    them)."""
+    options = {
+        "polar": group["polar"],
+        "steps": group["ns_steps"],
+        "dtype": group["polar_dtype"],
+        "eps": group["eps"],
+    }
+    if "ns_coefficients" in group:
+        options["coefficients"] = tuple(group["ns_coefficients"])
+    return options
 
 
 def as_matrices(update: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -95,17 +121,15 @@ class Muon(torch.optim.Muon):
     shape, as Keller Jordan's CIFAR-10 speedrun does (``torch.optim.Muon`` refuses them). A param
     group with ``transposed=True`` holds matrices stored (in, out), like Hugging Face's ``Conv1D``:
     the polar factor doesn't care (msign(Xᵀ) = msign(X)ᵀ) but the scale uses the (out, in) shape. A
-    group with ``stacked=True`` holds 3-D stacks of matrices (an MoE's fused experts, experts x out x
-    in): each expert's matrix gets its own polar factor and scale, as if it were a parameter of its own.
-    ``stacked=n`` does the same for n matrices stacked by rows in a 2-D parameter (DBRX's experts,
-    (n * out) x in), or a 3-D stack of n.
+    group with ``stacked`` (``True`` or a count, see :func:`matrix_shape`) holds stacks of matrices (an
+    MoE's experts): each gets its own polar factor and scale, as if it were a parameter of its own.
 
     Under torch.distributed (gradients already averaged by DDP) the polar factors are shared out: the
     matrices, sorted by size, go round-robin to the ranks, each rank orthogonalizes its own and
     broadcasts them, as Keller Jordan's and modded-nanogpt's distributed Muon do; momentum buffers,
-    cheap and elementwise, are updated on every rank. Unlike torch's, the
-    momentum buffer is never normalized in place (torch 2.13 does that for bf16 parameters without
-    Nesterov). ``weight_decay`` defaults to 0 (torch's to 0.1), as in the reference runs.
+    cheap and elementwise, are updated on every rank. Unlike torch's, the momentum buffer is never
+    normalized in place (:mod:`curvlab.optim.polar`). ``weight_decay`` defaults to 0 (torch's to 0.1),
+    as in the reference runs.
     """
 
     def __init__(
@@ -122,11 +146,7 @@ class Muon(torch.optim.Muon):
         polar: str = "newton_schulz",
         polar_dtype: torch.dtype | str = torch.bfloat16,
     ):
-        muon_scale(torch.Size([1, 1]), scale)  # validates the name
-        if isinstance(polar_dtype, str):  # a name from a JSON config, e.g. "float32"
-            polar_dtype = getattr(torch, polar_dtype.removeprefix("torch."))
-        if polar not in POLAR_METHODS:
-            raise CurvlabError(f"unknown polar method {polar!r}; choose one of {', '.join(POLAR_METHODS)}")
+        polar_dtype = check_polar_settings(scale, polar, polar_dtype)
         adjust = {"original": "original", "moonlight": "match_rms_adamw", "spectral": None}[scale]
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise CurvlabError(f"Muon needs lr, momentum and weight_decay >= 0, got {lr}, {momentum}, {weight_decay}")
@@ -149,16 +169,9 @@ class Muon(torch.optim.Muon):
         loss = evaluate_closure(closure)
         work = []  # (group, param, momentum-averaged update) for every param with a gradient
         for group in self.param_groups:
-            mu = group["momentum"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - mu)
-                work.append((group, p, p.grad.lerp(buf, mu) if group["nesterov"] else buf))
+                if p.grad is not None:
+                    work.append((group, p, ema_momentum(self.state[p], p.grad, group)[1]))
         if any(isinstance(u, DTensor) for _, _, u in work):  # FSDP2: each whole matrix on one rank
             orthos = sharded_polar_factors(work, _polar_factor)
         else:
@@ -205,7 +218,7 @@ def _check_stacks(group: dict) -> None:
         if any(p.dim() != 3 for p in group["params"]):
             raise CurvlabError("a stacked Muon group takes 3-D stacks of matrices (n x out x in) only")
         return
-    if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 1:
+    if not isinstance(stacked, int) or stacked < 1:  # (True and False were taken above)
         raise CurvlabError(f"a Muon group's stacked is True, False or a number of matrices, got {stacked!r}")
     for p in group["params"]:
         fits = p.shape[0] == stacked if p.dim() == 3 else p.dim() == 2 and p.shape[0] % stacked == 0
@@ -215,11 +228,5 @@ def _check_stacks(group: dict) -> None:
 
 def _polar_factor(group: dict, update: Tensor) -> Tensor:
     """msign of one whole update with its group's polar settings, shaped like the update."""
-    return msign(
-        as_matrices(update, matrix_shape(update, stacked=group.get("stacked", False))),
-        polar=group["polar"],
-        steps=group["ns_steps"],
-        dtype=group["polar_dtype"],
-        coefficients=tuple(group["ns_coefficients"]),
-        eps=group["eps"],
-    ).reshape(update.shape)
+    matrices = as_matrices(update, matrix_shape(update, stacked=group.get("stacked", False)))
+    return msign(matrices, **polar_options(group)).reshape(update.shape)

@@ -148,10 +148,8 @@ def msign(
     steps = 5 if steps is None else steps
     if polar == "newton_schulz":
         schedule = [coefficients or NEWTON_SCHULZ_COEFFICIENTS] * steps
-        norm_scale = 1.0
     else:
         schedule = polar_express_coefficients(steps)
-        norm_scale = POLAR_EXPRESS_NORMALIZATION
     dtype = torch.bfloat16 if dtype is None else dtype
     shape = X.shape
     x = X.to(dtype).reshape(-1, *shape[-2:]) if X.dim() > 3 else X.to(dtype)
@@ -159,10 +157,7 @@ def msign(
     if tall:
         x = x.mT
     norm = x.norm(dim=(-2, -1), keepdim=True) if x.dim() > 2 else x.norm()
-    if norm_scale == 1.0:
-        x = x / norm.clamp(min=eps)
-    else:
-        x = x / (norm * norm_scale + eps)
+    x = x / (norm.clamp(min=eps) if polar == "newton_schulz" else norm * POLAR_EXPRESS_NORMALIZATION + eps)
     x = _polynomial_steps(x, schedule)
     if tall:
         x = x.mT

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from curvlab.inference import statistics as st
+from curvlab.inference import statistics
 from curvlab.studies.headline import HeadlineEntry
 from curvlab.studies.primary import PrimaryEntry
 from curvlab.studies.rerun import RerunComparison
@@ -27,7 +27,7 @@ def value_cell(e: HeadlineEntry) -> str:
     if e.value is None:
         return f"— ({e.note})" if e.note else "—"
     if e.ci95 is None:
-        why = "denominator's sign not settled: " if st.DENOMINATOR_NOTE in e.note else ""
+        why = "denominator's sign not settled: " if statistics.DENOMINATOR_NOTE in e.note else ""
         return f"{fmt(e.value, e.name)} ({why}no interval)"
     return f"{fmt(e.value, e.name)} [{fmt(e.ci95[0], e.name)}, {fmt(e.ci95[1], e.name)}]"
 
@@ -41,8 +41,8 @@ def primary_cell(e: PrimaryEntry) -> str:
     """``value [lo, hi]`` of a primary entry, with what was judged when a ratio fell back to a difference."""
     if e.value is None:
         return "not measured"
-    shown = f"{fmt(e.value)}" + ("" if e.ci95 is None else f" [{fmt(e.ci95[0])}, {fmt(e.ci95[1])}]")
-    if e.method == st.DIFFERENCE_T:
+    shown = fmt(e.value) + interval_text(e.ci95)
+    if e.method == statistics.DIFFERENCE_T:
         shown += " (as a difference: the denominator's sign is not settled)"
     return shown
 

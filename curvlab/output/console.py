@@ -164,8 +164,7 @@ def refusals(result: Comparison) -> list[str]:
 # the columns of a track drawn from checkpoints (with the spectrum's two where it was asked for) and from monitor rows
 TRACK_KEYS = ("step", "val_loss", "nds", "within", "cross", "rho_within", "update_norm")
 SPECTRUM_KEYS = ("lambda_max", "overlap_top_k")
-MONITOR_KEYS = ("step", "val_loss", "status", "nds", "hidden_nds", "predicted", "realized", "within", "cross",
-                "rho_within")  # fmt: skip
+MONITOR_KEYS = ("step", "val_loss", "status", "nds", "hidden_nds", "predicted", "realized", *TRACK_KEYS[3:6])
 
 
 def track_table(tracked: Track, spectrum: bool = False) -> str:

@@ -37,13 +37,11 @@ def write_quadratic(study: QuadraticStudy, out: str | Path, figures: bool = True
         return []
     out = Path(out)
     schema.save(out / "quadratic.json", study)
-    if not figures:
-        return [out / "quadratic.json"]
-    return [
-        out / "quadratic.json",
-        *quadratic_trajectories(study, out / "quadratic_trajectories"),
-        *quadratic_phase(study, out / "quadratic_phase"),
-    ]
+    written = [out / "quadratic.json"]
+    if figures:
+        written += quadratic_trajectories(study, out / "quadratic_trajectories")
+        written += quadratic_phase(study, out / "quadratic_phase")
+    return written
 
 
 def read_quadratic(path: str | Path) -> QuadraticStudy | None:

@@ -8,9 +8,11 @@ import math
 
 from curvlab.output.cells import seeds_and_levels_cell, value_cell
 
-FINETUNE_ROWS = ("nds_ratio", "nds_ratio_median", "first_order_ratio", "curvature_penalty_ratio",
-                 "curvature_penalty_ratio_median", "update_norm_ratio", "rho_within_adamw", "rho_within_variant",
-                 "taylor_adamw_median", "taylor_variant_median")  # fmt: skip
+FINETUNE_ROWS = (
+    *("nds_ratio", "nds_ratio_median", "first_order_ratio", "curvature_penalty_ratio"),
+    *("curvature_penalty_ratio_median", "update_norm_ratio", "rho_within_adamw", "rho_within_variant"),
+    *("taylor_adamw_median", "taylor_variant_median"),
+)
 
 
 def finetune_table(result) -> list[str]:

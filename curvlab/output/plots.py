@@ -30,14 +30,8 @@ from curvlab.studies.tuning import TuningRecord
 from curvlab.theory.quadratic import QuadraticStudy
 from curvlab.util.atomic import atomic_write_with
 
-COLORS = {
-    "muon": "tab:blue",
-    "adamw": "tab:orange",
-    "gd": "tab:orange",
-    "adam": "tab:red",
-    "sign": "tab:green",
-    "muon-moonlight": "tab:purple",
-}
+COLORS = {"muon": "tab:blue", "adamw": "tab:orange", "gd": "tab:orange", "adam": "tab:red", "sign": "tab:green"}
+COLORS["muon-moonlight"] = "tab:purple"
 
 
 def save_figure(fig, stem: str | Path) -> list[Path]:
@@ -100,15 +94,13 @@ def quadratic_phase(study: QuadraticStudy, stem: str | Path) -> list[Path]:
 def _side_arrays(comparisons, key: str, pick: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(matched loss, window mean, window standard error) of one side (0: AdamW, 1: the Muon arm) of
     every level off the plateau, over the comparisons of all seeds."""
-    x, y, err = [], [], []
-    for c in comparisons:
-        for lv in c.headline_levels:
-            side = ((lv.a, lv.b) if c.numerator == "a" else (lv.b, lv.a))[pick]
-            x.append(lv.target)
-            y.append(side.mean[key])
-            e = side.stderr[key]
-            err.append(0.0 if np.isnan(e) else e)
-    return np.array(x), np.array(y), np.array(err)
+    levels = [(lv.target, c.sides(lv)[pick]) for c in comparisons for lv in c.headline_levels]
+    err = np.array([side.stderr[key] for _, side in levels])
+    return (
+        np.array([x for x, _ in levels]),
+        np.array([side.mean[key] for _, side in levels]),
+        np.where(np.isnan(err), 0.0, err),
+    )
 
 
 def _matched_points(ax, comparisons, key: str, pick: int, label: str, color: str, marker: str = "o") -> np.ndarray:
@@ -313,12 +305,7 @@ def curvature_during_training(tracks: dict[str, list[CheckpointScalars]], stem: 
 
         axes[0].plot(step, values("nds"), "o-", color=color, label=f"{name} all")
         axes[0].plot(step, values("hidden_nds"), "x--", color=color, label=f"{name} hidden")
-        for key, style in (
-            ("first_order", "o-"),
-            ("curvature_penalty", "s-"),
-            ("predicted", "x--"),
-            ("realized", "^:"),
-        ):
+        for key, style in zip(("first_order", "curvature_penalty", "predicted", "realized"), ("o-", "s-", "x--", "^:")):
             axes[1].plot(step, values(key), style, color=color, label=f"{name} {key}", ms=4)
         if with_blocks:
             axes[2].plot(step, values("within"), "o-", color=color, label=f"{name} within")
@@ -356,6 +343,13 @@ def _two_and_five(x: float, _pos) -> str:
     return f"{x:g}" if min(abs(mantissa - 2), abs(mantissa - 5)) < 1e-6 else ""
 
 
+def _plain_log_x(ax) -> None:
+    """A log x axis labelled with plain numbers (0.2, 1, 5), not 2 x 10^-1; minor labels at 2 and 5 only."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(_two_and_five))
+
+
 def primary_forest(entries: list, stem: str | Path) -> list[Path]:
     """The primary family as a forest plot (:class:`curvlab.studies.primary.PrimaryEntry` records): each claim's
     value and 95% seed-level interval, ratios on a log axis (left, no effect at 1) and differences on a
@@ -381,10 +375,8 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
             if e.paper is not None:
                 ax.plot([e.paper], [yi], "D", mfc="none", color="tab:red", ms=7)
         ax.axvline(null, color="gray", lw=0.8, ls="--")
-        ax.set_xscale(scale)
-        if scale == "log":  # plain numbers (0.2, 1, 5), not 2 x 10^-1; minor labels at 2 and 5 only
-            ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(_two_and_five))
+        if scale == "log":
+            _plain_log_x(ax)
         names = []
         for e in rows:
             verdicts = e.direction if e.magnitude in (None, e.direction) else f"{e.direction}; magnitude {e.magnitude}"
@@ -405,7 +397,6 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
 def reproduction_figures(data, summary, tuning: TuningRecord, quadratic: QuadraticStudy, out: str | Path):
     """Every figure of a reproduction, from its per-level data (:class:`curvlab.studies.records.LevelData`),
     summary, tuning and quadratic results; returns ``{figure family: paths}``."""
-
     out = Path(out)
     s0 = data.s_values[0]
     arms = data.against_adamw()
@@ -425,9 +416,8 @@ def reproduction_figures(data, summary, tuning: TuningRecord, quadratic: Quadrat
     tracks = {arm: data.track(arm, s0) for arm in ("muon", "adamw") if data.track(arm, s0)}
     if tracks:
         written["layers"] = layer_split_over_training(tracks, out / "fig4_within_cross")
-    written["quadratic"] = quadratic_trajectories(quadratic, out / "fig7_quadratic_trajectories") + quadratic_phase(
-        quadratic, out / "fig7_quadratic_phase"
-    )
+    written["quadratic"] = quadratic_trajectories(quadratic, out / "fig7_quadratic_trajectories")
+    written["quadratic"] += quadratic_phase(quadratic, out / "fig7_quadratic_phase")
     return written
 
 
@@ -435,7 +425,6 @@ def finetune_ratios(result, stem: str | Path) -> list[Path]:
     """The fine-tuning comparison (:class:`curvlab.studies.adapters.FinetuneResult`): left, AdamW over each
     Muon variant of NDS, I1 and I2 at matched validation loss, with 95% seed-level intervals as bars;
     right, each level's NDS of both sides against the matched loss (one marker per seed)."""
-
     keys = [k for k in RATIO_KEYS if k != "update_norm"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
     width = 0.8 / max(1, len(result.comparisons))
@@ -493,9 +482,7 @@ def robustness_ratios(settings: list, stem: str | Path, reference: tuple[str, fl
         labels.append((y, f"{x.label} ({x.n_seeds} seeds)"))
         y -= 1
     ax.axvline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(_two_and_five))
+    _plain_log_x(ax)
     ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=7)
     ax.set_ylim(-0.7, len(labels) - 0.3)
     ax.set(xlabel="NDS of AdamW's direction / Muon's, same W and batch (log scale)")

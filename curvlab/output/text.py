@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from curvlab.errors import CurvlabError
-from curvlab.inference import statistics as st
+from curvlab.inference import statistics
 from curvlab.inference.exact_tests import floor_text
 from curvlab.output.cells import (
     fmt,
@@ -49,15 +49,13 @@ def readme_markers(preset: str) -> tuple[str, str]:
 
 
 # The README's table: the claims a reader looks for first (all in summary.json, with the rest).
-# fmt: off
 README_ROWS = (
-    "nds_ratio", "nds_ratio_median", "first_order_ratio", "curvature_penalty_ratio", "curvature_penalty_ratio_median",
-    "update_norm_ratio", "nds_ratio_moonlight", "nds_ratio_median_moonlight", "update_norm_ratio_moonlight",
-    "nds_ratio_equal_step", "nds_ratio_equal_step_median", "embed_head_share_adamw", "embed_head_share_muon",
-    "taylor_error_adamw", "taylor_error_muon", "normalized_nds_adamw_s0", "normalized_nds_muon_s1", "gap_change",
-    "rho_within_muon_change", "rho_within_change_gap",
+    *("nds_ratio", "nds_ratio_median", "first_order_ratio", "curvature_penalty_ratio"),
+    *("curvature_penalty_ratio_median", "update_norm_ratio", "nds_ratio_moonlight", "nds_ratio_median_moonlight"),
+    *("update_norm_ratio_moonlight", "nds_ratio_equal_step", "nds_ratio_equal_step_median", "embed_head_share_adamw"),
+    *("embed_head_share_muon", "taylor_error_adamw", "taylor_error_muon", "normalized_nds_adamw_s0"),
+    *("normalized_nds_muon_s1", "gap_change", "rho_within_muon_change", "rho_within_change_gap"),
 )
-# fmt: on
 README_FIGURES = ("fig0_primary_forest", "fig2_nds_update_norm", "fig3_zipf_nds", "tuning_grids", "within_gap_by_layer")
 STAGES = ("data", "tune", "train", "compare", "track", "finetune", "fineweb", "quadratic", "summary", "figures")
 
@@ -143,12 +141,11 @@ def calibration_table(c: Calibration) -> list[str]:
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for t in c.per_test:
-        ci = "" if t.get("ci95") is None else f" [{fmt(t['ci95'][0])}, {fmt(t['ci95'][1])}]"
         exact = "—" if t.get("p_exact_verdict") is None else f"{t['p_exact_verdict']:.3g}"
         p = "—" if t.get("p_holm") is None else f"{t['p_holm']:.2g}"
         lines.append(
-            f"| {t['comparison']} | {t['claim']} | {t['n_seeds']} | {fmt(t.get('value'))}{ci} | "
-            f"{p} | {exact} | {t['direction']} |"
+            f"| {t['comparison']} | {t['claim']} | {t['n_seeds']} | {fmt(t.get('value'))}{interval_text(t.get('ci95'))}"
+            f" | {p} | {exact} | {t['direction']} |"
         )
     return lines
 
@@ -221,10 +218,8 @@ def primary_section(summary: Summary, figure: str | None, brief: bool = False) -
 def stage_times(summary: Summary | RobustnessSummary) -> str:
     """``stage wall s (CPU s)`` for every stage that took half a second or more."""
     t = summary.timing
-    parts = [
-        f"{k} {v:.0f} s ({t.get(k + '_cpu', float('nan')):.0f} s CPU)" for k, v in t.items() if k in STAGES and v >= 0.5
-    ]
-    return ", ".join(parts)
+    cpu = {k: t.get(k + "_cpu", float("nan")) for k in t}
+    return ", ".join(f"{k} {v:.0f} s ({cpu[k]:.0f} s CPU)" for k, v in t.items() if k in STAGES and v >= 0.5)
 
 
 def run_conditions(summary: Summary | RobustnessSummary) -> str:
@@ -242,12 +237,12 @@ def _disagreements(summary: Summary) -> list[str]:
     """The primary claims whose direction is contradicted or whose magnitude excludes the paper's number."""
     lines = []
     for e in summary.primary:
-        if e.direction == st.CONTRADICTED:
+        if e.direction == statistics.CONTRADICTED:
             lines.append(
                 f"- **{e.quantity}** ({e.scope}): {primary_cell(e)} contradicts the claim ({e.claimed}; p Holm "
                 f"{e.p_holm:.2g})."
             )
-        if e.magnitude in (st.LARGER, st.SMALLER):
+        if e.magnitude in (statistics.LARGER, statistics.SMALLER):
             lines.append(
                 f"- {e.quantity} ({e.scope}): {primary_cell(e)} is {e.magnitude} than the paper's {e.paper_text}: "
                 "the interval excludes it."
@@ -256,11 +251,7 @@ def _disagreements(summary: Summary) -> list[str]:
 
 
 def _figure(summary: Summary, name: str) -> str | None:
-    for paths in summary.figures.values():
-        for p in paths:
-            if Path(p).name == f"{name}.png":
-                return p
-    return None
+    return next((p for paths in summary.figures.values() for p in paths if Path(p).name == f"{name}.png"), None)
 
 
 def _level_tables(levels: LevelData) -> list[str]:
@@ -277,13 +268,13 @@ def _level_tables(levels: LevelData) -> list[str]:
             "|---:|---|---|---:|---|---:|---:|---:|---:|---:|",
         ]
         for lv in r.comparison.levels:
-            a, m = (lv.a, lv.b) if r.comparison.numerator == "a" else (lv.b, lv.a)
+            a, m = r.comparison.sides(lv)
 
             def side(x):
                 step = f"{x.step} ({fmt(x.multiplier)}, {fmt(x.lr)})"
                 return step, f"{fmt(x.mean['update_norm'])} ({fmt(x.update_norm_over_multiplier)})"
 
-            hidden = a.mean["hidden_nds"] / m.mean["hidden_nds"] if m.mean["hidden_nds"] else float("nan")
+            hidden = r.comparison.level_ratio(lv, "hidden_nds")
             lines.append(
                 f"| {lv.target:.4f} | {'yes' if lv.on_plateau else ''} | {' | '.join(side(a))} | {' | '.join(side(m))} "
                 f"| {fmt(a.mean['nds'])} | {fmt(m.mean['nds'])} | {fmt(hidden)} | {lv.mismatch:.2%} |"
@@ -300,9 +291,10 @@ def _zipf_table(summary: Summary) -> list[str]:
         "|---|---:|---|---:|---:|---|",
     ]
     for z in summary.zipf:
-        ci = "" if z.ci95 is None else f" [{fmt(z.ci95[0])}, {fmt(z.ci95[1])}]"
         per_seed = ", ".join(fmt(x) for x in z.per_seed)
-        lines.append(f"| {z.arm} | {z.s:g} | {z.scope} | {fmt(z.value)}{ci} | {z.n_seeds} | {per_seed} |")
+        lines.append(
+            f"| {z.arm} | {z.s:g} | {z.scope} | {fmt(z.value)}{interval_text(z.ci95)} | {z.n_seeds} | {per_seed} |"
+        )
     return lines
 
 
@@ -320,11 +312,8 @@ def _tuning_lines(tuning: TuningRecord) -> list[str]:
         for lr in sorted(s.grid):
             per_seed = ", ".join("diverged" if not math.isfinite(v) else f"{v:.4f}" for v in s.grid[lr])
             cells.append(f"{lr:g}: {per_seed} ({s.mean(lr):.4f} ± {s.stderr(lr):.4f})")
-        flags = []
-        if s.extended:
-            flags.append(f"extended by {', '.join(f'{x:g}' for x in s.extended)}")
-        if s.at_edge:
-            flags.append("**still at an edge**")
+        flags = [f"extended by {', '.join(f'{x:g}' for x in s.extended)}"] if s.extended else []
+        flags += ["**still at an edge**"] if s.at_edge else []
         fixed = ", ".join(f"{k} {v:g}" for k, v in s.fixed.items())
         chosen = f"{s.chosen:g}" + (f" ({'; '.join(flags)})" if flags else "") + (f"; {fixed}" if fixed else "")
         known = math.isfinite(s.stderr(s.chosen))
@@ -364,11 +353,10 @@ def _report_opening(summary: Summary) -> list[str]:
         "Ratios are AdamW over the Muon arm at matched levels off the unigram plateau (in the stable phase of a "
         "warmup-stable-decay schedule), twice: as the ratio of means (sums over seeds and levels, the paper's kind of "
         "average) and as each seed's median of its per-level ratios, averaged over seeds, which a single step "
-        "outside the quadratic regime (a loss "
-        "spike, with NDS of either sign and hundreds of times the usual size) cannot swing; no level is dropped from "
-        "either. Intervals: 95% seed-level t intervals (on the per-seed log ratios when all are positive, else "
-        "Fieller's; none when a denominator's sign is not settled) around the ratio of means; a t interval around "
-        "the mean of the per-seed values for the other entries. These cells are "
+        "outside the quadratic regime (a loss spike, with NDS of either sign and hundreds of times the usual size) "
+        "cannot swing; no level is dropped from either. Intervals: 95% seed-level t intervals (on the per-seed log "
+        "ratios when all are positive, else Fieller's; none when a denominator's sign is not settled) around the "
+        "ratio of means; a t interval around the mean of the per-seed values for the other entries. These cells are "
         "correlated and many are claims the paper never made: they are described, not judged. The paper's numbers "
         "are over all parameters.",
         "",
@@ -529,7 +517,7 @@ def update_readme(
     """From ``results/summary.json``: rewrite the README's results section of that summary's preset
     (between the :func:`readme_markers` lines: the primary family), write the whole results ``page``,
     and copy the figures they show into ``figures``. Links are relative to the file that holds them.
-    ``rerun``: another run's directory (with summary.json) whose :func:`rerun_agreement` the section adds.
+    ``rerun``: another run's directory (with summary.json) whose :func:`rerun_agreement` the page adds.
 
     Raises:
         CurvlabError: no summary, or a README without the markers.
@@ -553,8 +541,8 @@ def update_readme(
         return Path(os.path.relpath(target.resolve(), holder.resolve().parent)).as_posix()
 
     whole = render_readme_results(summary, relative(figures, page), note)
+    if rerun is not None:
+        whole += "\n" + "\n".join(rerun_agreement(summary, Summary.load(Path(rerun) / "summary.json")))
     atomic_write_text(page, f"# Results: the {summary.preset} preset\n\n{whole}")
     teaser = render_readme_teaser(summary, relative(figures, readme), relative(page, readme))
-    if rerun is not None:
-        teaser += "\n" + "\n".join(rerun_agreement(summary, Summary.load(Path(rerun) / "summary.json")))
     atomic_write_text(readme, head + begin + "\n\n" + teaser + "\n" + end + tail)

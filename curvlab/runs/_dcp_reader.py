@@ -1,25 +1,18 @@
 """torch's DCP files, read without running code.
 
-A DCP checkpoint directory holds ``.metadata``, a plain pickle of torch's ``Metadata``, and the ranks'
-``__R_S.distcp`` files: tensors, which torch reads with ``weights_only=True``, and *byte items*, the
-state dict's other values ``torch.save``'d one by one (curvlab's are the optimizer's param groups:
-learning rates, betas, flags, parameter names), which torch's ``DefaultLoadPlanner`` unpickles with
-no restriction at all. Read as torch reads them, a crafted ``.metadata`` or byte item runs whatever its
-pickle names. Here:
+A DCP checkpoint directory holds ``.metadata``, a plain pickle, and the ranks' ``__R_S.distcp`` files:
+tensors (read with ``weights_only=True``) and *byte items*, the state dict's other values (curvlab's:
+the optimizer's param groups), which torch's ``DefaultLoadPlanner`` unpickles with no restriction. Read as
+torch reads them, a crafted ``.metadata`` or byte item runs whatever its pickle names. Here:
 
 * :func:`read_metadata` unpickles ``.metadata`` with :class:`_MetadataUnpickler`, which resolves only
-  torch's checkpoint-metadata classes and the few types they hold (``torch.Size``, dtypes, layouts,
-  paths), and sets attributes and items only on the metadata objects, lists and dicts it builds (never
-  on a class, a module or a shared value such as an enum member: that would change them for the whole
-  process); a file that names or does anything else is refused in one line, and so is one whose parts
-  are not what torch's reader takes (its storage items, state-dict entries, storage meta), or whose
-  shard files lie outside its directory (``../`` or an absolute path: torch would read them).
+  torch's checkpoint-metadata classes and the few types they hold, and changes only the objects it
+  builds; a file that names or does anything else, whose parts are not what torch's reader takes, or
+  whose shard files lie outside its directory is refused in one line.
 * :class:`VettedReader` is torch's ``FileSystemReader`` whose metadata is that one, read once.
-* :class:`VettedLoadPlanner` reads byte items with ``torch.load(..., weights_only=True)`` and places
-  them itself (torch's own ``load_bytes`` is never called).
-* :func:`load` is ``dcp.load`` with both; a refusal raised inside torch's collectives (wrapped in its
-  ``CheckpointException``, a traceback per rank) comes back as its one line, and so does a shard that
-  torch's reader fails to read (a corrupt tensor item).
+* :class:`VettedLoadPlanner` reads byte items with ``torch.load(..., weights_only=True)``.
+* :func:`load` is ``dcp.load`` with both; a refusal raised inside torch's collectives, or a shard torch's
+  reader fails to read, comes back as one line.
 """
 
 from __future__ import annotations
@@ -46,12 +39,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from curvlab.errors import CurvlabError
 from curvlab.util.paths import inside
-from curvlab.util.weights_only import is_weights_only_refusal, unpickling_error
+from curvlab.util.weights_only import refused_global, unpickling_error
 
 METADATA = ".metadata"
-# what a .metadata curvlab writes names besides torch.distributed.checkpoint.metadata's own classes
-# (found by unpickling real ones): each storage item's location, tensor sizes, dtypes and layouts, and
-# the checkpoint's path (pathlib's module is pathlib._local from Python 3.13)
+# what a .metadata names besides torch.distributed.checkpoint.metadata's classes (found by unpickling real
+# ones): storage locations, sizes, dtypes, layouts, the path (pathlib._local from Python 3.13)
 _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
@@ -95,13 +87,21 @@ def _describe(obj: Any) -> str:
     return f"a {type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def _vetted(load: Callable, depth: int, kinds: tuple[type, ...], marked: bool = False) -> Callable:
+    """Pickle's opcode ``load``, once the object it changes is of one of ``kinds`` (``_MetadataUnpickler._target``)."""
+
+    def op(self: _MetadataUnpickler) -> None:
+        self._target(depth, kinds, marked)
+        load(self)
+
+    return op
+
+
 class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-Python ``pickle`` unpickler (whose opcodes are Python methods, and so can be vetted:
-    the C one's can't) that resolves only the globals of torch's checkpoint metadata and changes only
-    what it builds: BUILD (set attributes) only on a metadata dataclass instance, and never its dunder
-    attributes; SETITEM(S) only on a dict, APPEND(S) only on a list, ADDITEMS only on a set. An
-    allowed class is an object like any other on the stack: without these checks, BUILD on one
-    ``setattr``s on the class itself, for the whole process."""
+    """The pure-Python unpickler (its opcodes can be vetted, the C one's can't), resolving only torch's
+    checkpoint-metadata globals and changing only what it builds: BUILD only on a metadata dataclass
+    instance (no dunder attributes), SETITEM(S), APPEND(S) and ADDITEMS only on a dict, a list or a set
+    (BUILD on an allowed class would ``setattr`` on the class itself, for the whole process)."""
 
     dispatch: ClassVar[dict[int, Callable]] = dict(pickle._Unpickler.dispatch)
 
@@ -130,49 +130,22 @@ class _MetadataUnpickler(pickle._Unpickler):
                     raise _Changes(f"the attributes {list(d)[:3]!r} of {_describe(self.stack[-2])}")
         pickle._Unpickler.load_build(self)
 
-    def _setitem(self) -> None:
-        self._target(3, (dict, OrderedDict))
-        pickle._Unpickler.load_setitem(self)
-
-    def _setitems(self) -> None:
-        self._target(1, (dict, OrderedDict), marked=True)
-        pickle._Unpickler.load_setitems(self)
-
-    def _append(self) -> None:
-        self._target(2, (list,))
-        pickle._Unpickler.load_append(self)
-
-    def _appends(self) -> None:
-        self._target(1, (list,), marked=True)
-        pickle._Unpickler.load_appends(self)
-
-    def _additems(self) -> None:
-        self._target(1, (set,), marked=True)
-        pickle._Unpickler.load_additems(self)
-
     dispatch[pickle.BUILD[0]] = _build
-    dispatch[pickle.SETITEM[0]] = _setitem
-    dispatch[pickle.SETITEMS[0]] = _setitems
-    dispatch[pickle.APPEND[0]] = _append
-    dispatch[pickle.APPENDS[0]] = _appends
-    dispatch[pickle.ADDITEMS[0]] = _additems
+    dispatch[pickle.SETITEM[0]] = _vetted(pickle._Unpickler.load_setitem, 3, (dict, OrderedDict))
+    dispatch[pickle.SETITEMS[0]] = _vetted(pickle._Unpickler.load_setitems, 1, (dict, OrderedDict), marked=True)
+    dispatch[pickle.APPEND[0]] = _vetted(pickle._Unpickler.load_append, 2, (list,))
+    dispatch[pickle.APPENDS[0]] = _vetted(pickle._Unpickler.load_appends, 1, (list,), marked=True)
+    dispatch[pickle.ADDITEMS[0]] = _vetted(pickle._Unpickler.load_additems, 1, (set,), marked=True)
 
 
 def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
-    """The ``Metadata`` in DCP directory ``path``'s ``.metadata``, unpickled by the restricted unpickler.
-
-    Raises:
-        CurvlabError: no ``.metadata``; one that names a global other than torch's checkpoint-metadata
-            classes (refused, never built), or that would change an object it didn't build (a class);
-            a corrupt one, one that holds something else, or one whose parts aren't what torch's reader
-            takes; one that names a shard file outside ``path``.
-    """
+    """The ``Metadata`` in DCP directory ``path``'s ``.metadata``, unpickled by the restricted unpickler
+    (see the module docstring for what it refuses)."""
     file = Path(path) / METADATA
     try:
         data = file.read_bytes()
-        # first a parse that builds nothing (pickletools): a length field beyond the file's end, or a memo
-        # index beyond it (a crafted 1 TiB; a flipped byte's 32 GB memo), is refused before any object is
-        # built
+        # first a parse that builds nothing: a length field or memo index beyond the file's end (a crafted
+        # 1 TiB; a flipped byte's 32 GB memo) is refused before any object is built
         for op, arg, _ in pickletools.genops(data):
             if op.name.endswith("PUT") and arg > len(data):
                 raise ValueError(f"memo index {arg} in a file of {len(data)} bytes")
@@ -207,12 +180,8 @@ _MISSING = object()
 
 
 def _check_parts(metadata: dcp_metadata.Metadata, file: Path) -> None:
-    """Raise ``CurvlabError`` (naming ``file``) unless ``metadata`` holds what torch's reader and
-    curvlab take: ``storage_data`` a dict of ``MetadataIndex`` to ``_StorageInfo`` (a relative path,
-    an offset and a length >= 0), ``state_dict_metadata`` a dict of names to tensor metadata (a
-    ``torch.Size``, a dtype, chunks of ``torch.Size`` offsets and sizes) or byte-item metadata, and
-    ``storage_meta`` None or a ``StorageMeta``. (A crafted file can build any of its allowed classes
-    with any fields, or leave fields out.)"""
+    """Raise ``CurvlabError`` (naming ``file``) unless ``metadata``'s parts are of the types torch's reader
+    and curvlab take (a crafted file can build its allowed classes with any fields, or leave fields out)."""
 
     def need(value: Any, ok: Callable[[Any], bool], what: str, expected: str) -> Any:
         if not ok(value):
@@ -301,12 +270,7 @@ class VettedLoadPlanner(DefaultLoadPlanner):
 
 def load(state: dict[str, Any], path: str | Path) -> None:
     """``dcp.load(state)`` from DCP directory ``path`` through :class:`VettedReader` and
-    :class:`VettedLoadPlanner`, on every rank.
-
-    Raises:
-        CurvlabError: a refused or corrupt ``.metadata``, byte item or tensor (on every rank: torch
-            gathers each rank's failure to all).
-    """
+    :class:`VettedLoadPlanner`, on every rank (a refused or corrupt part fails on all of them)."""
     try:
         dcp.load(state, storage_reader=VettedReader(path), planner=VettedLoadPlanner(path))
     except CheckpointException as e:
@@ -314,7 +278,7 @@ def load(state: dict[str, Any], path: str | Path) -> None:
             if isinstance(exc, CurvlabError):
                 raise CurvlabError(str(exc)) from None
         for exc, _ in e.failures.values():
-            if is_weights_only_refusal(exc):
+            if refused_global(exc) is not None:
                 raise unpickling_error(exc, path, "a tensor in a shard") from None
         for exc, stack in e.failures.values():
             if _failed_reading_a_shard(exc, stack):
@@ -331,10 +295,8 @@ _TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
 def _failed_reading_a_shard(exc: BaseException, stack: traceback.StackSummary) -> bool:
-    """Whether ``exc`` (raised where ``stack`` says, as torch's ``CheckpointException`` records it) is
-    torch failing to read a shard file's bytes: one of :data:`_SHARD_FAILURES` raised in or under
-    ``FileSystemReader.read_data`` by torch's own code, never by a planner it calls (torch's or
-    curvlab's), whose failures are unexpected and keep their traceback."""
+    """Whether ``exc``, raised where ``stack`` says, is torch failing to read a shard file's bytes: one of
+    :data:`_SHARD_FAILURES` raised under ``FileSystemReader.read_data`` by torch's own code, not a planner's."""
     if not isinstance(exc, _SHARD_FAILURES):
         return False
     frames = list(stack)

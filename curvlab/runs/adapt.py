@@ -33,17 +33,9 @@ from curvlab.util.paths import same_path
 ADAPTER_FILE = "adapter.json"  # the LoRA settings of an adaptation run, beside its config.json
 
 
-# -- one adaptation run ------------------------------------------------------------------------------
-
-
 def adapter_targets(model: nn.Module) -> list[str]:
     """The names of the ``nn.Linear`` modules whose weight is a hidden matrix (the attention and MLP
-    linears; not the embeddings or the head), found from the module structure
-    (:func:`curvlab.models.roles.parameter_roles`), never from parameter names.
-
-    Raises:
-        CurvlabError: the model has no such linear layer (nothing for LoRA to adapt).
-    """
+    linears), found from the module structure (:func:`curvlab.models.roles.parameter_roles`)."""
     params = dict(model.named_parameters())
     hidden = set(hidden_matrices(params, model=model))
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and f"{n}.weight" in hidden]
@@ -53,11 +45,7 @@ def adapter_targets(model: nn.Module) -> list[str]:
 
 
 def check_rank(model: nn.Module, rank: int, targets: list[str] | None = None) -> list[str]:
-    """``targets`` (default :func:`adapter_targets`), after checking that rank r fits every one.
-
-    Raises:
-        CurvlabError: r < 1, or r larger than a target layer's smaller side; no layer to adapt.
-    """
+    """``targets`` (default :func:`adapter_targets`), after checking that rank r fits every one."""
     targets = adapter_targets(model) if targets is None else targets
     if rank < 1:
         raise CurvlabError(f"the LoRA rank must be >= 1, got {rank}")
@@ -71,11 +59,7 @@ def check_rank(model: nn.Module, rank: int, targets: list[str] | None = None) ->
 
 def lora_model(base: nn.Module, rank: int, targets: list[str] | None = None) -> nn.Module:
     """``base`` wrapped by peft LoRA (rank r, alpha 2r, no dropout) on ``targets`` (default
-    :func:`adapter_targets`); everything else is frozen.
-
-    Raises:
-        CurvlabError: no linear layer to adapt, or a rank larger than a layer's smaller side.
-    """
+    :func:`adapter_targets`); everything else is frozen."""
     from peft import LoraConfig, get_peft_model  # optional (the hf extra): only adapter runs need it
 
     targets = check_rank(base, rank, targets)
@@ -83,14 +67,8 @@ def lora_model(base: nn.Module, rank: int, targets: list[str] | None = None) -> 
 
 
 def load_base(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict[str, Any]]:
-    """The GPT of a curvlab checkpoint, or of a finished run directory's last checkpoint, and the
-    checkpoint's training config (``config``).
-
-    Raises:
-        CurvlabError: no such run or checkpoint, a corrupt one, or one without a GPT config; a run
-            that another process is training (:func:`~curvlab.util.lock.check_not_owned`) or that
-            stopped before its last step (its checkpoint file may be passed instead).
-    """
+    """The GPT of a curvlab checkpoint, or of a finished run directory's last checkpoint (not one another
+    process is training, nor one stopped before its last step), and the checkpoint's training config."""
     run, path = None, Path(path)
     if path.is_dir():
         check_not_owned(path, "it is still training; adapt it once it has finished")
@@ -129,17 +107,8 @@ def adapter_reference(base: str | Path, rank: int) -> dict[str, Any]:
     return {"base": str(base), "rank": rank, "alpha": 2 * rank}
 
 
-def _saved_settings(out: Path, name: str, what: str) -> dict[str, Any]:
-    """The JSON object in ``out / name`` (``what``: the run, for the message).
-
-    Raises:
-        CurvlabError: the file is missing or unreadable, or holds no JSON object.
-    """
-    return schema.read_json_object(out / name, f"settings of {what}")
-
-
 def _adapter_difference(out: Path, reference: dict[str, Any]) -> list[str]:
-    adapter = _saved_settings(out, ADAPTER_FILE, "an adaptation run")
+    adapter = schema.read_json_object(out / ADAPTER_FILE, "settings of an adaptation run")
     if adapter.get("rank") != reference["rank"] or not same_path(adapter.get("base"), reference["base"]):
         return [f"adapter: {adapter} -> base {reference['base']!r}, rank {reference['rank']}"]
     return []
@@ -147,7 +116,7 @@ def _adapter_difference(out: Path, reference: dict[str, Any]) -> list[str]:
 
 def _check_finished_run(out: Path, cfg: TrainConfig, base: Path, rank: int) -> None:
     """Refuse to reuse a finished run made with other settings (its directory does not name them)."""
-    saved = _saved_settings(out, "config.json", "a finished run")
+    saved = schema.read_json_object(out / "config.json", "settings of a finished run")
     changed = config_difference(saved, json.loads(json.dumps(cfg.to_dict())))
     changed += _adapter_difference(out, adapter_reference(base, rank))
     if changed:
@@ -156,13 +125,8 @@ def _check_finished_run(out: Path, cfg: TrainConfig, base: Path, rank: int) -> N
 
 def build_adapter_run(cfg: TrainConfig, base: str | Path, rank: int) -> Run:
     """The :class:`~curvlab.runs.train.Run` of an adaptation, at step 0: the base checkpoint's GPT wrapped
-    by LoRA (:func:`lora_model`, A drawn from seed ``cfg.seed``), the optimizer ``cfg.optimizer`` of
-    its adapters (:func:`curvlab.optim.build.build_optimizer`), the schedule and loaders of ``cfg``
-    (``cfg.model`` is ignored: the base's model is used).
-
-    Raises:
-        CurvlabError: a bad config, base, data or rank.
-    """
+    by LoRA (:func:`lora_model`, A drawn from seed ``cfg.seed``; ``cfg.model`` is ignored), the optimizer
+    ``cfg.optimizer`` of its adapters, the schedule and loaders of ``cfg``."""
     cfg.validate()
     device = pick_device(cfg.device)
     model, _ = load_base(base, device)
@@ -179,21 +143,13 @@ def build_adapter_run(cfg: TrainConfig, base: str | Path, rank: int) -> Run:
 
 
 def adapt(cfg: TrainConfig, base: str | Path, rank: int, heldout_windows: int | None, progress: bool = True) -> float:
-    """Fine-tune the base checkpoint with LoRA (:func:`build_adapter_run`) as ``cfg`` says (optimizer,
-    lr, steps, schedule, batches, seed), in the training loop of full-model runs
-    (:func:`curvlab.runs.train.train_loop`); an interrupted run resumes from its last checkpoint, bit for bit.
+    """Fine-tune the base checkpoint with LoRA (:func:`build_adapter_run`) as ``cfg`` says, in
+    :func:`curvlab.runs.train.train_loop`; an interrupted run resumes bit for bit, a finished one is not
+    run again (a run in ``cfg.out`` with other settings is refused). Returns the final validation loss.
 
-    With ``heldout_windows``, every checkpoint in the stable phase also gets a curvature row of the
-    step taken from it (:class:`~curvlab.runs.monitor.CurvatureMonitor`, blocks
-    :func:`~curvlab.optim.lora.adapter_blocks`,
-    on the first ``heldout_windows`` validation windows) in ``metrics.jsonl``. Checkpoints hold the
-    adapter parameters, the base's reference (:func:`adapter_reference`) and the optimizer, schedule,
-    loader and RNG states. A finished run is not run again. Returns the final validation loss.
-
-    Raises:
-        CurvlabError: a bad base, data or rank; a finished or interrupted run in ``cfg.out`` with other
-            settings, or one another process is writing (:func:`~curvlab.util.lock.own_directory`);
-            :class:`~curvlab.runs.train.TrainingDiverged` on a non-finite training loss.
+    With ``heldout_windows``, every checkpoint in the stable phase also gets a curvature row of the step
+    taken from it (blocks :func:`~curvlab.optim.lora.adapter_blocks`, on the first ``heldout_windows``
+    validation windows) in ``metrics.jsonl``.
     """
     with own_directory(cfg.out, "train"):  # (from the first read: a resume may delete and write before training)
         return _adapt(cfg, base, rank, heldout_windows, progress)

@@ -17,19 +17,15 @@ shadow     (runs with ``shadow`` on) the other arm's shadow state: :mod:`curvlab
 controls   (runs with ``controls`` on) ``{twin, hp_twin}``: shadow states of the run's own arm
 ========== =====================================================================
 
-Writes go to a temporary file that is renamed into place, so a crash mid-write leaves the previous
-checkpoint valid. A run directory also keeps ``index.json``: ``{step, val_loss, path}`` for every
-checkpoint, so matching by validation loss never has to open checkpoints; sealed (its ``content_digest``,
-:func:`curvlab.util.schema.sealed`), so that a flipped digit of a loss is refused, never read.
+Writes are atomic: a crash mid-write leaves the previous checkpoint valid. A run directory also keeps
+``index.json``, ``{step, val_loss, path}`` of every checkpoint (so matching by loss opens none), sealed
+(:func:`curvlab.util.schema.sealed`): a flipped digit of a loss is refused, never read.
 
-This is also the one place where checkpoints of every format are read, with one set of errors
-(:func:`read_checkpoint`): curvlab's own, nanoGPT's ``ckpt.pt``, a Hugging Face ``Trainer``
-checkpoint directory (with :mod:`curvlab.runs.hf`, which imports transformers, for what only it knows),
-a Lightning ``.ckpt`` and a ``torch.save``'d state dict (with :mod:`curvlab.runs.foreign`, which rebuilds
-what they don't record from what the user names).
-A missing path, an unreadable, truncated or corrupt file (random bytes, text, a Git LFS pointer), a
-file of no known format, and a device this torch can't use each raise one
-:class:`~curvlab.errors.CurvlabError`.
+:func:`read_checkpoint` reads checkpoints of every format with one set of errors: curvlab's, nanoGPT's
+``ckpt.pt``, a Hugging Face ``Trainer`` directory (:mod:`curvlab.runs.hf`), a Lightning ``.ckpt`` and a
+``torch.save``'d state dict (:mod:`curvlab.runs.foreign`). A missing path, an unreadable, truncated or
+corrupt file (random bytes, text, a Git LFS pointer), a file of no known format, and a device this torch
+can't use each raise one :class:`~curvlab.errors.CurvlabError`.
 """
 
 from __future__ import annotations
@@ -65,7 +61,7 @@ def checkpoint_name(step: int) -> str:
 
 
 def is_checkpoint_name(name: str) -> bool:
-    """Whether ``name`` is one :func:`checkpoint_name` gives (what a pruning may delete, and nothing else)."""
+    """Whether ``name`` is one :func:`checkpoint_name` gives (what a pruning may delete)."""
     return re.fullmatch(r"ckpt_\d{6,}\.pt", name) is not None
 
 
@@ -93,11 +89,9 @@ def check_not_lfs_pointer(path: str | Path, what: str) -> None:
 
 
 def read_file(path: str | Path, what: str = "checkpoint", map_location: str | torch.device = "cpu") -> Any:
-    """``torch.load`` of one file (tensors only, ``weights_only=True``), with curvlab's errors: a
-    missing file, a Git LFS pointer, a file ``torch.save`` didn't write (text, random bytes), a corrupt
-    or unreadable one, and one whose pickle names a class or function beyond tensors and plain data
-    (which could run code: refused, never unpickled, with the entry that holds it and what to do), each a
-    one-line ``CurvlabError`` naming ``path``."""
+    """``torch.load`` of one file (``weights_only=True``), with curvlab's errors: a missing file, a Git LFS
+    pointer, bytes ``torch.save`` didn't write, a corrupt one, and one whose pickle names a global beyond
+    tensors and plain data (refused, with the entry that holds it), each one line naming ``path``."""
     path = Path(path)
     if not path.is_file():
         raise CurvlabError(f"{path}: no such {what}")
@@ -121,8 +115,8 @@ def read_file(path: str | Path, what: str = "checkpoint", map_location: str | to
 
 
 def _check_crcs(path: Path, what: str) -> None:
-    """Raise ``CurvlabError`` if a record of the zip archive ``torch.save`` wrote fails its CRC-32 (torch's
-    reader doesn't check them: a flipped byte in a tensor would load as another value)."""
+    """Raise ``CurvlabError`` if a record of the zip archive fails its CRC-32 (torch's reader doesn't check
+    them: a flipped byte in a tensor would load as another value)."""
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
@@ -137,16 +131,11 @@ SAFETENSORS_HEADER_LIMIT = 100_000_000  # bytes: the safetensors format's own li
 
 def check_safetensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Raise ``CurvlabError`` unless ``path`` is a whole, well-formed safetensors file; returns each
-    tensor's dtype, as safetensors names it (``"F32"``), and shape by its key, which the model is checked
-    against (:func:`curvlab.runs.hf.load_model`).
+    tensor's dtype (``"F32"``) and shape by its key, for :func:`curvlab.runs.hf.load_model`'s checks.
 
-    The header's length is checked against the format's limit (100 MB) before the header is read (a
-    sparse 10 GB file that claims a 10 GB header is refused unread), then each tensor's end must be an
-    integer within the file (a truncated download is told apart), then safetensors' own validation
-    (``safe_open``) checks the rest: known dtypes, ``begin <= end``, offsets that tile the data with no
-    gap or overlap, each tensor's bytes its dtype's size times its shape's elements (no overflow), and
-    nothing after them. A truncated download, a Git LFS pointer and other bytes each get one line naming
-    the file.
+    The header's length is checked against the format's limit before the header is read (a sparse file
+    claiming a 10 GB header is refused unread), then each tensor's end against the file's size (a truncated
+    download is told apart), then ``safe_open`` validates the rest (dtypes, offsets, sizes).
     """
     import safetensors  # (transformers' dependency, the hf extra: only a Trainer directory's weights are read here)
 
@@ -187,8 +176,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def check_device(device: str | torch.device) -> torch.device:
-    """``device`` as a ``torch.device``, if this torch can use it (a CUDA device on a CPU-only build is
-    a ``CurvlabError``, not a traceback from deep inside the first tensor moved there)."""
+    """``device`` as a ``torch.device``, if this torch can use it (else a ``CurvlabError``, not a traceback
+    from the first tensor moved there)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -206,14 +195,9 @@ FORMATS = ("curvlab", "nanogpt", "hf-trainer", *FOREIGN_FORMATS)
 
 @dataclass
 class ReadCheckpoint:
-    """A checkpoint as read from disk, before any model is built.
-
-    Attributes:
-        format: one of :data:`FORMATS`.
-        path: where it was read from.
-        payload: the loaded dict (curvlab, nanoGPT), a :class:`curvlab.runs.hf.TrainerCheckpoint`, or a
-            :class:`curvlab.runs.foreign.ForeignCheckpoint` (Lightning, state dict).
-    """
+    """A checkpoint as read from ``path``, before any model is built: its ``format`` (:data:`FORMATS`) and
+    ``payload``, the loaded dict (curvlab, nanoGPT), a :class:`curvlab.runs.hf.TrainerCheckpoint`, or a
+    :class:`curvlab.runs.foreign.ForeignCheckpoint`."""
 
     format: str
     path: Path
@@ -221,10 +205,9 @@ class ReadCheckpoint:
 
 
 def read_checkpoint(path: str | Path) -> ReadCheckpoint:
-    """Read a checkpoint of any format curvlab knows (see :data:`FORMATS`), telling them apart by
-    content: a directory is a Hugging Face Trainer checkpoint, a file with ``model_args`` nanoGPT's,
-    a file with curvlab's ``format`` field curvlab's, then Lightning's and state dicts
-    (:func:`curvlab.runs.foreign.foreign_checkpoint`)."""
+    """Read a checkpoint of any format curvlab knows (see :data:`FORMATS`), telling them apart by content:
+    a directory is a Trainer checkpoint, a file with ``model_args`` nanoGPT's, with a ``format`` field
+    curvlab's, else Lightning's or a state dict (:func:`curvlab.runs.foreign.foreign_checkpoint`)."""
     path = Path(path)
     if path.is_dir():
         return ReadCheckpoint("hf-trainer", path, _read_trainer_directory(path))
@@ -242,8 +225,7 @@ def read_checkpoint(path: str | Path) -> ReadCheckpoint:
 def restore_lightning(module: torch.nn.Module, path: str | Path) -> list[torch.optim.Optimizer]:
     """Load a Lightning ``.ckpt`` into a LightningModule (or any module with ``configure_optimizers``): its
     weights into ``module``, strictly, and each optimizer state into the optimizers ``configure_optimizers``
-    builds, in order, as Lightning restores them. Returns those optimizers, for
-    :func:`~curvlab.steps.update.next_update` and the analyses (``module`` is the model).
+    builds, in order, as Lightning restores them (for :func:`~curvlab.steps.update.next_update`).
 
     Args:
         module: the LightningModule (or any module with ``configure_optimizers``), in the dtype the
@@ -254,9 +236,8 @@ def restore_lightning(module: torch.nn.Module, path: str | Path) -> list[torch.o
         The optimizers ``configure_optimizers`` builds, in its order, each holding its saved state.
 
     Raises:
-        CurvlabError: not a Lightning checkpoint, weights that don't fit the module or have another dtype than
-            its own (a checkpoint of ``precision="64-true"`` restores into ``module.double()``), or a different
-            number of optimizers or groups than the saved ones.
+        CurvlabError: not a Lightning checkpoint, weights that don't fit the module or have another dtype
+            (``precision="64-true"`` restores into ``module.double()``), or other optimizers than the saved.
     """
     path = Path(path)
     raw = read_file(path)
@@ -326,17 +307,16 @@ def check_checkpoint(ckpt: Any, path: str | Path) -> dict[str, Any]:
 
 
 INDEX_FORMAT = "curvlab-index"
-# 2: a sealed object (schema.sealed) {format, version, entries, legacy_rows_upto}; 1: a bare list of entries,
-# unsealed (curvlab 0.2.0 and before), still read: its run's metrics rows predate their digests (runs.metrics)
+# 2: a sealed {format, version, entries, legacy_rows_upto}; 1 (curvlab 0.2.0 and before, still read): a bare
+# list of entries, unsealed
 INDEX_VERSION = 2
 LEGACY_ROWS_UPTO = "legacy_rows_upto"  # rows done at this step or before may lack digests (an upgraded run's)
 
 
 @dataclass(frozen=True)
 class RunIndex:
-    """A run's ``index.json``: its ``entries`` by step; ``legacy_rows_upto``: the step at or before which the
-    run's metrics rows were written by a curvlab that gave them no digest (``None``: all of them, a version-1
-    index's run; -1: none)."""
+    """A run's ``index.json``: its ``entries`` by step; ``legacy_rows_upto``: the step up to which its metrics
+    rows may lack digests (``None``: all, a version-1 index; -1: none)."""
 
     entries: list[dict[str, Any]]
     legacy_rows_upto: int | None
@@ -345,14 +325,9 @@ class RunIndex:
 def read_run_index(run_dir: str | Path) -> RunIndex | None:
     """The run's checkpoint index (``None`` if there is none yet), entries sorted by step.
 
-    Every entry's ``path`` is a name inside the run (:func:`curvlab.util.paths.inside`): an index that
-    names a file elsewhere (``../x``, an absolute path, a link out) is refused, so that nothing that
-    reads, resumes from or prunes a run's checkpoints touches a file outside it.
-
-    Raises:
-        CurvlabError: the index is not JSON, not sealed or not its seal's content (a version-2 index), of
-            another version, an entry lacks an integer ``step`` or a ``path``, its ``val_loss`` is neither a
-            number nor null, or a ``path`` leads outside the run.
+    Every entry's ``path`` must lie inside the run (:func:`curvlab.util.paths.inside`), so that nothing
+    that reads, resumes from or prunes a run's checkpoints touches a file outside it. An index that is not
+    JSON, not its seal's content (version 2), of another version, or with a malformed entry is refused.
     """
     path = Path(run_dir) / INDEX
     if not path.is_file():
@@ -388,17 +363,15 @@ def _checked_entries(entries: Any, run_dir: str | Path, path: Path) -> list[dict
 
 
 def read_index(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The entries of the run's checkpoint index (:func:`read_run_index`), sorted by step (``[]`` if there
-    is none yet)."""
+    """The entries of :func:`read_run_index`, sorted by step (``[]`` if there is none yet)."""
     index = read_run_index(run_dir)
     return [] if index is None else index.entries
 
 
 def add_to_index(run_dir: str | Path, step: int, val_loss: float, name: str) -> None:
     """Record a checkpoint in the run's index (rewritten atomically and sealed; an entry of the same step is
-    replaced). ``name`` must lie inside the run, as :func:`read_index` requires. A version-1 index is
-    rewritten as version 2, whose ``legacy_rows_upto`` is its last step (the run resumed from there: the
-    rows after it are this curvlab's, with digests)."""
+    replaced). A version-1 index becomes version 2, whose ``legacy_rows_upto`` is its last step (the rows
+    after it, written since the resume, have digests)."""
     inside(run_dir, name, Path(run_dir) / INDEX)
     index = read_run_index(run_dir)
     if index is None:

@@ -80,13 +80,8 @@ class TrainConfig(Record):
     @classmethod
     def from_sources(cls, file: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
         """The config of ``curvlab train``: the dataclass defaults, then the JSON object in ``file``, then
-        ``overrides`` (the options given on the command line), each over the one before. The dict fields
-        (``optimizer_options``, ``model_overrides``, ``shadow_options``) merge key by key.
-
-        Raises:
-            CurvlabError: a missing or corrupt file, a field this config doesn't have (named), a value
-                of the wrong type, or no ``data`` or ``out``.
-        """
+        ``overrides`` (the command line's options), each over the one before; the dict fields
+        (:data:`MERGED_FIELDS`) merge key by key. Unknown fields and values of the wrong type are refused."""
         merged: dict[str, Any] = {}
         for where, source in ((str(file), _read_config_file(file) if file else {}), ("overrides", overrides or {})):
             _check_fields(source, where)
@@ -118,12 +113,11 @@ class TrainConfig(Record):
         check_optimizer_options(self.shadow_options, "shadow_options")
 
     def memory_estimate(self, world: int = 1, sharded: bool = False) -> int:
-        """The bytes a training step takes at the least on one of ``world`` ranks: the parameters with their
-        gradients and two optimizer states (float32; a rank's share of them when ``sharded``, FSDP), the
-        activations each layer keeps for the backward (16 n_embd a token) and the logits with their gradient
-        (2 vocab_size a token) of the rank's share of the batch, at 2 bytes a value (bfloat16 under CUDA's
-        autocast; a CPU stores twice that); attention scores and workspace come on top. For refusing, before
-        anything is allocated, a batch no machine could hold. Call :meth:`validate` first."""
+        """The bytes a training step takes at the least on one of ``world`` ranks, for refusing a batch no
+        machine could hold (after :meth:`validate`): the parameters with their gradients and two optimizer
+        states (float32; a rank's share when ``sharded``), the activations each layer keeps (16 n_embd a
+        token) and the logits with their gradient (2 vocab_size a token) of the rank's rows, at 2 bytes a
+        value (bfloat16 under CUDA's autocast); attention scores and workspace come on top."""
         m = get_config(self.model, **self.model_overrides)
         tokens = -(-self.batch_size // world) * (self.seq_len or m.block_size)  # (each rank takes rows rank::world)
         embeddings = m.vocab_size * m.n_embd * (1 if m.tie_embeddings else 2) + m.block_size * m.n_embd
@@ -235,10 +229,6 @@ def _same(key: str, saved: Any, new: Any) -> bool:
 
 
 def _config_defaults() -> dict[str, Any]:
-    out = {}
-    for f in fields(TrainConfig):
-        if f.default is not MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not MISSING:
-            out[f.name] = f.default_factory()
+    out = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+    out |= {f.name: f.default_factory() for f in fields(TrainConfig) if f.default_factory is not MISSING}
     return json.loads(json.dumps(out))

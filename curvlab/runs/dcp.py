@@ -1,18 +1,12 @@
 """Sharded checkpoints (``torch.distributed.checkpoint``, DCP) of FSDP2 runs, and their analysis.
 
-A sharded checkpoint is a directory: DCP's files (each rank writes its shards of the model and of
-the optimizer state, taken by ``get_model_state_dict`` / ``get_optimizer_state_dict``) and
-``curvlab.json``, written by rank 0, with what isn't sharded: the format and world size, the training
-config, the step, the schedule's, loader's and RNG states and the validation loss, as plain JSON (torch's
-RNG state as a hex string of its bytes). Nothing here unpickles anything but tensors and plain data: torch's own
-files are read through :mod:`curvlab.runs._dcp_reader`, and the ``curvlab.pt`` (a pickle) of schema 1
-is refused unread.
-
-:func:`load_sharded_into` puts such a checkpoint into a run sharded by :func:`shard_run` (FSDP2,
-``fully_shard`` per transformer block and at the root, the optimizer on the sharded parameters),
-under the world size that wrote it; :mod:`curvlab.analysis.sharded` opens one for the analysis. A
-checkpoint from another world size, or whose tensors don't match the model its config builds, is
-refused in one line.
+A sharded checkpoint is a directory: DCP's files (each rank's shards of the model and optimizer state)
+and ``curvlab.json``, written by rank 0, with what isn't sharded (world size, config, step, schedule,
+loader and RNG states, losses) as plain JSON. Nothing here unpickles anything but tensors and plain data:
+torch's files are read through :mod:`curvlab.runs._dcp_reader`, and schema 1's ``curvlab.pt`` (a
+pickle) is refused unread. :func:`load_sharded_into` puts a checkpoint into a run sharded by
+:func:`shard_run` under the world size that wrote it; :mod:`curvlab.analysis.sharded` opens one for the
+analysis.
 """
 
 from __future__ import annotations
@@ -53,16 +47,13 @@ OLD_META = "curvlab.pt"  # schema 1's: refused by name, never unpickled
 
 
 class ShardedMeta:
-    """What a sharded checkpoint's ``META`` is, for :mod:`curvlab.util.schema`: its format and schema
-    version. It is read as the dict it is, with its JSON forms decoded (:meth:`from_dict`)."""
+    """A sharded checkpoint's ``META`` for :mod:`curvlab.util.schema`: the dict it is, its JSON forms decoded."""
 
     SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
     WHAT: ClassVar[str] = "curvlab sharded checkpoint"
     FIXED_KEYS: ClassVar[dict[str, Any]] = {"format": FORMAT}
     SEALED: ClassVar[bool] = False  # (its writer, save_sharded_checkpoint, writes no seal)
 
-    # by hand: no record but the META dict as it is (its keys are the run's state), only the RNG state's
-    # hex and null losses decoded
     @staticmethod
     def from_dict(d: dict[str, Any]) -> dict[str, Any]:
         """``d`` with torch's RNG state (hex) as the uint8 tensor it is and a null loss (strict JSON's NaN) as NaN."""
@@ -84,9 +75,8 @@ def shard_run(run: Run) -> None:
 
 
 def _state(run: Run, optimizer: bool) -> dict[str, Any]:
-    """The DCP state dict of ``run``; ``optimizer=False`` leaves the optimizer out (an optimizer with no
-    state yet: ``get_optimizer_state_dict`` would create it by a zero step, which counts as a step for
-    Adam's bias correction and would change the run)."""
+    """The DCP state dict of ``run``; ``optimizer=False`` leaves out an optimizer with no state yet
+    (``get_optimizer_state_dict`` would create it by a zero step, which Adam's bias correction counts)."""
     state = {"model": get_model_state_dict(run.model)}
     if optimizer:
         state["optimizer"] = get_optimizer_state_dict(run.model, run.optimizer)
@@ -120,8 +110,7 @@ def save_sharded_checkpoint(run: Run, path: str | Path, val_loss: float, train_l
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """The ``curvlab.json`` of a sharded checkpoint, checked for its format and schema (a directory of
-    schema 1, with a pickled ``curvlab.pt``, is refused without opening it)."""
+    """The ``curvlab.json`` of a sharded checkpoint, checked for its format and schema."""
     path = Path(path)
     if not (path / META).is_file():
         if (path / OLD_META).is_file():
@@ -157,8 +146,7 @@ def check_shapes(path: Path, run: Run) -> None:
     """The checkpoint's model tensors against the model its config builds (a different config: refused)."""
     stored = _dcp_reader.read_metadata(path).state_dict_metadata
     for name, p in run.model.named_parameters():
-        key = f"model.{name}"
-        meta = stored.get(key)
+        meta = stored.get(f"model.{name}")
         if meta is None:
             raise CurvlabError(f"{path}: the checkpoint holds no {name!r}: it is from another model config")
         if tuple(meta.size) != tuple(p.shape):

@@ -10,23 +10,12 @@ state-dict ``torch.save(model.state_dict())``, or ``torch.save({"model": ..., "o
            are read too)
 ========== =================================================================================
 
-Neither records the model's class or the optimizer's, so the user names them (:class:`Rebuild`):
-
-* the model (:func:`build_model`): a curvlab config name (``tiny``, ``pcfg-9m``, ``gpt2-124m``), a
-  JSON file of :class:`~curvlab.models.gpt.GPTConfig` fields, or a Hugging Face ``config.json`` (the
-  file or its directory: the class its ``architectures`` names, built with no weights and nothing
-  downloaded). The weights are found under whatever prefix the saving module gave them
-  (:func:`load_weights`) and must fill the model exactly (a tied tensor under any one of its names), in
-  their own dtype; a Hugging Face class must be a causal LM (:func:`curvlab.runs.hf.causal_lm_class`);
-* the optimizer (:func:`rebuild_optimizer`): a ``torch.optim`` class, built on the model's
-  trainable parameters in the grouping the saved state fits (one group, decayed matrices then the
-  rest, or the Trainer's split), with the saved hyperparameters. Without a saved state it is the
-  class's fresh optimizer, with its default hyperparameters: the step it would take first.
-
-Which parameter sits in which group isn't saved, only the groups' sizes and the moments' shapes,
-so a grouping is taken only when those fit it and no other grouping that orders the parameters
-differently. A LightningModule in Python has its own answer: :func:`curvlab.runs.checkpoint.restore_lightning`
-builds the optimizers its ``configure_optimizers`` returns.
+Neither records the model's class or the optimizer's, so the user names them (:class:`Rebuild`): the
+model (:func:`build_model`), whose weights are found under whatever prefix the saving module gave them
+(:func:`load_weights`), and a ``torch.optim`` class (:func:`rebuild_optimizer`), built in the grouping
+of the parameters the saved state fits: only the groups' sizes and the moments' shapes are saved, so a
+grouping is taken only when no other that orders the parameters differently fits too. In Python,
+:func:`curvlab.runs.checkpoint.restore_lightning` builds a LightningModule's own optimizers.
 """
 
 from __future__ import annotations
@@ -43,7 +32,7 @@ from torch import Tensor, nn
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import CONFIGS, GPT, GPTConfig, get_config
 from curvlab.optim.model_optimizer import named_trainable
-from curvlab.runs.hf import causal_lm_class, quiet_transformers
+from curvlab.runs.hf import causal_lm_class, quiet_transformers, trainer_groups
 from curvlab.runs.weights import fill_ties, tie_groups
 
 FOREIGN_FORMATS = ("lightning", "state-dict")
@@ -55,13 +44,8 @@ _OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict")
 
 @dataclass(frozen=True)
 class Rebuild:
-    """What a Lightning or state-dict checkpoint doesn't record, named by the user.
-
-    Attributes:
-        config: the model: a curvlab config name, a GPTConfig JSON, or a Hugging Face ``config.json``.
-        optimizer: a ``torch.optim`` class, by name in any case (``adamw``, ``SGD``).
-        batch_size: sequences per step, for the next step's batch (curvlab's seeded draw).
-    """
+    """What a Lightning or state-dict checkpoint doesn't record, named by the user: the model's ``config``
+    (:func:`build_model`), the ``optimizer``'s class (in any case) and the ``batch_size`` of the next step."""
 
     config: str | None = None
     optimizer: str | None = None
@@ -73,14 +57,8 @@ class Rebuild:
 
 @dataclass(frozen=True)
 class ForeignCheckpoint:
-    """A Lightning or state-dict checkpoint, read.
-
-    Attributes:
-        format: ``"lightning"`` or ``"state-dict"``.
-        weights: the saved state dict, keys as saved (under the saving module's prefix).
-        optimizer_state: the optimizer's state dict, or ``None`` where none was saved.
-        step: optimizer steps taken (Lightning's ``global_step``, a dict's ``step``), else 0.
-    """
+    """A Lightning or state-dict checkpoint, read: the ``weights`` as saved (under the saving module's prefix),
+    the ``optimizer_state`` (or ``None``) and the ``step`` (Lightning's ``global_step``, a dict's, else 0)."""
 
     format: str
     weights: dict[str, Tensor]
@@ -97,12 +75,8 @@ def _is_optimizer_state(d: Any) -> bool:
 
 
 def foreign_checkpoint(raw: Any, path: Path) -> ForeignCheckpoint | None:
-    """``raw`` (a loaded file) as a :class:`ForeignCheckpoint`, or ``None`` if it is neither format.
-
-    Raises:
-        CurvlabError: a Lightning checkpoint of several optimizers (curvlab analyses one step), or
-            an optimizer entry that isn't an optimizer's state dict.
-    """
+    """``raw`` (a loaded file) as a :class:`ForeignCheckpoint`, or ``None`` if it is neither format; a
+    Lightning checkpoint of several optimizers, or an optimizer entry that is no state dict, is refused."""
     if not isinstance(raw, dict):
         return None
     if _is_weights(raw.get("state_dict")) and ("pytorch-lightning_version" in raw or "optimizer_states" in raw):
@@ -134,12 +108,7 @@ def _step(raw: dict, key: str) -> int:
 
 def build_model(config: str | Path) -> nn.Module:
     """The model ``config`` names, with fresh weights, in eval mode: a curvlab config name, a JSON file of
-    GPTConfig fields, or a Hugging Face ``config.json`` (or the directory holding it).
-
-    Raises:
-        CurvlabError: an unknown name, a missing or unreadable file, fields the config doesn't take, a
-            model type or class this transformers doesn't have.
-    """
+    GPTConfig fields, or a Hugging Face ``config.json`` (or its directory; a causal LM, nothing downloaded)."""
     if str(config) in CONFIGS:
         return GPT(get_config(str(config))).eval()
     path = Path(config)
@@ -185,19 +154,9 @@ def _hugging_face_model(config: dict[str, Any], path: Path) -> nn.Module:
 
 def load_weights(model: nn.Module, weights: Mapping[str, Tensor], path: Path) -> None:
     """Load ``weights`` into ``model``, in their own floating dtype, from under the prefix that makes them
-    fill the model's state dict exactly (``model.`` for a LightningModule's ``self.model``; torch.compile's
-    ``_orig_mod.``; none): every tensor of the model, no other key under that prefix, every shape equal. A
-    tied key (one tensor under two names, :func:`curvlab.runs.weights.tie_groups`) may be saved under either.
-
-    Args:
-        model: the ``--config`` model, freshly built.
-        weights: the saved state dict, keys as saved.
-        path: the checkpoint, for messages.
-
-    Raises:
-        CurvlabError: no prefix fits (the missing, unexpected and mis-shaped tensors under the nearest one,
-            in one line), or tied keys saved with different values.
-    """
+    fill its state dict exactly (``model.`` for a LightningModule's ``self.model``, torch.compile's
+    ``_orig_mod.``, none); a tied key (:func:`curvlab.runs.weights.tie_groups`) may be saved under any of
+    its names. Where no prefix fits, the nearest one's missing, unexpected and mis-shaped tensors are named."""
     groups = tie_groups(model)
     prefixes = sorted(_prefixes(weights, groups), key=len)
 
@@ -243,19 +202,15 @@ def optimizer_class(name: str | None) -> type[torch.optim.Optimizer]:
 
 
 def groupings(model: nn.Module) -> dict[str, list[list[nn.Parameter]]]:
-    """The ways curvlab tries to split the model's trainable parameters into an optimizer's groups, each in
-    ``named_parameters`` order: one group; the parameters of 2 or more dimensions, then the rest (nanoGPT's,
-    and most scripts' decay split); for a Hugging Face model, the Trainer's (decayed, then not)."""
+    """The ways curvlab tries to split the model's trainable parameters into an optimizer's groups: one group;
+    the matrices, then the rest (nanoGPT's and most scripts' decay split); a Hugging Face model's Trainer's."""
     named = named_trainable(model)
     out = {
         "one group": [[p for _, p in named]],
         "matrices, then the rest": [[p for _, p in named if p.dim() >= 2], [p for _, p in named if p.dim() < 2]],
     }
     if type(model).__module__.startswith("transformers."):
-        from transformers import Trainer  # optional (the hf extra)
-
-        decay = set(Trainer.get_decay_parameter_names(None, model))  # (uses nothing of the Trainer instance)
-        out["the Trainer's"] = [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
+        out["the Trainer's"] = trainer_groups(model)
     return out
 
 
@@ -280,11 +235,8 @@ def rebuild_optimizer(
     (hyperparameters included) in the one grouping (:func:`groupings`) it fits; fresh, with the class's
     defaults, where nothing was saved. Returns the optimizer and its label for reports.
 
-    Raises:
-        CurvlabError: an unknown class, saved groups that lack some of the class's hyperparameters and have
-            others it doesn't take (another optimizer's state; only one of the two is a torch version's
-            additions, or a user's own key), a saved state no grouping fits or two that order the
-            parameters differently fit.
+    Saved groups that both lack some of the class's hyperparameters and have others it doesn't take are
+    another optimizer's state (either alone may be a torch version's additions, or a user's key): refused.
     """
     cls = optimizer_class(name)
     label = f"torch.optim.{cls.__name__}"

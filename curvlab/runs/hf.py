@@ -18,22 +18,13 @@ trainer_state.json  ``global_step``, the log
 training_args.bin   ``TrainingArguments``: batch size, gradient accumulation, clipping, optimizer
 =================== ======================================================================
 
-``training_args.bin`` is a pickle. It is unpickled with ``weights_only=True`` and only the
-transformers and accelerate classes it names allowed, so a file that names anything else is refused,
-never run. ``optimizer.pt`` and ``scheduler.pt`` are unpickled with ``weights_only=True``, and so is a
-``pytorch_model.bin`` or a shard of one (by transformers); a file among them that names anything beyond
-tensors and plain data is refused in one line. The files are read by
-:func:`curvlab.runs.checkpoint.read_checkpoint`, with the errors of every other checkpoint; this module
-supplies what only transformers knows.
-
-``config.json`` is read with ``trust_remote_code=False`` (a config naming classes of its own is refused)
-and must name a causal LM (:func:`causal_lm_class`: the analysis's loss is the next-token loss, so a
-masked LM or a classifier is refused by its task), whose tensors the weights must fill exactly
-(:func:`curvlab.runs.weights.check_loading_info`: transformers would start a missing one at random). A
-safetensors file's header is checked before transformers reads it
-(:func:`curvlab.runs.checkpoint.check_safetensors`), the model its config describes against the header's
-sizes before it is built (:func:`check_fits_weights`), and its floating tensors against the header's
-dtypes. An accelerate ``save_state`` directory is told apart from a Trainer's (:func:`accelerate_state_error`).
+Every pickle is unpickled with ``weights_only=True`` (``training_args.bin`` allowing only the
+transformers and accelerate classes it names), so one that names anything else is refused, never run.
+:func:`curvlab.runs.checkpoint.read_checkpoint` reads the files, with every checkpoint's errors; this
+module supplies what only transformers knows. ``config.json`` is read with ``trust_remote_code=False`` and
+must name a causal LM (:func:`causal_lm_class`), whose tensors the weights must fill exactly
+(:func:`curvlab.runs.weights.check_loading_info`: transformers would start a missing one at random),
+checked against the safetensors headers before the model is built (:func:`check_fits_weights`).
 """
 
 from __future__ import annotations
@@ -64,8 +55,7 @@ ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")  # Trainer's names for 
 _ALLOWED_MODULES = ("transformers.", "accelerate.")
 # what accelerate's save_state writes beside the model's weights (a Trainer directory has optimizer.pt, rng_state.pth)
 ACCELERATE_FILES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
-# the tasks transformers registers model classes for (its auto classes' tables), by what they train on; a
-# class registered for causal LM is one (some are for pretraining too, under the same objective)
+# transformers' auto classes' tables, by the task their models train on (a causal LM may be in others too)
 CAUSAL_LM = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
 TASKS = {
     "MODEL_FOR_MASKED_LM_MAPPING_NAMES": "a masked-LM model",
@@ -82,15 +72,9 @@ TASKS = {
 
 @dataclass
 class TrainerCheckpoint:
-    """A Trainer checkpoint directory, read.
-
-    Attributes:
-        model: the model, in eval mode (dropout off: see :func:`curvlab.analysis.report.analyze`).
-        optimizer_state: ``optimizer.pt``'s state dict.
-        scheduler_state: ``scheduler.pt``'s state dict, or ``None`` without one.
-        step: ``global_step`` from ``trainer_state.json``.
-        args: the ``TrainingArguments`` the run used.
-    """
+    """A Trainer checkpoint directory, read: the ``model`` in eval mode (see
+    :func:`curvlab.analysis.report.analyze`), ``optimizer.pt``'s and ``scheduler.pt``'s state dicts (the
+    latter ``None`` without one), ``global_step`` and the ``TrainingArguments``."""
 
     model: nn.Module
     optimizer_state: dict[str, Any]
@@ -125,8 +109,7 @@ def context_length(config: Any) -> int:
 
 
 def check_trainer_directory(path: Path) -> None:
-    """Raise ``CurvlabError`` unless ``path`` holds the files of a Trainer checkpoint (an accelerate
-    ``save_state`` directory is told apart: :func:`accelerate_state_error`)."""
+    """Raise ``CurvlabError`` unless ``path`` holds the files of a Trainer checkpoint."""
     if is_accelerate_state(path):
         raise accelerate_state_error(path)
     missing = [f for f in TRAINER_FILES if not (path / f).is_file()]
@@ -137,27 +120,16 @@ def check_trainer_directory(path: Path) -> None:
 
 
 def is_accelerate_state(path: Path) -> bool:
-    """Whether directory ``path`` is what accelerate's ``Accelerator.save_state`` writes (``model.safetensors``,
-    ``optimizer.bin``, ``scheduler.bin``, ``random_states_*.pkl``) rather than a Trainer checkpoint (which
-    the Trainer writes through accelerate too, but with its own files: ``trainer_state.json``).
-
-    Args:
-        path: a directory.
-    """
+    """Whether directory ``path`` is what accelerate's ``Accelerator.save_state`` writes, not a Trainer
+    checkpoint (which has ``trainer_state.json``)."""
     if (path / "trainer_state.json").is_file():
         return False
     return any((path / f).is_file() for f in ACCELERATE_FILES) or any(path.glob("random_states_*.pkl"))
 
 
 def accelerate_state_error(path: Path, weights: Path | None = None) -> CurvlabError:
-    """The one-line error for an accelerate ``save_state`` directory: it records neither the model's config,
-    the optimizer's class nor the batch size, which a state-dict checkpoint takes from the command line, so it
-    says how to write one from the directory's own files.
-
-    Args:
-        path: the directory.
-        weights: its weights file, where that was the path given.
-    """
+    """The one-line error for an accelerate ``save_state`` directory ``path`` (or its ``weights`` file), saying
+    how to write a state-dict checkpoint from its files."""
     name = next((w for w in WEIGHTS if (path / w).is_file()), WEIGHTS[0])
     load = "safetensors.torch.load_file" if name.endswith(".safetensors") else "torch.load"
     what = f"{weights}: the weights of" if weights else f"{path}:"
@@ -170,23 +142,15 @@ def accelerate_state_error(path: Path, weights: Path | None = None) -> CurvlabEr
 
 
 def is_safetensors(path: Path) -> bool:
-    """Whether the file ``path`` opens as a safetensors file does: an 8-byte header length, then its JSON.
-
-    Args:
-        path: an existing file.
-    """
+    """Whether the file ``path`` opens as a safetensors file does: an 8-byte header length, then its JSON."""
     with open(path, "rb") as f:
         head = f.read(9)
     return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") + 8 <= path.stat().st_size
 
 
 def weights_file_error(path: Path) -> CurvlabError:
-    """The one-line error for a checkpoint path that is a safetensors weights file (no checkpoint of its
-    own: it holds no optimizer state), saying what to pass: the directory it belongs to, or a state dict.
-
-    Args:
-        path: the weights file.
-    """
+    """The one-line error for a checkpoint path that is a safetensors weights file (no optimizer state),
+    saying what to pass: the directory it belongs to, or a state dict."""
     folder = path.parent
     if is_accelerate_state(folder):
         return accelerate_state_error(folder, path)
@@ -201,11 +165,7 @@ def weights_file_error(path: Path) -> CurvlabError:
 
 def weight_files(path: Path) -> list[Path]:
     """The files holding a checkpoint directory's weights: ``model.safetensors`` (or ``pytorch_model.bin``),
-    else every shard its index names (the ``weight_map`` of ``model.safetensors.index.json`` or
-    ``pytorch_model.bin.index.json``), each a plain file name inside ``path`` that is there.
-
-    Raises:
-        CurvlabError: an unreadable index, or one naming a shard that is missing or outside ``path``.
+    else every shard its index's ``weight_map`` names, each a plain file name inside ``path`` that is there.
     """
     # transformers' own order: safetensors, then their index, then the pickled weights and theirs
     found = [path / n for n in (WEIGHTS[0], SHARD_INDEXES[0], WEIGHTS[1], SHARD_INDEXES[1]) if (path / n).is_file()]
@@ -231,7 +191,7 @@ def weight_files(path: Path) -> list[Path]:
 
 def training_args_classes(path: Path) -> list[type]:
     """The classes ``training_args.bin`` names, to allow while unpickling it with ``weights_only=True``:
-    transformers' and accelerate's only (anything else is refused, never run)."""
+    transformers' and accelerate's only."""
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as e:  # not a torch zip file at all
@@ -256,12 +216,8 @@ def check_training_args(args: Any, path: Path) -> Any:
 
 
 def global_step(path: Path) -> int:
-    """``global_step`` from the directory's ``trainer_state.json`` (0 where it has none).
-
-    Raises:
-        CurvlabError: a file that isn't a JSON object (a list, ``null``, nesting deeper than the parser
-            goes) or a ``global_step`` that isn't an integer >= 0 (``1e999`` reads as infinity).
-    """
+    """``global_step`` from the directory's ``trainer_state.json`` (0 where it has none); a file that isn't a
+    JSON object, or a ``global_step`` that isn't an integer >= 0, is a ``CurvlabError``."""
     file = path / "trainer_state.json"
     try:
         state = json.loads(file.read_text())
@@ -278,8 +234,7 @@ def global_step(path: Path) -> int:
 
 @contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """transformers' warnings and progress bars off, then as they were: what doesn't fit a checkpoint is
-    refused here in one line, which transformers' load report (a table of every tensor) would bury."""
+    """transformers' warnings and progress bars off, then as they were (they would bury a refusal's line)."""
     from transformers.utils import logging  # optional (the hf extra)
 
     verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
@@ -294,21 +249,10 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def causal_lm_class(config: Any, where: str) -> type:
-    """The transformers class ``config.architectures`` names, if transformers registers it as a causal LM
-    (among ``AutoModelForCausalLM``'s classes).
-
-    curvlab's command line analyses a checkpoint with the next-token loss on windows of its data (the
-    labels are the inputs, which the model shifts); a model of another task never trained on that loss,
-    so it is refused, its task named by the auto class transformers registers it under.
-
-    Args:
-        config: a transformers config.
-        where: the config's file, for messages.
-
-    Raises:
-        CurvlabError: architectures that aren't a list, no class named, one this transformers hasn't, or one of
-            another task.
-    """
+    """The transformers class ``config.architectures`` names (``where``: its file), if transformers registers
+    it as a causal LM. The command line analyses the next-token loss on windows of its data, which a model
+    of another task never trained on: it is refused, its task named, and so are architectures that aren't
+    a list of classes this transformers has."""
     import transformers  # optional (the hf extra)
     from transformers.models.auto import modeling_auto
 
@@ -335,13 +279,8 @@ def causal_lm_class(config: Any, where: str) -> type:
 
 
 def read_config(path: Path) -> Any:
-    """The transformers config of a checkpoint directory's ``config.json``, read with no code of its own run
-    (``trust_remote_code=False``: a config whose ``auto_map`` names its own classes is refused) and nothing
-    downloaded.
-
-    Args:
-        path: the checkpoint directory.
-    """
+    """The transformers config of checkpoint directory ``path``'s ``config.json``, nothing downloaded and no
+    code of its own run (a config whose ``auto_map`` names its own classes is refused)."""
     import transformers  # optional (the hf extra)
 
     try:
@@ -359,22 +298,11 @@ def read_config(path: Path) -> Any:
 
 def load_model(path: Path, saved: Mapping[str, tuple[str, tuple[int, ...]]] | None = None) -> nn.Module:
     """The model of a checkpoint directory, by the causal-LM class its ``config.json`` names
-    (:func:`causal_lm_class`), in eval mode, with every tensor from the checkpoint's weights (nothing is
-    downloaded: ``local_files_only``; no checkpoint's own code is run: ``trust_remote_code=False``; a
-    ``pytorch_model.bin`` is unpickled by transformers with ``weights_only=True``, and one that names
-    anything beyond tensors is refused).
-
-    Args:
-        path: the checkpoint directory.
-        saved: its safetensors weights' dtypes and shapes by key (:func:`curvlab.runs.checkpoint.check_safetensors`):
-            the model they describe is checked against them before it is built (:func:`check_fits_weights`),
-            and its floating tensors against their dtypes once it is (:func:`curvlab.runs.weights.check_floating`).
-
-    Raises:
-        CurvlabError: an unreadable config, a class of another task, a config of a model larger than the
-            weights, weights that don't fill the model (missing, unexpected or mis-shaped tensors, or a config
-            of another architecture: transformers would start the missing ones at random), integers saved
-            for floating tensors, or weights that don't load.
+    (:func:`causal_lm_class`), in eval mode, with every tensor from the checkpoint's weights (nothing
+    downloaded, no checkpoint's own code run, a ``pytorch_model.bin`` unpickled with ``weights_only=True``).
+    ``saved``, the safetensors weights' dtypes and shapes by key (:func:`curvlab.runs.checkpoint.check_safetensors`),
+    is checked against the model before it is built (:func:`check_fits_weights`) and after
+    (:func:`curvlab.runs.weights.check_floating`, :func:`curvlab.runs.weights.check_loading_info`).
     """
     with quiet_transformers():
         config = read_config(path)
@@ -397,18 +325,10 @@ def load_model(path: Path, saved: Mapping[str, tuple[str, tuple[int, ...]]] | No
 
 def check_fits_weights(cls: type, config: Any, saved: Mapping[str, tuple[str, tuple[int, ...]]], path: Path) -> None:
     """Raise ``CurvlabError`` if the ``cls`` model ``config`` describes is far larger than the ``saved``
-    tensors (:func:`curvlab.models.size.check_model_size`), before it is built: transformers allocates the
-    tensors weights don't fill before :func:`check_loading_info` can name them, so a config.json saying
-    ``n_embd=60000`` beside kilobytes of weights would take hundreds of gigabytes first. The count is the
-    model's built on the meta device (no memory); a config of more layers than the weights have tensors is
-    refused before that build, which takes time per layer.
-
-    Args:
-        cls: the model class (:func:`causal_lm_class`).
-        config: its config, from the checkpoint's config.json.
-        saved: the weights' dtypes and shapes by key.
-        path: the checkpoint directory, for the message.
-    """
+    tensors (:func:`curvlab.models.size.check_model_size`), before it is built: transformers allocates what
+    the weights don't fill before :func:`check_loading_info` can name it, so ``n_embd=60000`` beside
+    kilobytes of weights would take hundreds of gigabytes first. The count is taken on the meta device, after
+    a check of the layers against the tensors (that build takes time per layer)."""
     where = f"{path}/config.json: describes"
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and layers > len(saved):
@@ -421,21 +341,12 @@ def check_fits_weights(cls: type, config: Any, saved: Mapping[str, tuple[str, tu
 
 
 def trainer_optimizer(ckpt: TrainerCheckpoint) -> torch.optim.Optimizer:
-    """The Trainer's AdamW, rebuilt on ``ckpt.model`` with its saved state.
-
-    The groups are rebuilt as ``Trainer.create_optimizer`` builds them (the parameters
-    ``Trainer.get_decay_parameter_names`` chooses, weight-decayed; the other trainable ones), then
-    checked against the saved groups' sizes and the moments' shapes before the state is loaded.
-    """
-    from transformers import Trainer  # optional (the hf extra)
-
+    """The Trainer's AdamW, rebuilt on ``ckpt.model`` (:func:`trainer_groups`) with its saved state, once the
+    saved groups' sizes and the moments' shapes fit."""
     optim = str(getattr(ckpt.args.optim, "value", ckpt.args.optim))
     if optim not in ADAMW:
         raise CurvlabError(f"the Trainer ran optimizer {optim!r}; curvlab rebuilds {', '.join(ADAMW)}")
-    model = ckpt.model
-    decay = set(Trainer.get_decay_parameter_names(None, model))  # (uses nothing of the Trainer instance)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
+    groups = trainer_groups(ckpt.model)
     saved = ckpt.optimizer_state
     sizes = [len(g["params"]) for g in saved.get("param_groups", [])]
     if sizes != [len(g) for g in groups]:
@@ -459,8 +370,18 @@ def trainer_optimizer(ckpt: TrainerCheckpoint) -> torch.optim.Optimizer:
     return optimizer
 
 
+def trainer_groups(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The groups ``Trainer.create_optimizer`` builds: the trainable parameters
+    ``Trainer.get_decay_parameter_names`` chooses (weight-decayed), then the others."""
+    from transformers import Trainer  # optional (the hf extra)
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # (uses nothing of the Trainer instance)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
+
+
 def token_batch(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A causal-LM batch in Hugging Face's form from curvlab's ``(inputs, targets)`` windows:
-    ``input_ids`` = ``labels`` = the whole window (the model's loss shifts the labels itself)."""
+    """A causal-LM batch in Hugging Face's form from curvlab's ``(inputs, targets)`` windows: ``input_ids`` =
+    ``labels`` = the whole window (the model's loss shifts the labels itself)."""
     window = torch.cat([x, y[:, -1:]], dim=1)
     return {"input_ids": window, "labels": window}

@@ -16,12 +16,8 @@ from curvlab.util.distributed import distributed_context
 
 @dataclass(frozen=True)
 class Launched:
-    """A finished (or resumed and finished) run, and which process of how many this one was.
-
-    Attributes:
-        result: the run's :class:`~curvlab.runs.train.TrainResult`, as this rank saw it.
-        rank, world: this process's rank and the number of ranks (0 and 1 outside torchrun).
-    """
+    """A finished run's :class:`~curvlab.runs.train.TrainResult` as this process saw it, and its ``rank`` of
+    ``world`` (0 of 1 outside torchrun)."""
 
     result: TrainResult
     rank: int
@@ -39,9 +35,6 @@ def launch(
     """Train (or resume) the run ``config`` describes, inside the process group torchrun asks for (none
     outside it). ``fsdp`` shards parameters and optimizer state over the ranks; ``monitor`` and
     ``tensorboard`` are as :func:`~curvlab.runs.train.train` takes them (the dense run's only).
-
-    Raises:
-        CurvlabError: ``fsdp`` with a monitor, TensorBoard or a shadow state; and what the run raises.
     """
     if fsdp and (monitor is not None or tensorboard is not None or config.shadow):
         raise CurvlabError("--curvature-every, --tensorboard and --shadow are not available with --fsdp yet")

@@ -14,19 +14,15 @@ checkpoints may pair:
 * ``"any"``: matched loss alone, whatever the schedule (the comparison the paper describes, and the
   one the confound above affects).
 
-Every checkpoint records its step, the schedule multiplier and learning rate of the step it takes
-next, and its phase. For each target level the pair is the candidate (one checkpoint of each run,
-losses within ``tolerance`` of each other, relative) whose mean loss lies nearest the target; with a
-number of levels, the targets are spaced evenly over the loss range both runs reach in the phase,
-below the unigram plateau when its ceiling is given. A level at or above ``plateau_ceiling`` (by
-default :func:`plateau_ceiling`: within 5% of the unigram entropy of the validation data) is flagged
-``on_plateau``: there the models have learned only token frequencies, and NDS is tiny and changes sign;
-aggregates leave such levels out (they stay in the results).
+For each target level the pair is the candidate (one checkpoint of each run, losses within ``tolerance``
+of each other, relative) whose mean loss lies nearest the target; a number of levels spaces the targets
+evenly over the loss range both runs reach in the phase, below the unigram plateau when its ceiling is
+given. A level at or above ``plateau_ceiling`` (:func:`plateau_ceiling`) is flagged ``on_plateau``: there
+the models have learned only token frequencies, NDS is tiny and changes sign, and aggregates leave it out.
 
 Each side of a pair carries a *window*: the matched checkpoint and up to ``window`` neighbours on each
 side in the same phase, over which the analysis averages (a single step's NDS is noisy). The windows of
-one run's levels share no checkpoint, so that no checkpoint counts in two levels (levels are then
-closer to independent, and a single noisy step cannot sway two of them).
+one run's levels share no checkpoint, so that a single noisy step cannot sway two levels.
 """
 
 from __future__ import annotations
@@ -49,9 +45,8 @@ PLATEAU_FRACTION = 0.05  # a loss within 5% of the unigram entropy sits on the u
 
 
 class NoMatchedLevel(CurvlabError):
-    """Two runs that can't be compared at matched loss: no stable phase, losses that never overlap, or no
-    pair of checkpoints within the tolerance. A fact about the runs, not a broken file: a study records it
-    and goes on."""
+    """Two runs that can't be compared at matched loss (no stable phase, losses that never overlap): a fact
+    about the runs, not a broken file, which a study records and goes on."""
 
 
 def plateau_ceiling(unigram_entropy: float, fraction: float = PLATEAU_FRACTION) -> float:
@@ -92,19 +87,8 @@ class MatchedPair(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class MatchCriteria:
-    """Which checkpoints of two runs pair, and over which windows (module docstring); the matching of
-    :func:`curvlab.studies.compare.compare_runs` and ``curvlab compare``.
-
-    Attributes:
-        levels: how many evenly spaced targets inside the common range (below ``plateau_ceiling``), or
-            the targets themselves.
-        tolerance: largest accepted relative mismatch |L_a - L_b| / target.
-        phase: which checkpoints may pair (:data:`PHASES`); ``"stable"`` needs a schedule with a stable
-            phase (``curvlab train``'s default ``wsd`` has one).
-        window: neighbours on each side of a matched checkpoint that its level averages over.
-        plateau_ceiling: levels at or above this loss are on the unigram plateau (see
-            :func:`plateau_ceiling`): flagged, and left out of the aggregates; None: no such flag.
-    """
+    """Which checkpoints of two runs pair, and over which windows: :func:`match_runs`'s arguments (``window``
+    its ``window_width``), for :func:`curvlab.studies.compare.compare_runs` and ``curvlab compare``."""
 
     levels: int | tuple[float, ...] = 8
     tolerance: float = 0.01
@@ -144,11 +128,7 @@ class Matching:
 
 
 def _run_config(run_dir: Path) -> TrainConfig | None:
-    """The run's ``config.json`` (``None`` if it has none).
-
-    Raises:
-        CurvlabError: the file is not JSON, or not a training config (a field missing, or of another type).
-    """
+    """The run's ``config.json`` (``None`` if it has none; a ``CurvlabError`` if it is no training config)."""
     path = run_dir / "config.json"
     if not path.is_file():
         return None
@@ -162,12 +142,8 @@ def _run_config(run_dir: Path) -> TrainConfig | None:
 
 
 def run_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
-    """Every checkpoint of a run that has a validation loss, in step order, with its schedule (read
-    from the run's ``config.json``; without one, multiplier, lr and phase are unknown).
-
-    Raises:
-        CurvlabError: no checkpoints, or none with a validation loss.
-    """
+    """Every checkpoint of a run that has a validation loss, in step order, with its schedule (from the
+    run's ``config.json``; without one, multiplier, lr and phase are unknown)."""
     run_dir = Path(run_dir)
     entries = read_index(run_dir)
     if not entries:
@@ -178,34 +154,19 @@ def run_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     for e in entries:
         if e.get("val_loss") is None:
             continue
-        step, path = int(e["step"]), str(run_dir / e["path"])
-        if cfg is None:
-            out.append(Checkpoint(step=step, val_loss=float(e["val_loss"]), path=path))
-            continue
-        m = lr_multiplier(step, cfg)
-        lr = None if base_lr is None else base_lr * m
-        out.append(
-            Checkpoint(
-                step=step,
-                val_loss=float(e["val_loss"]),
-                path=path,
-                multiplier=m,
-                lr=lr,
-                phase=schedule_phase(step, cfg),
-            )
-        )
+        step, schedule = int(e["step"]), {}
+        if cfg is not None:
+            m = lr_multiplier(step, cfg)
+            lr = None if base_lr is None else base_lr * m
+            schedule = {"multiplier": m, "lr": lr, "phase": schedule_phase(step, cfg)}
+        out.append(Checkpoint(step=step, val_loss=float(e["val_loss"]), path=str(run_dir / e["path"]), **schedule))
     if not out:
         raise CurvlabError(f"{run_dir}: no checkpoint has a validation loss")
     return out
 
 
 def in_phase(checkpoints: list[Checkpoint], phase: str, run: str | Path, min_step: int = 1) -> list[Checkpoint]:
-    """The checkpoints (at step >= ``min_step``) that may pair under ``phase``.
-
-    Raises:
-        CurvlabError: an unknown phase; for ``"stable"``/``"multiplier"``, a run whose schedule is
-            unknown, or (``"stable"``) one with no checkpoint in its stable phase.
-    """
+    """The checkpoints (at step >= ``min_step``) that may pair under ``phase``."""
     if phase not in PHASES:
         raise CurvlabError(f"unknown phase {phase!r}; choose one of {', '.join(PHASES)}")
     kept = [c for c in checkpoints if c.step >= min_step]
@@ -298,17 +259,10 @@ def match_runs(
     if isinstance(levels, int):
         top = high if ceiling is None else min(high, ceiling)
         if top <= low:
-            return Matching(
-                [],
-                [
-                    f"the common range{where} [{low:.4f}, {high:.4f}] lies on the unigram plateau "
-                    f"(losses >= {ceiling:.4f})"
-                ],
-                float(low),
-                float(high),
-                phase,
-                plateau_ceiling,
+            plateau = (
+                f"the common range{where} [{low:.4f}, {high:.4f}] lies on the unigram plateau (losses >= {ceiling:.4f})"
             )
+            return Matching([], [plateau], float(low), float(high), phase, plateau_ceiling)
         targets = np.linspace(top, low, levels)
         reach = [(top - low) / max(1, levels - 1) / 2] * levels
     else:

@@ -6,17 +6,11 @@ are measured at step k, before the step k -> k + 1, and written once that step i
 *done at* its step (a training row) or its step + 1 (a monitor row), and the rows of a run resumed
 from its checkpoint at step s are those done at s or before: the resumed run rewrites the rest.
 
-A line cut by a crash ends the file (a crash cuts the last line: no newline follows it); any other line
-that is no record (a corrupt byte, an edit) is refused, by its number, rather than dropped with the rows
-after it.
-
-Each row carries ``row_digest``, the first 16 hex digits of the SHA-256 of the rest of it
-(:func:`curvlab.util.digest.json_digest`): a row that doesn't match it (a flipped digit, a NaN, a value of
-another type) is refused by its line number. Rows without one were written by curvlab 0.2.0 or before,
-and are read only where the run's index says so (a version-1 index: all its rows; an index rewritten by
-a resume, version 2: those done at its ``legacy_rows_upto`` or before); a row without its digest anywhere
-else (or in a file with no index) is refused. The rows must reach the index's last checkpoint (written
-before it): a file cut short before it is refused, not read as a shorter run.
+A line cut by a crash (no newline after it) ends the file; any other line that is no record is refused
+by its number, and so is one that doesn't match its ``row_digest`` (16 hex digits of
+:func:`curvlab.util.digest.json_digest` of the rest). Rows without one (curvlab 0.2.0 and before) are read
+only where the run's index says so (:class:`curvlab.runs.checkpoint.RunIndex`). The rows must reach the
+index's last checkpoint: a file cut short before it is refused, not read as a shorter run.
 """
 
 from __future__ import annotations
@@ -60,8 +54,7 @@ def _record(line: str) -> dict[str, Any]:
 
 
 def _checked(record: dict[str, Any], legacy_upto: float, path: Path, number: int) -> dict[str, Any]:
-    """``record`` without its digest, once it matches it; without one, only if done at ``legacy_upto`` or
-    before (rows an older curvlab wrote, as the run's index says)."""
+    """``record`` without its digest, once it matches it; one without, if done at ``legacy_upto`` or before."""
     if ROW_DIGEST not in record:
         if done_at(record) <= legacy_upto:
             return record
@@ -85,14 +78,8 @@ def _legacy_upto(run: Path) -> tuple[float, int]:
 
 
 def _lines(path: Path, upto: int | None) -> list[tuple[str, dict[str, Any]]]:
-    """The lines of ``path`` and their records (without their digests), done at step ``upto`` or before; the
-    text after the last newline, if it is no record, is a line a crash cut short, and is left out.
-
-    Raises:
-        CurvlabError: a line before the last is no record (a corrupt byte, an edit), doesn't match its
-            digest or lacks one (see the module docstring): named by its number; or the rows end before the
-            index's last checkpoint (the file was cut short).
-    """
+    """The lines of ``path`` and their records (without their digests), done at step ``upto`` or before, as
+    the module docstring says."""
     out, reached = [], 0
     legacy_upto, last_checkpoint = _legacy_upto(path.parent)
     lines = path.read_bytes().split(b"\n")
@@ -117,25 +104,16 @@ def _lines(path: Path, upto: int | None) -> list[tuple[str, dict[str, Any]]]:
 
 
 def read_metrics(run: str | Path, upto: int | None = None) -> list[dict[str, Any]]:
-    """The records of ``RUN/metrics.jsonl`` in file order, up to a line cut by a crash; with ``upto``,
-    only those done at step ``upto`` or before (see the module docstring). A run without the file has
-    none.
-
-    Raises:
-        CurvlabError: a line other than the last is no record, doesn't match its digest or lacks one (named by
-            its number), or the rows end before the index's last checkpoint.
-    """
+    """The records of ``RUN/metrics.jsonl`` in file order (none without the file), up to a line cut by a
+    crash; with ``upto``, those done at step ``upto`` or before. Refuses what the module docstring says."""
     path = Path(run) / METRICS_FILE
     return [record for _, record in _lines(path, upto)] if path.is_file() else []
 
 
 def truncate_metrics(run: str | Path, upto: int) -> None:
-    """Keep the lines of ``RUN/metrics.jsonl`` done at step ``upto`` or before, byte for byte (a run
-    resumed from its checkpoint at ``upto`` rewrites the rest); no file, nothing to do.
-
-    Raises:
-        CurvlabError: what :func:`read_metrics` refuses, or the file is a symbolic link: nothing is rewritten.
-    """
+    """Keep the lines of ``RUN/metrics.jsonl`` done at step ``upto`` or before, byte for byte (a run resumed
+    from its checkpoint at ``upto`` rewrites the rest); what :func:`read_metrics` refuses, or a link, is
+    left as it is."""
     path = Path(run) / METRICS_FILE
     if path.is_symlink():  # (the run appends to it next: never through a link, to a file elsewhere)
         raise CurvlabError(f"{path}: is a symbolic link: refused (a run's metrics are a file of its own; remove it)")

@@ -22,14 +22,12 @@ Z comes from one of two places:
   the next step trains on, runs :func:`~curvlab.steps.update.next_update` (gradient, clipping, optimizer on
   cloned state). With the same batch, loss and clipping as the loop, that is the next step, bit for bit.
 
-Measuring changes nothing in the run: parameters, gradients and optimizer state are only read (or
-put back, by ``next_update``), and it runs under ``torch.random.fork_rng`` over the devices in use, so
-the random streams that dropout and data order draw from are where they were.
+Measuring changes nothing in the run: parameters, gradients and optimizer state are only read (or put
+back), under ``torch.random.fork_rng``, so dropout and data order draw as they would have.
 
-A step whose curvature is not finite (a NaN or inf loss, gradient or step, or an overflowing
-Hessian-vector product) does not stop anything: its row has status ``"non-finite"`` and a message
-saying which quantity; a zero step has status ``"undefined"`` (NDS is 0/0). Stopping is the loop's
-choice (``curvlab train --curvature-stop``, ``trainer_curvature_callback(..., stop_on_nonfinite=True)``).
+A step whose curvature is not finite stops nothing: its row has status ``"non-finite"`` and a message
+naming the quantity; a zero step's is ``"undefined"`` (NDS is 0/0). Stopping is the loop's choice
+(``curvlab train --curvature-stop``, ``stop_on_nonfinite=True``).
 
 Row JSON (``MONITOR_SCHEMA_VERSION`` = 1), one line per row in ``metrics.jsonl``::
 
@@ -56,7 +54,7 @@ from curvlab.curvature.groupings import GROUPINGS, group_parameters
 from curvlab.curvature.scalars import CheckpointScalars, layer_blocks_split, taylor_error, taylor_holds
 from curvlab.curvature.scope import CURVATURE_KEYS, NAN_CURVATURE, DirectionCurvature, ScopeCurvature, scope_names
 from curvlab.curvature.taylor import Scope, taylor_split, taylor_split_and_block_matrix
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.exact import exact_second_order
 from curvlab.engine.hvp import working_dtype
 from curvlab.engine.loss import LossFn, count_loss_terms, make_loss_fn, weighted_batches
@@ -72,17 +70,10 @@ ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training
 
 @dataclass(frozen=True)
 class MonitorSettings:
-    """What ``curvlab train --curvature-every K`` measures. Not part of the training config: it
-    changes nothing in the run, so checkpoints and ``config.json`` are the same with or without it.
-
-    Attributes:
-        every: K, measure at steps k with k % K == 0.
-        batches: N, held-out batches of ``windows`` validation windows each: the run's first N x windows.
-        windows: windows per held-out batch. The defaults (1 batch of 8 windows, no blocks) keep the
-            overhead at K = 50 on ``tiny`` under 10% of training time (``benchmarks/monitor.py``).
-        blocks: block grouping for the within/cross split, or ``None``.
-        stop_on_nonfinite: stop training (``NonFiniteCurvature``) at a non-finite row.
-    """
+    """What ``curvlab train --curvature-every K`` measures (not in the training config: it changes nothing
+    in the run): at steps k % ``every`` == 0, on the run's first ``batches`` x ``windows`` validation
+    windows (the defaults keep the overhead at K = 50 on ``tiny`` under 10%: ``benchmarks/monitor.py``),
+    with a ``blocks`` grouping or none; ``stop_on_nonfinite`` stops training at a non-finite row."""
 
     every: int
     batches: int = 1
@@ -105,16 +96,8 @@ class NonFiniteCurvature(CurvlabError):
 
 @dataclass(frozen=True)
 class BlockSplit(Record):
-    r"""The block interaction matrix of a monitored step, reduced to what a row keeps.
-
-    Attributes:
-        grouping: the block grouping (``"layer"``, ``"tensor"``, ``"kind"``, or ``"custom"``).
-        names: block names, in order.
-        matrix: :math:`M_{lm} = \langle Z_l, H_{lm}[Z_m]\rangle / \|Z\|^2`, symmetric, summing to NDS.
-        within, cross: :math:`\operatorname{tr} M` and the sum of its off-diagonal entries.
-        nds: the sum of all entries (the NDS of Z).
-        rho_within: within / nds.
-    """
+    """The block interaction matrix M of a monitored step (module docstring), under its ``grouping``
+    (``"layer"``, ``"tensor"``, ``"kind"`` or ``"custom"``), with its block ``names`` and its sums."""
 
     grouping: str
     names: tuple[str, ...]
@@ -164,8 +147,7 @@ class MonitorRow:
     def nds(self) -> float:
         return self.split.nds
 
-    # by hand: the all-parameter split's keys sit at the top level (not under a key of their own), and
-    # the kind and version first
+    # by hand: the all-parameter split's keys sit at the top level, the kind and version first
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": ROW_KIND,
@@ -200,9 +182,8 @@ class MonitorRow:
         )
 
     def log_scalars(self, prefix: str = "curvature/") -> dict[str, float]:
-        """The row's finite scalars for a metrics logger (TensorBoard, W&B, the Trainer's log):
-        ``{prefix}nds``, ..., ``{prefix}hidden_nds``, ..., ``{prefix}within``, ``{prefix}cross``,
-        ``{prefix}rho_within``, and ``{prefix}ok`` (1.0 or 0.0). Values that are not finite are left out."""
+        """The row's finite scalars for a metrics logger: ``{prefix}nds``, ..., ``{prefix}hidden_nds``, ...,
+        ``{prefix}within``, ``{prefix}cross``, ``{prefix}rho_within`` and ``{prefix}ok`` (1.0 or 0.0)."""
         values = {"loss": self.loss, **self.split.to_dict(), "ok": float(self.ok)}
         if self.hidden is not None:
             values |= {f"hidden_{k}": v for k, v in self.hidden.to_dict().items()}
@@ -211,9 +192,8 @@ class MonitorRow:
         return {f"{prefix}{k}": float(v) for k, v in values.items() if math.isfinite(v)}
 
     def scalars(self, val_loss: float = math.nan, optimizer: str | None = None) -> CheckpointScalars:
-        """The row as the per-checkpoint scalars the studies aggregate (with the validation loss of its
-        step, where one was evaluated, and the run's optimizer); a row whose status is not ``ok``
-        keeps its message and fails the Taylor check. A monitored step has no embedding/head share."""
+        """The row as the per-checkpoint scalars the studies aggregate; a row whose status is not ``ok``
+        keeps its message and fails the Taylor check."""
         blocks = self.blocks
         within_layers, nds_layers = (
             (math.nan, math.nan) if blocks is None else layer_blocks_split(blocks.names, blocks.matrix)
@@ -247,20 +227,17 @@ class CurvatureMonitor:
 
     Args:
         model: the model being trained; its trainable parameters (``requires_grad``) are W.
-        optimizer: its optimizer, or a list of them (needed only by :meth:`measure_next`; any
-            optimizer :func:`~curvlab.steps.update.next_update` takes).
+        optimizer: its optimizer, or a list of them (for :meth:`measure_next` only).
         loss_fn: ``loss_fn(params, batch) -> scalar``, e.g. :func:`~curvlab.engine.loss.make_loss_fn`.
-        batches: the held-out batch set D (a batch or a list of batches, accumulated with loss-term
-            weights), fixed for the whole run. Move it to the model's device yourself.
+        batches: the held-out batch set D (a batch or a list, weighted by loss terms), on the model's device.
         every: measure at steps k with ``k % every == 0`` (:meth:`due`).
-        blocks: a block grouping (``"layer"``, ``"tensor"``, ``"kind"`` or ``{block: [globs]}``) for
-            the within/cross split, or ``None`` (no split: 2 HVPs per row instead of L + 1).
-        scope: the second scope, the rows' ``hidden``: ``"hidden"`` (default: the hidden matrices by the
-            model's structure, :func:`~curvlab.curvature.groupings.hidden_matrices` with the model, as
-            :func:`~curvlab.curvature.taylor.taylor_split` chooses them), parameter names, or ``None``: none.
+        blocks: a block grouping (``"layer"``, ``"tensor"``, ``"kind"`` or ``{block: [globs]}``), or
+            ``None`` (no within/cross split: 2 HVPs per row instead of L + 1).
+        scope: the rows' ``hidden`` scope: ``"hidden"`` (the hidden matrices by the model's structure, as
+            :func:`~curvlab.curvature.taylor.taylor_split` chooses them), parameter names, or ``None``.
         max_grad_norm: gradient clipping of the run, for :meth:`measure_next`.
         dtype: computation dtype (default float32, float64 for float64 parameters).
-        on_row: called with every row as it is made (to write it somewhere).
+        on_row: called with every row as it is made.
 
     Attributes:
         rows: every row measured so far, in order.
@@ -313,13 +290,16 @@ class CurvatureMonitor:
         r"""The row of the step just taken: :math:`Z = W_\text{before} - W_\text{now}`, measured at
         :math:`W_\text{before}` (``before`` from :meth:`snapshot`)."""
         now = self._params()
-        P.check_like(now, before, "snapshot")
-        z = {n: (before[n].double() - p.detach().double()).to(self._z_dtype(p)) for n, p in now.items()}
+        param_dicts.check_like(now, before, "snapshot")
+        z = {
+            n: (before[n].double() - p.detach().double()).to(torch.promote_types(p.dtype, torch.float32))
+            for n, p in now.items()
+        }
         return self.measure(step, before, z)
 
     def measure_next(self, step: int, batch: Any) -> MonitorRow:
         """The row of the step the optimizer would take next on ``batch`` (the batch the next step
-        trains on), from :func:`~curvlab.steps.update.next_update`; nothing in the run changes."""
+        trains on), from :func:`~curvlab.steps.update.next_update`."""
         if self.optimizer is None:
             raise CurvlabError("measure_next needs the optimizer: give it to CurvatureMonitor")
         start = time.perf_counter()
@@ -347,9 +327,6 @@ class CurvatureMonitor:
             self.on_row(row)
         return row
 
-    def _z_dtype(self, p: Tensor) -> torch.dtype:
-        return torch.promote_types(p.dtype, torch.float32)
-
     @contextmanager
     def _isolated(self) -> Iterator[None]:
         """Fork the CPU's and the parameters' devices' random streams (put back on exit)."""
@@ -366,10 +343,10 @@ class CurvatureMonitor:
         bad = _all_finite(z)
         if bad is not None:
             return self._failed(step, "non-finite", f"the step Z holds NaN or inf (in {bad})", start)
-        if P.norm(z) == 0.0:
+        if param_dicts.norm(z) == 0.0:
             return self._failed(step, "undefined", "the step Z is zero: NDS = <Z,HZ>/||Z||² is 0/0", start)
         # a scope on which Z is zero (frozen by the optimizer, say) has no NDS: leave it out, not the row
-        hidden = self.hidden_names if self.hidden_names and P.norm(z, self.hidden_names) > 0 else []
+        hidden = self.hidden_names if self.hidden_names and param_dicts.norm(z, self.hidden_names) > 0 else []
         try:
             if self.blocks is None:
                 split, bm = taylor_split(self.loss_fn, params, self.batches, z, scope=hidden, dtype=self.dtype), None
@@ -414,19 +391,19 @@ class CurvatureMonitor:
 
     def _loss_or_none(self, params: Mapping[str, Tensor], batch: Any) -> float | None:
         """The loss on ``batch`` (one batch or a list, token-weighted) when it is not finite, else ``None``."""
-        p = P.cast(params, self.dtype)
+        p = param_dicts.cast(params, self.dtype)
         with torch.no_grad(), exact_second_order():
             total = sum(w * float(self.loss_fn(p, b)) for b, w in weighted_batches(batch))
         return None if math.isfinite(total) else total
 
     def _non_finite_loss(self, params, z, hidden) -> str | None:
-        """Which held-out loss the split needs is not finite, L(W), L(W - Z) or L(W - Z_S), else ``None``."""
+        """Which held-out loss the split needs is not finite (L(W), L(W - Z), L(W - Z_S)), else ``None``."""
         bad = _all_finite(params)
         if bad is not None:
             return f"the parameters W hold NaN or inf (in {bad})"
-        points = {"L(W)": params, "L(W - Z)": P.add(params, z, -1.0)}
+        points = {"L(W)": params, "L(W - Z)": param_dicts.add(params, z, -1.0)}
         if hidden:
-            points["L(W - Z_S)"] = P.add(params, P.restrict(z, hidden), -1.0)
+            points["L(W - Z_S)"] = param_dicts.add(params, param_dicts.restrict(z, hidden), -1.0)
         for name, point in points.items():
             loss = self._loss_or_none(point, self.batches)
             if loss is not None:
@@ -441,9 +418,8 @@ def training_monitor(
     settings: MonitorSettings,
     max_grad_norm: float | None,
 ) -> CurvatureMonitor:
-    """The monitor of ``curvlab train``: its held-out batches are the run's first ``batches x windows``
-    validation windows (fixed, chosen once), in batches of ``windows``, on the model's device; its
-    loss is the training loss (token cross-entropy)."""
+    """The monitor of ``curvlab train``: the run's first ``batches x windows`` validation windows, in batches
+    of ``windows`` on the model's device, under the training loss."""
     settings.validate()
     rows = settings.windows
     need = settings.batches * rows
@@ -470,14 +446,11 @@ def trainer_curvature_callback(monitor: CurvatureMonitor, *, stop_on_nonfinite: 
     """A ``transformers.TrainerCallback`` that measures ``monitor``'s rows during ``Trainer.train()``.
 
     Before each due optimizer step (``on_pre_optimizer_step``, after clipping) it snapshots W; after it
-    (``on_optimizer_step``) it measures the step taken, so Z is the Trainer's real step. The row's step is
-    ``state.global_step`` before the step. Rows land in ``monitor.rows`` (and ``monitor.on_row``). transformers is
-    imported here, not by ``import curvlab``. With the ``trainer`` (given here, by ``callback.attach(trainer)``, or by
-    :func:`add_trainer_curvature_callback`), each row also goes into the Trainer's own logs at the end of its step:
-    ``trainer.log(row.log_scalars())``, so ``curvature/nds``, ... reach ``state.log_history`` and every ``report_to``
-    integration (TensorBoard, W&B, ...) as the loss does, at the Trainer's ``global_step`` after the measured step. (A
-    callback is handed no trainer by transformers, and one added to a Trainer runs after the integrations, so it needs
-    the trainer to log through.)
+    (``on_optimizer_step``) it measures the step taken, so Z is the Trainer's real step, and the row's step is
+    ``state.global_step`` before it. Rows land in ``monitor.rows``. With the ``trainer`` (given here, by
+    ``callback.attach(trainer)``, or by :func:`add_trainer_curvature_callback`), each row also goes to
+    ``trainer.log(row.log_scalars())`` at the end of its step, reaching ``state.log_history`` and every
+    ``report_to`` integration as the loss does (transformers hands a callback no trainer to log through).
 
     Args:
         monitor: the :class:`CurvatureMonitor` that measures the rows (its schedule, batches and scopes).
@@ -540,9 +513,9 @@ def add_trainer_curvature_callback(trainer: Any, monitor: CurvatureMonitor, *, s
     """Add :func:`trainer_curvature_callback` to a ``transformers.Trainer``, logging its rows through the Trainer.
 
     Args:
-        trainer: the ``transformers.Trainer`` to add it to, whose logs (``log_history``, ``report_to``) get the rows.
+        trainer: the ``transformers.Trainer`` to add it to, whose logs get the rows.
         monitor: the :class:`CurvatureMonitor` that measures the rows.
-        stop_on_nonfinite: a non-finite row stops training (default off: a measurement never ends a run).
+        stop_on_nonfinite: a non-finite row stops training (default off).
 
     Returns:
         (transformers.TrainerCallback): the callback added.
@@ -555,13 +528,11 @@ def add_trainer_curvature_callback(trainer: Any, monitor: CurvatureMonitor, *, s
 def lightning_curvature_callback(monitor: CurvatureMonitor, *, stop_on_nonfinite: bool = False):
     """A ``lightning.pytorch.Callback`` that measures ``monitor``'s rows during ``Trainer.fit``.
 
-    Before each due optimizer step (``on_before_optimizer_step``: after the backward passes of the step, and before
-    the optimizer moves anything, which it does after the closure returns) it snapshots W; at ``on_train_batch_end``
-    it measures the step taken, so Z is the step Lightning took (accumulation, clipping, precision and all). The
-    row's step is ``trainer.global_step`` before the step. Rows land in ``monitor.rows`` and go to every logger of
-    the Trainer (``logger.log_metrics``) as ``curvature/nds``, ... (:meth:`MonitorRow.log_scalars`), at the row's
-    step, where Lightning logs the training loss of the same batch. Lightning is imported here (``pip install
-    'curvlab[lightning]'``), not by ``import curvlab``.
+    Before each due optimizer step (``on_before_optimizer_step``: after the step's backward passes, before the
+    optimizer moves anything) it snapshots W; at ``on_train_batch_end`` it measures the step taken, so Z is the
+    step Lightning took (accumulation, clipping, precision and all), and the row's step is
+    ``trainer.global_step`` before it. Rows land in ``monitor.rows`` and go to every logger of the Trainer
+    (:meth:`MonitorRow.log_scalars`) at the row's step, beside the training loss of the same batch.
 
     Args:
         monitor: the :class:`CurvatureMonitor` that measures the rows (its schedule, batches and scopes).

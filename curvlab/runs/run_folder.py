@@ -11,26 +11,22 @@ from curvlab.errors import CurvlabError
 from curvlab.runs.checkpoint import INDEX, checkpoint_name, is_checkpoint_name
 from curvlab.runs.config import TrainConfig, config_difference
 from curvlab.runs.metrics import METRICS_FILE
+from curvlab.runs.weights import key_list
 from curvlab.util.atomic import temporary_of
 from curvlab.util.lock import LOCK_FILE, OWNER_FILE
 from curvlab.util.schema import read_json_object
 
 
 def check_resume(out: Path, cfg: TrainConfig) -> None:
-    """Refuse to resume the run in ``out`` under a config other than the one it was started with.
-
-    Raises:
-        CurvlabError: the saved ``config.json`` differs from ``cfg`` (the differences are named), or is
-            corrupt.
-    """
+    """Refuse to resume the run in ``out`` under a config other than the one it was started with (the
+    differences named), or with a corrupt ``config.json``."""
     diff = config_difference(_saved_config(out) or {}, cfg.to_dict())
     if diff:
         raise CurvlabError(f"{out} holds a run with another config; refusing to resume ({'; '.join(diff)})")
 
 
 def _saved_config(out: Path) -> dict[str, Any] | None:
-    """The config a run in ``out`` was started with (``config.json``), or ``None`` where there is none;
-    a ``CurvlabError`` if it is no JSON object (a corrupt byte, another program's file)."""
+    """The config a run in ``out`` was started with (``config.json``), or ``None`` where there is none."""
     path = out / "config.json"
     if not path.is_file():
         return None
@@ -51,32 +47,26 @@ def _files_not_before_index(out: Path) -> tuple[list[str], list[str]]:
 
 
 def check_no_foreign_files(out: Path) -> None:
-    """Refuse (one line naming some of them) to begin a run in ``out``, if it has no index, where it holds
-    files curvlab doesn't write there (a Hugging Face checkpoint, someone's notes)."""
+    """Refuse to begin a run in ``out``, if it has no index, where it holds files curvlab doesn't write there
+    (a Hugging Face checkpoint, someone's notes)."""
     foreign = [] if (out / INDEX).exists() else _files_not_before_index(out)[1]
     if foreign:
         raise CurvlabError(
-            f"{out}: holds files curvlab didn't write ({_some(foreign)}); refusing to begin a run there (choose a new "
-            "or empty --out)"
+            f"{out}: holds files curvlab didn't write ({key_list(foreign)}); refusing to begin a run there (choose a "
+            "new or empty --out)"
         )
 
 
 def check_new_run(out: Path, cfg: TrainConfig) -> None:
-    """Refuse (one line, nothing written) to begin the run ``cfg`` in ``out``, which has no index, over
-    files not its own: a run whose index is gone (its checkpoints or metrics), another run's config, any
-    file curvlab doesn't write there. A run cut short before its first checkpoint was listed passes, and so
-    does one killed between writing its step-0 checkpoint and listing it, under the same config: the run
-    writes that checkpoint again."""
+    """Refuse to begin the run ``cfg`` in ``out``, which has no index, over files not its own: a run whose
+    index is gone, another run's config, any file curvlab doesn't write there. A run cut short before its
+    first checkpoint was listed passes (under the same config: it writes that checkpoint again)."""
     runs, _ = _files_not_before_index(out)
     if runs and not (runs == [checkpoint_name(0)] and _saved_config(out) is not None):
         raise CurvlabError(
-            f"{out}: holds a run's files ({_some(runs)}) with no checkpoint listed in {INDEX}; refusing to begin a "
+            f"{out}: holds a run's files ({key_list(runs)}) with no checkpoint listed in {INDEX}; refusing to begin a "
             "run over them (restore its index, or choose another --out)"
         )
     check_no_foreign_files(out)
     if _saved_config(out) is not None:
         check_resume(out, cfg)
-
-
-def _some(names: list[str], shown: int = 3) -> str:
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")

@@ -1,16 +1,12 @@
 """The training loop: a GPT on token shards with one of curvlab's optimizers, checkpointing every
 state the curvature analysis needs to reproduce the next step exactly.
 
-Read it top to bottom: setup (data, model, optimizer, loaders; the settings are
-:class:`curvlab.runs.config.TrainConfig`, the schedule :mod:`curvlab.runs.schedule`), resume, then the
-loop (:func:`train_loop`), which evaluates the validation loss on fixed windows and writes a checkpoint
-(atomically) every ``ckpt_every`` steps, plus one at step 0. Metrics go to ``metrics.jsonl``.
-
-The loop is the same for a full-model run (:func:`train`), an adapter run (peft LoRA,
-:func:`curvlab.runs.adapt.adapt`) and a sharded one (FSDP2, :func:`curvlab.runs.sharded_train.train_sharded`):
-it trains the model's trainable parameters with the run's optimizer; a run on a frozen base
-(``Run.base``) checkpoints those parameters and the base's reference only. What the sharded run does
-otherwise (forward, evaluate, save and load a checkpoint) is its :class:`RunLayout`.
+Setup (:class:`curvlab.runs.config.TrainConfig`, :mod:`curvlab.runs.schedule`), resume, then
+:func:`train_loop`: the validation loss on fixed windows, and an atomic checkpoint every ``ckpt_every``
+steps and at step 0; metrics go to ``metrics.jsonl``. One loop serves a full-model run (:func:`train`), an
+adapter run (:func:`curvlab.runs.adapt.adapt`, which checkpoints the trainable parameters and the base's
+reference only) and a sharded one (:func:`curvlab.runs.sharded_train.train_sharded`, whose forward,
+evaluation and checkpoints are its :class:`RunLayout`).
 """
 
 from __future__ import annotations
@@ -63,12 +59,9 @@ def pick_device(name: str) -> torch.device:
 
 @dataclass
 class Run:
-    """A training run's live objects, built from a config (and, on resume, a checkpoint).
-
-    ``base``: for a run that trains adapters on a frozen base model (JSON: where the base comes from
-    and how it is adapted), ``None`` for a full-model run. Its checkpoints hold the trainable
-    parameters (``"adapter"``) and this reference instead of the whole model (``"model"``).
-    """
+    """A training run's live objects, built from a config (and, on resume, a checkpoint). ``base``: an
+    adapter run's frozen base (JSON: where it comes from, how it is adapted), whose checkpoints hold the
+    trainable parameters (``"adapter"``) and this reference in place of the model (``"model"``)."""
 
     cfg: TrainConfig
     model: nn.Module  # a GPT, or a peft model around one
@@ -140,19 +133,21 @@ def restore(run: Run, ckpt: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Mean validation loss over every token of the fixed validation windows (under torch.distributed,
-    each rank evaluates its share and the sums are all-reduced)."""
+def evaluate(run: Run, every_window: bool = False) -> float:
+    """Mean validation loss over every token of the fixed validation windows: under torch.distributed each
+    rank evaluates its share and the sums are all-reduced, or, ``every_window`` (an FSDP2 forward needs
+    every rank), each rank evaluates them all."""
     was_training = run.model.training
     run.model.eval()
     sums = torch.zeros(2, dtype=torch.float64)
-    for x, y in my_share(run.val_batches):
+    for x, y in run.val_batches if every_window else my_share(run.val_batches):
         x, y = x.to(run.device), y.to(run.device)
         with run.autocast():
             loss = token_cross_entropy(run.model(x), y)
         n = count_loss_terms((x, y))
         sums += torch.tensor([float(loss) * n, n], dtype=torch.float64)
-    all_reduce_sum(sums)
+    if not every_window:
+        all_reduce_sum(sums)
     run.model.train(was_training)
     return float(sums[0] / sums[1])
 
@@ -163,11 +158,8 @@ def trainable_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 def load_trainable_state(model: nn.Module, state: dict[str, Tensor]) -> None:
-    """Copy ``state`` (from :func:`trainable_state`) into the model's trainable parameters.
-
-    Raises:
-        CurvlabError: the names differ from the model's trainable parameters (another adapter).
-    """
+    """Copy ``state`` (from :func:`trainable_state`) into the model's trainable parameters; another
+    adapter's names are a ``CurvlabError``."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if set(params) != set(state):
         odd = sorted(set(params) ^ set(state))
@@ -212,14 +204,11 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class RunLayout:
-    """How a run's model lies over the ranks: all that differs between the dense run (the whole model
-    on every rank, :data:`DENSE`) and the sharded one (FSDP2, :data:`curvlab.runs.sharded_train.SHARDED`).
-    :func:`train_loop` is the one loop of both.
-
-    ``forward(run, world)``: the module a training step calls. ``evaluate(run)``: the mean validation
-    loss over every token of the validation windows. ``save(run, val_loss, train_loss, is_main)``: write
-    the checkpoint of ``run.step`` into ``run.cfg.out`` and list it in the index. ``load(run, path)``:
-    put the checkpoint at ``path`` into ``run``. Every rank calls each of them.
+    """How a run's model lies over the ranks: all that differs between the dense run (:data:`DENSE`) and
+    the sharded one (:data:`curvlab.runs.sharded_train.SHARDED`) in :func:`train_loop`. Every rank calls
+    each: ``forward(run, world)``, the module a step calls; ``evaluate(run)``, the validation loss;
+    ``save(run, val_loss, train_loss, is_main)``, the checkpoint of ``run.step``, listed in the index;
+    ``load(run, path)``, the checkpoint at ``path`` put into ``run``.
     """
 
     forward: Callable[[Run, int], nn.Module]
@@ -252,8 +241,7 @@ DENSE = RunLayout(forward=_dense_forward, evaluate=evaluate, save=_save, load=_l
 @contextlib.contextmanager
 def _open_metrics(path: Path, is_main: bool):
     """``metrics.jsonl``'s descriptor, open for appending on rank 0 (``None`` elsewhere), never through a
-    link (``O_NOFOLLOW``). Unbuffered: a write that fails (a full disk) fails once, in :func:`_write_row`,
-    and closing has nothing left to write."""
+    link. Unbuffered: a failed write (a full disk) fails once, in :func:`_write_row`, not again at close."""
     if not is_main:
         yield None
         return
@@ -266,8 +254,8 @@ def _open_metrics(path: Path, is_main: bool):
 
 
 def _write_row(log: int | None, path: Path, row: dict[str, Any]) -> None:
-    """Append ``row`` to ``metrics.jsonl`` open as ``log`` (rank 0's; ``None`` elsewhere); a failed write (no
-    space) is one line naming the file (a line it cut short ends the file for readers: runs.metrics)."""
+    """Append ``row`` to ``metrics.jsonl`` open as ``log`` (``None``: not rank 0); a failed write is one line
+    naming the file (a line it cut short ends the file for readers: runs.metrics)."""
     if log is not None:
         data = (row_line(row) + "\n").encode()  # (with its digest: runs.metrics)
         with write_errors(path):
@@ -282,8 +270,6 @@ def _record_curvature(row: MonitorRow, log, path: Path, stop: bool) -> None:
 
 
 def summary_writer_class() -> type:
-    """``torch.utils.tensorboard.SummaryWriter``; a ``CurvlabError`` without the optional
-    ``tensorboard`` package (``pip install 'curvlab[tensorboard]'``)."""
     try:
         from torch.utils.tensorboard import SummaryWriter  # optional: only --tensorboard needs it
     except ImportError as e:
@@ -307,28 +293,17 @@ def train(
     monitor: MonitorSettings | None = None,
     tensorboard: str | Path | None = None,
 ) -> TrainResult:
-    """Train (or resume) the run ``cfg`` describes; see the module docstring.
+    """Train (or resume) the run ``cfg`` describes, in :func:`train_loop`.
 
-    With ``monitor``, every ``monitor.every`` steps the curvature of the step taken (NDS, Taylor split,
-    within/cross split; :mod:`curvlab.runs.monitor`) goes into ``metrics.jsonl`` as a row of kind
-    ``"curvature"``. The run itself is the same, bit for bit, with or without it.
-
-    With ``tensorboard`` (a directory), rank 0 also writes TensorBoard scalars there: ``train/loss``
-    and ``train/lr`` at every step, ``val/loss`` when evaluated, and each curvature row's
-    :meth:`~curvlab.runs.monitor.MonitorRow.log_scalars` (``curvature/nds``, ...) at the step it measured, the
-    step index being the steps done (as in ``metrics.jsonl``).
-
-    The progress display is a bar on a terminal and a plain line every 30 s elsewhere
-    (:func:`curvlab.util.progress.progress`).
-
-    Under torch.distributed (``torchrun``), the model is wrapped in DistributedDataParallel, each rank
-    trains on rows ``rank::world`` of the same global batch (so results don't depend on the number of
-    ranks), and rank 0 alone writes metrics and checkpoints.
-
-    Raises:
-        CurvlabError: bad data or config, a resume with a different config, a corrupt checkpoint.
-        TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
-        NonFiniteCurvature: a non-finite curvature row, with ``monitor.stop_on_nonfinite``.
+    With ``monitor``, every ``monitor.every`` steps the curvature of the step taken
+    (:mod:`curvlab.runs.monitor`) goes into ``metrics.jsonl`` as a row of kind ``"curvature"``; the run is
+    the same, bit for bit, with or without it. With ``tensorboard`` (a directory), rank 0 writes
+    ``train/loss`` and ``train/lr`` at every step, ``val/loss`` when evaluated, and each curvature row's
+    :meth:`~curvlab.runs.monitor.MonitorRow.log_scalars` at the step it measured (steps done, as in
+    ``metrics.jsonl``). Under ``torchrun`` the model is wrapped in DistributedDataParallel, each rank trains
+    on rows ``rank::world`` of the same global batch (results don't depend on the number of ranks), and
+    rank 0 alone writes metrics and checkpoints. Raises what :func:`train_loop` raises, and
+    ``CurvlabError`` for bad data or config.
     """
     if rank is None or world is None:
         rank, world = rank_and_world()
@@ -363,24 +338,8 @@ def _take_step(
     curvature: CurvatureMonitor | None,
     due: Callable[[int], bool] | None,
 ) -> tuple[Tensor, float, Any]:
-    r"""One optimizer step from :math:`\theta_k` (``run.step`` k) to :math:`\theta_{k+1}`: the next batch, its loss,
-    a non-finite check, backward, clipping, the shadow and control states, the optimizer and schedule steps.
-
-    Args:
-        run: the run being trained; its step counter advances by one.
-        forward: the model's forward pass as the layout runs it over ``world`` ranks.
-        world: how many ranks share the global batch.
-        trainable: the parameters whose gradient is clipped.
-        curvature: the curvature monitor, which snapshots the state before a measured step.
-        due: whether the step from a given step is measured (``None``: none is).
-
-    Returns:
-        ``(global_loss, lr, before)``: the loss over all ranks, the learning rate the step took, and the
-        monitor's snapshot (``None`` when not measured).
-
-    Raises:
-        TrainingDiverged: a non-finite training loss.
-    """
+    """One optimizer step of ``run`` (see :func:`train_loop`); returns the loss over all ranks, the learning
+    rate the step took and ``curvature``'s snapshot of the state before it where ``due`` (else ``None``)."""
     cfg = run.cfg
     x, y = (t.to(run.device) for t in run.loader.next())
     with run.autocast():
@@ -419,32 +378,24 @@ def train_loop(
     desc: str | None = None,
     leave: bool = True,
 ) -> TrainResult:
-    r"""Train (or resume) ``run`` (from :func:`build_run`, or an adapter run, or a sharded run) in
-    ``run.cfg.out`` to ``run.cfg.steps``: the one loop of :func:`train`, which describes it, of
-    :func:`curvlab.runs.adapt.adapt` and of :func:`curvlab.runs.sharded_train.train_sharded`, whose
-    ``layout`` says how the model lies over the ranks (:class:`RunLayout`).
+    r"""Train (or resume) ``run`` in ``run.cfg.out`` to ``run.cfg.steps``: the one loop of :func:`train`,
+    :func:`curvlab.runs.adapt.adapt` and :func:`curvlab.runs.sharded_train.train_sharded` (``layout``).
 
-    A step from :math:`\theta_k`: next batch, loss :math:`L(\theta_k)`, a non-finite check, backward,
-    gradient clipping over the trainable parameters (``grad_clip``), the shadow and control states
-    read the gradient, optimizer step to :math:`\theta_{k+1}`, schedule step; the validation loss every
-    ``eval_every`` steps and a checkpoint every ``ckpt_every`` steps (and at the end). An existing run
-    in ``out`` is resumed from its last checkpoint under the same config (:func:`check_resume`), bit for
-    bit: weights, optimizer, schedule, loader and RNG states are all checkpointed.
+    A step from :math:`\theta_k`: next batch, loss, a non-finite check, backward, clipping of the trainable
+    parameters (``grad_clip``), the shadow and control states read the gradient, optimizer and schedule
+    steps; the validation loss every ``eval_every`` steps and a checkpoint every ``ckpt_every`` (and at the
+    end). A run in ``out`` resumes from its last checkpoint under the same config (:func:`check_resume`),
+    bit for bit. With ``curvature``, the step taken from step k is measured when ``measure_at(k)`` (default
+    ``curvature.due``) and written to ``metrics.jsonl``.
 
-    With ``curvature``, the step taken from step k is measured when ``measure_at(k)`` (default
-    ``curvature.due``) and written to ``metrics.jsonl`` as a row of kind ``"curvature"``.
-
-    The run holds ``out`` while it trains (:func:`curvlab.util.lock.own_directory`): a second process
-    training there is refused, naming this one, and ``compare`` and ``track`` refuse to read it; one that
-    took ``out`` after its lock file was removed by hand stops this one before its next writes
-    (:func:`curvlab.util.lock.check_still_owner`). A new run begins only in a folder that holds nothing
-    but its own files (:func:`check_new_run`), and no write follows a link out of ``out``
-    (:func:`curvlab.util.atomic.writes_confined_to`). A SIGINT or SIGTERM stops it after the step in
-    progress, on every rank (:mod:`curvlab.util.safe_stop`).
+    The run holds ``out`` while it trains (:func:`curvlab.util.lock.own_directory`; one that took it over
+    stops this one: :func:`curvlab.util.lock.check_still_owner`), begins only in a folder of its own files
+    (:func:`check_new_run`), writes through no link out of ``out``
+    (:func:`curvlab.util.atomic.writes_confined_to`), and stops after the step in progress on a SIGINT or
+    SIGTERM, on every rank (:mod:`curvlab.util.safe_stop`).
 
     Raises:
-        CurvlabError: another process holds ``out`` or took it over, ``out`` holds files that are not this
-            run's, a resume with a different config, a corrupt checkpoint, config or metrics file.
+        CurvlabError: see above; a resume with a different config, a corrupt checkpoint, config or metrics.
         TrainingDiverged: a non-finite training loss (the last good checkpoint is kept).
         NonFiniteCurvature: a non-finite curvature row, with ``stop_on_nonfinite``.
         Stopped: a SIGINT or SIGTERM, honoured at the safe point after a step.
@@ -496,9 +447,8 @@ def train_loop(
             if checkpoint_now:
                 layout.save(run, val_loss, train_loss, is_main)
                 last_checkpoint = run.step
-            # the safe point: this step's checkpoint (if due) and metrics are written; the rerun resumes
-            # from the last checkpoint and retakes the steps after it, bit for bit (every rank agrees:
-            # the ranks stop after the same step)
+            # the safe point: this step's checkpoint (if due) and metrics are written, and every rank stops
+            # after the same step; the rerun retakes the steps after the last checkpoint, bit for bit
             check_stop(stopped_where(out, run.step, last_checkpoint), world)
             tps = tokens_per_step * steps_done / max(elapsed, 1e-9)
             shown_val = val_loss if evaluate_now else shown_val
@@ -512,16 +462,15 @@ def train_loop(
 
 
 def _diverged(out: Path, step: int) -> TrainingDiverged:
-    """The refusal of a non-finite training loss at ``step``, naming the last good checkpoint (every rank
-    reads the index: each checkpoint is listed there before the next step begins)."""
+    """The refusal of a non-finite training loss at ``step``, naming the last good checkpoint."""
     index = read_index(out)
     last = index[-1]["path"] if index else "none"
     return TrainingDiverged(f"non-finite training loss at step {step}; last good checkpoint: {last}")
 
 
 def _resume_or_begin(run: Run, layout: RunLayout, is_main: bool) -> int:
-    """Resume ``run`` from the last checkpoint in its ``out`` (under the same config), or begin it there:
-    its ``config.json`` and the checkpoint of step 0. Returns the step resumed from (0 for a new run)."""
+    """Resume ``run`` from its last checkpoint, or begin it (``config.json``, the checkpoint of step 0);
+    returns the step resumed from (0 for a new run)."""
     out = Path(run.cfg.out)
     if is_main:  # what a killed write left (kill -9 mid-checkpoint): never read, so removed
         remove_stale_temporaries(out)

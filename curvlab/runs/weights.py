@@ -1,17 +1,9 @@
 """Whether a checkpoint's weights fill a model: every tensor of the model present, none left over, every
-shape equal. A model built from a config and given weights that don't fill it would be analysed with some
-tensors at their random initialisation (transformers initialises what a checkpoint lacks and only logs
-it), so anything that doesn't fit is refused in one line naming the tensors.
+shape equal, every floating tensor saved as floats. Anything else is refused in one line naming the tensors:
+transformers initialises what a checkpoint lacks at random, and only logs it.
 
-Tied weights (one tensor the model holds under several names: a head tied to the embedding) are saved
-under one of their names only by safetensors, which keeps no tensor twice; they are known here by the
-model's structure, the names that reach one tensor object, never by their names' spelling
-(:func:`tie_groups`).
-
-Two lies a file can tell are caught before they are used: floating weights saved as integers (loading
-converts values, so float bytes under an ``I32`` header load as other numbers: :func:`check_floating`), and
-a config of a model far larger than its weights (built, it would allocate what the weights never held:
-:func:`curvlab.models.size.check_model_size`).
+Tied weights (one tensor under several names: a head tied to the embedding), which safetensors saves under
+one name, are known by the model's structure, never by their names' spelling (:func:`tie_groups`).
 """
 
 from __future__ import annotations
@@ -30,25 +22,16 @@ SHOWN = 3  # tensors named in a message; the rest are counted
 FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 
 
-def key_list(keys: Iterable[str]) -> str:
-    """``keys`` sorted, the first :data:`SHOWN` named and the rest counted: ``"a, b, c and 9 more"``.
-
-    Args:
-        keys: tensor names.
-    """
-    keys = sorted(keys)
+def key_list(keys: Iterable[str], sort: bool = True) -> str:
+    """``keys`` (sorted), the first :data:`SHOWN` named and the rest counted: ``"a, b, c and 9 more"``."""
+    keys = sorted(keys) if sort else list(keys)
     shown = ", ".join(keys[:SHOWN])
     return shown if len(keys) <= SHOWN else f"{shown} and {len(keys) - SHOWN} more"
 
 
 def tie_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Each state-dict key of ``model`` -> every state-dict key that names the same tensor object, in
-    state-dict order (one key for an untied tensor; a head tied to the embedding and the embedding share
-    theirs).
-
-    Args:
-        model: any module.
-    """
+    state-dict order (one key for an untied tensor)."""
     state = model.state_dict(keep_vars=True)  # (the parameters themselves: tied names reach one object)
     names: dict[int, list[str]] = {}
     for key, tensor in state.items():
@@ -57,29 +40,21 @@ def tie_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def untied_missing(model: nn.Module, missing: Iterable[str]) -> list[str]:
-    """The keys among ``missing`` that are really absent: those whose tensor no other, loaded key of
-    ``model`` names (a tied key is filled by the key it shares its tensor with). Keys the model's state
-    dict doesn't have stay, as they are.
-
-    Args:
-        model: the loaded model.
-        missing: the keys its loading didn't find.
-    """
+    """The keys among ``missing`` (its loading didn't find them) whose tensor no other, loaded key of
+    ``model`` names: a tied key is filled by the key it shares its tensor with."""
     missing = set(missing)
     groups = tie_groups(model)
     return sorted(k for k in missing if not set(groups.get(k, (k,))) - missing)
 
 
 def _shapes(mismatched: list[tuple[str, tuple, tuple]]) -> str:
-    """``key [saved] saved, [model's] in the model`` for the first :data:`SHOWN` keys, the rest counted."""
-    listed = ", ".join(f"{k} {list(a)} saved, {list(b)} in the model" for k, a, b in mismatched[:SHOWN])
-    return listed + (f" and {len(mismatched) - SHOWN} more" if len(mismatched) > SHOWN else "")
+    """``key [saved] saved, [model's] in the model`` of each, as :func:`key_list` names them."""
+    return key_list((f"{k} {list(a)} saved, {list(b)} in the model" for k, a, b in mismatched), sort=False)
 
 
 def _untied_declared(model: nn.Module) -> tuple[str, str] | None:
-    """A pair the model's config ties (transformers' declarations, recomputed from the config) that are two
-    tensors after loading, or None: transformers unties a pair the weights hold with different values, so
-    the model would have a parameter the config's run never had (and the optimizer's state no place for it)."""
+    """A pair the model's config ties that are two tensors after loading, or None: transformers unties a pair
+    the weights hold with different values, giving the model a parameter the config's run never had."""
     declared = getattr(model, "get_expanded_tied_weights_keys", None)
     if not callable(declared):
         return None  # (a transformers without the declarations: its loading ties by the config alone)
@@ -95,17 +70,9 @@ def _untied_declared(model: nn.Module) -> tuple[str, str] | None:
 def check_loading_info(model: nn.Module, info: Mapping[str, Any], where: Path) -> None:
     """Raise ``CurvlabError`` unless transformers' ``from_pretrained(..., output_loading_info=True)`` loaded
     every tensor of ``model`` from the checkpoint at ``where``: one line naming the missing tensors (tied
-    ones aside: :func:`untied_missing`), the unexpected ones and the mis-shaped ones with both shapes; a
-    config of another architecture (none of the model's parameters among the weights) is said so, and so are
-    tensors the config ties that the weights hold with different values.
-
-    Args:
-        model: the model transformers built and loaded.
-        info: its loading info: ``missing_keys``, ``unexpected_keys`` and ``mismatched_keys`` (``(key,
-            saved shape, model shape)``; loaded with ``ignore_mismatched_sizes=True``, so they are listed,
-            not raised in a table).
-        where: the checkpoint directory, for the message.
-    """
+    ones aside: :func:`untied_missing`), the unexpected ones and the mis-shaped ones (``info``'s
+    ``mismatched_keys``, listed under ``ignore_mismatched_sizes=True``) with both shapes; a config of
+    another architecture is said so, and so are tensors the config ties that the weights hold apart."""
     name = type(model).__name__
     missing = untied_missing(model, info.get("missing_keys", ()))
     unexpected = sorted(info.get("unexpected_keys", ()))
@@ -139,15 +106,9 @@ def check_loading_info(model: nn.Module, info: Mapping[str, Any], where: Path) -
 
 def check_floating(model: nn.Module, saved: Mapping[str, str | torch.dtype], where: Path) -> None:
     """Raise ``CurvlabError`` if a floating tensor of ``model`` is saved in a dtype that isn't floating
-    (integers, booleans, a float format not in :data:`FLOATING`): loading converts values, not bytes, so
-    float data under an ``I32`` header would load as the integers its bits spell, silently.
-
-    Args:
-        model: the model the weights are for.
-        saved: each saved tensor's dtype by its saved key: safetensors' name (``"F32"``) or torch's dtype.
-            A key may lack the model's ``base_model_prefix`` or have one the model hasn't (transformers adds
-            and strips it), and one the model has no tensor for is another check's (left alone here).
-        where: the checkpoint, for the message.
+    (not in :data:`FLOATING`): loading converts values, not bytes, so float data under an ``I32`` header
+    would load as the integers its bits spell. ``saved``: each saved tensor's dtype (safetensors' name or
+    torch's) by its key, with or without the model's ``base_model_prefix`` (transformers adds and strips it).
     """
     state = model.state_dict()
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
@@ -166,20 +127,9 @@ def check_floating(model: nn.Module, saved: Mapping[str, str | torch.dtype], whe
 
 def fill_ties(model: nn.Module, weights: Mapping[str, Tensor], where: Path, what: str) -> dict[str, Tensor]:
     """``weights`` as a state dict that loads into ``model`` strictly: a tied key the weights lack is given
-    the tensor of the key it is tied to (:func:`tie_groups`).
-
-    Args:
-        model: the model the weights are for.
-        weights: the saved tensors, keys as the model's state dict names them.
-        where: the checkpoint, for messages.
-        what: the model, for messages (``"the --config model"``).
-
-    Raises:
-        CurvlabError: a tensor of the model missing (tied ones aside), a key the model hasn't, a shape that
-            differs (all three kinds named, in one line), a floating tensor saved as integers
-            (:func:`check_floating`), or tied keys saved with different values (a model trained untied, which
-            this model can't hold).
-    """
+    the tensor of the key it is tied to (:func:`tie_groups`). Missing, unexpected and mis-shaped tensors
+    (named in one line, ``what`` naming the model), floating tensors saved as integers and tied keys saved
+    with different values are refused."""
     state, groups = model.state_dict(), tie_groups(model)
     missing = [k for k in state if not any(g in weights for g in groups[k])]
     unexpected = sorted(set(weights) - set(state))

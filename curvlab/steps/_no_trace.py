@@ -1,12 +1,7 @@
 """What a training step touches besides parameters, their ``.grad`` and the optimizer's state, saved and put
-back: each module's buffers (running statistics, ``num_batches_tracked``, spectral norm's power-iteration
-vectors) and the other attributes in its ``__dict__`` (the tensor the legacy ``spectral_norm`` and
-``weight_norm`` hooks leave as ``weight``, a cache a forward fills), and the random streams of torch (the
-CPU's and the parameters' devices'), numpy and Python.
-
-:func:`left_as_found` wraps :func:`curvlab.steps.update.next_update`; a :class:`SideState` captured when an
-optimizer's turn begins lets it start a second try of that step from the very buffers and draws the first
-started from.
+back: each module's buffers and the other attributes in its ``__dict__`` (the tensor the legacy
+``spectral_norm`` and ``weight_norm`` hooks leave as ``weight``, a cache a forward fills), and the random
+streams of torch, numpy and Python. :func:`left_as_found` wraps :func:`curvlab.steps.update.next_update`.
 """
 
 from __future__ import annotations
@@ -30,9 +25,8 @@ _TABLES = ("_parameters", "_buffers", "_modules")
 
 @dataclass(frozen=True)
 class RandomStreams:
-    """Every random stream a step can draw from, at one moment: torch's CPU generator, the generators of
-    the devices the parameters live on (``device_type``, by index), numpy's global state and Python's
-    ``random``."""
+    """Every random stream a step can draw from, at one moment: torch's CPU generator, those of the
+    parameters' devices (``device_type``, by index), numpy's global state and Python's ``random``."""
 
     cpu: Tensor
     device_type: str | None
@@ -42,11 +36,7 @@ class RandomStreams:
 
     @classmethod
     def capture(cls, tensors: Sequence[Tensor]) -> RandomStreams:
-        """The streams now: the CPU's and those of each device ``tensors`` live on.
-
-        Raises:
-            CurvlabError: tensors on several device types (their generators are not one stream).
-        """
+        """The streams now: the CPU's and those of each device ``tensors`` live on."""
         devices = {t.device for t in tensors if t.device.type not in ("cpu", "meta")}
         kinds = {d.type for d in devices}
         if len(kinds) > 1:
@@ -85,9 +75,8 @@ class ModuleState:
 
     def restore(self) -> None:
         """The attributes that were there (those added since removed), the same buffer objects, and the
-        values of those that changed since. Only those: a copy into an unchanged buffer would invalidate a
-        graph the user holds that saved it. (Compared by value, not by version counter: batch norm's kernel
-        updates its running statistics without counting a version.)"""
+        values of those that changed since (by value: batch norm's kernel counts no version): a copy into
+        an unchanged buffer would invalidate a graph the user holds that saved it."""
         m = self.module
         for k in [k for k in vars(m) if k not in _TABLES and k not in self.attributes]:
             del m.__dict__[k]

@@ -1,17 +1,15 @@
 r"""Shadow optimizer states: the other arm's state, kept beside a run and never applied.
 
 A reproduction run of one arm (AdamW or Muon) can carry a *shadow* of the other arm on the hidden
-matrices (:func:`~curvlab.curvature.groupings.hidden_matrices`: the 2-D weights inside the transformer blocks, which
-Muon updates). Each training step, after clipping, the shadow absorbs the same gradient G the real
-optimizer sees; it is saved in every checkpoint and restored on resume. It never touches the
-parameters, the gradients, the real optimizer or any RNG, so a run with a shadow is the run without
-one, bit for bit.
+matrices (:func:`~curvlab.curvature.groupings.hidden_matrices`). Each training step, after clipping, the
+shadow absorbs the same gradient G the real optimizer sees; it is checkpointed with the run, and never
+touches the parameters, the gradients, the real optimizer or any RNG, so a run with a shadow is the run
+without one, bit for bit.
 
 At a checkpoint, the shadow's step on the next gradient G gives the other arm's direction at the same
-W, which pairs with the real step (:mod:`curvlab.analysis.directions`):
+W (:mod:`curvlab.analysis.directions`):
 
-* **shadow Muon** (in an AdamW run), per hidden matrix W of mathematical shape r x c (as
-  :class:`curvlab.optim.muon.Muon` does it):
+* **shadow Muon** (in an AdamW run), per hidden matrix W of shape r x c, as :class:`curvlab.optim.muon.Muon`:
 
   .. math::
       B \leftarrow \mu B + (1-\mu) G,\quad \tilde B = (1-\mu) G + \mu B \text{ (Nesterov)},\quad
@@ -25,18 +23,13 @@ W, which pairs with the real step (:mod:`curvlab.analysis.directions`):
       Z = \eta\lambda W + \eta\, \hat m / (\sqrt{\hat v} + \epsilon),\quad
       \hat m = m / (1-\beta_1^t),\ \sqrt{\hat v} = \sqrt{v} / (1-\beta_2^t)^{1/2}.
 
-**Controls** (:func:`build_controls`, docs/science.md section 14): a run can also keep shadows of its *own*
-arm, from step 0 and fed the same gradient: a *twin* with the run's own settings (:func:`own_settings`,
-read from the optimizer's param group), whose step at a point must be the real step to float rounding,
-and a *hyperparameter twin* with one nudge (:func:`hyperparameter_twin`), an approximate null.
+**Controls** (:func:`build_controls`, docs/science.md section 14): shadows of the run's *own* arm, from
+step 0: a *twin* with the run's own settings (:func:`own_settings`), whose step must be the real step to
+float rounding, and a *hyperparameter twin* with one nudge (:func:`hyperparameter_twin`).
 
 The learning rate :math:`\eta` of a shadow step is a peak lr (``ShadowSettings.lr``: by default the
-other arm's default, Muon 0.02 and AdamW 0.0018 as
-:func:`curvlab.optim.model_optimizer.build_model_optimizer` has them; the
-reproduction passes the other arm's chosen lr) times the run's current schedule multiplier. NDS and
-the cosine on the hidden matrices don't depend on it; ||Z|| does, and so does
-everything over all parameters, where the shadow's step on the hidden matrices is joined to the run's
-own step on the rest.
+other arm's default, :data:`DEFAULT_LR`) times the run's current schedule multiplier. NDS and the cosine
+on the hidden matrices don't depend on it; ||Z|| does, and so does everything over all parameters.
 
 Checkpoint payload ``"shadow"`` (``SHADOW_SCHEMA_VERSION`` = 1)::
 
@@ -66,17 +59,14 @@ SHADOW_OF = {"adamw": "muon", "muon": "adamw"}  # the run's optimizer -> the arm
 _MUON_FIELDS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_eps")
 _MUON_FIELDS += ("polar", "polar_dtype", "scale")
 _ADAM_FIELDS = ("lr", "weight_decay", "betas", "eps")
-DEFAULT_LR = {
-    "muon": 0.02,
-    "adamw": 0.0018,
-}  # the arms' defaults in curvlab.optim.model_optimizer.build_model_optimizer
+# the arms' defaults in curvlab.optim.model_optimizer.build_model_optimizer
+DEFAULT_LR = {"muon": 0.02, "adamw": 0.0018}
 
 
 @dataclass(frozen=True)
 class ShadowSettings:
-    """The shadow arm's hyperparameters (defaults: the other arm's defaults in
-    :func:`curvlab.optim.model_optimizer.build_model_optimizer`). ``kind`` is ``"muon"`` or ``"adamw"``;
-    the fields of the other kind are unused."""
+    """The shadow arm's hyperparameters. ``kind`` is ``"muon"`` or ``"adamw"``; the fields of the other kind
+    are unused."""
 
     kind: str
     lr: float
@@ -173,7 +163,7 @@ class ShadowState:
     @torch.no_grad()
     def update(self, grads: Mapping[str, Tensor | None]) -> None:
         """Absorb one step's gradients (``None`` or a missing name: skipped, as torch's optimizers skip
-        a parameter without a gradient). The gradients are read, never changed."""
+        a parameter without a gradient)."""
         for name in self.names:
             g = grads.get(name)
             if g is not None:
@@ -186,8 +176,7 @@ class ShadowState:
         self.update({n: params[n].grad for n in self.names})
 
     def _absorb(self, state: dict[str, Tensor], g: Tensor) -> None:
-        """One step of the shadow's state, in place, with the very ops the real optimizer uses (so that
-        the state is the real optimizer's, bit for bit, after the same gradients)."""
+        """One step of the shadow's state, in place, with the very ops the real optimizer uses (bit for bit)."""
         s = self.settings
         if s.kind == "muon":
             if "momentum_buffer" not in state:
@@ -210,8 +199,7 @@ class ShadowState:
         self, grads: Mapping[str, Tensor], params: Mapping[str, Tensor], multiplier: float = 1.0
     ) -> dict[str, Tensor]:
         r"""The shadow's next step :math:`Z = W - W_\text{next}` on the hidden matrices, had it absorbed
-        ``grads`` (the next gradient, clipped) and stepped with lr ``settings.lr * multiplier``; the
-        state itself is left as it was. Returned in each parameter's dtype.
+        ``grads`` and stepped with lr ``settings.lr * multiplier`` (the state is left as it was).
 
         Raises:
             CurvlabError: a hidden matrix missing from ``grads`` or ``params``.
@@ -282,9 +270,8 @@ class ShadowState:
 
 def muon_step(update: Tensor, shape: tuple[int, ...], settings: ShadowSettings, lr: float) -> Tensor:
     r""":math:`\eta\, s(r, c)\, \operatorname{msign}(U)` for a momentum-averaged update U of one matrix of
-    mathematical shape ``shape`` (a kernel orthogonalized as the matrix it flattens to, a stack of m
-    matrices, shape (m, out, in), one by one), with the
-    polar method and scale of ``settings``, as :class:`curvlab.optim.muon.Muon` computes it; in U's dtype."""
+    mathematical shape ``shape`` (a stack of m matrices, shape (m, out, in), one by one), with the polar
+    method and scale of ``settings``, as :class:`curvlab.optim.muon.Muon` computes it; in U's dtype."""
     ortho = msign(
         as_matrices(update, shape),
         polar=settings.polar,
@@ -306,9 +293,8 @@ def _hidden_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def build_shadow(optimizer: str, model: nn.Module, **options: Any) -> ShadowState:
-    """The shadow of the other arm for a run of ``optimizer`` (``"adamw"`` keeps a shadow Muon,
-    ``"muon"`` a shadow Adam) over the model's hidden matrices, with ``options`` over the other arm's
-    defaults (see :class:`ShadowSettings`).
+    """The shadow of the other arm (:data:`SHADOW_OF`) for a run of ``optimizer`` over the model's hidden
+    matrices, with ``options`` over the other arm's defaults (see :class:`ShadowSettings`).
 
     Raises:
         CurvlabError: an optimizer with no other arm, bad options, or a model with no hidden matrix.
@@ -320,18 +306,16 @@ def build_shadow(optimizer: str, model: nn.Module, **options: Any) -> ShadowStat
 
 # -- controls: shadows of the run's own arm -----------------------------------------------------------
 
-# The hyperparameter twin's one change (docs/science.md section 14): Muon's momentum 0.95 -> 0.94, Adam's
-# beta2 0.95 -> 0.951. Small enough that the direction hardly moves: its spread is what "no difference"
-# looks like on real curvature.
+# The hyperparameter twin's one change: small enough that the direction hardly moves, its spread is what
+# "no difference" looks like on real curvature (docs/science.md section 14).
 MOMENTUM_NUDGE = -0.01
 BETA2_NUDGE = 0.001
 CONTROLS = ("twin", "hp_twin")  # the control shadows a run keeps (``TrainConfig.controls``)
 
 
 def own_settings(optimizer: torch.optim.Optimizer, model: nn.Module) -> ShadowSettings:
-    """The run's own optimizer on its hidden matrices, as shadow settings (a *twin*, whose step at a point
-    must be the real step to float rounding): the param group that holds them, at its peak lr
-    (``initial_lr``, which torch's schedulers record).
+    """The run's own optimizer on its hidden matrices, as shadow settings (a *twin*): the param group that
+    holds them, at its peak lr (``initial_lr``, which torch's schedulers record).
 
     Raises:
         CurvlabError: the hidden matrices lie in several groups, or in a group that is neither Muon nor

@@ -15,13 +15,10 @@ and the momentum methods' stability thresholds (all of them together:
 :math:`(\lambda_1 - t)c^2 + 2\beta c + (\langle Z,HZ\rangle - t\langle Z,Z\rangle) = 0`,
 :math:`\beta = \langle v_1,HZ\rangle - t\langle v_1,Z\rangle`. For :math:`r > 1`,
 :math:`\operatorname{NDS}(Z) > 0` and :math:`\lambda_1 > t` the constant term is negative and the leading
-one positive: always two real roots, one of each sign. *Sign convention*: :func:`injection_coefficient`
-returns the root of smallest :math:`|c|` (signed). Flipping :math:`v_1` flips :math:`\langle v_1,Z\rangle`,
-:math:`\langle v_1,HZ\rangle` and so c, so :math:`Z'` is the same whichever sign the eigensolver gave
-:math:`v_1`; it is the smallest change of Z that reaches the ratio, and it strengthens Z's existing
-alignment with :math:`v_1` instead of overshooting through it. Equivalently: orient :math:`v_1` so that
-:math:`\beta \ge 0` (for an exact eigenvector, :math:`\langle v_1, Z\rangle \ge 0`) and take the
-non-negative root; when :math:`\beta = 0` (Z ⟂ v_1) the roots are ±c and the non-negative one is returned.
+one positive: always two real roots, one of each sign. :func:`injection_coefficient` returns the root of
+smallest :math:`|c|` (signed): the smallest change of Z that reaches the ratio, and the same :math:`Z'`
+whichever sign the eigensolver gave :math:`v_1` (flipping it flips c); for :math:`\beta \ge 0` the
+non-negative root (when :math:`\beta = 0`, Z ⟂ v_1, the roots are ±c).
 
 **Muon's preconditioner.** Muon steps :math:`-\eta\,s\,\operatorname{msign}(\tilde B)` on a hidden matrix,
 :math:`\tilde B` its Nesterov-averaged momentum (:func:`nesterov_momenta`) and s its shape scale
@@ -35,26 +32,22 @@ that is the linear, symmetric, positive semi-definite preconditioner
     P^{-1}: X \mapsto s\,U g(\Sigma) U^\top X \ \text{(rows <= cols)},\qquad
             X \mapsto s\,X\,V g(\Sigma) V^\top \ \text{(rows > cols)},\qquad g(\sigma) = \varphi(\sigma)/\sigma,
 
-which for the exact polar factor is :math:`s(\tilde B\tilde B^\top)^{-1/2}` (:math:`s(\tilde B^\top
-\tilde B)^{-1/2}`), and which maps :math:`\tilde B` to the step's direction exactly:
-:math:`P^{-1}\tilde B = s\,\operatorname{msign}(\tilde B)`. *Tiny singular values*: g is the polar
-method's own map, computed from a float64 SVD of :math:`\tilde B` (more accurate than an
-eigendecomposition of :math:`\tilde B\tilde B^\top`, which loses half the digits of the small ones):
+which for the exact polar factor is :math:`s(\tilde B\tilde B^\top)^{-1/2}`, and maps :math:`\tilde B` to
+the step's direction exactly: :math:`P^{-1}\tilde B = s\,\operatorname{msign}(\tilde B)`. g is the polar
+method's own map, from a float64 SVD of :math:`\tilde B` (an eigendecomposition of :math:`\tilde B\tilde
+B^\top` would lose half the digits of the small singular values):
 
 * ``"svd"`` (exact): :math:`g = 1/\sigma` above :func:`~curvlab.optim.polar.msign`'s own rank floor,
-  :math:`\sigma > \sigma_{\max}\max(r, c)\,\epsilon` (ε of the momentum's dtype), and 0 below it, where
-  msign sets the singular value to 0: a pseudo-inverse square root, never a huge gain on a null direction;
+  :math:`\sigma > \sigma_{\max}\max(r, c)\,\epsilon`, and 0 below it, as msign: never a huge gain on a
+  null direction;
 * ``"newton_schulz"`` and ``"polar_express"``: :math:`\varphi` is the composition of the iteration's odd
   quintics on :math:`\sigma/N` (N the Frobenius normalization msign divides by), so
   :math:`g(\sigma) = \prod_k (a_k + b_k y_k^2 + c_k y_k^4) / N` with :math:`y_0 = \sigma/N`,
-  :math:`y_{k+1} = p_k(y_k)`: bounded as :math:`\sigma \to 0` (:math:`\prod_k a_k / N`), because the
-  iteration never inverts small singular values, it only amplifies them by its polynomials' slope.
-  No floor is needed. The polynomials are evaluated in float64 (Muon runs them in bfloat16, whose
-  rounding is not linear and is left out).
+  :math:`y_{k+1} = p_k(y_k)`: bounded as :math:`\sigma \to 0` (:math:`\prod_k a_k / N`), so no floor is
+  needed. The polynomials are evaluated in float64 (Muon's bfloat16 rounding is not linear: left out).
 
 The preconditioned sharpness is :math:`\lambda_{\max}(P^{-1/2} H_{hh} P^{-1/2})` on the hidden matrices
-(:func:`muon_preconditioned_operator`), the quantity whose stability the step :math:`-\eta P^{-1}\tilde B`
-depends on, against Muon's own threshold (:func:`muon_edge_of_stability`).
+(:func:`muon_preconditioned_operator`), against Muon's own threshold (:func:`muon_edge_of_stability`).
 
 **Thresholds.** On a 1-D quadratic :math:`L = \lambda x^2/2` with :math:`h = \eta\lambda`, Muon's momentum
 (:math:`b \leftarrow \mu b + (1-\mu)g`, :math:`u = (1-\mu)g + \mu b`, :math:`x \leftarrow x - \eta u`) is
@@ -80,7 +73,7 @@ import torch
 from torch import Tensor, nn
 
 from curvlab.curvature.spectral import EigenResult, lanczos
-from curvlab.engine import params as P
+from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
 from curvlab.engine.loss import LossFn
 from curvlab.engine.operator import Operator, hessian_operator
@@ -123,8 +116,7 @@ def injected_nds(zhz: float, zz: float, vz: float, vhz: float, lam1: float, c: f
 
 def injection_coefficient(zhz: float, zz: float, vz: float, vhz: float, lam1: float, ratio: float) -> float:
     r"""The c with :math:`\operatorname{NDS}(Z + c\,v_1) = r\,\operatorname{NDS}(Z)`, r = ``ratio`` >= 1:
-    the root of smallest :math:`|c|`, signed (module docstring: Z' does not depend on v_1's sign; for
-    β >= 0 it is the non-negative root). Solved by the cancellation-free quadratic formula.
+    the root of smallest :math:`|c|`, signed (module docstring), by the cancellation-free quadratic formula.
 
     Raises:
         CurvlabError: a zero direction, ratio < 1, :math:`\operatorname{NDS}(Z) \le 0`, or
@@ -155,9 +147,9 @@ def injection_coefficient(zhz: float, zz: float, vz: float, vhz: float, lam1: fl
     return const / q  # the smaller root in magnitude (the other is q / a)
 
 
-def inject(z: Mapping[str, Tensor], v1: Mapping[str, Tensor], c: float) -> P.Params:
+def inject(z: Mapping[str, Tensor], v1: Mapping[str, Tensor], c: float) -> param_dicts.Params:
     r""":math:`Z + c\,v_1`, key by key, in Z's dtype (summed in float64)."""
-    P.check_like(z, v1, "v1")
+    param_dicts.check_like(z, v1, "v1")
     return {k: (t.double() + c * v1[k].double()).to(t.dtype) for k, t in z.items()}
 
 
@@ -202,17 +194,19 @@ def injection_scalars(
     Raises:
         CurvlabError: z or v1 mismatched with the parameters or non-finite, z zero, v1 not a unit vector.
     """
-    P.check_like(params, z, "direction")
-    P.check_like(params, v1, "v1")
+    param_dicts.check_like(params, z, "direction")
+    param_dicts.check_like(params, v1, "v1")
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
-        zc, vc = P.cast(z, point.dtype), P.cast(v1, point.dtype)
-        zz, vv = P.dot(zc, zc), P.dot(vc, vc)
+        zc, vc = param_dicts.cast(z, point.dtype), param_dicts.cast(v1, point.dtype)
+        zz, vv = param_dicts.dot(zc, zc), param_dicts.dot(vc, vc)
         if zz == 0:
             raise CurvlabError("the direction is zero: NDS = <Z,HZ>/||Z||² is undefined")
         if abs(vv - 1) > UNIT_TOLERANCE:
             raise CurvlabError(f"v1 must be a unit vector, ||v1||² = {vv:.6g}")
         hz, hv = point.hvp_each([zc, vc])
-        return InjectionScalars(P.dot(zc, hz), zz, P.dot(vc, zc), P.dot(vc, hz), P.dot(vc, hv))
+        return InjectionScalars(
+            param_dicts.dot(zc, hz), zz, param_dicts.dot(vc, zc), param_dicts.dot(vc, hz), param_dicts.dot(vc, hv)
+        )
 
 
 # -- Muon's preconditioner -----------------------------------------------------------------------------
@@ -220,7 +214,7 @@ def injection_scalars(
 
 def nesterov_momenta(
     buffers: Mapping[str, Tensor | None], gradients: Mapping[str, Tensor], momentum: float, nesterov: bool = True
-) -> P.Params:
+) -> param_dicts.Params:
     r"""The matrices Muon's next step orthogonalizes, as :class:`~curvlab.optim.muon.Muon` computes them:
     :math:`B \leftarrow \operatorname{lerp}(B, G, 1-\mu)`, then :math:`\tilde B = \operatorname{lerp}(G, B, \mu)`
     (Nesterov) or B. ``buffers`` are the momentum buffers (``None`` or missing: zeros, as a first step has);
@@ -243,10 +237,9 @@ def nesterov_momenta(
 class MuonFactor:
     r"""Muon's frozen preconditioner on one matrix: :math:`P^{-1} X = Q\,\operatorname{diag}(g)\,Q^\top X`
     (``side="left"``, rows <= cols) or :math:`X\,Q\,\operatorname{diag}(g)\,Q^\top` (``"right"``), with
-    ``basis`` Q (n × n orthogonal, n = min(rows, cols), float64) and ``gains`` g >= 0 (its eigenvalues,
-    the shape scale included); ``shape`` is the stored tensor's (a kernel acts as its rows × rest). For a
-    stack of matrices (``stacked``: an MoE's fused experts, shape (m, rows, ...)) each of the m matrices
-    has its own: ``basis`` (m, n, n), ``gains`` (m, n), and the preconditioner is block-diagonal."""
+    ``basis`` Q (n × n orthogonal, n = min(rows, cols), float64) and ``gains`` g >= 0 (the shape scale
+    included); ``shape`` is the stored tensor's (acting as rows × rest). A stack (``stacked``: an MoE's
+    fused experts, shape (m, rows, ...)) has ``basis`` (m, n, n), ``gains`` (m, n): block-diagonal."""
 
     shape: tuple[int, ...]
     side: str
@@ -316,10 +309,9 @@ def muon_factor(
     eps: float = 1e-7,
     stacked: bool = False,
 ) -> MuonFactor:
-    r""":class:`MuonFactor` of one momentum matrix :math:`\tilde B` (a tensor of 2 or more dimensions,
-    acting as rows × rest; with ``stacked``, a 3-D stack of matrices, each its own) and its shape scale s
-    (a number: :func:`~curvlab.optim.muon.muon_scale`), for the polar method with msign's settings (module
-    docstring), from a float64 SVD.
+    r""":class:`MuonFactor` of one momentum matrix :math:`\tilde B` (rows × rest; with ``stacked``, a 3-D
+    stack) and its shape scale s (:func:`~curvlab.optim.muon.muon_scale`), for the polar method with
+    msign's settings (module docstring).
 
     Raises:
         CurvlabError: an unknown polar method, a non-matrix, a non-finite or all-zero momentum.
@@ -353,10 +345,9 @@ def muon_preconditioner(
     coefficients: tuple[float, float, float] | None = None,
     eps: float = 1e-7,
 ) -> dict[str, MuonFactor]:
-    r"""Muon's frozen preconditioner on each matrix of ``momenta`` (name -> :math:`\tilde B`, e.g. from
-    :func:`nesterov_momenta`), in their order: :func:`muon_factor` with the shape scale ``scale`` of each
-    matrix's mathematical (out, in) shape, ``shapes[name]`` (e.g. :func:`~curvlab.models.roles.matrix_shapes`;
-    default the stored rows × rest); a shape of three entries, (m, out, in), is a stack of m matrices."""
+    r"""Muon's frozen preconditioner on each matrix of ``momenta`` (name -> :math:`\tilde B`), in their order:
+    :func:`muon_factor` with the shape scale ``scale`` of each matrix's (out, in) shape, ``shapes[name]``
+    (default the stored rows × rest; (m, out, in): a stack of m matrices)."""
     if not momenta:
         raise CurvlabError("no momentum matrices given")
     out = {}
@@ -368,9 +359,8 @@ def muon_preconditioner(
 
 def muon_preconditioned_operator(h_hidden: Operator, factors: Mapping[str, MuonFactor]) -> Operator:
     r""":math:`P^{-1/2} H P^{-1/2}` for Muon's frozen P on the hidden matrices: ``h_hidden`` is their
-    Hessian block (``hessian_operator(..., scope=names)``, flat in ``names``' order, each tensor
-    row-major) and ``factors`` the :class:`MuonFactor` of each, in the same order. Symmetric positive
-    semi-definite congruence: its largest eigenvalue is Muon's preconditioned sharpness."""
+    Hessian block (flat in ``names``' order, each tensor row-major) and ``factors`` the :class:`MuonFactor`
+    of each, in the same order. Its largest eigenvalue is Muon's preconditioned sharpness."""
     if not factors:
         raise CurvlabError("no Muon factors given")
     sizes = [math.prod(f.shape) for f in factors.values()]
@@ -412,9 +402,8 @@ def muon_preconditioned_sharpness(
     memory: int | None = None,
 ) -> EigenResult:
     r""":math:`\lambda_{\max}(P^{-1/2} H_{hh} P^{-1/2})` by :func:`~curvlab.curvature.spectral.lanczos`, over
-    the matrices of ``momenta`` (hidden matrices of ``params``, name -> :math:`\tilde B`; the Hessian
-    block over them, in their order), with Muon's frozen preconditioner (:func:`muon_preconditioner`).
-    The eigenvector is in the preconditioned coordinates.
+    the matrices of ``momenta`` (name -> :math:`\tilde B`), with Muon's frozen preconditioner
+    (:func:`muon_preconditioner`). The eigenvector is in the preconditioned coordinates.
 
     Raises:
         CurvlabError: a momentum naming no parameter or shaped unlike it, and :func:`muon_factor`'s errors.
@@ -422,7 +411,7 @@ def muon_preconditioned_sharpness(
     names = list(momenta)
     unknown = [n for n in names if n not in params]
     if unknown:
-        raise CurvlabError(f"the momenta name unknown parameters: {P.names_text(unknown)}")
+        raise CurvlabError(f"the momenta name unknown parameters: {param_dicts.names_text(unknown)}")
     for n in names:
         if tuple(momenta[n].shape) != tuple(params[n].shape):
             shape, want = tuple(momenta[n].shape), tuple(params[n].shape)
@@ -439,9 +428,8 @@ def muon_preconditioned_sharpness(
 
 def muon_edge_of_stability(lr: float, momentum: float, *, nesterov: bool = True) -> float:
     r"""The largest sharpness (of :math:`P^{-1/2}HP^{-1/2}`) at which Muon's momentum is stable on a quadratic
-    (module docstring): :math:`2(1+\mu)/((1-\mu)(1+2\mu)\eta)` with Nesterov (26.9/η at μ = 0.95),
-    :math:`(2+2\mu)/((1-\mu)\eta)` without (heavy ball: :func:`~curvlab.optim.adam.adam_edge_of_stability`);
-    2/η at μ = 0."""
+    (module docstring): :math:`2(1+\mu)/((1-\mu)(1+2\mu)\eta)` with Nesterov, heavy ball's without
+    (:func:`~curvlab.optim.adam.adam_edge_of_stability`)."""
     if not nesterov:
         return adam_edge_of_stability(lr, momentum)
     if not lr > 0:
@@ -504,9 +492,8 @@ def muon_sharpness(
     memory: int | None = None,
 ) -> MuonSharpness:
     r"""Muon's preconditioned sharpness from an optimizer's state, on the block ``hidden`` of ``op`` (the
-    Hessian over ``names``, flat in their order), with :math:`\tilde B` = :func:`nesterov_momenta` of the
-    state's buffers and ``gradient`` (what the next step would orthogonalize), each group's polar settings
-    and scale, and Muon's :func:`muon_edge_of_stability` at the groups' one (lr, momentum, nesterov).
+    Hessian over ``names``), with :math:`\tilde B` = :func:`nesterov_momenta` of the state's buffers and
+    ``gradient``, each group's polar settings, and :func:`muon_edge_of_stability` at the groups' settings.
 
     Raises:
         CurvlabError: a hidden matrix outside Muon's groups, or groups that disagree on lr, momentum, nesterov.
@@ -514,12 +501,12 @@ def muon_sharpness(
     table = dict(model.named_parameters())
     missing = [n for n in (*names, *hidden) if n not in table]
     if missing:
-        raise CurvlabError(f"the model has no parameters {P.names_text(missing)}")
+        raise CurvlabError(f"the model has no parameters {param_dicts.names_text(missing)}")
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     groups = {n: group_of.get(id(table[n])) for n in hidden}
     outside = [n for n, g in groups.items() if g is None or not is_muon_group(g)]
     if outside:
-        raise CurvlabError(f"{P.names_text(outside)} not in a Muon group: no Muon preconditioner there")
+        raise CurvlabError(f"{param_dicts.names_text(outside)} not in a Muon group: no Muon preconditioner there")
     settings = {(float(g["lr"]), float(g["momentum"]), bool(g["nesterov"])) for g in groups.values()}
     if len(settings) != 1:
         raise CurvlabError(f"Muon's sharpness needs one lr, momentum and nesterov, found {len(settings)} sets")
@@ -531,10 +518,8 @@ def muon_sharpness(
         g = groups[n]
         stacked = g.get("stacked", False)
         shape = matrix_shape(table[n], g.get("transposed", False), stacked)
-        factors[n] = muon_factor(
-            momenta[n], muon_scale(shape, g.get("scale", "original")), g.get("polar", "newton_schulz"),
-            g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"], stacked,
-        )  # fmt: skip
+        polar = (g.get("polar", "newton_schulz"), g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"])
+        factors[n] = muon_factor(momenta[n], muon_scale(shape, g.get("scale", "original")), *polar, stacked)
     block = _principal_block(op, {n: table[n].numel() for n in names}, hidden)
     top = lanczos(muon_preconditioned_operator(block, factors), max_iter=max_iter, tol=tol, seed=seed, memory=memory)
     edge = muon_edge_of_stability(lr, mu, nesterov=nesterov)

@@ -1,16 +1,12 @@
-r"""Everything the edge of stability asks at one point, in one call: the sharpness :math:`\lambda_{\max}(H)`,
-the optimizer's preconditioned sharpness :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` with its frozen P
-read from the optimizer's state, and the thresholds they are compared with, each eigenvalue with its true
-residual and whether it converged (:func:`stability_point`).
+r"""Everything the edge of stability asks at one point, in one call (:func:`stability_point`): the
+sharpness :math:`\lambda_{\max}(H)`, the optimizer's preconditioned sharpness
+:math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` with its frozen P, and the thresholds they are compared with.
 
 Gradient descent with step η is stable on the quadratic model while :math:`\lambda_{\max}(H) < 2/\eta`;
 a preconditioned momentum method while :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` stays below its own
-threshold: Adam's :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)`
-(:func:`~curvlab.optim.adam.adam_edge_of_stability`, with P of
-:func:`~curvlab.optim.adam.adam_preconditioner`), Muon's
-:math:`2(1+\mu)/((1-\mu)(1+2\mu)\eta)` with its polar preconditioner on the hidden matrices
-(:mod:`curvlab.steps.stability`). Full-batch training drives the sharpness up to the threshold and
-holds it there (Cohen et al. 2021, 2022).
+threshold: Adam's :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)` (:func:`~curvlab.optim.adam.adam_edge_of_stability`),
+Muon's :math:`2(1+\mu)/((1-\mu)(1+2\mu)\eta)` (:mod:`curvlab.steps.stability`). Full-batch training
+drives the sharpness up to the threshold and holds it there (Cohen et al. 2021, 2022).
 """
 
 from __future__ import annotations
@@ -39,20 +35,16 @@ class StabilityPoint(Record):
         arm: ``"adam"`` or ``"muon"``: whose preconditioner.
         lr: the learning rate η of the arm's groups.
         lambda_max: :math:`\lambda_{\max}(H)` over all parameters.
-        lambda_residual: its true residual :math:`\|H v - \lambda v\|` (:math:`\|v\| = 1`).
+        lambda_residual: its true residual :math:`\|H v - \lambda v\|`.
         lambda_converged: whether Lanczos converged to it within ``tol``.
-        preconditioned_sharpness: :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` (Adam: P of
-            :func:`~curvlab.optim.adam.adam_preconditioner` over all parameters; Muon: its frozen polar
-            preconditioner on its matrices).
-        preconditioned_residual: its true residual :math:`\|A u - \theta u\|`,
-            :math:`A = P^{-1/2} H P^{-1/2}`.
+        preconditioned_sharpness: :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` (Adam's P over all
+            parameters; Muon's frozen polar preconditioner on its matrices).
+        preconditioned_residual: its true residual :math:`\|A u - \theta u\|`.
         preconditioned_converged: whether Lanczos converged to it within ``tol``.
         edge_of_stability: the arm's threshold at ``lr``, beside gradient descent's ``two_over_lr``.
         num_matvecs: the Hessian-vector products both eigenproblems took.
-        bias_correction: Adam's P with the first moment's :math:`1 - \beta_1^t` (True) or without (False);
-            None for Muon.
-        eigenvector: the unit eigenvector v of :math:`\lambda_{\max}(H)`, flat in ``params``' order (not
-            written to JSON).
+        bias_correction: Adam's P with the first moment's :math:`1 - \beta_1^t` or without; None for Muon.
+        eigenvector: the unit eigenvector v of :math:`\lambda_{\max}(H)`, flat (not written to JSON).
     """
 
     arm: str
@@ -91,10 +83,9 @@ def stability_point(
     seed: int = 0,
     memory: int | None = None,
 ) -> StabilityPoint:
-    r"""The sharpness :math:`\lambda_{\max}(H)` and the optimizer's preconditioned sharpness
-    :math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` at one point beside their thresholds 2/η and the arm's
+    r"""The sharpness and the optimizer's preconditioned sharpness at one point beside their thresholds
     (module docstring): Muon's arm if the optimizer has a Muon group, else Adam's. One Hessian operator
-    (one forward and first backward) serves both eigenproblems, each by Lanczos.
+    serves both eigenproblems, each by Lanczos.
 
     Args:
         loss_fn: as for :func:`curvlab.engine.hvp.hvp`.
@@ -103,13 +94,11 @@ def stability_point(
         model: the module ``optimizer`` steps.
         optimizer: its optimizer, whose state gives P (torch's Adam or AdamW, or a Muon).
         gradient: the gradient at the point (Muon's arm: it enters the next step's momentum); ``None``:
-            computed here, by one more forward and backward.
+            computed here.
         bias_correction: Adam's P with the first moment's bias correction :math:`1 - \beta_1^t` (the one
-            its threshold applies to) or without (:func:`~curvlab.optim.adam.adam_preconditioner`);
-            recorded in the result.
-        max_iter: HVPs at most per eigenproblem (the integrator's budget: 30-60, ``tol`` 1e-3).
-        tol: Lanczos' stopping tolerance, relative to the eigenvalue; each eigenvalue's residual and
-            ``converged`` say what was reached.
+            its threshold applies to) or without (:func:`~curvlab.optim.adam.adam_preconditioner`).
+        max_iter: HVPs at most per eigenproblem.
+        tol: Lanczos' stopping tolerance, relative to the eigenvalue.
         dtype: computation dtype (default float32, or float64 when the parameters are).
         method: the HVP method (:data:`~curvlab.engine.hvp.METHODS`).
         seed: Lanczos' start vector's seed.

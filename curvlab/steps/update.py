@@ -27,7 +27,7 @@ from curvlab.steps._no_trace import SideState, left_as_found
 
 def _reachable_optimizers(root: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     """``root`` and every optimizer it holds, at any depth of its attributes' dicts, lists and tuples
-    (Lookahead's inner optimizer, SAM's base optimizer, CombinedOptimizer's children)."""
+    (Lookahead's inner optimizer, SAM's base optimizer)."""
     found: dict[int, torch.optim.Optimizer] = {}
     stack: list[Any] = [root]
     seen: set[int] = set()
@@ -47,15 +47,11 @@ def _reachable_optimizers(root: torch.optim.Optimizer) -> list[torch.optim.Optim
 
 
 def copy_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A deep copy of ``optimizer`` and of every optimizer it holds, over the same parameter objects.
-
-    Everything a step can mutate is copied: per-parameter state, param groups, and every other
-    attribute (a wrapper's inner optimizer and its state, step counters), not only ``state``.
-    (``copy.deepcopy`` alone won't do: ``torch.optim.Optimizer.__getstate__`` keeps only
-    ``defaults``, ``state`` and ``param_groups``.) An LR scheduler's ``step`` wrapper, which would
-    call the original's step, is left out of the copy. A tensor of the state that lies in a parameter's
-    memory (heavyball's SOAP keeps reshaped views of its parameters) stays a view of that parameter
-    (:func:`_parameter_views`), so that the copy's step moves the parameter as the original's would.
+    """A deep copy of ``optimizer`` and of every optimizer it holds, over the same parameter objects: every
+    attribute a step can mutate is copied (``copy.deepcopy`` alone won't do:
+    ``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``), but an LR
+    scheduler's ``step`` wrapper, which would call the original's step. A tensor of the state that lies
+    in a parameter's memory stays a view of that parameter (:func:`_parameter_views`).
 
     Raises:
         CurvlabError: some part of the state can't be copied.
@@ -82,8 +78,7 @@ def copy_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _storage_key(t: Tensor) -> tuple[torch.device, int] | None:
-    """Where ``t``'s memory lies (device, address of its storage); ``None`` where it has none of its own to
-    tell (meta tensors, wrapper subclasses such as DTensor, empty storage)."""
+    """Where ``t``'s memory lies (device, address of its storage); ``None`` where it has none of its own."""
     if t.device.type == "meta":
         return None
     try:
@@ -98,11 +93,10 @@ _OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType
 
 
 def _parameter_views(roots: list[Any], params: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
-    """(tensor, alias) for every tensor reachable from ``roots`` (through dicts, lists, tuples, sets and
-    objects' attributes) that lies in a parameter's memory but isn't a parameter (heavyball's SOAP keeps
-    its parameters' reshaped views; ``p.data``): the alias is the same view of that parameter, so that the
-    copy's step writes to the parameter as the original's would. A deep copy would give it memory of its
-    own, and the step would write there."""
+    """(tensor, alias) for every tensor reachable from ``roots`` (through containers and objects'
+    attributes) that lies in a parameter's memory but isn't a parameter (heavyball's SOAP keeps its
+    parameters' reshaped views): the alias is the same view of that parameter, so that the copy's step
+    writes to the parameter as the original's would (a deep copy would give it memory of its own)."""
     owners: dict[tuple[torch.device, int], Tensor] = {}
     for p in params:
         key = _storage_key(p)
@@ -155,58 +149,34 @@ def next_update(
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     r"""The gradient G and the step :math:`Z = W - W_\text{next}` that ``optimizer`` would take on ``batch``.
 
-    Its first argument is the model, not a parameter dict as the curvature functions take (they are pure
-    functions of ``(loss_fn, params, batch, directions)``), because the step is the model's: the optimizer's
-    real ``step()`` runs on the module's own parameter objects, which the optimizer holds, and G comes from
-    autograd on them in the module's current mode (dropout is live in train mode, BatchNorm uses the
-    batch's statistics). Its options are keyword-only, as everywhere.
+    It takes the model, not a parameter dict, because the step is the model's: the optimizer's real
+    ``step()`` runs on the module's own parameters, and G comes from autograd on them in the module's
+    current mode (dropout live in train mode, BatchNorm on the batch's statistics).
 
-    G is computed as a training step computes it, optionally clipped as the training loop clips it (by
-    norm, ``max_grad_norm``, L2 unless ``grad_norm_type`` says otherwise, or by value, ``max_grad_value``);
-    then a copy of the optimizer (:func:`copy_optimizer`: its state, groups, inner optimizers, counters)
-    really steps. A parameter that gets no gradient (an unused module, an expert no token was
-    routed to, a dropped layer) keeps ``.grad = None`` for the step, as ``backward()`` leaves it, and
-    moves only as the real step would move it (torch's optimizers skip it); its G is reported as zeros.
+    G is computed (and clipped) as a training step computes it; then a copy of the optimizer
+    (:func:`copy_optimizer`) really steps (a parameter without gradient keeps ``.grad = None``; its G is
+    reported as zeros). Afterwards the optimizer, the parameters, their ``.grad``, every module's buffers
+    and attributes and the random streams of torch, numpy and Python are as before; gradient and step
+    draw from those streams as the real step then will (SGLD, PSGD, Kron take the very same draws). Z
+    includes learning rate, schedule, momentum, bias correction and weight decay.
 
-    The optimizer itself is never touched, and afterwards the parameters, their ``.grad`` (the same
-    objects), every module's buffers and attributes (running statistics, spectral norm's vectors, the
-    tensors its hooks keep) and the random streams of torch (CPU and the parameters' devices), numpy and
-    Python are as before. (Not covered: what lies outside the model and the optimizer, and hooks the
-    optimizer registered, which fire as in any forward.) Gradient and step draw from those streams as the
-    real step then will: an optimizer that draws random numbers (SGLD, PSGD, Kron, Hutchinson probes)
-    takes the very draws its real step takes after the same gradient. Z includes learning rate,
-    schedule, momentum, bias correction and weight decay.
-
-    ``optimizer`` may be a list or tuple of optimizers over disjoint parameters (a user's own
-    ``torch.optim.Muon`` + ``AdamW`` pair): each steps, as a loop calling each ``step()`` would. A
-    trainable parameter that no optimizer holds is refused by name (its Z would silently be 0):
-    give every optimizer, or freeze it (``requires_grad=False``).
-
-    Each optimizer's step is taken as the optimizer itself asks for it:
+    ``optimizer`` may be a list or tuple of optimizers over disjoint parameters: each steps, as a loop
+    calling each ``step()`` would. A trainable parameter that no optimizer holds is refused by name (its
+    Z would silently be 0). Each step is taken as the optimizer asks for it:
 
     - with a closure whenever its ``step`` takes one, read from its signature (where the signature can't
-      tell, a plain ``step()`` that fails with any exception is tried again with one). In a list, an
-      optimizer after the first gets its optional closure only if a plain ``step()`` fails: a list stands
-      for ``backward()`` then each ``step()``. The closure sets ``.grad`` and returns the loss. Its first
-      evaluation at W, before anything has been written to a parameter, gives G: the step's gradient is
-      computed once, as in a loop where ``backward()`` or the closure's first call computes it. Every
-      other evaluation (SAM's ascent point, L-BFGS's line search, a later optimizer of a list) computes
-      the gradient where the parameters then are;
+      tell, a plain ``step()`` that fails is tried again with one; in a list, an optimizer after the
+      first gets its optional closure only if a plain ``step()`` fails). The closure's first evaluation
+      at W gives G again, computed once as in a training loop; every other evaluation (SAM's ascent point,
+      L-BFGS's line search) computes the gradient where the parameters then are;
     - with the gradient's graph (``backward(create_graph=True)``) when a step with a detached gradient
-      fails with any exception: Hessian-reading optimizers (AdaHessian, SophiaH) differentiate ``.grad``.
-      G is computed again for it, from the buffers and draws G was computed with.
+      fails: Hessian-reading optimizers (AdaHessian, SophiaH) differentiate ``.grad``.
 
-    Each try starts on a fresh copy from where the optimizer's turn began: its parameters there, G, and
-    the buffers and random streams there. A step that no try can take is refused in one line by the
-    optimizer's name (an out-of-memory error is raised as it is).
-
-    A list of micro-batches (or :class:`~curvlab.engine.loss.Batches`) is one step with gradient
-    accumulation: :math:`G = \sum_j w_j \nabla L_j` with :math:`w_j` each micro-batch's share of
-    the loss terms (:func:`~curvlab.engine.loss.weighted_batches`), as Hugging Face's Trainer weights them,
-    and as nanoGPT's ``loss / gradient_accumulation_steps`` does for its equal micro-batches.
-
-    Frozen parameters (``requires_grad=False``) get neither G nor Z: pair the result with
-    :func:`~curvlab.optim.model_optimizer.trainable_parameters`.
+    Each try starts afresh from where the optimizer's turn began; a step that no try can take is refused
+    in one line by the optimizer's name. A list of micro-batches (or :class:`~curvlab.engine.loss.Batches`)
+    is one step with gradient accumulation: :math:`G = \sum_j w_j \nabla L_j` with :math:`w_j` each
+    micro-batch's share of the loss terms, as Hugging Face's Trainer weights them. Frozen parameters get
+    neither G nor Z: pair the result with :func:`~curvlab.optim.model_optimizer.trainable_parameters`.
 
     Args:
         model: the module the optimizer trains, in the mode its training step runs in.
@@ -217,17 +187,13 @@ def next_update(
             with gradient accumulation).
         lr_scale: multiply every group's learning rate by this for the step (Z for a scaled lr).
         dtype: dtype of the returned G and Z; default each parameter's own (float32 for half
-            precision, where a difference of two values needs more bits). Differences are taken in
-            float64 first, so a bf16 Newton–Schulz step comes back exact.
+            precision). Differences are taken in float64 first, so a bf16 step comes back exact.
         max_grad_norm: clip the gradient by its total norm over the trainable parameters, as
-            ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type=grad_norm_type)`` (and the
-            Hugging Face Trainer's ``max_grad_norm``) does: the L2 norm unless ``grad_norm_type`` says
-            otherwise. Default ``None``: no clipping.
+            ``torch.nn.utils.clip_grad_norm_`` does. Default ``None``: no clipping.
         grad_norm_type: the norm ``max_grad_norm`` bounds, as ``clip_grad_norm_``'s ``norm_type``: 2.0
-            (the default), ``float("inf")`` for the largest absolute entry, or any other p > 0.
+            (the default), ``float("inf")``, or any other p > 0.
         max_grad_value: clip every gradient entry to ``[-max_grad_value, max_grad_value]``, as
-            ``torch.nn.utils.clip_grad_value_`` does. Not with ``max_grad_norm``: the order of the two
-            changes the step, and a loop may take either.
+            ``torch.nn.utils.clip_grad_value_`` does. Not with ``max_grad_norm`` (their order changes the step).
 
     Returns:
         ``(G, Z)``, dicts keyed by parameter name (trainable parameters only).
@@ -235,8 +201,7 @@ def next_update(
     Raises:
         CurvlabError: no trainable parameters, a non-finite loss, a trainable parameter no optimizer
             holds, optimizers sharing a parameter, a state that can't be copied, a step that can't be
-            taken in any of the ways above, or clipping that can't be done (both kinds, a negative
-            bound, a norm type that isn't p > 0).
+            taken in any of the ways above, or clipping that can't be done.
     """
     clip = _clipping(max_grad_norm, grad_norm_type, max_grad_value)
     named = named_trainable(model)
@@ -307,11 +272,7 @@ def _clipping(
     max_grad_norm: float | None, grad_norm_type: float, max_grad_value: float | None
 ) -> Callable[[list[Tensor]], None]:
     """What clips the parameters' ``.grad`` in place, as torch's ``clip_grad_norm_`` or ``clip_grad_value_``
-    does in the training loop (nothing, with neither bound).
-
-    Raises:
-        CurvlabError: both bounds, a negative bound, or a norm type that isn't a number p > 0.
-    """
+    does in the training loop (nothing, with neither bound)."""
     if max_grad_norm is not None and max_grad_value is not None:
         raise CurvlabError(
             "pass max_grad_norm or max_grad_value, not both: which comes first changes the step, and loops differ"
@@ -331,10 +292,9 @@ def _clipping(
 
 @dataclass(frozen=True)
 class _Start:
-    """What every try of every optimizer's step starts from: the model; the trainable parameters
-    (``params``) and the frozen ones an optimizer holds (``others``), and their values at W (``before``,
-    both in that order); G (``at_w``, ``None`` where no gradient) and its loss; the model's buffers and
-    random streams before and after G."""
+    """What every try of every optimizer's step starts from: the trainable parameters and the frozen ones an
+    optimizer holds (``others``), their values at W (``before``), G (``at_w``) and its loss, and the model's
+    side state before and after G."""
 
     model: nn.Module
     params: list[Tensor]
@@ -356,8 +316,8 @@ class _Way(enum.Enum):
 
 
 def _step_method(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-    """The ``step`` a copy of ``optimizer`` runs: the instance's own if it has one (a user's patch), never an
-    LR scheduler's wrapper (:func:`copy_optimizer` leaves that out), else its class's."""
+    """The ``step`` a copy of ``optimizer`` runs: the instance's own (a user's patch) but an LR scheduler's
+    wrapper, else its class's."""
     own = vars(optimizer).get("step")
     return own if own is not None and not hasattr(own, "_wrapped_by_lr_sched") else type(optimizer).step
 
@@ -377,9 +337,8 @@ def _takes_closure(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def _ways(takes: str | None, first: bool) -> list[_Way]:
-    """The tries of a step, in order. A closure first when the step requires one, or takes one and comes
-    first in the list; an optional closure of a later optimizer second (``backward()`` then each ``step()``
-    is the loop a list stands for); the graph last."""
+    """The tries of a step, in order: a closure first when the step requires one, or takes one and comes
+    first in the list (a list stands for ``backward()`` then each ``step()``); the graph last."""
     if takes == "no":
         return [_Way.PLAIN, _Way.GRAPH]
     if takes == "required" or (takes == "optional" and first):
@@ -396,11 +355,7 @@ def _step_as_asked(
 ) -> None:
     """Step a copy of ``optimizer`` in the first of its :func:`_ways` that works. Every try starts from
     where its turn began: its own parameters there, G as ``.grad``, the buffers and random streams there
-    (``first``: the first optimizer of the list, whose turn begins at W, right after G).
-
-    Raises:
-        CurvlabError: no way works (one line, naming the optimizer and each way's error).
-    """
+    (``first``: the first optimizer of the list, whose turn begins at W, right after G)."""
     own = {id(p) for g in optimizer.param_groups for p in g["params"]}
     mine = [(p, p.detach().clone()) for p in start.params + start.others if id(p) in own]
     turn = start.after_g if first else SideState.capture(start.model, start.params + start.others)
@@ -448,11 +403,9 @@ def _graph_gradient(
     gradient: Callable[[bool], tuple[Tensor, list[Tensor | None]]],
     first: bool,
 ) -> tuple[Tensor, list[Tensor | None]]:
-    """G again, with its graph: at W, from the buffers and draws G was computed with. The first optimizer's
-    turn then stands where the computation leaves it (the same buffers and draws as after G). A later one's
-    parameters go to W and back, in place, and its turn's buffers and streams are put back: that graph no
-    longer backs a second differentiation, as a loop's ``backward(create_graph=True)`` doesn't survive an
-    earlier optimizer's ``step()``."""
+    """G again, with its graph: at W, from the buffers and draws G was computed with. A later optimizer's
+    parameters go to W and back, in place, and its turn's side state is put back (that graph no longer
+    backs a second differentiation, as in a loop)."""
     start.before_g.restore()
     if first:
         return gradient(True)
@@ -472,10 +425,9 @@ def _graph_gradient(
 @dataclass
 class _Closure:
     """A step's closure: sets ``.grad`` and returns the loss. Its first call, with the parameters still at W
-    (``at_w``, their values there; ``None``: the step began elsewhere), gives G again: one gradient per
-    step, as in a loop where ``backward()`` or the closure's first call computes it. Every other call
-    (SAM's ascent point, L-BFGS's line search) computes the gradient where the parameters then are. (W is
-    told by value: a fused kernel may move a parameter without counting a version.)"""
+    (``at_w``, their values there; ``None``: the step began elsewhere), gives G again; every other call
+    computes the gradient where the parameters then are. (W is told by value: a fused kernel may move a
+    parameter without counting a version.)"""
 
     params: list[Tensor]
     at_w: list[Tensor] | None

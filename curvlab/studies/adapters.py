@@ -6,7 +6,6 @@ seed-level ratio estimates (:func:`estimates`).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,12 +15,11 @@ import numpy as np
 
 from curvlab.curvature.scalars import RATIO_KEYS, SCOPE_KEYS
 from curvlab.errors import CurvlabError
-from curvlab.inference import statistics as st
+from curvlab.inference import statistics
 from curvlab.runs.adapt import curvature_rows
 from curvlab.runs.match import MatchCriteria, match_runs
 from curvlab.runs.monitor import MonitorRow
-from curvlab.util import schema
-from curvlab.util.atomic import atomic_write_text
+from curvlab.studies.records import JsonFile
 from curvlab.util.codec import Record
 from curvlab.util.versions import SoftwareVersions
 
@@ -29,9 +27,6 @@ FINETUNE_SCHEMA_VERSION = 1
 ADAPTER_ARMS = ("adamw", "smuon", "lora-muon", "per-factor-muon")
 MUON_VARIANTS = ("smuon", "lora-muon", "per-factor-muon")  # each compared against AdamW
 LEVEL_KEYS = (*SCOPE_KEYS, "within", "cross")  # what a level's window means average
-
-
-# -- typed results ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -63,11 +58,9 @@ class AdapterComparison(Record):
         """Per seed, the ``(levels, 2)`` array of (numerator, denominator) window means, each given as
         ``(arm, key)`` with arm ``"adamw"`` or ``"variant"``."""
         arm = {"adamw": "adamw", "variant": self.variant}
+        pick = [(arm[num[0]], num[1]), (arm[den[0]], den[1])]
         return [
-            np.array(
-                [[lv.values[arm[num[0]]][num[1]], lv.values[arm[den[0]]][den[1]]] for lv in self.levels if lv.seed == s]
-            )
-            for s in self.seeds()
+            np.array([[lv.values[a][k] for a, k in pick] for lv in self.levels if lv.seed == s]) for s in self.seeds()
         ]
 
 
@@ -88,7 +81,7 @@ class FinetuneEntry(Record):
 
 
 @dataclass
-class FinetuneResult(Record):
+class FinetuneResult(JsonFile):
     """Everything ``curvlab finetune`` measured (``finetune.json``, ``FINETUNE_SCHEMA_VERSION``)."""
 
     SCHEMA_VERSION: ClassVar[int] = FINETUNE_SCHEMA_VERSION
@@ -109,13 +102,6 @@ class FinetuneResult(Record):
         if not found:
             raise CurvlabError(f"no entry {name!r} for adamw/{variant}")
         return found[0]
-
-    def save(self, path: str | Path) -> None:
-        atomic_write_text(Path(path), json.dumps(schema.sealed(self.to_dict(), strict=False), indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path) -> FinetuneResult:
-        return schema.load(path, cls)
 
 
 # (name, quantity, numerator (arm, key), denominator (arm, key)): every summary number is a ratio
@@ -148,11 +134,11 @@ def estimates(comparisons: list[AdapterComparison]) -> list[FinetuneEntry]:
                     label = quantity + (" (per-seed median over levels, mean of seeds)" if suffix else "")
                     entries.append(FinetuneEntry(name + suffix, c.variant, label, math.nan, None, 0, 0, [], "no level"))
                 continue
-            for suffix, est in st.ratio_estimates(rows).items():
+            for suffix, est in statistics.ratio_estimates(rows).items():
                 label = quantity + (" (per-seed median over levels, mean of seeds)" if suffix else "")
                 note = "" if est.ci95 is not None else f"{est.n_seeds} seed(s): no interval"
                 if est.denominator_spans_zero:
-                    note = st.DENOMINATOR_NOTE
+                    note = statistics.DENOMINATOR_NOTE
                 ci = None if est.ci95 is None else list(est.ci95)
                 entry = FinetuneEntry(
                     name + suffix, c.variant, label, est.value, ci, est.n_units, est.n_seeds, per_level, note
@@ -164,7 +150,6 @@ def estimates(comparisons: list[AdapterComparison]) -> list[FinetuneEntry]:
 def _side_means(rows: dict[int, MonitorRow], steps: list[int]) -> dict[str, float]:
     """Window means of :data:`LEVEL_KEYS` over the curvature rows at ``steps`` (a row that is not
     ``ok``, non-finite or a zero step, counts as NaN and makes the mean NaN: nothing is dropped)."""
-
     window = [rows[s].scalars() if rows[s].ok else None for s in steps]
     return {k: float(np.mean([math.nan if r is None else r.value(k) for r in window])) for k in LEVEL_KEYS}
 
@@ -188,15 +173,8 @@ def compare_adapters(
             rows_a, rows_b = curvature_rows(a), curvature_rows(b)
             for pair in matched.pairs:
                 wa, wb = [c.step for c in pair.window_a], [c.step for c in pair.window_b]
-                levels.append(
-                    AdapterLevel(
-                        seed,
-                        pair.target,
-                        pair.mismatch,
-                        {"adamw": pair.a.step, variant: pair.b.step},
-                        {"adamw": wa, variant: wb},
-                        {"adamw": _side_means(rows_a, wa), variant: _side_means(rows_b, wb)},
-                    )
-                )
+                steps, windows = {"adamw": pair.a.step, variant: pair.b.step}, {"adamw": wa, variant: wb}
+                means = {"adamw": _side_means(rows_a, wa), variant: _side_means(rows_b, wb)}
+                levels.append(AdapterLevel(seed, pair.target, pair.mismatch, steps, windows, means))
         comparisons.append(AdapterComparison(variant, levels, refused))
     return comparisons

@@ -22,9 +22,10 @@ import numpy as np
 from curvlab.analysis.directions import PAIRED, SCOPES, DirectionLandscape
 from curvlab.analysis.report import CurvatureReport, cached_report, load_report, report_cache_path
 from curvlab.analysis.sharded import checkpoint_analyzer
-from curvlab.analysis.targets import AnalysisSettings
+from curvlab.analysis.targets import AnalysisSettings, method_renamed
 from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.errors import CurvlabError
+from curvlab.inference.statistics import standard_error
 from curvlab.runs.match import Checkpoint, MatchCriteria, NoMatchedLevel, match_runs
 from curvlab.util.atomic import atomic_write_csv, atomic_write_text, remove_stale_temporaries
 from curvlab.util.codec import Record, meta
@@ -33,10 +34,13 @@ from curvlab.util.lock import check_not_owned, own_directory
 from curvlab.util.progress import progress as progress_bar
 from curvlab.util.versions import SoftwareVersions
 
-COMPARE_SCHEMA_VERSION = 2  # 2: window means per level, plateau flags, schedule per side, no Taylor filter
+# 2: window means per level, plateau flags, schedule per side, no Taylor filter; 3: settings.hvp_method is
+# settings.method (a comparison of 2, in a levels.json written before, is read as one of 3: method_renamed)
+COMPARE_SCHEMA_VERSION = 3
 # a run still training is refused, not read up to where it has got: its matched levels, and the reports
 # cached from them, would depend on the moment of the reading
 STILL_TRAINING = "its checkpoint series is still being written; compare or track it once it is done"
+SIDE_COLUMNS = ("step", "loss", "multiplier", "lr", "window", "taylor_failures")  # each side's in compare.csv
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,8 @@ class WindowSide(Record):
 
     @property
     def stderr(self) -> dict[str, float]:
-        n = len(self.members)
         values = [m.floats() for m in self.members]
-        return {
-            k: float(np.std([v[k] for v in values], ddof=1) / np.sqrt(n)) if n > 1 else float("nan") for k in self.mean
-        }
+        return {k: standard_error([v[k] for v in values]) for k in self.mean}
 
     @property
     def taylor_failures(self) -> int:
@@ -111,15 +112,7 @@ class Level(Record):
         keys = [f"paired_nds_{x}_{s}" for x in PAIRED for s in SCOPES]
         if not all(k in a and k in m for k in keys):
             return None
-        return {
-            s: (
-                a[f"paired_nds_adamw_{s}"],
-                a[f"paired_nds_muon_{s}"],
-                m[f"paired_nds_adamw_{s}"],
-                m[f"paired_nds_muon_{s}"],
-            )
-            for s in SCOPES
-        }
+        return {s: tuple(side[f"paired_nds_{x}_{s}"] for side in (a, m) for x in PAIRED) for s in SCOPES}
 
 
 @dataclass(frozen=True)
@@ -129,12 +122,13 @@ class Comparison(Record):
     plateau; every level stays in ``levels``."""
 
     SCHEMA_VERSION: ClassVar[int] = COMPARE_SCHEMA_VERSION
+    MIGRATIONS: ClassVar[dict] = {2: method_renamed}  # 2 -> 3: settings.hvp_method is settings.method
     WHAT: ClassVar[str] = "comparison"
     # the settings first, then the aggregates over levels (derived, for readers: not read back), the levels
     JSON_KEYS: ClassVar[tuple] = (
-        "schema_version", "ratio", "optimizers", "runs", "phase", "window", "plateau_ceiling", "settings",
-        "mean_ratios", "median_ratios", "ratio_of_means", "paired_ratio_of_means", "pairs", "refused",
-    )  # fmt: skip
+        *("schema_version", "ratio", "optimizers", "runs", "phase", "window", "plateau_ceiling", "settings"),
+        *("mean_ratios", "median_ratios", "ratio_of_means", "paired_ratio_of_means", "pairs", "refused"),
+    )
 
     levels: list[Level] = field(metadata=meta(key="pairs"))  # one per matched level
     ratio_label: str = field(metadata=meta(key="ratio"))
@@ -159,12 +153,13 @@ class Comparison(Record):
     def headline_levels(self) -> list[Level]:
         return [lv for lv in self.levels if not lv.on_plateau]
 
+    def level_ratio(self, level: Level, key: str) -> float:
+        """One level's ratio of window means of ``key``, the numerator's over the other's (NaN over 0)."""
+        num, den = self.sides(level)
+        return num.mean[key] / den.mean[key] if den.mean[key] else float("nan")
+
     def _ratios(self, key: str) -> list[float]:
-        out = []
-        for lv in self.headline_levels:
-            num, den = self.sides(lv)
-            out.append(num.mean[key] / den.mean[key] if den.mean[key] else float("nan"))
-        return out
+        return [self.level_ratio(lv, key) for lv in self.headline_levels]
 
     @property
     def mean_ratios(self) -> dict[str, float]:
@@ -202,19 +197,10 @@ class Comparison(Record):
         for lv in self.levels:
             row = {"target": lv.target, "mismatch": lv.mismatch, "on_plateau": lv.on_plateau}
             for tag, side in (("a", lv.a), ("b", lv.b)):
-                row.update(
-                    {
-                        f"step_{tag}": side.step,
-                        f"loss_{tag}": side.val_loss,
-                        f"multiplier_{tag}": side.multiplier,
-                        f"lr_{tag}": side.lr,
-                        f"window_{tag}": len(side.members),
-                        f"taylor_failures_{tag}": side.taylor_failures,
-                    }
-                )
+                values = (side.step, side.val_loss, side.multiplier, side.lr, len(side.members), side.taylor_failures)
+                row.update({f"{k}_{tag}": v for k, v in zip(SIDE_COLUMNS, values)})
                 row.update({f"{k}_{tag}": v for k, v in side.mean.items()})
-            num, den = self.sides(lv)
-            row.update({f"ratio_{k}": num.mean[k] / den.mean[k] if den.mean[k] else float("nan") for k in RATIO_KEYS})
+            row.update({f"ratio_{k}": self.level_ratio(lv, k) for k in RATIO_KEYS})
             for scope, terms in (lv.paired_terms or {}).items():
                 row.update({f"{k}_{scope}": v for k, v in terms.to_dict().items()})
             rows.append(row)
@@ -229,15 +215,8 @@ def _window_side(
     ]
     centre = next(c for c in window if c.step == centre_step)
     paths = [str(report_cache_path(cache, c.path, settings)) for c in window]
-    return WindowSide(
-        reports[0].optimizer,
-        centre.step,
-        centre.val_loss,
-        centre.multiplier,
-        centre.lr,
-        [r.scalars() for r in reports],
-        paths,
-    )
+    scalars = [r.scalars() for r in reports]
+    return WindowSide(reports[0].optimizer, centre.step, centre.val_loss, centre.multiplier, centre.lr, scalars, paths)
 
 
 def compare_runs(
@@ -279,36 +258,24 @@ def compare_runs(
     levels, phase, window, plateau_ceiling = criteria.levels, criteria.phase, criteria.window, criteria.plateau_ceiling
     for run in (run_a, run_b):
         check_not_owned(run, STILL_TRAINING)
+    options = {"phase": phase, "plateau_ceiling": plateau_ceiling, "window_width": window}
     matching = match_runs(
-        run_a,
-        run_b,
-        levels if isinstance(levels, int) else list(levels),
-        criteria.tolerance,
-        phase=phase,
-        plateau_ceiling=plateau_ceiling,
-        window_width=window,
+        run_a, run_b, levels if isinstance(levels, int) else list(levels), criteria.tolerance, **options
     )
     if not matching.pairs:
         raise NoMatchedLevel("no matched pair within tolerance: " + "; ".join(matching.refused))
     with own_directory(out, "compare"):
         remove_stale_temporaries(out, cache)  # (what killed writes left: never read)
-        result_levels = []
+        matched = []
         for pair in progress_bar(matching.pairs, desc="compare", disable=not progress):
             a = _window_side(pair.window_a, pair.a.step, cache, settings, device, fsdp)
             b = _window_side(pair.window_b, pair.b.step, cache, settings, device, fsdp)
-            result_levels.append(Level(pair.target, pair.mismatch, pair.on_plateau, a, b))
-        names = (result_levels[0].a.optimizer, result_levels[0].b.optimizer)
+            matched.append(Level(pair.target, pair.mismatch, pair.on_plateau, a, b))
+        names = (matched[0].a.optimizer, matched[0].b.optimizer)
         label = "adamw/muon" if set(names) == {"muon", "adamw"} else f"B/A ({names[1]}/{names[0]})"
+        runs = (str(run_a), str(run_b))
         result = Comparison(
-            result_levels,
-            label,
-            matching.refused,
-            names,
-            phase,
-            window,
-            plateau_ceiling,
-            (str(run_a), str(run_b)),
-            asdict(settings),
+            matched, label, matching.refused, names, phase, window, plateau_ceiling, runs, asdict(settings)
         )
         if is_main():
             made_with = {"versions": SoftwareVersions.current().to_dict()}

@@ -1,42 +1,34 @@
-r"""The controls of a reproduction (docs/science.md section 14): checks with a known answer, on the points of
-the paired claim, derived from a :class:`curvlab.studies.records.LevelData` like the primary family.
+r"""The controls of a reproduction (docs/science.md section 14, which says why each can fail the mechanism):
+checks with a known answer, on the points of the paired claim, derived from a
+:class:`curvlab.studies.records.LevelData` like the primary family.
 
 Each control is reported per arm (the runs whose checkpoints it reads) with its value, a 95% interval
 across seeds, what it must come out as, and whether it did (:class:`ControlEntry`). Per seed, a control
-reduces that seed's points (:func:`curvlab.studies.records.analysed_points`, the paired claim's) to one
-number, as the paired claim does (the median of per-point ratios), and infers across seeds with the
-primary family's log-t interval (:func:`curvlab.inference.statistics.ratio_inference`).
+reduces that seed's points (:func:`curvlab.studies.records.analysed_points`) to one number, as the paired
+claim does (the median of per-point ratios), and infers across seeds with the primary family's log-t
+interval (:func:`curvlab.inference.statistics.ratio_inference`).
 
 Negative controls, which must come out null:
 
-* ``twin_shadow``: NDS(own step) / NDS(twin's step) on the hidden matrices, the twin being a shadow of the
-  run's own optimizer with its own settings from step 0 (:func:`curvlab.steps.shadow.build_controls`).
-  It must be 1 to float rounding at *every* point (:data:`TWIN_TOLERANCE`): a lagged or mis-scaled
-  state, a wrong lr or schedule multiplier, or a shadow that read another batch breaks it.
-* ``hyperparameter_twin``: NDS(own) / NDS(hyperparameter twin's), the twin differing by one nudge (Muon's
-  momentum 0.95 -> 0.94, Adam's beta2 0.95 -> 0.951): an approximate null, whose spread is the floor of
-  what "no difference" looks like on real curvature. It passes when its interval lies inside
-  :data:`NULL_BAND`. It is also the paired claim's A/A (:func:`curvlab.studies.primary.calibration`).
-* ``held_out_batch``: NDS of the arm's own direction under its own batch's H over NDS under the H of a
-  held-out batch (the first validation batch), at the points analysed with ``held_out``: the
-  same-batch coupling (G and H from one batch) must not inflate one arm. It passes when the interval
-  contains 1. The entry with arm ``adamw/muon`` is the paired ratio under the held-out H, which must
-  still be above 1 if the paired claim is not an artefact of the coupling.
+* ``twin_shadow``: NDS(own step) / NDS(twin's step) on the hidden matrices, the twin a shadow of the run's
+  own optimizer (:func:`curvlab.steps.shadow.build_controls`): 1 to float rounding at *every* point
+  (:data:`TWIN_TOLERANCE`).
+* ``hyperparameter_twin``: NDS(own) / NDS(a twin with one hyperparameter nudged): an approximate null, whose
+  interval must lie inside :data:`NULL_BAND`; also the paired claim's A/A
+  (:func:`curvlab.studies.primary.calibration`).
+* ``held_out_batch``: NDS of the arm's direction under its own batch's H over under a held-out batch's H:
+  its interval must contain 1; the entry of arm ``adamw/muon``, the paired ratio under the held-out H,
+  must stay above 1.
 
 Positive controls, with a known answer:
 
-* ``injected_sharp_<r>``: :math:`Z' = Z_\text{muon} + c\,v_1`, :math:`v_1` the top eigenvector of H
-  (Lanczos), with c chosen in closed form (:func:`curvlab.steps.stability.injection_coefficient`) so
-  that NDS(Z') / NDS(Z_muon) is r = 1.2, 1.5 or 2 over all parameters; the measured ratio goes through
-  the paired claim's estimator. It passes when the estimate recovers r to rounding
-  (:data:`INJECTION_TOLERANCE`) and the test against 1 detects it (t model, two-sided p < 0.05); whether
-  the interval covers r is reported beside. The truth is r at every point, so the spread across seeds is
-  float rounding, and an interval on rounding covers r 95% of the time: this checks the estimator's
-  arithmetic and sign handling on the real points, not its coverage under seed-to-seed spread (the
-  suite's coverage simulations and the A/A power do that).
-* ``sgd_direction``: NDS(momentum SGD's direction) / NDS(Muon's) on the hidden matrices, momentum SGD being
-  the run's own first moment (Adam's m, or Muon's B) scaled to the real step's norm: a coarse positive
-  control, much sharper than Muon's in a pilot (x20-24). It passes when its interval lies above 1.
+* ``injected_sharp_<r>``: :math:`Z' = Z_\text{muon} + c\,v_1` with c set in closed form
+  (:func:`curvlab.steps.stability.injection_coefficient`) so that NDS(Z') / NDS(Z_muon) is r = 1.2, 1.5 or
+  2: passes when the estimate recovers r to rounding (:data:`INJECTION_TOLERANCE`) and the t test against 1
+  detects it (coverage is reported beside: the spread is float rounding, so this checks arithmetic and
+  signs, not coverage under seed spread).
+* ``sgd_direction``: NDS(momentum SGD's direction) / NDS(Muon's) on the hidden matrices: its interval must
+  lie above 1 (a pilot: x20-24).
 
 With them, the edge-of-stability context at the same points (:class:`StabilityEntry`): lambda_max(H), the
 arm's preconditioned sharpness against its own threshold, 2/eta, and NDS / lambda_max of each direction.
@@ -53,14 +45,12 @@ import numpy as np
 
 from curvlab.analysis.controls import INJECTED_RATIOS, STABILITY_QUANTITIES, heldout_key, injected_key
 from curvlab.curvature.scalars import CheckpointScalars
-from curvlab.inference import statistics as st
+from curvlab.inference import statistics
 from curvlab.studies.records import PRIMARY_COMPARISON, LevelData, analysed_points, with_levels_off_plateau
 from curvlab.util.codec import Record
 
-CONTROL_NAMES = (
-    "twin_shadow", "hyperparameter_twin", "held_out_batch", "injected_sharp_1.2", "injected_sharp_1.5",
-    "injected_sharp_2", "sgd_direction",
-)  # fmt: skip
+CONTROL_NAMES = ("twin_shadow", "hyperparameter_twin", "held_out_batch")
+CONTROL_NAMES += (*(f"injected_sharp_{r:g}" for r in INJECTED_RATIOS), "sgd_direction")
 TWIN_TOLERANCE = 1e-4  # |NDS(own) / NDS(twin) - 1| at every point: the float32 rounding of W - W_next and the
 # HVPs gave at most 1.3e-5 over quick's 265 points (two runs), a twin one step late 1e-2 and more
 # the injected ratio recovered: |log(estimate / r)| at most this. The truth is r at every point, so the
@@ -160,20 +150,12 @@ def ratio_of(num: str, den: str, positive: bool = False) -> Callable[[Checkpoint
     return value
 
 
-def _infer(m: SeedMedians) -> st.SeedInference | None:
-    return st.ratio_inference(m.medians, [1.0] * len(m.medians)) if m.seeds else None
+def _infer(m: SeedMedians) -> statistics.SeedInference | None:
+    return statistics.ratio_inference(m.medians, [1.0] * len(m.medians)) if m.seeds else None
 
 
-def _ci(inf: st.SeedInference | None) -> list[float] | None:
+def _ci(inf: statistics.SeedInference | None) -> list[float] | None:
     return None if inf is None or inf.ci95 is None else [float(x) for x in inf.ci95]
-
-
-def _inside(ci: list[float] | None, lo: float, hi: float) -> bool:
-    return ci is not None and lo <= ci[0] and ci[1] <= hi
-
-
-def _missing_note(m: SeedMedians, what: str) -> str:
-    return f"{m.missing} points without {what}" if m.missing else ""
 
 
 # -- the controls ------------------------------------------------------------------------------------
@@ -187,11 +169,13 @@ def _entry(
     if inf is None:
         return ControlEntry(name, arm, scope, None, None, expected, None, note=extra.get("note") or "not measured")
     ci = _ci(inf)
-    notes = [extra.get("note", ""), _missing_note(m, "the scalars"), "" if ci else "fewer than 2 seeds: no interval"]
+    missing = f"{m.missing} points without the scalars" if m.missing else ""
+    notes = [extra.get("note", ""), missing, "" if ci else "fewer than 2 seeds: no interval"]
+    ok = None if ci is None else bool(passed(ci))
+    note = "; ".join(n for n in notes if n)
     return ControlEntry(
-        name, arm, scope, inf.value, ci, expected, None if ci is None else bool(passed(ci)), len(m.seeds),
-        m.n_points, extra.get("detail"), "; ".join(n for n in notes if n),
-    )  # fmt: skip
+        name, arm, scope, inf.value, ci, expected, ok, len(m.seeds), m.n_points, extra.get("detail"), note
+    )
 
 
 def _contains_one(ci: list[float]) -> bool:
@@ -208,8 +192,8 @@ def twin_control(data: LevelData, arm: str) -> ControlEntry:
     worst = max((abs(x - 1) for x in m.values), default=float("nan"))
     expected = f"1 at every point (within {TWIN_TOLERANCE:g})"
     scope = "hidden: NDS(own step) / NDS(twin's step)"
-    return _entry("twin_shadow", arm, scope, expected, m, lambda ci: worst <= TWIN_TOLERANCE,
-                  detail={"max_abs_deviation": worst})  # fmt: skip
+    detail = {"max_abs_deviation": worst}
+    return _entry("twin_shadow", arm, scope, expected, m, lambda ci: worst <= TWIN_TOLERANCE, detail=detail)
 
 
 def hp_twin_medians(data: LevelData, arm: str) -> SeedMedians:
@@ -220,10 +204,9 @@ def hp_twin_medians(data: LevelData, arm: str) -> SeedMedians:
 def hp_twin_control(data: LevelData, arm: str) -> ControlEntry:
     nudge = "momentum 0.95 vs 0.94" if arm == "muon" else "beta2 0.95 vs 0.951"
     lo, hi = NULL_BAND
-    return _entry(
-        "hyperparameter_twin", arm, f"hidden: NDS(own) / NDS(twin with {nudge})",
-        f"about 1 (interval within [{lo:.3g}, {hi:.3g}])", hp_twin_medians(data, arm), lambda ci: _inside(ci, lo, hi),
-    )  # fmt: skip
+    scope, expected = f"hidden: NDS(own) / NDS(twin with {nudge})", f"about 1 (interval within [{lo:.3g}, {hi:.3g}])"
+    m = hp_twin_medians(data, arm)
+    return _entry("hyperparameter_twin", arm, scope, expected, m, lambda ci: lo <= ci[0] and ci[1] <= hi)
 
 
 def held_out_controls(data: LevelData) -> list[ControlEntry]:
@@ -247,27 +230,20 @@ def _scalar(key: str) -> Callable[[CheckpointScalars], float | None]:
 def injected_controls(data: LevelData, arm: str) -> list[ControlEntry]:
     """Per known ratio, the paired estimator on the injected directions: covered and detected."""
     out = []
+    scope = "all: NDS(Z_muon + c v1) / NDS(Z_muon), c set for the ratio"
+    unreachable = "a point where the ratio can't be reached (NDS(Z_muon) <= 0, or lambda_max too small) has none"
     for ratio in INJECTED_RATIOS:
         m = seed_medians(arm_points(data, arm), _scalar(injected_key(ratio)))
         inf = _infer(m)
-        ci = _ci(inf)
+        ci, p = _ci(inf), None if inf is None else inf.p
         covered = ci is not None and ci[0] <= ratio <= ci[1]
-        detected = inf is not None and inf.p is not None and inf.p < st.ALPHA and inf.value > 1
+        detected = p is not None and p < statistics.ALPHA and inf.value > 1
         recovered = inf is not None and abs(math.log(inf.value / ratio)) <= INJECTION_TOLERANCE
-        detail = {"true_ratio": ratio, "recovered": recovered, "covered": covered, "detected": detected,
-                  "p": None if inf is None else inf.p}  # fmt: skip
-        unreachable = "a point where the ratio can't be reached (NDS(Z_muon) <= 0, or lambda_max too small) has none"
+        detail = {"true_ratio": ratio, "recovered": recovered, "covered": covered, "detected": detected, "p": p}
+        ok, note = recovered and detected, unreachable if m.missing else ""
+        expected = f"{ratio:g} (to rounding, and detected)"
         out.append(
-            _entry(
-                f"injected_sharp_{ratio:g}",
-                arm,
-                "all: NDS(Z_muon + c v1) / NDS(Z_muon), c set for the ratio",
-                f"{ratio:g} (to rounding, and detected)",
-                m,
-                lambda ci, ok=recovered and detected: ok,
-                detail=detail,
-                note=unreachable if m.missing else "",
-            )
+            _entry(f"injected_sharp_{ratio:g}", arm, scope, expected, m, lambda ci, ok=ok: ok, detail=detail, note=note)
         )
     return out
 
@@ -299,8 +275,8 @@ def _stability_entry(points, arm: str, quantity: str, value) -> StabilityEntry:
         inf = _infer(m)
         return StabilityEntry(arm, quantity, inf.value, _ci(inf), len(m.seeds), m.n_points)
     note = "not measured" if not m.seeds else "a per-seed median <= 0: the mean, no log interval"
-    return StabilityEntry(arm, quantity, float(np.mean(m.medians)) if m.seeds else None, None, len(m.seeds),
-                          m.n_points, note)  # fmt: skip
+    value = float(np.mean(m.medians)) if m.seeds else None
+    return StabilityEntry(arm, quantity, value, None, len(m.seeds), m.n_points, note)
 
 
 def stability(data: LevelData) -> list[StabilityEntry]:

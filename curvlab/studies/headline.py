@@ -1,10 +1,6 @@
 """The headline of a reproduction: every descriptive AdamW/Muon quantity, derived from a
-:class:`curvlab.studies.records.LevelData` alone, as a list of :class:`HeadlineEntry`::
-
-    name, scope ("all" | "hidden"), quantity, value, ci95 [lo, hi] (or null), n_levels, n_seeds,
-    per_level [{seed, ... , value}], paper, paper_text, verdict, note
-
-with the statistics of :mod:`curvlab.inference.statistics` and the claims of :mod:`curvlab.studies.paper`:
+:class:`curvlab.studies.records.LevelData` alone, as a list of :class:`HeadlineEntry`, with the statistics of
+:mod:`curvlab.inference.statistics` and the claims of :mod:`curvlab.studies.paper`:
 
 * matched-loss ratios (AdamW over Muon, and over the RMS-matched Muon arm): ratio of the sums over
   seeds and levels off the unigram plateau of the window means, e.g. sum NDS_AdamW / sum NDS_Muon;
@@ -35,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from curvlab.curvature.scalars import RATIO_KEYS, scope_key
-from curvlab.inference import statistics as st
+from curvlab.inference import statistics
 from curvlab.studies.paper import CLAIMS, Claim
 from curvlab.studies.records import MATCHED, PRIMARY_COMPARISON, SCOPES, LevelData, with_levels_off_plateau
 from curvlab.util.codec import Record
@@ -77,9 +73,6 @@ class ZipfPoint(Record):
     seeds: list[int] = field(default_factory=list)  # the seed of each per_seed value (older summaries: none)
 
 
-# -- the headline -------------------------------------------------------------------------------
-
-
 def claim_for(name: str) -> Claim:
     """The paper's claim about headline quantity ``name``. Variants of a claimed ratio inherit its
     direction: ``*_median`` (each seed's median of its per-level ratios, averaged over seeds, beside the
@@ -102,9 +95,11 @@ def claim_for(name: str) -> Claim:
     return Claim(name, quantity, c.statement, paper, text, c.direction, c.null, c.band)
 
 
-def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict], note: str = "") -> HeadlineEntry:
+def _entry(
+    name: str, scope: str, est: statistics.Estimate | None, per_level: list[dict], note: str = ""
+) -> HeadlineEntry:
     """A descriptive headline entry from an estimate (``None``: nothing to estimate from, ``note`` says why)."""
-    claim = claim_for(name)
+    c = claim_for(name)
     ci = None if est is None or est.ci95 is None else list(est.ci95)
     notes = [note] if note else []
     if est is not None and ci is None and not note and est.n_seeds < 2:
@@ -114,37 +109,35 @@ def _entry(name: str, scope: str, est: st.Estimate | None, per_level: list[dict]
     if est is not None and est.failed_replicates:
         notes.append(f"{est.failed_replicates} seed(s) without a finite value of their own: no interval")
     if est is not None and est.denominator_spans_zero:
-        notes.append(st.DENOMINATOR_NOTE)
+        notes.append(statistics.DENOMINATOR_NOTE)
+    value, n_levels, n_seeds = (None, 0, 0) if est is None else (est.value, est.n_units, est.n_seeds)
+    note = "; ".join(notes)
     return HeadlineEntry(
-        name=name,
-        scope=scope,
-        quantity=claim.quantity,
-        value=None if est is None else est.value,
-        ci95=ci,
-        n_levels=0 if est is None else est.n_units,
-        n_seeds=0 if est is None else est.n_seeds,
-        per_level=per_level,
-        paper=claim.paper,
-        paper_text=claim.paper_text,
-        verdict=st.DESCRIPTIVE,  # only the primary family is judged
-        note="; ".join(notes),
+        name,
+        scope,
+        c.quantity,
+        value,
+        ci,
+        n_levels,
+        n_seeds,
+        per_level,
+        c.paper,
+        c.paper_text,
+        statistics.DESCRIPTIVE,
+        note,
     )
 
 
 def _ratio_entries(base: str, suffix: str, scope: str, groups, per_level, note: str) -> list[HeadlineEntry]:
     """Both estimates of one AdamW/Muon ratio (:func:`curvlab.inference.statistics.ratio_estimates`)."""
-    both = {"": None, "_median": None} if groups is None else st.ratio_estimates(groups["levels"])
-    mean, median = both[""], both["_median"]
-    return [
-        _entry(base + suffix, scope, mean, per_level, note),
-        _entry(base + "_median" + suffix, scope, median, per_level, note),
-    ]
+    both = {"": None, "_median": None} if groups is None else statistics.ratio_estimates(groups["levels"])
+    return [_entry(base + kind + suffix, scope, est, per_level, note) for kind, est in both.items()]
 
 
 def _matched_entries(data: LevelData, arm: str) -> list[HeadlineEntry]:
     name = MATCHED[arm]
     records = data.matched(name)
-    usable = [r for r in records if r.comparison is not None and r.comparison.headline_levels]
+    usable = with_levels_off_plateau(records)
     why = "; ".join(
         f"seed {r.seed}: {r.error or 'every level on the unigram plateau'}" for r in records if r not in usable
     )
@@ -182,8 +175,8 @@ def _matched_entries(data: LevelData, arm: str) -> list[HeadlineEntry]:
                 taylor_levels.append({"seed": r.seed, "target": lv.target, "value": err})
             groups["levels"].append(np.array(shares))
             taylor["levels"].append(np.array(errors))
-        share = st.estimate(groups, lambda g: st.mean(g["levels"])) if usable else None
-        err = st.estimate(taylor, lambda g: st.median(g["levels"])) if usable else None
+        share = statistics.estimate(groups, lambda g: statistics.mean(g["levels"])) if usable else None
+        err = statistics.estimate(taylor, lambda g: statistics.median(g["levels"])) if usable else None
         out.append(_entry(f"embed_head_share_{side_name}", "all", share, per_level, why))
         out.append(_entry(f"taylor_error_{side_name}", "all", err, taylor_levels, why))
     return out
@@ -195,18 +188,18 @@ def _equal_step_entries(data: LevelData) -> list[HeadlineEntry]:
     out = []
     for scope in SCOPES:
         key = scope_key("nds", scope)
-        groups, per_level = {"steps": []}, []
+        groups, per_level = {"levels": []}, []
         for seed in sorted(set(adam) & set(muon)):
-            a = {r.step: r for r in adam[seed].rows if r.phase == "stable" and not r.on_plateau}
-            m = {r.step: r for r in muon[seed].rows if r.phase == "stable" and not r.on_plateau}
-            rows = [[a[k].value(key), m[k].value(key)] for k in sorted(set(a) & set(m))]
+            a, m = ({r.step: r for r in t[seed].rows if r.phase == "stable" and not r.on_plateau} for t in (adam, muon))
+            steps = sorted(set(a) & set(m))
+            rows = [[a[k].value(key), m[k].value(key)] for k in steps]
             per_level += [
                 {"seed": seed, "step": k, "adamw": x, "muon": y, "value": x / y if y else None}
-                for k, (x, y) in zip(sorted(set(a) & set(m)), rows)
+                for k, (x, y) in zip(steps, rows)
             ]
             if rows:
-                groups["steps"].append(np.array(rows))
-        usable = {"levels": groups["steps"]} if groups["steps"] else None
+                groups["levels"].append(np.array(rows))
+        usable = groups if groups["levels"] else None
         note = "" if usable else "no tracked step where both runs are in the stable phase and off the plateau"
         out += _ratio_entries("nds_ratio_equal_step", "", scope, usable, per_level, note)
     return out
@@ -225,12 +218,9 @@ def _trajectory_groups(data: LevelData, key: str) -> dict[tuple[str, float], dic
 
 def _unshared(groups: Mapping[str, Mapping[int, np.ndarray]], labels: Mapping[str, str]) -> str:
     """A note naming the seeds some group has but another lacks (left out of a paired estimate)."""
-    shared = set(st.shared_seeds(groups))
-    out = []
-    for k, v in groups.items():
-        extra = sorted(set(v) - shared)
-        if extra:
-            out.append(f"{labels.get(k, k)} seed(s) {', '.join(map(str, extra))}")
+    shared = set(statistics.shared_seeds(groups))
+    extra = {k: sorted(set(v) - shared) for k, v in groups.items()}
+    out = [f"{labels.get(k, k)} seed(s) {', '.join(map(str, seeds))}" for k, seeds in extra.items() if seeds]
     return f"left out, not in every group: {'; '.join(out)}" if out else ""
 
 
@@ -268,7 +258,7 @@ def _zipf_entries(data: LevelData) -> tuple[list[HeadlineEntry], list[ZipfPoint]
                 headline.append(_entry(name, scope, None, [], f"no trajectory for {', '.join(missing)}"))
                 continue
             g = {k: groups[named[k]] for k in needs}
-            seeds = st.shared_seeds(g)  # paired by seed id: seed k of every (arm, s) together
+            seeds = statistics.shared_seeds(g)  # paired by seed id: seed k of every (arm, s) together
             per_level = [
                 {"arm": named[k][0], "s": named[k][1], "seed": seed, "mean": float(g[k][seed][:, 0].mean())}
                 for k in needs
@@ -277,29 +267,20 @@ def _zipf_entries(data: LevelData) -> tuple[list[HeadlineEntry], list[ZipfPoint]
             labels = {k: f"{named[k][0]} at s = {named[k][1]:g}" for k in needs}
             note = _unshared(g, labels) if seeds else "no seed has a trajectory in every group"
             muon_s0 = lambda g: _mean(g["m0"])  # noqa: E731 (every Zipf statistic divides by it)
-            est = st.estimate(g, stat, denominator=muon_s0)
+            est = statistics.estimate(g, stat, denominator=muon_s0)
             headline.append(_entry(name, scope, est, per_level, note))
         if ("muon", s0) not in groups:
             continue
         for arm, s in sorted(groups):
             x = "m0" if (arm, s) == ("muon", s0) else "x"  # the baseline over itself is 1 in every resample
             g = {x: groups[(arm, s)], "m0": groups[("muon", s0)]}
-            est = st.estimate(g, lambda g, x=x: _mean(g[x]) / _mean(g["m0"]), denominator=lambda g: _mean(g["m0"]))
-            seeds = st.shared_seeds(g)
-            per_seed = [float(groups[(arm, s)][seed][:, 0].mean()) for seed in seeds]
-            per_s.append(
-                ZipfPoint(
-                    arm,
-                    s,
-                    scope,
-                    est.value,
-                    None if est.ci95 is None else list(est.ci95),
-                    est.n_seeds,
-                    est.n_units,
-                    per_seed,
-                    seeds,
-                )
+            est = statistics.estimate(
+                g, lambda g, x=x: _mean(g[x]) / _mean(g["m0"]), denominator=lambda g: _mean(g["m0"])
             )
+            seeds = statistics.shared_seeds(g)
+            per_seed = [float(groups[(arm, s)][seed][:, 0].mean()) for seed in seeds]
+            ci = None if est.ci95 is None else list(est.ci95)
+            per_s.append(ZipfPoint(arm, s, scope, est.value, ci, est.n_seeds, est.n_units, per_seed, seeds))
     return headline, per_s
 
 
@@ -333,34 +314,26 @@ def _rho_entries(data: LevelData) -> list[HeadlineEntry]:
         notes: list[str] = []
         groups = {arm: rows_of(arm, scope, notes) for arm in ("muon", "adamw")}
         if not all(groups[a] for a in groups):
-            out += [
-                _entry(n, scope, None, [], "; ".join([f"no trajectory with {few} at the first s", *notes]))
-                for n in (
-                    "rho_within_muon_early",
-                    "rho_within_muon_late",
-                    "rho_within_adamw_early",
-                    "rho_within_adamw_late",
-                    "rho_within_muon_change",
-                    "rho_within_adamw_change",
-                    "rho_within_change_gap",
-                )
-            ]
+            names = [f"rho_within_{arm}_{third}" for arm in ("muon", "adamw") for third in ("early", "late")]
+            names += ["rho_within_muon_change", "rho_within_adamw_change", "rho_within_change_gap"]
+            note = "; ".join([f"no trajectory with {few} at the first s", *notes])
+            out += [_entry(n, scope, None, [], note) for n in names]
             continue
         for arm in ("muon", "adamw"):
             per_seed = [{"seed": k, "early": rho(x, 2), "late": rho(x, 3)} for k, x in groups[arm].items()]
             g = {"x": groups[arm]}
             note = "; ".join(n for n in notes if n.startswith(f"{arm} "))
-            early = st.estimate(g, lambda g: rho(g["x"], 2))
+            early = statistics.estimate(g, lambda g: rho(g["x"], 2))
             out.append(_entry(f"rho_within_{arm}_early", scope, early, per_seed, note))
-            late = st.estimate(g, lambda g: rho(g["x"], 3))
+            late = statistics.estimate(g, lambda g: rho(g["x"], 3))
             out.append(_entry(f"rho_within_{arm}_late", scope, late, per_seed, note))
-            change = st.estimate(g, lambda g: rho(g["x"], 3) - rho(g["x"], 2))
+            change = statistics.estimate(g, lambda g: rho(g["x"], 3) - rho(g["x"], 2))
             out.append(_entry(f"rho_within_{arm}_change", scope, change, per_seed, note))
 
         def gap_of(g: Mapping[str, np.ndarray]) -> float:
             return rho(g["muon"], 3) - rho(g["muon"], 2) - rho(g["adamw"], 3) + rho(g["adamw"], 2)
 
-        gap = st.estimate(groups, gap_of)  # paired by seed id: the seeds both arms have
+        gap = statistics.estimate(groups, gap_of)  # paired by seed id: the seeds both arms have
         per_seed = [{"seed": k, "value": gap_of({a: groups[a][k] for a in groups})} for k in gap.seeds]
         gap_note = "; ".join(n for n in [*notes, _unshared(groups, {})] if n)
         out.append(_entry("rho_within_change_gap", scope, gap, per_seed, gap_note))

@@ -1,23 +1,14 @@
 """The pre-registered **primary family** (:func:`primary_family`, a list of :class:`PrimaryEntry`, one per
-:data:`curvlab.studies.paper.PRIMARY` claim), derived from a :class:`curvlab.studies.records.LevelData`::
-
-    name, scope, quantity, statement, claimed, kind, method, value, ci95, n_seeds, n_units, paper,
-    paper_text, direction, magnitude, p, p_holm, per_seed [{seed, ...}], note, p_exact, p_exact_min,
-    exact_test, exact_backed
+:data:`curvlab.studies.paper.PRIMARY` claim), derived from a :class:`curvlab.studies.records.LevelData`.
 
 Per seed, each claim aggregates that seed's units (the mean over its matched levels, the median of its
 paired points' ratios, or its trajectory), then infers across seeds
 (:func:`curvlab.inference.statistics.ratio_inference` or :func:`curvlab.inference.statistics.mean_inference`);
 Holm's correction runs over the claims that got a test (3 seeds or more, and judged by the design); beside
 the t model, each claim's exact sign-flip test (:mod:`curvlab.inference.exact_tests`), Holm-adjusted alike. And
-the **A/A calibration** (:func:`calibration`, a :class:`Calibration`)::
-
-    false_verdict_rate, n_tests, per_test [{comparison, claim, n_seeds, value, ci95, p, p_holm, p_exact,
-    direction, false, power}], pairs, claims, power {x1.5, x2}, kind
-
-from same-arm comparisons (``"adamw/adamw"``, ``"muon/muon"``: two disjoint seeds of one arm per
-record), put through the same pipeline for the claims that compare the two sides of a comparison
-(docs/science.md section 12).
+the **A/A calibration** (:func:`calibration`, a :class:`Calibration`) from same-arm comparisons
+(``"adamw/adamw"``, ``"muon/muon"``: two disjoint seeds of one arm per record), put through the same pipeline
+for the claims that compare the two sides of a comparison (docs/science.md section 12).
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from curvlab.inference import exact_tests as exact
-from curvlab.inference import statistics as st
+from curvlab.inference import statistics
 from curvlab.inference.exact_tests import floor_text
 from curvlab.studies.controls import NULL_BAND, hp_twin_medians
 from curvlab.studies.paper import PRIMARY, PrimaryClaim, judged_claims
@@ -109,10 +100,8 @@ class Calibration(Record):
 
 
 MIN_CALIBRATION_TESTS = 10
+AA_TEST_FIELDS = ("n_seeds", "value", "ci95", "p", "p_holm", "p_exact", "p_exact_verdict", "direction")
 POWER_LABELS = tuple(f"x{f:g}" for f in exact.AA_FACTORS)  # "x1.5", "x2"
-
-
-# -- the primary family -------------------------------------------------------------------------
 
 
 def _claimed(claim: PrimaryClaim) -> str:
@@ -122,17 +111,16 @@ def _claimed(claim: PrimaryClaim) -> str:
     return f"{claim.direction} than {claim.null:g}"
 
 
-def _infer(claim: PrimaryClaim, values: SeedValues, confidence: float) -> st.SeedInference:
+def _infer(claim: PrimaryClaim, values: SeedValues, confidence: float) -> statistics.SeedInference:
     if values.denominator is None:
-        return st.mean_inference(values.numerator, claim.null, confidence)
-    return st.ratio_inference(values.numerator, values.denominator, claim.null, confidence)
+        return statistics.mean_inference(values.numerator, claim.null, confidence)
+    return statistics.ratio_inference(values.numerator, values.denominator, claim.null, confidence)
 
 
 @dataclass(frozen=True)
 class _Exact:
-    """A claim's exact seed-level test (:mod:`curvlab.inference.exact_tests`): the p in the claimed direction, the
-    p that would back the verdict (the opposite side for a contradicted greater/less claim; two one-sided
-    tests against the band for a supported "about" claim), and the design's floor."""
+    """A claim's exact seed-level test: its p, the p backing the verdict (:attr:`PrimaryEntry.p_exact_verdict`),
+    the design's floor."""
 
     p: float
     p_for_verdict: float | None
@@ -140,10 +128,10 @@ class _Exact:
     test: str
 
 
-def _exact_values(claim: PrimaryClaim, values: SeedValues, inf: st.SeedInference) -> tuple[np.ndarray, float]:
+def _exact_values(claim: PrimaryClaim, values: SeedValues, inf: statistics.SeedInference) -> tuple[np.ndarray, float]:
     """The per-seed values the exact test flips, and their null: log ratios against log null (log-t), the
     linear contrast a - null b against 0 (Fieller, or a fallen-back difference), or the values themselves."""
-    if inf.method == st.LOG_T:
+    if inf.method == statistics.LOG_T:
         return np.log(np.asarray(inf.per_seed)), float(np.log(claim.null))
     if values.denominator is not None:
         # a - null b has the sign of a/b - null times that of b: negative denominators flip the side
@@ -153,7 +141,7 @@ def _exact_values(claim: PrimaryClaim, values: SeedValues, inf: st.SeedInference
     return np.asarray(values.numerator), claim.null
 
 
-def _exact(claim: PrimaryClaim, values: SeedValues, inf: st.SeedInference, direction: str) -> _Exact | None:
+def _exact(claim: PrimaryClaim, values: SeedValues, inf: statistics.SeedInference, direction: str) -> _Exact | None:
     """The claim's exact test, or ``None`` with more seeds than it enumerates."""
     x, null = _exact_values(claim, values, inf)
     if x.size > exact.MAX_SIGN_FLIP_N:
@@ -165,8 +153,8 @@ def _exact(claim: PrimaryClaim, values: SeedValues, inf: st.SeedInference, direc
     if claim.direction == "about":
         p = exact.sign_flip_p(x, null, "two-sided")
         backing = p
-        if direction == st.SUPPORTED:  # equivalence: two one-sided tests against the band's edges
-            if claim.band is None or inf.method != st.LOG_T:
+        if direction == statistics.SUPPORTED:  # equivalence: two one-sided tests against the band's edges
+            if claim.band is None or inf.method != statistics.LOG_T:
                 backing = None  # (a Fieller interval inside the band has no exact counterpart here)
             else:
                 lo, hi = np.log(claim.band)
@@ -175,34 +163,30 @@ def _exact(claim: PrimaryClaim, values: SeedValues, inf: st.SeedInference, direc
     side = claim.direction
     p = exact.sign_flip_p(x, null, side)
     backing = (
-        exact.sign_flip_p(x, null, "less" if side == "greater" else "greater") if direction == st.CONTRADICTED else p
+        exact.sign_flip_p(x, null, "less" if side == "greater" else "greater")
+        if direction == statistics.CONTRADICTED
+        else p
     )
     return _Exact(p, backing, exact.sign_flip_floor(n, side), test)
 
 
 def _claim_fields(claim: PrimaryClaim) -> dict[str, Any]:
     """The fields of a claim's entry that restate the claim itself, measured or not."""
-    return dict(
-        name=claim.name, scope=claim.scope, quantity=claim.quantity, statement=claim.statement,
-        claimed=_claimed(claim), paper=claim.paper, paper_text=claim.paper_text,
-    )  # fmt: skip
+    restated = ("name", "scope", "quantity", "statement", "paper", "paper_text")
+    return {k: getattr(claim, k) for k in restated} | {"claimed": _claimed(claim)}
+
+
+# the fields of a claim without data: no estimate, never a verdict
+UNMEASURED = dict(
+    method="", value=None, ci95=None, n_seeds=0, n_units=0, direction=statistics.NOT_MEASURED, magnitude=None
+)
+UNMEASURED |= dict(p=None, p_holm=None)
 
 
 def _unmeasured_entry(claim: PrimaryClaim, why: str) -> PrimaryEntry:
     """The entry of a claim whose data are missing: marked not measured, never a verdict."""
     return PrimaryEntry(
-        **_claim_fields(claim),
-        kind=claim.kind,
-        method="",
-        value=None,
-        ci95=None,
-        n_seeds=0,
-        n_units=0,
-        direction=st.NOT_MEASURED,
-        magnitude=None,
-        p=None,
-        p_holm=None,
-        note=f"not measured: {why}; needs {claim.data}",
+        **_claim_fields(claim), **UNMEASURED, kind=claim.kind, note=f"not measured: {why}; needs {claim.data}"
     )
 
 
@@ -211,28 +195,28 @@ def _exact_backing(
 ) -> bool | None:
     """Whether the exact test backs a verdict (``None``: no verdict, or no exact test under Holm): a supported
     "about" claim by its two one-sided tests at (1 - confidence) / 2 each, any other by its Holm-adjusted p."""
-    if ex is None or direction not in (st.SUPPORTED, st.CONTRADICTED) or exact_p_holm is None:
+    if ex is None or direction not in (statistics.SUPPORTED, statistics.CONTRADICTED) or exact_p_holm is None:
         return None
-    if claim.direction == "about" and direction == st.SUPPORTED:
+    if claim.direction == "about" and direction == statistics.SUPPORTED:
         return None if ex.p_for_verdict is None else ex.p_for_verdict < (1 - confidence) / 2
-    return exact_p_holm < st.ALPHA
+    return exact_p_holm < statistics.ALPHA
 
 
-def _magnitude(claim: PrimaryClaim, inf: st.SeedInference, ci: list[float] | None, judged: bool) -> str | None:
+def _magnitude(claim: PrimaryClaim, inf: statistics.SeedInference, ci: list[float] | None, judged: bool) -> str | None:
     """The magnitude verdict against the paper's number (``None``: no number, or a claim not judged here)."""
     if claim.paper is None or not judged:
         return None
     # the paper's number is on the claim's scale: a quantity that fell back to a difference (its
     # denominator's sign not settled) cannot be set beside it
-    if inf.method == st.DIFFERENCE_T:
-        return st.FEW_SEEDS if inf.n_seeds < st.MIN_SEEDS else st.UNINFORMATIVE
-    return st.magnitude_verdict(ci, claim.paper, inf.n_seeds)
+    if inf.method == statistics.DIFFERENCE_T:
+        return statistics.FEW_SEEDS if inf.n_seeds < statistics.MIN_SEEDS else statistics.UNINFORMATIVE
+    return statistics.magnitude_verdict(ci, claim.paper, inf.n_seeds)
 
 
 def _measured_entry(
     claim: PrimaryClaim,
     values: SeedValues,
-    inf: st.SeedInference,
+    inf: statistics.SeedInference,
     judged: bool,
     direction: str,
     p_holm: float | None,
@@ -241,7 +225,7 @@ def _measured_entry(
 ) -> PrimaryEntry:
     """The entry of a measured claim: its estimate, interval and per-seed values, the verdicts, and the exact
     test beside the t model's."""
-    kind = "difference" if inf.method == st.DIFFERENCE_T else claim.kind
+    kind = "difference" if inf.method == statistics.DIFFERENCE_T else claim.kind
     ci = None if inf.ci95 is None else list(inf.ci95)
     notes = ([inf.note] if inf.note else []) + values.notes
     if not judged:
@@ -291,28 +275,33 @@ def _judge(
     tested = [
         i
         for i, inf in enumerate(inferences)
-        if is_judged[i] and inf is not None and inf.p is not None and inf.n_seeds >= st.MIN_SEEDS
+        if is_judged[i] and inf is not None and inf.p is not None and inf.n_seeds >= statistics.MIN_SEEDS
     ]
-    adjusted = dict(zip(tested, st.holm([inferences[i].p for i in tested])))
-    directions = {
-        i: st.direction_verdict(c.direction, inf, adjusted.get(i), None if inf.method == st.DIFFERENCE_T else c.band)
-        for i, (c, inf) in enumerate(zip(claims, inferences)) if inf is not None and is_judged[i]
-    }  # fmt: skip
-    exacts = {}
+    adjusted = dict(zip(tested, statistics.holm([inferences[i].p for i in tested])))
+    directions, exacts = {}, {}
     for i, (c, v, inf) in enumerate(zip(claims, inputs, inferences)):
-        if inf is not None and inf.n_seeds >= 2 and (ex := _exact(c, v, inf, directions.get(i, st.DESCRIPTIVE))):
+        if inf is not None and is_judged[i]:
+            band = None if inf.method == statistics.DIFFERENCE_T else c.band
+            directions[i] = statistics.direction_verdict(c.direction, inf, adjusted.get(i), band)
+        if (
+            inf is not None
+            and inf.n_seeds >= 2
+            and (ex := _exact(c, v, inf, directions.get(i, statistics.DESCRIPTIVE)))
+        ):
             exacts[i] = ex
     # Holm over the exact tests of the same claims, as over the t model's: an "about" claim enters with its
     # two-sided p, and its equivalence stands on its own two one-sided tests at (1 - confidence) / 2 each, as
     # its t-model verdict stands on its interval (outside Holm)
     holm_p = {i: (ex.p if claims[i].direction == "about" else ex.p_for_verdict) for i, ex in exacts.items()}
-    exact_holm = dict(zip(tested, st.holm([holm_p[i] for i in tested]) if all(i in exacts for i in tested) else []))
+    exact_holm = dict(
+        zip(tested, statistics.holm([holm_p[i] for i in tested]) if all(i in exacts for i in tested) else [])
+    )
     entries = []
     for i, (claim, values, inf) in enumerate(zip(claims, inputs, inferences)):
         if inf is None:
             entries.append(_unmeasured_entry(claim, values))
             continue
-        direction = directions.get(i, st.DESCRIPTIVE)  # (a fallen-back difference has no band)
+        direction = directions.get(i, statistics.DESCRIPTIVE)  # (a fallen-back difference has no band)
         ex = exacts.get(i)
         backed = _exact_backing(claim, direction, ex, exact_holm.get(i), confidence)
         entries.append(_measured_entry(claim, values, inf, is_judged[i], direction, adjusted.get(i), ex, backed))
@@ -323,7 +312,7 @@ DESCRIPTIVE_NOTE = "the preset judges only its own primary claims (docs/science.
 
 
 def primary_family(
-    data: LevelData, confidence: float = st.CONFIDENCE, judged: tuple[str, ...] | None = None
+    data: LevelData, confidence: float = statistics.CONFIDENCE, judged: tuple[str, ...] | None = None
 ) -> list[PrimaryEntry]:
     """The primary family (:data:`curvlab.studies.paper.PRIMARY`), judged from the per-level data alone: the
     matched comparisons of AdamW and Muon (``"adamw/muon"``) and the trajectories. A claim whose data
@@ -337,8 +326,8 @@ def primary_family(
 def _false(direction: str, claim: PrimaryClaim) -> bool:
     """Whether an A/A verdict asserts a difference between two runs of one arm: any verdict on a
     greater/less claim, and "contradicted" on an about-equal claim ("supported" is right there)."""
-    if direction in (st.SUPPORTED, st.CONTRADICTED):
-        return not (claim.direction == "about" and direction == st.SUPPORTED)
+    if direction in (statistics.SUPPORTED, statistics.CONTRADICTED):
+        return not (claim.direction == "about" and direction == statistics.SUPPORTED)
     return False
 
 
@@ -348,40 +337,34 @@ def _aa_test(
     """One A/A test's row: its verdict, estimate, interval and p-values, whether the verdict is false, and
     its power to flag a same-arm bias of x1.5 and x2 on its own spread (the SD of its per-unit log values;
     Bonferroni over its family)."""
-    logs = np.log(values) if e.method == st.LOG_T else None
-    if logs is None or logs.size < st.MIN_SEEDS:
+    logs = np.log(values) if e.method == statistics.LOG_T else None
+    if logs is None or logs.size < statistics.MIN_SEEDS:
         power = dict.fromkeys(POWER_LABELS)
     else:
-        power = exact.aa_power_table(float(logs.std(ddof=1)), logs.size, st.ALPHA, n_family, sims)
-    return {
-        "comparison": comparison, "claim": claim.name, "n_seeds": e.n_seeds, "value": e.value, "ci95": e.ci95,
-        "p": e.p, "p_holm": e.p_holm, "p_exact": e.p_exact, "p_exact_verdict": e.p_exact_verdict,
-        "direction": e.direction,
-        "false": false, "power": power,
-    }  # fmt: skip
+        power = exact.aa_power_table(float(logs.std(ddof=1)), logs.size, statistics.ALPHA, n_family, sims)
+    row = {"comparison": comparison, "claim": claim.name} | {k: getattr(e, k) for k in AA_TEST_FIELDS}
+    return row | {"false": false, "power": power}
 
 
 def calibration(
     records: list[ComparisonRecord],
-    confidence: float = st.CONFIDENCE,
+    confidence: float = statistics.CONFIDENCE,
     *,
     data: LevelData | None = None,
     pairs: list[tuple[int, int]] | None = None,
     sims: int = 4000,
 ) -> Calibration:
     """The A/A calibration from same-arm comparisons (records named ``"x/x"``, e.g. ``"adamw/adamw"``;
-    each record two seeds of one arm, ``pairs``: default each record's seed and the one before, as the
-    reproduction's neighbouring pairs). Each same-arm family goes through the primary pipeline for the
-    claims comparing the two sides of a comparison (``between_runs``), with Holm over those claims. With
-    ``data``, the paired claim's A/A too: each arm's hyperparameter twin (its direction over a twin's with
-    one nudged hyperparameter, :func:`curvlab.studies.controls.hp_twin_medians`), per seed, through the
-    paired claim's estimator and test, at level 0.05 on its own (the primary family tests it with Holm over
-    the preset's judged claims: the A/A is the stricter, by that factor). A test is a claim with 3 or more
-    seeds or pairs; the false-verdict
-    rate is the share of tests whose direction verdict asserted a difference (:func:`_false`), NaN when
-    there is no test. The hyperparameter twin is an approximate null (its nudge is real, if tiny): its
-    verdict is false when it asserts a difference and its estimate lies outside the null band
-    (:data:`curvlab.studies.controls.NULL_BAND`, ±10%).
+    each record two seeds of one arm, ``pairs``: default each record's seed and the one before, as the reproduction's
+    neighbouring pairs). Each same-arm family goes through the primary pipeline for the claims comparing the two sides
+    of a comparison (``between_runs``), with Holm over those claims. With ``data``, the paired claim's A/A too: each
+    arm's hyperparameter twin (its direction over a twin's with one nudged hyperparameter,
+    :func:`curvlab.studies.controls.hp_twin_medians`), per seed, through the paired claim's estimator and test, at level
+    0.05 on its own (the primary family tests it with Holm over the preset's judged claims: the A/A is the stricter, by
+    that factor). A test is a claim with 3 or more seeds or pairs; the false-verdict rate is the share of tests whose
+    direction verdict asserted a difference (:func:`_false`), NaN when there is no test. The hyperparameter twin is an
+    approximate null (its nudge is real, if tiny): its verdict is false when it asserts a difference and its estimate
+    lies outside the null band (:data:`curvlab.studies.controls.NULL_BAND`, ±10%).
 
     Neighbouring pairs (k - 1, k) share a seed: their log ratios correlate by -0.5, so the t interval over
     records is about 2.2x too wide and a correct pipeline flags far fewer than 5% (docs/science.md section
@@ -405,19 +388,14 @@ def calibration(
         paired = next(c for c in PRIMARY if c.name == "paired_direction_ratio")
         for arm in ("adamw", "muon"):
             m = hp_twin_medians(data, arm)
-            if len(m.seeds) < st.MIN_SEEDS:
+            if len(m.seeds) < statistics.MIN_SEEDS:
                 continue
-            inf = st.ratio_inference(m.medians, [1.0] * len(m.medians), paired.null, confidence)
-            verdict = st.direction_verdict(paired.direction, inf, inf.p)
-            ex = _exact(paired, SeedValues(m.seeds, m.medians, [1.0] * len(m.seeds), [1] * len(m.seeds)), inf, verdict)
-            e = PrimaryEntry(
-                paired.name, paired.scope, paired.quantity, paired.statement, _claimed(paired), "ratio", inf.method,
-                inf.value, None if inf.ci95 is None else list(inf.ci95), inf.n_seeds, m.n_points, paired.paper,
-                paper_text=paired.paper_text, direction=verdict, magnitude=None, p=inf.p, p_holm=inf.p,
-                per_seed=[{"seed": s, "value": x} for s, x in zip(m.seeds, m.medians)],
-                p_exact=None if ex is None else ex.p, p_exact_min=None if ex is None else ex.floor,
-                p_exact_verdict=None if ex is None else ex.p_for_verdict,
-            )  # fmt: skip
+            inf = statistics.ratio_inference(m.medians, [1.0] * len(m.medians), paired.null, confidence)
+            verdict = statistics.direction_verdict(paired.direction, inf, inf.p)
+            values = SeedValues(m.seeds, m.medians, [1.0] * len(m.seeds), [1] * len(m.seeds))
+            ex = _exact(paired, values, inf, verdict)
+            # (the fields an A/A row reads: its p_holm is its own p, at level 0.05 alone)
+            e = _measured_entry(paired, values, inf, True, verdict, inf.p, ex, None)
             # an approximate null: a verdict is false when it asserts more than the null band's difference
             lo, hi = NULL_BAND
             false = _false(verdict, paired) and not lo <= inf.value <= hi
@@ -429,10 +407,8 @@ def calibration(
     seeds = [s for pair in ordered for s in pair]
     shared = len(seeds) != len(set(seeds))
     kind = "smoke test" if shared or n < MIN_CALIBRATION_TESTS else "calibration"
-    power = {}
-    for label in POWER_LABELS:
-        got = [t["power"][label] for t in per_test if t["power"][label] is not None]
-        power[label] = float(np.mean(got)) if got else None
+    got = {label: [t["power"][label] for t in per_test if t["power"][label] is not None] for label in POWER_LABELS}
+    power = {label: float(np.mean(v)) if v else None for label, v in got.items()}
     return Calibration(
         rate, n, per_test, [list(p) for p in ordered], [c.name for c in PRIMARY if c.name in covered], power, kind
     )

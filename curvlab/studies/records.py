@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,24 @@ LEVELS_SCHEMA_VERSION = 1
 SCOPES = ("all", "hidden")
 MATCHED = {"muon": "adamw/muon", "muon-moonlight": "adamw/muon-moonlight"}  # Muon arm -> comparison name
 PRIMARY_COMPARISON = MATCHED["muon"]  # what the paired and the between-run claims read
+
+
+class JsonFile(Record):
+    """A record kept as one JSON file, sealed (:func:`schema.sealed <curvlab.util.schema.sealed>`): :meth:`load`
+    refuses an edited or damaged file, or one of another schema version."""
+
+    __slots__ = ()
+
+    def save(self, path: str | Path, indent: int | None = 1) -> None:
+        """Write the JSON (``NaN`` kept, as per-level values need it), sealed, atomically."""
+        atomic_write_text(path, json.dumps(schema.sealed(self.to_dict(), strict=False), indent=indent))
+
+    @classmethod
+    def load(cls: type[R], path: str | Path) -> R:
+        return schema.load(path, cls)
+
+
+R = TypeVar("R", bound=JsonFile)
 
 
 @dataclass
@@ -100,7 +118,7 @@ def seed_band(tracks: Sequence[TrackRecord], key: str) -> SeedBand:
 
 
 @dataclass
-class LevelData(Record):
+class LevelData(JsonFile):
     """Everything measured in one reproduction (``analysis/levels.json``)."""
 
     comparisons: list[ComparisonRecord]
@@ -111,15 +129,6 @@ class LevelData(Record):
     SCHEMA_VERSION: ClassVar[int] = LEVELS_SCHEMA_VERSION
     WHAT: ClassVar[str] = "levels.json"
     JSON_KEYS: ClassVar[tuple] = ("schema_version", "plateau_ceiling", "s_values", ...)  # the short keys first
-
-    def save(self, path: str | Path) -> None:
-        """Write the JSON (``NaN`` kept, as the per-level values need it), sealed (:func:`schema.sealed
-        <curvlab.util.schema.sealed>`): :meth:`load` refuses an edited or damaged file."""
-        atomic_write_text(path, json.dumps(schema.sealed(self.to_dict(), strict=False), indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path) -> LevelData:
-        return schema.load(path, cls)
 
     def track(self, arm: str, s: float) -> list[TrackRecord]:
         return sorted((t for t in self.tracks if t.arm == arm and t.s == s), key=lambda t: t.seed)

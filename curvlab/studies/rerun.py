@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from curvlab.inference import statistics as st
+from curvlab.inference import statistics
 from curvlab.studies.primary import PrimaryEntry
 from curvlab.studies.summary import Summary
 
@@ -30,7 +30,7 @@ class RerunComparison:
     other: PrimaryEntry
     this_in_other: bool | None
     other_in_this: bool | None
-    shift: st.SeedInference | None
+    shift: statistics.SeedInference | None
     log_scale: bool
 
 
@@ -39,12 +39,9 @@ def _inside(value: float | None, ci: list[float] | None) -> bool | None:
 
 
 def _per_seed(entry: PrimaryEntry, log_scale: bool) -> dict[int, float]:
-    out = {}
-    for row in entry.per_seed:
-        v = row.get("value")
-        if v is not None and math.isfinite(v) and (v > 0 or not log_scale):
-            out[row["seed"]] = math.log(v) if log_scale else v
-    return out
+    values = [(row["seed"], row.get("value")) for row in entry.per_seed]
+    kept = [(s, v) for s, v in values if v is not None and math.isfinite(v) and (v > 0 or not log_scale)]
+    return {s: math.log(v) if log_scale else v for s, v in kept}
 
 
 def compare_reruns(summary: Summary, rerun: Summary) -> list[RerunComparison]:
@@ -57,10 +54,10 @@ def compare_reruns(summary: Summary, rerun: Summary) -> list[RerunComparison]:
             continue
         # the scale both were judged on: per-seed values that are comparable (a Fieller entry's per-seed
         # ratios are not its estimate, a ratio of means, and blow up where a denominator nears 0)
-        log_scale = e.method == o.method == st.LOG_T
-        comparable = e.method == o.method and e.method in (st.LOG_T, st.MEAN_T)
+        log_scale = e.method == o.method == statistics.LOG_T
+        comparable = e.method == o.method and e.method in (statistics.LOG_T, statistics.MEAN_T)
         a, b = _per_seed(e, log_scale), _per_seed(o, log_scale)
         common = sorted(set(a) & set(b))
-        shift = st.mean_inference([b[s] - a[s] for s in common]) if comparable and len(common) >= 2 else None
+        shift = statistics.mean_inference([b[s] - a[s] for s in common]) if comparable and len(common) >= 2 else None
         rows.append(RerunComparison(e, o, _inside(e.value, o.ci95), _inside(o.value, e.ci95), shift, log_scale))
     return rows

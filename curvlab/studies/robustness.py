@@ -12,16 +12,13 @@ or whose controls fail, is a row saying so.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 from curvlab.studies.controls import ControlEntry, StabilityEntry, controls, stability
 from curvlab.studies.primary import primary_family
-from curvlab.studies.records import LevelData
-from curvlab.util import schema
-from curvlab.util.atomic import atomic_write_text
+from curvlab.studies.records import JsonFile, LevelData
 from curvlab.util.codec import Record
 from curvlab.util.versions import SoftwareVersions
 
@@ -52,18 +49,17 @@ class SettingResult(Record):
 
 def setting_result(setting: str, label: str, levels: LevelData, lr: dict[str, dict[str, float]]) -> SettingResult:
     """One setting's row, from its ``levels.json`` (module docstring)."""
-    paired = next(e for e in primary_family(levels, judged=(PAIRED,)) if e.name == PAIRED)
+    p = next(e for e in primary_family(levels, judged=(PAIRED,)) if e.name == PAIRED)
     checks = controls(levels)
     measured = [c for c in checks if c.passed is not None]
-    return SettingResult(
-        setting, label, paired.value, paired.ci95, paired.n_seeds, paired.n_units, paired.direction,
-        paired.verdict_text, paired.p_exact, all(c.passed for c in measured) if measured else None,
-        [f"{c.name} ({c.arm})" for c in measured if not c.passed], lr, checks, stability(levels),
-    )  # fmt: skip
+    ratio = (p.value, p.ci95, p.n_seeds, p.n_units, p.direction, p.verdict_text, p.p_exact)
+    passed = all(c.passed for c in measured) if measured else None
+    failed = [f"{c.name} ({c.arm})" for c in measured if not c.passed]
+    return SettingResult(setting, label, *ratio, passed, failed, lr, checks, stability(levels))
 
 
 @dataclass(frozen=True)
-class RobustnessSummary(Record):
+class RobustnessSummary(JsonFile):
     """``summary.json`` of the robustness design: one :class:`SettingResult` per setting, in the preset's
     order, with what the design was (``base``: the preset it varies; ``seeds``: each setting's measurement
     seeds) and how long it took."""
@@ -80,16 +76,12 @@ class RobustnessSummary(Record):
     SCHEMA_VERSION: ClassVar[int] = ROBUSTNESS_SCHEMA_VERSION
     WHAT: ClassVar[str] = "robustness summary.json"
 
-    @classmethod
-    def load(cls, path: str | Path) -> RobustnessSummary:
-        return schema.load(path, cls)
-
     def setting(self, name: str) -> SettingResult:
         return next(x for x in self.settings if x.setting == name)
 
 
 @dataclass
-class RobustnessLevels(Record):
+class RobustnessLevels(JsonFile):
     """``levels.json`` of the robustness design: every setting's :class:`LevelData`, by setting name."""
 
     settings: dict[str, LevelData]
@@ -98,11 +90,7 @@ class RobustnessLevels(Record):
     WHAT: ClassVar[str] = "robustness levels.json"
     JSON_KEYS: ClassVar[tuple] = ("schema_version", ...)
 
-    def save(self, path: str | Path) -> None:
-        """As :meth:`LevelData.save <curvlab.studies.records.LevelData.save>` (``NaN`` kept, sealed), unindented:
-        27 seeds' levels are 10 MB with indentation."""
-        atomic_write_text(path, json.dumps(schema.sealed(self.to_dict(), strict=False)))
-
-    @classmethod
-    def load(cls, path: str | Path) -> RobustnessLevels:
-        return schema.load(path, cls)
+    def save(self, path: str | Path, indent: int | None = None) -> None:
+        """As :meth:`JsonFile.save <curvlab.studies.records.JsonFile.save>`, unindented: 27 seeds' levels are 10 MB
+        with indentation."""
+        super().save(path, indent)

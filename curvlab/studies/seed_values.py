@@ -12,13 +12,7 @@ import numpy as np
 from curvlab.curvature.scalars import scope_key
 from curvlab.errors import CurvlabError
 from curvlab.studies.paper import PrimaryClaim
-from curvlab.studies.records import (
-    ComparisonRecord,
-    LevelData,
-    TrackRecord,
-    analysed_points,
-    with_levels_off_plateau,
-)
+from curvlab.studies.records import ComparisonRecord, LevelData, TrackRecord, analysed_points, with_levels_off_plateau
 
 
 @dataclass(frozen=True)
@@ -96,8 +90,8 @@ def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> See
     agree = undefined = 0
     for r in usable:
         points = analysed_points(r, data)
-        windows = {(side.optimizer, m.step) for lv in r.comparison.headline_levels for side in (lv.a, lv.b)
-                   for m in side.members}  # fmt: skip
+        sides = [side for lv in r.comparison.headline_levels for side in (lv.a, lv.b)]
+        windows = {(side.optimizer, m.step) for side in sides for m in side.members}
         if any(ka not in points[k].paired or km not in points[k].paired for k in windows):
             return f"no {ka} / {km} in the matched windows (older runs)"
         # a trajectory analysed without shadows adds nothing
@@ -118,22 +112,16 @@ def _paired(records: list[ComparisonRecord], data: LevelData, scope: str) -> See
     if not seeds:
         return f"no point with a nonzero {km}"
     both_negative = sum(x < 0 and y < 0 for x, y in zip(xs_all, ys_all))
+    unsigned = "where a positive ratio does not mean AdamW's direction is the sharper"
     notes = [
-        n
-        for n in (
-            _sign_note(xs_all, "points along AdamW's direction have NDS", "the per-seed medians of the ratios"),
-            _sign_note(ys_all, "along Muon's", "the medians"),
-            f"both directions take the same sign at {agree} of {len(xs_all)} points",
-            f"{both_negative} of them with both NDS < 0, where a positive ratio does not mean AdamW's direction "
-            "is the sharper"
-            if both_negative
-            else "",
-            f"{undefined} points with Muon's NDS exactly 0 have no ratio" if undefined else "",
-            f"seeds {dropped}: Muon's NDS is 0 at every point, left out" if dropped else "",
-        )
-        if n
+        _sign_note(xs_all, "points along AdamW's direction have NDS", "the per-seed medians of the ratios"),
+        _sign_note(ys_all, "along Muon's", "the medians"),
+        f"both directions take the same sign at {agree} of {len(xs_all)} points",
+        f"{both_negative} of them with both NDS < 0, {unsigned}" if both_negative else "",
+        f"{undefined} points with Muon's NDS exactly 0 have no ratio" if undefined else "",
+        f"seeds {dropped}: Muon's NDS is 0 at every point, left out" if dropped else "",
     ]
-    return SeedValues(seeds, num, [1.0] * len(num), units, notes)
+    return SeedValues(seeds, num, [1.0] * len(num), units, [n for n in notes if n])
 
 
 def _trajectory_mean(t: TrackRecord, key: str) -> float:

@@ -1,24 +1,18 @@
 """``summary.json`` (:class:`Summary`, ``SUMMARY_SCHEMA_VERSION``): what a reproduction concludes, for the
-report, the README and the figures: the headline (:mod:`curvlab.studies.headline`), the primary family and
-the A/A calibration (:mod:`curvlab.studies.primary`), the controls and the edge-of-stability context
-(:mod:`curvlab.studies.controls`), the Taylor counts, the tuning record, the notes,
-the final validation losses, the quadratic model's and the FineWeb comparison's records, the job's
-times and disk use, and the package versions it was made with.
-"""
+report, the README and the figures."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 from curvlab.errors import CurvlabError
 from curvlab.studies.controls import ControlEntry, StabilityEntry
 from curvlab.studies.headline import HeadlineEntry, ZipfPoint
 from curvlab.studies.primary import Calibration, PrimaryEntry
+from curvlab.studies.records import JsonFile
 from curvlab.studies.tuning import TuningRecord
 from curvlab.theory.quadratic import QuadraticStudy
-from curvlab.util import schema
 from curvlab.util.codec import Record
 from curvlab.util.versions import SoftwareVersions
 
@@ -54,7 +48,7 @@ class FinewebRecord(Record):
 
 
 @dataclass
-class Summary(Record):
+class Summary(JsonFile):
     """``summary.json``: the headline, the Taylor check, tuning, caveats, timings and figures."""
 
     preset: str
@@ -79,10 +73,6 @@ class Summary(Record):
     schema_version: int = SUMMARY_SCHEMA_VERSION
     SCHEMA_VERSION: ClassVar[int] = SUMMARY_SCHEMA_VERSION
     WHAT: ClassVar[str] = "summary.json"
-
-    @classmethod
-    def load(cls, path: str | Path) -> Summary:
-        return schema.load(path, cls)
 
     def entry(self, name: str, scope: str = "all") -> HeadlineEntry:
         for e in self.headline:

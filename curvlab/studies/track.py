@@ -9,6 +9,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from curvlab.analysis.report import cached_report
 from curvlab.analysis.sharded import checkpoint_analyzer
@@ -83,16 +84,18 @@ def track_run(
                 overlap_top_k=None if spectrum is None else spectrum.overlap_top_k,
             )
             rows.append(row)
-        if is_main():
-            dicts = [r.to_dict() for r in rows]
-            track = {
-                "run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling, "rows": dicts,
-                "settings_at": {str(k): asdict(v) for k, v in sorted(settings_at.items())},
-                "versions": SoftwareVersions.current().to_dict(),
-            }  # fmt: skip
-            atomic_write_text(out / "track.json", json.dumps(track, indent=1))
-            atomic_write_csv(out / "track.csv", dicts)
+        head = {"run": str(run), "settings": asdict(settings), "plateau_ceiling": plateau_ceiling}
+        _write_track(out, rows, head, settings_at={str(k): asdict(v) for k, v in sorted(settings_at.items())})
     return rows
+
+
+def _write_track(out: Path, rows: list[CheckpointScalars], head: dict[str, Any], **tail: Any) -> None:
+    """On rank 0, ``track.json`` (``head``, the rows, ``tail``, the versions) and ``track.csv``."""
+    if is_main():
+        dicts = [r.to_dict() for r in rows]
+        track = {**head, "rows": dicts, **tail, "versions": SoftwareVersions.current().to_dict()}
+        atomic_write_text(out / "track.json", json.dumps(track, indent=1))
+        atomic_write_csv(out / "track.csv", dicts)
 
 
 def _validation_losses(run: Path) -> dict[int, float]:
@@ -120,14 +123,7 @@ def track_monitor(run: str | Path, out: str | Path, every: int = 1) -> list[Chec
     val = _validation_losses(run)
     summaries = [r.scalars(val.get(r.step, float("nan")), config.get("optimizer", "")) for r in rows]
     with own_directory(out, "track"):
-        if is_main():
-            dicts = [r.to_dict() for r in summaries]
-            track = {
-                "run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens, "rows": dicts,
-                "versions": SoftwareVersions.current().to_dict(),
-            }  # fmt: skip
-            atomic_write_text(out / "track.json", json.dumps(track, indent=1))
-            atomic_write_csv(out / "track.csv", dicts)
+        _write_track(out, summaries, {"run": str(run), "source": "monitor", "heldout_tokens": rows[0].heldout_tokens})
     return summaries
 
 

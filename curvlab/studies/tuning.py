@@ -64,14 +64,8 @@ class LrSearch:
     def ties(self) -> list[float]:
         """Learning rates whose mean is within one combined standard error of the winner's."""
         best, se_best = self.mean(self.chosen), self.stderr(self.chosen)
-        out = []
-        for lr in sorted(self.grid):
-            if lr == self.chosen or not math.isfinite(self.mean(lr)):
-                continue
-            se = math.sqrt(se_best**2 + self.stderr(lr) ** 2)
-            if self.mean(lr) - best <= se:
-                out.append(lr)
-        return out
+        others = [lr for lr in sorted(self.grid) if lr != self.chosen and math.isfinite(self.mean(lr))]
+        return [lr for lr in others if self.mean(lr) - best <= math.sqrt(se_best**2 + self.stderr(lr) ** 2)]
 
     # by hand: the JSON keys the grid by each lr's %g text, in lr order (float keys are no JSON), with the
     # per-lr mean and standard error and the ties derived beside it
@@ -95,10 +89,8 @@ class LrSearch:
     def from_dict(cls, d: dict) -> LrSearch:
         # strict JSON writes a diverged run's +inf as null
         grid = {float(k): [math.inf if x is None else float(x) for x in v] for k, v in d["grid"].items()}
-        return cls(
-            d["name"], grid, float(d["chosen"]), d["initial"], d["extended"], d["at_edge"], d.get("fixed", {}),
-            list(d.get("seeds", [])),
-        )  # fmt: skip
+        kept = [d[k] for k in ("initial", "extended", "at_edge")]
+        return cls(d["name"], grid, float(d["chosen"]), *kept, d.get("fixed", {}), list(d.get("seeds", [])))
 
 
 def search_lr(

@@ -15,20 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from curvlab.errors import CurvlabError
-from curvlab.theory.quadratic_model import (
-    Trajectory,
-    TwoLevelSpec,
-    best_fixed_lr,
-    gd_contraction,
-    gd_initial_share,
-    muon_contraction,
-    muon_nds,
-    optimal_loss,
-    run_line_search,
-    scalar_two_level,
-    theorem_condition,
-    two_level,
-)
+from curvlab.theory import quadratic_model as qm
 from curvlab.util import schema
 from curvlab.util.codec import Record, decode, encode, meta
 
@@ -39,8 +26,8 @@ class PhaseSweep(Record):
     (``ratios``), the steps T and the size q of every point, and per point (arrays shaped
     ``(len(ratios), len(alphas), len(rhos))``): whether Muon's suboptimality after T steps is below GD's
     (``muon_wins``), below or equal at every step 1..T (``muon_below_every_step``), whether
-    :func:`theorem_condition` holds (``condition``), and log10 of Muon's over GD's suboptimality after
-    T steps (``log10_suboptimality_ratio``)."""
+    :func:`~curvlab.theory.quadratic_model.theorem_condition` holds (``condition``), and log10 of Muon's over GD's
+    suboptimality after T steps (``log10_suboptimality_ratio``)."""
 
     rhos: tuple[float, ...]
     alphas: tuple[float, ...]
@@ -79,31 +66,27 @@ def phase_sweep(rhos, alphas, ratios, steps: int = 20, q: int = 100) -> PhaseSwe
     Returns the axes and boolean/float arrays shaped ``(len(ratios), len(alphas), len(rhos))``.
     """
     shape = (len(ratios), len(alphas), len(rhos))
-    muon_wins = np.zeros(shape, dtype=bool)
-    always = np.zeros(shape, dtype=bool)
-    condition = np.zeros(shape, dtype=bool)
+    muon_wins, always, condition = (np.zeros(shape, dtype=bool) for _ in range(3))
     log_ratio = np.zeros(shape)
-    for a, ratio in enumerate(ratios):
-        for b, alpha in enumerate(alphas):
-            m = max(1, round(alpha * q))
-            for c, rho in enumerate(rhos):
-                spec = TwoLevelSpec(d1=q, d2=q, q=q, m=m, w_H=float(rho), w_L=1.0, sigma_H=float(ratio), sigma_L=1.0)
-                best = optimal_loss(spec)
-                muon = np.array(scalar_two_level(spec, "muon", steps).loss) - best
-                gd = np.array(scalar_two_level(spec, "gd", steps).loss) - best
-                floor = 1e-12 * gd[0]  # an exactly solved problem counts as solved to 1e-12
-                muon, gd = np.maximum(muon, floor), np.maximum(gd, floor)
-                k = min(len(muon), len(gd))
-                muon_wins[a, b, c] = muon[k - 1] < gd[k - 1]
-                always[a, b, c] = bool(np.all(muon[1:k] <= gd[1:k] * (1 + 1e-9)))
-                condition[a, b, c] = theorem_condition(spec)
-                log_ratio[a, b, c] = math.log10(muon[k - 1] / gd[k - 1])
+    for a, b, c in np.ndindex(shape):
+        m = max(1, round(alphas[b] * q))
+        spec = qm.TwoLevelSpec(d1=q, d2=q, q=q, m=m, w_H=float(rhos[c]), w_L=1.0, sigma_H=float(ratios[a]), sigma_L=1.0)
+        best = qm.optimal_loss(spec)
+        muon = np.array(qm.scalar_two_level(spec, "muon", steps).loss) - best
+        gd = np.array(qm.scalar_two_level(spec, "gd", steps).loss) - best
+        floor = 1e-12 * gd[0]  # an exactly solved problem counts as solved to 1e-12
+        muon, gd = np.maximum(muon, floor), np.maximum(gd, floor)
+        k = min(len(muon), len(gd))
+        muon_wins[a, b, c] = muon[k - 1] < gd[k - 1]
+        always[a, b, c] = bool(np.all(muon[1:k] <= gd[1:k] * (1 + 1e-9)))
+        condition[a, b, c] = qm.theorem_condition(spec)
+        log_ratio[a, b, c] = math.log10(muon[k - 1] / gd[k - 1])
     axes = [tuple(map(float, x)) for x in (rhos, alphas, ratios)]
     return PhaseSweep(*axes, steps, q, muon_wins, always, condition, log_ratio)
 
 
 QUADRATIC_SCHEMA_VERSION = 1  # the record of quadratic_study (``quadratic.json``)
-DEFAULT_EXAMPLE = TwoLevelSpec()
+DEFAULT_EXAMPLE = qm.TwoLevelSpec()
 SWEEP_RHOS = tuple(float(x) for x in np.logspace(0, 3, 13))
 SWEEP_ALPHAS = tuple(float(x) for x in np.linspace(0.02, 0.48, 12))
 SWEEP_RATIOS = (1.0, 2.0, 4.0)
@@ -111,10 +94,9 @@ SWEEP_RATIOS = (1.0, 2.0, 4.0)
 
 @dataclass(frozen=True)
 class ClosedForms(Record):
-    """The theorem's closed forms on one :class:`TwoLevelSpec` (docs/science.md section 7):
-    :func:`optimal_loss`, :func:`muon_nds`, :func:`muon_contraction` Γ², GD's two-step contraction
-    C(P_0) C(1 - P_0) (:func:`gd_contraction`), P_0 (:func:`gd_initial_share`) and
-    :func:`theorem_condition`."""
+    """The theorem's closed forms on one :class:`~curvlab.theory.quadratic_model.TwoLevelSpec` (docs/science.md
+    section 7), each by its function in :mod:`curvlab.theory.quadratic_model`: the optimal loss, Muon's NDS, its
+    contraction Γ², GD's two-step contraction C(P_0) C(1 - P_0), P_0, and the theorem's condition."""
 
     optimal_loss: float
     muon_nds: float
@@ -124,15 +106,16 @@ class ClosedForms(Record):
     theorem_condition: bool
 
     @classmethod
-    def of(cls, spec: TwoLevelSpec) -> ClosedForms:
-        P0 = gd_initial_share(spec)
+    def of(cls, spec: qm.TwoLevelSpec) -> ClosedForms:
+        P0 = qm.gd_initial_share(spec)
+        two_step = qm.gd_contraction(spec, P0) * qm.gd_contraction(spec, 1 - P0)
         return cls(
-            optimal_loss(spec),
-            muon_nds(spec),
-            muon_contraction(spec),
-            gd_contraction(spec, P0) * gd_contraction(spec, 1 - P0),
+            qm.optimal_loss(spec),
+            qm.muon_nds(spec),
+            qm.muon_contraction(spec),
+            two_step,
             P0,
-            theorem_condition(spec),
+            qm.theorem_condition(spec),
         )
 
 
@@ -149,10 +132,10 @@ class QuadraticStudy:
     JSON form: ``{"schema_version", "example": {"spec", "title", "closed_forms", "line_search",
     "fixed_lr"}, "sweep"}``; ``title`` is derived from ``spec`` and not read back."""
 
-    spec: TwoLevelSpec
+    spec: qm.TwoLevelSpec
     closed_forms: ClosedForms
-    line_search: dict[str, Trajectory]
-    fixed_lr: dict[str, Trajectory]
+    line_search: dict[str, qm.Trajectory]
+    fixed_lr: dict[str, qm.Trajectory]
     sweep: PhaseSweep
     SCHEMA_VERSION: ClassVar[int] = QUADRATIC_SCHEMA_VERSION
     WHAT: ClassVar[str] = "quadratic study"
@@ -166,7 +149,7 @@ class QuadraticStudy:
         )
 
     @property
-    def trajectories(self) -> dict[str, Trajectory]:
+    def trajectories(self) -> dict[str, qm.Trajectory]:
         """Every trajectory by name, the line-search ones first."""
         return {**self.line_search, **self.fixed_lr}
 
@@ -183,8 +166,8 @@ class QuadraticStudy:
         example = d["example"]
         if not isinstance(example, Mapping):
             raise TypeError("example: expected an object")
-        return decode(cls, {"schema_version": d["schema_version"], "spec": example["spec"], "sweep": d["sweep"],
-                            **{k: example[k] for k in EXAMPLE}})  # fmt: skip
+        known = {"schema_version": d["schema_version"], "spec": example["spec"], "sweep": d["sweep"]}
+        return decode(cls, known | {k: example[k] for k in EXAMPLE})
 
     @classmethod
     def load(cls, path: str | Path) -> QuadraticStudy:
@@ -192,7 +175,7 @@ class QuadraticStudy:
 
 
 def quadratic_study(
-    spec: TwoLevelSpec = DEFAULT_EXAMPLE,
+    spec: qm.TwoLevelSpec = DEFAULT_EXAMPLE,
     steps: int = 30,
     fixed_lr_steps: int = 60,
     lr_grid: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
@@ -206,13 +189,13 @@ def quadratic_study(
     Express polar factors; fixed learning rates: GD and Muon with momentum, Adam, sign descent, each at
     its best lr of ``lr_grid``), and the phase sweep over (ρ, α, σ_H/σ_L), as a :class:`QuadraticStudy`
     (:func:`curvlab.output.files.write_quadratic` writes it)."""
-    problem = two_level(spec, outside_theorem)
-    line = {"gd": run_line_search(problem, "gd", steps)}
+    problem = qm.two_level(spec, outside_theorem)
+    line = {"gd": qm.run_line_search(problem, "gd", steps)}
     for polar in ("svd", "newton_schulz", "polar_express"):
-        traj = run_line_search(problem, "muon", steps, polar=polar)
+        traj = qm.run_line_search(problem, "muon", steps, polar=polar)
         line[traj.method] = traj
     fixed = {
-        f"{method}-fixed-lr": best_fixed_lr(problem, method, lr_grid, fixed_lr_steps)
+        f"{method}-fixed-lr": qm.best_fixed_lr(problem, method, lr_grid, fixed_lr_steps)
         for method in ("gd", "muon", "adam", "sign")
     }
     return QuadraticStudy(spec, ClosedForms.of(spec), line, fixed, phase_sweep(rhos, alphas, ratios, steps=sweep_steps))

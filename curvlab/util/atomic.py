@@ -1,20 +1,13 @@
 """Atomic file writes: write to a temporary name in the same folder, fsync, then rename.
 
-A crash or a full disk mid-write leaves the previous file (or none) in place, never half of one:
+A crash or a full disk mid-write leaves the previous file (or none) in place, never half of one. A write
+that fails (:data:`WRITE_ERRNOS`, torch's writer's ``RuntimeError`` included) removes its temporary and
+raises one :class:`~curvlab.errors.CurvlabError` naming the file and the cause; any other error keeps its
+traceback. A killed writer leaves its temporary (:data:`TEMPORARY`) for :func:`remove_stale_temporaries`;
+a live writer holds an ``flock`` on its own until the rename, so it is never taken for a leftover.
 
-* a write that fails (no space, a file-size limit or quota, no permission, a read-only file system, an
-  I/O error, a bad path) removes its temporary and raises one :class:`~curvlab.errors.CurvlabError`
-  naming the file and the cause (:func:`atomic_open`; torch's writer, which reports a failed write as a
-  ``RuntimeError``, included); any other error inside the write keeps its type and traceback;
-* a write whose process was killed (kill -9) leaves its temporary, ``.<name>.<8 random>.curvlab-tmp``
-  (:data:`TEMPORARY`: a name no other program makes), beside the file; :func:`remove_stale_temporaries`
-  removes such leftovers when a command next opens the folder for writing. A writer holds an exclusive
-  ``flock`` on its temporary until the rename, so a live one's is never taken for a leftover (the
-  kernel drops a killed process's lock).
-
-A write never goes through a link that someone put in a folder: a destination that is a symbolic link
-is refused (the rename would replace the link with a file), and inside :func:`writes_confined_to` (a
-training run's folder, while it trains) so is a destination whose folder resolves outside that folder.
+A write never goes through a link: a destination that is a symbolic link is refused, and inside
+:func:`writes_confined_to` so is one whose folder resolves outside that folder.
 """
 
 from __future__ import annotations
@@ -40,9 +33,8 @@ from curvlab.errors import CurvlabError
 TEMPORARY_SUFFIX = ".curvlab-tmp"
 TEMPORARY = re.compile(rf"^\.(?P<name>.+)\.[a-z0-9_]{{8}}{re.escape(TEMPORARY_SUFFIX)}$")
 
-# the errors of a write that the user can act on: space, size or quota, permissions, a read-only file
-# system, a failing device, a bad path (ELOOP: a link where a file opened with O_NOFOLLOW belongs);
-# anything else (a timeout, a reset connection, no memory) is unexpected and keeps its traceback
+# the errors of a write that the user can act on (ELOOP: a link where a file opened with O_NOFOLLOW
+# belongs); anything else (a timeout, no memory) is unexpected and keeps its traceback
 WRITE_ERRNOS = frozenset(
     {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.ENOTDIR,
      errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP}
@@ -67,10 +59,9 @@ def temporary_of(path: str | Path) -> str | None:
 
 
 def write_failure(error: BaseException, *names: str | Path) -> OSError | None:
-    """The ``OSError`` behind ``error`` when it is the failure of a write (one of :data:`WRITE_ERRNOS`,
-    to an open file or on one of ``names``), else ``None``: ``error`` itself, or the ``OSError`` that a
-    ``RuntimeError`` of torch's writer was raised in handling (``torch.save`` into a full file:
-    "[enforce fail at inline_container.cc] unexpected pos", whose context is the write's ``OSError``)."""
+    """The ``OSError`` behind ``error`` when it is the failure of a write (one of :data:`WRITE_ERRNOS`, to an
+    open file or on one of ``names``), else ``None``: ``error`` itself, or the context of a ``RuntimeError``
+    of torch's writer (``torch.save`` into a full disk: "[enforce fail at inline_container.cc] unexpected pos")."""
     names = {str(n) for n in names}
     torch_writer = isinstance(error, RuntimeError) and any(t in str(error) for t in TORCH_WRITER)
     for e in (error, error.__context__ if torch_writer else None):
@@ -102,9 +93,8 @@ _confined: list[str] = []
 
 @contextlib.contextmanager
 def writes_confined_to(directory: str | Path) -> Iterator[None]:
-    """Inside, an :func:`atomic_open` of a path in ``directory`` (below it by name) must stay in it: one
-    whose folder resolves elsewhere, through a symbolic link on the way, is refused. A run's folder is
-    what the run's files name and other people may have handled, not where its files should lead."""
+    """Inside, an :func:`atomic_open` of a path below ``directory`` by name whose folder resolves elsewhere,
+    through a symbolic link on the way, is refused."""
     root = os.path.abspath(directory)
     _confined.append(root)
     try:
@@ -114,11 +104,7 @@ def writes_confined_to(directory: str | Path) -> Iterator[None]:
 
 
 def _check_destination(path: Path) -> None:
-    """Refuse a destination that is a symbolic link, or whose folder leads out of a confined folder.
-
-    Raises:
-        CurvlabError: one line naming ``path``; nothing is written.
-    """
+    """Refuse a destination that is a symbolic link, or whose folder leads out of a confined folder."""
     if path.is_symlink():
         raise CurvlabError(f"{path}: is a symbolic link: refused (curvlab replaces files, never a link; remove it)")
     for root in _confined:
@@ -133,15 +119,8 @@ def _below(path: str, folder: str) -> bool:
 
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file beside ``path``; on success it replaces ``path``, on error it vanishes.
-
-    Raises:
-        CurvlabError: a write failed (:func:`write_failure`: no space, a file-size limit, permissions,
-            a read-only file system...): one line naming ``path`` and the cause; ``path`` is as it was
-            before. ``path`` is a symbolic link, or its folder leads out of a folder whose writes are
-            confined (:func:`writes_confined_to`): refused, nothing written. Any other error raised in
-            the block keeps its type and traceback (and the temporary is removed all the same).
-    """
+    """Open a temporary file beside ``path``; on success it replaces ``path``, on error it vanishes (see the
+    module docstring for what is refused, and how a failed write is reported)."""
     path = Path(path)
     _check_destination(path)
     try:
@@ -169,19 +148,14 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
 
 
 def _locked_temporary(path: Path, attempts: int = 100) -> tuple[int, str]:
-    """A new temporary for ``path`` (:func:`temporary_options`), open and locked by this process until
-    it is closed: its descriptor and name.
-
-    Between ``mkstemp`` and the lock, the file is unlocked and named like a leftover: a remover
-    (:func:`remove_stale_temporaries`) may lock and unlink it in that moment. The file the lock was taken
-    on is then no longer at that name, and another temporary is made."""
+    """A new temporary for ``path``, open and locked by this process until it is closed: its descriptor and
+    name. Between ``mkstemp`` and the lock a remover may unlink it, and then another is made."""
     for _ in range(attempts):
         fd, tmp = tempfile.mkstemp(**temporary_options(path))
         try:
             if not _lock(fd, wait=True):
-                # no flock on this file system: the write goes on unlocked, so a remover may not see it
-                # as live; but a remover can't lock there either, and then leaves every temporary (a
-                # killed write's stays, never read), and only curvlab's names are ever considered
+                # no flock on this file system: the write goes on unlocked; a remover can't lock there
+                # either, and leaves every temporary
                 return fd, tmp
             if _same_file(fd, tmp):
                 return fd, tmp
@@ -217,10 +191,9 @@ def _same_file(fd: int, name: str | Path) -> bool:
 
 
 def remove_stale_temporaries(*directories: str | Path, recursive: bool = False) -> list[Path]:
-    """Remove the temporaries that :func:`atomic_open` left in ``directories`` (and, with ``recursive``,
-    in the folders below them) when its process was killed mid-write: the files named like its own
-    (:data:`TEMPORARY`, ``.<name>.<8 random>.curvlab-tmp``) that no live writer holds locked. Call it
-    once the folder's owner lock is held (:mod:`curvlab.util.lock`). Returns the paths removed."""
+    """Remove the temporaries that :func:`atomic_open` left in ``directories`` (with ``recursive``, below
+    them too) when its process was killed mid-write: the files named :data:`TEMPORARY` that no live writer
+    holds locked. Call it once the folder's owner lock is held. Returns the paths removed."""
     found = set()
     for directory in map(Path, directories):
         if directory.is_dir():
@@ -278,10 +251,9 @@ def make_public(directory: str | Path) -> None:
 
 
 def check_output(path: str | Path, directory: bool = False) -> None:
-    """Raise ``CurvlabError`` unless ``path`` can be written: a file (``directory=False``) that is not an
-    existing directory, or a directory that is not an existing file, under a folder this process can
-    really create files in (tried, not guessed from permission bits, which don't bind root). Commands
-    call it before computing, so that a bad ``--out`` costs nothing."""
+    """Raise ``CurvlabError`` unless ``path`` can be written, as a file or a ``directory``, under a folder
+    this process can really create files in (tried: permission bits don't bind root). Commands call it
+    before computing, so that a bad ``--out`` costs nothing."""
     path = Path(path)
     if directory and path.exists() and not path.is_dir():
         raise CurvlabError(f"{path}: exists and is not a directory")
@@ -301,8 +273,7 @@ def check_output(path: str | Path, directory: bool = False) -> None:
 
 
 def strict_json(obj):
-    """``obj`` with every non-finite float replaced by None, so that ``json.dumps(..., allow_nan=False)``
-    writes JSON every parser reads (``NaN`` is not JSON)."""
+    """``obj`` with every non-finite float replaced by None (``NaN`` is not JSON)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):

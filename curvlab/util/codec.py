@@ -30,26 +30,17 @@ an ``Enum``            its value                                       the membe
                        encoded, numpy scalars as Python's
 =====================  ==============================================  ======================================
 
-So a non-finite float survives a strict file as null in a ``float`` slot (NaN, the value written) and
-stays ``None`` in an optional one (``float | None``: ``None`` was written); ``None`` inside ``Any`` stays
-``None``.
-
 Keys. By default: the class's ``FIXED_KEYS`` and ``"schema_version"`` (``SCHEMA_VERSION``; a record
 with a ``schema_version`` field writes it at the field), then each field, in field order, under its name.
-Decoding a record with a ``SCHEMA_VERSION`` runs :func:`curvlab.util.schema.check` first (the fixed
-keys, then the version: :class:`~curvlab.util.schema.OtherVersion`) and reads past its seal
-(:data:`~curvlab.util.schema.SEAL`, which :func:`~curvlab.util.schema.load` checks). The escape hatches, kept few and
-explicit:
+Decoding a record with a ``SCHEMA_VERSION`` runs :func:`curvlab.util.schema.upgrade` (an older version
+its ``MIGRATIONS`` bring up, a nested record's too) and :func:`curvlab.util.schema.check` first, and reads
+past its seal (which :func:`~curvlab.util.schema.load` checks). The escape hatches, kept few and explicit:
 
 * ``JSON_KEYS`` (a class attribute): the key order when it is not the fields', ``...`` standing for
   the fields not named, in order. A name that is no field's key is a derived value (a property),
   written for readers and not read back; ``(key, attribute)`` writes a property under another key.
-* a field's ``metadata=meta(...)``: ``key`` (its JSON key), ``skip`` (not written, e.g. a tensor:
-  read back as its default), ``null`` (what null reads as in a float slot), ``dtype`` (an array's),
-  ``strict`` (written as strict JSON, non-finite floats as null, in a file that otherwise keeps NaN).
-
-A nested record whose class writes itself by hand (its JSON is not a plain mapping of its fields) is
-written and read by its own ``to_dict`` and ``from_dict``.
+* a field's ``metadata=meta(...)``: :class:`FieldOptions`.
+* a nested record whose class defines its own ``to_dict`` and ``from_dict`` is written and read by them.
 """
 
 from __future__ import annotations
@@ -60,7 +51,7 @@ import math
 import numbers
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from typing import Any, TypeVar
 
@@ -81,7 +72,7 @@ class FieldOptions:
     """How one field deviates from the plain mapping (:func:`meta`)."""
 
     key: str | None = None  # its JSON key (None: the field's name)
-    skip: bool = False  # not written (not JSON); read back as the field's default
+    skip: bool = False  # not written (not JSON, a tensor say); read back as the field's default
     null: float = math.nan  # what a JSON null reads as in a float slot
     dtype: Any = None  # the dtype of an np.ndarray field (None: numpy's inference)
     strict: bool = False  # written as strict JSON (a non-finite float as null) in a file that keeps NaN
@@ -111,9 +102,6 @@ class Record:
         return decode(cls, d)
 
 
-# -- a class's keys ------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class _Slot:
     """One key of a record's JSON: a field's (``field`` set), a constant's (fixed keys, the schema
@@ -140,12 +128,7 @@ def _options(f: dataclasses.Field) -> FieldOptions:
 
 @cache
 def _layout(cls: type) -> _Layout:
-    """``cls``'s keys, in order (module docstring: Keys).
-
-    Raises:
-        TypeError: ``cls`` is no dataclass, or its ``JSON_KEYS`` names a key twice, leaves a field out or
-            names an attribute the class lacks (a mistake in the class, not in a file).
-    """
+    """``cls``'s keys, in order (module docstring: Keys); a ``TypeError`` for a mistake in the class."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls.__name__} is not a dataclass: the codec reads and writes dataclasses")
     hints = typing.get_type_hints(cls)
@@ -179,12 +162,9 @@ def _layout(cls: type) -> _Layout:
     return _Layout(tuple(written), read, frozenset(keys))
 
 
-# -- writing -------------------------------------------------------------------------------------------
-
-
 def encode(record: Any) -> dict[str, Any]:
     """``record`` (a dataclass) as a JSON object of plain Python values (module docstring); non-finite
-    floats stay floats, for the writer to keep (``levels.json``) or write as null (strict JSON)."""
+    floats stay floats, for the writer to keep or write as null."""
     out = {}
     for slot in _layout(type(record)).written:
         value = slot.constant if slot.attribute is None else getattr(record, slot.attribute)
@@ -213,24 +193,12 @@ def _plain(value: Any, where: str) -> Any:
     raise TypeError(f"{where}: a {type(value).__name__} has no JSON form")
 
 
-# -- reading -------------------------------------------------------------------------------------------
-
-
 def decode(cls: type[R], d: Any) -> R:
-    """The ``cls`` record of the JSON object ``d`` (module docstring).
-
-    Raises:
-        OtherVersion: ``cls`` has a ``SCHEMA_VERSION`` and ``d`` holds another (or lacks a fixed key).
-        KeyError: a key without a default is missing.
-        TypeError: a value of the wrong JSON type (its place in ``d`` named).
-        CurvlabError: a key that is none of ``cls``'s (a versioned record's seal is read past, unchecked:
-            :func:`curvlab.util.schema.load` checks it).
-    """
+    """The ``cls`` record of the JSON object ``d`` (module docstring): another version, not one its
+    ``MIGRATIONS`` upgrade, is an :class:`~curvlab.util.schema.OtherVersion`, a missing key without a
+    default a ``KeyError``, a value of the wrong JSON type a ``TypeError`` (its place named), an unknown key
+    a ``CurvlabError``."""
     return _record(cls, d, "")
-
-
-def _name(cls: type) -> str:
-    return getattr(cls, "WHAT", cls.__name__)
 
 
 def _at(where: str, key: str) -> str:
@@ -239,16 +207,16 @@ def _at(where: str, key: str) -> str:
 
 def _record(cls: type[R], d: Any, where: str) -> R:
     if hasattr(cls, "SCHEMA_VERSION"):
+        d = schema.upgrade(d, cls)
         schema.check(d, cls, where or None)
     if not isinstance(d, Mapping):
-        raise TypeError(f"{where or _name(cls)}: expected an object, got {_json_type(d)}")
+        raise TypeError(f"{where or schema.record_name(cls)}: expected an object, got {_json_type(d)}")
     layout = _layout(cls)
-    # a versioned record's seal (schema.SEAL) is read past, as before the codec: schema.load checks it
     sealed = {schema.SEAL} if hasattr(cls, "SCHEMA_VERSION") else set()
     unknown = sorted(k for k in d if k not in layout.known and k not in sealed)
     if unknown:
         place = f"{where}: " if where else ""
-        raise CurvlabError(f"{place}unknown {_name(cls)} field(s): {', '.join(map(str, unknown))}")
+        raise CurvlabError(f"{place}unknown {schema.record_name(cls)} field(s): {', '.join(map(str, unknown))}")
     values = {}
     for slot in layout.read:
         if slot.key in d:
@@ -274,6 +242,17 @@ def _wrong(where: str, expected: str, value: Any) -> TypeError:
     return TypeError(f"{where}: expected {expected}, got {_json_type(value)}")
 
 
+_BOOLS = (bool, np.bool_)
+# a JSON scalar's type: what a message calls it, and the values it takes (an int is no bool, a bool no int)
+_SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    _NONE: ("null", lambda v: v is None),
+    float: ("a number", lambda v: isinstance(v, numbers.Real) and not isinstance(v, _BOOLS)),
+    int: ("an integer", lambda v: isinstance(v, numbers.Integral) and not isinstance(v, _BOOLS)),
+    bool: ("a boolean", lambda v: isinstance(v, _BOOLS)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
 def _value(hint: Any, value: Any, opt: FieldOptions, where: str) -> Any:
     """``value`` (JSON) as the ``hint`` type says."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -289,28 +268,13 @@ def _value(hint: Any, value: Any, opt: FieldOptions, where: str) -> Any:
             except (TypeError, ValueError):
                 continue
         return _value(alternatives[-1], value, opt, where)
-    if hint is _NONE:
-        if value is not None:
-            raise _wrong(where, "null", value)
-        return None
-    if hint is float:
-        if value is None:
-            return opt.null
-        if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
-            raise _wrong(where, "a number", value)
-        return value
-    if hint is int:
-        if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
-            raise _wrong(where, "an integer", value)
-        return value
-    if hint is bool:
-        if not isinstance(value, (bool, np.bool_)):
-            raise _wrong(where, "a boolean", value)
-        return bool(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise _wrong(where, "a string", value)
-        return value
+    if hint is float and value is None:
+        return opt.null
+    if isinstance(hint, type) and hint in _SCALARS:
+        expected, fits = _SCALARS[hint]
+        if not fits(value):
+            raise _wrong(where, expected, value)
+        return bool(value) if hint is bool else value
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint(value)
     if hint is np.ndarray:

@@ -1,10 +1,4 @@
-"""Content digests (SHA-256, hex) that let a cache tell its own entries from edited or stale ones.
-
-* :func:`path_digest`: of a file's bytes, or of a directory's files (a sharded or a Trainer checkpoint):
-  each one's path relative to it and its bytes' digest, in path order.
-* :func:`json_digest`: of a JSON value's canonical text (sorted keys, no spaces; ``NaN`` as Python
-  writes it), so that the same value read back from any indentation has the same digest.
-"""
+"""Content digests (SHA-256, hex) that let a cache tell its own entries from edited or stale ones."""
 
 from __future__ import annotations
 
@@ -39,6 +33,7 @@ def path_digest(path: str | Path) -> str | None:
 
 
 def json_digest(value: Any) -> str:
-    """SHA-256 of ``value``'s canonical JSON text (sorted keys, ``,`` and ``:`` without spaces)."""
+    """SHA-256 of ``value``'s canonical JSON text (sorted keys, no spaces, ``NaN`` as Python writes it): the
+    same value read back from any indentation has the same digest."""
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -1,11 +1,8 @@
 """torch.distributed helpers: the process group under torchrun, sharing work out, reducing results.
 
-Under ``torchrun --nproc_per_node N``, :func:`distributed_context` initializes the process group
-(NCCL on GPUs, gloo on CPUs) with a bounded timeout, so that a rank that dies makes the others fail
-within that time instead of hanging, and names the rank in every error it reports. Under torchrun
-with one rank it starts a one-rank group too (sharded tensors need a process group, so that a
-one-rank sharded checkpoint can be written and read), and the rest runs as a single process.
-Outside torchrun everything here is a no-op, and code that calls it runs as a single process.
+Under ``torchrun``, :func:`distributed_context` initializes the process group (NCCL on GPUs, gloo on
+CPUs) with a bounded timeout, so that a rank that dies makes the others fail instead of hang (with one
+rank too: sharded tensors need a group). Outside torchrun everything here is a no-op.
 """
 
 from __future__ import annotations
@@ -39,11 +36,8 @@ def is_main() -> bool:
 @contextlib.contextmanager
 def distributed_context(timeout_s: float | None = None) -> Iterator[tuple[int, int]]:
     """``(rank, world)``; under torchrun (or ``WORLD_SIZE > 1``) the process group is set up and torn down here.
-
-    On CUDA machines each rank takes ``cuda:LOCAL_RANK``. The timeout (``CURVLAB_DIST_TIMEOUT`` seconds,
-    default 120) bounds how long a rank waits for one that failed. Under ``torchrun --nproc_per_node 1``
-    the group has one rank: nothing is shared out or reduced, but sharded (DTensor) code has its group.
-    """
+    Each rank takes ``cuda:LOCAL_RANK`` on CUDA machines; the timeout (``CURVLAB_DIST_TIMEOUT`` seconds,
+    default 120) bounds how long a rank waits for one that failed."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if dist.is_initialized() or not (world > 1 or dist.is_torchelastic_launched()):
         yield rank_and_world()
@@ -81,12 +75,9 @@ def all_reduce_sum(values: dict[str, torch.Tensor] | torch.Tensor | float) -> An
     """Sum across ranks (in place for tensors); a float comes back as a float. No-op in one process."""
     if not is_distributed():
         return values
-    if isinstance(values, dict):
-        for t in values.values():
+    if isinstance(values, (dict, torch.Tensor)):
+        for t in values.values() if isinstance(values, dict) else [values]:
             _all_reduce(t)
-        return values
-    if isinstance(values, torch.Tensor):
-        _all_reduce(values)
         return values
     t = torch.tensor(float(values), dtype=torch.float64)
     _all_reduce(t)
@@ -130,9 +121,8 @@ def _group_timeout() -> float:
 
 def watch_ranks() -> None:
     """Set up the roll call that :func:`unanswered_ranks` takes after a collective failed: a gloo group
-    over all ranks, apart from the default group (whose state a failed collective leaves broken), with
-    its timeout. Every rank calls it, at the same point (it creates a group); once per process group.
-    :func:`distributed_context` calls it, and so does the sharded curvature's first call."""
+    apart from the default group (whose state a failed collective leaves broken), with its timeout. Every
+    rank calls it at the same point, once per process group."""
     global _ROLL_CALL
     if not is_distributed() or (_ROLL_CALL is not None and _ROLL_CALL[0] is dist.group.WORLD):
         return
@@ -141,18 +131,13 @@ def watch_ranks() -> None:
 
 
 def unanswered_ranks() -> list[int] | None:
-    r"""After a collective failed on this rank: the ranks that died or stalled, by a roll call.
+    r"""After a collective failed on this rank: the ranks that died or stalled, by a roll call (``None``
+    where :func:`watch_ranks` set none up).
 
-    Each rank that gets here sends its number to every other rank, point to point on the roll-call
-    group, and waits for theirs; a rank that died answers at once with a closed connection, one that
-    stalls (or hangs in a collective of its own) doesn't answer in time. The wait is the process
-    group's timeout (as it is now: a timeout changed after :func:`watch_ranks`, e.g. by
-    ``torch.distributed.distributed_c10d._set_pg_timeout``, counts) and a quarter: a surviving rank
-    that hangs in the failed collective leaves it within one timeout of this rank's failure and
-    answers then. So every surviving rank names the same ranks, within twice the timeout of the
-    failure, whichever rank died (``torch.distributed``'s ``monitored_barrier`` names the missing
-    ranks on rank 0 alone: the others hear only that rank 0 didn't answer them). ``None`` where no
-    roll call was set up (:func:`watch_ranks`).
+    Each rank that gets here sends its number to every other and waits for theirs: a dead rank answers
+    at once with a closed connection, a stalled one not in time. The wait is the group's timeout as it is
+    now, and a quarter: a survivor hanging in the failed collective leaves it within one timeout and
+    answers then, so every survivor names the same ranks (``monitored_barrier`` names them on rank 0 only).
     """
     if _ROLL_CALL is None or _ROLL_CALL[0] is not dist.group.WORLD:
         return None

@@ -1,21 +1,14 @@
 """One owner per output directory: ``train``, ``compare``, ``track``, ``reproduce`` and ``finetune`` hold
 their ``--out`` for as long as they write there, and a second process is refused, by name.
 
-:func:`own_directory` holds ``OUT/curvlab.lock``, a :class:`filelock.FileLock`: an ``flock`` that the
-kernel drops when its process ends, however it ends, so the lock of a process killed with ``kill -9``
-is free again and the next owner simply takes it. While it holds the lock the owner keeps
-``OUT/curvlab.owner.json`` (:class:`Owner`: process id, host, command, start time), which is what a
-refused process names, and what the next owner finds left behind by a killed one. The lock file itself
-stays (removing a lock file races with a process about to lock it). A lock file that is a symbolic
-link, no regular file or a hard link to another file is refused before filelock opens it (filelock 3.x
-opens it with ``O_TRUNC``, following a link: the file linked to would be emptied).
+:func:`own_directory` holds ``OUT/curvlab.lock``, an ``flock`` (:class:`filelock.FileLock`) the kernel
+drops when its process ends, however it ends, and keeps ``OUT/curvlab.owner.json`` (:class:`Owner`), which
+a refused process names. The lock file stays (removing one races with a process about to lock it); one
+that is a link or no plain file is refused before filelock opens it (with ``O_TRUNC``, following links).
 
-Removing the lock file by hand frees the directory for a second process while the first still runs.
-The owner record tells: the second replaces it with its own, and the first, which checks before every
-step's writes that the record is still its own (:func:`check_still_owner`), stops in one line.
-
-:func:`check_not_owned` is the readers' side: ``compare`` and ``track`` refuse a run whose directory a
-live process (``curvlab train``) holds, since its checkpoint series is still being written.
+A lock file removed by hand frees the directory for a second process, which replaces the owner record;
+the first checks the record before every step's writes (:func:`check_still_owner`) and stops in one line.
+:func:`check_not_owned` is the readers' side (``compare``, ``track``).
 """
 
 from __future__ import annotations
@@ -59,8 +52,7 @@ class Owner:
 
 
 def read_owner(directory: str | Path) -> Owner | None:
-    """The owner record in ``directory`` (``None`` when there is none, or it is unreadable: it only
-    names a holder, it decides nothing)."""
+    """The owner record in ``directory`` (``None`` if missing or unreadable: it decides nothing)."""
     try:
         d = json.loads((Path(directory) / OWNER_FILE).read_text())
         return Owner(int(d["pid"]), str(d["host"]), str(d["what"]), str(d["started"]))
@@ -73,15 +65,9 @@ _records: dict[Path, Owner] = {}
 
 
 def check_still_owner(directory: str | Path, then: str, world: int = 1) -> None:
-    """Raise unless the owner record in ``directory``, which this process holds, is still the one it
-    wrote: a second process that took the directory after its lock file was removed by hand has
-    replaced it. The holder calls it before it writes there; ``then`` says what that means for it. With
-    ``world`` > 1 (every rank calls it at the same point) rank 0 looks and every rank learns.
-
-    Raises:
-        CurvlabError: ``"<directory>: no longer held by this process: its owner record names <owner> (its
-            lock file was removed or replaced while this one held it); <then>"``.
-    """
+    """Raise ``CurvlabError`` unless the owner record in ``directory``, which this process holds, is still the
+    one it wrote (a process that took the directory over replaces it); ``then`` says what that means. With
+    ``world`` > 1 (every rank calls it at the same point) rank 0 looks and every rank learns."""
     directory = Path(directory)
     rank, _ = rank_and_world()
     lost = None
@@ -99,13 +85,8 @@ def check_still_owner(directory: str | Path, then: str, world: int = 1) -> None:
 
 
 def _check_lock_file(directory: Path) -> None:
-    """Refuse a lock file that is not a plain file of its own (looked at with ``lstat``, before filelock
-    opens it): a symbolic link, no regular file, or a hard link to a file with content (a lock file is
-    empty; that is another file's name).
-
-    Raises:
-        CurvlabError: ``"<directory>/curvlab.lock: is a symbolic link ...: refused ..."``.
-    """
+    """Refuse a lock file that is not a plain file of its own, before filelock opens it: a symbolic link,
+    no regular file, or a hard link to a file with content (a lock file is empty)."""
     path = directory / LOCK_FILE
     try:
         status = os.lstat(path)
@@ -165,17 +146,10 @@ def _hold(directory: Path, what: str) -> Iterator[Owner | None]:
 
 @contextlib.contextmanager
 def own_directory(out: str | Path, what: str) -> Iterator[Owner | None]:
-    """Hold the output directory ``out`` (made if missing) for the ``with`` block, as command ``what``.
-
-    Yields the record a killed owner left behind (its lock was free, so this process took it over),
-    else ``None``. The same thread may take a directory it holds again (nested jobs); another thread or
-    process may not. Under torch.distributed, rank 0 holds it for every rank, and every rank learns
-    whether it could (they enter and leave together).
-
-    Raises:
-        CurvlabError: a live process holds ``out``: ``"<out>: in use by process <pid> on <host> (curvlab
-            <what>, started <time>) ..."``; or ``out`` can't be made or locked.
-    """
+    """Hold the output directory ``out`` (made if missing) for the ``with`` block, as command ``what``;
+    yields the record a killed owner left behind, else ``None``. The same thread may take a directory it
+    holds again (nested jobs); another thread or process is refused, its owner named. Under
+    torch.distributed rank 0 holds it for every rank, and every rank learns whether it could."""
     out = Path(out)
     rank, world = rank_and_world()
     if world == 1:
@@ -197,15 +171,9 @@ def own_directory(out: str | Path, what: str) -> Iterator[Owner | None]:
 
 
 def check_not_owned(directory: str | Path, why: str) -> None:
-    """Refuse to read ``directory`` while a live process holds it (:func:`own_directory`); ``why`` says
-    what that means for the reader. A directory nobody ever held, or whose holder is gone, passes; so
-    does one this thread holds itself. Nothing is written (a read-only directory passes). Under
-    torch.distributed rank 0 looks, for every rank (ranks looking at once would see each other).
-
-    Raises:
-        CurvlabError: ``"<directory>: in use by process <pid> on <host> (curvlab <what>, started
-            <time>): <why>"``.
-    """
+    """Refuse to read ``directory`` while another live process or thread holds it (:func:`own_directory`);
+    ``why`` says what that means for the reader. Nothing is written. Under torch.distributed rank 0 looks,
+    for every rank (ranks looking at once would see each other)."""
     directory = Path(directory)
     rank, world = rank_and_world()
     refusal = _probe(directory, why) if rank == 0 else None
@@ -216,8 +184,7 @@ def check_not_owned(directory: str | Path, why: str) -> None:
 
 
 def _probe(directory: Path, why: str) -> CurvlabError | None:
-    """The refusal :func:`check_not_owned` raises, if a live process holds ``directory`` or its lock file
-    is no plain file (:func:`_check_lock_file`)."""
+    """The refusal :func:`check_not_owned` raises, if any."""
     try:
         _check_lock_file(directory)
     except CurvlabError as e:

@@ -1,12 +1,8 @@
 """Paths named by a file inside a directory stay inside that directory, and a path is the place it
 names, however it was spelled.
 
-A run directory is copied and shared, so what its files name (an index entry, a report's file name)
-is untrusted: ``../victim.txt`` or ``/home/me/.bashrc`` in an ``index.json`` must not become a file
-that curvlab reads, overwrites or deletes. :func:`inside` is the one check every such read goes through.
-
-:func:`same_path` is how a saved path (a run's data, a fine-tuning's base) is compared with a new one:
-``results``, ``./results`` and ``/home/me/results`` are one directory.
+A run directory is copied and shared, so what its files name is untrusted: ``../victim.txt`` in an
+``index.json`` must not become a file curvlab reads, overwrites or deletes (:func:`inside`).
 """
 
 from __future__ import annotations
@@ -28,13 +24,8 @@ def same_path(a: Any, b: Any) -> bool:
 
 def inside(directory: str | Path, name: str | Path, source: str | Path) -> Path:
     """``directory / name``, if that path, with every symbolic link and ``..`` resolved, lies strictly
-    inside ``directory`` (resolved the same way); ``source`` is the file that named it.
-
-    Raises:
-        CurvlabError: ``name`` is not a string or path, or it leads outside ``directory`` (``..``
-            parts, an absolute path elsewhere, a link out) or to ``directory`` itself; the one line
-            names ``source`` and ``name``.
-    """
+    inside ``directory`` (resolved the same way), else a ``CurvlabError`` naming ``source``, the file that
+    named it."""
     if not isinstance(name, (str, Path)) or not str(name):
         raise CurvlabError(f"{source}: names {name!r} where a file name belongs: refused")
     # on strings, with os.path: what decides containment is no method of a class that other code (a

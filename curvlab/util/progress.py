@@ -1,9 +1,7 @@
 r"""Progress of long loops: a tqdm bar on a terminal, a plain line every so often anywhere else.
 
-A bar redraws itself with a carriage return at every update; written to a log file, a pipe or a CI
-console, that is hundreds of kilobytes of ``\r`` fragments. So when the stream is not a terminal,
-:func:`progress` prints one plain line every ``interval`` seconds (default 30, or the environment's
-``CURVLAB_PROGRESS_INTERVAL``) and one at the end::
+A bar written to a log file, a pipe or a CI console is hundreds of kilobytes of ``\r`` fragments, so
+there :func:`progress` prints one plain line every :func:`line_interval` seconds and one at the end::
 
     train muon: 120/600 (20%), 35 s, loss=3.210, val=3.300, tok_s=1234
 """
@@ -39,9 +37,8 @@ def progress(
     stream: IO[str] | None = None,
     leave: bool = True,
 ) -> Any:
-    """``iterable`` with progress shown on ``stream`` (default stderr): a tqdm bar when ``stream`` is a
-    terminal (``leave=False``: erased when done), else :class:`LineProgress`. Both take
-    ``set_postfix(**values)`` and ``close()``."""
+    """``iterable`` with progress shown on ``stream`` (default stderr): a tqdm bar on a terminal
+    (``leave=False``: erased when done), else :class:`LineProgress`; both take ``set_postfix`` and ``close``."""
     stream = sys.stderr if stream is None else stream
     if disable or _is_terminal(stream):
         return tqdm(iterable, desc=desc, total=total, disable=disable, file=stream, leave=leave)
@@ -49,8 +46,7 @@ def progress(
 
 
 def refresh_interval(stream: IO[str] | None = None) -> float:
-    """``mininterval`` for a tqdm bar driven by ``update()``: tqdm's 0.1 s on a terminal, else the
-    plain-line interval (a bar written to a log then redraws every 30 s, not ten times a second)."""
+    """``mininterval`` for a tqdm bar driven by ``update()``: 0.1 s on a terminal, else :func:`line_interval`."""
     return 0.1 if _is_terminal(sys.stderr if stream is None else stream) else line_interval()
 
 

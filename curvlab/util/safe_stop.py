@@ -1,17 +1,10 @@
 """Stopping at a safe point: SIGINT (Ctrl-C) and SIGTERM, honoured where no file is half written.
 
-Inside :func:`stop_at_safe_points` the first SIGINT or SIGTERM only records a request; the work goes
-on to the next safe point, where :func:`check_stop` raises :class:`Stopped` (a one-line
-:class:`~curvlab.errors.CurvlabError` whose exit status is 128 + the signal's number, as a shell reports
-a process the signal ended: 130 for SIGINT, 143 for SIGTERM). The training loop checks after every
-step, once that step's checkpoint (if due) is written; a job checks between its stages. A second signal
-while a request is pending stops at once (``KeyboardInterrupt``): an atomic write in progress then
-removes its temporary (:mod:`curvlab.util.atomic`), so even that leaves no half-written file.
-
-Outside the context, and in a thread other than the main one (where Python can't set handlers), the
-signals keep their usual effect and :func:`check_stop` never raises. A signal the process ignores
-(``nohup`` ignores SIGHUP; a shell starts a background job with SIGINT ignored, so that a Ctrl-C at the
-terminal does not reach it) stays ignored.
+Inside :func:`stop_at_safe_points` the first SIGINT or SIGTERM only records a request; the work goes on
+to the next safe point (after a training step and its checkpoint; between a job's stages), where
+:func:`check_stop` raises :class:`Stopped`. A second signal stops at once (``KeyboardInterrupt``; an atomic
+write in progress removes its temporary). Outside the context, and in a thread other than the main one,
+the signals keep their usual effect; a signal the process ignores (a background job's SIGINT) stays ignored.
 """
 
 from __future__ import annotations
@@ -31,8 +24,8 @@ _depth = 0  # nested contexts (a job's around the training loops it runs) instal
 
 
 class Stopped(CurvlabError):
-    """A SIGINT or SIGTERM, honoured at a safe point: nothing is half written, and running the same
-    command again resumes. ``exit_code``: 128 + the signal's number."""
+    """A SIGINT or SIGTERM, honoured at a safe point: running the same command again resumes.
+    ``exit_code``: 128 + the signal's number, as a shell reports a process the signal ended."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -48,8 +41,8 @@ def _request(signum: int, frame) -> None:
 
 @contextlib.contextmanager
 def stop_at_safe_points() -> Iterator[None]:
-    """While inside, SIGINT and SIGTERM request a stop at the next :func:`check_stop` (see the module
-    docstring); the previous handlers come back on leaving the outermost context."""
+    """While inside, SIGINT and SIGTERM request a stop at the next :func:`check_stop`; the previous handlers
+    come back on leaving the outermost context."""
     global _depth
     if threading.current_thread() is not threading.main_thread():
         yield

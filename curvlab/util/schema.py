@@ -1,26 +1,21 @@
 """Versioned JSON records: one writer and one reader for every typed record a job keeps on disk.
 
-A record class declares its version once, as ``SCHEMA_VERSION`` (a class attribute); its ``to_dict``
-writes it under the key ``schema_version`` and its ``from_dict`` builds the record from such a dict (the
-codec, :mod:`curvlab.util.codec`, does both for every record whose JSON is a mapping of its fields). A
-record that shares its file with others, or names its format, declares those keys' values once as
-``FIXED_KEYS`` (``{"kind": "curvature"}``, a metrics row; ``{"format": ...}``, a checkpoint); they are
-tested before the version. ``WHAT`` (default: the class name) names the record in messages.
+A record class declares ``SCHEMA_VERSION``, written under ``schema_version`` (:mod:`curvlab.util.codec`
+writes and reads records), and ``FIXED_KEYS``, the values of keys tested before the version
+(``{"kind": "curvature"}``, a metrics row); ``WHAT`` names it in messages.
 
-* :func:`save`: ``record.to_dict()`` as strict JSON (a non-finite float is written as ``null``; ``NaN``
-  is not JSON), atomically (:mod:`curvlab.util.atomic`): a crash leaves the previous file or none. The
-  file is sealed (:func:`sealed`): it carries ``content_digest``, the SHA-256 of the rest.
-* :func:`load`: the record in a file; a missing file, invalid JSON, a seal its content does not match
-  (an edited file), no seal (one deleted with the edit, or a record written by hand: nothing unsealed
-  is trusted), a schema version other than the class's or a malformed record is a one-line
-  :class:`~curvlab.errors.CurvlabError` naming the file. A class whose files its writer does not seal
-  says so (``SEALED = False``: a sharded checkpoint's metadata) and is read without one.
-* :func:`check`: the version test itself, for a ``from_dict`` that is also fed dicts not read here.
-* :func:`matches`: the same test as a predicate, where another version is no error (a stale cache
-  entry, recomputed).
+* :func:`save`: ``record.to_dict()`` as strict JSON, atomically, sealed (:func:`sealed`: it carries
+  ``content_digest``, the SHA-256 of the rest).
+* :func:`load`: the record in a file; a missing file, invalid JSON, a seal its content does not match, no
+  seal (nothing unsealed is trusted, unless the class says ``SEALED = False``), another schema version
+  or a malformed record is one :class:`~curvlab.errors.CurvlabError` naming the file.
+* :func:`check` and :func:`matches`: the version test, raising or as a predicate.
+* :func:`upgrade`: an older version brought up to the class's by its ``MIGRATIONS`` (``{version:
+  function}``, each taking that version's JSON object, seal removed, to the next's); :func:`load` and the
+  codec upgrade before the version test, a cache's :func:`matches` does not (an older entry is recomputed).
 
-Another version (or no version: not a record at all) is an :class:`OtherVersion`, a ``CurvlabError``, so
-that a reader of a cache can tell "recompute it" from a corrupt file.
+Another version (or none) is an :class:`OtherVersion`, so that a cache's reader can tell "recompute it"
+from a corrupt file.
 """
 
 from __future__ import annotations
@@ -51,34 +46,39 @@ class OtherVersion(CurvlabError):
     """A JSON value that is not a record of the expected class's ``SCHEMA_VERSION``."""
 
 
-def _name(cls: type) -> str:
+def record_name(cls: type) -> str:
     return getattr(cls, "WHAT", cls.__name__)
 
 
 def _mismatch(d: Any, cls: type) -> str | None:
     """Why ``d`` is not a record of ``cls`` (its ``FIXED_KEYS``, then its version), or ``None``."""
     if not isinstance(d, Mapping):
-        return f"{_name(cls)} schema None is not {cls.SCHEMA_VERSION}"
+        return f"{record_name(cls)} schema None is not {cls.SCHEMA_VERSION}"
     for key, value in getattr(cls, "FIXED_KEYS", {}).items():
         if d.get(key) != value:
-            return f"not a {_name(cls)} ({key} {d.get(key)!r} is not {value!r})"
+            return f"not a {record_name(cls)} ({key} {d.get(key)!r} is not {value!r})"
     version = d.get("schema_version")
-    return None if version == cls.SCHEMA_VERSION else f"{_name(cls)} schema {version} is not {cls.SCHEMA_VERSION}"
+    return None if version == cls.SCHEMA_VERSION else f"{record_name(cls)} schema {version} is not {cls.SCHEMA_VERSION}"
+
+
+def upgrade(d: Any, cls: type) -> Any:
+    """``d`` brought up to ``cls.SCHEMA_VERSION`` by ``cls.MIGRATIONS`` (module docstring), one version at a
+    time, when it is a JSON object of a version that the class can migrate; else ``d`` as it is (for the
+    version test to take or refuse)."""
+    migrations = getattr(cls, "MIGRATIONS", {})
+    # (an int's: a list would be unhashable, a float or a bool no version written)
+    while isinstance(d, Mapping) and type(version := d.get("schema_version")) is int and version in migrations:
+        d = {**migrations[version](dict(d)), "schema_version": version + 1}
+    return d
 
 
 def matches(d: Any, cls: type) -> bool:
-    """Whether ``d`` is a JSON object of ``cls``'s ``FIXED_KEYS`` and ``SCHEMA_VERSION`` (what :func:`check`
-    accepts)."""
+    """Whether :func:`check` accepts ``d``."""
     return _mismatch(d, cls) is None
 
 
 def check(d: D, cls: type, where: str | Path | None = None) -> D:
-    """``d`` itself when it is a JSON object (a mapping) with ``cls``'s ``FIXED_KEYS`` whose
-    ``schema_version`` is ``cls.SCHEMA_VERSION``.
-
-    Raises:
-        OtherVersion: ``d`` is not a JSON object, lacks a fixed key's value, or holds another schema version.
-    """
+    """``d`` if it is a JSON object of ``cls``'s ``FIXED_KEYS`` and ``SCHEMA_VERSION``, else :class:`OtherVersion`."""
     problem = _mismatch(d, cls)
     if problem is not None:
         raise OtherVersion(f"{where}: {problem}" if where is not None else problem)
@@ -93,16 +93,8 @@ def sealed(d: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
 
 
 def unsealed(d: Any, where: str | Path, what: str, required: bool = True) -> Any:
-    """``d`` without its :data:`SEAL`, once its content matches it. A JSON value that is no object is
-    returned as it is (no record: the version check refuses it).
-
-    Args:
-        required: whether a JSON object without a seal is refused (``False``: returned as it is).
-
-    Raises:
-        CurvlabError: the content does not match the seal (the file was edited or damaged after it was
-            written), or, ``required``, there is none (deleted, say, with an edit): nothing in it is trusted.
-    """
+    """``d`` without its :data:`SEAL`, once its content matches it (a JSON value that is no object, or,
+    not ``required``, one without a seal, is returned as it is)."""
     if not isinstance(d, Mapping):
         return d
     if SEAL not in d:
@@ -116,11 +108,7 @@ def unsealed(d: Any, where: str | Path, what: str, required: bool = True) -> Any
 
 
 def parse_json(text: str, where: str | Path, what: str) -> Any:
-    """The JSON value of ``text`` (a file's, ``where``; ``what`` names its content in the message).
-
-    Raises:
-        CurvlabError: invalid JSON, an integer too long for Python to read, or nesting too deep to parse.
-    """
+    """The JSON value of ``text`` (a file's, ``where``; ``what`` names its content in the message)."""
     try:
         return json.loads(text)
     except ValueError as e:  # (json.JSONDecodeError, and int()'s limit on digits)
@@ -130,12 +118,7 @@ def parse_json(text: str, where: str | Path, what: str) -> Any:
 
 
 def read_json(path: str | Path, what: str) -> Any:
-    """The JSON value in the file ``path`` (``what`` names its content in messages: "a grammar").
-
-    Raises:
-        CurvlabError: a missing or unreadable file, bytes that are no UTF-8 text, or what :func:`parse_json`
-            refuses.
-    """
+    """The JSON value in the file ``path`` (``what`` names its content in messages: "a grammar")."""
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -148,11 +131,7 @@ def read_json(path: str | Path, what: str) -> Any:
 
 
 def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
-    """:func:`read_json` of a file that must hold a JSON object (a config, settings, stats).
-
-    Raises:
-        CurvlabError: what :func:`read_json` refuses, or a JSON value that is no object.
-    """
+    """:func:`read_json` of a file that must hold a JSON object (a config, settings, stats)."""
     value = read_json(path, what)
     if not isinstance(value, dict):
         raise CurvlabError(f"{path}: corrupt {what} (a JSON object expected, found {type(value).__name__})")
@@ -165,22 +144,20 @@ def save(path: str | Path, record: Record) -> None:
 
 
 def load(path: str | Path, cls: type[R]) -> R:
-    """``cls.from_dict`` of the JSON in ``path``, after :func:`check`.
-
-    Raises:
-        CurvlabError: a missing or unreadable file, invalid JSON, a seal that its content does not match
-            or no seal (unless ``cls.SEALED`` is false), another schema version (:class:`OtherVersion`),
-            or a record ``from_dict`` can't parse (a missing key, a wrong type).
-    """
+    """``cls.from_dict`` of the JSON in ``path``, after :func:`upgrade` and :func:`check` (see the module
+    docstring)."""
     path = Path(path)
-    d = read_json(path, f"a {_name(cls)} record")
+    d = read_json(path, f"a {record_name(cls)} record")
     if isinstance(d, Mapping) and SEAL not in d:
-        check(d, cls, path)  # another version first (OtherVersion: a cache recomputes it), then the missing seal
-    d = unsealed(d, path, f"{_name(cls)} record", required=getattr(cls, "SEALED", True))
+        # another version (not an older one the class upgrades) first (OtherVersion: a cache recomputes
+        # it), then the missing seal
+        check(upgrade(d, cls), cls, path)
+    d = unsealed(d, path, f"{record_name(cls)} record", required=getattr(cls, "SEALED", True))
+    d = upgrade(d, cls)  # (after the seal: what was written is what is checked; then what it means now)
     check(d, cls, path)
     try:
         return cls.from_dict(d)  # type: ignore[attr-defined]
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, CurvlabError):
             raise CurvlabError(f"{path}: {e}") from None
-        raise CurvlabError(f"{path}: not a {_name(cls)} record ({type(e).__name__}: {e})") from None
+        raise CurvlabError(f"{path}: not a {record_name(cls)} record ({type(e).__name__}: {e})") from None

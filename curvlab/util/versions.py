@@ -1,9 +1,7 @@
 """What a result was made with: the installed versions of the packages that decide its numbers.
 
-Floats, kernels and defaults move between releases (a new torch can reorder a reduction, a new scipy
-can change a quantile), so every ``summary.json``, ``finetune.json`` and curvature report records
-:class:`SoftwareVersions` beside its numbers. A record written before this field existed reads back
-as ``None``: not recorded (a record's ``versions: SoftwareVersions | None``).
+Floats, kernels and defaults move between releases, so every ``summary.json``, ``finetune.json`` and
+curvature report records :class:`SoftwareVersions` beside its numbers (``None`` in an older record).
 """
 
 from __future__ import annotations

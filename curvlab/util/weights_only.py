@@ -1,13 +1,9 @@
 """How torch's weights-only unpickler says it refused a pickle.
 
 ``torch.load(..., weights_only=True)`` raises ``pickle.UnpicklingError`` both for a pickle that names a
-class or function beyond tensors and plain data (refused, never called: it could run code) and for bytes
-that are no pickle at all; only the refusal names the global it would not resolve (``GLOBAL
-posix.system``). Every curvlab loader tells the two apart here, to say "refusing" or "corrupt".
-
-A refusal also says where in the file the global is, when the file is a ``torch.save``'d dict: the
-entry that holds it (a Lightning checkpoint's ``hyper_parameters``, with a user's ``Path`` or config
-class among them), found by reading the pickle's opcodes, which runs nothing (:func:`entry_naming`).
+global beyond tensors and plain data (refused: it could run code) and for bytes that are no pickle; only
+the refusal names the global (``GLOBAL posix.system``), so every curvlab loader tells "refusing" from
+"corrupt" here, naming the entry of a ``torch.save``'d dict that holds the global (:func:`entry_naming`).
 """
 
 from __future__ import annotations
@@ -36,18 +32,12 @@ def refused_global(error: BaseException) -> str | None:
     return None if found is None else found.group(1)
 
 
-def is_weights_only_refusal(error: BaseException) -> bool:
-    """Whether ``error`` is torch's weights-only unpickler refusing a global (not a corrupt file)."""
-    return refused_global(error) is not None
-
-
 def unpickling_error(
     error: pickle.UnpicklingError, where: str | Path, what: str, entry: str | None = None
 ) -> CurvlabError:
     """The one line for ``error``, raised by ``torch.load(..., weights_only=True)`` of ``what`` (``"the
-    checkpoint"``, ``"byte item 'lr'"``) in ``where``: a refusal names the global it would not resolve,
-    and, given the ``entry`` of the saved dict that holds it (:func:`entry_naming`), what to do; anything
-    else is a corrupt file."""
+    checkpoint"``) in ``where``: a refusal names the global and, given the ``entry`` of the saved dict that
+    holds it (:func:`entry_naming`), what to do; anything else is a corrupt file."""
     refused = refused_global(error)
     if refused is None:
         return CurvlabError(f"{where}: corrupt or unreadable {what} (UnpicklingError)")
@@ -66,35 +56,24 @@ def unpickling_error(
 def entry_naming(path: str | Path, name: str) -> str | None:
     """The key of the dict ``torch.save`` wrote to ``path`` (a zip archive) whose value names the global
     ``name`` (``module.name``), or None: not such a file, a top level that is no dict, or no entry that
-    names it. Nothing is unpickled: the pickle's opcodes are read (:func:`_entry_naming`)."""
+    names it. Nothing is unpickled: the pickle's opcodes are read (:func:`_walk`)."""
     try:
         with zipfile.ZipFile(path) as archive:
             pickled = next(n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
-            return _entry_naming(archive.read(pickled), name)
+            return _walk(archive.read(pickled), name)[0]
     except (StopIteration, zipfile.BadZipFile, OSError, ValueError, KeyError, IndexError, EOFError):
         return None
-
-
-def _entry_naming(pickled: bytes, name: str) -> str | None:
-    """The first key of the top-level dict in ``pickled`` whose value names the global ``name``
-    (:func:`_walk`)."""
-    return _walk(pickled, name)[0]
 
 
 def _walk(pickled: bytes, name: str) -> tuple[str | None, int]:
     """Read the opcodes of ``pickled`` for the first key of its top-level dict whose value names the global
     ``name``; returns that key (or None) and the stack entries the walk moved (pushed and popped).
 
-    Each object on the pickle machine's stack is followed as its text (a string's) and whether it names
-    ``name``, a constant size; an opcode's result names it if one of its operands does (its stack effect,
-    from pickletools' table), a memo lookup if what was memoized does; the top-level dict's items are
-    checked as they are set. Every entry is pushed once and popped at most once, so the work is linear in
-    the number of opcodes (a set of every global named, copied per opcode, was quadratic: minutes for a
-    pickle of a megabyte). Marks are kept apart, as the stack's length at each, as pickle keeps them.
-
-    Raises:
-        ValueError: a malformed pickle (pickletools' own errors, and a stack or mark underflow).
-        IndexError, KeyError: a memo entry of an empty stack, or a lookup of one never made.
+    Each stack entry is its text (a string's) and whether it names ``name``, a constant size; an opcode's
+    result names it if one of its operands does (its stack effect from pickletools' table), a memo lookup
+    if what was memoized does. Every entry is pushed once and popped at most once, so the work is linear in
+    the opcodes (a set of every global named, copied per opcode, took minutes for a megabyte). A malformed
+    pickle raises ValueError, IndexError or KeyError.
     """
     stack: list[tuple[str | None, bool]] = []
     marks: list[int] = []

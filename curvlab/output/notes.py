@@ -1,6 +1,7 @@
-"""The caveats a reproduction's ``report.md`` states up front: what its preset reduced or tied, where its
-learning rates came from, what its matched levels and trajectory means leave out, and each arm's final
-validation loss at equal steps."""
+"""The caveats a report states up front. A reproduction's (:func:`reproduction_notes`): what its preset
+reduced or tied, where its learning rates came from, what its matched levels and trajectory means leave
+out, and each arm's final validation loss at equal steps. A fine-tuning's (:func:`finetune_notes`): its
+adapters, tuning, curvature batch and matching."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import math
 import numpy as np
 
 from curvlab.inference.statistics import mean_inference
-from curvlab.jobs.presets import CONTROL_ARM, PRESETS, Preset
 from curvlab.models.gpt import get_config
+from curvlab.studies.design import CONTROL_ARM, FinetunePreset, Preset
 from curvlab.studies.records import LevelData
 from curvlab.studies.tuning import TuningRecord
 
@@ -50,11 +51,11 @@ def _learning_rate_note(p: Preset, tuning: TuningRecord) -> str:
             f"Learning rates from the committed table (the full search at this preset's settings: log2 grids, "
             f"tuning seeds {table.get('seeds')}, {table.get('horizon_steps')}-step runs"
             + (f"; {'; '.join(ties)}" if ties else "")
-            + f"), checked here on {p.check_points} points with check seed(s) {seeds}: "
+            + f"), checked here on {p.tuning.check_points} points with check seed(s) {seeds}: "
             + ("the optimum moved for " + ", ".join(moved) + "." if moved else "the optimum did not move.")
         )
     return (
-        f"Learning rates searched at s = {p.s_values[0]:g} on {tuning.horizon_steps}-step runs (the "
+        f"Learning rates searched at s = {p.language.s_values[0]:g} on {tuning.horizon_steps}-step runs (the "
         f"compared horizon) with tuning seeds {seeds}, disjoint from the measurement seeds 0..{p.seeds - 1}"
         + (f" ({tuning.fallback})." if tuning.fallback else ".")
     )
@@ -66,6 +67,7 @@ def reproduction_notes(
     levels: LevelData | None = None,
     plateaus: dict[float, float] | None = None,
     final: dict[str, dict[str, list]] | None = None,
+    paper: Preset | None = None,
 ) -> list[str]:
     """The caveats a reproduction's report states up front (what ``preset`` reduced, what it tied, what the
     trajectory means leave out).
@@ -76,13 +78,17 @@ def reproduction_notes(
         levels: the matched levels and trajectories of one seed, when measured.
         plateaus: the unigram plateau ceiling of each training s, in nats.
         final: each s's and arm's final validation losses, one a seed.
+        paper: the paper's design, whose evaluation batches a smaller number is compared with.
+
+    Returns:
+        The notes, one sentence or a few each.
     """
-    p = preset
-    tokens = f"{p.batch_size}x{get_config(p.model, **p.model_overrides).block_size}"
+    p, m = preset, preset.measurement
+    tokens = f"{p.training.batch_size}x{get_config(p.network.model, **p.network.model_overrides).block_size}"
     notes = []
     if p.seeds < 3:
         notes.append(f"{p.seeds} seeds per optimizer: fewer than 3, so every entry is descriptive (no verdict).")
-    if p.adam_side == "tied":
+    if p.tuning.adam_side == "tied":
         notes.append(
             "Muon's AdamW side (embeddings, head, norms) runs at AdamW's learning rate "
             f"({tuning.lr('adamw'):g}): it is tied, not tuned on its own."
@@ -96,10 +102,10 @@ def reproduction_notes(
             f"{control['set_from_seed']}'s matched levels."
         )
     notes.append(
-        f"Matched levels: {p.matching.description()} {p.ckpt_every} steps apart (windows share "
-        f"no checkpoint), each analysed on {p.analysis_batches} batch(es) of {tokens} tokens; trajectories on "
-        f"{p.track_batches}, stable phase only"
-        + (f"; the A/A comparisons' levels on {p.aa_batches}." if p.aa_batches != p.analysis_batches else ".")
+        f"Matched levels: {m.matching.description()} {p.training.ckpt_every} steps apart (windows share "
+        f"no checkpoint), each analysed on {m.analysis_batches} batch(es) of {tokens} tokens; trajectories on "
+        f"{m.track_batches}, stable phase only"
+        + (f"; the A/A comparisons' levels on {p.aa_batches}." if p.aa_batches != m.analysis_batches else ".")
     )
     if plateaus:
         notes.append(
@@ -118,11 +124,38 @@ def reproduction_notes(
             + "."
         )
     if final:
-        notes.append(final_loss_note(final, p.steps))
-    if p.analysis_batches < (full := PRESETS["paper"].analysis_batches):
-        notes.append(f"{p.analysis_batches} evaluation batch(es) per checkpoint (the paper preset uses {full}).")
-    if len(p.s_values) < 3:
-        notes.append(f"The Zipf sweep runs s = {', '.join(f'{s:g}' for s in p.s_values)} only.")
-    if p.grammar.get("n_tokens"):
-        notes.append(f"A {p.grammar['n_tokens']}-token grammar (the paper's has 4412).")
+        notes.append(final_loss_note(final, p.training.steps))
+    if paper is not None and m.analysis_batches < (full := paper.measurement.analysis_batches):
+        notes.append(f"{m.analysis_batches} evaluation batch(es) per checkpoint (the paper preset uses {full}).")
+    if len(p.language.s_values) < 3:
+        notes.append(f"The Zipf sweep runs s = {', '.join(f'{s:g}' for s in p.language.s_values)} only.")
+    if p.language.grammar.get("n_tokens"):
+        notes.append(f"A {p.language.grammar['n_tokens']}-token grammar (the paper's has 4412).")
+    return notes
+
+
+def finetune_notes(preset: FinetunePreset) -> list[str]:
+    """The caveats of a fine-tuning comparison's report: the adapters, the tuning rule, where the curvature
+    is measured, the matching, and what a reduced preset leaves rough.
+
+    Args:
+        preset: the fine-tuning comparison's settings.
+
+    Returns:
+        The notes, one sentence or a few each.
+    """
+    p = preset
+    notes = [
+        f"LoRA rank {p.rank} (alpha {2 * p.rank}) on every attention and MLP linear of `{p.model}`; "
+        f"{p.steps} adaptation steps at s = 1, warmup-stable-decay, the same for every optimizer.",
+        f"Learning rates tuned on {p.tuning_settings.description()}.",
+        f"Curvature of the step taken at each checkpoint of the stable phase ({p.ckpt_every} steps apart), over "
+        f"the adapter parameters, on {p.heldout_windows} held-out validation windows at s = 1 (the main "
+        "comparison measures on the step's training batches).",
+        f"Matched levels: {p.matching.description()}; no level is dropped.",
+    ]
+    if p.seeds < 3:
+        notes.append(f"{p.seeds} seeds per optimizer (3 in the standard preset): the intervals are rough.")
+    if p.tuning.grid_points < 5 or p.tuning.tune_seeds < 2:
+        notes.append("Reduced tuning (the standard preset: 5-point grids, 2 seeds per point).")
     return notes
