@@ -167,3 +167,25 @@ def test_the_committed_robustness_rows_follow_from_its_levels():
     reference = paired_reference(Summary.load(RESULTS / "quick" / "summary.json"))
     page = (ROOT / "docs" / "results-robustness.md").read_text()
     assert render_robustness(summary, "results/robustness/figures", reference) in page
+
+
+@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
+def test_the_a_a_sentence_counts_the_rows_its_table_prints(name):
+    """The A/A sentence's count is that of the table's rows whose verdict asserts a difference between two
+    runs of one arm (any verdict on a greater/less claim, "contradicted" on an about-equal one), and its
+    rate that of the rows marked false; before, quick's said 1 of 6 beside two "contradicted" rows."""
+    from curvlab.output.text import calibration_line, calibration_table
+    from curvlab.studies.paper import PRIMARY
+
+    about = {c.name for c in PRIMARY if c.direction == "about"}
+    c = Summary.load(RESULTS / name / "summary.json").calibration
+    rows = [r.strip("| ").split(" | ") for r in calibration_table(c)[2:]]
+    assert len(rows) == c.n_tests
+    asserted = [r for r in rows if r[6] == "contradicted" or (r[6] == "supported" and r[1] not in about)]
+    false = [r for r in rows if r[7] == "yes"]
+    assert {r[7] for r in rows} <= {"yes", "no", "no: inside the null band"}
+    assert all(r in asserted for r in false)  # a false verdict asserts a difference
+    line = calibration_line(c)
+    assert f"{len(asserted)} of {len(rows)} tests gave a verdict asserting a difference" in line
+    assert f"false-verdict rate {len(false) / len(rows):.0%}" in line
+    assert (f"({len(asserted) - len(false)} of them a hyperparameter twin" in line) == (len(asserted) > len(false))

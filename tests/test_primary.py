@@ -282,7 +282,7 @@ def test_report_and_readme_open_with_the_primary_family_then_calibration_then_th
         for e in primary:
             assert f"| {e.quantity}: {e.claimed} | {e.scope} |" in text
         assert "Over the full headline" not in text  # no tally of descriptive cells
-    assert "(false-verdict rate" in render_report(summary)
+    assert "; false-verdict rate" in render_report(summary)
     bare = _summary([], Calibration())
     assert "no same-arm comparison" in render_report(bare)
 

@@ -28,10 +28,10 @@ from curvlab.output.cells import (
     value_cell,
     yes_no_cell,
 )
-from curvlab.studies.controls import ControlEntry, StabilityEntry
+from curvlab.studies.controls import NULL_BAND, ControlEntry, StabilityEntry
 from curvlab.studies.headline import HeadlineEntry
 from curvlab.studies.paper import POST_HOC_RULES, QUADRATIC_EXAMPLE
-from curvlab.studies.primary import Calibration, PrimaryEntry
+from curvlab.studies.primary import Calibration, PrimaryEntry, asserts_difference
 from curvlab.studies.records import LevelData
 from curvlab.studies.rerun import compare_reruns
 from curvlab.studies.robustness import RobustnessSummary
@@ -121,13 +121,21 @@ def calibration_line(c: Calibration) -> str:
             "measured here."
         )
     false = sum(t["false"] for t in c.per_test)
+    asserted = sum(asserts_difference(t["direction"], t["claim"]) for t in c.per_test)  # the table's verdicts
+    lo, hi = NULL_BAND
+    excused = (
+        f" ({asserted - false} of them a hyperparameter twin inside the null band [{lo:.2f}, {hi:.2f}]: an "
+        "approximate null, so no false verdict)"
+        if asserted > false
+        else ""
+    )
     pairs = ", ".join(f"({a}, {b})" for a, b in c.pairs) or "none"
     power = ", ".join(f"{k} {v:.0%}" for k, v in c.power.items() if v is not None) or "not estimable"
     return (
         f"A/A calibration{', a smoke test' if c.kind == 'smoke test' else ''} (two runs of one arm against "
         f"each other, through the same pipeline; seed pairs {pairs}; "
-        f"claims {', '.join(c.claims)}): {false} of {c.n_tests} tests gave a verdict asserting a difference "
-        f"(false-verdict rate {c.false_verdict_rate:.0%}). Power to flag a same-arm bias, by simulation on "
+        f"claims {', '.join(c.claims)}): {asserted} of {c.n_tests} tests gave a verdict asserting a difference"
+        f"{excused}; false-verdict rate {c.false_verdict_rate:.0%}. Power to flag a same-arm bias, by simulation on "
         f"these tests' own spreads: {power}."
     )
 
@@ -137,15 +145,17 @@ def calibration_table(c: Calibration) -> list[str]:
     if not c.per_test:
         return []
     lines = [
-        "| A/A test | claim | seeds | estimate [95% CI] | p (t) | exact p (the verdict's side) | verdict |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| A/A test | claim | seeds | estimate [95% CI] | p (t) | exact p (the verdict's side) | verdict | false |",
+        "|---|---|---:|---:|---:|---:|---|---|",
     ]
     for t in c.per_test:
         exact = "—" if t.get("p_exact_verdict") is None else f"{t['p_exact_verdict']:.3g}"
         p = "—" if t.get("p_holm") is None else f"{t['p_holm']:.2g}"
+        excused = asserts_difference(t["direction"], t["claim"]) and not t["false"]
+        false = "yes" if t["false"] else "no: inside the null band" if excused else "no"
         lines.append(
             f"| {t['comparison']} | {t['claim']} | {t['n_seeds']} | {fmt(t.get('value'))}{interval_text(t.get('ci95'))}"
-            f" | {p} | {exact} | {t['direction']} |"
+            f" | {p} | {exact} | {t['direction']} | {false} |"
         )
     return lines
 

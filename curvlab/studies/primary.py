@@ -331,6 +331,20 @@ def _false(direction: str, claim: PrimaryClaim) -> bool:
     return False
 
 
+def asserts_difference(direction: str, claim: str) -> bool:
+    """Whether an A/A verdict ``direction`` on the primary claim named ``claim`` asserts a difference between
+    two runs of one arm (as :func:`calibration` counts it, before a hyperparameter twin's null band).
+
+    Args:
+        direction: the verdict (supported, contradicted, inconclusive, ...).
+        claim: a :data:`curvlab.studies.paper.PRIMARY` name.
+
+    Returns:
+        True for any verdict on a greater/less claim and "contradicted" on an about-equal one.
+    """
+    return _false(direction, next(c for c in PRIMARY if c.name == claim))
+
+
 def _aa_test(
     comparison: str, claim: PrimaryClaim, e: PrimaryEntry, values, n_family: int, sims: int, false: bool
 ) -> dict:
