@@ -52,7 +52,7 @@ def upgrade(results: Path) -> Summary:
     note = NOTE if version == 2 else REDERIVED
     raw.update(
         schema_version=SUMMARY_SCHEMA_VERSION,
-        primary=[e.to_dict() for e in primary_family(levels, judged=preset.primary)],
+        primary=[e.to_dict() for e in primary_family(levels, judged=preset.inference.primary)],
         calibration=calibration(levels.comparisons, data=levels if with_controls else None, pairs=pairs).to_dict(),
         controls=[c.to_dict() for c in controls(levels)] if with_controls else [],
         edge_of_stability=[e.to_dict() for e in stability(levels)] if with_controls else [],

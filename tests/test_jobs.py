@@ -230,3 +230,41 @@ def test_directories_made_before_presets_became_records_continue(tmp_path):
     changed = Reproduction(PRESETS["quick"].changed(check_points=5), tmp_path / "quick", progress=False)
     with pytest.raises(CurvlabError, match="of another configuration"):
         changed._check_config()
+
+
+def test_a_preset_changes_by_flat_names_and_the_fineweb_run_only_when_asked(tmp_path):
+    """``changed`` routes flat names to their records (a flat round trip keeps every value), ``fineweb``
+    is a flag or the run itself, and a FineWeb setting on a design without the run is refused rather than
+    turning it on (a review found both: ``quick.changed(fineweb_steps=10)`` had started a FineWeb run)."""
+    from curvlab.studies.design import FinewebRun
+
+    quick, paper = PRESETS["quick"], PRESETS["paper"]
+    for preset in (quick, paper):
+        again = preset.changed(**preset.flat())
+        assert again.flat() == preset.flat() and again.fineweb == preset.fineweb
+    assert quick.changed(steps=40, keep="all").training.steps == 40
+    assert quick.changed(keep="all").measurement.keep == "all"
+    assert quick.changed(fineweb=FinewebRun(steps=10)).fineweb == FinewebRun(steps=10)
+    assert quick.changed(fineweb=True, fineweb_steps=10).fineweb.steps == 10
+    assert paper.changed(fineweb_steps=10).fineweb.steps == 10 and paper.changed(fineweb=False).fineweb is None
+    for bad in ({"fineweb_steps": 10}, {"fineweb": False, "fineweb_steps": 10}):
+        with pytest.raises(CurvlabError, match="fineweb_steps set a FineWeb run: pass fineweb=True too"):
+            quick.changed(**bad)
+    with pytest.raises(CurvlabError, match="a preset has no field 'step'"):
+        quick.changed(step=40)
+
+
+def test_a_summary_saved_by_itself_is_strict_json(tmp_path):
+    """``summary.json`` is read by other programs: ``Summary.save`` writes NaN as null, as the job does,
+    and the file loads back."""
+    from pathlib import Path
+
+    from curvlab.studies.summary import Summary
+
+    root = Path(__file__).parent.parent
+    summary = Summary.load(root / "docs" / "results" / "quick" / "summary.json")
+    summary.seconds = float("nan")
+    summary.save(tmp_path / "summary.json")
+    text = (tmp_path / "summary.json").read_text()
+    assert "NaN" not in text and json.loads(text)["seconds"] is None
+    assert Summary.load(tmp_path / "summary.json").preset == "quick"

@@ -240,11 +240,13 @@ class Preset:
             if part is None and key not in {f.name for f in fields(Preset)} - set(PARTS):
                 raise CurvlabError(f"a preset has no field {key!r}")
             (records[part] if part else top)[_FIELD_OF.get(key, key)] = value
-        if "fineweb" in top:  # flat, a flag: the run with its settings, or none
+        if "fineweb" in top and not isinstance(top["fineweb"], FinewebRun):  # flat, a flag: the run, or none
             top["fineweb"] = (self.fineweb or FinewebRun()) if top["fineweb"] else None
-        fineweb = records.pop("fineweb")
-        if fineweb:
-            top["fineweb"] = replace(top.get("fineweb", self.fineweb) or FinewebRun(), **fineweb)
+        run, fineweb = top.get("fineweb", self.fineweb), records.pop("fineweb")
+        if run is not None:
+            top["fineweb"] = replace(run, **fineweb)
+        elif replace(FinewebRun(), **fineweb) != FinewebRun():  # (a flat round trip passes the defaults)
+            raise CurvlabError(f"{', '.join(_FLAT_OF[k] for k in fineweb)} set a FineWeb run: pass fineweb=True too")
         parts = {p: replace(getattr(self, p), **v) for p, v in records.items() if v}
         return replace(self, **parts, **top)
 
@@ -325,6 +327,7 @@ class Preset:
 _RECORDS = {part: type(getattr(Preset(""), part)) for part in PARTS} | {"fineweb": FinewebRun}
 _PART_OF = {flat: part for part, record in _RECORDS.items() for flat in record().flat()}
 _FIELD_OF = {flat: name for record in _RECORDS.values() for name, flat in record.FLAT.items()}
+_FLAT_OF = {name: flat for flat, name in _FIELD_OF.items() if flat.startswith("fineweb_")}
 
 
 def train_config(preset: Preset, data: str, out: str, arm: str, seed: int, **changes: Any) -> TrainConfig:

@@ -33,9 +33,13 @@ class JsonFile(Record):
     refuses an edited or damaged file, or one of another schema version."""
 
     __slots__ = ()
+    STRICT: ClassVar[bool] = False  # a file other programs read: strict JSON, NaN as null (schema.save)
 
     def save(self, path: str | Path, indent: int | None = 1) -> None:
-        """Write the JSON (``NaN`` kept, as per-level values need it), sealed, atomically."""
+        """Write the JSON (``NaN`` kept, as per-level values need it, unless ``STRICT``), sealed, atomically."""
+        if self.STRICT:
+            schema.save(path, self)
+            return
         atomic_write_text(path, json.dumps(schema.sealed(self.to_dict(), strict=False), indent=indent))
 
     @classmethod

@@ -64,6 +64,8 @@ class RobustnessSummary(JsonFile):
     order, with what the design was (``base``: the preset it varies; ``seeds``: each setting's measurement
     seeds) and how long it took."""
 
+    STRICT: ClassVar[bool] = True
+
     preset: str
     base: str
     seeds: list[int]

@@ -51,6 +51,7 @@ class FinewebRecord(Record):
 class Summary(JsonFile):
     """``summary.json``: the headline, the Taylor check, tuning, caveats, timings and figures."""
 
+    STRICT: ClassVar[bool] = True
     preset: str
     headline: list[HeadlineEntry]
     zipf: list[ZipfPoint]  # normalized NDS per (optimizer, s), for the figure and the report
