@@ -189,3 +189,22 @@ def test_the_a_a_sentence_counts_the_rows_its_table_prints(name):
     assert f"{len(asserted)} of {len(rows)} tests gave a verdict asserting a difference" in line
     assert f"false-verdict rate {len(false) / len(rows):.0%}" in line
     assert (f"({len(asserted) - len(false)} of them a hyperparameter twin" in line) == (len(asserted) > len(false))
+
+
+@pytest.mark.parametrize("name", ["quick", "standard"])
+def test_the_injected_directions_are_labelled_instrument_checks_and_counted_apart(name):
+    """The injected sharp directions are exact by construction: they check the HVP and the eigenvector, not
+    the estimator's coverage. The controls table labels their rows, and its sentence counts them apart."""
+    from curvlab.output.text import controls_table
+
+    controls = Summary.load(RESULTS / name / "summary.json").controls
+    injected = [e for e in controls if e.name.startswith("injected_sharp")]
+    others = [e for e in controls if not e.name.startswith("injected_sharp")]
+    assert len(injected) == 6 and others
+    lines = controls_table(controls)
+    rows = [line for line in lines if line.startswith("| injected_sharp")]
+    assert len(rows) == len(injected) and all("(instrument check) |" in r for r in rows)
+    assert not any("instrument" in line for line in lines if line.startswith("| ") and line not in rows)
+    sentence = lines[-2]
+    assert sentence.startswith(f"{sum(e.passed is True for e in others)} of {len(others)} controls passed. ")
+    assert f"{sum(e.passed is True for e in injected)} of {len(injected)} instrument checks held" in sentence
