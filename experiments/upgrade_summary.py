@@ -20,6 +20,8 @@ from pathlib import Path
 from curvlab.errors import CurvlabError
 from curvlab.jobs.presets import PRESETS
 from curvlab.studies.controls import controls, stability
+from curvlab.studies.mechanism import paired_parts
+from curvlab.studies.paper import PRIMARY
 from curvlab.studies.primary import calibration, primary_family
 from curvlab.studies.records import LevelData
 from curvlab.studies.summary import SUMMARY_SCHEMA_VERSION, Summary
@@ -36,6 +38,20 @@ REDERIVED = (
     "The primary family, the A/A calibration, the controls and the edge-of-stability context re-derived from "
     "levels.json by experiments/upgrade_summary.py, by the code of the commit that holds this file."
 )
+# direction efficiency was registered (docs/science.md section 12) after these runs were made, and its values in
+# them were read then: it is shown in them, descriptive, never judged
+AFTER_THE_RUN = "direction_efficiency_ratio"
+DESCRIPTIVE_HERE = (
+    "direction_efficiency_ratio is descriptive here, and so are the controls judged by an equivalence band: their "
+    "rules were registered after this run was made and read (docs/science.md sections 12 and 14); the "
+    "regenerated runs judge them."
+)
+
+
+def judged_then(preset) -> tuple[str, ...]:
+    """The claims a committed run judges when re-derived: its design's, without those registered after it."""
+    names = preset.inference.primary or tuple(c.name for c in PRIMARY)
+    return tuple(n for n in names if n != AFTER_THE_RUN)
 
 
 def upgrade(results: Path) -> Summary:
@@ -52,12 +68,15 @@ def upgrade(results: Path) -> Summary:
     note = NOTE if version == 2 else REDERIVED
     raw.update(
         schema_version=SUMMARY_SCHEMA_VERSION,
-        primary=[e.to_dict() for e in primary_family(levels, judged=preset.inference.primary)],
+        primary=[e.to_dict() for e in primary_family(levels, judged=judged_then(preset))],
         calibration=calibration(levels.comparisons, data=levels if with_controls else None, pairs=pairs).to_dict(),
-        controls=[c.to_dict() for c in controls(levels)] if with_controls else [],
+        controls=[c.to_dict() for c in controls(levels, registered=False)] if with_controls else [],
         edge_of_stability=[e.to_dict() for e in stability(levels)] if with_controls else [],
-        notes=[*(n for n in raw["notes"] if n != REDERIVED), note],
+        paired_parts={k: t.to_dict() for k, t in paired_parts(levels).items()},
+        notes=[*(n for n in raw["notes"] if n not in (REDERIVED, DESCRIPTIVE_HERE)), note, DESCRIPTIVE_HERE],
     )
+    for e in raw["primary"]:  # (its rule was registered after this run was read)
+        e["rule_set"] = "after" if e["name"] == AFTER_THE_RUN else e["rule_set"]
     summary = Summary.from_dict(raw)
     schema.save(results / "summary.json", summary)
     return summary

@@ -1,5 +1,6 @@
 """The micro reproduction's ``summary.json`` and ``levels.json`` as a committed fixture, to show that a
-change of structure changes no number (issue 49, item 6): ``python -m tests.micro_fixture`` writes them
+change of structure changes no number (issue 49, item 6; made again when a change of design moves numbers
+on purpose, as issue 50's controls, factorial and Lanczos rule did): ``python -m tests.micro_fixture`` writes them
 (gzipped, as made), with the machine they were made on, to ``tests/data/micro/``; the suite's micro run
 (:func:`run_micro`, under the same conditions) is compared with them by :func:`normalized`.
 

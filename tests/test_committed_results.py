@@ -15,6 +15,7 @@ from curvlab.output.notes import final_loss_note
 from curvlab.output.text import readme_markers, render_readme_results, render_readme_teaser, rerun_agreement
 from curvlab.studies.controls import controls, stability
 from curvlab.studies.headline import headline
+from curvlab.studies.paper import PRIMARY
 from curvlab.studies.primary import calibration, primary_family
 from curvlab.studies.records import LevelData
 from curvlab.studies.summary import Summary
@@ -28,6 +29,21 @@ STANDARD_NOTE = (
     "roughly 70-80 minutes. This is the current design: 8 seeds, A/A on disjoint seed pairs, the controls of "
     "docs/science.md section 14 and the edge-of-stability context."
 )
+# what the code derives that the committed runs predate (issue 50: the direction efficiency, registered before
+# the runs that will judge it, and the optimal step beside it): absent from a committed summary until its run is
+# regenerated, and compared like every other entry once it is there
+ADDED_SINCE = frozenset(
+    {"direction_efficiency_ratio", "direction_efficiency_ratio_all_points", "optimal_realized_ratio"}
+    | {f"optimal_realized_over_predicted_{arm}" for arm in ("adamw", "muon")}
+)
+
+
+def _as_committed(entries: list, committed: list) -> list:
+    """``entries`` without those the committed summary predates (:data:`ADDED_SINCE`, where it lacks them)."""
+    names = {e.name for e in committed}
+    return [e for e in entries if e.name in names or e.name not in ADDED_SINCE]
+
+
 # preset, its page, the rerun the README sets beside it, its note
 SECTIONS = (
     ("quick", "docs/results.md", "quick-1thread", ""),
@@ -63,7 +79,10 @@ def test_the_readme_and_the_page_are_generated_from_the_committed_summary(preset
 def test_the_committed_primary_family_follows_from_the_committed_levels(name):
     summary = Summary.load(RESULTS / name / "summary.json")
     levels = LevelData.load(RESULTS / name / "levels.json")
-    again = primary_family(levels, judged=PRESETS[summary.preset].inference.primary)
+    # the committed runs predate direction efficiency's rule: descriptive in them (experiments/upgrade_summary.py)
+    judged = PRESETS[summary.preset].inference.primary or tuple(c.name for c in PRIMARY)
+    judged = tuple(n for n in judged if n != "direction_efficiency_ratio")
+    again = _as_committed(primary_family(levels, judged=judged), summary.primary)
     assert [e.name for e in again] == [e.name for e in summary.primary]
     for e, committed in zip(again, summary.primary):
         assert e.direction == committed.direction and e.n_seeds == committed.n_seeds, e.name
@@ -89,6 +108,7 @@ def test_the_committed_headline_follows_from_the_committed_levels(name):
     """Every descriptive entry and Zipf point, re-derived from levels.json by the code as it is now."""
     summary = Summary.load(RESULTS / name / "summary.json")
     entries, zipf = headline(LevelData.load(RESULTS / name / "levels.json"))
+    entries = _as_committed(entries, summary.headline)
     assert [(e.name, e.scope) for e in entries] == [(e.name, e.scope) for e in summary.headline]
     for e, committed in zip(entries, summary.headline):
         assert (e.n_seeds, e.n_levels, e.quantity) == (committed.n_seeds, committed.n_levels, committed.quantity)
@@ -145,9 +165,10 @@ def test_the_committed_controls_and_calibration_follow_from_the_committed_levels
     pairs = [tuple(p) for p in summary.calibration.pairs]
     again = calibration(levels.comparisons, data=levels if summary.controls else None, pairs=pairs)
     assert json.dumps(again.to_dict()) == json.dumps(summary.calibration.to_dict())
-    assert json.dumps([c.to_dict() for c in controls(levels)] if summary.controls else []) == json.dumps(
-        [c.to_dict() for c in summary.controls]
-    )
+    # a run made before issue 50 registered the equivalence bands has them descriptive (experiments/upgrade_summary.py)
+    registered = not any(c.band is not None and c.descriptive for c in summary.controls)
+    again_controls = [c.to_dict() for c in controls(levels, registered)] if summary.controls else []
+    assert json.dumps(again_controls) == json.dumps([c.to_dict() for c in summary.controls])
     assert json.dumps([e.to_dict() for e in stability(levels)] if summary.controls else []) == json.dumps(
         [e.to_dict() for e in summary.edge_of_stability]
     )
@@ -163,7 +184,8 @@ def test_the_committed_robustness_rows_follow_from_its_levels():
     levels = RobustnessLevels.load(RESULTS / "robustness" / "levels.json")
     assert [x.setting for x in summary.settings] == list(levels.settings)
     for x in summary.settings:
-        assert setting_result(x.setting, x.label, levels.settings[x.setting], x.lr) == x, x.setting
+        again = setting_result(x.setting, x.label, levels.settings[x.setting], x.lr, x.registered)
+        assert again == x, x.setting
     reference = paired_reference(Summary.load(RESULTS / "quick" / "summary.json"))
     page = (ROOT / "docs" / "results-robustness.md").read_text()
     assert render_robustness(summary, "results/robustness/figures", reference) in page
@@ -206,5 +228,7 @@ def test_the_injected_directions_are_labelled_instrument_checks_and_counted_apar
     assert len(rows) == len(injected) and all("(instrument check) |" in r for r in rows)
     assert not any("instrument" in line for line in lines if line.startswith("| ") and line not in rows)
     sentence = lines[-2]
-    assert sentence.startswith(f"{sum(e.passed is True for e in others)} of {len(others)} controls passed. ")
+    judged = [e for e in others if e.passed is not None]
+    unjudged = f" ({len(others) - len(judged)} descriptive or not measured)" if len(judged) < len(others) else ""
+    assert sentence.startswith(f"{sum(e.passed is True for e in judged)} of {len(judged)} controls passed{unjudged}. ")
     assert f"{sum(e.passed is True for e in injected)} of {len(injected)} instrument checks held" in sentence

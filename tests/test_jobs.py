@@ -212,7 +212,8 @@ def test_directories_made_before_presets_became_records_continue(tmp_path):
     """Presets became records grouped by concept (issue 49); a job's saved config keeps the flat form, so
     a directory an earlier curvlab made continues. The fixture holds the configs the code before the
     change wrote (``tests/data/micro/configs_v2.json``, made at 03a10c4) for micro, quick, standard and the
-    robustness design; each is accepted by the guard as this curvlab's, and one changed field is not."""
+    robustness design; each is accepted by the guard as this curvlab's once issue 50's design changes are
+    made to it (and refused before), and one changed field is not."""
     from curvlab.jobs.presets import ROBUSTNESS_PRESETS
     from curvlab.jobs.robustness import Robustness
     from tests.micro_fixture import FIXTURE
@@ -221,15 +222,30 @@ def test_directories_made_before_presets_became_records_continue(tmp_path):
     jobs = {n: Reproduction(PRESETS[n], tmp_path / n, progress=False) for n in ("micro", "quick", "standard")}
     jobs["robustness"] = Robustness(ROBUSTNESS_PRESETS["robustness"], tmp_path / "robustness", progress=False)
     assert set(jobs) == set(before)
+
+    def since_issue_50(config):
+        """The design changes of issue 50: the stability context's Lanczos budget went from 20 to 40
+        iterations, and quick's design (robustness's base) judges direction efficiency too."""
+        text = json.dumps(config).replace('"stability_iterations": 20', '"stability_iterations": 40')
+        judged = '"primary": ["paired_direction_ratio", "alignment_ratio"]'
+        now = '"primary": ["paired_direction_ratio", "direction_efficiency_ratio", "alignment_ratio"]'
+        return json.loads(text.replace(judged, now))
+
     for name, job in jobs.items():
         path = tmp_path / name / job.CONFIG_FILE
         path.parent.mkdir()
         path.write_text(json.dumps({**before[name], "config_version": CONFIG_VERSION}))
-        job._check_config()  # the same configuration: no error
-        assert json.loads(path.read_text())["preset"] == before[name]["preset"]  # left as it was
-    changed = Reproduction(PRESETS["quick"].changed(check_points=5), tmp_path / "quick", progress=False)
-    with pytest.raises(CurvlabError, match="of another configuration"):
-        changed._check_config()
+        with pytest.raises(CurvlabError, match="of another configuration"):
+            job._check_config()  # a directory measured in the design before issue 50 is not continued
+        now = since_issue_50(before[name])
+        assert now != before[name]
+        path.write_text(json.dumps({**now, "config_version": CONFIG_VERSION}))
+        job._check_config()  # but for those, the same configuration (factorial, added since, off): no error
+        assert json.loads(path.read_text())["preset"] == now["preset"]  # left as it was
+    for change in ({"check_points": 5}, {"factorial": True}):  # an added field counts at its old value only
+        changed = Reproduction(PRESETS["quick"].changed(**change), tmp_path / "quick", progress=False)
+        with pytest.raises(CurvlabError, match="of another configuration"):
+            changed._check_config()
 
 
 def test_a_preset_changes_by_flat_names_and_the_fineweb_run_only_when_asked(tmp_path):

@@ -20,31 +20,20 @@ from curvlab import (
     adam_preconditioner,
     hessian_operator_at,
     lanczos,
-    make_loss_fn,
     preconditioned_sharpness,
     preconditioned_sharpness_at,
     stability_point,
 )
 from curvlab.errors import CurvlabError
-from tests.reference import MLP, dense_hessian
+from tests.reference import ADAM_BETAS, ADAM_EPS, ADAM_LR, adam_trained_mlp, dense_hessian
 
-LR, BETAS, EPS = 0.05, (0.9, 0.999), 1e-8
+LR, BETAS, EPS = ADAM_LR, ADAM_BETAS, ADAM_EPS
 STEPS = 3  # early: 1 - 0.9^3 = 0.271, so P with and without the first moment's correction differ 3.7x
 
 
 def trained_mlp(steps=STEPS, amsgrad=False, seed=0):
     """A float64 MLP after ``steps`` full-batch steps of torch's Adam, its optimizer and its problem."""
-    torch.manual_seed(seed)
-    model = MLP().double()
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(9, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (9,), generator=g)
-    opt = torch.optim.Adam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, amsgrad=amsgrad)
-    for _ in range(steps):
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return model, opt, make_loss_fn(model, criterion=F.cross_entropy), params, (x, y)
+    return adam_trained_mlp(steps, seed, amsgrad=amsgrad)
 
 
 def hand_preconditioner(model, opt, bias_correction):

@@ -37,6 +37,8 @@ def _levels(rng, n, nds, cos_adamw, cos_muon, paired=True):
                 "paired_cos_adamw_hidden": cos_adamw + rng.normal(0, 0.01),
                 "paired_cos_muon_hidden": cos_muon + rng.normal(0, 0.01),
             }
+            for arm in ("adamw", "muon"):  # q = cos² / NDS, as PairedDirections.scalars gives it
+                x[f"paired_q_{arm}_hidden"] = x[f"paired_cos_{arm}_hidden"] ** 2 / x[f"paired_nds_{arm}_hidden"]
         out.append(x)
     return out
 
@@ -85,6 +87,8 @@ def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
         "between_nds_ratio": ("hidden_nds", "hidden_nds", False),
         "paired_direction_ratio": ("paired_nds_adamw_hidden", "paired_nds_muon_hidden", True),
         "alignment_ratio": ("paired_cos_adamw_hidden", "paired_cos_muon_hidden", False),
+        # Muon over AdamW: q of Muon's direction over AdamW's (every NDS > 0 here, so every point counts)
+        "direction_efficiency_ratio": ("paired_q_muon_hidden", "paired_q_adamw_hidden", True),
     }.items():
         num, den = level_means(ka, kb, both)
         ref = scipy_stats.ttest_1samp(np.log(num / den), 0.0)
@@ -94,6 +98,7 @@ def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
         assert e[name].p == pytest.approx(ref.pvalue)
         p[name] = ref.pvalue
     assert e["between_nds_ratio"].n_units == 4 * LEVELS and e["paired_direction_ratio"].n_units == 8 * LEVELS
+    assert e["direction_efficiency_ratio"].n_units == 8 * LEVELS and e["direction_efficiency_ratio"].paper == 1.76
 
     # the Zipf gap change: per seed (a1 - m1 - a0 + m0) / m0 of trajectory means, a t interval over seeds
     def traj(arm, s):
@@ -122,7 +127,7 @@ def test_primary_entries_match_a_hand_computation_from_the_raw_levels():
     assert e["rho_within_change_gap"].ci95 == pytest.approx(list(ref.confidence_interval(0.95)))
     p["rho_within_change_gap"] = ref.pvalue
 
-    # Holm over the five tests, by hand
+    # Holm over the six tests, by hand
     names = [c.name for c in PRIMARY]
     order = sorted(names, key=lambda n: p[n])
     running = 0.0
@@ -648,3 +653,42 @@ def test_the_exact_test_takes_the_side_of_the_ratio_when_denominators_are_negati
     contrast = [-(a - b) for a, b in zip(num, den)]  # (a - b) < 0 is the ratio above 1
     assert ex.p == pytest.approx(_hand_sign_flip(contrast, 0.0, "greater")) and ex.p < 0.1
     assert _hand_sign_flip([a - b for a, b in zip(num, den)], 0.0, "greater") > 0.9  # the unflipped side
+
+
+def test_the_trajectory_claims_a_a_puts_two_seeds_of_one_arm_in_the_arms_places():
+    """The Zipf gap and rho_within claims' A/A (issue 50): per arm and A/A pair (a, b), seed a's trajectories in
+    AdamW's place and seed b's in Muon's, through the claim's own data rule: a gap change of exactly what the
+    two seeds' trajectories give, and a false verdict where one seed of each pair differs."""
+    from curvlab.studies.primary import same_arm_tracks
+    from curvlab.studies.seed_values import claim_inputs
+
+    def data(bias: float):
+        tracks = []
+        for seed in range(8):
+            for s in (0.0, 1.0):
+                for arm in ("adamw", "muon"):
+                    level = 1.0 + 0.01 * seed + (bias if seed % 2 and s == 1.0 else 0.0)
+                    rng = np.random.default_rng(seed * 10 + int(s))
+                    nds = level * np.exp(rng.normal(0, 0.05, 6))
+                    tracks.append(track(arm, s, seed, nds, within=0.5 * nds * np.linspace(1, 1.05 + bias, 6)))
+        return level_data([], tracks)
+
+    pairs = [(0, 1), (2, 3), (4, 5), (6, 7)]
+    relabelled = same_arm_tracks(data(0.0), "muon", pairs)
+    assert {(t.arm, t.seed) for t in relabelled.tracks} == {(a, k) for a in ("adamw", "muon") for k in range(4)}
+    zipf = next(c for c in PRIMARY if c.name == "zipf_gap_change")
+    values = claim_inputs(zipf, relabelled, [])
+    by = {
+        (t.arm, t.s, t.seed): float(np.mean([r.value("hidden_nds") for r in t.after_warmup()]))
+        for t in data(0.0).tracks
+    }
+    a, b = 2, 3  # pair 1: seed 2 as AdamW, seed 3 as Muon
+    hand = (by[("muon", 1.0, a)] - by[("muon", 1.0, b)] - by[("muon", 0.0, a)] + by[("muon", 0.0, b)]) / by[
+        ("muon", 0.0, b)
+    ]
+    assert values.numerator[1] == pytest.approx(hand, rel=1e-12)
+    biased = calibration([], data=data(2.0), pairs=pairs)
+    rows = [t for t in biased.per_test if t["claim"] in ("zipf_gap_change", "rho_within_change_gap")]
+    assert {t["comparison"] for t in rows} == {"adamw/adamw trajectories", "muon/muon trajectories"}
+    assert any(t["false"] for t in rows if t["claim"] == "zipf_gap_change")  # odd seeds sharper at s = 1: flagged
+    assert {"zipf_gap_change", "rho_within_change_gap"} <= set(biased.claims)

@@ -389,7 +389,8 @@ def test_stability_point_of_an_adam_state_against_dense_references():
     assert point.arm == "adam" and point.lr == 0.004 and point.bias_correction is True
     assert point.lambda_max == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-9)
     assert point.preconditioned_sharpness == pytest.approx(dense, rel=1e-8)
-    assert point.edge_of_stability == pytest.approx(38 / 0.004, rel=1e-14)
+    # torch's AdamW decouples its default weight decay 0.01: the threshold is 38/η - 19γ (stability_point's docstring)
+    assert point.weight_decay == 0.01 and point.edge_of_stability == pytest.approx(38 / 0.004 - 19 * 0.01, rel=1e-14)
     # a float32 point, cut short: its eigenvector is unit to float32 rounding all the same (the closed form
     # of the injected direction assumes ||v1|| = 1)
     short = stability_point(loss_fn, params, batch, model, opt, max_iter=4, tol=1e-3, dtype=torch.float32)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from curvlab.errors import CurvlabError
 from curvlab.inference import statistics
 from tests.synthetic import ar1
 
@@ -336,3 +337,24 @@ def test_trajectory_means_leave_out_the_unigram_plateau():
     assert [r.step for r in t.after_warmup()] == [20, 30, 40, 50]
     t = TrackRecord("muon", 0.0, 0, 60, 25, [CheckpointScalars.from_dict({**r, "on_plateau": False}) for r in rows])
     assert [r.step for r in t.after_warmup()] == [30, 40, 50]
+
+
+def test_the_equivalence_test_is_tost_on_log_ratios_by_hand():
+    """TOST against a hand computation with scipy.stats.t, its duality with the 90% interval, and its limits."""
+    st, equivalence_test = scipy_stats, statistics.equivalence_test
+    band = (0.9, 1 / 0.9)
+    for ratios in ([1.01, 0.98, 1.03, 0.99, 1.02], [1.05, 1.12, 0.97, 1.08], [1.2, 1.25, 1.18]):
+        x = np.log(ratios)
+        n, m, se = x.size, x.mean(), x.std(ddof=1) / np.sqrt(x.size)
+        p_low = 1 - st.t.cdf((m - np.log(band[0])) / se, n - 1)
+        p_high = 1 - st.t.cdf((np.log(band[1]) - m) / se, n - 1)
+        test = equivalence_test(ratios, band)
+        assert test.p == pytest.approx(max(p_low, p_high), rel=1e-10)
+        lo, hi = np.exp(m + np.array([-1, 1]) * st.t.ppf(0.95, n - 1) * se)  # the 90% interval
+        assert test.passed == bool(band[0] < lo and hi < band[1])
+    assert equivalence_test([1.01, 0.99, 1.0, 1.02, 0.98], band).passed is True
+    assert equivalence_test([1.2, 1.25, 1.18], band).passed is False  # outside the band: fails
+    assert equivalence_test([0.5, 2.0, 1.0], band).passed is False  # too wide to show anything: fails
+    assert equivalence_test([1.0], band).passed is None and equivalence_test([1.0, -1.0], band).p is None
+    with pytest.raises(CurvlabError, match="band"):
+        equivalence_test([1.0, 1.0], (1.1, 1.2))

@@ -14,6 +14,11 @@ parameters, ``"hidden"`` matrices only), a :class:`~curvlab.curvature.scope.Dire
 where q is free of the lr: along Z the best one-step decrease of the quadratic model,
 :math:`\max_\eta\, \eta\langle G, Z\rangle - \tfrac{\eta^2}{2}\langle Z, HZ\rangle = \tfrac{q}{2}\|G\|^2`
 (for NDS > 0; NDS <= 0 gives q <= 0: the model has no minimum along Z, and the value is kept, not dropped).
+On the hidden matrices each direction also takes the model's optimal step, :math:`\eta^* = \langle G_h, Z_h\rangle
+/ \langle Z_h, H Z_h\rangle` (for :math:`\langle Z_h, HZ_h\rangle > 0`), which the loss is evaluated at: the
+predicted optimal decrease :math:`\tfrac{q}{2}\|G_h\|^2` beside the realized one, :math:`L(W) - L(W - \eta^* Z_h)`
+on the point's batch (:class:`PairedCurvature`; one forward per direction, no HVP): is the advantage q predicts
+realized?
 
 **The directions** (:data:`DIRECTIONS`) differ on the hidden matrices only; on every other parameter
 (embeddings, head, norms, biases) each of them is the run's own next step, so that scope ``"all"`` asks
@@ -56,8 +61,8 @@ these runs: ``sgd`` and ``sign`` are scaled to the Frobenius norm of the real st
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from math import nan
+from dataclasses import dataclass, replace
+from math import inf, isnan, nan
 from typing import Any, ClassVar
 
 import torch
@@ -76,12 +81,30 @@ DIRECTIONS = ("adamw", "muon", "sgd", "sign")
 PAIRED = ("adamw", "muon")  # the two arms, paired at every checkpoint that carries a shadow
 # what a paired direction's JSON keeps of each scope's record (see PairedDirection.to_dict)
 DIRECTION_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm", "grad_norm", "cosine", "q")
+DIRECTION_KEYS += ("optimal_predicted", "optimal_realized")  # (the hidden scope's; null on "all", absent before)
 BASES = {"adam": "adamw", "muon": "muon"}  # the optimizer state on the hidden matrices -> its real direction
 PAIRED_SCHEMA_VERSION = 1
+NOT_FINITE = "the loss is not finite"  # (curvlab.engine.checks.finite_loss's error)
 APPROXIMATE_MUON = (
     "approximation: msign of Adam's first moment m (an EMA with beta1, no Nesterov) stands in for Muon's "
     "momentum, at the Muon arm's lr and shape scale"
 )
+
+
+@dataclass(frozen=True)
+class PairedCurvature(DirectionCurvature):
+    r"""A direction's curvature over one scope at the point, with the quadratic model's optimal step along it
+    (module docstring), measured on the hidden scope only: NaN on ``"all"``, where
+    :math:`\langle Z_h, HZ_h\rangle \le 0` (no optimum), and in reports made before it was measured.
+
+    Attributes:
+        optimal_predicted: :math:`\tfrac12\|G_h\|^2 q = \tfrac12 \langle G_h, Z_h\rangle^2 / \langle Z_h, H Z_h\rangle`,
+            the model's decrease at :math:`\eta^*`.
+        optimal_realized: :math:`L(W) - L(W - \eta^* Z_h)` on the point's batch.
+    """
+
+    optimal_predicted: float = nan
+    optimal_realized: float = nan
 
 
 @dataclass(frozen=True)
@@ -98,7 +121,7 @@ class PairedDirection:
     source: str
     scaling: str
     all: DirectionCurvature
-    hidden: DirectionCurvature
+    hidden: DirectionCurvature  # (a PairedCurvature: with the optimal step)
 
     def scope(self, scope: str) -> DirectionCurvature:
         if scope not in SCOPES:
@@ -106,13 +129,14 @@ class PairedDirection:
         return self.all if scope == "all" else self.hidden
 
     # by hand: each scope's object is a view of its DirectionCurvature, DIRECTION_KEYS: no realized or
-    # predicted decrease (nothing is stepped here: read back as NaN and I1 - I2) but the derived q
+    # predicted decrease of the step itself (it is not taken here: read back as NaN and I1 - I2) but the derived
+    # q and the optimal step's decreases (NaN where not measured)
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "source": self.source,
             "scaling": self.scaling,
-            **{s: {k: getattr(self.scope(s), k) for k in DIRECTION_KEYS} for s in SCOPES},
+            **{s: {k: getattr(self.scope(s), k, nan) for k in DIRECTION_KEYS} for s in SCOPES},
         }
 
     @classmethod
@@ -120,11 +144,13 @@ class PairedDirection:
         return cls(d["name"], d["source"], d["scaling"], *(_unstepped(d[s]) for s in SCOPES))
 
 
-def _unstepped(d: Mapping[str, Any]) -> DirectionCurvature:
-    """A paired direction's scope (DIRECTION_KEYS; ``q`` is derived, not read; null reads as NaN)."""
+def _unstepped(d: Mapping[str, Any]) -> PairedCurvature:
+    """A paired direction's scope (DIRECTION_KEYS; ``q`` is derived, not read; null reads as NaN, and so do the
+    optimal step's keys where a report made before they were measured lacks them)."""
     first_order, penalty = _float(d["first_order"]), _float(d["curvature_penalty"])
     rest = {k: _float(d[k]) for k in ("nds", "update_norm", "grad_norm", "cosine")}
-    return DirectionCurvature(
+    rest |= {k: _float(d.get(k)) for k in ("optimal_predicted", "optimal_realized")}
+    return PairedCurvature(
         first_order=first_order, curvature_penalty=penalty, predicted=first_order - penalty, realized=nan, **rest
     )
 
@@ -169,14 +195,23 @@ class PairedDirections(Record):
 
     def scalars(self) -> dict[str, float]:
         """``paired_{nds,cos,q}_{direction}_{scope}`` for every direction and scope (the keys of
-        :class:`curvlab.curvature.scalars.CheckpointScalars`), plus ``paired_norm_...``."""
+        :class:`curvlab.curvature.scalars.CheckpointScalars`), plus ``paired_norm_...``, and on the hidden scope
+        the optimal step's decreases, ``paired_optpred_{direction}_hidden`` and ``paired_optreal_...``
+        (:class:`PairedCurvature`), only where measured: a direction without a quadratic optimum (NDS <= 0), or
+        a report from before they were, has neither (no NaN in a window's mean)."""
         keys = {"nds": "nds", "cos": "cosine", "q": "q", "norm": "update_norm"}
-        return {
+        out = {
             f"paired_{key}_{d.name}_{scope}": getattr(d.scope(scope), attribute)
             for d in self.directions
             for scope in SCOPES
             for key, attribute in keys.items()
         }
+        optimal = {"optpred": "optimal_predicted", "optreal": "optimal_realized"}
+        for d in self.directions:
+            values = {key: getattr(d.hidden, attribute, nan) for key, attribute in optimal.items()}
+            if not any(isnan(v) for v in values.values()):
+                out |= {f"paired_{key}_{d.name}_hidden": v for key, v in values.items()}
+        return out
 
 
 # -- the directions from an optimizer's state ---------------------------------------------------
@@ -339,12 +374,13 @@ def _other_arm(name, base, first, W, G, shapes, multiplier, shadow):
 
 
 def measure_directions(
-    point: CurvaturePoint, directions: Sequence[Direction], hidden: Sequence[str]
+    point: CurvaturePoint, directions: Sequence[Direction], hidden: Sequence[str], *, optimal: bool = False
 ) -> tuple[PairedDirection, ...]:
     r"""Every direction over both scopes at one point: each direction's curvature whole and restricted to
     ``hidden`` from the interactions of its two parts (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`:
     two second backwards, the hidden matrices' on every parameter, then the rest's on the rest alone), and
-    its first-order sums over both scopes from one float64 table.
+    its first-order sums over both scopes from one float64 table. With ``optimal``, each direction's optimal
+    step on the hidden scope too (:func:`_optimal_step`: one forward each, on the point's batch).
 
     Raises:
         CurvlabError: a direction that doesn't match the point's parameters, is non-finite, or is zero
@@ -379,11 +415,36 @@ def measure_directions(
             param_dicts.dot_table([(g, full), (full, full)], names), names, [names, hidden]
         ).tolist()
         scopes = [
-            DirectionCurvature.of(gz, float(zhz), zz, gg_scope)
+            PairedCurvature.of(gz, float(zhz), zz, gg_scope)
             for (gz, zz), zhz, gg_scope in zip(sums, (R.sum(), R[0, 0]), gg)
         ]
+        if optimal:
+            scopes[1] = _optimal_step(point, scopes[1], {n: full[n] for n in hidden})
         out.append(PairedDirection(d.name, d.source, d.scaling, *scopes))
     return tuple(out)
+
+
+def _optimal_step(point: CurvaturePoint, hidden: PairedCurvature, z: Mapping[str, Tensor]) -> PairedCurvature:
+    r"""``hidden`` (Z's record on the hidden matrices, ``z`` there) with the quadratic model's optimal step:
+    :math:`\eta^* = \langle G_h, Z_h\rangle / \langle Z_h, HZ_h\rangle`, the predicted decrease
+    :math:`\eta^*\langle G_h, Z_h\rangle - \tfrac{\eta^{*2}}{2}\langle Z_h, HZ_h\rangle = \tfrac12 \|G_h\|^2 q`, and
+    the realized one, :math:`L(W) - L(W - \eta^* Z_h)` on the point's batches, as the Taylor split evaluates
+    its own (:meth:`~curvlab.engine.hvp.CurvaturePoint.loss_at`). Left NaN where
+    :math:`\langle Z_h, HZ_h\rangle \le 0`: the model has no optimum along Z, and no forward is spent. Where the
+    loss at :math:`W - \eta^* Z_h` is not finite (a tiny positive curvature, a huge step), the realized decrease
+    is -inf rather than a failed analysis."""
+    gz, zhz = hidden.first_order, 2.0 * hidden.curvature_penalty
+    if not zhz > 0:
+        return hidden
+    eta = gz / zhz
+    stepped = {n: w - eta * z[n] if n in z else w for n, w in point.params.items()}
+    try:
+        realized = point.loss - point.loss_at(stepped)
+    except CurvlabError as e:
+        if NOT_FINITE not in str(e):
+            raise
+        realized = -inf
+    return replace(hidden, optimal_predicted=0.5 * gz * gz / zhz, optimal_realized=realized)
 
 
 def measured_directions(
@@ -398,18 +459,26 @@ def measured_directions(
     names: Sequence[str] = PAIRED,
     shadow: ShadowState | None = None,
     controls: Mapping[str, ShadowState] | None = None,
+    extra: Sequence[Direction] = (),
     method: str = DEFAULT_METHOD,
     dtype: torch.dtype | None = None,
 ) -> tuple[PairedDirections, list[Direction]]:
-    """The directions ``names`` and one per control shadow (:func:`counterfactual_directions`) measured at
-    ``params`` on ``batch`` (:func:`measure_directions`), over all parameters and the hidden matrices: the
-    record, and the directions themselves (for measures beyond this point's H)."""
+    """The directions ``names`` and one per control shadow (:func:`counterfactual_directions`), then ``extra``
+    (directions made elsewhere: the exchangeable twins), measured at ``params`` on ``batch``
+    (:func:`measure_directions`, with the two arms' optimal steps on the hidden matrices), over all parameters
+    and the hidden matrices: the record, and the directions of ``names`` and the controls (for measures beyond
+    this point's H)."""
     base, multiplier, directions = counterfactual_directions(
         model, optimizer, G, Z, names, shadow=shadow, controls=controls
     )
     hidden = hidden_matrices({n: params[n] for n in params}, model=model)
+    every = [*directions, *extra]
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
-        measured = measure_directions(point, directions, hidden)
+        arms = measure_directions(point, [d for d in every if d.name in PAIRED], hidden, optimal=True)
+        rest = [d for d in every if d.name not in PAIRED]
+        others = measure_directions(point, rest, hidden) if rest else ()
+    by_name = {d.name: d for d in (*arms, *others)}
+    measured = tuple(by_name[d.name] for d in every)
     used = shadow is not None and any(d.source.startswith("shadow") for d in directions)
     paired = PairedDirections(
         base, BASES[base], measured, tuple(hidden), multiplier, shadow.settings.to_dict() if used else None

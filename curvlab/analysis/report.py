@@ -54,8 +54,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from curvlab.analysis.controls import PointControls, held_out_nds, stability_controls
+from curvlab.analysis.controls import PointControls, exchangeable_twins, held_out_measures, stability_controls
 from curvlab.analysis.directions import PAIRED, PairedDirections, measured_directions
+from curvlab.analysis.factorial import FactorialPoint, measure_factorial, random_sv_seed
 from curvlab.analysis.targets import (
     DTYPES,
     REPORT_SCHEMA_VERSION,
@@ -66,6 +67,7 @@ from curvlab.analysis.targets import (
     method_renamed,
     open_checkpoint,
 )
+from curvlab.curvature.groupings import hidden_matrices
 from curvlab.curvature.scalars import (
     CheckpointScalars,
     embed_head_share,
@@ -171,6 +173,7 @@ class CurvatureReport:
     paired: PairedDirections | None = None
     versions: SoftwareVersions | None = None  # what it was made with (None: a report from before they were kept)
     controls: PointControls | None = None  # the controls beyond the paired directions, where asked for
+    factorial: FactorialPoint | None = None  # the factorial of filters and maps, where asked for
     SCHEMA_VERSION: ClassVar[int] = REPORT_SCHEMA_VERSION
     MIGRATIONS: ClassVar[dict] = {3: method_renamed}  # 3 -> 4: settings.hvp_method is settings.method
     WHAT: ClassVar[str] = "report"
@@ -195,6 +198,7 @@ class CurvatureReport:
             "timing": {"seconds": self.seconds, "hvp_seconds": self.hvp_seconds},
             "versions": None if self.versions is None else self.versions.to_dict(),
             "controls": None if self.controls is None else self.controls.to_dict(),
+            "factorial": None if self.factorial is None else self.factorial.to_dict(),
         }
 
     @classmethod
@@ -224,6 +228,7 @@ class CurvatureReport:
             paired=None if d.get("paired") is None else PairedDirections.from_dict(d["paired"]),
             versions=None if d.get("versions") is None else SoftwareVersions.from_dict(d["versions"]),
             controls=None if d.get("controls") is None else PointControls.from_dict(d["controls"]),
+            factorial=None if d.get("factorial") is None else FactorialPoint.from_dict(d["factorial"]),
         )
 
     def scalars(self) -> CheckpointScalars:
@@ -248,6 +253,7 @@ class CurvatureReport:
             paired={
                 **({} if self.paired is None else self.paired.scalars()),
                 **({} if self.controls is None else self.controls.scalars()),
+                **({} if self.factorial is None else self.factorial.scalars()),
             },
         )
 
@@ -297,9 +303,11 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
     spectrum = None
     if settings.spectrum_top:
         spectrum = update_spectrum(loss_fn, params, D, Z, split.nds, settings.spectrum_top, dtype=dtype)
-    paired, controls = None, None
+    paired, controls, factorial = None, None, None
     if settings.paired and target.shadow is not None:
         paired, controls = _paired_and_controls(target, settings, loss_fn, params, D, G, Z, dtype)
+    if settings.factorial:
+        factorial = _factorial(target, settings, loss_fn, params, D, G, Z, dtype)
     hvp_seconds = time.perf_counter() - hvp_start
     return CurvatureReport(
         checkpoint=checkpoint,
@@ -316,6 +324,7 @@ def analyze(target: Target, settings: AnalysisSettings, checkpoint: str = "") ->
         paired=paired,
         versions=SoftwareVersions.current(),
         controls=controls,
+        factorial=factorial,
     )
 
 
@@ -325,21 +334,12 @@ def _paired_and_controls(target: Target, settings: AnalysisSettings, loss_fn, pa
     batched call, the held-out H, lambda_max, the preconditioned sharpness and the injected directions."""
     model, optimizer, method = target.model, target.optimizer, settings.method
     names = (*PAIRED, "sgd") if settings.controls else PAIRED
+    # the exchangeable twins (held-out control): judged under this point's H too, where they are the held-out
+    # side (made from another batch), and under the held-out batch's, with the arms' own directions
+    exchangeable = _exchangeable(target, settings, loss_fn) if settings.held_out else []
     twins = target.controls if settings.controls else None
-    paired, directions = measured_directions(
-        model,
-        optimizer,
-        loss_fn,
-        params,
-        D,
-        G,
-        Z,
-        names=names,
-        shadow=target.shadow,
-        controls=twins,
-        method=method,
-        dtype=dtype,
-    )
+    how = {"shadow": target.shadow, "controls": twins, "extra": exchangeable, "method": method, "dtype": dtype}
+    paired, directions = measured_directions(model, optimizer, loss_fn, params, D, G, Z, names=names, **how)
     hidden = paired.hidden_names
     if not (settings.held_out or settings.stability):
         return paired, None
@@ -351,11 +351,49 @@ def _paired_and_controls(target: Target, settings: AnalysisSettings, loss_fn, pa
             loss_fn, model, optimizer, params, D, muon, G, settings.stability, method=method, dtype=dtype
         )
     if settings.held_out:
-        if not target.val_batches:
-            raise CurvlabError("the held-out control needs a validation batch, and this checkpoint's data has none")
-        held = held_out_nds(loss_fn, params, target.val_batches[0], arms, hidden, method=method, dtype=dtype)
-        controls = replace(controls, held_out=held)
+        held, cos = held_out_measures(
+            loss_fn, params, target.val_batches[0], [*arms, *exchangeable], hidden, method=method, dtype=dtype
+        )
+        controls = replace(controls, held_out=held, held_out_cos=cos)
     return paired, controls
+
+
+def _factorial(target: Target, settings: AnalysisSettings, loss_fn, params, D, G, Z, dtype) -> FactorialPoint:
+    """The factorial's cells (:mod:`curvlab.analysis.factorial`), their random singular values seeded with the run's
+    seed and the step (:func:`~curvlab.analysis.factorial.random_sv_seed`)."""
+    if target.shadow is None:
+        raise CurvlabError("the factorial needs the run's shadow of the other arm (train with shadow on)")
+    held_out = target.val_batches[0] if settings.held_out and target.val_batches else None
+    hidden = hidden_matrices(params, model=target.model)
+    model, method = target.model, settings.method
+    return measure_factorial(
+        model,
+        target.optimizer,
+        loss_fn,
+        params,
+        D,
+        held_out,
+        G,
+        Z,
+        hidden,
+        shadow=target.shadow,
+        seed=random_sv_seed(target.seed, target.step),
+        method=method,
+        dtype=dtype,
+    )
+
+
+def _exchangeable(target: Target, settings: AnalysisSettings, loss_fn):
+    """Both arms' exchangeable twins (:func:`curvlab.analysis.controls.exchangeable_twins`), their last gradient
+    from the training batch after those the point reads (``settings.batches``)."""
+    if not target.val_batches:
+        raise CurvlabError("the held-out control needs a validation batch, and this checkpoint's data has none")
+    if len(target.train_batches) <= settings.batches:
+        raise CurvlabError("the held-out control needs one more training batch than the point reads; none was drawn")
+    batch = target.train_batches[settings.batches]
+    return exchangeable_twins(
+        target.model, target.optimizer, loss_fn, batch, target.shadow, max_grad_norm=target.grad_clip
+    )
 
 
 def update_spectrum(
@@ -396,7 +434,7 @@ def analyze_checkpoint(
     next step (see :func:`analyze`)."""
     settings = settings or AnalysisSettings()
     settings.validate()
-    return analyze(open_checkpoint(path, data, device, settings.batches, rebuild), settings, str(path))
+    return analyze(open_checkpoint(path, data, device, settings.train_batches(), rebuild), settings, str(path))
 
 
 DIGESTS = "digests"  # the key of a saved report's digests (CurvatureReport.save)

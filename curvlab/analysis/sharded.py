@@ -47,7 +47,7 @@ def analyze_sharded_checkpoint(
     curvature of its sharded parameters, see :mod:`curvlab.engine.gathered`)."""
     settings = settings or AnalysisSettings()
     settings.validate()
-    return analyze(open_sharded_checkpoint(path, data, device, settings.batches), settings, str(path))
+    return analyze(open_sharded_checkpoint(path, data, device, settings.train_batches()), settings, str(path))
 
 
 def checkpoint_analyzer(fsdp: bool) -> Callable | None:

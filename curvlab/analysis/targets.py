@@ -57,10 +57,14 @@ class AnalysisSettings:
     # the controls (docs/science.md section 14): the twins' directions (where the checkpoint keeps them) and
     # momentum SGD's, with the paired ones; ``stability`` > 0 also takes, in at most that many Lanczos
     # iterations each, lambda_max(H), the arm's preconditioned sharpness and the injected sharp directions;
-    # ``held_out``: both arms' directions under the H of the first validation batch as well
+    # ``held_out``: both arms' directions and their exchangeable twins (their last gradient from the next
+    # training batch after those the point reads) under the H of the first validation batch as well
     controls: bool = False
     stability: int = 0
     held_out: bool = False
+    # the factorial of filters and maps (curvlab.analysis.factorial), under the own H and, with held_out, the
+    # held-out H: the mechanism design's (ten cells, two second backwards each, per H)
+    factorial: bool = False
 
     def validate(self) -> None:
         if self.batch not in BATCHES:
@@ -75,9 +79,16 @@ class AnalysisSettings:
             raise CurvlabError(f"stability (Lanczos iterations) must be >= 0, got {self.stability}")
         check_method(self.method)
 
+    def train_batches(self) -> int:
+        """How many steps' training batches a point reads: ``batches``, and one more for the exchangeable
+        twins of the held-out control."""
+        return self.batches + (1 if self.held_out else 0)
+
     def key(self) -> str:
         """A short stable hash, for caching reports."""
-        text = json.dumps({**asdict(self), "schema": REPORT_SCHEMA_VERSION}, sort_keys=True)
+        settings = {k: v for k, v in asdict(self).items() if k != "factorial" or v}
+        # (what a point measures grew with issue 50, the settings alike: a report cached before is not this one)
+        text = json.dumps({**settings, "schema": REPORT_SCHEMA_VERSION, "measures": 2}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -127,6 +138,7 @@ class Target:
     draw: BatchDraw = BatchDraw("checkpoint")
     shadow: ShadowState | None = None  # the run's shadow of the other arm, if it keeps one
     controls: Mapping[str, ShadowState] = field(default_factory=dict)  # its twins, if it keeps them
+    seed: int = 0  # the run's training seed (a curvlab run's; 0 where unknown)
 
 
 def _count(record: object, key: str, default: int, path: Path, least: int = 0) -> int:
@@ -258,6 +270,7 @@ def run_target(run, batches: int, val_loss: float) -> Target:
         run.cfg.optimizer,
         shadow=run.shadow,
         controls=run.controls,
+        seed=run.cfg.seed,
     )
 
 

@@ -8,7 +8,7 @@ JSON (flat, one object per checkpoint; the shape of a compare window member and 
 
     step, val_loss, <SCOPE_KEYS>, hidden_<SCOPE_KEYS>, within, cross, rho_within, within_layers,
     nds_layers, embed_head_share, taylor_error, taylor_ok, [paired_{nds,cos,q,norm}_{direction}_{scope}],
-    [control_*],
+    [control_*], [factorial_*],
     [optimizer, multiplier, lr, phase, on_plateau, lambda_max, overlap_top_k, status, message]
 
 The bracketed context keys are written only where known (a track row has them, a window member not).
@@ -41,7 +41,7 @@ CONTEXT_KEYS = (
     *("status", "message"),  # a monitored step's
 )
 TAYLOR_TOLERANCE = 0.5
-PAIRED_PREFIXES = ("paired_", "control_")  # the keys of CheckpointScalars.paired
+PAIRED_PREFIXES = ("paired_", "control_", "factorial_")  # the keys of CheckpointScalars.paired
 _LAYER_BLOCK = re.compile(r"^layer\d+$")
 
 
@@ -101,7 +101,8 @@ class CheckpointScalars:
             grouping is ``layer``).
         taylor_error, taylor_ok: :func:`taylor_error` and :func:`taylor_holds`.
         paired: ``paired_{nds,cos,q,norm}_{direction}_{scope}`` of the paired directions (empty without a
-            shadow), and the ``control_*`` scalars of the controls (:mod:`curvlab.analysis.controls`).
+            shadow), the ``control_*`` scalars of the controls (:mod:`curvlab.analysis.controls`), and the
+            ``factorial_*`` scalars of the factorial's cells (:mod:`curvlab.analysis.factorial`).
         optimizer ... message: where the checkpoint sits (a track row's context), ``None`` where unknown.
     """
 

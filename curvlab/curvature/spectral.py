@@ -210,6 +210,7 @@ def lanczos(
     seed: int = 0,
     memory: int | None = None,
     basis_device: torch.device | str | None = None,
+    relative_to: str = "spectrum",
 ) -> EigenResult:
     r"""The k largest (or smallest) eigenpairs by Lanczos with full reorthogonalization, thick-restarted
     to fit a memory budget.
@@ -217,7 +218,11 @@ def lanczos(
     With basis :math:`V` and :math:`T = V^\top A V` (tridiagonal, with an arrow after a restart),
     :math:`A V = V T + f e_m^\top`, so a Ritz pair :math:`(\theta_i, V s_i)` of T has residual
     :math:`\|f\|\,|e_m^\top s_i|`. It stops when every wanted pair's residual is below ``tol`` times
-    :math:`\max|\theta|`, or after ``max_iter`` matvecs, then takes the true residuals (k more matvecs).
+    :math:`\max|\theta|` (``relative_to="eigenvalue"``: times its own :math:`|\theta_i|`), or after
+    ``max_iter`` matvecs, then takes the true residuals (k more matvecs). Relative to the spectrum, a wanted
+    end far smaller than the other end is accepted to the other end's scale: a Hessian whose smallest
+    eigenvalue is -2533 lets its largest stop at a Ritz value of 0.001 with a residual of 0.4, after 2
+    iterations; relative to the eigenvalue it goes on until that value itself is resolved.
     From one start vector it sees one direction per distinct eigenvalue: when that space closes (an
     exact multiplicity) it goes on from a fresh random direction; a multiplicity in a space that never
     closes shows only as far as rounding brings it in.
@@ -232,15 +237,21 @@ def lanczos(
         memory: bytes the stored Lanczos vectors may take (``None``: no bound); a full basis is
             thick-restarted (see the module docstring).
         basis_device: where the basis lives and is reorthogonalized (default: the operator's device).
+        relative_to: what ``tol`` is relative to: ``"spectrum"`` (:math:`\max|\theta|`) or
+            ``"eigenvalue"`` (each wanted :math:`|\theta_i|`).
 
     Returns:
         An :class:`EigenResult`; ``converged`` only when every residual is at most
-        :math:`10\,\mathrm{tol}\,\max|\theta|\sqrt{k}`.
+        :math:`10\,\mathrm{tol}\,\max|\theta|\sqrt{k}` (with ``"eigenvalue"``, :math:`|\theta_i|` for
+        :math:`\max|\theta|`).
 
     Raises:
-        CurvlabError: k outside [1, dim], an unknown ``which``, a memory budget below k + 2 vectors.
+        CurvlabError: k outside [1, dim], an unknown ``which`` or ``relative_to``, a memory budget below
+            k + 2 vectors.
     """
     _check_which(which)
+    if relative_to not in ("spectrum", "eigenvalue"):
+        raise CurvlabError(f"relative_to must be 'spectrum' or 'eigenvalue', got {relative_to!r}")
     if not 1 <= k <= op.dim:
         raise CurvlabError(f"k = {k} must lie in [1, dim = {op.dim}]")
     m = basis_capacity(op, memory, k, min(max_iter, op.dim))
@@ -265,7 +276,8 @@ def lanczos(
         idx = _pick(theta, k, which)
         scale = max(float(np.abs(theta).max()), 1e-300)
         closed = beta <= 100 * eps * scale  # an invariant subspace: its Ritz values are exact, maybe not extreme
-        if not closed and len(idx) == k and np.all(beta * np.abs(S[j - 1, idx]) <= tol * scale):
+        wanted = scale if relative_to == "spectrum" else np.abs(theta[idx])
+        if not closed and len(idx) == k and np.all(beta * np.abs(S[j - 1, idx]) <= tol * wanted):
             break
         if steps >= max_iter or j == op.dim:
             break
@@ -281,7 +293,8 @@ def lanczos(
     idx = _pick(theta, min(k, j), which)
     U = basis.combine(S[:, idx], op.device)
     residuals = _residuals(op, U, theta[idx])
-    converged = bool(len(idx) == k and np.all(residuals <= 10 * tol * scale * max(1.0, math.sqrt(k))))
+    wanted = scale if relative_to == "spectrum" else np.abs(theta[idx])
+    converged = bool(len(idx) == k and np.all(residuals <= 10 * tol * wanted * max(1.0, math.sqrt(k))))
     values = _host_tensor(theta[idx])
     return EigenResult(
         values, U, _host_tensor(residuals), op.num_matvecs - start, steps, converged, "lanczos", which, held, restarts

@@ -193,6 +193,50 @@ def ratio_inference(
     return SeedInference("difference", DIFFERENCE_T, d.value, d.ci95, d.p, 0.0, n, d.per_seed, note)
 
 
+@dataclass(frozen=True)
+class Equivalence:
+    r"""Two one-sided t tests (TOST) that per-seed ratios lie inside a band [lo, hi] around 1
+    (:func:`equivalence_test`): ``p`` is the larger one-sided p, ``passed`` whether it is below ``alpha``
+    (equivalently, the two-sided 1 - 2 alpha interval of the geometric mean lies inside the band)."""
+
+    band: tuple[float, float]
+    p: float | None
+    passed: bool | None
+    n: int
+    alpha: float = ALPHA
+
+
+def equivalence_test(ratios: Sequence[float], band: tuple[float, float], alpha: float = ALPHA) -> Equivalence:
+    r"""TOST on the log of per-seed ratios r_i > 0, with Student's t on n - 1 degrees of freedom: with
+    x_i = log r_i, mean x̄ and standard error se,
+
+    .. math::
+        p = \max\big(P(T_{n-1} > (\bar x - \log lo) / se),\ P(T_{n-1} > (\log hi - \bar x) / se)\big),
+
+    and equivalence is shown when p < ``alpha``. Fewer than 2 seeds, or a ratio <= 0: no test (``p`` and
+    ``passed`` None). A control judged this way can fail: it must *show* the ratio is near 1, which a
+    wide interval does not.
+
+    Raises:
+        CurvlabError: a band that does not hold 1 inside (lo < 1 < hi), or a non-finite ratio.
+    """
+    lo, hi = (float(x) for x in band)
+    if not 0 < lo < 1 < hi:
+        raise CurvlabError(f"an equivalence band needs 0 < lo < 1 < hi, got [{lo:g}, {hi:g}]")
+    r = _finite(ratios, "an equivalence test") if len(ratios) else np.asarray([], dtype=float)
+    if r.size < 2 or np.any(r <= 0):
+        return Equivalence((lo, hi), None, None, int(r.size), alpha)
+    x = np.log(r)
+    m, se = float(x.mean()), float(x.std(ddof=1) / np.sqrt(x.size))
+    if se == 0.0:
+        p = 0.0 if np.log(lo) < m < np.log(hi) else 1.0
+    else:
+        upper = float(special.stdtr(x.size - 1, -(m - np.log(lo)) / se))  # H0: mean <= log lo
+        lower = float(special.stdtr(x.size - 1, -(np.log(hi) - m) / se))  # H0: mean >= log hi
+        p = max(upper, lower)
+    return Equivalence((lo, hi), p, bool(p < alpha), int(x.size), alpha)
+
+
 def holm(p_values: Sequence[float]) -> list[float]:
     """Holm's step-down adjusted p-values: with p_(1) <= ... <= p_(m),
     p~_(i) = max_{j <= i} min(1, (m - j + 1) p_(j)); returned in the input order. Rejecting

@@ -51,6 +51,9 @@ CONFIG_VERSION = 2  # 2: presets embed their tuning and matching settings
 # (n_boot: the replicates of a bootstrap the seed-level t intervals replaced): a directory whose config
 # holds them continues, as one written without them
 RETIRED_FIELDS = frozenset({"n_boot"})
+# fields added to a job's config since, with the value that does what a config without them did (factorial:
+# the mechanism design's factorial of filters and maps, off in every other design)
+ADDED_FIELDS = {"factorial": False}
 
 
 def _without_retired(config: Any) -> Any:
@@ -60,6 +63,15 @@ def _without_retired(config: Any) -> Any:
     if isinstance(config, list):
         return [_without_retired(v) for v in config]
     return config
+
+
+def _with_added(saved: Any, config: Any) -> Any:
+    """``saved`` with each field of :data:`ADDED_FIELDS` that ``config`` has and it lacks, at its value, at any
+    depth of their dicts."""
+    if not (isinstance(saved, dict) and isinstance(config, dict)):
+        return saved
+    added = {k: v for k, v in ADDED_FIELDS.items() if k in config and k not in saved}
+    return {**{k: _with_added(v, config.get(k)) for k, v in saved.items()}, **added}
 
 
 def _same_config(saved: dict[str, Any], config: dict[str, Any], path_keys: tuple[str, ...]) -> bool:
@@ -72,8 +84,8 @@ def _same_config(saved: dict[str, Any], config: dict[str, Any], path_keys: tuple
 
 def guard_config(path: Path, config: dict[str, Any], what: str, path_keys: tuple[str, ...] = ()) -> None:
     """Write ``config`` (with ``config_version``: :data:`CONFIG_VERSION`) to ``path`` on the first run;
-    refuse a later run whose config differs (a saved field of :data:`RETIRED_FIELDS` is no difference;
-    the paths under ``path_keys`` are compared resolved).
+    refuse a later run whose config differs (a saved field of :data:`RETIRED_FIELDS` is no difference, nor
+    is a missing one of :data:`ADDED_FIELDS` at its value; the paths under ``path_keys`` are compared resolved).
 
     Raises:
         CurvlabError: the directory holds ``what`` of another configuration, or one that an older
@@ -88,7 +100,7 @@ def guard_config(path: Path, config: dict[str, Any], what: str, path_keys: tuple
                 f"{path.parent} holds {what} written by another curvlab version (config version "
                 f"{saved.get('config_version', 1)}, this one writes {CONFIG_VERSION}): choose a fresh --out"
             )
-        if not _same_config(_without_retired(saved), config, path_keys):
+        if not _same_config(_with_added(_without_retired(saved), config), config, path_keys):
             raise CurvlabError(
                 f"{path.parent} holds {what} of another configuration; refusing to mix them: choose a fresh --out"
             )

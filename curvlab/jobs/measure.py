@@ -47,14 +47,24 @@ def controlled(preset: Preset, s: float, arm: str) -> bool:
 
 
 def settings(preset: Preset, batches: int, tracked: bool = False, controls: bool = True) -> AnalysisSettings:
-    """How a checkpoint is analysed: with the controls' directions where the preset keeps controls (not
-    in the A/A and control-arm comparisons, whose points the controls don't read: the twins there
-    tripled their cost), and at a tracked checkpoint of :func:`stability_steps` also the held-out H and
-    the stability context (a subset: their Lanczos runs cost more than everything else at a point)."""
+    """How a checkpoint is analysed: with the controls' directions, the held-out H and the exchangeable twins
+    at every point where the preset keeps controls (not in the A/A and control-arm comparisons, whose points
+    the controls don't read: the twins there tripled their cost), with the factorial there where the preset
+    measures it, and at a tracked checkpoint of
+    :func:`stability_steps` also the stability context (a subset: its Lanczos runs cost more than everything
+    else at a point)."""
     m = preset.measurement
-    extra = tracked and m.controls
-    measured = {"controls": m.controls and controls, "stability": m.stability_iterations if extra else 0}
-    return AnalysisSettings(blocks="layer", batch="train", batches=batches, held_out=extra, **measured)
+    kept = m.controls and controls
+    stability = m.stability_iterations if tracked and m.controls else 0
+    return AnalysisSettings(
+        blocks="layer",
+        batch="train",
+        batches=batches,
+        controls=kept,
+        held_out=kept,
+        stability=stability,
+        factorial=kept and m.factorial,
+    )
 
 
 def track_steps(preset: Preset) -> list[int]:

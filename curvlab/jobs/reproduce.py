@@ -39,10 +39,12 @@ from curvlab.jobs.tune import tune
 from curvlab.output import plots
 from curvlab.output import text as report
 from curvlab.output.finetune_text import finetune_section
+from curvlab.output.mechanism import mechanism_figures
 from curvlab.output.notes import reproduction_notes
 from curvlab.runs.checkpoint import read_index
 from curvlab.runs.match import plateau_ceiling
 from curvlab.runs.train import train
+from curvlab.studies import mechanism
 from curvlab.studies.controls import controls, stability
 from curvlab.studies.design import Preset, train_config
 from curvlab.studies.headline import headline, taylor_counts
@@ -170,6 +172,7 @@ class Reproduction(Job):
         summary = conclude(self, p, levels, tuning, ceilings, QuadraticRecord.from_study(quadratic), fineweb)
         with self.clock("figures"):
             written = plots.reproduction_figures(levels, summary, tuning, quadratic, self.out / "figures")
+            written |= mechanism_figures(summary, self.out / "figures")
         summary.figures = {k: [str(f.relative_to(self.out)) for f in v] for k, v in written.items()}
         summary.timing = self.timing()
         summary.seconds = summary.timing["total"]  # over every invocation, when a run was interrupted and resumed
@@ -194,6 +197,8 @@ def conclude(job: Job, preset: Preset, levels: LevelData, tuning, ceilings, quad
         primary = primary_family(levels, judged=preset.inference.primary)
         calibrated = calibration(levels.comparisons, data=levels, pairs=preset.aa_seed_pairs())
         checks, context = controls(levels), stability(levels)
+        factorial = preset.measurement.factorial
+        grid, parts = (mechanism.cells(levels), mechanism.decomposition(levels)) if factorial else ([], None)
     final: dict[str, dict[str, list]] = {}
     for s in preset.language.s_values:
         for arm in preset.arms_at(s):
@@ -202,5 +207,6 @@ def conclude(job: Job, preset: Preset, levels: LevelData, tuning, ceilings, quad
                 final.setdefault(f"{s:g}", {}).setdefault(arm, []).append(index[-1]["val_loss"] if index else None)
     notes = reproduction_notes(preset, tuning, levels, ceilings, final, paper=PRESETS["paper"])
     inferred = {"primary": primary, "calibration": calibrated, "controls": checks, "edge_of_stability": context}
+    inferred |= {"cells": grid, "decomposition": parts, "paired_parts": mechanism.paired_parts(levels)}
     found = (entries, zipf, taylor_counts(levels), tuning, notes, final, quadratic)
     return Summary(preset.name, *found, fineweb=fineweb, versions=SoftwareVersions.current(), **inferred)

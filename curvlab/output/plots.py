@@ -23,7 +23,7 @@ import numpy as np
 from curvlab.analysis.report import CurvatureReport
 from curvlab.curvature.scalars import RATIO_KEYS, CheckpointScalars
 from curvlab.studies.compare import pair_reports, within_layer_gap
-from curvlab.studies.paper import CLAIMS
+from curvlab.studies.paper import CLAIMS, MUON_OVER_ADAMW
 from curvlab.studies.records import seed_band
 from curvlab.studies.track import Track
 from curvlab.studies.tuning import TuningRecord
@@ -360,7 +360,10 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
     ratios = [e for e in ratios if e.ci95 is None or e.ci95[0] > 0]
     differences = [e for e in entries if e.value is not None and e not in ratios]
     missing = [e for e in entries if e.value is None]
-    panels = [(ratios, "log", 1.0, "AdamW / Muon (log scale)"), (differences, "linear", 0.0, "difference")]
+    label = "AdamW / Muon (log scale)"
+    if any(e.name in MUON_OVER_ADAMW for e in ratios):
+        label = "AdamW / Muon, or Muon / AdamW where a row says so (log scale)"
+    panels = [(ratios, "log", 1.0, label), (differences, "linear", 0.0, "difference")]
     panels = [p for p in panels if p[0]]
     sizes = [len(p[0]) for p in panels] or [1]
     fig, axes = plt.subplots(
@@ -380,7 +383,8 @@ def primary_forest(entries: list, stem: str | Path) -> list[Path]:
         names = []
         for e in rows:
             verdicts = e.direction if e.magnitude in (None, e.direction) else f"{e.direction}; magnitude {e.magnitude}"
-            names.append(f"{e.name} ({e.scope}, {e.n_seeds} seeds)\n{verdicts}")
+            inverted = ", Muon / AdamW" if e.name in MUON_OVER_ADAMW else ""
+            names.append(f"{e.name} ({e.scope}{inverted}, {e.n_seeds} seeds)\n{verdicts}")
         ax.set_yticks(y, names, fontsize=7)
         ax.set_ylim(-0.7, len(rows) - 0.3)
         ax.set(xlabel=label)

@@ -50,15 +50,18 @@ def render_robustness(
         lines += [f"Reference, the {label}: {fmt(value)}{interval_text(ci)}.", ""]
     lines += [
         "| setting | AdamW lr | Muon lr | paired ratio [95% CI] | seeds, points | verdict (alone) | exact p | "
-        "controls | failed |",
-        "|---|---:|---:|---:|---:|---|---:|---|---|",
+        "q Muon/AdamW [95% CI] | its verdict | controls | failed |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---|---|---|",
     ]
     for x in summary.settings:
         controls = {True: "all passed", False: "**not all**", None: "not measured"}[x.controls_passed]
+        q = x.efficiency or {}
+        judged = q.get("verdict", "not measured") if x.registered else "descriptive (run before its rule)"
         lines.append(
             f"| {x.label} | {_lr_cell(x.lr['adamw'])} | {_lr_cell(x.lr['muon'])} | "
             f"{fmt(x.paired_ratio)}{interval_text(x.ci95)} | "
-            f"{x.n_seeds}, {x.n_points} | {x.verdict} | {fmt(x.p_exact)} | {controls} | "
+            f"{x.n_seeds}, {x.n_points} | {x.verdict} | {fmt(x.p_exact)} | "
+            f"{fmt(q.get('value'))}{interval_text(q.get('ci95'))} | {judged} | {controls} | "
             f"{', '.join(x.failed_controls) or '—'} |"
         )
     lines += ["", f"![{ROBUSTNESS_FIGURE}]({figures_dir}/{ROBUSTNESS_FIGURE}.png)", ""]

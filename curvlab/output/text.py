@@ -28,9 +28,10 @@ from curvlab.output.cells import (
     value_cell,
     yes_no_cell,
 )
+from curvlab.output.mechanism import mechanism_section, paired_parts_line
 from curvlab.studies.controls import NULL_BAND, ControlEntry, StabilityEntry
 from curvlab.studies.headline import HeadlineEntry
-from curvlab.studies.paper import POST_HOC_RULES, QUADRATIC_EXAMPLE
+from curvlab.studies.paper import QUADRATIC_EXAMPLE
 from curvlab.studies.primary import Calibration, PrimaryEntry, asserts_difference
 from curvlab.studies.records import LevelData
 from curvlab.studies.rerun import compare_reruns
@@ -87,7 +88,7 @@ def primary_table(entries: list[PrimaryEntry]) -> list[str]:
         magnitude = e.magnitude or "—"
         shown = e.p_exact if e.p_exact_verdict is None else e.p_exact_verdict
         exact = "—" if shown is None else f"{shown:.3g} ({floor_text(e.p_exact_min)})"
-        when = "after data" if e.name in POST_HOC_RULES else "before"
+        when = "after data" if e.post_hoc else "before"
         lines.append(
             f"| {e.quantity}: {e.claimed} | {e.scope} | {primary_cell(e)} | {units} | {e.paper_text} | "
             f"{e.verdict_text} | {magnitude} | {p} | {exact} | {when} |"
@@ -164,6 +165,12 @@ def _passed(x: bool | None) -> str:
     return {True: "pass", False: "**FAIL**", None: "not measured"}[x]
 
 
+def _result(e: ControlEntry) -> str:
+    if _instrument(e):
+        return f"{_passed(e.passed)} (instrument check)"
+    return "descriptive" if getattr(e, "descriptive", False) and e.value is not None else _passed(e.passed)
+
+
 def _instrument(e: ControlEntry) -> bool:
     """An injected sharp direction: exact by construction, it checks the HVP and the eigenvector (an
     instrument), not the estimator's coverage (docs/science.md section 14)."""
@@ -181,14 +188,17 @@ def controls_table(controls: list[ControlEntry]) -> list[str]:
         extra = ""
         if e.name == "twin_shadow" and e.detail:
             extra = f"; largest deviation {e.detail['max_abs_deviation']:.1e}"
-        result = f"{_passed(e.passed)} (instrument check)" if _instrument(e) else _passed(e.passed)
+        result = _result(e)
         lines.append(
             f"| {e.name} | {e.arm} | {e.scope} | {fmt(e.value)}{interval_text(e.ci95)} | {e.n_seeds}, {e.n_points} | "
             f"{e.expected} | {result}{extra} |"
         )
     checks, instruments = [e for e in controls if not _instrument(e)], [e for e in controls if _instrument(e)]
-    passed = sum(e.passed is True for e in checks)
-    summary = f"{passed} of {len(checks)} controls passed."
+    judged = [e for e in checks if e.passed is not None]
+    passed = sum(e.passed is True for e in judged)
+    summary = f"{passed} of {len(judged)} controls passed"
+    others = len(checks) - len(judged)
+    summary += f" ({others} descriptive or not measured)." if others else "."
     if instruments:
         held = sum(e.passed is True for e in instruments)
         summary += (
@@ -199,16 +209,19 @@ def controls_table(controls: list[ControlEntry]) -> list[str]:
 
 
 def stability_table(entries: list[StabilityEntry]) -> list[str]:
-    """The edge-of-stability context (per arm and quantity) as a table."""
+    """The edge-of-stability context (per arm and quantity) as a table, with the points each row left out
+    for an unconverged Lanczos eigenvalue."""
     lines = [
         "Edge-of-stability context at the tracked checkpoints (per arm: the geometric mean over seeds of each "
-        "seed's median, with its log-t interval):",
+        "seed's median, with its log-t interval; a point whose Lanczos eigenvalue did not converge is left "
+        "out of the rows that read it and counted as unconverged, and kept in the residual's own row):",
         "",
-        "| arm | quantity | value [95% CI] | seeds, points |",
-        "|---|---|---:|---:|",
+        "| arm | quantity | value [95% CI] | seeds, points | unconverged |",
+        "|---|---|---:|---:|---:|",
     ]
     lines += [
-        f"| {e.arm} | {e.quantity} | {fmt(e.value)}{interval_text(e.ci95)} | {e.n_seeds}, {e.n_points} |"
+        f"| {e.arm} | {e.quantity} | {fmt(e.value)}{interval_text(e.ci95)} | {e.n_seeds}, {e.n_points} "
+        f"| {e.n_unconverged} |"
         for e in entries
     ]
     return [*lines, ""]
@@ -442,7 +455,7 @@ def render_report(summary: Summary, levels: LevelData | None = None) -> str:
     """``report.md``: the primary family (table, forest plot, A/A calibration) and where it disagrees
     with the paper, then the conditions, the descriptive headline, the Taylor check, matched levels,
     the Zipf sweep, tuning, final losses and figures."""
-    lines = [*_report_opening(summary), *_fineweb_section(summary)]
+    lines = [*_report_opening(summary), *mechanism_section(summary), *_fineweb_section(summary)]
     lines += ["## Zipf sweep: trajectory-mean NDS over Muon's at the first s", "", *_zipf_table(summary), ""]
     if levels is not None:
         lines += [
@@ -469,6 +482,7 @@ def render_readme_results(summary: Summary, figures_dir: str = "docs/results", n
         "Primary family (pre-registered; the only claims judged):",
         "",
         *primary_section(summary, forest),
+        *([line, ""] if (line := paired_parts_line(summary)) else []),
         "Controls (docs/science.md section 14):",
         "",
         *controls_section(summary),
@@ -520,13 +534,14 @@ def rerun_agreement(summary: Summary, rerun: Summary) -> list[str]:
 
 def render_readme_teaser(summary: Summary, figures_dir: str = "docs/results", page: str = "docs/results.md") -> str:
     """The README's short results section: the run's conditions, the primary family (table, forest plot,
-    A/A calibration) and a link to the whole results ``page``."""
+    A/A calibration), what the paired ratio is made of, and a link to the whole results ``page``."""
     forest = f"{figures_dir}/fig0_primary_forest.png" if _figure(summary, "fig0_primary_forest") else None
     lines = [
         f"`curvlab reproduce --preset {summary.preset}`: {summary.seconds / 60:.0f} minutes "
         f"({run_conditions(summary)}).",
         "",
         *primary_section(summary, forest, brief=True),
+        *([line, ""] if (line := paired_parts_line(summary)) else []),
         f"The method, the notes, conditions, caveats, the descriptive quantities and every figure: [{page}]({page}).",
     ]
     return "\n".join(lines) + "\n"

@@ -490,10 +490,12 @@ def muon_sharpness(
     tol: float = 1e-6,
     seed: int = 0,
     memory: int | None = None,
+    relative_to: str = "spectrum",
 ) -> MuonSharpness:
     r"""Muon's preconditioned sharpness from an optimizer's state, on the block ``hidden`` of ``op`` (the
     Hessian over ``names``), with :math:`\tilde B` = :func:`nesterov_momenta` of the state's buffers and
-    ``gradient``, each group's polar settings, and :func:`muon_edge_of_stability` at the groups' settings.
+    ``gradient``, each group's polar settings, and :func:`muon_edge_of_stability` at the groups' settings;
+    ``relative_to`` as for :func:`~curvlab.curvature.spectral.lanczos`.
 
     Raises:
         CurvlabError: a hidden matrix outside Muon's groups, or groups that disagree on lr, momentum, nesterov.
@@ -521,6 +523,7 @@ def muon_sharpness(
         polar = (g.get("polar", "newton_schulz"), g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"])
         factors[n] = muon_factor(momenta[n], muon_scale(shape, g.get("scale", "original")), *polar, stacked)
     block = _principal_block(op, {n: table[n].numel() for n in names}, hidden)
-    top = lanczos(muon_preconditioned_operator(block, factors), max_iter=max_iter, tol=tol, seed=seed, memory=memory)
+    eig = {"max_iter": max_iter, "tol": tol, "seed": seed, "memory": memory, "relative_to": relative_to}
+    top = lanczos(muon_preconditioned_operator(block, factors), **eig)
     edge = muon_edge_of_stability(lr, mu, nesterov=nesterov)
     return MuonSharpness(float(top.eigenvalues[0]), edge, lr, float(top.residuals[0]), top.converged)

@@ -13,12 +13,21 @@ Negative controls, which must come out null:
 * ``twin_shadow``: NDS(own step) / NDS(twin's step) on the hidden matrices, the twin a shadow of the run's
   own optimizer (:func:`curvlab.steps.shadow.build_controls`): 1 to float rounding at *every* point
   (:data:`TWIN_TOLERANCE`).
-* ``hyperparameter_twin``: NDS(own) / NDS(a twin with one hyperparameter nudged): an approximate null, whose
-  interval must lie inside :data:`NULL_BAND`; also the paired claim's A/A
-  (:func:`curvlab.studies.primary.calibration`).
-* ``held_out_batch``: NDS of the arm's direction under its own batch's H over under a held-out batch's H:
-  its interval must contain 1; the entry of arm ``adamw/muon``, the paired ratio under the held-out H,
-  must stay above 1.
+* ``exchangeable_twin``: NDS(own direction) / NDS(its exchangeable twin's), both under the held-out H
+  (:func:`curvlab.analysis.controls.exchangeable_twins`: the same state, the last gradient from an
+  independent batch): an exact null, judged by an equivalence test (TOST at 5%,
+  :func:`curvlab.inference.statistics.equivalence_test`) against :data:`EXCHANGEABLE_BAND`, stated before
+  the runs; also the paired claim's A/A (:func:`curvlab.studies.primary.calibration`).
+* ``held_out_batch``: NDS of the arm's direction under its own batch's H over under the held-out H, at every
+  analysed point, judged by the same equivalence test against :data:`COUPLING_BAND`; the entry of arm
+  ``adamw/muon`` is the paired ratio under the held-out H (must stay above 1), and ``coupling`` the paired
+  ratio under the held-out H over the one under the own batch's H (equivalence against the band).
+
+Descriptive (no pass or fail):
+
+* ``hyperparameter_twin``: NDS(own) / NDS(a twin with one hyperparameter nudged), with the nudge's change of
+  alignment cos(G, Z) beside it, which moves NDS (about as cos²): its nudge is real, so it measures the
+  nudge, not a bias (docs/science.md section 14).
 
 Positive controls, with a known answer:
 
@@ -32,24 +41,33 @@ Positive controls, with a known answer:
 
 With them, the edge-of-stability context at the same points (:class:`StabilityEntry`): lambda_max(H), the
 arm's preconditioned sharpness against its own threshold, 2/eta, and NDS / lambda_max of each direction.
+A quantity that reads a Lanczos eigenvalue leaves out the points where that eigenvalue did not converge
+(:data:`READS`), and its entry counts them (``n_unconverged``); the residual's own entry keeps them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from curvlab.analysis.controls import INJECTED_RATIOS, STABILITY_QUANTITIES, heldout_key, injected_key
+from curvlab.analysis.controls import (
+    EXCHANGEABLE,
+    INJECTED_RATIOS,
+    LANCZOS_TOL,
+    STABILITY_QUANTITIES,
+    heldout_key,
+    injected_key,
+)
 from curvlab.curvature.scalars import CheckpointScalars
 from curvlab.inference import statistics
 from curvlab.studies.records import PRIMARY_COMPARISON, LevelData, analysed_points, with_levels_off_plateau
 from curvlab.util.codec import Record
 
-CONTROL_NAMES = ("twin_shadow", "hyperparameter_twin", "held_out_batch")
+CONTROL_NAMES = ("twin_shadow", "exchangeable_twin", "hyperparameter_twin", "held_out_batch")
 CONTROL_NAMES += (*(f"injected_sharp_{r:g}" for r in INJECTED_RATIOS), "sgd_direction")
 TWIN_TOLERANCE = 1e-4  # |NDS(own) / NDS(twin) - 1| at every point: the float32 rounding of W - W_next and the
 # HVPs gave at most 1.3e-5 over quick's 265 points (two runs), a twin one step late 1e-2 and more
@@ -58,14 +76,19 @@ TWIN_TOLERANCE = 1e-4  # |NDS(own) / NDS(twin) - 1| at every point: the float32 
 # reported, but the pass is recovery to rounding and detection
 INJECTION_TOLERANCE = 1e-4
 NULL_BAND = (1 / 1.1, 1.1)  # an approximate null's interval must lie inside: a tenth of the paper's effect
+# Stated before the runs that judge them (issue 50; docs/science.md section 14): an exact null's ratio must be
+# shown, by TOST at 5%, to lie within 10% of 1; so must the coupling of a direction to its own batch's H
+EXCHANGEABLE_BAND = (0.9, 1 / 0.9)
+COUPLING_BAND = (0.9, 1 / 0.9)
 ARMS = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
 class ControlEntry(Record):
     """One control, for one arm's points (module docstring). ``value`` and ``ci95`` are across seeds
-    (``None`` when not measured); ``passed`` is ``None`` when not measured; ``detail`` holds what the
-    control checks besides (the largest deviation of a twin; coverage and detection of an injection)."""
+    (``None`` when not measured); ``passed`` is ``None`` when not measured or descriptive; ``detail`` holds
+    what the control checks besides (the largest deviation of a twin; coverage and detection of an
+    injection; a hyperparameter twin's alignment change)."""
 
     name: str
     arm: str
@@ -78,12 +101,18 @@ class ControlEntry(Record):
     n_points: int = 0
     detail: dict[str, Any] | None = None
     note: str = ""
+    band: list[float] | None = None  # an equivalence-tested control's band, stated before the run
+    p_equivalence: float | None = None  # its TOST p (the larger one-sided p)
+    descriptive: bool = False  # shown with its interval, never passed or failed
 
 
 @dataclass(frozen=True)
 class StabilityEntry(Record):
     """One edge-of-stability quantity for one arm's points: the geometric mean across seeds of the
-    per-seed medians, with its log-t interval (``None`` when not measured)."""
+    per-seed medians, with its log-t interval (``None`` when not measured). ``n_unconverged``: the points
+    whose Lanczos eigenvalue (:data:`READS`) did not converge, left out of ``value`` and ``n_points``
+    (kept, and counted, in the residual's own entry); ``note`` says so, and counts the points written
+    before the flags whose convergence can't be told (kept)."""
 
     arm: str
     quantity: str
@@ -92,6 +121,7 @@ class StabilityEntry(Record):
     n_seeds: int
     n_points: int
     note: str = ""
+    n_unconverged: int = 0
 
 
 # -- per-seed reductions -----------------------------------------------------------------------------
@@ -178,10 +208,6 @@ def _entry(
     )
 
 
-def _contains_one(ci: list[float]) -> bool:
-    return ci[0] <= 1 <= ci[1]
-
-
 def _above_one(ci: list[float]) -> bool:
     return ci[0] > 1
 
@@ -196,31 +222,101 @@ def twin_control(data: LevelData, arm: str) -> ControlEntry:
     return _entry("twin_shadow", arm, scope, expected, m, lambda ci: worst <= TWIN_TOLERANCE, detail=detail)
 
 
-def hp_twin_medians(data: LevelData, arm: str) -> SeedMedians:
-    """Per seed, the median of NDS(own) / NDS(hyperparameter twin's) on the hidden matrices."""
-    return seed_medians(arm_points(data, arm), ratio_of(f"paired_nds_{arm}_hidden", "paired_nds_hp_twin_hidden"))
+def q_ratio_of(nds_a: str, cos_a: str, nds_b: str, cos_b: str) -> Callable[[CheckpointScalars], float | None]:
+    """A point's q(a) / q(b), q = cos²/NDS, from its scalars (``None`` where one is missing, either NDS is not
+    positive, or b's cosine is 0)."""
+
+    def value(row: CheckpointScalars) -> float | None:
+        if any(k not in row.paired for k in (nds_a, cos_a, nds_b, cos_b)):
+            return None
+        n_a, c_a, n_b, c_b = (row.paired[k] for k in (nds_a, cos_a, nds_b, cos_b))
+        if not (n_a > 0 and n_b > 0 and c_b != 0):
+            return None
+        return (c_a**2 / n_a) / (c_b**2 / n_b)
+
+    return value
+
+
+def exchangeable_medians(data: LevelData, arm: str, quantity: str = "nds") -> SeedMedians:
+    """Per seed, the median of ``quantity`` (``nds``, or ``q`` = cos²/NDS) of the arm's own direction over its
+    exchangeable twin's, both under the held-out H, on the hidden matrices (points where either NDS <= 0 have
+    no log ratio)."""
+    twin = arm + EXCHANGEABLE
+    if quantity == "nds":
+        return seed_medians(arm_points(data, arm), ratio_of(heldout_key(arm), heldout_key(twin), positive=True))
+    keys = (heldout_key(arm), heldout_key(arm, "cos"), heldout_key(twin), heldout_key(twin, "cos"))
+    return seed_medians(arm_points(data, arm), q_ratio_of(*keys))
+
+
+AFTER_THE_RUN = "descriptive: its band was registered after this run's data were read (issue 50)"
+
+
+def _equivalent(
+    name: str, arm: str, scope: str, m: SeedMedians, band: tuple[float, float], registered: bool = True
+) -> ControlEntry:
+    """A control judged by TOST against ``band`` (:func:`curvlab.inference.statistics.equivalence_test`), over
+    every analysed point of its arm (``n_points``; those with an NDS <= 0 have no log ratio and are counted);
+    ``registered`` False: a run made before the band was registered, where the entry is descriptive."""
+    test = statistics.equivalence_test(m.medians, band)
+    lo, hi = band
+    expected = f"within [{lo:.3g}, {hi:.3g}] (equivalence, TOST at 5%)"
+    e = _entry(name, arm, scope, expected, m, lambda ci: bool(test.passed))
+    notes = [f"{m.missing} of them with no log ratio (an NDS <= 0, or not measured)" if m.missing else ""]
+    notes += [e.note if e.value is not None else "", "" if registered else AFTER_THE_RUN]
+    passed = None if e.value is None or test.passed is None or not registered else test.passed
+    analysed = m.n_points + m.missing
+    note = "; ".join(n for n in notes if n) if e.value is not None else e.note
+    return replace(
+        e, passed=passed, band=[lo, hi], p_equivalence=test.p, n_points=analysed, note=note, descriptive=not registered
+    )
+
+
+def exchangeable_control(data: LevelData, arm: str, registered: bool = True) -> ControlEntry:
+    scope = "hidden: NDS(own) / NDS(exchangeable twin: last gradient from an independent batch), held-out H"
+    return _equivalent("exchangeable_twin", arm, scope, exchangeable_medians(data, arm), EXCHANGEABLE_BAND, registered)
 
 
 def hp_twin_control(data: LevelData, arm: str) -> ControlEntry:
+    """Descriptive: the hyperparameter twin's NDS ratio, with its alignment ratio cos(own) / cos(twin)."""
     nudge = "momentum 0.95 vs 0.94" if arm == "muon" else "beta2 0.95 vs 0.951"
-    lo, hi = NULL_BAND
-    scope, expected = f"hidden: NDS(own) / NDS(twin with {nudge})", f"about 1 (interval within [{lo:.3g}, {hi:.3g}])"
-    m = hp_twin_medians(data, arm)
-    return _entry("hyperparameter_twin", arm, scope, expected, m, lambda ci: lo <= ci[0] and ci[1] <= hi)
+    scope = f"hidden: NDS(own) / NDS(twin with {nudge})"
+    m = seed_medians(arm_points(data, arm), ratio_of(f"paired_nds_{arm}_hidden", "paired_nds_hp_twin_hidden"))
+    cos = _infer(seed_medians(arm_points(data, arm), ratio_of(f"paired_cos_{arm}_hidden", "paired_cos_hp_twin_hidden")))
+    detail = {"cos_ratio": None if cos is None else cos.value, "cos_ci95": _ci(cos)}
+    e = _entry("hyperparameter_twin", arm, scope, "descriptive: the nudge's effect", m, lambda ci: True, detail=detail)
+    return replace(e, passed=None, descriptive=True)
 
 
-def held_out_controls(data: LevelData) -> list[ControlEntry]:
-    """Per arm, own-batch over held-out NDS of its direction; then the paired ratio under the held-out H."""
+def held_out_controls(data: LevelData, registered: bool = True) -> list[ControlEntry]:
+    """The coupling of a direction to its own batch's H, both ways, per arm (equivalence against
+    :data:`COUPLING_BAND`): its own direction under its batch's H over under the held-out H, and under its
+    batch's H its own direction over its exchangeable twin's (made from another batch); then the paired
+    ratio under the held-out H, and that over the paired ratio under the own batch's H."""
     out = []
     for arm in ARMS:
-        m = seed_medians(arm_points(data, arm), ratio_of(f"paired_nds_{arm}_hidden", heldout_key(arm), positive=True))
-        note = "points where either NDS is <= 0 have no log ratio" if m.missing else ""
+        own = f"paired_nds_{arm}_hidden"
+        m = seed_medians(arm_points(data, arm), ratio_of(own, heldout_key(arm), positive=True))
         scope = "hidden: NDS(own direction) under its own batch's H / under a held-out H"
-        out.append(_entry("held_out_batch", arm, scope, "about 1 (interval contains 1)", m, _contains_one, note=note))
+        out.append(_equivalent("held_out_batch", arm, scope, m, COUPLING_BAND, registered))
+        m = seed_medians(arm_points(data, arm), ratio_of(own, f"paired_nds_{arm}{EXCHANGEABLE}_hidden", positive=True))
+        scope = "hidden: under the own batch's H, NDS(own direction) / NDS(exchangeable twin, made from another batch)"
+        out.append(_equivalent("held_out_batch", f"{arm} (twin)", scope, m, COUPLING_BAND, registered))
     m = seed_medians(arm_points(data, None), ratio_of(heldout_key("adamw"), heldout_key("muon")))
     scope = "hidden: NDS(AdamW's direction) / NDS(Muon's), both under a held-out H"
     out.append(_entry("held_out_batch", "adamw/muon", scope, "greater than 1 (as the paired claim)", m, _above_one))
+
+    def coupling(row: CheckpointScalars) -> float | None:
+        held, own = ratio_of(heldout_key("adamw"), heldout_key("muon"))(row), _paired_ratio(row)
+        return None if held is None or own is None or held <= 0 or own <= 0 else held / own
+
+    scope = "hidden: the paired ratio under a held-out H / under the own batch's H"
+    m = seed_medians(arm_points(data, None), coupling)
+    out.append(_equivalent("held_out_batch", "coupling", scope, m, COUPLING_BAND, registered))
     return out
+
+
+def _paired_ratio(row: CheckpointScalars) -> float | None:
+    return ratio_of("paired_nds_adamw_hidden", "paired_nds_muon_hidden")(row)
 
 
 def _scalar(key: str) -> Callable[[CheckpointScalars], float | None]:
@@ -254,13 +350,15 @@ def sgd_control(data: LevelData, arm: str) -> ControlEntry:
     return _entry("sgd_direction", arm, scope, "greater than 1 (a pilot: x20-24)", m, _above_one)
 
 
-def controls(data: LevelData) -> list[ControlEntry]:
+def controls(data: LevelData, registered: bool = True) -> list[ControlEntry]:
     """Every control (:data:`CONTROL_NAMES`) for each arm, in that order (the held-out batch's paired
     ratio after its per-arm entries). A control whose scalars no point carries is an entry with no
-    value and ``passed`` ``None``: not measured, never a pass."""
+    value and ``passed`` ``None``: not measured, never a pass. ``registered`` False: a run made before the
+    equivalence bands were registered (issue 50), whose equivalence-judged entries are descriptive."""
     out = [twin_control(data, arm) for arm in ARMS]
+    out += [exchangeable_control(data, arm, registered) for arm in ARMS]
     out += [hp_twin_control(data, arm) for arm in ARMS]
-    out += held_out_controls(data)
+    out += held_out_controls(data, registered)
     out += [e for arm in ARMS for e in injected_controls(data, arm)]
     out += [sgd_control(data, arm) for arm in ARMS]
     return out
@@ -269,20 +367,55 @@ def controls(data: LevelData) -> list[ControlEntry]:
 # -- the edge of stability ---------------------------------------------------------------------------
 
 
+# which Lanczos eigenvalue each context quantity reads: "lambda" (of H) or "preconditioned" (the arm's)
+READS = {"lambda_max": "lambda", "preconditioned_sharpness": "preconditioned", "sharpness_over_edge": "preconditioned"}
+READS |= {f"nds_{d}_over_lambda_max": "lambda" for d in ARMS} | {"lambda_residual_over_lambda_max": "lambda"}
+CONVERGED_SLACK = 10  # lanczos' converged flag: a true residual within 10 tolerances
+
+
+def converged(row: CheckpointScalars, eigenvalue: str) -> bool | None:
+    """Whether a point's ``eigenvalue`` ("lambda" or "preconditioned") converged: its stored flag, else (a
+    point written before the flags) lambda_max's from its residual, within lanczos' slack of
+    :data:`~curvlab.analysis.controls.LANCZOS_TOL` relative to the value; ``None``: it can't be told."""
+    flag = row.paired.get(f"control_{eigenvalue}_converged")
+    if flag is not None:
+        return bool(flag)
+    value, residual = row.paired.get(STABILITY_QUANTITIES["lambda_max"]), row.paired.get("control_lambda_residual")
+    if eigenvalue != "lambda" or value is None or residual is None:
+        return None
+    return bool(residual <= CONVERGED_SLACK * LANCZOS_TOL * abs(value))
+
+
 def _stability_entry(points, arm: str, quantity: str, value) -> StabilityEntry:
-    m = seed_medians(points, value)
+    reads, kept, dropped, untold = READS.get(quantity), {}, 0, 0
+    for seed, rows in points.items():
+        kept[seed] = []
+        for row in rows:
+            ok = None if reads is None or value(row) is None else converged(row, reads)
+            dropped += ok is False
+            untold += reads is not None and value(row) is not None and ok is None
+            if ok is not False or quantity == "lambda_residual_over_lambda_max":
+                kept[seed].append(row)
+    notes = []
+    if dropped:
+        left = "kept: this is how far they got" if quantity == "lambda_residual_over_lambda_max" else "left out"
+        notes.append(f"{dropped} points with an unconverged {reads} eigenvalue ({left})")
+    if untold:
+        notes.append(f"{untold} points without a converged flag (written before it): kept")
+    m = seed_medians(kept, value)
     if m.seeds and all(x > 0 for x in m.medians):
         inf = _infer(m)
-        return StabilityEntry(arm, quantity, inf.value, _ci(inf), len(m.seeds), m.n_points)
-    note = "not measured" if not m.seeds else "a per-seed median <= 0: the mean, no log interval"
+        return StabilityEntry(arm, quantity, inf.value, _ci(inf), len(m.seeds), m.n_points, "; ".join(notes), dropped)
+    notes.insert(0, "not measured" if not m.seeds else "a per-seed median <= 0: the mean, no log interval")
     value = float(np.mean(m.medians)) if m.seeds else None
-    return StabilityEntry(arm, quantity, value, None, len(m.seeds), m.n_points, note)
+    return StabilityEntry(arm, quantity, value, None, len(m.seeds), m.n_points, "; ".join(notes), dropped)
 
 
 def stability(data: LevelData) -> list[StabilityEntry]:
     """Per arm, each edge-of-stability quantity (:data:`STABILITY_QUANTITIES`), Lanczos's residual over
     lambda_max (how far the bounded budget converged), the preconditioned sharpness over its threshold,
-    and NDS / lambda_max of both directions over all parameters."""
+    and NDS / lambda_max of both directions over all parameters; each quantity that reads an eigenvalue
+    over the points where it converged (:class:`StabilityEntry`)."""
     out = []
     for arm in ARMS:
         points = arm_points(data, arm)

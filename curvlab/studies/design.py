@@ -147,7 +147,8 @@ class Measurement(_Part):
     ``track_interval`` steps, the controls (every run keeps its twins, docs/science.md section 14) and,
     every ``stability_interval`` steps, the stability context in at most ``stability_iterations`` Lanczos
     iterations. ``keep``: which checkpoints stay once a seed's analyses are saved ("last", "windows" or
-    "all", to analyse again with other settings)."""
+    "all", to analyse again with other settings). ``factorial``: the factorial of filters and maps at every
+    point the controls read (:mod:`curvlab.analysis.factorial`; the mechanism design)."""
 
     KEEP: ClassVar[tuple[str, ...]] = ("last", "windows", "all")
 
@@ -157,14 +158,15 @@ class Measurement(_Part):
     track_interval: int = 20
     track_batches: int = 2
     controls: bool = True
-    stability_iterations: int = 20
+    stability_iterations: int = 40  # at most, per eigenproblem: it stops at LANCZOS_TOL (about 10 at quick's points)
     stability_interval: int = 60
     keep: str = "last"
+    factorial: bool = False
 
 
 @dataclass(frozen=True)
 class Inference(_Part):
-    """What is judged: the primary claims (:data:`curvlab.studies.paper.PRIMARY` names; ``None``: all five;
+    """What is judged: the primary claims (:data:`curvlab.studies.paper.PRIMARY` names; ``None``: all six;
     the others are shown, descriptive, docs/science.md section 12), and the A/A calibration: ``aa_pairs``
     "neighbouring" ((0, 1), (1, 2), ...: a smoke test) or "disjoint" ((0, 1), (2, 3), ...: independent),
     on ``aa_analysis_batches`` evaluation batches (``None``: the measurement's)."""

@@ -10,6 +10,10 @@
   each window's median, then the mean over seeds (judges "predicted ≈ realized", and nothing else);
 * the equal-step NDS ratio: tracked checkpoints at equal steps, both in the stable phase and off
   the plateau;
+* the direction efficiency with every paired point kept, q(Muon's direction) / q(AdamW's) (Muon over AdamW),
+  beside the primary claim that leaves out the points without a quadratic optimum, and the realized decrease
+  at each direction's optimal step η*: per arm over the predicted one, and Muon's over AdamW's (per seed the
+  median over the paired points, then log-t, Fieller or a t interval across seeds, as the primary family);
 * the Zipf sweep: trajectory-mean NDS (all tracked checkpoints after warmup, unfiltered) divided by
   Muon's at the first s, pooled over seeds; the Muon baseline is part of each seed's statistic, so its
   uncertainty is carried;
@@ -34,6 +38,7 @@ from curvlab.curvature.scalars import RATIO_KEYS, scope_key
 from curvlab.inference import statistics
 from curvlab.studies.paper import CLAIMS, Claim
 from curvlab.studies.records import MATCHED, PRIMARY_COMPARISON, SCOPES, LevelData, with_levels_off_plateau
+from curvlab.studies.seed_values import SeedValues, efficiency_values, optimal_step_values
 from curvlab.util.codec import Record
 
 RATIO_NAMES = {k: f"{k}_ratio" for k in RATIO_KEYS}  # quantity -> its headline entry
@@ -378,6 +383,40 @@ def _decomposition_entries(data: LevelData) -> list[HeadlineEntry]:
     return out
 
 
+def _seed_entry(name: str, scope: str, values: SeedValues | str) -> HeadlineEntry:
+    """A descriptive entry from per-seed values (:mod:`curvlab.studies.seed_values`; a string: why there are
+    none): a ratio's as the primary family infers it (log-t, else Fieller), a mean's by a t interval."""
+    if isinstance(values, str):
+        return _entry(name, scope, None, [], values)
+    c = claim_for(name)
+    if values.denominator is None:
+        inf = statistics.mean_inference(values.numerator, c.null)
+    else:
+        inf = statistics.ratio_inference(values.numerator, values.denominator, c.null)
+    per_seed = [{"seed": seed, "value": x, "units": u} for seed, x, u in zip(values.seeds, inf.per_seed, values.units)]
+    notes = [n for n in (inf.note, *values.notes) if n]
+    if inf.n_seeds < 2:
+        notes.append(f"{inf.n_seeds} seed(s): no interval")
+    ci = None if inf.ci95 is None else list(inf.ci95)
+    return HeadlineEntry(
+        name, scope, c.quantity, inf.value, ci, sum(values.units), inf.n_seeds, per_seed, c.paper, c.paper_text,
+        statistics.DESCRIPTIVE, "; ".join(notes),
+    )  # fmt: skip
+
+
+def _efficiency_entries(data: LevelData) -> list[HeadlineEntry]:
+    """Beside the primary direction efficiency (Muon over AdamW, on the hidden matrices): the same ratio with
+    every point kept (those without a quadratic optimum too, their q negative), and the optimal step's
+    realized decrease: per arm over the predicted one, and Muon's over AdamW's (:mod:`curvlab.studies.seed_values`'s
+    :func:`~.efficiency_values` and :func:`~.optimal_step_values`)."""
+    records = data.matched(PRIMARY_COMPARISON)
+    every = efficiency_values(records, data, "hidden", every_point=True)
+    out = [_seed_entry("direction_efficiency_ratio_all_points", "hidden", every)]
+    for key, values in optimal_step_values(records, data).items():
+        out.append(_seed_entry(f"optimal_{key}", "hidden", values))
+    return out
+
+
 def headline(data: LevelData) -> tuple[list[HeadlineEntry], list[ZipfPoint]]:
     """Every headline entry (module docstring) and the per-s normalized NDS, from the per-level data alone."""
     entries = []
@@ -385,6 +424,7 @@ def headline(data: LevelData) -> tuple[list[HeadlineEntry], list[ZipfPoint]]:
         if data.matched(MATCHED[arm]):
             entries += _matched_entries(data, arm)
     entries += _decomposition_entries(data)
+    entries += _efficiency_entries(data)
     entries += _equal_step_entries(data)
     zipf, per_s = _zipf_entries(data)
     entries += zipf + _rho_entries(data)

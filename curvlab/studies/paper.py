@@ -4,8 +4,9 @@
 Zipf-PCFG language). Report text, figures and notebooks read the paper's side of every comparison
 from here; nothing else in curvlab writes the paper's numbers down.
 
-:data:`PRIMARY` is the primary family: at most six claims fixed before any data are seen, each with
-its quantity, scope, null, claimed direction and the paper's number where there is one. Only these
+:data:`PRIMARY` is the primary family: at most six claims, each with its quantity, scope, null, claimed
+direction, the paper's number where there is one, and when its rule was set (``rule_set``: before seeing
+data, or after, as :data:`POST_HOC_RULES` says why). Only these
 get verdicts (a direction verdict from Holm-adjusted two-sided seed-level tests, and a magnitude
 verdict against the paper's number; :mod:`curvlab.inference.statistics`).
 
@@ -112,6 +113,20 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in [
           "(not reported)", None, "—", None),
     Claim("embed_head_share_muon-moonlight", "Muon-moonlight: share of ||Z||² in embedding + head",
           "(not reported)", None, "—", None),
+    # beside the primary direction_efficiency_ratio (Muon over AdamW, like it), every point kept
+    _ratio("direction_efficiency_ratio_all_points",
+           "Muon/AdamW (Muon over AdamW): q = cos²/NDS of Muon's direction over AdamW's, same W and batch, every "
+           "point (NDS <= 0 kept: q < 0), a seed's median",
+           "Muon's direction buys more of the quadratic model's optimal decrease", 1.76, "1.76", "greater"),
+    Claim("optimal_realized_over_predicted_adamw",
+          "AdamW's direction at the model's optimal step η*: realized / predicted decrease, a seed's median",
+          "(not reported)", None, "—", None),
+    Claim("optimal_realized_over_predicted_muon",
+          "Muon's direction at the model's optimal step η*: realized / predicted decrease, a seed's median",
+          "(not reported)", None, "—", None),
+    Claim("optimal_realized_ratio",
+          "Muon/AdamW (Muon over AdamW): realized decrease L(W) − L(W − η*Z) at each direction's η*, same W and "
+          "batch, a seed's median", "(not reported)", None, "—", None),
 ]}
 # fmt: on
 
@@ -120,11 +135,15 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in [
 class PrimaryClaim:
     """One pre-registered claim of the primary family.
 
-    ``kind`` is ``"ratio"`` (AdamW over Muon; null 1, log scale) or ``"difference"`` (null 0).
+    ``kind`` is ``"ratio"`` (null 1, log scale: AdamW over Muon, but for ``direction_efficiency_ratio``, Muon
+    over AdamW, as its quantity says) or ``"difference"`` (null 0).
     ``direction`` is ``"greater"``/``"less"`` than ``null``, or ``"about"`` ``null`` (within ``band``).
     ``between_runs``: the claim compares the two sides of a matched comparison (AdamW's run against
     Muon's), so it is also well defined for two runs of one arm, where its null holds: the A/A
-    calibration puts exactly these claims through the same pipeline."""
+    calibration puts exactly these claims through the same pipeline.
+    ``rule_set``: ``"before"`` when the claim's rule (what it reads, how a seed's value is formed, and the
+    designs that judge it) was fixed before seeing data that bear on it, ``"after"`` when any of that was set
+    after (each such claim says why in :data:`POST_HOC_RULES`; docs/science.md section 12)."""
 
     name: str
     scope: str
@@ -138,6 +157,7 @@ class PrimaryClaim:
     band: tuple[float, float] | None = None
     between_runs: bool = False
     data: str = ""  # what it needs, for the entry's note when that is missing
+    rule_set: str = "before"  # "before" or "after" seeing data (RULE_SETS)
 
 
 # fmt: off
@@ -147,11 +167,12 @@ PRIMARY: tuple[PrimaryClaim, ...] = (
         "NDS of AdamW's next-step direction over Muon's at the same W and batch (a seed's median over its points)",
         "the mechanism: at the same point, Adam's direction is sharper than Muon's", "ratio", "greater", 1.0,
         None, "> 1", data="paired-direction scalars (paired_nds_*) at the matched windows and the trajectory",
+        rule_set="after",
     ),
     PrimaryClaim(
         "between_nds_ratio", "hidden", "AdamW/Muon NDS at matched validation loss (each run's own step)",
         "Adam's NDS is about 1.76x Muon's", "ratio", "greater", 1.0, 1.76, "1.76", between_runs=True,
-        data="matched comparisons of AdamW and Muon",
+        data="matched comparisons of AdamW and Muon", rule_set="after",
     ),
     PrimaryClaim(
         "alignment_ratio", "hidden", "AdamW/Muon alignment cos(G, Z) at matched validation loss (each run's own step)",
@@ -170,18 +191,35 @@ PRIMARY: tuple[PrimaryClaim, ...] = (
         "rise of rho_within (first to last third of the stable phase off the plateau), Muon's minus AdamW's",
         "Muon's within-layer share grows more than Adam's (+0.30 vs +0.07)", "difference", "greater", 0.0, 0.23,
         "+0.23", data="trajectories of both arms at the first s, each with two stable checkpoints off the plateau",
+        rule_set="after",
+    ),
+    # registered on 2026-12-07, before the runs that judge it (docs/science.md section 12)
+    PrimaryClaim(
+        "direction_efficiency_ratio", "hidden",
+        "Muon/AdamW (Muon over AdamW): q = cos²/NDS of Muon's direction over q of AdamW's at the same W and "
+        "batch (a seed's median over its points with NDS > 0 along both)",
+        "Adam's NDS about 1.76x Muon's, read free of the lr: Muon's direction buys more of the quadratic "
+        "model's optimal decrease", "ratio",
+        "greater", 1.0, 1.76, "1.76",
+        data="paired-direction scalars (paired_q_*, paired_nds_*) at the matched windows and the trajectory",
     ),
 )
 # fmt: on
 
 # The claims whose rule (or whose judging in a preset) was set after seeing data (docs/science.md section 12):
-# the tables mark them, so no reader takes them for pre-registered.
+# the tables mark them, so no reader takes them for pre-registered; their PrimaryClaim.rule_set is "after".
+# (between_nds_ratio's quantity was registered before; whether quick judges it was not, so "after".)
 POST_HOC_RULES = {
     "paired_direction_ratio": "a seed's median of per-point ratios (not the ratio of means), over the matched "
     "windows and the trajectory pooled (not the windows alone): both after reruns disagreed",
     "between_nds_ratio": "descriptive in quick, after its verdict flipped between a 1- and a 2-thread rerun",
     "rho_within_change_gap": "early and late read in the stable phase's thirds, after a run reported not measured",
 }
+
+
+# the ratio claims that put Muon over AdamW (the others: AdamW over Muon), for the tables' and figures' labels
+MUON_OVER_ADAMW = frozenset({"direction_efficiency_ratio", "direction_efficiency_ratio_all_points"})
+RULE_SETS = ("before", "after")  # PrimaryClaim.rule_set, PrimaryEntry.rule_set ("" there: an older summary)
 
 
 def judged_claims(names: tuple[str, ...] | None) -> frozenset[str] | None:

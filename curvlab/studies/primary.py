@@ -13,7 +13,7 @@ for the claims that compare the two sides of a comparison (docs/science.md secti
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -21,8 +21,8 @@ import numpy as np
 from curvlab.inference import exact_tests as exact
 from curvlab.inference import statistics
 from curvlab.inference.exact_tests import floor_text
-from curvlab.studies.controls import NULL_BAND, hp_twin_medians
-from curvlab.studies.paper import PRIMARY, PrimaryClaim, judged_claims
+from curvlab.studies.controls import exchangeable_medians
+from curvlab.studies.paper import POST_HOC_RULES, PRIMARY, PrimaryClaim, judged_claims
 from curvlab.studies.records import PRIMARY_COMPARISON, ComparisonRecord, LevelData
 from curvlab.studies.seed_values import SeedValues, claim_inputs
 from curvlab.util.codec import Record
@@ -36,7 +36,9 @@ class PrimaryEntry(Record):
     ``"not measured"``; ``magnitude``: consistent / larger / smaller / uninformative against ``paper``
     (``None`` without a paper number); ``p`` the unadjusted two-sided p-value, ``p_holm`` Holm's over
     the family (``None`` when not tested); ``kind`` what was judged (``"ratio"``, or ``"difference"``,
-    also when a ratio's denominator had no settled sign: then ``note`` says so)."""
+    also when a ratio's denominator had no settled sign: then ``note`` says so); ``rule_set`` the claim's
+    (:attr:`curvlab.studies.paper.PrimaryClaim.rule_set`: ``"before"`` or ``"after"`` seeing data; ``""`` in a
+    summary written before entries kept it, where :data:`curvlab.studies.paper.POST_HOC_RULES` tells)."""
 
     name: str
     scope: str
@@ -67,6 +69,13 @@ class PrimaryEntry(Record):
     # the exact p that backs the verdict: the opposite side for a contradicted greater/less claim, the
     # larger of two one-sided tests against the band for a supported "about" claim, else p_exact
     p_exact_verdict: float | None = None
+    rule_set: str = ""  # "before" / "after" seeing data; "" read from an older summary (POST_HOC_RULES tells)
+
+    @property
+    def post_hoc(self) -> bool:
+        """Whether the claim's rule was set after seeing data (an older summary's entry: by
+        :data:`curvlab.studies.paper.POST_HOC_RULES`)."""
+        return self.rule_set == "after" if self.rule_set else self.name in POST_HOC_RULES
 
     @property
     def verdict_text(self) -> str:
@@ -100,6 +109,10 @@ class Calibration(Record):
 
 
 MIN_CALIBRATION_TESTS = 10
+# the within-run claims whose A/A is each arm's exchangeable twin, and the quantity of its ratio
+AA_TWIN_CLAIMS = {"paired_direction_ratio": "nds", "direction_efficiency_ratio": "q"}
+# the trajectory claims, whose A/A puts two seeds of one arm in the places of AdamW and Muon
+AA_TRACK_CLAIMS = ("zipf_gap_change", "rho_within_change_gap")
 AA_TEST_FIELDS = ("n_seeds", "value", "ci95", "p", "p_holm", "p_exact", "p_exact_verdict", "direction")
 POWER_LABELS = tuple(f"x{f:g}" for f in exact.AA_FACTORS)  # "x1.5", "x2"
 
@@ -172,7 +185,7 @@ def _exact(claim: PrimaryClaim, values: SeedValues, inf: statistics.SeedInferenc
 
 def _claim_fields(claim: PrimaryClaim) -> dict[str, Any]:
     """The fields of a claim's entry that restate the claim itself, measured or not."""
-    restated = ("name", "scope", "quantity", "statement", "paper", "paper_text")
+    restated = ("name", "scope", "quantity", "statement", "paper", "paper_text", "rule_set")
     return {k: getattr(claim, k) for k in restated} | {"claimed": _claimed(claim)}
 
 
@@ -360,6 +373,57 @@ def _aa_test(
     return row | {"false": false, "power": power}
 
 
+def _single_aa(label: str, claim: PrimaryClaim, values: SeedValues, confidence: float, sims: int) -> dict:
+    """One A/A test of a within-run claim on same-arm values, through the claim's estimator and test at level
+    0.05 on its own; an exact null, so any verdict asserting a difference is false."""
+    inf = _infer(claim, values, confidence)
+    verdict = statistics.direction_verdict(claim.direction, inf, inf.p)
+    ex = _exact(claim, values, inf, verdict)
+    e = _measured_entry(claim, values, inf, True, verdict, inf.p, ex, None)  # (its p_holm is its own p)
+    return _aa_test(label, claim, e, np.asarray(values.numerator, dtype=float), 1, sims, _false(verdict, claim))
+
+
+def _twin_aa_tests(data: LevelData, confidence: float, sims: int) -> list[dict[str, Any]]:
+    """The paired claims' A/A (:data:`AA_TWIN_CLAIMS`): each arm's exchangeable twin, per seed."""
+    out = []
+    for name, quantity in AA_TWIN_CLAIMS.items():
+        claim = next((c for c in PRIMARY if c.name == name), None)
+        for arm in ("adamw", "muon") if claim is not None else ():
+            m = exchangeable_medians(data, arm, quantity)
+            if len(m.seeds) < statistics.MIN_SEEDS:
+                continue
+            values = SeedValues(m.seeds, m.medians, [1.0] * len(m.seeds), [1] * len(m.seeds))
+            label = f"{arm} exchangeable twin" + ("" if quantity == "nds" else f" ({quantity})")
+            out.append(_single_aa(label, claim, values, confidence, sims))
+    return out
+
+
+def same_arm_tracks(data: LevelData, arm: str, pairs: list[tuple[int, int]]) -> LevelData:
+    """``arm``'s trajectories as two arms, for the trajectory claims' A/A: of pair k = (a, b), seed a's as AdamW's
+    and seed b's as Muon's, both as seed k."""
+    tracks = []
+    for k, (a, b) in enumerate(pairs):
+        tracks += [replace(t, arm="adamw", seed=k) for t in data.tracks if t.arm == arm and t.seed == a]
+        tracks += [replace(t, arm="muon", seed=k) for t in data.tracks if t.arm == arm and t.seed == b]
+    return LevelData([], tracks, data.plateau_ceiling, list(data.s_values))
+
+
+def _track_aa_tests(
+    data: LevelData, pairs: list[tuple[int, int]], confidence: float, sims: int
+) -> list[dict[str, Any]]:
+    """The trajectory claims' A/A (:data:`AA_TRACK_CLAIMS`): per arm, two seeds of it in the places of AdamW and
+    Muon (:func:`same_arm_tracks`), one per A/A pair, through the claim's own data rule and test."""
+    out = []
+    for arm in ("adamw", "muon"):
+        relabelled = same_arm_tracks(data, arm, pairs)
+        for claim in (c for c in PRIMARY if c.name in AA_TRACK_CLAIMS):
+            values = claim_inputs(claim, relabelled, [])
+            if isinstance(values, str) or len(values.seeds) < statistics.MIN_SEEDS:
+                continue
+            out.append(_single_aa(f"{arm}/{arm} trajectories", claim, values, confidence, sims))
+    return out
+
+
 def calibration(
     records: list[ComparisonRecord],
     confidence: float = statistics.CONFIDENCE,
@@ -371,14 +435,15 @@ def calibration(
     """The A/A calibration from same-arm comparisons (records named ``"x/x"``, e.g. ``"adamw/adamw"``;
     each record two seeds of one arm, ``pairs``: default each record's seed and the one before, as the reproduction's
     neighbouring pairs). Each same-arm family goes through the primary pipeline for the claims comparing the two sides
-    of a comparison (``between_runs``), with Holm over those claims. With ``data``, the paired claim's A/A too: each
-    arm's hyperparameter twin (its direction over a twin's with one nudged hyperparameter,
-    :func:`curvlab.studies.controls.hp_twin_medians`), per seed, through the paired claim's estimator and test, at level
-    0.05 on its own (the primary family tests it with Holm over the preset's judged claims: the A/A is the stricter, by
-    that factor). A test is a claim with 3 or more seeds or pairs; the false-verdict rate is the share of tests whose
-    direction verdict asserted a difference (:func:`_false`), NaN when there is no test. The hyperparameter twin is an
-    approximate null (its nudge is real, if tiny): its verdict is false when it asserts a difference and its estimate
-    lies outside the null band (:data:`curvlab.studies.controls.NULL_BAND`, ±10%).
+    of a comparison (``between_runs``), with Holm over those claims. With ``data``, the within-run claims' A/A too
+    (:data:`AA_TWIN_CLAIMS`): each arm's exchangeable twin (its direction over the same state's with the last
+    gradient from an independent batch, both under a held-out H: :func:`curvlab.studies.controls.exchangeable_medians`),
+    per seed, through the claim's estimator and test, at level 0.05 on its own (the primary family tests it with
+    Holm over the preset's judged claims: the A/A is the stricter, by that factor). An exact null: any verdict
+    asserting a difference is false. And the trajectory claims' (:data:`AA_TRACK_CLAIMS`), with the A/A pairs'
+    two seeds of one arm in the places of AdamW and Muon. A test is a claim with 3 or more seeds or pairs; the
+    false-verdict rate is the share of tests whose direction verdict asserted a difference (:func:`_false`), NaN
+    when there is no test.
 
     Neighbouring pairs (k - 1, k) share a seed: their log ratios correlate by -0.5, so the t interval over
     records is about 2.2x too wide and a correct pipeline flags far fewer than 5% (docs/science.md section
@@ -399,22 +464,10 @@ def calibration(
             per_test.append(_aa_test(name, claim, e, values, len(claims), sims, _false(e.direction, claim)))
     covered = {c.name for c in claims}
     if data is not None:
-        paired = next(c for c in PRIMARY if c.name == "paired_direction_ratio")
-        for arm in ("adamw", "muon"):
-            m = hp_twin_medians(data, arm)
-            if len(m.seeds) < statistics.MIN_SEEDS:
-                continue
-            inf = statistics.ratio_inference(m.medians, [1.0] * len(m.medians), paired.null, confidence)
-            verdict = statistics.direction_verdict(paired.direction, inf, inf.p)
-            values = SeedValues(m.seeds, m.medians, [1.0] * len(m.seeds), [1] * len(m.seeds))
-            ex = _exact(paired, values, inf, verdict)
-            # (the fields an A/A row reads: its p_holm is its own p, at level 0.05 alone)
-            e = _measured_entry(paired, values, inf, True, verdict, inf.p, ex, None)
-            # an approximate null: a verdict is false when it asserts more than the null band's difference
-            lo, hi = NULL_BAND
-            false = _false(verdict, paired) and not lo <= inf.value <= hi
-            per_test.append(_aa_test(f"{arm} hyperparameter twin", paired, e, np.asarray(m.medians), 1, sims, false))
-            covered.add(paired.name)
+        twins = _twin_aa_tests(data, confidence, sims)
+        tracks = _track_aa_tests(data, sorted(used_pairs) or sorted(map(tuple, pairs or [])), confidence, sims)
+        per_test += twins + tracks
+        covered |= {t["claim"] for t in twins + tracks}
     n = len(per_test)
     rate = sum(t["false"] for t in per_test) / n if n else float("nan")
     ordered = sorted(used_pairs)

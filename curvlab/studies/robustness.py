@@ -4,7 +4,8 @@ would change (docs/science.md section 15), judged from each setting's own ``leve
 
 A setting's ratio is the primary family's ``paired_direction_ratio`` (:func:`curvlab.studies.primary.
 primary_family`, judged alone: one claim, no Holm correction across settings, which are not a family of
-tests of one hypothesis but one estimate under changed conditions), its controls those of every
+tests of one hypothesis but one estimate under changed conditions), with direction efficiency beside it,
+judged alone alike, its controls those of every
 reproduction (:func:`curvlab.studies.controls.controls`), and ``controls_passed`` whether every measured
 control passed (``None``: none was measured). Nothing is dropped: a setting whose ratio is not measured,
 or whose controls fail, is a row saying so.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from curvlab.studies.controls import ControlEntry, StabilityEntry, controls, stability
 from curvlab.studies.primary import primary_family
@@ -24,6 +25,7 @@ from curvlab.util.versions import SoftwareVersions
 
 ROBUSTNESS_SCHEMA_VERSION = 1
 PAIRED = "paired_direction_ratio"
+EFFICIENCY = "direction_efficiency_ratio"
 
 
 @dataclass(frozen=True)
@@ -45,17 +47,29 @@ class SettingResult(Record):
     lr: dict[str, dict[str, float]]
     controls: list[ControlEntry] = field(default_factory=list)
     edge_of_stability: list[StabilityEntry] = field(default_factory=list)
+    # direction efficiency, judged alone like the paired ratio (value, ci95, verdict); ``registered`` False: a
+    # setting run before issue 50 registered its rule and the equivalence bands, which are descriptive in it
+    efficiency: dict[str, Any] | None = None
+    registered: bool = True
 
 
-def setting_result(setting: str, label: str, levels: LevelData, lr: dict[str, dict[str, float]]) -> SettingResult:
-    """One setting's row, from its ``levels.json`` (module docstring)."""
+def setting_result(
+    setting: str, label: str, levels: LevelData, lr: dict[str, dict[str, float]], registered: bool = True
+) -> SettingResult:
+    """One setting's row, from its ``levels.json`` (module docstring); ``registered`` False: a run made before
+    direction efficiency's rule and the controls' equivalence bands were registered, where they are
+    descriptive."""
     p = next(e for e in primary_family(levels, judged=(PAIRED,)) if e.name == PAIRED)
-    checks = controls(levels)
+    family = primary_family(levels, judged=(EFFICIENCY,) if registered else ())
+    q = next(e for e in family if e.name == EFFICIENCY)
+    efficiency = {"value": q.value, "ci95": q.ci95, "verdict": q.verdict_text}
+    checks = controls(levels, registered)
     measured = [c for c in checks if c.passed is not None]
     ratio = (p.value, p.ci95, p.n_seeds, p.n_units, p.direction, p.verdict_text, p.p_exact)
     passed = all(c.passed for c in measured) if measured else None
     failed = [f"{c.name} ({c.arm})" for c in measured if not c.passed]
-    return SettingResult(setting, label, *ratio, passed, failed, lr, checks, stability(levels))
+    context = stability(levels)
+    return SettingResult(setting, label, *ratio, passed, failed, lr, checks, context, efficiency, registered)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import ClassVar
 from curvlab.errors import CurvlabError
 from curvlab.studies.controls import ControlEntry, StabilityEntry
 from curvlab.studies.headline import HeadlineEntry, ZipfPoint
+from curvlab.studies.mechanism import CellEntry, Term
 from curvlab.studies.primary import Calibration, PrimaryEntry
 from curvlab.studies.records import JsonFile
 from curvlab.studies.tuning import TuningRecord
@@ -71,6 +72,9 @@ class Summary(JsonFile):
     versions: SoftwareVersions | None = None  # what it was made with (None: a summary from before they were kept)
     controls: list[ControlEntry] = field(default_factory=list)  # curvlab.studies.controls.controls
     edge_of_stability: list[StabilityEntry] = field(default_factory=list)  # curvlab.studies.controls.stability
+    cells: list[CellEntry] = field(default_factory=list)  # the factorial (curvlab.studies.mechanism.cells)
+    decomposition: dict[str, Term] | None = None  # curvlab.studies.mechanism.decomposition, where measured
+    paired_parts: dict[str, Term] | None = None  # curvlab.studies.mechanism.paired_parts
     schema_version: int = SUMMARY_SCHEMA_VERSION
     SCHEMA_VERSION: ClassVar[int] = SUMMARY_SCHEMA_VERSION
     WHAT: ClassVar[str] = "summary.json"
