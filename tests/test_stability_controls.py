@@ -269,6 +269,11 @@ def test_unconverged_eigenvalues_are_left_out_of_the_aggregates_and_counted():
     residual = e[("adamw", "lambda_residual_over_lambda_max")]
     assert residual.n_points == 9 and residual.n_unconverged == 3 and "kept" in residual.note
     assert e[("muon", "lambda_max")].n_unconverged == 0 and e[("muon", "lambda_max")].note == ""
+    # every eigenvalue entry says how far Lanczos got: the median relative residual over all its points, and
+    # whether every one converged
+    assert lam.residual == pytest.approx(0.01 / 50) and lam.converged is False  # (medians of 0.0002, 300, 0.0002)
+    assert e[("muon", "lambda_max")].converged is True and e[("muon", "lambda_max")].residual == pytest.approx(2e-4)
+    assert e[("adamw", "edge_of_stability")].residual is None and e[("adamw", "edge_of_stability")].converged is None
 
 
 def test_points_written_before_the_flags_judge_lambda_max_by_its_residual():
@@ -281,4 +286,5 @@ def test_points_written_before_the_flags_judge_lambda_max_by_its_residual():
     pre = e[("adamw", "preconditioned_sharpness")]
     assert pre.n_unconverged == 0 and pre.n_points == 6
     assert "6 points without a converged flag (written before it): kept" in pre.note
+    assert pre.converged is None and pre.residual is None  # (no residual stored, convergence untold)
     assert StabilityEntry.from_dict({k: v for k, v in lam.to_dict().items() if k != "n_unconverged"}).n_unconverged == 0

@@ -57,8 +57,9 @@ def reproduce(
     preset: str = typer.Option(
         "quick",
         help="micro (seconds), quick (CPU, ~10 min: AdamW and Muon, 6 seeds, s = 0), standard (CPU, ~75 min: "
-        "8 seeds, 4412 tokens, the Zipf sweep, the control arm), paper (GPU) or robustness (CPU: the paired "
-        "ratio at 9 settings of quick's design, 3 seeds each).",
+        "8 seeds, 4412 tokens, the Zipf sweep, the control arm), mechanism (CPU: quick's design with the "
+        "factorial of filters and maps at every point), paper (GPU) or robustness (CPU: the paired ratio at 9 "
+        "settings of quick's design, 3 seeds each).",
     ),
     out: Path = typer.Option(None, help="Output directory; a re-run continues it.", show_default="results/<preset>"),
     fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),

@@ -122,6 +122,11 @@ class StabilityEntry(Record):
     n_points: int
     note: str = ""
     n_unconverged: int = 0
+    # for a quantity that reads a Lanczos eigenvalue: the median over its points of that eigenvalue's
+    # relative residual |Av - theta v| / |theta|, and whether every point's converged (None: none is read, or
+    # some points' convergence can't be told)
+    residual: float | None = None
+    converged: bool | None = None
 
 
 # -- per-seed reductions -----------------------------------------------------------------------------
@@ -403,12 +408,24 @@ def _stability_entry(points, arm: str, quantity: str, value) -> StabilityEntry:
     if untold:
         notes.append(f"{untold} points without a converged flag (written before it): kept")
     m = seed_medians(kept, value)
+    lanczos = _residual(points, reads), None if reads is None or untold or not m.seeds else not dropped
     if m.seeds and all(x > 0 for x in m.medians):
         inf = _infer(m)
-        return StabilityEntry(arm, quantity, inf.value, _ci(inf), len(m.seeds), m.n_points, "; ".join(notes), dropped)
+        note = "; ".join(notes)
+        return StabilityEntry(arm, quantity, inf.value, _ci(inf), len(m.seeds), m.n_points, note, dropped, *lanczos)
     notes.insert(0, "not measured" if not m.seeds else "a per-seed median <= 0: the mean, no log interval")
     value = float(np.mean(m.medians)) if m.seeds else None
-    return StabilityEntry(arm, quantity, value, None, len(m.seeds), m.n_points, "; ".join(notes), dropped)
+    return StabilityEntry(arm, quantity, value, None, len(m.seeds), m.n_points, "; ".join(notes), dropped, *lanczos)
+
+
+def _residual(points: dict[int, list[CheckpointScalars]], reads: str | None) -> float | None:
+    """The median over every point of the eigenvalue's relative residual (``None``: none read or stored)."""
+    if reads is None:
+        return None
+    eigenvalue = STABILITY_QUANTITIES["lambda_max" if reads == "lambda" else "preconditioned_sharpness"]
+    relative = ratio_of(f"control_{reads}_residual", eigenvalue)
+    values = [abs(x) for rows in points.values() for x in map(relative, rows) if x is not None and np.isfinite(x)]
+    return float(np.median(values)) if values else None
 
 
 def stability(data: LevelData) -> list[StabilityEntry]:
