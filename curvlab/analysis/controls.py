@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from curvlab.analysis.directions import PAIRED, Direction, counterfactual_directions, measure_directions
+from curvlab.analysis.directions import PAIRED, Direction, counterfactual_directions, measure_hidden
 from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import CurvaturePoint
 from curvlab.errors import CurvlabError
@@ -135,9 +135,10 @@ def held_out_measures(
     dtype,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Each direction's NDS and cosine with the batch's gradient on the hidden matrices, under the Hessian
-    of ``batch`` (by ``method``, in ``dtype``): ``({name: nds}, {name: cos})``."""
+    of ``batch`` (by ``method``, in ``dtype``): ``({name: nds}, {name: cos})``. The hidden scope alone, so one
+    batched HVP over the stacked directions serves them all (the paired directions' two scopes take two each)."""
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
-        measured = measure_directions(point, directions, hidden)
+        measured = measure_hidden(point, directions, hidden)
     return {d.name: d.hidden.nds for d in measured}, {d.name: d.hidden.cosine for d in measured}
 
 

@@ -447,6 +447,36 @@ def _optimal_step(point: CurvaturePoint, hidden: PairedCurvature, z: Mapping[str
     return replace(hidden, optimal_predicted=0.5 * gz * gz / zhz, optimal_realized=realized)
 
 
+def measure_hidden(
+    point: CurvaturePoint, directions: Sequence[Direction], hidden: Sequence[str]
+) -> tuple[PairedDirection, ...]:
+    """Every direction on the hidden matrices alone (its ``all`` scope NaN), by one batched HVP over the
+    stacked directions: a control's direction, which the aggregates read there only, at a fraction of
+    :func:`measure_directions`' two second backwards a direction.
+
+    Raises:
+        CurvlabError: a direction that doesn't match the point's parameters, or is zero on the hidden matrices.
+    """
+    rows = []
+    for d in directions:
+        row = {n: d.z[n] if n in hidden else torch.zeros_like(p) for n, p in point.params.items()}
+        param_dicts.check_like(point.params, row, f"direction {d.name}")
+        rows.append(row)
+    stacked = {n: torch.stack([r[n].to(point.dtype) for r in rows]) for n in point.params}
+    gz, zhz = point.quadratic_forms(stacked)
+    zz = param_dicts.stacked_dot(stacked, stacked, list(point.params))
+    gg = param_dicts.dot(point.gradient, point.gradient, hidden)
+    if zero := [d.name for k, d in enumerate(directions) if not zz[k] > 0]:
+        raise CurvlabError(f"the direction {zero[0]} is zero on the hidden matrices")
+    nan_scope = PairedCurvature(*(nan,) * 8)
+    return tuple(
+        PairedDirection(
+            d.name, d.source, d.scaling, nan_scope, PairedCurvature.of(float(gz[k]), float(zhz[k]), float(zz[k]), gg)
+        )
+        for k, d in enumerate(directions)
+    )
+
+
 def measured_directions(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -460,14 +490,16 @@ def measured_directions(
     shadow: ShadowState | None = None,
     controls: Mapping[str, ShadowState] | None = None,
     extra: Sequence[Direction] = (),
+    hidden_only: Sequence[str] = (),
     method: str = DEFAULT_METHOD,
     dtype: torch.dtype | None = None,
 ) -> tuple[PairedDirections, list[Direction]]:
     """The directions ``names`` and one per control shadow (:func:`counterfactual_directions`), then ``extra``
     (directions made elsewhere: the exchangeable twins), measured at ``params`` on ``batch``
     (:func:`measure_directions`, with the two arms' optimal steps on the hidden matrices), over all parameters
-    and the hidden matrices: the record, and the directions of ``names`` and the controls (for measures beyond
-    this point's H)."""
+    and the hidden matrices, but those named in ``hidden_only`` on the hidden matrices alone
+    (:func:`measure_hidden`): the record, and the directions of ``names`` and the controls (for measures
+    beyond this point's H)."""
     base, multiplier, directions = counterfactual_directions(
         model, optimizer, G, Z, names, shadow=shadow, controls=controls
     )
@@ -475,8 +507,10 @@ def measured_directions(
     every = [*directions, *extra]
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
         arms = measure_directions(point, [d for d in every if d.name in PAIRED], hidden, optimal=True)
-        rest = [d for d in every if d.name not in PAIRED]
+        rest = [d for d in every if d.name not in PAIRED and d.name not in hidden_only]
         others = measure_directions(point, rest, hidden) if rest else ()
+        controls_only = [d for d in every if d.name not in PAIRED and d.name in hidden_only]
+        others += measure_hidden(point, controls_only, hidden) if controls_only else ()
     by_name = {d.name: d for d in (*arms, *others)}
     measured = tuple(by_name[d.name] for d in every)
     used = shadow is not None and any(d.source.startswith("shadow") for d in directions)
