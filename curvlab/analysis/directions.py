@@ -198,12 +198,14 @@ class PairedDirections(Record):
         :class:`curvlab.curvature.scalars.CheckpointScalars`), plus ``paired_norm_...``, and on the hidden scope
         the optimal step's decreases, ``paired_optpred_{direction}_hidden`` and ``paired_optreal_...``
         (:class:`PairedCurvature`), only where measured: a direction without a quadratic optimum (NDS <= 0), or
-        a report from before they were, has neither (no NaN in a window's mean)."""
+        a report from before they were, has neither (no NaN in a window's mean); nor has a scope a direction was
+        not measured on (:func:`measure_hidden`'s ``all``, whose norm is NaN where a measured one never is)."""
         keys = {"nds": "nds", "cos": "cosine", "q": "q", "norm": "update_norm"}
         out = {
             f"paired_{key}_{d.name}_{scope}": getattr(d.scope(scope), attribute)
             for d in self.directions
             for scope in SCOPES
+            if not isnan(d.scope(scope).update_norm)
             for key, attribute in keys.items()
         }
         optimal = {"optpred": "optimal_predicted", "optreal": "optimal_realized"}
