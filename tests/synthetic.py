@@ -29,7 +29,12 @@ FILLER = {
 
 
 def side(optimizer: str, scalars: dict[str, float], step: int = 10) -> WindowSide:
-    member = {"step": step, "val_loss": 4.0, "taylor_ok": True, **FILLER, **{k: float(v) for k, v in scalars.items()}}
+    """One window of one checkpoint; its own step's cos(G, Z) (``cosine``, ``hidden_cosine``) is the paired one
+    of its optimizer where ``scalars`` give that, as an analysed checkpoint's is."""
+    keys = {f"{p}cosine": f"paired_cos_{optimizer}_{s}" for p, s in (("", "all"), ("hidden_", "hidden"))}
+    own = {k: float(scalars[key]) for k, key in keys.items() if key in scalars}
+    given = {k: float(v) for k, v in scalars.items()}
+    member = {"step": step, "val_loss": 4.0, "taylor_ok": True, **FILLER, **own, **given}
     return WindowSide(optimizer, step, 4.0, 1.0, 0.01, [CheckpointScalars.from_dict(member)], [])
 
 

@@ -185,16 +185,18 @@ def test_tuning_seeds_are_disjoint_from_the_measured_ones_in_both_jobs():
 
 def test_the_a_a_comparisons_read_their_own_number_of_batches(tmp_path, monkeypatch):
     """``aa_analysis_batches`` sets the A/A comparisons' evaluation batches (standard: 1 against the claims'
-    2), and only theirs; unset, the A/A reads as many as the claims; 0 is refused."""
+    2), and only theirs; unset, the A/A reads as many as the claims; 0 is refused. An A/A comparison
+    measures no shadow (its claims read each run's own step), the others do."""
 
     import curvlab.jobs.measure as measure
     import curvlab.jobs.reproduce as reproduce
     from curvlab.jobs.presets import PRESETS
 
-    seen = {}
+    seen, shadowed = {}, {}
 
     def compare_runs(a, b, out, criteria, settings, **kw):
         seen[out.name] = settings.batches
+        shadowed[out.name] = settings.paired
 
     monkeypatch.setattr(measure, "compare_runs", compare_runs)
     preset = PRESETS["micro"].changed(analysis_batches=3, aa_analysis_batches=1)
@@ -202,6 +204,7 @@ def test_the_a_a_comparisons_read_their_own_number_of_batches(tmp_path, monkeypa
     for name in ("adamw/muon", "adamw/sgd", "adamw/adamw", "muon/muon"):
         measure.compare(job, preset, name, 1, (tmp_path / "a", tmp_path / "b"), 0.0, name.replace("/", "-"))
     assert seen == {"adamw-muon": 3, "adamw-sgd": 3, "adamw-adamw": 1, "muon-muon": 1}
+    assert shadowed == {"adamw-muon": True, "adamw-sgd": True, "adamw-adamw": False, "muon-muon": False}
     assert PRESETS["standard"].aa_batches == 1 and PRESETS["standard"].measurement.analysis_batches == 2
     assert preset.changed(aa_analysis_batches=None).aa_batches == 3
     with pytest.raises(CurvlabError, match="aa_analysis_batches 0 must be >= 1"):
@@ -226,12 +229,13 @@ def test_directories_made_before_presets_became_records_continue(tmp_path):
     def since_issue_50(config):
         """The design changes of issue 50: the stability context's Lanczos budget went from 20 to 40
         iterations, and quick's design (robustness's base) judges direction efficiency too and tracks every
-        40 steps."""
+        40 steps, only the checkpoints a claim or control reads, and matches single checkpoints."""
         text = json.dumps(config).replace('"stability_iterations": 20', '"stability_iterations": 40')
         judged = '"primary": ["paired_direction_ratio", "alignment_ratio"]'
         now = '"primary": ["paired_direction_ratio", "direction_efficiency_ratio", "alignment_ratio"]'
-        if judged in text:  # quick's design (and robustness's base) also tracks every 40 steps, not 20
-            text = text.replace('"track_interval": 20', '"track_interval": 40')
+        if judged in text:  # quick's design (and robustness's base)
+            text = text.replace('"track_interval": 20', '"track_interval": 40, "track_points": "read"')
+            text = text.replace('"window": 1', '"window": 0')
         return json.loads(text.replace(judged, now))
 
     for name, job in jobs.items():
@@ -245,7 +249,8 @@ def test_directories_made_before_presets_became_records_continue(tmp_path):
         path.write_text(json.dumps({**now, "config_version": CONFIG_VERSION}))
         job._check_config()  # but for those, the same configuration (factorial, added since, off): no error
         assert json.loads(path.read_text())["preset"] == now["preset"]  # left as it was
-    for change in ({"check_points": 5}, {"factorial": True}):  # an added field counts at its old value only
+    # an added field counts at its old value only
+    for change in ({"check_points": 5}, {"factorial": True}, {"track_points": "all"}):
         changed = Reproduction(PRESETS["quick"].changed(**change), tmp_path / "quick", progress=False)
         with pytest.raises(CurvlabError, match="of another configuration"):
             changed._check_config()

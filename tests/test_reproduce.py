@@ -281,6 +281,52 @@ def test_every_summary_number_is_rederivable_from_the_per_level_json(micro):
     assert summary.entry("normalized_nds_muon_s1").value == pytest.approx(pooled("muon", 1.0) / pooled("muon", 0.0))
 
 
+def test_tracking_only_the_read_checkpoints_changes_no_claim(micro, monkeypatch):
+    """``track_points="read"`` (quick's) analyses of each run only the tracked checkpoints inside the stable
+    phase and off the unigram plateau, and every primary claim's inputs, the controls and the A/A are those of
+    the full trajectories (micro tracks all of its checkpoints: ``track_run`` is stood in for by their rows);
+    and the alignment claim reads the own step's cos(G, Z) from the plain scalars, as the shadowed points give
+    it (an A/A comparison measures no shadow)."""
+    from curvlab.jobs.reproduce import plateaus
+    from curvlab.studies.controls import controls
+    from curvlab.studies.primary import PRIMARY, calibration
+    from curvlab.studies.seed_values import claim_inputs
+
+    out, summary = micro
+    data = LevelData.load(out / "analysis" / "levels.json")
+    preset = PRESETS["micro"].changed(track_points="read")
+    job = Reproduction(preset, out, progress=False)
+    full = {(t.arm, t.s, t.seed): t for t in data.tracks}
+    asked = {}
+
+    def track_run(run, analysis, settings, *, steps, **kw):
+        key = (run.parent.name, float(run.parent.parent.name[1:]), int(run.name[4:]))
+        asked[key] = steps
+        return [r for r in full[key].rows if r.step in steps]
+
+    monkeypatch.setattr(measure, "track_run", track_run)
+    ceilings = plateaus(preset, {s: out / "data" / f"s{s:g}" for s in data.s_values})
+    tracks = [measure.track(job, preset, t.s, t.arm, t.seed, ceilings[t.s]) for t in data.tracks]
+    for t in data.tracks:
+        assert asked.get((t.arm, t.s, t.seed), []) == [r.step for r in t.after_warmup()]
+    read = LevelData(data.comparisons, tracks, data.plateau_ceiling, data.s_values)
+    assert sum(len(t.rows) for t in tracks) < sum(len(t.rows) for t in data.tracks)  # (something was left out)
+    primary = [r for r in data.comparisons if r.name == "adamw/muon"]
+    for claim in PRIMARY:
+        assert claim_inputs(claim, read, primary) == claim_inputs(claim, data, primary), claim.name
+    assert controls(read, True) == controls(data, True)
+    pairs = [tuple(p) for p in summary.calibration.pairs]
+    assert calibration(data.comparisons, data=read, pairs=pairs) == calibration(
+        data.comparisons, data=data, pairs=pairs
+    )
+    for record in primary:
+        for level in record.comparison.levels:
+            for side in (level.a, level.b):
+                for m in side.members:
+                    own = m.paired[f"paired_cos_{side.optimizer}_hidden"]
+                    assert m.value("hidden_cosine") == pytest.approx(own, rel=1e-12, abs=1e-15)
+
+
 def _side(optimizer, nds_values, ok):
     members = [
         {

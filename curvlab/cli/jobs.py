@@ -118,12 +118,16 @@ def readme_results(
     note: str = typer.Option("", help="A sentence to add after the timing line (e.g. how the machine was shared)."),
     page: Path = typer.Option(Path("docs/results.md"), help="The whole results page (rewritten)."),
     rerun: Path | None = typer.Option(None, help="A rerun's output directory: add the rerun-agreement table."),
+    page_only: bool = typer.Option(
+        False, help="Write the page alone, leaving the README (a design it has no section for: mechanism)."
+    ),
 ) -> None:
     """Regenerate the README's results section (the primary family) and the whole results page (caveats,
     descriptive quantities, figures) from a reproduction's summary.json."""
 
-    update_readme(results, readme=readme, figures=figures, note=note, page=page, rerun=rerun)
-    typer.echo(f"rewrote the results section of {readme} and {page}; figures in {figures}")
+    update_readme(results, readme=None if page_only else readme, figures=figures, note=note, page=page, rerun=rerun)
+    which = f"{page}" if page_only else f"the results section of {readme} and {page}"
+    typer.echo(f"rewrote {which}; figures in {figures}")
 
 
 @one_line_errors

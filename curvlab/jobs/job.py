@@ -52,8 +52,9 @@ CONFIG_VERSION = 2  # 2: presets embed their tuning and matching settings
 # holds them continues, as one written without them
 RETIRED_FIELDS = frozenset({"n_boot"})
 # fields added to a job's config since, with the value that does what a config without them did (factorial:
-# the mechanism design's factorial of filters and maps, off in every other design)
-ADDED_FIELDS = {"factorial": False}
+# the mechanism design's factorial of filters and maps, off in every other design; track_points: every
+# tracked checkpoint analysed)
+ADDED_FIELDS = {"factorial": False, "track_points": "all"}
 
 
 def _without_retired(config: Any) -> Any:

@@ -20,7 +20,7 @@ from curvlab.analysis.targets import AnalysisSettings
 from curvlab.jobs.job import Job
 from curvlab.jobs.pruning import prune_run, window_checkpoints
 from curvlab.jobs.tune import control_lr
-from curvlab.runs.match import NoMatchedLevel
+from curvlab.runs.match import NoMatchedLevel, run_checkpoints
 from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.design import ARMS, CONTROL_ARM, Preset, train_config
@@ -46,11 +46,14 @@ def controlled(preset: Preset, s: float, arm: str) -> bool:
     return preset.measurement.controls and s == preset.language.s_values[0] and arm in ("adamw", "muon")
 
 
-def settings(preset: Preset, batches: int, tracked: bool = False, controls: bool = True) -> AnalysisSettings:
+def settings(
+    preset: Preset, batches: int, tracked: bool = False, controls: bool = True, paired: bool = True
+) -> AnalysisSettings:
     """How a checkpoint is analysed: with the controls' directions, the held-out H and the exchangeable twins
     at every point where the preset keeps controls (not in the A/A and control-arm comparisons, whose points
     the controls don't read: the twins there tripled their cost), with the factorial there where the preset
-    measures it, and at a tracked checkpoint of
+    measures it; with the shadow's direction unless ``paired`` is off (an A/A comparison's claims read each
+    run's own step only); and at a tracked checkpoint of
     :func:`stability_steps` also the stability context (a subset: its Lanczos runs cost more than everything
     else at a point)."""
     m = preset.measurement
@@ -60,6 +63,7 @@ def settings(preset: Preset, batches: int, tracked: bool = False, controls: bool
         blocks="layer",
         batch="train",
         batches=batches,
+        paired=paired,
         controls=kept,
         held_out=kept,
         stability=stability,
@@ -108,7 +112,9 @@ def compare(job: Job, preset: Preset, name: str, seed: int, runs: tuple[Path, Pa
     batches = preset.aa_batches if first == second else preset.measurement.analysis_batches
     criteria = replace(preset.measurement.matching, plateau_ceiling=plateau)
     analysis = job.out / "analysis"
-    how = settings(preset, batches, controls=name == PRIMARY_COMPARISON)
+    # an A/A comparison feeds the between-run claims only, which read each run's own step: no shadow (the
+    # shadow's direction was half its cost, and quick's A/A were 188 of its 315 s of comparisons)
+    how = settings(preset, batches, controls=name == PRIMARY_COMPARISON, paired=first != second)
     try:
         with job.clock("compare"):
             c = compare_runs(*runs, analysis / out, criteria, how, progress=job.progress, cache=analysis / "reports")
@@ -119,17 +125,26 @@ def compare(job: Job, preset: Preset, name: str, seed: int, runs: tuple[Path, Pa
 
 
 def track(job: Job, preset: Preset, s: float, arm: str, seed: int, plateau: float) -> TrackRecord:
-    """The trajectory of one run: every tracked checkpoint analysed, the stability context where due."""
-    m = preset.measurement
+    """The trajectory of one run: every tracked checkpoint analysed (with ``track_points`` "read", those inside
+    the stable phase and off the unigram plateau alone: what the claims and controls read), the stability
+    context where due."""
+    m, tr = preset.measurement, preset.training
+    run = run_dir(job.out, s, arm, seed)
+    steps = track_steps(preset)
+    if m.track_points == "read":
+        read = {c.step for c in run_checkpoints(run) if c.phase == "stable" and c.val_loss < plateau}
+        steps = [k for k in steps if k in read]
+        if not steps:
+            return TrackRecord(arm, s, seed, tr.steps, tr.warmup_steps, [])
     keeps = controlled(preset, s, arm)
     tracked = dict.fromkeys(stability_steps(preset) if keeps else [], settings(preset, m.track_batches, True))
     plain = settings(preset, m.track_batches, controls=keeps)
-    where = {"cache": job.out / "analysis" / "reports", "steps": track_steps(preset), "plateau_ceiling": plateau}
+    where = {"cache": job.out / "analysis" / "reports", "steps": steps, "plateau_ceiling": plateau}
     where |= {"progress": job.progress, "settings_at": tracked}
     analysis = job.out / "analysis" / f"track-{s_name(s)}-{arm}-seed{seed}"
     with job.clock("track"):
-        rows = track_run(run_dir(job.out, s, arm, seed), analysis, plain, **where)
-    return TrackRecord(arm, s, seed, preset.training.steps, preset.training.warmup_steps, rows)
+        rows = track_run(run, analysis, plain, **where)
+    return TrackRecord(arm, s, seed, tr.steps, tr.warmup_steps, rows)
 
 
 def measure_seed(

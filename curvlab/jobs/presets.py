@@ -53,8 +53,8 @@ PRESETS = {
         quadratic=MICRO_QUADRATIC,
         finetune="micro",
     ),
-    # The paired design with power, on a CPU in ten minutes (596 s on two cores: its budget, with 4 s to
-    # spare; the controls and the sixth seed cost about 100 s each): AdamW and Muon, 6 seeds each, at s = 0 on a
+    # The paired design with power, on a CPU in ten minutes (465 s on two cores, issue 50's cuts below;
+    # the controls and the sixth seed cost about 100 s each): AdamW and Muon, 6 seeds each, at s = 0 on a
     # 1024-token version of the grammar (with the paper's 4412 tokens, 70% of `tiny` is embedding and
     # head, and two CPUs for a few minutes don't get it past unigram statistics). The learning rates come
     # from the committed table (made by the full search at this size and horizon), checked on a
@@ -65,9 +65,8 @@ PRESETS = {
     # AdamW barely leaves the unigram plateau, each seed has 1-4 matched levels, and the between-run ratio's verdict
     # flipped between a 1- and a 2-thread rerun (docs/science.md section 12). It is shown, descriptive; `standard`
     # judges it. A checkpoint every 2 steps: at 4, Muon's loss fell ~2% between checkpoints near the plateau's edge, so
-    # 3-5 of a seed's 6 levels found no pair within the 1% tolerance, and the alignment rested on 3-9 AdamW
-    # checkpoints, each with a cos(G, Z) spread of 33% that a rerun draws afresh. One evaluation batch:
-    # that spread is the update's own (it stays with 16 batches), and the saved time pays for the levels.
+    # 3-5 of a seed's 6 levels found no pair within the 1% tolerance. One evaluation batch: a checkpoint's cos(G, Z)
+    # spread of 33% is the update's own (it stays with 16 batches), and the saved time pays for the levels.
     # 6 seeds, not 5: Holm over the three judged claims needs a p below 0.017 for the first, and 5 seeds'
     # exact one-sided floor is 1/32 (6 seeds: 1/64), docs/science.md section 12. The A/A pairs are
     # neighbours, a smoke test: disjoint pairs ((0, 1), (2, 3), (4, 5)) share no checkpoint report between
@@ -79,11 +78,22 @@ PRESETS = {
         Network(model_overrides={"vocab_size": 1088}),
         Training(steps=200, ckpt_every=2, device="cpu"),
         # the stability context at step 120 only: at 60, 120 and 180 it took 100 of quick's 684 s, and 60 is
-        # on AdamW's plateau and 180 in the decay, where the aggregates read nothing. A tracked checkpoint every
-        # 40 steps, not 20 (issue 50): the held-out H and the exchangeable twins at every point took quick from
-        # 596 s to 855 s (track 263 s of it); sampling is cut, not controls, and the paired claims keep the
-        # matched windows' points
-        measurement=Measurement(analysis_batches=1, track_interval=40, track_batches=1, stability_interval=120),
+        # on AdamW's plateau and 180 in the decay, where the aggregates read nothing. Issue 50's held-out H and
+        # exchangeable twins at every point took quick from 596 s to 855 s; sampling is cut, not controls
+        # (docs/science.md section 14): a tracked checkpoint every 40 steps, not 20 (855 -> 704 s); of those
+        # only the ones a claim or control reads, in the stable phase off the plateau (40-80 of AdamW's and
+        # 160-200 of both arms' fed the trajectory figures alone), and no shadow in the A/A comparisons, whose
+        # claims read each run's own step (704 -> 601-605 s, no judged input changed); and a matched level is
+        # one checkpoint, not a window of three (601 -> 465 s): a point costs 2 s with its controls, and the
+        # windows' neighbours were two thirds of the comparisons' points
+        measurement=Measurement(
+            matching=replace(STABLE_MATCHING, window=0),
+            analysis_batches=1,
+            track_interval=40,
+            track_batches=1,
+            stability_interval=120,
+            track_points="read",
+        ),
         inference=Inference(primary=("paired_direction_ratio", "direction_efficiency_ratio", "alignment_ratio")),
         seeds=6,
         arms=("adamw", "muon"),

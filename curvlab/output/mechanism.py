@@ -84,6 +84,12 @@ def mechanism_section(summary: Summary) -> list[str]:
     """The report's section (empty where nothing of it was measured)."""
     line = paired_parts_line(summary)
     lines = ["## What makes Muon's step flatter", "", line, ""] if line else []
+    return lines + factorial_lines(summary)
+
+
+def factorial_lines(summary: Summary) -> list[str]:
+    """The factorial's cells table and its decomposition (empty without them: every design but mechanism)."""
+    lines = []
     if summary.cells:
         lines += [
             "The factorial of filters and maps on the hidden matrices, each cell over Muon's own (Nesterov × "

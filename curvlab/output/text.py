@@ -28,7 +28,7 @@ from curvlab.output.cells import (
     value_cell,
     yes_no_cell,
 )
-from curvlab.output.mechanism import mechanism_section, paired_parts_line
+from curvlab.output.mechanism import factorial_lines, mechanism_section, paired_parts_line
 from curvlab.studies.controls import NULL_BAND, ControlEntry, StabilityEntry
 from curvlab.studies.headline import HeadlineEntry
 from curvlab.studies.paper import QUADRATIC_EXAMPLE
@@ -57,7 +57,10 @@ README_ROWS = (
     *("embed_head_share_muon", "taylor_error_adamw", "taylor_error_muon", "normalized_nds_adamw_s0"),
     *("normalized_nds_muon_s1", "gap_change", "rho_within_muon_change", "rho_within_change_gap"),
 )
-README_FIGURES = ("fig0_primary_forest", "fig2_nds_update_norm", "fig3_zipf_nds", "tuning_grids", "within_gap_by_layer")
+README_FIGURES = (
+    *("fig0_primary_forest", "fig2_nds_update_norm", "fig3_zipf_nds", "tuning_grids", "within_gap_by_layer"),
+    *("fig8_factorial", "fig8_decomposition"),  # (mechanism's)
+)
 STAGES = ("data", "tune", "train", "compare", "track", "finetune", "fineweb", "quadratic", "summary", "figures")
 
 
@@ -483,6 +486,7 @@ def render_readme_results(summary: Summary, figures_dir: str = "docs/results", n
         "",
         *primary_section(summary, forest),
         *([line, ""] if (line := paired_parts_line(summary)) else []),
+        *factorial_lines(summary),
         "Controls (docs/science.md section 14):",
         "",
         *controls_section(summary),
@@ -549,7 +553,7 @@ def render_readme_teaser(summary: Summary, figures_dir: str = "docs/results", pa
 
 def update_readme(
     results: str | Path,
-    readme: str | Path = "README.md",
+    readme: str | Path | None = "README.md",
     figures: str | Path = "docs/results",
     note: str = "",
     page: str | Path = "docs/results.md",
@@ -558,19 +562,22 @@ def update_readme(
     """From ``results/summary.json``: rewrite the README's results section of that summary's preset
     (between the :func:`readme_markers` lines: the primary family), write the whole results ``page``,
     and copy the figures they show into ``figures``. Links are relative to the file that holds them.
+    ``readme`` ``None``: the page alone (a design the README has no section for, as `mechanism`).
     ``rerun``: another run's directory (with summary.json) whose :func:`rerun_agreement` the page adds.
 
     Raises:
         CurvlabError: no summary, or a README without the markers.
     """
-    results, readme, figures, page = Path(results), Path(readme), Path(figures), Path(page)
+    results, figures, page = Path(results), Path(figures), Path(page)
     summary = Summary.load(results / "summary.json")
-    text = readme.read_text()
-    begin, end = readme_markers(summary.preset)
-    if begin not in text or end not in text:
-        raise CurvlabError(f"{readme}: no results markers for the {summary.preset} preset ({begin!r} ... {end!r})")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
+    if readme is not None:
+        readme = Path(readme)
+        text = readme.read_text()
+        begin, end = readme_markers(summary.preset)
+        if begin not in text or end not in text:
+            raise CurvlabError(f"{readme}: no results markers for the {summary.preset} preset ({begin!r} ... {end!r})")
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
     figures.mkdir(parents=True, exist_ok=True)
     for name in README_FIGURES:
         source = results / "figures" / f"{name}.png"
@@ -585,5 +592,6 @@ def update_readme(
     if rerun is not None:
         whole += "\n" + "\n".join(rerun_agreement(summary, Summary.load(Path(rerun) / "summary.json")))
     atomic_write_text(page, f"# Results: the {summary.preset} preset\n\n{whole}")
-    teaser = render_readme_teaser(summary, relative(figures, readme), relative(page, readme))
-    atomic_write_text(readme, head + begin + "\n\n" + teaser + "\n" + end + tail)
+    if readme is not None:
+        teaser = render_readme_teaser(summary, relative(figures, readme), relative(page, readme))
+        atomic_write_text(readme, head + begin + "\n\n" + teaser + "\n" + end + tail)

@@ -148,9 +148,12 @@ class Measurement(_Part):
     every ``stability_interval`` steps, the stability context in at most ``stability_iterations`` Lanczos
     iterations. ``keep``: which checkpoints stay once a seed's analyses are saved ("last", "windows" or
     "all", to analyse again with other settings). ``factorial``: the factorial of filters and maps at every
-    point the controls read (:mod:`curvlab.analysis.factorial`; the mechanism design)."""
+    point the controls read (:mod:`curvlab.analysis.factorial`; the mechanism design). ``track_points``:
+    "all" tracked checkpoints, or only those a claim or control reads ("read": inside the stable phase and
+    off the unigram plateau; the trajectory figures then show those alone)."""
 
     KEEP: ClassVar[tuple[str, ...]] = ("last", "windows", "all")
+    TRACK_POINTS: ClassVar[tuple[str, ...]] = ("all", "read")
 
     matching: MatchCriteria = STABLE_MATCHING
     plateau_fraction: float = PLATEAU_FRACTION
@@ -162,6 +165,7 @@ class Measurement(_Part):
     stability_interval: int = 60
     keep: str = "last"
     factorial: bool = False
+    track_points: str = "all"
 
 
 @dataclass(frozen=True)
@@ -297,6 +301,7 @@ class Preset:
         _one_of("adam_side", t.adam_side, Tuning.ADAM_SIDES)
         _one_of("aa_pairs", self.inference.aa_pairs, Inference.PAIRS)
         _one_of("keep", m.keep, Measurement.KEEP)
+        _one_of("track_points", m.track_points, Measurement.TRACK_POINTS)
         if self.seeds < 1:
             raise CurvlabError("a preset needs seeds >= 1")
         self.tuning_settings.validate(self.seeds)

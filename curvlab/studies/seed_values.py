@@ -28,11 +28,6 @@ class SeedValues:
     notes: list[str] = field(default_factory=list)
 
 
-def _own(arm: str, quantity: str, scope: str) -> str:
-    """The paired-direction key of an arm's own step (``paired_cos_adamw_hidden`` on AdamW's side)."""
-    return f"paired_{quantity}_{arm}_{scope}"
-
-
 def _sign_note(values: list[float], what: str, kept: str = "the per-seed means") -> str:
     bad = sum(1 for v in values if not v > 0)
     return f"{bad} of {len(values)} {what} <= 0 (kept in {kept})" if bad else ""
@@ -53,8 +48,9 @@ def _between(records: list[ComparisonRecord], key_of) -> SeedValues | str:
         for lv in r.comparison.headline_levels:
             a, b = r.comparison.sides(lv)
             ma, mb = a.mean, b.mean  # (a property that averages every key)
-            if ka not in ma or kb not in mb:
-                return f"no {ka if ka not in ma else kb} in the matched windows (older runs)"
+            missing = [k for k, m in ((ka, ma), (kb, mb)) if not np.isfinite(m.get(k, nan))]
+            if missing:  # (absent, or NaN: a scalar an older file lacks reads as NaN)
+                return f"no {missing[0]} in the matched windows (older runs)"
             xs.append(ma[ka])
             ys.append(mb[kb])
         seeds.append(r.seed)
@@ -329,7 +325,7 @@ def claim_inputs(claim: PrimaryClaim, data: LevelData, records: list[ComparisonR
     if claim.name == "between_nds_ratio":
         return _between(records, lambda arm: scope_key("nds", claim.scope))
     if claim.name == "alignment_ratio":
-        return _between(records, lambda arm: _own(arm, "cos", claim.scope))
+        return _between(records, lambda arm: scope_key("cosine", claim.scope))
     if claim.name == "zipf_gap_change":
         return _zipf_gap(data, claim.scope)
     if claim.name == "rho_within_change_gap":
