@@ -1,5 +1,6 @@
 """The bookkeeping ``curvlab reproduce`` and ``curvlab finetune`` share: config guard and invocation times."""
 
+import dataclasses
 import json
 import math
 
@@ -228,13 +229,13 @@ def test_directories_made_before_presets_became_records_continue(tmp_path):
 
     def since_issue_50(config):
         """The design changes of issue 50: the stability context's Lanczos budget went from 20 to 40
-        iterations, and quick's design (robustness's base) judges direction efficiency too and tracks every
-        40 steps, only the checkpoints a claim or control reads, and matches single checkpoints."""
+        iterations, and quick's design (robustness's base) judges direction efficiency too, tracks only the
+        checkpoints a claim or control reads, and matches single checkpoints."""
         text = json.dumps(config).replace('"stability_iterations": 20', '"stability_iterations": 40')
         judged = '"primary": ["paired_direction_ratio", "alignment_ratio"]'
         now = '"primary": ["paired_direction_ratio", "direction_efficiency_ratio", "alignment_ratio"]'
         if judged in text:  # quick's design (and robustness's base)
-            text = text.replace('"track_interval": 20', '"track_interval": 40, "track_points": "read"')
+            text = text.replace('"track_interval": 20', '"track_interval": 20, "track_points": "read"')
             text = text.replace('"window": 1', '"window": 0')
         return json.loads(text.replace(judged, now))
 
@@ -292,3 +293,41 @@ def test_a_summary_saved_by_itself_is_strict_json(tmp_path):
     text = (tmp_path / "summary.json").read_text()
     assert "NaN" not in text and json.loads(text)["seconds"] is None
     assert Summary.load(tmp_path / "summary.json").preset == "quick"
+
+
+def test_the_read_checkpoints_are_those_a_trajectory_mean_reads():
+    """``track_points="read"`` picks, before any analysis, exactly the tracked checkpoints that
+    ``TrackRecord.after_warmup`` (what every trajectory aggregate, the paired claim and the controls read)
+    would keep of the full trajectory: in the stable phase, off the plateau (a loss at the ceiling is on it),
+    after warmup; a run that never leaves the plateau reads none."""
+    from curvlab.curvature.scalars import CheckpointScalars
+    from curvlab.jobs.measure import read_steps
+    from curvlab.runs.match import Checkpoint
+    from curvlab.studies.records import TrackRecord
+
+    plateau, warmup = 6.0, 10
+    phases = {k: "warmup" if k < warmup else "stable" if k <= 160 else "decay" for k in range(0, 201, 2)}
+    losses = {k: 6.8 - 0.01 * k for k in phases}  # off the plateau from step 82; at the ceiling exactly at 80
+    losses[120] = 6.1  # a tracked checkpoint back on the plateau mid-phase
+    checkpoints = [Checkpoint(step=k, val_loss=losses[k], path=f"ckpt_{k}.pt", phase=p) for k, p in phases.items()]
+    steps = list(range(4, 201, 4))
+    rows = [
+        CheckpointScalars.from_dict(
+            {
+                "step": c.step,
+                "val_loss": c.val_loss,
+                "taylor_ok": True,
+                "phase": c.phase,
+                "on_plateau": c.val_loss >= plateau,
+            }
+        )
+        for c in checkpoints
+        if c.step in steps
+    ]
+    expected = [r.step for r in TrackRecord("adamw", 0.0, 0, 200, warmup, rows).after_warmup()]
+    got = read_steps(checkpoints, steps, plateau, warmup)
+    assert got == expected and got[0] == 84 and 120 not in got and got[-1] == 160
+    early = [dataclasses.replace(c, val_loss=1.0, phase="stable") for c in checkpoints if c.step <= 8]
+    assert read_steps(early, [4, 8], plateau, warmup) == []  # (before the warmup's end: not read)
+    on = [dataclasses.replace(c, val_loss=7.0) for c in checkpoints]
+    assert read_steps(on, steps, plateau, warmup) == []

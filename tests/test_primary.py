@@ -161,6 +161,42 @@ def test_missing_data_is_not_measured_never_a_verdict_or_a_crash():
     assert all(x.direction == statistics.NOT_MEASURED for x in empty.values())
 
 
+def test_a_level_whose_value_is_not_finite_is_left_out_with_a_note_and_none_left_is_not_measured():
+    """The between-run claims average each seed's levels; a level whose window mean is NaN (a scalar an
+    older file lacks reads as NaN) is left out and named, never averaged in or turned into a crash; with
+    none finite the claim is not measured. The alignment reads each run's own step's cos (hidden_cosine)."""
+    from curvlab.studies.seed_values import claim_inputs
+
+    data = _experiment(np.random.default_rng(3), 4, s_values=(0.0,), tracks=False)
+    claim = next(c for c in PRIMARY if c.name == "alignment_ratio")
+    whole = claim_inputs(claim, data, data.comparisons)
+    first = data.comparisons[0]
+    lv = first.comparison.levels[2]
+    broken = replace(lv.a.members[0], hidden=replace(lv.a.members[0].hidden, cosine=float("nan")))
+    levels = list(first.comparison.levels)
+    levels[2] = replace(lv, a=replace(lv.a, members=[broken]))
+    records = [replace(first, comparison=replace(first.comparison, levels=levels)), *data.comparisons[1:]]
+    got = claim_inputs(claim, data, records)
+    kept = [k for k in range(LEVELS) if k != 2]
+    cos = [[m.value("hidden_cosine") for m in (x.a.members[0], x.b.members[0])] for x in first.comparison.levels]
+    assert got.units == [LEVELS - 1, *whole.units[1:]] and got.seeds == whole.seeds
+    assert got.numerator[0] == pytest.approx(np.mean([cos[k][0] for k in kept]))
+    assert got.denominator[0] == pytest.approx(np.mean([cos[k][1] for k in kept]))
+    assert got.numerator[1:] == whole.numerator[1:]
+    assert any("1 level(s) with a value that is not finite left out (seed 0 at" in n for n in got.notes)
+    nan_all = [
+        replace(r, comparison=replace(r.comparison, levels=[
+            replace(x, a=replace(x.a, members=[replace(m, hidden=replace(m.hidden, cosine=float("nan")))
+                                               for m in x.a.members]))
+            for x in r.comparison.levels
+        ]))
+        for r in data.comparisons
+    ]  # fmt: skip
+    assert claim_inputs(claim, data, nan_all).startswith("no finite hidden_cosine")
+    e = {x.name: x for x in primary_family(replace(data, comparisons=nan_all))}["alignment_ratio"]
+    assert e.direction == statistics.NOT_MEASURED and e.value is None
+
+
 def test_a_design_judges_only_its_own_claims_and_holm_runs_over_those():
     """quick judges the two paired claims: the others keep their estimate and interval, but no verdict
     (direction nor magnitude) and no place in Holm's correction, which then runs over two tests."""

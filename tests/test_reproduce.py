@@ -9,7 +9,9 @@ import nbformat
 import numpy as np
 import pytest
 from nbclient import NotebookClient
+from typer.testing import CliRunner
 
+from curvlab.cli import app
 from curvlab.curvature.scalars import CheckpointScalars
 from curvlab.data.shards import TrainBatches
 from curvlab.errors import CurvlabError
@@ -415,6 +417,15 @@ def test_report_and_readme_render_the_summary(micro, tmp_path):
     plain.write_text("# no markers\n")
     with pytest.raises(ValueError, match="no results markers"):
         update_readme(out, plain, tmp_path / "figures")
+    # a page alone (a design the README has no section for), through the CLI: the README is left as it was
+    alone = tmp_path / "docs" / "alone.md"
+    args = ["readme-results", str(out), "--readme", str(plain), "--figures", str(tmp_path / "docs" / "alone")]
+    refused = CliRunner().invoke(app, [*args, "--page-only"])
+    assert refused.exit_code != 0 and "--page-only needs --page" in refused.output and not alone.exists()
+    written = CliRunner().invoke(app, [*args, "--page-only", "--page", str(alone)])
+    assert written.exit_code == 0, written.output
+    assert plain.read_text() == "# no markers\n"
+    assert render_readme_results(loaded, "alone") in alone.read_text()
 
 
 @pytest.mark.heavy

@@ -116,15 +116,19 @@ def readme_results(
     readme: Path = typer.Option(Path("README.md"), help="The README whose results section is rewritten."),
     figures: Path = typer.Option(Path("docs/results"), help="Where the figures the README shows are copied."),
     note: str = typer.Option("", help="A sentence to add after the timing line (e.g. how the machine was shared)."),
-    page: Path = typer.Option(Path("docs/results.md"), help="The whole results page (rewritten)."),
+    page: Path | None = typer.Option(
+        None, help="The whole results page (rewritten). [default: docs/results.md; with --page-only, required]"
+    ),
     rerun: Path | None = typer.Option(None, help="A rerun's output directory: add the rerun-agreement table."),
     page_only: bool = typer.Option(
         False, help="Write the page alone, leaving the README (a design it has no section for: mechanism)."
     ),
 ) -> None:
     """Regenerate the README's results section (the primary family) and the whole results page (caveats,
-    descriptive quantities, figures) from a reproduction's summary.json."""
-
+    descriptive quantities, figures) from a reproduction's summary.json; with --page-only, the page alone."""
+    if page_only and page is None:  # (the default page is quick's: a page-only design must name its own)
+        raise CurvlabError("--page-only needs --page, the design's own page (e.g. docs/results-mechanism.md)")
+    page = page or Path("docs/results.md")
     update_readme(results, readme=None if page_only else readme, figures=figures, note=note, page=page, rerun=rerun)
     which = f"{page}" if page_only else f"the results section of {readme} and {page}"
     typer.echo(f"rewrote {which}; figures in {figures}")

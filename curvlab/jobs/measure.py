@@ -20,7 +20,7 @@ from curvlab.analysis.targets import AnalysisSettings
 from curvlab.jobs.job import Job
 from curvlab.jobs.pruning import prune_run, window_checkpoints
 from curvlab.jobs.tune import control_lr
-from curvlab.runs.match import NoMatchedLevel, run_checkpoints
+from curvlab.runs.match import Checkpoint, NoMatchedLevel, run_checkpoints
 from curvlab.runs.train import train
 from curvlab.studies.compare import compare_runs
 from curvlab.studies.design import ARMS, CONTROL_ARM, Preset, train_config
@@ -87,6 +87,14 @@ def stability_steps(preset: Preset) -> list[int]:
     return [k for k in track_steps(preset) if k % m.stability_interval == 0 and k in inside]
 
 
+def read_steps(checkpoints: list[Checkpoint], steps: list[int], plateau: float, warmup: int) -> list[int]:
+    """Of ``steps``, those whose checkpoint a claim or control reads: in the stable phase, off the unigram
+    plateau (a loss below ``plateau``) and after ``warmup`` (:meth:`~curvlab.studies.records.TrackRecord.after_warmup`'s
+    rule, decided before the analysis from the run's index)."""
+    read = {c.step for c in checkpoints if c.phase == "stable" and c.val_loss < plateau and c.step >= warmup}
+    return [k for k in steps if k in read]
+
+
 def train_arm(job: Job, preset: Preset, data: dict[float, Path], s: float, arm: str, seed: int, chosen) -> Path:
     """Train one measured run. It carries a shadow of the other arm (docs/science.md section 11): an AdamW
     run a Muon momentum at Muon's chosen lr, a Muon run Adam's moments at AdamW's; and its twins where the
@@ -132,8 +140,7 @@ def track(job: Job, preset: Preset, s: float, arm: str, seed: int, plateau: floa
     run = run_dir(job.out, s, arm, seed)
     steps = track_steps(preset)
     if m.track_points == "read":
-        read = {c.step for c in run_checkpoints(run) if c.phase == "stable" and c.val_loss < plateau}
-        steps = [k for k in steps if k in read]
+        steps = read_steps(run_checkpoints(run), steps, plateau, tr.warmup_steps)
         if not steps:
             return TrackRecord(arm, s, seed, tr.steps, tr.warmup_steps, [])
     keeps = controlled(preset, s, arm)

@@ -102,8 +102,9 @@ def reproduction_notes(
             f"{control['set_from_seed']}'s matched levels."
         )
     notes.append(
-        f"Matched levels: {m.matching.description()} {p.training.ckpt_every} steps apart (windows share "
-        f"no checkpoint), each analysed on {m.analysis_batches} batch(es) of {tokens} tokens; trajectories on "
+        f"Matched levels: {m.matching.description()}, checkpoints {p.training.ckpt_every} steps apart"
+        + (" (windows share no checkpoint)" if m.matching.window else "")
+        + f", each analysed on {m.analysis_batches} batch(es) of {tokens} tokens; trajectories on "
         f"{m.track_batches}, stable phase only"
         + (f"; the A/A comparisons' levels on {p.aa_batches}." if p.aa_batches != m.analysis_batches else ".")
     )
@@ -118,11 +119,19 @@ def reproduction_notes(
             n = counts.setdefault(t.arm, [0, 0])
             n[0] += len(t.rows) - len(t.after_warmup())
             n[1] += len(t.rows)
-        notes.append(
-            "Trajectory means leave out checkpoints on the unigram plateau or outside the stable phase: "
-            + ", ".join(f"{arm} {off} of {total}" for arm, (off, total) in sorted(counts.items()))
-            + "."
-        )
+        if m.track_points == "read":
+            notes.append(
+                "Trajectories analyse only the tracked checkpoints a claim or control reads, in the stable phase "
+                "off the unigram plateau: "
+                + ", ".join(f"{arm} {total}" for arm, (_, total) in sorted(counts.items()))
+                + "."
+            )
+        else:
+            notes.append(
+                "Trajectory means leave out checkpoints on the unigram plateau or outside the stable phase: "
+                + ", ".join(f"{arm} {off} of {total}" for arm, (off, total) in sorted(counts.items()))
+                + "."
+            )
     if final:
         notes.append(final_loss_note(final, p.training.steps))
     if paper is not None and m.analysis_batches < (full := paper.measurement.analysis_batches):

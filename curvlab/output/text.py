@@ -575,7 +575,10 @@ def update_readme(
         text = readme.read_text()
         begin, end = readme_markers(summary.preset)
         if begin not in text or end not in text:
-            raise CurvlabError(f"{readme}: no results markers for the {summary.preset} preset ({begin!r} ... {end!r})")
+            raise CurvlabError(
+                f"{readme}: no results markers for the {summary.preset} preset ({begin!r} ... {end!r}); "
+                "for a page alone, use --page-only"
+            )
         head, rest = text.split(begin, 1)
         _, tail = rest.split(end, 1)
     figures.mkdir(parents=True, exist_ok=True)

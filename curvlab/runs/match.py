@@ -99,10 +99,12 @@ class MatchCriteria:
     def description(self) -> str:
         """The criteria in words, for a report's notes."""
         levels = f"{self.levels} targets" if isinstance(self.levels, int) else f"the targets {list(self.levels)}"
-        return (
-            f"{levels} in the {self.phase} phase, tolerance {self.tolerance:.0%}, each averaged over a window of "
-            f"up to {2 * self.window + 1} checkpoints"
+        each = (
+            "each a single checkpoint"
+            if self.window == 0
+            else f"each averaged over a window of up to {2 * self.window + 1} checkpoints"
         )
+        return f"{levels} in the {self.phase} phase, tolerance {self.tolerance:.0%}, {each}"
 
     def validate(self) -> None:
         if self.phase not in PHASES:

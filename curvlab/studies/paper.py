@@ -178,7 +178,7 @@ PRIMARY: tuple[PrimaryClaim, ...] = (
         "alignment_ratio", "hidden", "AdamW/Muon alignment cos(G, Z) at matched validation loss (each run's own step)",
         "I1 about equal (here: the alignment with the gradient, free of step size)", "ratio", "about", 1.0,
         None, "≈ 1", band=ABOUT_EQUAL, between_runs=True,
-        data="paired-direction scalars (paired_cos_*) at the matched levels",
+        data="each run's own-step cos(G, Z) on the hidden matrices (hidden_cosine) at the matched levels",
     ),
     PrimaryClaim(
         "zipf_gap_change", "hidden",

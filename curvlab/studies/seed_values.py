@@ -41,24 +41,31 @@ def _between(records: list[ComparisonRecord], key_of) -> SeedValues | str:
     usable = with_levels_off_plateau(records)
     if not usable:
         return "no matched comparison with a level off the unigram plateau"
-    seeds, num, den, units, raw = [], [], [], [], []
+    seeds, num, den, units, raw, skipped = [], [], [], [], [], []
     for r in usable:
         xs, ys = [], []
         ka, kb = (key_of(arm) for arm in r.name.split("/"))
         for lv in r.comparison.headline_levels:
             a, b = r.comparison.sides(lv)
             ma, mb = a.mean, b.mean  # (a property that averages every key)
-            missing = [k for k, m in ((ka, ma), (kb, mb)) if not np.isfinite(m.get(k, nan))]
-            if missing:  # (absent, or NaN: a scalar an older file lacks reads as NaN)
-                return f"no {missing[0]} in the matched windows (older runs)"
+            if ka not in ma or kb not in mb:
+                return f"no {ka if ka not in ma else kb} in the matched windows (older runs)"
+            if not (np.isfinite(ma[ka]) and np.isfinite(mb[kb])):  # (a scalar an older file lacks reads as NaN)
+                skipped.append(f"seed {r.seed} at {lv.target:.4g}")
+                continue
             xs.append(ma[ka])
             ys.append(mb[kb])
-        seeds.append(r.seed)
-        num.append(float(np.mean(xs)))
-        den.append(float(np.mean(ys)))
-        units.append(len(xs))
-        raw += xs + ys
+        if xs:
+            seeds.append(r.seed)
+            num.append(float(np.mean(xs)))
+            den.append(float(np.mean(ys)))
+            units.append(len(xs))
+            raw += xs + ys
+    if not seeds:
+        return f"no finite {ka} / {kb} in the matched windows (older runs lack it)"
     notes = [n for n in [_sign_note(raw, "window means")] if n]
+    if skipped:
+        notes.append(f"{len(skipped)} level(s) with a value that is not finite left out ({'; '.join(skipped[:3])})")
     return SeedValues(seeds, num, den, units, notes)
 
 
