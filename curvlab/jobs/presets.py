@@ -53,7 +53,7 @@ PRESETS = {
         quadratic=MICRO_QUADRATIC,
         finetune="micro",
     ),
-    # The paired design with power, on a CPU in ten minutes (465 s on two cores, issue 50's cuts below;
+    # The paired design with power, on a CPU in ten minutes (522 s on two cores, issue 50's cuts below;
     # the controls and the sixth seed cost about 100 s each): AdamW and Muon, 6 seeds each, at s = 0 on a
     # 1024-token version of the grammar (with the paper's 4412 tokens, 70% of `tiny` is embedding and
     # head, and two CPUs for a few minutes don't get it past unigram statistics). The learning rates come
