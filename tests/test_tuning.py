@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -155,3 +156,18 @@ def test_a_corrupt_table_is_a_one_line_error(tmp_path):
     bad.write_text(json.dumps(schema.sealed({"schema_version": 1})))
     with pytest.raises(ValueError, match="not a learning-rate table"):
         read_lr_table(bad)
+
+
+def test_a_design_that_only_adds_measurements_runs_at_its_bases_tabled_learning_rates():
+    """The committed table is keyed by preset; a design without its own entry takes one made under the same
+    tuning fingerprint (mechanism is quick plus the factorial: quick's rates, not a search of its own),
+    and a design with other tuning settings still finds none."""
+    from curvlab.jobs.lr_table import read_lr_table
+    from curvlab.jobs.presets import PRESETS
+    from curvlab.jobs.tune import _table_entry
+
+    quick, mechanism = PRESETS["quick"], PRESETS["mechanism"]
+    assert "mechanism" not in read_lr_table()
+    assert mechanism.tuning_fingerprint() == quick.tuning_fingerprint()
+    assert _table_entry(mechanism) == read_lr_table()["quick"] == _table_entry(quick)
+    assert _table_entry(dataclasses.replace(quick.changed(batch_size=8), name="other")) is None

@@ -137,7 +137,8 @@ PRESETS = {
 # What makes Muon's step flatter (issue 50; docs/science.md section 16): quick's design, with the factorial of
 # filters and maps at every point the paired claim reads, under the own batch's H and the held-out H. The
 # factorial's ten cells cost 40 second backwards a point on top of quick's. Its runs are quick's design and
-# seeds, tuned and trained again (the same numbers only where a rerun is bit-identical: one machine, one
+# seeds at quick's tabled learning rates (the table's entry of the same tuning fingerprint, checked again on
+# its 3 points), trained again: the same numbers only where a rerun is bit-identical (one machine, one
 # thread count), so its claims are a replicate of quick's and its cells are read at its own points.
 PRESETS["mechanism"] = replace(
     PRESETS["quick"], name="mechanism", measurement=replace(PRESETS["quick"].measurement, factorial=True)

@@ -34,7 +34,7 @@ def tune(job: Job, preset: Preset, data: Path) -> TuningRecord:
     if saved is not None:
         return saved
     t = preset.tuning
-    table = read_lr_table().get(preset.name) if t.lr_source == "table" else None
+    table = _table_entry(preset) if t.lr_source == "table" else None
     fallback = None
     if table is not None and table.get("fingerprint") != preset.tuning_fingerprint():
         table, fallback = None, "the committed table's entry was made under other settings"
@@ -55,6 +55,18 @@ def tune(job: Job, preset: Preset, data: Path) -> TuningRecord:
     mode = "search" if table is None else "table"
     record = TuningRecord(mode, s0, horizon, seeds, searches, chosen, t.adam_side, fallback, table, moved)
     return job.save_tuning(record)
+
+
+def _table_entry(preset: Preset) -> dict | None:
+    """The committed table's entry for ``preset``: its own, or else one made under the same tuning settings
+    (the same fingerprint: a design that adds only measurements, as mechanism does to quick, runs at its
+    base's learning rates)."""
+    entries = read_lr_table()
+    own = entries.get(preset.name)
+    if own is not None:
+        return own
+    fingerprint = preset.tuning_fingerprint()
+    return next((e for e in entries.values() if e.get("fingerprint") == fingerprint), None)
 
 
 def _search(job: Job, preset: Preset, data: Path, seeds: list[int]) -> dict[str, LrSearch]:
