@@ -238,3 +238,29 @@ def test_the_injected_directions_are_labelled_instrument_checks_and_counted_apar
     unjudged = f" ({len(others) - len(judged)} descriptive or not measured)" if len(judged) < len(others) else ""
     assert sentence.startswith(f"{sum(e.passed is True for e in judged)} of {len(judged)} controls passed{unjudged}. ")
     assert f"{sum(e.passed is True for e in injected)} of {len(injected)} instrument checks held" in sentence
+
+
+def test_the_committed_mechanism_design_follows_from_its_levels_and_is_its_page():
+    """The mechanism design's factorial (its cells, with intervals and the held-out H's ratios) and the
+    decomposition of AdamW's cell over Muon's are what its committed levels give, in the schema issue 50
+    names, and its page (`curvlab readme-results --page-only`) is generated from its summary."""
+    from curvlab.studies.mechanism import TERMS, cells, decomposition
+
+    summary = Summary.load(RESULTS / "mechanism" / "summary.json")
+    levels = LevelData.load(RESULTS / "mechanism" / "levels.json")
+    assert summary.preset == "mechanism"
+    assert json.dumps([c.to_dict() for c in cells(levels)]) == json.dumps([c.to_dict() for c in summary.cells])
+    parts = decomposition(levels)
+    assert json.dumps({k: t.to_dict() for k, t in parts.items()}) == json.dumps(
+        {k: t.to_dict() for k, t in summary.decomposition.items()}
+    )
+    raw = json.loads((RESULTS / "mechanism" / "summary.json").read_text())
+    assert len(raw["cells"]) == 20 and set(raw["decomposition"]) == set(TERMS)  # (10 cells, 2 scopes)
+    for cell in raw["cells"]:
+        assert {"filter", "map", "scope", "nds_ratio", "cos_ratio", "q_ratio", "ci95", "held_out"} <= set(cell)
+        assert set(cell["ci95"]) == {"nds", "cos", "q"}
+    for term in raw["decomposition"].values():
+        assert {"value", "ci95"} <= set(term)
+    figures = Path(os.path.relpath(RESULTS / "mechanism" / "figures", ROOT / "docs")).as_posix()
+    assert render_readme_results(summary, figures) in (ROOT / "docs" / "results-mechanism.md").read_text()
+    assert (RESULTS / "mechanism" / "figures" / "fig8_factorial.png").is_file()
