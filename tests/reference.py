@@ -84,17 +84,20 @@ class MLP(nn.Module):
 ADAM_LR, ADAM_BETAS, ADAM_EPS = 0.05, (0.9, 0.999), 1e-8  # adam_trained_mlp's
 
 
-def adam_trained_mlp(steps=3, seed=0, *, optimizer=torch.optim.Adam, width=7, **options):
+def adam_trained_mlp(steps=3, seed=0, *, optimizer=torch.optim.Adam, width=7, group_lrs=None, **options):
     """A float64 MLP after ``steps`` full-batch steps of ``optimizer`` (torch's Adam; ``options`` such as
-    ``weight_decay`` or ``amsgrad``) at :data:`ADAM_LR`, :data:`ADAM_BETAS`, :data:`ADAM_EPS`: its model,
-    optimizer, loss function, parameters and batch."""
+    ``weight_decay`` or ``amsgrad``) at :data:`ADAM_LR`, :data:`ADAM_BETAS`, :data:`ADAM_EPS` (``group_lrs``:
+    fc1 and fc2 in two param groups at these lrs): its model, optimizer, loss function, parameters and batch."""
     from curvlab.engine.loss import make_loss_fn
 
     torch.manual_seed(seed)
     model = MLP(d_hidden=width).double()
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(9, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (9,), generator=g)
-    opt = optimizer(model.parameters(), lr=ADAM_LR, betas=ADAM_BETAS, eps=ADAM_EPS, **options)
+    params = model.parameters()
+    if group_lrs is not None:
+        params = [{"params": list(m.parameters()), "lr": lr} for m, lr in zip((model.fc1, model.fc2), group_lrs)]
+    opt = optimizer(params, lr=ADAM_LR, betas=ADAM_BETAS, eps=ADAM_EPS, **options)
     for _ in range(steps):
         F.cross_entropy(model(x), y).backward()
         opt.step()

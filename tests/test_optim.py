@@ -6,9 +6,11 @@ from torch import nn
 
 from curvlab import build_optimizer, make_loss_fn, msign, next_update
 from curvlab.errors import CurvlabError
-from curvlab.models.gpt import GPT, get_config
+from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
+from curvlab.optim.build import check_optimizer_options
 from curvlab.optim.combined import CombinedOptimizer
 from curvlab.optim.muon import Muon, muon_scale
+from curvlab.steps.shadow import own_settings
 from tests.builders import batch_for, snapshot, train_step
 from tests.reference import assert_same
 
@@ -291,3 +293,55 @@ def test_next_update_accumulates_micro_batches_by_their_loss_terms():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(Z[name], p.detach() - q.detach(), rtol=1e-12, atol=1e-15), name
         assert torch.allclose(G[name], q.grad, rtol=1e-12, atol=1e-15), name
+
+
+def test_adamw_hidden_lr_steps_as_two_adamws_hidden_matrices_apart():
+    """AdamW with ``hidden_lr`` steps a GPT exactly as two torch AdamWs on the same gradients: one on the
+    hidden matrices (2-D weights inside the blocks, named here independently of the roles) at hidden_lr, one on
+    everything else at lr; group 0 is the rest at lr (the lr training logs), and the twin reads the hidden
+    matrices' group."""
+    torch.manual_seed(0)
+    model = GPT(get_config("tiny", **MICRO_OVERRIDES))
+    ref = copy.deepcopy(model)
+    options = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    opt = build_optimizer("adamw", model, hidden_lr=7e-4, **options)
+    assert [g["lr"] for g in opt.param_groups] == [3e-3, 7e-4] and len(opt.param_groups) == 2
+    hidden = [n for n, p in ref.named_parameters() if n.startswith("transformer.h.") and p.dim() == 2]
+    assert len(hidden) == 2 * 6  # q, k, v, o, fc, proj per layer
+    table = dict(ref.named_parameters())
+    hidden_ids = {id(table[n]) for n in hidden}
+    assert {id(p) for p in opt.param_groups[1]["params"]} == {id(dict(model.named_parameters())[n]) for n in hidden}
+    theirs = [
+        torch.optim.AdamW([p for p in ref.parameters() if id(p) not in hidden_ids], **options),
+        torch.optim.AdamW([table[n] for n in hidden], **{**options, "lr": 7e-4}),
+    ]
+    loss_fn = make_loss_fn(model)
+    for step in range(3):
+        train_step(model, opt, loss_fn, batch_for(model, seed=step))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        for o in theirs:
+            o.step()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), (step, n)
+    twin = own_settings(opt, model)
+    assert twin.kind == "adamw" and twin.lr == 7e-4 and twin.weight_decay == 0.1
+    one = build_optimizer("adamw", model, **options)  # without hidden_lr: one group, as before
+    assert len(one.param_groups) == 1 and one.param_groups[0]["lr"] == 3e-3
+    assert own_settings(one, model).lr == 3e-3
+
+
+def test_bad_hidden_lr_requests():
+    with pytest.raises(CurvlabError, match="no hidden weight matrices"):
+        build_optimizer("adamw", nn.Sequential(nn.LayerNorm(4)), hidden_lr=1e-3)
+    model = tiny_gpt()
+    for bad in (0, -1e-3, float("nan"), float("inf"), True, "1e-3"):
+        with pytest.raises(CurvlabError, match="hidden_lr must be"):
+            check_optimizer_options({"hidden_lr": bad})
+        with pytest.raises(CurvlabError, match="hidden_lr must be"):
+            build_optimizer("adamw", model, hidden_lr=bad)
+    check_optimizer_options({"hidden_lr": 1e-3})
+    with pytest.raises(CurvlabError, match="unknown option.*hidden_lr"):
+        build_optimizer("muon", model, hidden_lr=1e-3)  # (Muon's hidden matrices have Muon's own lr)
+    with pytest.raises(CurvlabError, match="not matrices"):
+        build_optimizer("adamw", model, hidden_lr=1e-3, muon_rule=lambda n, p: True)

@@ -174,3 +174,66 @@ def test_preconditioner_errors():
     fresh.state[model.fc1.weight] = {"step": torch.tensor(0.0), "exp_avg_sq": torch.zeros_like(model.fc1.weight)}
     with pytest.raises(CurvlabError, match="taken no step"):
         adam_preconditioner(fresh, model, ["fc1.weight"])
+
+
+def two_lr_mlp(lrs, steps=STEPS, seed=0):
+    """adam_trained_mlp's float64 MLP, data and Adam, with fc1 in a group at ``lrs[0]`` and fc2 at ``lrs[1]``."""
+    return adam_trained_mlp(steps, seed, group_lrs=lrs)
+
+
+def lr_scaled_inverse(model, opt):
+    """D = diag((η_g / η_max) / ((1 - β1^t)(sqrt(v / (1 - β2^t)) + ε))), flat, written out from the state and groups."""
+    top = max(g["lr"] for g in opt.param_groups)
+    pieces = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            t = int(opt.state[p]["step"])
+            P = (1 - BETAS[0] ** t) * ((opt.state[p]["exp_avg_sq"] / (1 - BETAS[1] ** t)).sqrt() + EPS)
+            pieces.append((group["lr"] / top / P).reshape(-1))
+    return torch.cat(pieces)
+
+
+def test_the_stability_point_of_two_adam_lrs_against_dense_float64():
+    """Group g steps -η_g P_g^{-1} m = -η (η_g/η) P_g^{-1} m at the largest lr η: the preconditioned sharpness is
+    λ_max(D^{1/2} H D^{1/2}) with D = diag((η_g/η) / P), compared with Adam's threshold at η; the next real step
+    is -η P'^{-1} m with P' = adam_preconditioner(..., scale_by_lr=True)."""
+    lrs = (0.02, 0.05)
+    model, opt, loss_fn, params, batch = two_lr_mlp(lrs)
+    H = dense_hessian(loss_fn, params, batch)
+    d = lr_scaled_inverse(model, opt)
+    dense = float(torch.linalg.eigvalsh(d.sqrt()[:, None] * H * d.sqrt()[None, :])[-1])
+    unscaled = float(torch.linalg.eigvalsh(dense_preconditioned(H, hand_preconditioner(model, opt, True)))[-1])
+    assert abs(dense / unscaled - 1) > 0.05  # (the lrs' ratio matters here: a test that can fail)
+    point = stability_point(loss_fn, params, batch, model, opt, max_iter=H.shape[0], tol=1e-10)
+    assert point.arm == "adam" and point.lr == 0.05 and point.weight_decay == 0.0
+    assert point.preconditioned_converged and point.preconditioned_sharpness == pytest.approx(dense, rel=1e-10)
+    assert point.edge_of_stability == adam_edge_of_stability(0.05, BETAS[0])
+    P = adam_preconditioner(opt, model, scale_by_lr=True)
+    torch.testing.assert_close(torch.cat([q.reshape(-1) for q in P.values()]), 1 / d, rtol=1e-14, atol=0)
+    x, y = batch
+    F.cross_entropy(model(x), y).backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    P = adam_preconditioner(opt, model, scale_by_lr=True)
+    for n, p in model.named_parameters():
+        predicted = -0.05 * opt.state[p]["exp_avg"] / P[n]
+        assert torch.allclose(p.detach() - before[n], predicted, rtol=1e-12, atol=0), n
+    opt.param_groups[0]["lr"] = 0.0
+    with pytest.raises(CurvlabError, match="lr 0.0 beside groups"):
+        adam_preconditioner(opt, model, scale_by_lr=True)
+
+
+def test_two_groups_at_one_lr_give_the_stability_point_of_one():
+    model, opt, loss_fn, params, batch = trained_mlp()
+    model2, opt2, _, params2, _ = two_lr_mlp((LR, LR))
+    for n in params:
+        assert torch.equal(params[n], params2[n]), n
+    plain, scaled = adam_preconditioner(opt, model), adam_preconditioner(opt2, model2, scale_by_lr=True)
+    assert all(torch.equal(plain[n], scaled[n]) for n in plain)
+    one = stability_point(loss_fn, params, batch, model, opt, max_iter=40, tol=1e-10)
+    two = stability_point(loss_fn, params, batch, model2, opt2, max_iter=40, tol=1e-10)
+    assert (two.lr, two.preconditioned_sharpness, two.edge_of_stability) == (
+        one.lr,
+        one.preconditioned_sharpness,
+        one.edge_of_stability,
+    )

@@ -236,6 +236,35 @@ def test_stability_point_takes_adamws_decoupled_weight_decay_and_records_it():
     assert decoupled_weight_decay(mixed) is None  # no scalar threshold: the point keeps the one without γ
 
 
+def test_groups_at_two_lrs_share_a_decoupled_decay_where_their_lr_times_decay_is_one():
+    """AdamW's group g decays by η_g γ_g a step: with η_g γ_g the same in both groups, the real step is
+    (1 - ηγ)W - η P'^{-1} m at the largest lr η, with γ the largest-lr group's and P' each group's P times
+    η/η_g; with equal γ at different lrs there is no one γ."""
+    model, _, loss_fn, params, batch = trained(steps=0)
+    halves = [list(model.fc1.parameters()), list(model.fc2.parameters())]
+    opt = torch.optim.AdamW(
+        [{"params": halves[0], "lr": 0.02, "weight_decay": 0.25}, {"params": halves[1], "lr": 0.05, "weight_decay": 0.1}],
+        betas=BETAS, eps=EPS,
+    )  # fmt: skip
+    x, y = batch
+    for _ in range(4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+    assert decoupled_weight_decay(opt) == 0.1
+    P = stability_module.adam_preconditioner(opt, model, scale_by_lr=True)
+    for n, p in model.named_parameters():
+        predicted = (1 - 0.05 * 0.1) * before[n] - 0.05 * opt.state[p]["exp_avg"] / P[n]
+        assert torch.allclose(p.detach(), predicted, rtol=1e-12, atol=1e-15), n
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    point = stability_point(loss_fn, params, batch, model, opt, max_iter=40, tol=1e-10)
+    assert point.lr == 0.05 and point.weight_decay == 0.1
+    assert point.edge_of_stability == pytest.approx(38 / 0.05 - 19 * 0.1, rel=1e-12)
+    opt.param_groups[0]["weight_decay"] = 0.1
+    assert decoupled_weight_decay(opt) is None
+
+
 # -- the aggregates ------------------------------------------------------------------------------------
 
 

@@ -35,7 +35,9 @@ SPECTRUM_SCHEMA_VERSION = 1  # the JSON of CheckpointSpectrum (``curvlab spectru
 class PreconditionedSharpness:
     r""":math:`\lambda_{\max}(P^{-1/2} H P^{-1/2})` for Adam's P (:func:`adam_preconditioner`, with the
     first moment's bias correction :math:`1 - \beta_1^t` when ``bias_correction``), beside its edge of
-    stability :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)` (:func:`adam_edge_of_stability`)."""
+    stability :math:`(2 + 2\beta_1)/((1 - \beta_1)\eta)` (:func:`adam_edge_of_stability`). With groups at
+    different lrs (AdamW's ``hidden_lr``) η is the largest and each group's P is scaled by :math:`\eta/\eta_g`
+    (``adam_preconditioner(..., scale_by_lr=True)``: exact, :mod:`curvlab.optim.adam`)."""
 
     eigen: EigenResult
     lr: float
@@ -179,8 +181,8 @@ def checkpoint_spectrum(
         }
     sharpness = None
     if request.preconditioned:
-        lr, beta1 = adam_step_settings(target.optimizer)
-        diagonal = adam_preconditioner(target.optimizer, model, list(params))  # (with its bias correction)
+        lr, beta1 = adam_step_settings(target.optimizer)  # (the largest lr: each group's P is scaled to it)
+        diagonal = adam_preconditioner(target.optimizer, model, list(params), scale_by_lr=True)  # (bias-corrected)
         P = preconditioned_operator(H, torch.cat([d.reshape(-1) for d in diagonal.values()]))
         sharpness = PreconditionedSharpness(extremes(P, 1), lr, beta1, bias_correction=True)
     return CheckpointSpectrum(

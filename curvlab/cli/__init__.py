@@ -40,6 +40,7 @@ for command in (analysis.nds, analysis.compare, analysis.track, analysis.spectru
     app.command()(command)
 app.command("readme-results")(jobs.readme_results)
 app.command("robustness-page")(jobs.robustness_page)
+app.command("scaling-page")(jobs.scaling_page)
 
 
 def main() -> None:

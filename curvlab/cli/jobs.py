@@ -1,5 +1,6 @@
 """The whole studies and what publishes them: ``quadratic`` (the stylized model), ``reproduce`` (the
-reproduction, or the robustness design), ``finetune`` (LoRA), ``readme-results`` and ``robustness-page``."""
+reproduction, the robustness design or a scaling ladder), ``finetune`` (LoRA), ``readme-results``,
+``robustness-page`` and ``scaling-page``."""
 
 from __future__ import annotations
 
@@ -11,12 +12,21 @@ from curvlab.cli.errors import one_line_errors
 from curvlab.cli.options import count, positive, refuse_beyond_memory, require_extras
 from curvlab.errors import CurvlabError
 from curvlab.jobs.finetune import Finetune
-from curvlab.jobs.presets import PRESETS, ROBUSTNESS_PRESETS, with_preset
+from curvlab.jobs.presets import PRESETS, ROBUSTNESS_PRESETS, SCALING_PRESETS, with_preset
 from curvlab.jobs.reproduce import Reproduction
 from curvlab.jobs.robustness import Robustness
-from curvlab.output.console import finetune_text, quadratic_text, reproduction_text, robustness_text, wrote
+from curvlab.jobs.scaling import Scaling
+from curvlab.output.console import (
+    finetune_text,
+    quadratic_text,
+    reproduction_text,
+    robustness_text,
+    scaling_text,
+    wrote,
+)
 from curvlab.output.files import write_quadratic
 from curvlab.output.robustness_page import publish_robustness
+from curvlab.output.scaling_page import publish_scaling
 from curvlab.output.text import update_readme
 from curvlab.theory.quadratic import quadratic_study
 from curvlab.theory.quadratic_model import TwoLevelSpec
@@ -58,8 +68,9 @@ def reproduce(
         "quick",
         help="micro (seconds), quick (CPU, ~10 min: AdamW and Muon, 6 seeds, s = 0), standard (CPU, ~75 min: "
         "8 seeds, 4412 tokens, the Zipf sweep, the control arm), mechanism (CPU: quick's design with the "
-        "factorial of filters and maps at every point), paper (GPU) or robustness (CPU: the paired ratio at 9 "
-        "settings of quick's design, 3 seeds each).",
+        "factorial of filters and maps at every point), paper (GPU), robustness (CPU: the paired ratio at 9 "
+        "settings of quick's design, 3 seeds each), scaling (CPU: the ratios at 5 model sizes, 0.2M-1.8M "
+        "non-embedding, and their power laws) or scaling-gpu (7 sizes, to the paper's 9M Zipf model).",
     ),
     out: Path = typer.Option(None, help="Output directory; a re-run continues it.", show_default="results/<preset>"),
     fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),
@@ -68,16 +79,20 @@ def reproduce(
     """The whole reproduction: data, tuning, training, paired directions and matched-loss analysis, A/A
     calibration, quadratic model, figures, report.md; prints the primary family."""
 
-    if preset not in PRESETS and preset not in ROBUSTNESS_PRESETS:
-        raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *ROBUSTNESS_PRESETS])}")
-    design = PRESETS.get(preset) or ROBUSTNESS_PRESETS[preset]
+    designs = {**PRESETS, **ROBUSTNESS_PRESETS, **SCALING_PRESETS}
+    if preset not in designs:
+        raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join(designs)}")
+    design = designs[preset]
     require_extras(design.extras, f"reproduce --preset {preset}")
     out = out or Path("results") / preset
     check_output(out, directory=True)
+    if preset not in PRESETS and fineweb is not None:
+        raise CurvlabError(f"--fineweb is the paper preset's; the {preset} design trains on its own grammar")
     if preset in ROBUSTNESS_PRESETS:
-        if fineweb is not None:
-            raise CurvlabError("--fineweb is the paper preset's; the robustness design trains on its own grammar")
         typer.echo(robustness_text(Robustness(design, out, progress=not quiet).run(), out))
+        return
+    if preset in SCALING_PRESETS:
+        typer.echo(scaling_text(Scaling(design, out, progress=not quiet).run(), out))
         return
     typer.echo(reproduction_text(Reproduction(design, out, fineweb=fineweb, progress=not quiet).run(), out))
 
@@ -149,3 +164,16 @@ def robustness_page(
 
     publish_robustness(results, docs=docs, page=page, reference=reference)
     typer.echo(f"wrote {page}; summary, levels and figure in {docs}")
+
+
+@one_line_errors
+def scaling_page(
+    results: Path = typer.Argument(..., help="A scaling design's output directory (with summary.json)."),
+    docs: Path = typer.Option(
+        Path("docs/results/scaling"), help="Where summary.json, levels.json and the figure are copied."
+    ),
+    page: Path = typer.Option(..., help="The page to write (rewritten), e.g. the docs' results-scaling page."),
+) -> None:
+    """Publish a scaling design: its summary.json, levels.json and figure into DOCS, and its page."""
+    publish_scaling(results, docs=docs, page=page)
+    typer.echo(f"wrote {page} and {docs}")

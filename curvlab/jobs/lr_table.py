@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from curvlab.errors import CurvlabError
 from curvlab.studies.tuning import LrSearch
 from curvlab.util import schema
 from curvlab.util.codec import Record
@@ -50,3 +51,20 @@ class LrTable(Record):
 def read_lr_table(path: Path = LR_TABLE) -> dict[str, Any]:
     """The committed learning-rate table's entries by preset name (none when there is no table)."""
     return schema.load(path, LrTable).presets if path.is_file() else {}
+
+
+def entry_or_centres(name: str | None, centres: dict[str, float]) -> dict[str, Any]:
+    """The committed table's entry ``name``, or (``None``) one made of tuning ``centres``, Muon's AdamW side tied to
+    AdamW's: what a design of settings or sizes starts its learning rates from.
+
+    Raises:
+        CurvlabError: the table has no entry ``name``.
+    """
+    if name is None:
+        return {
+            "chosen": {"adamw": {"lr": centres["adamw"]}, "muon": {"lr": centres["muon"], "adam_lr": centres["adamw"]}}
+        }
+    entry = read_lr_table().get(name)
+    if entry is None:
+        raise CurvlabError(f"the committed lr table has no entry {name!r}")
+    return entry

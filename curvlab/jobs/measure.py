@@ -102,9 +102,11 @@ def train_arm(job: Job, preset: Preset, data: dict[float, Path], s: float, arm: 
     run = run_dir(job.out, s, arm, seed)
     tr = preset.training
     every = tr.ckpt_every if s == preset.language.s_values[0] else tr.sweep_ckpt_every
-    options = {k: v for k, v in chosen[arm].items() if k in ("lr", "adam_lr")}
+    options = {k: v for k, v in chosen[arm].items() if k in ("lr", "adam_lr", "hidden_lr")}
     other = "muon" if ARMS[arm].optimizer == "adamw" else "adamw"
-    shadow = {"shadow": True, "shadow_options": {"lr": chosen[other]["lr"]}, "controls": controlled(preset, s, arm)}
+    # the shadow steps the hidden matrices only: an AdamW shadow takes AdamW's lr on them, its hidden_lr if set
+    shadow_lr = chosen[other].get("hidden_lr", chosen[other]["lr"])
+    shadow = {"shadow": True, "shadow_options": {"lr": shadow_lr}, "controls": controlled(preset, s, arm)}
     schedule = {"optimizer_options": options, "eval_every": every, "ckpt_every": every}
     cfg = train_config(preset, data[s], run, arm, seed, **schedule, **shadow)
     with job.clock("train"):

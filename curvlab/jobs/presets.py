@@ -1,6 +1,7 @@
 """The named designs: :data:`PRESETS` for ``curvlab reproduce`` (and :data:`ROBUSTNESS_PRESETS`, its design of
-settings), :data:`FINETUNE_PRESETS` for ``curvlab finetune``. Each is data, the records of
-:mod:`curvlab.studies.design`; the comments say why each number is what it is.
+settings, and :data:`SCALING_PRESETS`, its ladders of model sizes), :data:`FINETUNE_PRESETS` for ``curvlab
+finetune``. Each is data, the records of :mod:`curvlab.studies.design`; the comments say why each number is
+what it is.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from curvlab.studies.design import (
     Preset,
     RobustnessPreset,
     RobustnessSetting,
+    ScalingPreset,
+    ScalingRung,
     Training,
     Tuning,
 )
@@ -167,6 +170,43 @@ ROBUSTNESS_SETTINGS = (
 )
 ROBUSTNESS_PRESETS = {
     "robustness": RobustnessPreset("robustness", replace(PRESETS["quick"], name="robustness"), ROBUSTNESS_SETTINGS),
+}
+
+
+# -- curvlab reproduce --preset scaling -------------------------------------------------------------
+
+# The ratio across model size (issue 51; docs/science.md section 17): standard's language (the paper's
+# 4412-token grammar, s = 0) and schedule (400 steps of 16 x 64 tokens), both arms on 3 fresh seeds per rung, at
+# learning rates transferred from standard's table entry (tuned at width 80) by one rule and checked on 3
+# points per rung. Widths 64 to 192 at standard's depth (4 layers, 4 heads): 0.20M to 1.77M non-embedding
+# parameters, a factor of 9, the most two CPUs hold in three hours (a 1-thread step at width 256 took 2.3x
+# width 192's; 9M is `scaling-gpu`'s). What each point costs is cut as quick's is (one checkpoint a level, one
+# evaluation batch, only the tracked checkpoints a claim reads, tracking every 40 steps), and the controls are
+# off: the ladder estimates the ratios whose controls quick and standard run, and judges only its fits.
+SCALING_BASE = replace(
+    PRESETS["standard"],
+    name="scaling",
+    language=replace(PRESETS["standard"].language, s_values=(0.0,)),
+    measurement=Measurement(
+        matching=replace(STABLE_MATCHING, window=0),
+        analysis_batches=1,
+        track_interval=40,
+        track_batches=1,
+        controls=False,
+        stability_interval=120,
+        track_points="read",
+    ),
+    arms=("adamw", "muon"),
+)
+SCALING_RUNGS = tuple(ScalingRung(f"w{w}", w) for w in (64, 96, 128, 160, 192))
+# On a GPU: two rungs more, width 256 and the paper's Zipf model (pcfg-9m: 6 layers, width 288, 6 heads; 5.98M
+# non-embedding, 8.6M in all), at the base's block size so that every rung reads the same tokens
+SCALING_GPU_RUNGS = (ScalingRung("w256", 256), ScalingRung("pcfg-9m", 288, n_head=6, n_layer=6, model="pcfg-9m"))
+SCALING_PRESETS = {
+    "scaling": ScalingPreset("scaling", SCALING_BASE, SCALING_RUNGS),
+    "scaling-gpu": ScalingPreset(
+        "scaling-gpu", SCALING_BASE.changed(name="scaling-gpu", device="auto"), SCALING_RUNGS + SCALING_GPU_RUNGS
+    ),
 }
 
 

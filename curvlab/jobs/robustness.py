@@ -19,10 +19,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from curvlab.errors import CurvlabError
 from curvlab.jobs import measure
 from curvlab.jobs.job import Job, StageClock
-from curvlab.jobs.lr_table import read_lr_table
+from curvlab.jobs.lr_table import entry_or_centres
 from curvlab.jobs.reproduce import Reproduction, make_data, plateaus, reproduction_config
 from curvlab.output import plots
 from curvlab.output.robustness_page import render_robustness
@@ -73,19 +72,7 @@ class Robustness(Job):
         preset.validate()
         super().__init__(out, progress)
         self.preset = preset
-        if preset.lr_table is None:  # the base's tuning centres, Muon's AdamW side tied to AdamW's
-            centres = preset.base.tuning.rule.lr_centers
-            entry = {
-                "chosen": {
-                    "adamw": {"lr": centres["adamw"]},
-                    "muon": {"lr": centres["muon"], "adam_lr": centres["adamw"]},
-                }
-            }
-        else:
-            entry = read_lr_table().get(preset.lr_table)
-        if entry is None:
-            raise CurvlabError(f"the committed lr table has no entry {preset.lr_table!r} to scale")
-        self.table = entry
+        self.table = entry_or_centres(preset.lr_table, preset.base.tuning.rule.lr_centers)
 
     def config(self) -> dict[str, Any]:
         base = self.preset.base.flat()

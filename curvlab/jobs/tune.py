@@ -92,13 +92,28 @@ def _check(job: Job, preset: Preset, data: Path, seeds: list[int], table: dict[s
     chosen = {arm: dict(table["chosen"][arm]) for arm in ("adamw", "muon")}
     searches, moved = {}, {}
     for arm in ("adamw", "muon"):
-        fixed = {k: v for k, v in chosen[arm].items() if k != "lr"}
-        grid = log2_grid(chosen[arm]["lr"], preset.tuning.check_points)
-        s = searches[f"{arm}.lr"] = job._search(data, arm, "lr", grid, fixed, 0, seeds)
-        moved[arm] = optimum_moved(s, chosen[arm]["lr"], table.get("searches", {}).get(f"{arm}.lr"))
+        knob = "hidden_lr" if "hidden_lr" in chosen[arm] else "lr"  # the hidden matrices' lr, which a width rule sets
+        fixed = {k: v for k, v in chosen[arm].items() if k != knob}
+        grid = log2_grid(chosen[arm][knob], preset.tuning.check_points)
+        s = searches[f"{arm}.{knob}"] = job._search(data, arm, knob, grid, fixed, 0, seeds)
+        moved[arm] = optimum_moved(s, chosen[arm][knob], table.get("searches", {}).get(f"{arm}.{knob}"))
         if moved[arm]:
-            job.say(f"{arm}: the check's best lr {s.chosen:g} beats the table's {chosen[arm]['lr']:g}")
+            job.say(f"{arm}: the check's best {knob} {s.chosen:g} beats the set {chosen[arm][knob]:g}")
     return searches, chosen, moved
+
+
+def check_rule(job: Job, preset: Preset, data: Path, entry: dict[str, Any]) -> TuningRecord:
+    """Learning rates set by a rule rather than tuned (``entry["chosen"]``; the scaling design's transfer across
+    widths), checked on a ``check_points`` grid around each arm's hidden-matrix lr as a table's are (``moved``:
+    the grid's best beat the rule's by more than the noise), and used as set. Read back when saved."""
+    saved = job.saved_tuning()
+    if saved is not None:
+        return saved
+    seeds = preset.tuning.check_seed_list()
+    searches, chosen, moved = _check(job, preset, data, seeds, {"seeds": [], **entry})
+    horizon, s0 = preset.tuning_settings.horizon_steps, preset.language.s_values[0]
+    record = TuningRecord("rule", s0, horizon, seeds, searches, chosen, preset.tuning.adam_side, None, entry, moved)
+    return job.save_tuning(record)
 
 
 def muon_shapes(model: str, overrides: dict[str, Any]) -> list[tuple[int, int]]:

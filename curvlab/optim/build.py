@@ -37,7 +37,8 @@ def build_optimizer(
         name: the optimizer, one of the names above.
         model: the module whose trainable parameters (or LoRA factors) it trains.
         muon_rule: ``muon_rule(name, param) -> bool``, the parameters Muon takes (default ``None``: the
-            hidden matrices, by the model's structure); only for an optimizer with Muon's split.
+            hidden matrices, by the model's structure); only for an optimizer with Muon's split (and AdamW's
+            ``hidden_lr`` group).
         **hyperparameters (Any): the optimizer's options (``lr=...``, ``weight_decay=...``, ...); any not
             given keep the defaults of the function that builds it (see above).
 
@@ -83,6 +84,7 @@ def _dtype_name(value: Any) -> bool:
 # builders name): a JSON value from `--opt KEY=VALUE` or a config file, checked before anything is built
 OPTION_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "lr": ("a finite number > 0", lambda v: is_finite_number(v) and v > 0),
+    "hidden_lr": ("a finite number > 0", lambda v: is_finite_number(v) and v > 0),  # AdamW's hidden matrices
     "eps": ("a finite number > 0", lambda v: is_finite_number(v) and v > 0),
     "momentum": ("a number in [0, 1)", _fraction),
     "weight_decay": ("a finite number >= 0", lambda v: is_finite_number(v) and v >= 0),

@@ -4,13 +4,15 @@
   norms and biases, as in modded-nanogpt and Moonlight, combined in one
   :class:`~curvlab.optim.combined.CombinedOptimizer`. The roles come from the model's structure
   (:func:`~curvlab.models.roles.parameter_roles`), not its parameter names;
-* ``"adamw"``: ``torch.optim.AdamW`` on everything;
+* ``"adamw"``: ``torch.optim.AdamW`` on everything, in one param group, or with ``hidden_lr`` in two: the rest
+  at ``lr``, the hidden matrices at ``hidden_lr`` (µP-style learning rates that transfer across width);
 * ``"sgd"``: ``torch.optim.SGD`` with momentum;
 * ``"lion"``: :class:`~curvlab.optim.lion.Lion`, a sign-based member (Chen et al. 2023).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +81,14 @@ def build_model_optimizer(
     (:data:`ADAMW_DEFAULTS`) lr 0.0018, betas (0.9, 0.95), weight decay 0; SGD lr 0.1, momentum 0.9;
     Lion lr 1e-4, betas (0.9, 0.99).
 
+    For ``"adamw"``, ``hidden_lr`` (default None: every parameter in one param group at ``lr``, as AdamW's
+    state dicts have always been) gives the hidden matrices a learning rate of their own: µP-style transfer
+    across width, where AdamW's lr on the hidden matrices scales as 1/width while the embeddings, head,
+    norms and biases keep theirs. AdamW then has two param groups: group 0 every other parameter at
+    ``lr`` (the one training logs), group 1 the hidden matrices at ``hidden_lr``, chosen as Muon's are
+    (``muon_rule``, default :func:`default_muon_rule`: by structure). Its edge of stability is
+    measured at the larger lr with each group's P scaled to it (:mod:`curvlab.optim.adam`).
+
     For ``"muon"``, the options ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``,
     ``scale``, ``polar`` and ``polar_dtype`` go to Muon, and ``adam_lr``, ``adam_betas``,
     ``adam_eps``, ``adam_weight_decay`` to its AdamW side. ``muon_rule(name, param) -> bool`` decides
@@ -87,7 +97,8 @@ def build_model_optimizer(
     marked ``transposed``) and fused MoE experts (a group marked ``stacked``) go to Muon as :class:`Muon` says.
 
     Raises:
-        CurvlabError: an unknown name or option, or a model with no 2-D weights for Muon.
+        CurvlabError: an unknown name or option, a model with no 2-D weights for Muon, or a ``hidden_lr``
+            that is not a number > 0 or with no hidden matrices to take it.
     """
     if name in LORA_OPTIMIZERS:
         raise CurvlabError(f"{name} trains LoRA factors: build it with curvlab.build_optimizer")
@@ -106,15 +117,9 @@ def build_model_optimizer(
         )
         adam_hp = take(ADAM_SIDE_DEFAULTS)
         reject_unknown_options(name, hp)
-        rule = muon_rule or default_muon_rule(model)
-        chosen = [(n, p) for n, p in named if rule(n, p)]
-        bad = [n for n, p in chosen if p.dim() < 2]
-        if bad:
-            raise CurvlabError(f"the Muon rule chose parameters that are not matrices: {bad[:3]}")
+        chosen, rest = split_hidden(model, named, muon_rule, "the Muon rule")
         if not chosen:
             raise CurvlabError("the model has no hidden weight matrices for Muon; use adamw, or pass muon_rule")
-        muon_ids = {id(p) for _, p in chosen}
-        rest = [p for _, p in named if id(p) not in muon_ids]
         transposed, sizes = stored_transposed(model), stack_sizes(model)
         # Muon's stacked flag: True for a 3-D stack (its first dimension counts the matrices), the count for
         # a 2-D one (DBRX's experts, stacked by rows), whose shape can't tell it
@@ -136,8 +141,9 @@ def build_model_optimizer(
     params = [p for _, p in named]
     if name == "adamw":
         opt = take(ADAMW_DEFAULTS)
+        hidden_lr = hp.pop("hidden_lr", None)
         reject_unknown_options(name, hp)
-        return adamw(params, opt)
+        return adamw(params if hidden_lr is None else hidden_lr_groups(model, named, muon_rule, hidden_lr), opt)
     if name == "sgd":
         opt = take({"lr": 0.1, "momentum": 0.9, "nesterov": False, "weight_decay": 0.0})
         reject_unknown_options(name, hp)
@@ -147,6 +153,34 @@ def build_model_optimizer(
         reject_unknown_options(name, hp)
         return Lion(params, **{**opt, "betas": tuple(opt["betas"])})
     raise CurvlabError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS + LORA_OPTIMIZERS)}")
+
+
+def hidden_lr_groups(
+    model: nn.Module, named: list[tuple[str, nn.Parameter]], rule: Callable[[str, Tensor], bool] | None, hidden_lr: Any
+) -> list[dict[str, Any]]:
+    """AdamW's two param groups for ``hidden_lr``: every parameter that is not a hidden matrix first (group 0, at the
+    optimizer's lr, the one training logs), then the hidden matrices (``rule``, default
+    :func:`default_muon_rule`) at ``hidden_lr``."""
+    if isinstance(hidden_lr, bool) or not isinstance(hidden_lr, int | float) or not 0 < hidden_lr < math.inf:
+        raise CurvlabError(f"hidden_lr must be a number > 0, got {hidden_lr!r}")
+    hidden, rest = split_hidden(model, named, rule, "the hidden-matrix rule")
+    if not hidden:
+        raise CurvlabError("hidden_lr: the model has no hidden weight matrices to take it; leave hidden_lr out")
+    return [{"params": rest}, {"params": [p for _, p in hidden], "lr": hidden_lr}]
+
+
+def split_hidden(
+    model: nn.Module, named: list[tuple[str, nn.Parameter]], rule: Callable[[str, Tensor], bool] | None, what: str
+) -> tuple[list[tuple[str, nn.Parameter]], list[nn.Parameter]]:
+    """The named parameters ``rule`` (default :func:`default_muon_rule`: by structure) takes as hidden matrices,
+    and every other parameter; ``what`` names the rule when it takes a parameter that is not a matrix."""
+    rule = rule or default_muon_rule(model)
+    chosen = [(n, p) for n, p in named if rule(n, p)]
+    bad = [n for n, p in chosen if p.dim() < 2]
+    if bad:
+        raise CurvlabError(f"{what} chose parameters that are not matrices: {bad[:3]}")
+    ids = {id(p) for _, p in chosen}
+    return chosen, [p for _, p in named if id(p) not in ids]
 
 
 def reject_unknown_options(name: str, leftover: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from curvlab.output.text import calibration_line, primary_table
 from curvlab.studies.adapters import FinetuneResult
 from curvlab.studies.compare import Comparison
 from curvlab.studies.robustness import RobustnessSummary
+from curvlab.studies.scaling import ScalingSummary
 from curvlab.studies.summary import Summary
 from curvlab.studies.track import Track
 from curvlab.theory.quadratic import QuadraticStudy
@@ -232,6 +233,22 @@ def robustness_text(summary: RobustnessSummary, out: str | Path) -> str:
         ci = "" if x.ci95 is None else f" [{x.ci95[0]:.3g}, {x.ci95[1]:.3g}]"
         value = "not measured" if x.paired_ratio is None else f"{x.paired_ratio:.3g}{ci}"
         lines.append(f"{x.label}: paired ratio {value}, {x.verdict}; controls passed: {x.controls_passed}")
+    return "\n".join([*lines, f"finished in {summary.seconds:.0f} s; report: {Path(out) / 'report.md'}"])
+
+
+def scaling_text(summary: ScalingSummary, out: str | Path) -> str:
+    """A scaling design: each judged fit's slope and its 124M extrapolation, and how long it took."""
+    lines = []
+    for f in summary.fits:
+        if f.fit is None:
+            lines.append(f"{f.quantity}: not fitted ({f.note})")
+            continue
+        lo, hi = f.fit.prediction_pi95
+        verdicts = f"; {f.trend}, PI holds 1.76: {f.holds_paper}" if f.judged else " (descriptive)"
+        lines.append(
+            f"{f.quantity}: slope {f.fit.slope:.3f} [{f.fit.slope_ci95[0]:.3f}, {f.fit.slope_ci95[1]:.3f}], "
+            f"extrapolated to 124M {f.fit.prediction:.3g} [{lo:.3g}, {hi:.3g}]{verdicts}"
+        )
     return "\n".join([*lines, f"finished in {summary.seconds:.0f} s; report: {Path(out) / 'report.md'}"])
 
 

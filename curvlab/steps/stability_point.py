@@ -36,10 +36,18 @@ and the binding one, :math:`1 + T + D = (1+\beta_1)(2 - d) - (1-\beta_1)h > 0`, 
 is this one (:attr:`StabilityPoint.weight_decay` records γ, 0 without decay); where the groups' γ differ the
 decay is no multiple of the identity, no scalar threshold follows, and the point keeps the threshold without
 it (``weight_decay`` None). Coupled (L2) decay is part of the loss, :math:`H + \gamma I`, not of the step.
+
+**Adam groups at different learning rates** (AdamW's ``hidden_lr``). Group g's step
+:math:`-\eta_g P_g^{-1} m_g` is :math:`-\eta\,(P_g\,\eta/\eta_g)^{-1} m_g` at the largest lr η, so the point
+takes η (:func:`~curvlab.optim.adam.adam_step_settings`) and each group's P times :math:`\eta/\eta_g`
+(``adam_preconditioner(..., scale_by_lr=True)``): the analysis above holds exactly, the groups sharing
+:math:`\beta_1`. Group g's decay :math:`\eta_g\gamma_g` is :math:`\eta\,(\gamma_g\eta_g/\eta)`: a multiple of the
+identity, and the threshold's γ, where every group's :math:`\gamma_g\eta_g` is the same.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -64,7 +72,7 @@ class StabilityPoint(Record):
 
     Attributes:
         arm: ``"adam"`` or ``"muon"``: whose preconditioner.
-        lr: the learning rate η of the arm's groups.
+        lr: the learning rate η of the arm's groups (Adam's: the largest of its groups', module docstring).
         lambda_max: :math:`\lambda_{\max}(H)` over all parameters.
         lambda_residual: its true residual :math:`\|H v - \lambda v\|`.
         lambda_converged: whether Lanczos converged to it within ``tol``.
@@ -107,15 +115,22 @@ class StabilityPoint(Record):
 
 
 def decoupled_weight_decay(optimizer: torch.optim.Optimizer) -> float | None:
-    """The decoupled weight decay γ that every Adam group of ``optimizer`` shares (torch's AdamW, or Adam with
-    ``decoupled_weight_decay``; 0 for coupled decay or none), or None where the groups' γ differ."""
+    r"""The decoupled weight decay γ that every Adam group of ``optimizer`` shares (torch's AdamW, or Adam with
+    ``decoupled_weight_decay``; 0 for coupled decay or none), or None where the groups' γ differ. Groups at
+    different lrs decay by :math:`\eta_g\gamma_g` a step: they share γ, in the largest lr η's terms, where every
+    :math:`\eta_g\gamma_g` is the same (module docstring), and that γ is the largest-lr group's."""
     default = isinstance(optimizer, torch.optim.AdamW)  # (a torch before the group key: AdamW decouples)
-    decays = {
-        float(g.get("weight_decay", 0.0)) if g.get("decoupled_weight_decay", default) else 0.0
+    decays = [
+        (float(g["lr"]), float(g.get("weight_decay", 0.0)) if g.get("decoupled_weight_decay", default) else 0.0)
         for g in optimizer.param_groups
         if "betas" in g
-    }
-    return decays.pop() if len(decays) == 1 else None
+    ]
+    if not decays:
+        return None
+    lr, gamma = max(decays)
+    # (each product rounded once: equal decays read as equal to a few ulps, different ones never that close)
+    same = all(math.isclose(lr_g * gamma_g, lr * gamma, rel_tol=1e-12, abs_tol=0) for lr_g, gamma_g in decays)
+    return gamma if same else None
 
 
 def stability_point(
@@ -180,8 +195,8 @@ def stability_point(
         sharp, edge, lr, residual, converged = muon_sharpness(H, model, optimizer, hidden, names, gradient, **eig)
         arm, correction = "muon", None
     else:
-        lr, beta1 = adam_step_settings(optimizer)
-        diagonal = adam_preconditioner(optimizer, model, names, bias_correction=bias_correction)
+        lr, beta1 = adam_step_settings(optimizer)  # (the largest lr: groups at smaller ones scale their P)
+        diagonal = adam_preconditioner(optimizer, model, names, bias_correction=bias_correction, scale_by_lr=True)
         flat = torch.cat([d.reshape(-1) for d in diagonal.values()])
         pre = lanczos(preconditioned_operator(H, flat), **eig)
         sharp, residual = float(pre.eigenvalues[0]), float(pre.residuals[0])

@@ -7,7 +7,7 @@ function that derives a run's :class:`~curvlab.runs.config.TrainConfig` from the
   the A/A calibration) and :class:`FinewebRun` (the paper's own data), gathered by :class:`Preset` with the
   arms and seeds it compares;
 * :class:`RobustnessSetting` and :class:`RobustnessPreset`: a design made of a base :class:`Preset` changed
-  one way at a time;
+  one way at a time; :class:`ScalingRung` and :class:`ScalingPreset`: a ladder of model sizes;
 * :class:`FinetunePreset`: the fine-tuning comparison's settings.
 
 A preset is also read and written *flat* (:meth:`Preset.flat`, :meth:`Preset.changed`), every field under
@@ -364,6 +364,17 @@ def train_config(preset: Preset, data: str, out: str, arm: str, seed: int, **cha
 # -- a design of settings -------------------------------------------------------------------------
 
 
+def _check_fresh_seeds(design: str, part: str, base: Preset, seeds: int, seed_list: list[int]) -> None:
+    """A design of settings or sizes: a valid base, 3 seeds or more per ``part``, none that the base measures,
+    tunes or checks with."""
+    base.validate()
+    if seeds < 3:
+        raise CurvlabError(f"a {design} design needs seeds >= 3 per {part}, got {seeds}")
+    taken = set(range(base.seeds)) | set(base.tuning_settings.seeds()) | set(base.tuning.check_seed_list())
+    if overlap := sorted(taken & set(seed_list)):
+        raise CurvlabError(f"{design} seeds {overlap} are measured, tuned or checked by the base: raise seed_base")
+
+
 @dataclass(frozen=True)
 class RobustnessSetting:
     """One setting a reviewer would change, as what it changes in the base design: an arm's lr as a factor
@@ -419,21 +430,79 @@ class RobustnessPreset:
         """Raises ``CurvlabError`` for too few seeds, settings without distinct names, seeds the base uses,
         or a setting that makes an invalid preset."""
         base = self.base
-        base.validate()
-        if self.seeds < 3:
-            raise CurvlabError(f"a robustness design needs seeds >= 3 per setting, got {self.seeds}")
+        _check_fresh_seeds("robustness", "setting", base, self.seeds, self.seed_list())
         names = [x.name for x in self.settings]
         if not names or len(set(names)) != len(names):
             raise CurvlabError(f"a robustness design needs settings with distinct names, got {names}")
-        taken = set(range(base.seeds)) | set(base.tuning_settings.seeds()) | set(base.tuning.check_seed_list())
-        if overlap := sorted(taken & set(self.seed_list())):
-            raise CurvlabError(
-                f"robustness seeds {overlap} are measured, tuned or checked by the base: raise seed_base"
-            )
         for x in self.settings:
             if unknown := sorted(set(x.lr_factors) - {"adamw", "muon"}):
                 raise CurvlabError(f"setting {x.name}: lr factors for adamw and muon only, got {unknown}")
             x.preset(base).validate()
+
+
+@dataclass(frozen=True)
+class ScalingRung:
+    """One model size of a ladder: the base's network at width ``n_embd`` (``n_head`` heads), at the base's
+    depth unless ``n_layer`` says, or another named config (``model``: ``"pcfg-9m"``, the paper's Zipf model,
+    with the base's vocabulary)."""
+
+    name: str
+    n_embd: int
+    n_head: int = 4
+    n_layer: int | None = None
+    model: str | None = None
+
+    def preset(self, base: Preset) -> Preset:
+        """``base`` at this size (no A/A: a rung estimates the ratios, the fits across rungs are judged)."""
+        block = get_config(base.network.model, **base.network.model_overrides).block_size  # the same tokens a run
+        model = {**base.network.model_overrides, "n_embd": self.n_embd, "n_head": self.n_head, "block_size": block}
+        if self.n_layer is not None:
+            model["n_layer"] = self.n_layer
+        return base.changed(
+            name=f"{base.name}-{self.name}",
+            model=self.model or base.network.model,
+            model_overrides=model,
+            calibration=False,
+        )
+
+
+@dataclass(frozen=True)
+class ScalingPreset:
+    """A ladder of model sizes (:class:`ScalingRung`) on ``base``'s language and schedule, each measured on
+    ``seeds`` fresh seeds from ``seed_base`` at learning rates transferred from the committed table's entry
+    ``lr_table`` (tuned at width ``base_width``; ``None``: the base's tuning centres) by
+    :func:`curvlab.studies.scaling.transferred_lrs`, the rule checked at each rung on the base's check seeds."""
+
+    name: str
+    base: Preset
+    rungs: tuple[ScalingRung, ...]
+    lr_table: str | None = "standard"
+    base_width: int = 80
+    seeds: int = 3
+    seed_base: int = 100
+
+    def seed_list(self) -> list[int]:
+        return [self.seed_base + i for i in range(self.seeds)]
+
+    @property
+    def extras(self) -> dict[str, str]:
+        """The optional packages this design needs (module -> curvlab extra): its base's."""
+        return self.base.extras
+
+    def validate(self) -> None:
+        """Raises ``CurvlabError`` for too few seeds or rungs, rungs without distinct names or sizes, seeds the
+        base uses, or a rung that makes an invalid preset."""
+        base = self.base
+        _check_fresh_seeds("scaling", "rung", base, self.seeds, self.seed_list())
+        names = [x.name for x in self.rungs]
+        if len(names) < 3 or len(set(names)) != len(names):
+            raise CurvlabError(f"a scaling design needs 3 rungs or more with distinct names, got {names}")
+        for x in self.rungs:
+            preset = x.preset(base)
+            preset.validate()
+            config = get_config(preset.network.model, **preset.network.model_overrides)
+            if config.n_embd % config.n_head:
+                raise CurvlabError(f"rung {x.name}: n_embd {config.n_embd} is not a multiple of n_head {config.n_head}")
 
 
 # -- curvlab finetune ------------------------------------------------------------------------------

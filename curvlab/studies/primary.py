@@ -336,6 +336,13 @@ def primary_family(
     return _judge(PRIMARY, data, data.matched(PRIMARY_COMPARISON), confidence, judged_claims(judged))
 
 
+def estimated(data: LevelData, claims: tuple[PrimaryClaim, ...], confidence: float = statistics.CONFIDENCE):
+    """``claims`` (primary claims, or variants of them in another scope) estimated per seed from ``data`` as the
+    primary family is, none judged: descriptive entries, outside any Holm correction (a design that judges
+    something else from them, as the scaling design judges its fits across sizes)."""
+    return _judge(claims, data, data.matched(PRIMARY_COMPARISON), confidence, frozenset())
+
+
 def _false(direction: str, claim: PrimaryClaim) -> bool:
     """Whether an A/A verdict asserts a difference between two runs of one arm: any verdict on a
     greater/less claim, and "contradicted" on an about-equal claim ("supported" is right there)."""

@@ -187,9 +187,10 @@ class TuningSettings:
 class TuningRecord(Record):
     """``tuning.json``: how a job's learning rates were chosen, and what they are.
 
-    ``mode`` is ``"search"`` (every lr searched here, :func:`search_lr`) or ``"table"`` (a committed
+    ``mode`` is ``"search"`` (every lr searched here, :func:`search_lr`), ``"table"`` (a committed
     table's values, ``table`` its entry, checked on a small grid: ``moved[arm]`` says whether the
-    check's optimum moved away from it). ``chosen`` maps an arm to its optimizer options (``lr``, and
+    check's optimum moved away from it) or ``"rule"`` (set by a rule, ``table`` its entry, checked
+    alike). ``chosen`` maps an arm to its optimizer options (``lr``, and
     a hybrid's ``adam_lr``; a set, untuned arm also says how it was set). ``fallback`` says why a
     table was not used, ``adam_side`` how a hybrid's AdamW side was treated (``None``: no hybrid)."""
 

@@ -1,0 +1,140 @@
+"""``curvlab reproduce --preset scaling``: the AdamW/Muon ratios across a ladder of model sizes, and their power
+laws in the non-embedding parameters, extrapolated to GPT-2 small (:data:`curvlab.jobs.presets.SCALING_PRESETS`;
+what it concludes: :mod:`curvlab.studies.scaling`; docs/science.md section 17).
+
+A composition of the reproduction's stages: the data once (:func:`~curvlab.jobs.reproduce.make_data`: every
+rung reads the same grammar and tokens), then each rung a :class:`~curvlab.studies.design.Preset`
+(:meth:`~curvlab.studies.design.ScalingRung.preset`) in ``rungs/<name>/`` (a reproduction's layout), its
+learning rates transferred from the committed table by the rule
+(:func:`~curvlab.studies.scaling.transferred_lrs`) and checked on a 3-point grid
+(:func:`~curvlab.jobs.tune.check_rule`), its seeds measured by the same stage function
+(:func:`~curvlab.jobs.measure.measure_seeds`). Then, from each rung's ``levels.json`` alone, its row, the fits,
+``summary.json``, ``levels.json`` (every rung's), the figure and ``report.md``. A re-run continues: a rung
+whose levels are saved is read back, a seed whose analysis is saved is read back, a finished run is not
+trained again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from curvlab.jobs import measure
+from curvlab.jobs.job import Job, StageClock
+from curvlab.jobs.lr_table import entry_or_centres
+from curvlab.jobs.reproduce import Reproduction, make_data, plateaus
+from curvlab.jobs.tune import check_rule
+from curvlab.models.gpt import get_config
+from curvlab.output.scaling_page import render_scaling, scaling_figure
+from curvlab.studies.design import Preset, ScalingPreset, ScalingRung
+from curvlab.studies.records import LevelData
+from curvlab.studies.scaling import (
+    PAPER_MODEL,
+    SCALING_RULE,
+    ScalingLevels,
+    ScalingSummary,
+    fit_table,
+    model_size,
+    parameter_counts,
+    rung_result,
+    scaling_fits,
+    transferred_lrs,
+)
+from curvlab.studies.tuning import TuningRecord
+from curvlab.util import schema
+from curvlab.util.atomic import atomic_write_text
+from curvlab.util.safe_stop import stop_at_safe_points
+from curvlab.util.versions import SoftwareVersions
+
+
+class _RungDirectory(Reproduction):
+    """One rung's directory inside a scaling design, in a reproduction's layout (its config as
+    ``reproduce.json``, its tuning check and analyses), sharing the design's clock and progress."""
+
+    TAG = "scaling"
+
+    def __init__(self, preset: Preset, out: Path, clock: StageClock, progress: bool):
+        super().__init__(preset, out, progress=progress)
+        self.clock = clock
+
+
+def _check_summary(tuning: TuningRecord) -> dict[str, dict[str, Any]]:
+    """Per arm: the checked grid, its best point, the rule's, and whether the best beat it beyond the noise."""
+    out = {}
+    for key, search in tuning.searches.items():
+        arm, knob = key.split(".")
+        out[arm] = {"knob": knob, "grid": sorted(search.grid), "best": search.chosen, "rule": tuning.chosen[arm][knob]}
+        out[arm] |= {"moved": bool(tuning.moved.get(arm)), "losses": {f"{x:g}": search.mean(x) for x in search.grid}}
+    return out
+
+
+class Scaling(Job):
+    """One scaling design in one output directory (module docstring)."""
+
+    TAG = "scaling"
+    CONFIG_FILE = "scaling.json"
+
+    def __init__(self, preset: ScalingPreset, out: str | Path, progress: bool = True):
+        preset.validate()
+        super().__init__(out, progress)
+        self.preset = preset
+        self.table = entry_or_centres(preset.lr_table, preset.base.tuning.rule.lr_centers)
+
+    def config(self) -> dict[str, Any]:
+        base = self.preset.base.flat()
+        del base["keep"]  # as a reproduction's: what stays on disk changes no result
+        return {"preset": asdict(self.preset) | {"base": base}, "table": self.table["chosen"], "rule": SCALING_RULE}
+
+    def what(self) -> str:
+        return f"the results of preset {self.preset.name!r}"
+
+    def run(self) -> ScalingSummary:
+        """The whole design (module docstring); a SIGINT or SIGTERM stops it at the next safe point."""
+        with stop_at_safe_points():
+            return self._run()
+
+    def _rung(self, rung: ScalingRung, data: dict[float, Path]):
+        """One rung's runs and analyses in ``rungs/<name>``: its :class:`LevelData` and tuning check."""
+        preset = rung.preset(self.preset.base)
+        part = _RungDirectory(preset, self.out / "rungs" / rung.name, self.clock, self.progress)
+        part._check_config()
+        width = get_config(preset.network.model, **preset.network.model_overrides).n_embd
+        entry = {"rule": "transferred_lrs", "base_width": self.preset.base_width, "table": self.preset.lr_table}
+        entry["chosen"] = transferred_lrs(self.table["chosen"], self.preset.base_width, width)
+        with self.clock("tune"):
+            tuning = check_rule(part, preset, data[preset.language.s_values[0]], entry)
+        path = part.out / "analysis" / "levels.json"
+        if path.is_file():
+            return LevelData.load(path), tuning
+        levels, _ = measure.measure_seeds(part, preset, self.preset.seed_list(), data, tuning, self.ceilings)
+        levels.save(path)
+        self.say(f"{rung.name}: done")
+        return levels, tuning
+
+    def _run(self) -> ScalingSummary:
+        self.start()
+        p = self.preset
+        with self.clock("data"):
+            data = make_data(self, p.base)
+        self.ceilings = plateaus(p.base, data)
+        rows, levels = [], {}
+        for rung in p.rungs:
+            levels[rung.name], tuning = self._rung(rung, data)
+            size = model_size(rung.preset(p.base).network)
+            rows.append(rung_result(rung.name, size, tuning.chosen, _check_summary(tuning), levels[rung.name]))
+        ScalingLevels(levels).save(self.out / "levels.json")
+        at = parameter_counts(PAPER_MODEL)[0]
+        fits = scaling_fits(rows, at)
+        with self.clock("figures"):
+            figures = scaling_figure(rows, fits, self.out / "figures" / "scaling")
+        timing = self.timing()
+        paths = [str(f.relative_to(self.out)) for f in figures]
+        tr, block = p.base.training, get_config(p.base.network.model, **p.base.network.model_overrides).block_size
+        tokens = tr.steps * tr.batch_size * block
+        design = (p.name, p.base.name, p.seed_list(), p.base_width, tokens, rows, fits, fit_table(fits), at)
+        summary = ScalingSummary(*design, SCALING_RULE, timing, timing["total"], SoftwareVersions.current(), paths)
+        schema.save(self.out / "summary.json", summary)
+        atomic_write_text(self.out / "report.md", render_scaling(summary))
+        self.say(f"done in {summary.seconds:.0f} s: {self.out / 'report.md'}")
+        return summary
