@@ -80,6 +80,32 @@ def crash_training_after(monkeypatch, steps: int):
     return lambda: monkeypatch.setattr(TrainBatches, "next", original_next)
 
 
+def stopped_at_the_first_safe_point(job) -> None:
+    """Run ``job`` (a :class:`curvlab.jobs.job.Job`) with a SIGTERM sent at its first safe point (after its first
+    seed's analysis), as a stop from outside would: it must stop there with ``Stopped``."""
+    import signal
+
+    import pytest
+
+    from curvlab.jobs.job import Job
+    from curvlab.util.safe_stop import Stopped
+
+    real, calls = Job.safe_point, []
+
+    def stop_once(self, done):
+        calls.append(done)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # honoured here, at the safe point
+        real(self, done)
+
+    Job.safe_point = stop_once
+    try:
+        with pytest.raises(Stopped):
+            job.run()
+    finally:
+        Job.safe_point = real
+
+
 # -- processes ----------------------------------------------------------------------------------
 
 

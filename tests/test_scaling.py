@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 from dataclasses import replace
 
 import numpy as np
@@ -18,7 +16,6 @@ import torch
 from curvlab.cli import app
 from curvlab.errors import CurvlabError
 from curvlab.inference.loglog import log_log_fit
-from curvlab.jobs import job as job_module
 from curvlab.jobs.presets import PRESETS, SCALING_PRESETS
 from curvlab.jobs.scaling import Scaling
 from curvlab.models.gpt import GPT, get_config
@@ -34,7 +31,7 @@ from curvlab.studies.scaling import (
     scaling_fits,
     transferred_lrs,
 )
-from curvlab.util.safe_stop import Stopped
+from tests.builders import stopped_at_the_first_safe_point
 from tests.test_cli import runner
 
 MICRO_BASE = PRESETS["micro"].changed(name="smicro", s_values=(0.0,), arms=("adamw", "muon"), finetune=None)
@@ -133,20 +130,7 @@ def test_a_ladder_that_cannot_hold_is_refused(change, message):
 def ladder(tmp_path_factory):
     """The micro ladder, stopped by a SIGTERM after its first seed's analysis, then run again to the end."""
     out = tmp_path_factory.mktemp("scaling") / "out"
-    real, calls = job_module.Job.safe_point, []
-
-    def stop_once(self, done):
-        calls.append(done)
-        if len(calls) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)  # honoured here, at the safe point
-        real(self, done)
-
-    job_module.Job.safe_point = stop_once
-    try:
-        with pytest.raises(Stopped):
-            Scaling(MICRO_DESIGN, out, progress=False).run()
-    finally:
-        job_module.Job.safe_point = real
+    stopped_at_the_first_safe_point(Scaling(MICRO_DESIGN, out, progress=False))
     first = out / "rungs" / "w16" / "analysis" / "seed100.json"
     stamp = first.stat().st_mtime_ns
     summary = Scaling(MICRO_DESIGN, out, progress=False).run()

@@ -12,12 +12,14 @@ from curvlab.cli.errors import one_line_errors
 from curvlab.cli.options import count, positive, refuse_beyond_memory, require_extras
 from curvlab.errors import CurvlabError
 from curvlab.jobs.finetune import Finetune
-from curvlab.jobs.presets import PRESETS, ROBUSTNESS_PRESETS, SCALING_PRESETS, with_preset
+from curvlab.jobs.long import Long
+from curvlab.jobs.presets import LONG_PRESETS, PRESETS, ROBUSTNESS_PRESETS, SCALING_PRESETS, with_preset
 from curvlab.jobs.reproduce import Reproduction
 from curvlab.jobs.robustness import Robustness
 from curvlab.jobs.scaling import Scaling
 from curvlab.output.console import (
     finetune_text,
+    long_text,
     quadratic_text,
     reproduction_text,
     robustness_text,
@@ -70,7 +72,8 @@ def reproduce(
         "8 seeds, 4412 tokens, the Zipf sweep, the control arm), mechanism (CPU: quick's design with the "
         "factorial of filters and maps at every point), paper (GPU), robustness (CPU: the paired ratio at 9 "
         "settings of quick's design, 3 seeds each), scaling (CPU: the ratios at 5 model sizes, 0.2M-1.8M "
-        "non-embedding, and their power laws) or scaling-gpu (7 sizes, to the paper's 9M Zipf model).",
+        "non-embedding, and their power laws), scaling-gpu (7 sizes, to the paper's 9M Zipf model) or long (CPU: "
+        "1500 steps at s = 0 and 1, 6 seeds, the paper's observations 3 and 4 by third of training).",
     ),
     out: Path = typer.Option(None, help="Output directory; a re-run continues it.", show_default="results/<preset>"),
     fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),
@@ -79,7 +82,7 @@ def reproduce(
     """The whole reproduction: data, tuning, training, paired directions and matched-loss analysis, A/A
     calibration, quadratic model, figures, report.md; prints the primary family."""
 
-    designs = {**PRESETS, **ROBUSTNESS_PRESETS, **SCALING_PRESETS}
+    designs = {**PRESETS, **ROBUSTNESS_PRESETS, **SCALING_PRESETS, **LONG_PRESETS}
     if preset not in designs:
         raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join(designs)}")
     design = designs[preset]
@@ -93,6 +96,9 @@ def reproduce(
         return
     if preset in SCALING_PRESETS:
         typer.echo(scaling_text(Scaling(design, out, progress=not quiet).run(), out))
+        return
+    if preset in LONG_PRESETS:
+        typer.echo(long_text(Long(design, out, progress=not quiet).run(), out))
         return
     typer.echo(reproduction_text(Reproduction(design, out, fineweb=fineweb, progress=not quiet).run(), out))
 

@@ -210,6 +210,39 @@ SCALING_PRESETS = {
 }
 
 
+# -- curvlab reproduce --preset long ----------------------------------------------------------------
+
+# Observations 3 and 4 over a horizon with a middle and an end (issue 51; docs/science.md section 18): standard's
+# model and grammar, 1500 steps (1.5M tokens, 4.9 a non-embedding parameter; standard's 400 end as AdamW leaves
+# the plateau), s = 0 and s = 1, 6 seeds per arm and s. Each s is a reproduction of its own, its learning rates a
+# 3-point search at that s around standard's table (AdamW 0.002, Muon 0.01) on one tuning seed, extended once at
+# an edge. Nine matched levels a seed, three a third, one checkpoint each; a checkpoint every 10 steps (a run's
+# 150 checkpoints of 25 MB are pruned once its seed is analysed). Cut to fit three hours on two cores as quick
+# is (one evaluation batch, only the tracked checkpoints a claim reads, every 100 steps), the controls and the A/A
+# off: the judged claims are the trajectories' (zipf_gap_change, rho_within_change_gap) and the thirds'.
+LONG_PRESETS = {
+    "long": replace(
+        PRESETS["standard"],
+        name="long",
+        language=replace(PRESETS["standard"].language, s_values=(0.0, 1.0)),
+        training=Training(steps=1500, ckpt_every=10, sweep_ckpt_every=10, device="cpu"),
+        tuning=Tuning(TuningSettings({"adamw": 0.002, "muon": 0.01}, 3, 1, max_extensions=1), lr_source="search"),
+        measurement=Measurement(
+            matching=replace(STABLE_MATCHING, levels=9, window=0),
+            analysis_batches=1,
+            track_interval=100,
+            track_batches=1,
+            controls=False,
+            stability_interval=300,
+            track_points="read",
+        ),
+        inference=Inference(primary=("zipf_gap_change", "rho_within_change_gap"), calibration=False),
+        seeds=6,
+        arms=("adamw", "muon"),
+    ),
+}
+
+
 # -- curvlab finetune ------------------------------------------------------------------------------
 
 

@@ -210,3 +210,13 @@ def conclude(job: Job, preset: Preset, levels: LevelData, tuning, ceilings, quad
     inferred |= {"cells": grid, "decomposition": parts, "paired_parts": mechanism.paired_parts(levels)}
     found = (entries, zipf, taylor_counts(levels), tuning, notes, final, quadratic)
     return Summary(preset.name, *found, fineweb=fineweb, versions=SoftwareVersions.current(), **inferred)
+
+
+class Part(Reproduction):
+    """One part of a composite design (a rung of a scaling ladder, one s of the long design) in its own
+    directory, in a reproduction's layout (its config as ``reproduce.json``, its tuning and analyses), sharing
+    the design's clock and progress."""
+
+    def __init__(self, preset: Preset, out: Path, clock, progress: bool):
+        super().__init__(preset, out, progress=progress)
+        self.clock = clock

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from curvlab.jobs import measure
-from curvlab.jobs.job import Job, StageClock
+from curvlab.jobs.job import Job
 from curvlab.jobs.lr_table import entry_or_centres
-from curvlab.jobs.reproduce import Reproduction, make_data, plateaus
+from curvlab.jobs.reproduce import Part, make_data, plateaus
 from curvlab.jobs.tune import check_rule
 from curvlab.models.gpt import get_config
 from curvlab.output.scaling_page import render_scaling, scaling_figure
-from curvlab.studies.design import Preset, ScalingPreset, ScalingRung
+from curvlab.studies.design import ScalingPreset, ScalingRung
 from curvlab.studies.records import LevelData
 from curvlab.studies.scaling import (
     PAPER_MODEL,
@@ -46,17 +46,6 @@ from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
 from curvlab.util.safe_stop import stop_at_safe_points
 from curvlab.util.versions import SoftwareVersions
-
-
-class _RungDirectory(Reproduction):
-    """One rung's directory inside a scaling design, in a reproduction's layout (its config as
-    ``reproduce.json``, its tuning check and analyses), sharing the design's clock and progress."""
-
-    TAG = "scaling"
-
-    def __init__(self, preset: Preset, out: Path, clock: StageClock, progress: bool):
-        super().__init__(preset, out, progress=progress)
-        self.clock = clock
 
 
 def _check_summary(tuning: TuningRecord) -> dict[str, dict[str, Any]]:
@@ -97,7 +86,7 @@ class Scaling(Job):
     def _rung(self, rung: ScalingRung, data: dict[float, Path]):
         """One rung's runs and analyses in ``rungs/<name>``: its :class:`LevelData` and tuning check."""
         preset = rung.preset(self.preset.base)
-        part = _RungDirectory(preset, self.out / "rungs" / rung.name, self.clock, self.progress)
+        part = Part(preset, self.out / "rungs" / rung.name, self.clock, self.progress)
         part._check_config()
         width = get_config(preset.network.model, **preset.network.model_overrides).n_embd
         entry = {"rule": "transferred_lrs", "base_width": self.preset.base_width, "table": self.preset.lr_table}

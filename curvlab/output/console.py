@@ -20,10 +20,12 @@ from curvlab.analysis.directions import PairedDirections
 from curvlab.analysis.report import CurvatureReport
 from curvlab.analysis.spectrum import CheckpointSpectrum
 from curvlab.curvature.scalars import RATIO_KEYS, SCOPE_KEYS
+from curvlab.output.cells import primary_cell
 from curvlab.output.finetune_text import finetune_table
 from curvlab.output.text import calibration_line, primary_table
 from curvlab.studies.adapters import FinetuneResult
 from curvlab.studies.compare import Comparison
+from curvlab.studies.long import LongSummary
 from curvlab.studies.robustness import RobustnessSummary
 from curvlab.studies.scaling import ScalingSummary
 from curvlab.studies.summary import Summary
@@ -249,6 +251,15 @@ def scaling_text(summary: ScalingSummary, out: str | Path) -> str:
             f"{f.quantity}: slope {f.fit.slope:.3f} [{f.fit.slope_ci95[0]:.3f}, {f.fit.slope_ci95[1]:.3f}], "
             f"extrapolated to 124M {f.fit.prediction:.3g} [{lo:.3g}, {hi:.3g}]{verdicts}"
         )
+    return "\n".join([*lines, f"finished in {summary.seconds:.0f} s; report: {Path(out) / 'report.md'}"])
+
+
+def long_text(summary: LongSummary, out: str | Path) -> str:
+    """The long design: the judged claims' verdicts (the primary family's and the thirds'), and how long it took."""
+    lines = [f"{e.name} ({e.scope}): {primary_cell(e)}, {e.direction}" for e in summary.primary if e.p_holm is not None]
+    for e in (e for e in summary.thirds if e.judged):
+        value = "not measured" if e.value is None else f"{e.value:.3g}"
+        lines.append(f"{e.quantity} {e.third} (s = {e.s:g}, {e.scope}): {value}, {e.verdict}")
     return "\n".join([*lines, f"finished in {summary.seconds:.0f} s; report: {Path(out) / 'report.md'}"])
 
 
