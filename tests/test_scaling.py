@@ -19,12 +19,13 @@ from curvlab.inference.loglog import log_log_fit
 from curvlab.jobs.presets import PRESETS, SCALING_PRESETS
 from curvlab.jobs.scaling import Scaling
 from curvlab.models.gpt import GPT, get_config
-from curvlab.output.scaling_page import publish_scaling
+from curvlab.output.scaling_page import publish_scaling, scaling_figure
 from curvlab.studies.design import ScalingPreset, ScalingRung
 from curvlab.studies.primary import estimated
 from curvlab.studies.records import LevelData
 from curvlab.studies.scaling import (
     QUANTITIES,
+    RungResult,
     ScalingLevels,
     ScalingSummary,
     parameter_counts,
@@ -190,48 +191,75 @@ def test_rows_are_their_levels_estimates_and_the_fits_the_rows_log_log_fit(ladde
     assert [f.quantity for f in summary.fits] == list(QUANTITIES)
     assert summary.at_124m == 84_953_856
     for f in summary.fits:
-        x = [r.n_params for r in summary.sizes for _ in r.seed_values(f.quantity)]
-        y = [v for r in summary.sizes for v in r.seed_values(f.quantity)]
+        # one point a rung: the geometric mean of its seeds' values, computed here from them
+        kept = [r for r in summary.sizes if r.seed_values(f.quantity) and min(r.seed_values(f.quantity)) > 0]
+        x = [r.n_params for r in kept]
+        y = [math.exp(np.mean(np.log(r.seed_values(f.quantity)))) for r in kept]
         if f.fit is None:
             assert f.note
             continue
         assert f.fit == log_log_fit(x, y, summary.at_124m)
         assert f.judged == (f.quantity in ("between_nds_ratio_all", "q_ratio"))
-        if f.judged:
+        if f.judged and len(x) == len(summary.sizes):
             lo, hi = f.fit.slope_ci95
             assert f.trend == ("rises with size" if lo > 0 else "falls with size" if hi < 0 else "no trend resolved")
-            assert f.holds_paper == (f.fit.prediction_pi95[0] <= 1.76 <= f.fit.prediction_pi95[1])
+            pi = f.fit.prediction_pi95
+            expected = "larger" if pi[0] > 1.76 else "smaller" if pi[1] < 1.76 else None
+            assert f.against_paper in ((expected,) if expected else ("consistent", "uninformative"))
         assert summary.fit[f.quantity]["slope"] == f.fit.slope
 
 
-class _Row:
+class _Row(RungResult):
     """A rung's row as :func:`scaling_fits` reads it: its size and each quantity's per-seed values."""
 
     def __init__(self, rung: str, n_params: int, values: dict[str, list[float]]):
-        self.rung, self.n_params, self.values = rung, n_params, values
+        object.__setattr__(self, "rung", rung)
+        object.__setattr__(self, "n_params", n_params)
+        object.__setattr__(self, "values", values)
 
     def seed_values(self, name: str) -> list[float]:
         return self.values.get(name, [])
 
+    def value(self, name: str) -> float | None:
+        return self.fit_value(name)
 
-def test_the_fits_take_every_seed_and_refuse_what_has_no_log():
-    sizes = (2e5, 6e5, 1.8e6)
-    exact = [
-        _Row(f"r{k}", int(n), {q: [7.0 * (n / 1e6) ** -0.25] * 3 for q in QUANTITIES}) for k, n in enumerate(sizes)
-    ]
-    fits = {f.quantity: f for f in scaling_fits(exact, 84_953_856)}
-    for f in fits.values():
-        assert f.fit.n == 9 and f.fit.slope == pytest.approx(-0.25)
+    def ci95(self, name: str) -> list[float] | None:
+        return None
+
+
+def test_the_fits_are_over_the_rungs_geometric_means_and_withhold_a_verdict_for_a_missing_rung():
+    sizes = (2e5, 6e5, 1.8e6, 3.6e6)
+    # each rung's seeds scatter around the power law 7 (N / 1e6)^-0.25 by factors whose geometric mean is 1
+    law = {n: 7.0 * (n / 1e6) ** -0.25 for n in sizes}
+    rows = [_Row(f"r{k}", int(n), {q: [law[n] / 1.5, law[n], law[n] * 1.5] for q in QUANTITIES}) for k, n in
+            enumerate(sizes)]  # fmt: skip
+    fits = {f.quantity: f for f in scaling_fits(rows, 84_953_856)}
+    for f in fits.values():  # one point a rung, on the law: an exact fit
+        assert f.fit.n == 4 and f.fit.slope == pytest.approx(-0.25)
         assert f.fit.prediction == pytest.approx(7.0 * 84.953856**-0.25)
-    # an exact power law: a zero-width slope interval below 0, and a 124M interval (a point) far from 1.76
-    assert fits["q_ratio"].trend == "falls with size" and fits["q_ratio"].holds_paper is False
+    # zero-width intervals: the slope below 0, and the 124M interval (a point, 2.26) above 1.76
+    assert fits["q_ratio"].trend == "falls with size" and fits["q_ratio"].against_paper == "larger"
     assert fits["paired_nds_ratio"].trend is None and not fits["paired_nds_ratio"].judged
-    broken = [*exact[:2], _Row("r2", int(sizes[2]), {"q_ratio": [1.0, -0.5, 2.0], "alignment_ratio": []})]
+    broken = [*rows[:3], _Row("r3", int(sizes[3]), {"q_ratio": [1.0, -0.5, 2.0], "alignment_ratio": []})]
     fits = {f.quantity: f for f in scaling_fits(broken, 84_953_856)}
-    assert fits["q_ratio"].fit is None and "<= 0" in fits["q_ratio"].note
-    # a rung without the quantity: fitted on the others, and said
-    assert fits["alignment_ratio"].fit.n == 6 and "r2" in fits["alignment_ratio"].note
-    assert math.isfinite(fits["alignment_ratio"].fit.slope) and np.isclose(fits["alignment_ratio"].fit.slope, -0.25)
+    # a rung without an estimate: fitted on the others, named, and a judged fit's verdicts withheld
+    for name in ("q_ratio", "alignment_ratio"):
+        assert fits[name].fit.n == 3 and fits[name].fit.slope == pytest.approx(-0.25) and "r3" in fits[name].note
+    assert (
+        fits["q_ratio"].trend is None and fits["q_ratio"].against_paper is None and "withheld" in fits["q_ratio"].note
+    )
+    assert RungResult.fit_value(rows[0], "q_ratio") == pytest.approx(law[2e5])
+
+
+def test_the_figure_draws_what_there_is(tmp_path):
+    """A fit not measured, a rung without values and a negative seed value are drawn around, not failed on."""
+    rows = [_Row("a", 200_000, {"q_ratio": [1.0, 2.0, 1.5]}), _Row("b", 600_000, {"q_ratio": [2.0, -1.0, 1.0]}),
+            _Row("c", 1_800_000, {"q_ratio": [3.0, 2.5, 2.0]}), _Row("d", 3_000_000, {}),
+            _Row("e", 5_000_000, {"q_ratio": [3.0, 3.5, 2.0]})]  # fmt: skip
+    fits = scaling_fits(rows, 84_953_856)
+    assert sum(f.fit is None for f in fits) == len(QUANTITIES) - 1
+    paths = scaling_figure(rows, fits, tmp_path / "scaling")
+    assert [p.suffix for p in paths] == [".png", ".pdf"] and all(p.stat().st_size > 0 for p in paths)
 
 
 @pytest.mark.heavy

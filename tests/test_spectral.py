@@ -399,12 +399,15 @@ def test_adam_edge_of_stability_is_where_its_momentum_diverges(beta1):
 
 
 def test_adam_step_settings_need_one_beta1_and_give_the_largest_lr():
-    """Groups may differ in lr (their P is scaled to the largest, curvlab.optim.adam), never in beta1."""
+    """Groups may differ in lr when the caller says it scales their P to the largest (curvlab.optim.adam), never
+    in beta1."""
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
     assert adam_step_settings(opt) == (0.01, 0.8)
     two = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}], lr=0.01)
-    assert adam_step_settings(two) == (0.1, 0.9)
+    with pytest.raises(ValueError, match="2 learning rates: pass mixed_lrs=True"):
+        adam_step_settings(two)
+    assert adam_step_settings(two, mixed_lrs=True) == (0.1, 0.9)
     betas = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "betas": (0.5, 0.9)}], lr=0.01)
     with pytest.raises(ValueError, match="one Adam beta1, found 2"):
         adam_step_settings(betas)

@@ -181,7 +181,8 @@ def checkpoint_spectrum(
         }
     sharpness = None
     if request.preconditioned:
-        lr, beta1 = adam_step_settings(target.optimizer)  # (the largest lr: each group's P is scaled to it)
+        # (the largest lr: each group's P is scaled to it)
+        lr, beta1 = adam_step_settings(target.optimizer, mixed_lrs=True)
         diagonal = adam_preconditioner(target.optimizer, model, list(params), scale_by_lr=True)  # (bias-corrected)
         P = preconditioned_operator(H, torch.cat([d.reshape(-1) for d in diagonal.values()]))
         sharpness = PreconditionedSharpness(extremes(P, 1), lr, beta1, bias_correction=True)

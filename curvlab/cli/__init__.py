@@ -41,6 +41,7 @@ for command in (analysis.nds, analysis.compare, analysis.track, analysis.spectru
 app.command("readme-results")(jobs.readme_results)
 app.command("robustness-page")(jobs.robustness_page)
 app.command("scaling-page")(jobs.scaling_page)
+app.command("long-page")(jobs.long_page)
 
 
 def main() -> None:

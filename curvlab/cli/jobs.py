@@ -1,6 +1,6 @@
 """The whole studies and what publishes them: ``quadratic`` (the stylized model), ``reproduce`` (the
 reproduction, the robustness design or a scaling ladder), ``finetune`` (LoRA), ``readme-results``,
-``robustness-page`` and ``scaling-page``."""
+``robustness-page``, ``scaling-page`` and ``long-page``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from curvlab.output.console import (
     wrote,
 )
 from curvlab.output.files import write_quadratic
+from curvlab.output.long_page import publish_long
 from curvlab.output.robustness_page import publish_robustness
 from curvlab.output.scaling_page import publish_scaling
 from curvlab.output.text import update_readme
@@ -182,4 +183,15 @@ def scaling_page(
 ) -> None:
     """Publish a scaling design: its summary.json, levels.json and figure into DOCS, and its page."""
     publish_scaling(results, docs=docs, page=page)
+    typer.echo(f"wrote {page} and {docs}")
+
+
+@one_line_errors
+def long_page(
+    results: Path = typer.Argument(..., help="A long design's output directory (with summary.json)."),
+    docs: Path = typer.Option(Path("docs/results/long"), help="Where summary.json, levels.json and the figure go."),
+    page: Path = typer.Option(..., help="The page to write (rewritten), e.g. the docs' results-long page."),
+) -> None:
+    """Publish a long design: its summary.json, levels.json and figure into DOCS, and its page."""
+    publish_long(results, docs=docs, page=page)
     typer.echo(f"wrote {page} and {docs}")

@@ -71,7 +71,7 @@ class Long(Job):
         if path.is_file():
             return LevelData.load(path), tuning
         seeds = list(range(preset.seeds))
-        levels, tuning = measure.measure_seeds(part, preset, seeds, data, tuning, plateaus(preset, data))
+        levels, _ = measure.measure_seeds(part, preset, seeds, data, tuning, plateaus(preset, data))  # (no control arm)
         levels.save(path)
         self.say(f"s = {s:g}: done")
         return levels, tuning

@@ -104,10 +104,20 @@ def _check(job: Job, preset: Preset, data: Path, seeds: list[int], table: dict[s
 
 def check_rule(job: Job, preset: Preset, data: Path, entry: dict[str, Any]) -> TuningRecord:
     """Learning rates set by a rule rather than tuned (``entry["chosen"]``; the scaling design's transfer across
-    widths), checked on a ``check_points`` grid around each arm's hidden-matrix lr as a table's are (``moved``:
-    the grid's best beat the rule's by more than the noise), and used as set. Read back when saved."""
+    widths), checked on a ``check_points`` grid around each arm's hidden-matrix lr (``moved``: the grid's best is
+    another point; with no table search behind the rule there is no noise estimate to compare with), and used
+    as set. Read back when saved, and refused when saved for other values.
+
+    Raises:
+        CurvlabError: the job's directory holds a check of other values.
+    """
     saved = job.saved_tuning()
     if saved is not None:
+        if saved.mode != "rule" or saved.chosen != entry["chosen"]:
+            raise CurvlabError(
+                f"{job.out} holds learning rates checked for another rule ({saved.chosen}, not {entry['chosen']}): "
+                "choose a fresh --out"
+            )
         return saved
     seeds = preset.tuning.check_seed_list()
     searches, chosen, moved = _check(job, preset, data, seeds, {"seeds": [], **entry})

@@ -168,14 +168,15 @@ def adam_edge_of_stability(lr: float, beta1: float) -> float:
     return (2 + 2 * beta1) / ((1 - beta1) * lr)
 
 
-def adam_step_settings(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
-    r"""The ``(lr, beta1)`` of ``optimizer``'s Adam groups for their edge of stability: the largest lr
-    :math:`\eta_{\max}` of the groups (those at smaller lrs enter through their P,
-    ``adam_preconditioner(..., scale_by_lr=True)``; module docstring) and the :math:`\beta_1` that every
+def adam_step_settings(optimizer: torch.optim.Optimizer, *, mixed_lrs: bool = False) -> tuple[float, float]:
+    r"""The ``(lr, beta1)`` of ``optimizer``'s Adam groups for their edge of stability: the one lr they share, or
+    with ``mixed_lrs`` the largest lr :math:`\eta_{\max}` of the groups (those at smaller lrs then enter through
+    their P, ``adam_preconditioner(..., scale_by_lr=True)``; module docstring), and the :math:`\beta_1` that every
     group shares.
 
     Raises:
-        CurvlabError: no Adam group, or groups that differ in beta1 (no one momentum recursion).
+        CurvlabError: no Adam group, groups that differ in beta1 (no one momentum recursion), or (without
+            ``mixed_lrs``) in lr: the caller's P must then be scaled to the largest.
     """
     groups = [g for g in optimizer.param_groups if "betas" in g]
     beta1s = {float(g["betas"][0]) for g in groups}
@@ -183,4 +184,10 @@ def adam_step_settings(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
         raise CurvlabError(
             f"the preconditioned sharpness needs one Adam beta1, found {len(beta1s)} among the optimizer's groups"
         )
-    return max(float(g["lr"]) for g in groups), beta1s.pop()
+    lrs = {float(g["lr"]) for g in groups}
+    if len(lrs) > 1 and not mixed_lrs:
+        raise CurvlabError(
+            f"the optimizer's Adam groups have {len(lrs)} learning rates: pass mixed_lrs=True and scale P with "
+            "adam_preconditioner(..., scale_by_lr=True)"
+        )
+    return max(lrs), beta1s.pop()

@@ -246,7 +246,7 @@ def scaling_text(summary: ScalingSummary, out: str | Path) -> str:
             lines.append(f"{f.quantity}: not fitted ({f.note})")
             continue
         lo, hi = f.fit.prediction_pi95
-        verdicts = f"; {f.trend}, PI holds 1.76: {f.holds_paper}" if f.judged else " (descriptive)"
+        verdicts = f"; {f.trend}, against 1.76: {f.against_paper}" if f.trend else " (descriptive)"
         lines.append(
             f"{f.quantity}: slope {f.fit.slope:.3f} [{f.fit.slope_ci95[0]:.3f}, {f.fit.slope_ci95[1]:.3f}], "
             f"extrapolated to 124M {f.fit.prediction:.3g} [{lo:.3g}, {hi:.3g}]{verdicts}"

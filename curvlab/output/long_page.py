@@ -3,6 +3,7 @@ the estimates by third of training, from ``summary.json`` alone."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -11,7 +12,8 @@ from curvlab.output.cells import fmt, interval_text, primary_cell
 from curvlab.output.plots import save_figure
 from curvlab.output.text import run_conditions, stage_times
 from curvlab.studies.long import LongSummary
-from curvlab.studies.thirds import THIRDS, ThirdEstimate
+from curvlab.studies.thirds import JUDGED, THIRDS, ThirdEstimate
+from curvlab.util.atomic import atomic_write_text, atomic_write_with
 
 LONG_FIGURE = "long_thirds"
 S_COLORS = {0.0: "tab:blue", 1.0: "tab:red"}
@@ -87,8 +89,36 @@ def render_long(summary: LongSummary, figures_dir: str = "figures") -> str:
     lines.append("|---|---|---:|---:|---|---:|")
     for e in summary.primary:
         lines.append(f"| {e.name} | {e.scope} | {primary_cell(e)} | {e.n_seeds} | {e.direction} | {fmt(e.p_holm)} |")
-    lines += ["", "## By third of training", "", f"![{LONG_FIGURE}]({figures_dir}/{LONG_FIGURE}.png)", ""]
+    lines += [
+        "",
+        "## By third of training",
+        "",
+        f"Registered {JUDGED['registered']} the first run: judged are the rises of {JUDGED['quantity']} at "
+        f"s = {JUDGED['s']:g} over {JUDGED['scope']} parameters ({JUDGED['direction']} than {JUDGED['null']:g}, "
+        "Holm over the two); every other row is descriptive.",
+        "",
+        f"![{LONG_FIGURE}]({figures_dir}/{LONG_FIGURE}.png)",
+        "",
+    ]
     lines += ["| quantity | scope | s | third | value [95% CI] | seeds | method | verdict | p (Holm) | note |"]
     lines.append("|---|---|---|---|---:|---:|---|---|---:|---|")
     lines += [_estimate_row(e) for e in summary.thirds]
     return "\n".join(lines) + "\n"
+
+
+def publish_long(results: Path, docs: Path, page: Path) -> None:
+    """Copy a long design's ``summary.json`` and ``levels.json`` into ``docs``, draw its figure there and write its
+    page (:func:`render_long`) to ``page``.
+
+    Raises:
+        CurvlabError: a missing or unreadable summary.
+    """
+    summary = LongSummary.load(results / "summary.json")
+    figures = docs / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    for name in ("summary.json", "levels.json"):
+        payload = (results / name).read_bytes()
+        atomic_write_with(docs / name, lambda f, payload=payload: f.write(payload))
+    long_figure(summary.thirds, figures / LONG_FIGURE)
+    relative = Path(os.path.relpath(figures, page.parent)).as_posix()
+    atomic_write_text(page, render_long(summary, relative))

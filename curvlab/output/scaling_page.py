@@ -28,14 +28,16 @@ LABELS = {
 
 def scaling_figure(rungs: list[RungResult], fits: list[ScalingFit], stem: str | Path) -> list[Path]:
     """Each quantity against non-embedding parameters, log-log: the seeds' values (dots), each rung's estimate
-    and interval, the fitted power law over the ladder (solid) and extrapolated (dashed) to GPT-2 small, with
-    its 95% prediction interval there and the paper's 1.76 (a star; none for cos, which the paper does not give)."""
+    and interval, the power law fitted to the rungs (solid) and extrapolated (dashed) to GPT-2 small, with
+    its 95% prediction interval there and, on the judged quantities, the paper's 1.76 (a star)."""
     fig, axes = plt.subplots(1, len(QUANTITIES), figsize=(3.2 * len(QUANTITIES), 3.2), squeeze=False)
     for ax, fit in zip(axes[0], fits):
         name = fit.quantity
+        drawn = False
         for r in rungs:
-            values = r.seed_values(name)
+            values = [v for v in r.seed_values(name) if v > 0]  # (a seed's value <= 0 has no place on a log axis)
             ax.plot([r.n_params] * len(values), values, ".", color="tab:gray", ms=4)
+            drawn |= bool(values)
             if r.value(name) is not None and r.value(name) > 0:
                 ci = r.ci95(name)
                 if ci is not None and ci[0] > 0:
@@ -48,15 +50,19 @@ def scaling_figure(rungs: list[RungResult], fits: list[ScalingFit], stem: str | 
                 ax.plot(xs, np.exp(f.intercept) * xs**f.slope, style, color="tab:blue", lw=1)
             ax.plot([f.at] * 2, f.prediction_pi95, color="tab:blue", lw=4, alpha=0.3)
             ax.plot([f.at], [f.prediction], "o", mfc="none", color="tab:blue", ms=6)
-        if name != "alignment_ratio":  # (the paper gives no cos ratio)
+        if fit.judged:  # (the paper's 1.76 is a between-run ratio over all parameters; q was registered against it)
             ax.plot([fit.fit.at if fit.fit else 8.5e7], [PAPER_NDS_RATIO], "*", color="tab:red", ms=9)
+        ax.set_title(LABELS[name] + ("" if fit.fit is None else f"\nslope {fit.fit.slope:.2f}"), fontsize=8)
+        if not drawn:
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", fontsize=8)
+            continue
         ax.axhline(1.0, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_title(LABELS[name] + ("" if fit.fit is None else f"\nslope {fit.fit.slope:.2f}"), fontsize=8)
         ax.set_xlabel("non-embedding parameters", fontsize=8)
     fig.suptitle(
-        f"Dashed: extrapolated to {PAPER_MODEL}, with its 95% prediction interval (band); star: the paper's 1.76",
+        f"Dashed: extrapolated to {PAPER_MODEL} at the ladder's tokens per run, with its 95% prediction interval "
+        "(band); star: the paper's 1.76",
         fontsize=8,
     )
     fig.tight_layout()
@@ -70,18 +76,19 @@ def _millions(n: int) -> str:
 def _fit_rows(summary: ScalingSummary) -> list[str]:
     lines = [
         f"| quantity | slope [95% CI] | points | at {PAPER_MODEL} ({_millions(summary.at_124m)}), **extrapolated** "
-        "[95% PI] | judged: trend | judged: PI holds 1.76 |",
+        "[95% PI] | judged: trend | judged: against 1.76 |",
         "|---|---:|---:|---:|---|---|",
     ]
     for f in summary.fits:
         if f.fit is None:
             lines.append(f"| {LABELS[f.quantity]} | not measured: {f.note} | | | | |")
             continue
-        trend = f.trend if f.judged else "descriptive"
-        holds = ({True: "yes", False: "**no**"}[f.holds_paper]) if f.judged else "descriptive"
+        trend = (f.trend or "withheld") if f.judged else "descriptive"
+        holds = (f.against_paper or "withheld") if f.judged else "descriptive"
         lines.append(
             f"| {LABELS[f.quantity]} | {f.fit.slope:.3f}{interval_text(f.fit.slope_ci95)} | {f.fit.n} | "
             f"{fmt(f.fit.prediction)}{interval_text(f.fit.prediction_pi95)} | {trend} | {holds} |"
+            + (f" {f.note}" if f.note else "")
         )
     return lines
 
@@ -99,15 +106,16 @@ def render_scaling(summary: ScalingSummary, figures_dir: str = "figures") -> str
         "",
         f"Each rung is `{summary.base}`'s design at another size, both arms on seeds "
         f"{', '.join(map(str, summary.seeds))}, {summary.tokens_per_run:,} training tokens a run. The learning "
-        f"rates are transferred from the committed table (tuned at width {summary.base_width}): AdamW's "
-        "hidden-matrix lr times w0/w (µP), Muon's times sqrt(w0/w) (both arms' hidden update RMS as 1/width); "
-        "embeddings, head and norms at the table's AdamW lr. Each rung checks the rule on a 3-point grid "
-        "(check seed), and runs at the rule's values whatever the grid says.",
+        f"rates are transferred from the committed table (tuned at width {summary.base_width}) by update-RMS "
+        "matching: AdamW's hidden-matrix lr times w0/w (µP's rule for Adam), Muon's times sqrt(w0/w), so that both "
+        "arms' hidden update RMS falls as 1/width (µP's spectral condition would keep Muon's lr constant: the "
+        "lr-dependent ratios depend on this choice, q much less); embeddings, head and norms at the table's AdamW "
+        "lr. Each rung checks the rule on a 3-point grid with one check seed and runs at the rule's values "
+        "whatever the grid says; the table marks where the grid's best point differs (one seed: no noise estimate).",
         "",
         f"Registered {rule['registered']} the first run: judged are the fits of "
-        f"{' and '.join(LABELS[q] for q in rule['judged'])}, on {rule['slope']}, and {rule['at_124m']}. "
-        f"Every other fit is descriptive. The prediction at {PAPER_MODEL} lies far outside the ladder: it "
-        "assumes the power law holds there.",
+        f"{' and '.join(LABELS[q] for q in rule['judged'])}: {rule['fit']}; {rule['slope']}; and {rule['at_124m']}. "
+        "Every other fit is descriptive.",
         "",
         "| rung | width | layers | non-embedding | total | tokens / non-emb. param | AdamW lr (hidden) | "
         "Muon lr | check: AdamW best | check: Muon best |",
@@ -117,7 +125,7 @@ def render_scaling(summary: ScalingSummary, figures_dir: str = "figures") -> str
         checks = []
         for arm in ("adamw", "muon"):
             c = r.check.get(arm, {})
-            checks.append(f"{fmt(c.get('best'))}" + (" (**moved**)" if c.get("moved") else ""))
+            checks.append(f"{fmt(c.get('best'))}" + (" (**differs**)" if c.get("moved") else ""))
         lines.append(
             f"| {r.rung} | {r.n_embd} | {r.n_layer} | {_millions(r.n_params)} | {_millions(r.n_params_total)} | "
             f"{summary.tokens_per_run / r.n_params:.2f} | {r.options['adamw']['lr']:g} ({r.lr['adamw']:g}) | "

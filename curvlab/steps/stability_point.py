@@ -195,7 +195,8 @@ def stability_point(
         sharp, edge, lr, residual, converged = muon_sharpness(H, model, optimizer, hidden, names, gradient, **eig)
         arm, correction = "muon", None
     else:
-        lr, beta1 = adam_step_settings(optimizer)  # (the largest lr: groups at smaller ones scale their P)
+        # (the largest lr: groups at smaller ones scale their P)
+        lr, beta1 = adam_step_settings(optimizer, mixed_lrs=True)
         diagonal = adam_preconditioner(optimizer, model, names, bias_correction=bias_correction, scale_by_lr=True)
         flat = torch.cat([d.reshape(-1) for d in diagonal.values()])
         pre = lanczos(preconditioned_operator(H, flat), **eig)

@@ -491,12 +491,21 @@ class ScalingPreset:
 
     def validate(self) -> None:
         """Raises ``CurvlabError`` for too few seeds or rungs, rungs without distinct names or sizes, seeds the
-        base uses, or a rung that makes an invalid preset."""
+        base uses, a ``base_width`` that is not the base's width (with a table entry), or a rung that makes an
+        invalid preset."""
         base = self.base
         _check_fresh_seeds("scaling", "rung", base, self.seeds, self.seed_list())
         names = [x.name for x in self.rungs]
         if len(names) < 3 or len(set(names)) != len(names):
             raise CurvlabError(f"a scaling design needs 3 rungs or more with distinct names, got {names}")
+        sizes = [(x.model, x.n_embd, x.n_head, x.n_layer) for x in self.rungs]
+        if len(set(sizes)) != len(sizes):
+            raise CurvlabError(f"a scaling design needs rungs of distinct sizes, got {sizes}")
+        width = get_config(base.network.model, **base.network.model_overrides).n_embd
+        if self.lr_table is not None and width != self.base_width:
+            raise CurvlabError(
+                f"base_width {self.base_width} is not the base model's width {width}, where its lrs were tuned"
+            )
         for x in self.rungs:
             preset = x.preset(base)
             preset.validate()

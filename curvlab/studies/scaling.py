@@ -10,10 +10,10 @@ extrapolated to GPT-2 small beside the paper's 1.76 (issue 51; docs/science.md s
 * At each rung (:func:`rung_result`), from its ``levels.json`` alone: the paired NDS, alignment (cos) and
   direction-efficiency (q) ratios, and the between-run NDS ratio on the hidden matrices and on all
   parameters, each a primary family entry estimated per seed (descriptive: a rung judges nothing).
-* Across rungs (:func:`scaling_fits`): each quantity's per-seed values fitted as a power law of the
+* Across rungs (:func:`scaling_fits`): each quantity's rung estimates fitted as a power law of the
   non-embedding parameters (:func:`curvlab.inference.loglog.log_log_fit`), predicted at GPT-2 small's
   (85M: an extrapolation, and labelled one). What the fit is judged on was registered before the run
-  (:data:`SCALING_RULE`): the slope's sign, and whether the 124M prediction interval holds the paper's 1.76.
+  (:data:`SCALING_RULE`): the slope's sign, and the 124M prediction interval against the paper's 1.76.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from curvlab.errors import CurvlabError
 from curvlab.inference.loglog import LogLogFit, log_log_fit
+from curvlab.inference.statistics import magnitude_verdict
 from curvlab.models.gpt import GPT, get_config
 from curvlab.models.roles import parameter_roles
 from curvlab.studies.design import Network
@@ -48,15 +50,22 @@ QUANTITIES = {
     "between_nds_ratio": _CLAIM["between_nds_ratio"],
     "between_nds_ratio_all": replace(_CLAIM["between_nds_ratio"], scope="all"),
 }
-# Registered before the scaling design's first run (issue 51): the fits judged, and on what. A slope whose 95%
-# interval lies above 0 "rises with size", below 0 "falls with size", else "no trend resolved"; the 124M
-# prediction interval "holds 1.76" or not (an extrapolation either way). The between-run ratio over all
-# parameters is the paper's own quantity; q is the learning-rate-free one (docs/science.md section 12). The
-# other fits are shown, descriptive.
+# Registered before the scaling design's first run (issue 51): the fits judged, and on what. Each fit is over the
+# rungs' estimates (a rung's seeds share its learning rates and whatever else a rung gets wrong: one point a rung,
+# not one a seed). A slope whose 95% interval lies above 0 "rises with size", below 0 "falls with size", else "no
+# trend resolved"; the 124M prediction interval against 1.76 by the magnitude rule of the primary family
+# (statistics.magnitude_verdict: "larger", "smaller", "consistent", or "uninformative" when wider than a factor of
+# 2 each way). No judged verdict when a rung has no estimate. The between-run ratio over all parameters is the
+# paper's own quantity; q is the learning-rate-free one (docs/science.md section 12). The other fits are shown,
+# descriptive.
 SCALING_RULE = {
     "judged": ["between_nds_ratio_all", "q_ratio"],
-    "slope": "the sign of the slope of log ratio on log non-embedding parameters, by its 95% interval",
-    "at_124m": f"whether the 95% prediction interval at {PAPER_MODEL}'s non-embedding parameters holds 1.76",
+    "fit": "least squares of the log of each rung's estimate (its seeds' geometric mean) on log N, n_rungs - 2 df",
+    "slope": "the sign of the slope by its 95% interval",
+    "at_124m": (
+        f"the 95% prediction interval of one new rung at {PAPER_MODEL}'s non-embedding parameters against 1.76, by the "
+        "primary family's magnitude rule; an extrapolation at the ladder's tokens per run, not a trained GPT-2 small"
+    ),
     "registered": "before",
 }
 
@@ -68,7 +77,8 @@ def transferred_lrs(base: dict[str, dict[str, float]], base_width: int, width: i
         \eta^{\text{AdamW}}_{\text{hidden}}(w) = \eta^{\text{AdamW}} \frac{w_0}{w}, \qquad
         \eta^{\text{Muon}}(w) = \eta^{\text{Muon}} \sqrt{\frac{w_0}{w}},
 
-    the embeddings, head and norms (AdamW's ``lr``, Muon's AdamW side ``adam_lr``) at the base's AdamW lr.
+    the embeddings, head and norms (AdamW's ``lr``, Muon's AdamW side ``adam_lr``) at the base's (its AdamW lr, and
+    its Muon AdamW side's, equal in the committed table).
 
     Args:
         base: the tuned options at ``base_width``: ``{"adamw": {"lr"}, "muon": {"lr", "adam_lr"}}``.
@@ -137,9 +147,17 @@ class RungResult(Record):
         return self.quantities[name].ci95
 
     def seed_values(self, name: str) -> list[float]:
-        """The quantity's per-seed values (what the fit takes), when it was estimated as a ratio."""
+        """The quantity's per-seed values, when it was estimated as a ratio."""
         e = self.quantities[name]
         return [x["value"] for x in e.per_seed] if e.kind == "ratio" else []
+
+    def fit_value(self, name: str) -> float | None:
+        """What the fit takes at this rung: the seeds' geometric mean, when every seed's value is positive
+        (``None``: not estimated as a ratio, or a seed's value <= 0)."""
+        values = np.asarray(self.seed_values(name), dtype=float)
+        if values.size == 0 or not np.all(np.isfinite(values) & (values > 0)):
+            return None
+        return float(np.exp(np.log(values).mean()))
 
 
 def rung_result(name: str, size: dict[str, int], lrs: dict[str, dict[str, float]], check, levels: LevelData):
@@ -153,13 +171,14 @@ def rung_result(name: str, size: dict[str, int], lrs: dict[str, dict[str, float]
 @dataclass(frozen=True)
 class ScalingFit(Record):
     """One quantity's power law across rungs (``fit``; ``None``: not measured, ``note`` says why), at
-    ``at_124m`` non-embedding parameters, with its verdicts where :data:`SCALING_RULE` judges it."""
+    ``at_124m`` non-embedding parameters, with its verdicts where :data:`SCALING_RULE` judges it (``None``: not
+    judged, or withheld because a rung has no estimate)."""
 
     quantity: str
     fit: LogLogFit | None
     judged: bool
     trend: str | None = None  # "rises with size", "falls with size", "no trend resolved"
-    holds_paper: bool | None = None  # whether the 124M prediction interval holds 1.76
+    against_paper: str | None = None  # the 124M interval against 1.76: larger, smaller, consistent, uninformative
     note: str = ""
 
 
@@ -169,28 +188,24 @@ def _trend(fit: LogLogFit) -> str:
 
 
 def scaling_fits(rungs: list[RungResult], at: int) -> list[ScalingFit]:
-    """Each quantity's fit over every rung's per-seed values (none dropped), predicted at ``at``."""
+    """Each quantity's fit over the rungs' estimates (:meth:`RungResult.fit_value`), predicted at ``at``; a rung
+    without one is left out of that fit and named, and the fit's judged verdicts are then withheld."""
     out = []
     for name in QUANTITIES:
         judged = name in SCALING_RULE["judged"]
-        x, y, missing = [], [], []
-        for r in rungs:
-            values = r.seed_values(name)
-            x += [r.n_params] * len(values)
-            y += values
-            if not values:
-                missing.append(r.rung)
-        note = f"not estimated as a ratio at {', '.join(missing)}" if missing else ""
-        if any(not (v > 0 and math.isfinite(v)) for v in y):
-            out.append(ScalingFit(name, None, judged, note=f"a per-seed value <= 0 or not finite; {note}".strip("; ")))
-            continue
+        points = [(r.n_params, r.fit_value(name)) for r in rungs]
+        missing = [r.rung for r, (_, y) in zip(rungs, points) if y is None]
+        note = f"no estimate (a seed's value <= 0, or not a ratio) at {', '.join(missing)}" if missing else ""
         try:
-            fit = log_log_fit(x, y, at)
+            fit = log_log_fit([x for x, y in points if y is not None], [y for _, y in points if y is not None], at)
         except CurvlabError as e:
             out.append(ScalingFit(name, None, judged, note="; ".join(filter(None, [str(e), note]))))
             continue
-        trend, holds = (_trend(fit), fit.prediction_pi95[0] <= PAPER_NDS_RATIO <= fit.prediction_pi95[1])
-        out.append(ScalingFit(name, fit, judged, trend if judged else None, holds if judged else None, note))
+        if not judged or missing:
+            why = "; judged verdicts withheld" if judged and missing else ""
+            out.append(ScalingFit(name, fit, judged, note=note + why))
+            continue
+        out.append(ScalingFit(name, fit, judged, _trend(fit), magnitude_verdict(fit.prediction_pi95, PAPER_NDS_RATIO)))
     return out
 
 

@@ -72,7 +72,14 @@ QUANTITIES = {
 CHANGES = ("paired_direction_ratio", "direction_efficiency_ratio")  # their change from s0 to s1, per third
 RHO_KEYS = {"all": ("within", "nds"), "hidden": ("within_layers", "nds_layers")}  # as _rho_gap reads them
 # registered before the long design's runs (issue 51): the rises judged, at which s and in which scope
-JUDGED = {"quantity": "rho_within_rise_gap", "s": 0.0, "scope": "all", "direction": "greater", "null": 0.0}
+JUDGED = {
+    "quantity": "rho_within_rise_gap",
+    "s": 0.0,
+    "scope": "all",
+    "direction": "greater",
+    "null": 0.0,
+    "registered": "before",
+}
 DESCRIPTIVE_NOTE = "descriptive: no verdict, outside Holm"
 
 
