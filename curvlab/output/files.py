@@ -1,6 +1,7 @@
 """The files ``curvlab spectrum`` and ``curvlab quadratic`` write: each one's record (schema-versioned
-JSON, written atomically) and its figures. The other commands' studies write their own
-(:func:`curvlab.studies.compare.compare_runs`, :meth:`curvlab.analysis.report.CurvatureReport.save`, ...).
+JSON, written atomically) and its figures; and a design's results copied into the docs (:func:`copy_results`).
+The other commands' studies write their own (:func:`curvlab.studies.compare.compare_runs`,
+:meth:`curvlab.analysis.report.CurvatureReport.save`, ...).
 
 Under torch.distributed only rank 0 writes; every function returns the paths written (none on the
 other ranks).
@@ -14,6 +15,7 @@ from curvlab.analysis.spectrum import CheckpointSpectrum
 from curvlab.output.plots import quadratic_phase, quadratic_trajectories, spectral_density_plot
 from curvlab.theory.quadratic import QuadraticStudy
 from curvlab.util import schema
+from curvlab.util.atomic import atomic_write_with
 from curvlab.util.distributed import is_main
 
 
@@ -58,3 +60,14 @@ def read_quadratic(path: str | Path) -> QuadraticStudy | None:
         return schema.load(path, QuadraticStudy)
     except schema.OtherVersion:
         return None
+
+
+def copy_results(results: Path, docs: Path) -> Path:
+    """Copy a design's ``summary.json`` and ``levels.json`` from ``results`` into ``docs`` (atomically, as they are:
+    sealed), and return ``docs/figures``, made, where its page's figures go."""
+    figures = docs / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    for name in ("summary.json", "levels.json"):
+        payload = (results / name).read_bytes()
+        atomic_write_with(docs / name, lambda f, payload=payload: f.write(payload))
+    return figures

@@ -9,11 +9,12 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from curvlab.output.cells import fmt, interval_text, primary_cell
+from curvlab.output.files import copy_results
 from curvlab.output.plots import save_figure
 from curvlab.output.text import run_conditions, stage_times
 from curvlab.studies.long import LongSummary
 from curvlab.studies.thirds import JUDGED, THIRDS, ThirdEstimate
-from curvlab.util.atomic import atomic_write_text, atomic_write_with
+from curvlab.util.atomic import atomic_write_text
 
 LONG_FIGURE = "long_thirds"
 S_COLORS = {0.0: "tab:blue", 1.0: "tab:red"}
@@ -114,11 +115,7 @@ def publish_long(results: Path, docs: Path, page: Path) -> None:
         CurvlabError: a missing or unreadable summary.
     """
     summary = LongSummary.load(results / "summary.json")
-    figures = docs / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    for name in ("summary.json", "levels.json"):
-        payload = (results / name).read_bytes()
-        atomic_write_with(docs / name, lambda f, payload=payload: f.write(payload))
+    figures = copy_results(results, docs)
     long_figure(summary.thirds, figures / LONG_FIGURE)
     relative = Path(os.path.relpath(figures, page.parent)).as_posix()
     atomic_write_text(page, render_long(summary, relative))

@@ -8,11 +8,12 @@ import os
 from pathlib import Path
 
 from curvlab.output.cells import fmt, interval_text
+from curvlab.output.files import copy_results
 from curvlab.output.plots import robustness_ratios
 from curvlab.output.text import controls_table, run_conditions, stability_table, stage_times
 from curvlab.studies.robustness import RobustnessSummary
 from curvlab.studies.summary import Summary
-from curvlab.util.atomic import atomic_write_text, atomic_write_with
+from curvlab.util.atomic import atomic_write_text
 
 ROBUSTNESS_FIGURE = "robustness_ratios"
 
@@ -87,11 +88,7 @@ def publish_robustness(results: Path, docs: Path, page: Path, reference: Path | 
     """
     summary = RobustnessSummary.load(results / "summary.json")
     ref = None if reference is None else paired_reference(Summary.load(reference))
-    figures = docs / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    for name in ("summary.json", "levels.json"):
-        payload = (results / name).read_bytes()
-        atomic_write_with(docs / name, lambda f, payload=payload: f.write(payload))
+    figures = copy_results(results, docs)
     robustness_ratios(summary.settings, figures / ROBUSTNESS_FIGURE, ref)
     relative = Path(os.path.relpath(figures, page.parent)).as_posix()
     atomic_write_text(page, render_robustness(summary, relative, ref) + "\n")

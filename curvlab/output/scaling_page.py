@@ -11,10 +11,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from curvlab.output.cells import fmt, interval_text, primary_cell
+from curvlab.output.files import copy_results
 from curvlab.output.plots import save_figure
 from curvlab.output.text import run_conditions, stage_times
 from curvlab.studies.scaling import PAPER_MODEL, PAPER_NDS_RATIO, QUANTITIES, RungResult, ScalingFit, ScalingSummary
-from curvlab.util.atomic import atomic_write_text, atomic_write_with
+from curvlab.util.atomic import atomic_write_text
 
 SCALING_FIGURE = "scaling"
 LABELS = {
@@ -148,11 +149,7 @@ def publish_scaling(results: Path, docs: Path, page: Path) -> None:
         CurvlabError: a missing or unreadable summary.
     """
     summary = ScalingSummary.load(results / "summary.json")
-    figures = docs / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    for name in ("summary.json", "levels.json"):
-        payload = (results / name).read_bytes()
-        atomic_write_with(docs / name, lambda f, payload=payload: f.write(payload))
+    figures = copy_results(results, docs)
     scaling_figure(summary.sizes, summary.fits, figures / SCALING_FIGURE)
     relative = Path(os.path.relpath(figures, page.parent)).as_posix()
     atomic_write_text(page, render_scaling(summary, relative) + "\n")
