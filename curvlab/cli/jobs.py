@@ -72,7 +72,7 @@ def reproduce(
         help="micro (seconds), quick (CPU, ~10 min: AdamW and Muon, 6 seeds, s = 0), standard (CPU, ~75 min: "
         "8 seeds, 4412 tokens, the Zipf sweep, the control arm), mechanism (CPU: quick's design with the "
         "factorial of filters and maps at every point), paper (GPU), robustness (CPU: the paired ratio at 9 "
-        "settings of quick's design, 3 seeds each), scaling (CPU: the ratios at 5 model sizes, 0.2M-1.8M "
+        "settings of quick's design, 3 seeds each), scaling (CPU, ~2 h: the ratios at 6 model sizes, 0.2M-3.2M "
         "non-embedding, and their power laws), scaling-gpu (7 sizes, to the paper's 9M Zipf model) or long (CPU: "
         "1500 steps at s = 0 and 1, 6 seeds, the paper's observations 3 and 4 by third of training).",
     ),
