@@ -1,5 +1,5 @@
 """``curvlab reproduce --preset long``: the paper's observations 3 and 4 over a long horizon, at two values of s,
-each at learning rates of its own (:data:`curvlab.jobs.presets.PRESETS` ``"long"``; what it concludes:
+each at learning rates of its own (:data:`curvlab.jobs.presets.LONG_PRESETS`; what it concludes:
 :mod:`curvlab.studies.long`; docs/science.md section 18).
 
 A composition of the reproduction's stages: each s is a reproduction of its own (the design at that one s, in

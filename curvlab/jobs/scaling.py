@@ -49,7 +49,8 @@ from curvlab.util.versions import SoftwareVersions
 
 
 def _check_summary(tuning: TuningRecord) -> dict[str, dict[str, Any]]:
-    """Per arm: the checked grid, its best point, the rule's, and whether the best beat it beyond the noise."""
+    """Per arm: the checked knob, its grid, its best point, the rule's, whether they differ (one check seed: no
+    noise to weigh the difference against) and each point's loss."""
     out = {}
     for key, search in tuning.searches.items():
         arm, knob = key.split(".")
@@ -83,7 +84,9 @@ class Scaling(Job):
         with stop_at_safe_points():
             return self._run()
 
-    def _rung(self, rung: ScalingRung, data: dict[float, Path]):
+    def _rung(
+        self, rung: ScalingRung, data: dict[float, Path], ceilings: dict[float, float]
+    ) -> tuple[LevelData, TuningRecord]:
         """One rung's runs and analyses in ``rungs/<name>``: its :class:`LevelData` and tuning check."""
         preset = rung.preset(self.preset.base)
         part = Part(preset, self.out / "rungs" / rung.name, self.clock, self.progress)
@@ -96,7 +99,7 @@ class Scaling(Job):
         path = part.out / "analysis" / "levels.json"
         if path.is_file():
             return LevelData.load(path), tuning
-        levels, _ = measure.measure_seeds(part, preset, self.preset.seed_list(), data, tuning, self.ceilings)
+        levels, _ = measure.measure_seeds(part, preset, self.preset.seed_list(), data, tuning, ceilings)
         levels.save(path)
         self.say(f"{rung.name}: done")
         return levels, tuning
@@ -106,10 +109,10 @@ class Scaling(Job):
         p = self.preset
         with self.clock("data"):
             data = make_data(self, p.base)
-        self.ceilings = plateaus(p.base, data)
+        ceilings = plateaus(p.base, data)
         rows, levels = [], {}
         for rung in p.rungs:
-            levels[rung.name], tuning = self._rung(rung, data)
+            levels[rung.name], tuning = self._rung(rung, data, ceilings)
             size = model_size(rung.preset(p.base).network)
             rows.append(rung_result(rung.name, size, tuning.chosen, _check_summary(tuning), levels[rung.name]))
         ScalingLevels(levels).save(self.out / "levels.json")

@@ -3,10 +3,10 @@ observations 3 (the AdamW − Muon gap widens with the grammar's imbalance) and 
 in Muon's advantage in mid and late training) over a horizon long enough to have a middle and an end (issue 51;
 docs/science.md section 18).
 
-Each s is measured as its own reproduction at its own learning rates (a 3-point search at that s): the
-primary family is judged on the trajectories of both (``zipf_gap_change``, ``rho_within_change_gap``; the
-paired and between-run claims at s = 0, descriptive), and the matched levels of each s are split into thirds of
-training (:mod:`curvlab.studies.thirds`).
+Each s is measured as its own reproduction at its own learning rates (a 3-point search at that s). The primary
+family reads the trajectories of both s and the first s's comparisons; the preset judges observation 3 there
+(``zipf_gap_change``), the rest descriptive. The matched levels of each s are split into thirds of training
+(:mod:`curvlab.studies.thirds`), where observation 4 is judged (:data:`curvlab.studies.thirds.JUDGED`).
 """
 
 from __future__ import annotations

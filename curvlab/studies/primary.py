@@ -336,7 +336,9 @@ def primary_family(
     return _judge(PRIMARY, data, data.matched(PRIMARY_COMPARISON), confidence, judged_claims(judged))
 
 
-def estimated(data: LevelData, claims: tuple[PrimaryClaim, ...], confidence: float = statistics.CONFIDENCE):
+def estimated(
+    data: LevelData, claims: tuple[PrimaryClaim, ...], confidence: float = statistics.CONFIDENCE
+) -> list[PrimaryEntry]:
     """``claims`` (primary claims, or variants of them in another scope) estimated per seed from ``data`` as the
     primary family is, none judged: descriptive entries, outside any Holm correction (a design that judges
     something else from them, as the scaling design judges its fits across sizes)."""

@@ -160,8 +160,15 @@ class RungResult(Record):
         return float(np.exp(np.log(values).mean()))
 
 
-def rung_result(name: str, size: dict[str, int], lrs: dict[str, dict[str, float]], check, levels: LevelData):
-    """One rung's row (module docstring) from its ``levels.json`` and its tuning check."""
+def rung_result(
+    name: str,
+    size: dict[str, int],
+    lrs: dict[str, dict[str, float]],
+    check: dict[str, dict[str, Any]],
+    levels: LevelData,
+) -> RungResult:
+    """One rung's row (module docstring) from its ``levels.json``, its size (:func:`model_size`), the options it
+    ran at and its tuning check."""
     entries = dict(zip(QUANTITIES, estimated(levels, tuple(QUANTITIES.values()))))
     hidden = {"adamw": lrs["adamw"].get("hidden_lr", lrs["adamw"]["lr"]), "muon": lrs["muon"]["lr"]}
     n_seeds = max((e.n_seeds for e in entries.values()), default=0)
