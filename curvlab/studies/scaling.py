@@ -126,8 +126,8 @@ def model_size(network: Network) -> dict[str, int]:
 @dataclass(frozen=True)
 class RungResult(Record):
     """One rung: its size, the learning rates it ran at (``lr``: each arm's hidden-matrix lr; ``options``:
-    every option), the 3-point check of the rule (``check``: per arm the grid, its best point and whether it
-    beat the rule's by more than its noise), and each quantity's estimate (a :class:`PrimaryEntry`, per seed)."""
+    every option), the 3-point check of the rule (``check``: per arm the grid, its best point and whether that
+    differs from the rule's, on one check seed), and each quantity's estimate (a :class:`PrimaryEntry`, per seed)."""
 
     rung: str
     n_params: int  # non-embedding
