@@ -41,7 +41,7 @@ from curvlab.util.atomic import atomic_write_json, atomic_write_text, remove_sta
 from curvlab.util.codec import Record
 from curvlab.util.lock import own_directory
 from curvlab.util.paths import same_path
-from curvlab.util.safe_stop import check_stop
+from curvlab.util.safe_stop import check_stop, stop_at_safe_points
 
 CONDITIONS = ("load", "threads", "cpus")
 
@@ -356,3 +356,18 @@ class Job:
         grid = ", ".join(f"{x:g}" for x in sorted(result.grid))
         self.say(f"{arm} {knob}: best {result.chosen:g} on the grid {grid}")
         return result
+
+
+class Design(Job):
+    """A job that runs one named design (``self.preset``, set by the subclass) through its stages (``_run``): a
+    reproduction, or a design composed of reproductions (robustness, scaling, long)."""
+
+    def what(self) -> str:
+        return f"the results of preset {self.preset.name!r}"
+
+    def run(self) -> Any:
+        """The whole design. A SIGINT or SIGTERM stops it at the next safe point (after a training step, a cached
+        report or a seed's analysis: :mod:`curvlab.util.safe_stop`) with a :class:`~curvlab.util.safe_stop.Stopped`;
+        running it again continues from what is saved."""
+        with stop_at_safe_points():
+            return self._run()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from curvlab.jobs import measure
-from curvlab.jobs.job import Job
+from curvlab.jobs.job import Design
 from curvlab.jobs.reproduce import Part, make_data, plateaus, reproduction_config
 from curvlab.jobs.tune import tune
 from curvlab.output.long_page import long_figure, render_long
@@ -28,11 +28,10 @@ from curvlab.studies.thirds import by_thirds
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
-from curvlab.util.safe_stop import stop_at_safe_points
 from curvlab.util.versions import SoftwareVersions
 
 
-class Long(Job):
+class Long(Design):
     """One long design in one output directory (module docstring)."""
 
     TAG = "long"
@@ -46,14 +45,6 @@ class Long(Job):
     def config(self) -> dict[str, Any]:
         return reproduction_config(self.preset)
 
-    def what(self) -> str:
-        return f"the results of preset {self.preset.name!r}"
-
-    def run(self) -> LongSummary:
-        """The whole design (module docstring); a SIGINT or SIGTERM stops it at the next safe point."""
-        with stop_at_safe_points():
-            return self._run()
-
     def part_preset(self, s: float) -> Preset:
         """The design at one s: a reproduction of its own."""
         return self.preset.changed(name=f"{self.preset.name}-{measure.s_name(s)}", s_values=(s,))
@@ -61,7 +52,7 @@ class Long(Job):
     def _part(self, s: float) -> tuple[LevelData, TuningRecord]:
         """One s's runs and analyses in ``s/s<s>``: its :class:`LevelData` and tuning."""
         preset = self.part_preset(s)
-        part = Part(preset, self.out / "s" / measure.s_name(s), self.clock, self.progress)
+        part = Part(preset, self.out / "s" / measure.s_name(s), self.clock, self.progress, self.TAG)
         part._check_config()
         with self.clock("data"):
             data = make_data(part, preset)

@@ -32,7 +32,7 @@ from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
 from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError
 from curvlab.jobs import measure, side_studies
-from curvlab.jobs.job import Job
+from curvlab.jobs.job import Design, Job
 from curvlab.jobs.lr_table import LR_TABLE, LrTable, read_lr_table
 from curvlab.jobs.presets import PRESETS
 from curvlab.jobs.tune import tune
@@ -54,7 +54,6 @@ from curvlab.studies.summary import QuadraticRecord, Summary
 from curvlab.studies.tuning import TuningSettings
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
-from curvlab.util.safe_stop import stop_at_safe_points
 from curvlab.util.versions import SoftwareVersions
 
 
@@ -112,7 +111,7 @@ def search_lr_table(preset: Preset, out: str | Path, progress: bool = True) -> d
     return entry
 
 
-class Reproduction(Job):
+class Reproduction(Design):
     """One reproduction in one output directory (module docstring): it orders the stages, owns the
     directory and resumes."""
 
@@ -134,9 +133,6 @@ class Reproduction(Job):
     def config(self) -> dict[str, Any]:
         return reproduction_config(self.preset, self.fineweb)
 
-    def what(self) -> str:
-        return f"the results of preset {self.preset.name!r}"
-
     def tuning_settings(self) -> TuningSettings:
         return self.preset.tuning_settings
 
@@ -144,13 +140,6 @@ class Reproduction(Job):
         short = {"steps": steps, "eval_every": steps, "ckpt_every": steps}
         cfg = train_config(self.preset, data, run, arm, seed, optimizer_options=options, **short)
         return train(cfg, progress=self.progress).val_loss
-
-    def run(self) -> Summary:
-        """The whole job (module docstring). A SIGINT or SIGTERM stops it at the next safe point (after
-        a training step, a cached report or a seed's analysis: :mod:`curvlab.util.safe_stop`) with a
-        :class:`~curvlab.util.safe_stop.Stopped`; running it again continues from what is saved."""
-        with stop_at_safe_points():
-            return self._run()
 
     def _run(self) -> Summary:
         self.start()
@@ -213,10 +202,10 @@ def conclude(job: Job, preset: Preset, levels: LevelData, tuning, ceilings, quad
 
 
 class Part(Reproduction):
-    """One part of a composite design (a rung of a scaling ladder, one s of the long design) in its own
-    directory, in a reproduction's layout (its config as ``reproduce.json``, its tuning and analyses), sharing
-    the design's clock and progress."""
+    """One part of a composite design (a setting of the robustness design, a rung of a scaling ladder, one s of
+    the long design) in its own directory, in a reproduction's layout (its config as ``reproduce.json``, its
+    tuning and analyses), sharing the design's clock and progress, its lines tagged as the design's."""
 
-    def __init__(self, preset: Preset, out: Path, clock, progress: bool):
+    def __init__(self, preset: Preset, out: Path, clock, progress: bool, tag: str = "reproduce"):
         super().__init__(preset, out, progress=progress)
-        self.clock = clock
+        self.clock, self.TAG = clock, tag

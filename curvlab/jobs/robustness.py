@@ -20,18 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from curvlab.jobs import measure
-from curvlab.jobs.job import Job, StageClock
+from curvlab.jobs.job import Design
 from curvlab.jobs.lr_table import entry_or_centres
-from curvlab.jobs.reproduce import Reproduction, make_data, plateaus, reproduction_config
+from curvlab.jobs.reproduce import Part, make_data, plateaus
 from curvlab.output import plots
 from curvlab.output.robustness_page import render_robustness
-from curvlab.studies.design import Preset, RobustnessPreset, RobustnessSetting
+from curvlab.studies.design import RobustnessPreset, RobustnessSetting
 from curvlab.studies.records import LevelData
 from curvlab.studies.robustness import RobustnessLevels, RobustnessSummary, setting_result
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
-from curvlab.util.safe_stop import stop_at_safe_points
 from curvlab.util.versions import SoftwareVersions
 
 
@@ -44,25 +43,7 @@ def scaled_lrs(entry: dict[str, Any], factors: dict[str, float]) -> dict[str, di
     return chosen
 
 
-class _SettingDirectory(Job):
-    """One setting's directory inside a robustness design, in a reproduction's layout (its config as
-    ``reproduce.json``, its tuning and analyses), sharing the design's clock and progress."""
-
-    TAG = "robustness"
-    CONFIG_FILE = Reproduction.CONFIG_FILE
-
-    def __init__(self, preset: Preset, out: Path, clock: StageClock, progress: bool):
-        super().__init__(out, progress)
-        self.preset, self.clock = preset, clock
-
-    def config(self) -> dict[str, Any]:
-        return reproduction_config(self.preset)
-
-    def what(self) -> str:
-        return f"the results of preset {self.preset.name!r}"
-
-
-class Robustness(Job):
+class Robustness(Design):
     """One robustness design in one output directory (module docstring)."""
 
     TAG = "robustness"
@@ -79,18 +60,10 @@ class Robustness(Job):
         del base["keep"]  # as a reproduction's: what stays on disk changes no result
         return {"preset": asdict(self.preset) | {"base": base}, "table": self.table["chosen"]}
 
-    def what(self) -> str:
-        return f"the results of preset {self.preset.name!r}"
-
-    def run(self) -> RobustnessSummary:
-        """The whole design (module docstring); a SIGINT or SIGTERM stops it at the next safe point."""
-        with stop_at_safe_points():
-            return self._run()
-
     def _setting(self, setting: RobustnessSetting) -> tuple[LevelData, dict[str, dict[str, float]]]:
         """One setting's runs and analyses, in ``settings/<name>``; its :class:`LevelData` and lrs."""
         preset = setting.preset(self.preset.base)
-        part = _SettingDirectory(preset, self.out / "settings" / setting.name, self.clock, self.progress)
+        part = Part(preset, self.out / "settings" / setting.name, self.clock, self.progress, self.TAG)
         part._check_config()
         path = part.out / "analysis" / "levels.json"
         chosen = scaled_lrs(self.table, setting.lr_factors)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from curvlab.jobs import measure
-from curvlab.jobs.job import Job
+from curvlab.jobs.job import Design
 from curvlab.jobs.lr_table import entry_or_centres
 from curvlab.jobs.reproduce import Part, make_data, plateaus
 from curvlab.jobs.tune import check_rule
@@ -44,7 +44,6 @@ from curvlab.studies.scaling import (
 from curvlab.studies.tuning import TuningRecord
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_text
-from curvlab.util.safe_stop import stop_at_safe_points
 from curvlab.util.versions import SoftwareVersions
 
 
@@ -59,7 +58,7 @@ def _check_summary(tuning: TuningRecord) -> dict[str, dict[str, Any]]:
     return out
 
 
-class Scaling(Job):
+class Scaling(Design):
     """One scaling design in one output directory (module docstring)."""
 
     TAG = "scaling"
@@ -76,20 +75,12 @@ class Scaling(Job):
         del base["keep"]  # as a reproduction's: what stays on disk changes no result
         return {"preset": asdict(self.preset) | {"base": base}, "table": self.table["chosen"], "rule": SCALING_RULE}
 
-    def what(self) -> str:
-        return f"the results of preset {self.preset.name!r}"
-
-    def run(self) -> ScalingSummary:
-        """The whole design (module docstring); a SIGINT or SIGTERM stops it at the next safe point."""
-        with stop_at_safe_points():
-            return self._run()
-
     def _rung(
         self, rung: ScalingRung, data: dict[float, Path], ceilings: dict[float, float]
     ) -> tuple[LevelData, TuningRecord]:
         """One rung's runs and analyses in ``rungs/<name>``: its :class:`LevelData` and tuning check."""
         preset = rung.preset(self.preset.base)
-        part = Part(preset, self.out / "rungs" / rung.name, self.clock, self.progress)
+        part = Part(preset, self.out / "rungs" / rung.name, self.clock, self.progress, self.TAG)
         part._check_config()
         width = get_config(preset.network.model, **preset.network.model_overrides).n_embd
         entry = {"rule": "transferred_lrs", "base_width": self.preset.base_width, "table": self.preset.lr_table}
