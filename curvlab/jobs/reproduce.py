@@ -24,7 +24,7 @@ default, ten minutes on two cores), ``standard`` (CPU, about 75 minutes) and ``p
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from curvlab.data.shards import find_shards
 from curvlab.errors import CurvlabError
 from curvlab.jobs import measure, side_studies
 from curvlab.jobs.job import Design, Job
-from curvlab.jobs.lr_table import LR_TABLE, LrTable, read_lr_table
+from curvlab.jobs.lr_table import LR_TABLE, LrTable, entry_or_centres, read_lr_table
 from curvlab.jobs.presets import PRESETS
 from curvlab.jobs.tune import tune
 from curvlab.output import plots
@@ -209,3 +209,20 @@ class Part(Reproduction):
     def __init__(self, preset: Preset, out: Path, clock, progress: bool, tag: str = "reproduce"):
         super().__init__(preset, out, progress=progress)
         self.clock, self.TAG = clock, tag
+
+
+class Composite(Design):
+    """A design made of a base preset's variations, each a :class:`Part` (the robustness design's settings, a
+    scaling ladder's rungs), its learning rates from the committed table's entry ``preset.lr_table`` (or the
+    base's tuning centres)."""
+
+    def __init__(self, preset: Any, out: str | Path, progress: bool = True):
+        preset.validate()
+        super().__init__(out, progress)
+        self.preset = preset
+        self.table = entry_or_centres(preset.lr_table, preset.base.tuning.rule.lr_centers)
+
+    def config(self) -> dict[str, Any]:
+        base = self.preset.base.flat()
+        del base["keep"]  # as a reproduction's: what stays on disk changes no result
+        return {"preset": asdict(self.preset) | {"base": base}, "table": self.table["chosen"]}

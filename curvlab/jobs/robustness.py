@@ -15,17 +15,13 @@ whose analysis is saved is read back.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from curvlab.jobs import measure
-from curvlab.jobs.job import Design
-from curvlab.jobs.lr_table import entry_or_centres
-from curvlab.jobs.reproduce import Part, make_data, plateaus
+from curvlab.jobs.reproduce import Composite, Part, make_data, plateaus
 from curvlab.output import plots
 from curvlab.output.robustness_page import render_robustness
-from curvlab.studies.design import RobustnessPreset, RobustnessSetting
+from curvlab.studies.design import RobustnessSetting
 from curvlab.studies.records import LevelData
 from curvlab.studies.robustness import RobustnessLevels, RobustnessSummary, setting_result
 from curvlab.studies.tuning import TuningRecord
@@ -43,22 +39,11 @@ def scaled_lrs(entry: dict[str, Any], factors: dict[str, float]) -> dict[str, di
     return chosen
 
 
-class Robustness(Design):
+class Robustness(Composite):
     """One robustness design in one output directory (module docstring)."""
 
     TAG = "robustness"
     CONFIG_FILE = "robustness.json"
-
-    def __init__(self, preset: RobustnessPreset, out: str | Path, progress: bool = True):
-        preset.validate()
-        super().__init__(out, progress)
-        self.preset = preset
-        self.table = entry_or_centres(preset.lr_table, preset.base.tuning.rule.lr_centers)
-
-    def config(self) -> dict[str, Any]:
-        base = self.preset.base.flat()
-        del base["keep"]  # as a reproduction's: what stays on disk changes no result
-        return {"preset": asdict(self.preset) | {"base": base}, "table": self.table["chosen"]}
 
     def _setting(self, setting: RobustnessSetting) -> tuple[LevelData, dict[str, dict[str, float]]]:
         """One setting's runs and analyses, in ``settings/<name>``; its :class:`LevelData` and lrs."""

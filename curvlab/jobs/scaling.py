@@ -16,18 +16,15 @@ trained again.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from curvlab.jobs import measure
-from curvlab.jobs.job import Design
-from curvlab.jobs.lr_table import entry_or_centres
-from curvlab.jobs.reproduce import Part, make_data, plateaus
+from curvlab.jobs.reproduce import Composite, Part, make_data, plateaus
 from curvlab.jobs.tune import check_rule
 from curvlab.models.gpt import get_config
 from curvlab.output.scaling_page import render_scaling, scaling_figure
-from curvlab.studies.design import ScalingPreset, ScalingRung
+from curvlab.studies.design import ScalingRung
 from curvlab.studies.records import LevelData
 from curvlab.studies.scaling import (
     PAPER_MODEL,
@@ -58,22 +55,14 @@ def _check_summary(tuning: TuningRecord) -> dict[str, dict[str, Any]]:
     return out
 
 
-class Scaling(Design):
+class Scaling(Composite):
     """One scaling design in one output directory (module docstring)."""
 
     TAG = "scaling"
     CONFIG_FILE = "scaling.json"
 
-    def __init__(self, preset: ScalingPreset, out: str | Path, progress: bool = True):
-        preset.validate()
-        super().__init__(out, progress)
-        self.preset = preset
-        self.table = entry_or_centres(preset.lr_table, preset.base.tuning.rule.lr_centers)
-
     def config(self) -> dict[str, Any]:
-        base = self.preset.base.flat()
-        del base["keep"]  # as a reproduction's: what stays on disk changes no result
-        return {"preset": asdict(self.preset) | {"base": base}, "table": self.table["chosen"], "rule": SCALING_RULE}
+        return super().config() | {"rule": SCALING_RULE}
 
     def _rung(
         self, rung: ScalingRung, data: dict[float, Path], ceilings: dict[float, float]

@@ -404,8 +404,21 @@ class RobustnessSetting:
         )
 
 
+class _OnFreshSeeds:
+    """What a design of variations of a ``base`` preset (robustness, scaling) shares: its ``seeds`` measurement
+    seeds from ``seed_base``, and its base's optional packages."""
+
+    def seed_list(self) -> list[int]:
+        return [self.seed_base + i for i in range(self.seeds)]
+
+    @property
+    def extras(self) -> dict[str, str]:
+        """The optional packages this design needs (module -> curvlab extra): its base's."""
+        return self.base.extras
+
+
 @dataclass(frozen=True)
-class RobustnessPreset:
+class RobustnessPreset(_OnFreshSeeds):
     """A design of settings: the paired direction ratio, with its controls, at each of ``settings``, each a
     :class:`Preset` made from ``base`` and run on measurement seeds ``seed_base`` .. (disjoint from the
     base's measured seeds, its tuning seeds and its table check's). The learning rates are the committed
@@ -417,14 +430,6 @@ class RobustnessPreset:
     lr_table: str | None = "quick"
     seeds: int = 3
     seed_base: int = 100
-
-    def seed_list(self) -> list[int]:
-        return [self.seed_base + i for i in range(self.seeds)]
-
-    @property
-    def extras(self) -> dict[str, str]:
-        """The optional packages this design needs (module -> curvlab extra): its base's."""
-        return self.base.extras
 
     def validate(self) -> None:
         """Raises ``CurvlabError`` for too few seeds, settings without distinct names, seeds the base uses,
@@ -467,7 +472,7 @@ class ScalingRung:
 
 
 @dataclass(frozen=True)
-class ScalingPreset:
+class ScalingPreset(_OnFreshSeeds):
     """A ladder of model sizes (:class:`ScalingRung`) on ``base``'s language and schedule, each measured on
     ``seeds`` fresh seeds from ``seed_base`` at learning rates transferred from the committed table's entry
     ``lr_table`` (tuned at width ``base_width``; ``None``: the base's tuning centres) by
@@ -480,14 +485,6 @@ class ScalingPreset:
     base_width: int = 80
     seeds: int = 3
     seed_base: int = 100
-
-    def seed_list(self) -> list[int]:
-        return [self.seed_base + i for i in range(self.seeds)]
-
-    @property
-    def extras(self) -> dict[str, str]:
-        """The optional packages this design needs (module -> curvlab extra): its base's."""
-        return self.base.extras
 
     def validate(self) -> None:
         """Raises ``CurvlabError`` for too few seeds or rungs, rungs without distinct names or sizes, seeds the
