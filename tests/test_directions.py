@@ -20,6 +20,7 @@ from curvlab.analysis.directions import (
 from curvlab.analysis.report import CurvatureReport, analyze_checkpoint
 from curvlab.analysis.targets import AnalysisSettings, open_checkpoint
 from curvlab.cli import app
+from curvlab.curvature.gauss_newton import gauss_newton_form
 from curvlab.curvature.taylor import nds
 from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import CurvaturePoint
@@ -298,6 +299,32 @@ def test_cli_directions_on_adamw_and_muon_checkpoints(runs, tmp_path):
     Bh = {n: B.get(n, torch.zeros_like(w)) for n, w in W.items()}
     expected = nds(loss_fn, W, target.train_batches[0], Bh)
     assert record.paired.get("sgd").hidden.nds == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.heavy
+def test_cli_gauss_newton_split_of_the_arms(runs, tmp_path):
+    """``curvlab nds --directions ... --gauss-newton``: the real step's Gauss–Newton part over both scopes equals
+    gauss_newton_form of the same Z, W and batch computed here; the other directions' are not measured."""
+    path, out = runs / "muon" / "ckpt_000004.pt", tmp_path / "gn.json"
+    args = ["nds", str(path), "--directions", "adamw,muon,sgd", "--gauss-newton", "--dtype", "float64", "--out"]
+    result = runner.invoke(app, [*args, str(out)])
+    assert result.exit_code == 0, result.output
+    assert "Gauss–Newton split" in result.output and "adamw/muon on the hidden matrices: NDS" in result.output
+    record = DirectionReport.from_dict(json.loads(out.read_text()))
+    target = open_checkpoint(path)
+    target.model.eval()
+    loss_fn = make_loss_fn(target.model)
+    _, Z = next_update(target.model, target.optimizer, loss_fn, target.train_batches[0], max_grad_norm=1.0)
+    W = {n: p.detach() for n, p in target.model.named_parameters()}
+    Zh = {n: z if n in record.paired.hidden_names else torch.zeros_like(z) for n, z in Z.items()}
+    muon = record.paired.get("muon")
+    for scope, z in ((muon.all, Z), (muon.hidden, Zh)):
+        gn = gauss_newton_form(loss_fn, W, target.train_batches[0], z, dtype=torch.float64)
+        assert scope.nds_gauss_newton == pytest.approx(gn / param_dicts.norm(z) ** 2, rel=1e-8)
+    adamw = record.paired.get("adamw")
+    assert min(adamw.all.nds_gauss_newton, adamw.hidden.nds_gauss_newton, muon.hidden.nds_gauss_newton) > 0
+    assert math.isnan(record.paired.get("sgd").hidden.nds_gauss_newton)
+    assert "paired_ndsgn_adamw_hidden" in record.paired.scalars()
 
 
 def test_cli_directions_approximation_and_bad_input(runs, tmp_path):

@@ -9,11 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from curvlab.analysis.estimate import EstimateReport
+from curvlab.analysis.report import analyze_checkpoint
+from curvlab.analysis.targets import AnalysisSettings
+from curvlab.cli import app
 from curvlab.curvature import estimators as E
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import GPT, MICRO_OVERRIDES, get_config
-from tests.builders import batch_for
+from tests.builders import assert_refused, batch_for, runner, small_run
 from tests.reference import MLP, dense_hessian
 
 SHAPES = {"u": (3,), "v": (2, 2)}
@@ -128,3 +132,39 @@ def test_bad_input():
             E.directional_curvature(loss_fn, params, None, {"u": z["u"]}, estimator=name)
     with pytest.raises(CurvlabError, match="unknown estimator"):
         E.directional_curvature(loss_fn, params, None, z, estimator="nope")
+
+
+# -- on a checkpoint: curvlab nds --estimator ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def muon_run(pcfg_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("estimate_runs")
+    small_run(pcfg_data, root / "muon", "muon", steps=8)
+    return root / "muon"
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", ["finite_difference", "quadratic_fit", "forward"])
+def test_cli_estimate_of_the_next_step_against_the_exact_report(muon_run, tmp_path, name):
+    """``curvlab nds CKPT --estimator NAME`` in float64: the NDS within its stated error of the exact report's
+    (the same W, Z and batch), the first-order term and realized decrease equal to the report's, and the JSON
+    read back."""
+    ckpt, out = muon_run / "ckpt_000004.pt", tmp_path / "estimate.json"
+    result = runner.invoke(app, ["nds", str(ckpt), "--estimator", name, "--dtype", "float64", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"estimator {name}: NDS" in result.output
+    report = EstimateReport.from_dict(json.loads(out.read_text()))
+    exact = analyze_checkpoint(ckpt, AnalysisSettings(dtype="float64"))
+    assert report.estimate.estimator == name and report.step == 4
+    error = report.estimate.error or 1e-9 * abs(exact.split.nds)
+    assert abs(report.estimate.nds - exact.split.nds) <= error
+    assert report.first_order == pytest.approx(exact.split.first_order, rel=1e-9)
+    assert report.realized == pytest.approx(exact.split.realized, rel=1e-9)
+    assert report.predicted == pytest.approx(report.first_order - report.estimate.zhz / 2, rel=1e-12)
+
+
+def test_cli_estimator_refusals(muon_run):
+    ckpt = str(muon_run / "ckpt_000004.pt")
+    assert_refused(["nds", ckpt, "--estimator", "critical_sharpness"], "unknown estimator 'critical_sharpness'")
+    assert_refused(["nds", ckpt, "--estimator", "forward", "--gauss-newton"], "not with --directions")

@@ -17,6 +17,8 @@ from curvlab.analysis.targets import AnalysisSettings, open_checkpoint
 from curvlab.engine import params as param_dicts
 from curvlab.engine.forward import forward_quadratic_form
 from curvlab.engine.loss import make_loss_fn
+from curvlab.jobs.measure import settings as analysis_settings
+from curvlab.jobs.presets import PRESETS
 from curvlab.runs.checkpoint import read_index
 from curvlab.runs.train import train
 from curvlab.steps.factorial import CELLS, cell_name
@@ -171,6 +173,50 @@ def test_the_paired_ratio_is_its_alignment_part_times_its_efficiency_part():
     assert parts["total"].n_points == 24 and parts["total"].n_seeds == 4
 
 
+def test_the_paired_ratio_is_its_gauss_newton_part_times_the_residual_factor():
+    """N = GN (1 + r): log(N_A/N_M) = log(GN_A/GN_M) + log((1 + r_A)/(1 + r_M)) at every point and in the seed
+    means; a point with an NDS <= 0 is left out of the split and counted; no split where none was measured."""
+    rng = np.random.default_rng(2)
+
+    def point(k):
+        gn_a, gn_m = 3.0 * math.exp(rng.normal(0, 0.05)), 1.0
+        r_a, r_m = 0.5, -0.25 if k else -1.5  # (the first point of each run: Muon's NDS < 0, all in the residual)
+        return {
+            "paired_nds_adamw_hidden": gn_a * (1 + r_a),
+            "paired_nds_muon_hidden": gn_m * (1 + r_m),
+            "paired_cos_adamw_hidden": 0.4,
+            "paired_cos_muon_hidden": 0.2,
+            "paired_ndsgn_adamw_hidden": gn_a,
+            "paired_ndsgn_muon_hidden": gn_m,
+        }
+
+    data = level_data([record("adamw/muon", s, [point(k) for k in range(3)], [point(k) for k in range(3)])
+                       for s in range(4)])  # fmt: skip
+    parts = paired_parts(data)
+    gn, residual, total = parts["gauss_newton"], parts["gn_residual"], parts["gn_total"]
+    assert gn.value == pytest.approx(3.0, rel=0.05) and residual.value == pytest.approx(1.5 / 0.75, rel=1e-12)
+    assert total.log == pytest.approx(gn.log + residual.log, abs=1e-12)
+    assert total.n_points == 16 and total.excluded_points == 8 and total.n_seeds == 4
+    without = level_data(
+        [
+            record(
+                "adamw/muon",
+                0,
+                [
+                    {
+                        "paired_nds_adamw_hidden": 1.0,
+                        "paired_nds_muon_hidden": 0.5,
+                        "paired_cos_adamw_hidden": 0.4,
+                        "paired_cos_muon_hidden": 0.2,
+                    }
+                ],
+                [],
+            )
+        ]
+    )
+    assert "gauss_newton" not in paired_parts(without)  # fmt: skip
+
+
 def test_the_mechanism_section_and_figures_show_what_was_measured(tmp_path):
     from types import SimpleNamespace
 
@@ -184,3 +230,9 @@ def test_the_mechanism_section_and_figures_show_what_was_measured(tmp_path):
     written = mechanism_figures(summary, tmp_path)
     assert {p.suffix for paths in written.values() for p in paths} == {".png", ".pdf"} and len(written) == 2
     assert mechanism_section(SimpleNamespace(cells=[], decomposition=None, paired_parts=None)) == []
+
+
+def test_the_mechanism_design_splits_the_arms_nds_where_the_paired_directions_are_measured():
+    mechanism, quick = PRESETS["mechanism"], PRESETS["quick"]
+    assert analysis_settings(mechanism, 1).gauss_newton and not analysis_settings(quick, 1).gauss_newton
+    assert not analysis_settings(mechanism, 1, paired=False).gauss_newton  # (the A/A: no paired directions)

@@ -385,9 +385,15 @@ def test_stability_point_of_an_adam_state_against_dense_references():
     diag = torch.cat([(opt.state[table[n]]["exp_avg_sq"] / (1 - 0.95**3)).sqrt().reshape(-1) + 1e-8 for n in params])
     diag = (1 - 0.9**3) * diag  # (the first moment's bias correction, in P by default)
     dense = float(torch.linalg.eigvalsh(diag.rsqrt()[:, None] * H * diag.rsqrt()[None, :])[-1])
-    point = stability_point(loss_fn, params, batch, model, opt, max_iter=H.shape[0], tol=1e-10)
+    point = stability_point(loss_fn, params, batch, model, opt, max_iter=H.shape[0], tol=1e-10, smallest=True)
     assert point.arm == "adam" and point.lr == 0.004 and point.bias_correction is True
-    assert point.lambda_max == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-9)
+    lam = torch.linalg.eigvalsh(H)
+    assert point.lambda_max == pytest.approx(float(lam[-1]), rel=1e-9)
+    # lambda_min beside it (negative here: the curvature lambda_max never shows), to the spectrum's scale
+    assert float(lam[0]) < 0 and point.lambda_min_converged
+    assert point.lambda_min == pytest.approx(float(lam[0]), abs=1e-9 * float(lam.abs().max()))
+    assert 0 <= point.lambda_min_residual <= 1e-8 * float(lam.abs().max())
+    assert stability_point(loss_fn, params, batch, model, opt, max_iter=5).lambda_min is None  # (not asked for)
     assert point.preconditioned_sharpness == pytest.approx(dense, rel=1e-8)
     # torch's AdamW decouples its default weight decay 0.01: the threshold is 38/η - 19γ (stability_point's docstring)
     assert point.weight_decay == 0.01 and point.edge_of_stability == pytest.approx(38 / 0.004 - 19 * 0.01, rel=1e-14)

@@ -305,6 +305,21 @@ def test_unconverged_eigenvalues_are_left_out_of_the_aggregates_and_counted():
     assert e[("adamw", "edge_of_stability")].residual is None and e[("adamw", "edge_of_stability")].converged is None
 
 
+def test_lambda_min_over_lambda_max_where_measured():
+    """lambda_min / lambda_max per arm, over the points whose lambda_min converged (its own flag), with its
+    residual relative to lambda_min; no entry where no point measured it (level files from before issue 52)."""
+    flags = {"lambda_converged": True, "preconditioned_converged": True}
+    good = _point(**flags) | {"control_lambda_min": -2.0, "control_lambda_min_residual": 0.02}
+    good |= {"control_lambda_min_converged": 1.0}
+    bad = good | {"control_lambda_min": -40.0, "control_lambda_min_converged": 0.0}
+    e = _entries([good, bad])
+    bottom = e[("adamw", "lambda_min_over_lambda_max")]
+    assert bottom.value == pytest.approx(-2.0 / 50) and bottom.n_unconverged == 3 and bottom.ci95 is None
+    # (the median over all six points of |residual / lambda_min|: 0.02/2 and 0.02/40, three each)
+    assert "a per-seed median <= 0" in bottom.note and bottom.residual == pytest.approx((0.01 + 0.0005) / 2)
+    assert ("adamw", "lambda_min_over_lambda_max") not in _entries([_point(**flags)])
+
+
 def test_points_written_before_the_flags_judge_lambda_max_by_its_residual():
     """A level file of before: lambda_max converged where its residual is within lanczos' slack (quick's
     two AdamW values at relative residuals 96 and 280 are not); the preconditioned one can't be told."""

@@ -41,7 +41,8 @@ JSON (``PointControls.to_dict``; a report written before the flags reads them as
     lambda_residual, lanczos_matvecs,
     preconditioned_sharpness, edge_of_stability, lr, injected{r: measured ratio},
     closed_form{r: ratio from the closed form}, coefficients{r: c}, note, lambda_converged,
-    preconditioned_residual, preconditioned_converged, preconditioned_bound, weight_decay
+    preconditioned_residual, preconditioned_converged, preconditioned_bound, weight_decay, lambda_min,
+    lambda_min_residual, lambda_min_converged (null in a report from before them)
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ STABILITY_QUANTITIES = {  # the per-point scalar of each edge-of-stability quant
     "edge_of_stability": "control_edge_of_stability",  # the arm's own threshold at the current lr
     "two_over_lr": "control_two_over_lr",
 }
+LAMBDA_MIN = "control_lambda_min"  # lambda_min(H) over all parameters (reports since issue 52)
 
 
 def injected_key(ratio: float) -> str:
@@ -109,6 +111,9 @@ class PointControls(Record):
     preconditioned_converged: bool | None = None
     preconditioned_bound: float | None = None  # v1'Hv1 / v1'Pv1 (Adam's arm): the sharpness is at least this
     weight_decay: float | None = None  # the decoupled gamma in Adam's threshold (StabilityPoint.weight_decay)
+    lambda_min: float | None = None  # lambda_min(H), its residual and flag (StabilityPoint's)
+    lambda_min_residual: float | None = None
+    lambda_min_converged: bool | None = None
 
     def scalars(self) -> dict[str, float]:
         """The ``control_*`` scalars of :class:`curvlab.curvature.scalars.CheckpointScalars`."""
@@ -117,8 +122,10 @@ class PointControls(Record):
         values = {"lambda_max": self.lambda_max, "preconditioned_sharpness": self.preconditioned_sharpness}
         values |= {"edge_of_stability": self.edge_of_stability, "two_over_lr": 2 / self.lr if self.lr else None}
         out |= {STABILITY_QUANTITIES[k]: v for k, v in values.items() if v is not None}
+        out |= {LAMBDA_MIN: self.lambda_min} if self.lambda_min is not None else {}
         checks = {"lambda_residual": self.lambda_residual, "preconditioned_residual": self.preconditioned_residual}
         checks |= {"lambda_converged": self.lambda_converged, "preconditioned_converged": self.preconditioned_converged}
+        checks |= {"lambda_min_residual": self.lambda_min_residual, "lambda_min_converged": self.lambda_min_converged}
         out |= {f"control_{k}": float(v) for k, v in checks.items() if v is not None}  # a flag as 1.0 or 0.0
         out |= {injected_key(float(r)): v for r, v in self.injected.items()}
         return out
@@ -173,8 +180,9 @@ def stability_controls(
     form takes :math:`\langle v_1, H v_1\rangle` for :math:`\lambda_1`, exact for any unit :math:`v_1`,
     converged or not; the note says where a value did not converge."""
     point = stability_point(
-        loss_fn, params, batch, model, optimizer, G, max_iter=iterations, tol=LANCZOS_TOL, dtype=dtype, method=method
-    )
+        loss_fn, params, batch, model, optimizer, G, max_iter=iterations, tol=LANCZOS_TOL, dtype=dtype, method=method,
+        smallest=True,
+    )  # fmt: skip
     skipped = [] if point.lambda_converged else [f"lambda_max unconverged in {iterations} iterations"]
     bound = point.preconditioned_bound
     if not point.preconditioned_converged and bound is not None and point.preconditioned_sharpness < bound:
@@ -201,6 +209,7 @@ def stability_controls(
     closed = {k: scalars.nds_at(c) / scalars.nds for k, c in coefficients.items()}
     read = ("lambda_max", "lambda_residual", "lambda_converged", "preconditioned_sharpness", "edge_of_stability", "lr")
     read += ("preconditioned_residual", "preconditioned_converged", "preconditioned_bound", "weight_decay")
+    read += ("lambda_min", "lambda_min_residual", "lambda_min_converged")
     measured = {k: getattr(point, k) for k in read} | {"lanczos_matvecs": point.num_matvecs}
     derived = {"injected": injected, "closed_form": closed, "coefficients": coefficients, "note": "; ".join(skipped)}
     return PointControls(**measured, **derived)

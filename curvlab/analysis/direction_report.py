@@ -81,7 +81,7 @@ def analyze_directions(target: Target, names, settings: AnalysisSettings, checkp
     params = {n: p.detach() for n, p in model.named_parameters()}
     paired, _ = measured_directions(
         model, target.optimizer, loss_fn, params, D, G, Z, names=names, shadow=target.shadow,
-        method=settings.method, dtype=DTYPES[settings.dtype],
+        method=settings.method, dtype=DTYPES[settings.dtype], gauss_newton=settings.gauss_newton,
     )  # fmt: skip
     return DirectionReport(
         checkpoint,

@@ -18,7 +18,8 @@ On the hidden matrices each direction also takes the model's optimal step, :math
 / \langle Z_h, H Z_h\rangle` (for :math:`\langle Z_h, HZ_h\rangle > 0`), which the loss is evaluated at: the
 predicted optimal decrease :math:`\tfrac{q}{2}\|G_h\|^2` beside the realized one, :math:`L(W) - L(W - \eta^* Z_h)`
 on the point's batch (:class:`PairedCurvature`; one forward per direction, no HVP): is the advantage q predicts
-realized?
+realized? With ``gauss_newton``, the two arms' NDS on both scopes is also split into its Gauss–Newton part and
+the residual (:mod:`curvlab.curvature.gauss_newton`; one forward-mode product per direction and scope).
 
 **The directions** (:data:`DIRECTIONS`) differ on the hidden matrices only; on every other parameter
 (embeddings, head, norms, biases) each of them is the run's own next step, so that scope ``"all"`` asks
@@ -68,6 +69,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from curvlab.curvature.gauss_newton import gauss_newton_at
 from curvlab.curvature.groupings import hidden_matrices
 from curvlab.curvature.scope import SCOPES, DirectionCurvature
 from curvlab.engine import params as param_dicts
@@ -82,6 +84,7 @@ PAIRED = ("adamw", "muon")  # the two arms, paired at every checkpoint that carr
 # what a paired direction's JSON keeps of each scope's record (see PairedDirection.to_dict)
 DIRECTION_KEYS = ("nds", "first_order", "curvature_penalty", "update_norm", "grad_norm", "cosine", "q")
 DIRECTION_KEYS += ("optimal_predicted", "optimal_realized")  # (the hidden scope's; null on "all", absent before)
+DIRECTION_KEYS += ("nds_gauss_newton",)  # (the arms', where asked for; null otherwise, absent before)
 BASES = {"adam": "adamw", "muon": "muon"}  # the optimizer state on the hidden matrices -> its real direction
 PAIRED_SCHEMA_VERSION = 1
 NOT_FINITE = "the loss is not finite"  # (curvlab.engine.checks.finite_loss's error)
@@ -101,10 +104,13 @@ class PairedCurvature(DirectionCurvature):
         optimal_predicted: :math:`\tfrac12\|G_h\|^2 q = \tfrac12 \langle G_h, Z_h\rangle^2 / \langle Z_h, H Z_h\rangle`,
             the model's decrease at :math:`\eta^*`.
         optimal_realized: :math:`L(W) - L(W - \eta^* Z_h)` on the point's batch.
+        nds_gauss_newton: the Gauss–Newton part of the NDS, :math:`\langle JZ, H_\ell JZ\rangle / \|Z\|^2` (NaN where
+            not measured); the residual is ``nds - nds_gauss_newton``.
     """
 
     optimal_predicted: float = nan
     optimal_realized: float = nan
+    nds_gauss_newton: float = nan
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,7 @@ def _unstepped(d: Mapping[str, Any]) -> PairedCurvature:
     optimal step's keys where a report made before they were measured lacks them)."""
     first_order, penalty = _float(d["first_order"]), _float(d["curvature_penalty"])
     rest = {k: _float(d[k]) for k in ("nds", "update_norm", "grad_norm", "cosine")}
-    rest |= {k: _float(d.get(k)) for k in ("optimal_predicted", "optimal_realized")}
+    rest |= {k: _float(d.get(k)) for k in ("optimal_predicted", "optimal_realized", "nds_gauss_newton")}
     return PairedCurvature(
         first_order=first_order, curvature_penalty=penalty, predicted=first_order - penalty, realized=nan, **rest
     )
@@ -210,6 +216,9 @@ class PairedDirections(Record):
         }
         optimal = {"optpred": "optimal_predicted", "optreal": "optimal_realized"}
         for d in self.directions:
+            for scope in SCOPES:
+                if not isnan(gn := getattr(d.scope(scope), "nds_gauss_newton", nan)):
+                    out[f"paired_ndsgn_{d.name}_{scope}"] = gn
             values = {key: getattr(d.hidden, attribute, nan) for key, attribute in optimal.items()}
             if not any(isnan(v) for v in values.values()):
                 out |= {f"paired_{key}_{d.name}_hidden": v for key, v in values.items()}
@@ -376,13 +385,20 @@ def _other_arm(name, base, first, W, G, shapes, multiplier, shadow):
 
 
 def measure_directions(
-    point: CurvaturePoint, directions: Sequence[Direction], hidden: Sequence[str], *, optimal: bool = False
+    point: CurvaturePoint,
+    directions: Sequence[Direction],
+    hidden: Sequence[str],
+    *,
+    optimal: bool = False,
+    gauss_newton: bool = False,
 ) -> tuple[PairedDirection, ...]:
     r"""Every direction over both scopes at one point: each direction's curvature whole and restricted to
     ``hidden`` from the interactions of its two parts (:meth:`~curvlab.engine.hvp.CurvaturePoint.interactions`:
     two second backwards, the hidden matrices' on every parameter, then the rest's on the rest alone), and
     its first-order sums over both scopes from one float64 table. With ``optimal``, each direction's optimal
-    step on the hidden scope too (:func:`_optimal_step`: one forward each, on the point's batch).
+    step on the hidden scope too (:func:`_optimal_step`: one forward each, on the point's batch); with
+    ``gauss_newton``, the Gauss–Newton part of each scope's NDS
+    (:func:`~curvlab.curvature.gauss_newton.gauss_newton_at`).
 
     Raises:
         CurvlabError: a direction that doesn't match the point's parameters, is non-finite, or is zero
@@ -422,6 +438,12 @@ def measure_directions(
         ]
         if optimal:
             scopes[1] = _optimal_step(point, scopes[1], {n: full[n] for n in hidden})
+        if gauss_newton:
+            on_hidden = {n: full[n] if n in keep else torch.zeros_like(full[n]) for n in names}
+            scopes = [
+                replace(c, nds_gauss_newton=gauss_newton_at(point, part) / c.update_norm**2)
+                for c, part in zip(scopes, (full, on_hidden))
+            ]
         out.append(PairedDirection(d.name, d.source, d.scaling, *scopes))
     return tuple(out)
 
@@ -495,20 +517,22 @@ def measured_directions(
     hidden_only: Sequence[str] = (),
     method: str = DEFAULT_METHOD,
     dtype: torch.dtype | None = None,
+    gauss_newton: bool = False,
 ) -> tuple[PairedDirections, list[Direction]]:
     """The directions ``names`` and one per control shadow (:func:`counterfactual_directions`), then ``extra``
     (directions made elsewhere: the exchangeable twins), measured at ``params`` on ``batch``
     (:func:`measure_directions`, with the two arms' optimal steps on the hidden matrices), over all parameters
     and the hidden matrices, but those named in ``hidden_only`` on the hidden matrices alone
     (:func:`measure_hidden`): the record, and the directions of ``names`` and the controls (for measures
-    beyond this point's H)."""
+    beyond this point's H); with ``gauss_newton``, the two arms' Gauss–Newton parts too."""
     base, multiplier, directions = counterfactual_directions(
         model, optimizer, G, Z, names, shadow=shadow, controls=controls
     )
     hidden = hidden_matrices({n: params[n] for n in params}, model=model)
     every = [*directions, *extra]
     with CurvaturePoint(loss_fn, params, batch, method=method, dtype=dtype) as point:
-        arms = measure_directions(point, [d for d in every if d.name in PAIRED], hidden, optimal=True)
+        arms = [d for d in every if d.name in PAIRED]
+        arms = measure_directions(point, arms, hidden, optimal=True, gauss_newton=gauss_newton)
         rest = [d for d in every if d.name not in PAIRED and d.name not in hidden_only]
         others = measure_directions(point, rest, hidden) if rest else ()
         controls_only = [d for d in every if d.name not in PAIRED and d.name in hidden_only]

@@ -339,6 +339,7 @@ def _paired_and_controls(target: Target, settings: AnalysisSettings, loss_fn, pa
     exchangeable = _exchangeable(target, settings, loss_fn) if settings.held_out else []
     twins = target.controls if settings.controls else None
     how = {"shadow": target.shadow, "controls": twins, "extra": exchangeable, "method": method, "dtype": dtype}
+    how["gauss_newton"] = settings.gauss_newton
     # the controls' directions are read on the hidden matrices only: one batched HVP for all of them
     how["hidden_only"] = ("sgd", *(twins or {}), *(d.name for d in exchangeable))
     paired, directions = measured_directions(model, optimizer, loss_fn, params, D, G, Z, names=names, **how)

@@ -69,7 +69,8 @@ class SpectrumRequest:
     :class:`curvlab.analysis.targets.AnalysisSettings`).
 
     Attributes:
-        top, bottom: how many of the largest and smallest eigenvalues (Lanczos; 0: none).
+        top, bottom: how many of the largest and smallest eigenvalues (Lanczos; 0: none). By default λ_min
+            beside the 5 largest: the negative curvature, which λ_max alone never shows.
         trace: the trace by Hutchinson and by Hutch++.
         density: the spectral density by stochastic Lanczos quadrature.
         blocks: also λ_max of each block of this grouping (``layer``, ``tensor``, ``kind``), or None.
@@ -79,7 +80,7 @@ class SpectrumRequest:
     """
 
     top: int = 5
-    bottom: int = 0
+    bottom: int = 1
     trace: bool = False
     density: bool = False
     blocks: str | None = None

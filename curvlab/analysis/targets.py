@@ -65,6 +65,8 @@ class AnalysisSettings:
     # the factorial of filters and maps (curvlab.analysis.factorial), under the own H and, with held_out, the
     # held-out H: the mechanism design's (ten cells, two second backwards each, per H)
     factorial: bool = False
+    # both arms' NDS split into its Gauss–Newton part and the residual (curvlab.curvature.gauss_newton)
+    gauss_newton: bool = False
 
     def validate(self) -> None:
         if self.batch not in BATCHES:
@@ -86,7 +88,7 @@ class AnalysisSettings:
 
     def key(self) -> str:
         """A short stable hash, for caching reports."""
-        settings = {k: v for k, v in asdict(self).items() if k != "factorial" or v}
+        settings = {k: v for k, v in asdict(self).items() if k not in ("factorial", "gauss_newton") or v}
         # (what a point measures grew with issue 50, the settings alike: a report cached before is not this one)
         text = json.dumps({**settings, "schema": REPORT_SCHEMA_VERSION, "measures": 2}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:10]

@@ -3,7 +3,8 @@ library function and prints the result through :mod:`curvlab.output.console`.
 
 The commands live by group: :mod:`~curvlab.cli.training` (``train``), :mod:`~curvlab.cli.analysis` (``nds``,
 ``compare``, ``track``, ``spectrum``), :mod:`~curvlab.cli.jobs` (``quadratic``, ``reproduce``, ``finetune``
-and the pages) and :mod:`~curvlab.cli.pcfg` (``pcfg generate``, ``pcfg stats``); how each fails is
+and the pages), :mod:`~curvlab.cli.pcfg` (``pcfg generate``, ``pcfg stats``) and :mod:`~curvlab.cli.data`
+(``data text``); how each fails is
 :mod:`~curvlab.cli.errors`, and how each option checks its value where it is parsed :mod:`~curvlab.cli.options`.
 This module gathers them into :data:`app`, in the order ``--help`` lists them.
 """
@@ -14,7 +15,7 @@ import torch
 import typer
 
 import curvlab
-from curvlab.cli import analysis, jobs, pcfg, training
+from curvlab.cli import analysis, data, jobs, pcfg, training
 from curvlab.cli.options import OneLineUsageErrors
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(pcfg.app, name="pcfg")
+app.add_typer(data.app, name="data")
 
 
 @app.command()

@@ -10,14 +10,18 @@ import typer
 
 from curvlab.analysis.checkpoint import checkpoint_analysis
 from curvlab.analysis.direction_report import DirectionReport
+from curvlab.analysis.estimate import checkpoint_estimate
 from curvlab.analysis.spectrum import SpectrumRequest, checkpoint_spectrum
 from curvlab.analysis.targets import AnalysisSettings
 from curvlab.cli.errors import one_line_errors
 from curvlab.cli.options import count, positive, refuse_beyond_memory
+from curvlab.curvature.estimators import ESTIMATORS
 from curvlab.engine.hvp import DEFAULT_METHOD
+from curvlab.errors import CurvlabError
 from curvlab.output.console import (
     comparison_text,
     directions_report_text,
+    estimate_text,
     refusals,
     report_text,
     spectrum_text,
@@ -87,6 +91,12 @@ def nds(
     batch_size: int = count(
         None, help="Lightning and state-dict checkpoints: sequences in the next step's batch (curvlab's draw)."
     ),
+    gauss_newton: bool = typer.Option(
+        False, "--gauss-newton", help="Split the AdamW and Muon directions' NDS into Gauss–Newton part and residual."
+    ),
+    estimator: str = typer.Option(
+        "exact", help=f"{' | '.join(ESTIMATORS)}: another than exact estimates Z's NDS alone, with its error and cost."
+    ),
 ) -> None:
     """NDS, Taylor split and block interaction matrix of a checkpoint's next update.
 
@@ -97,19 +107,28 @@ def nds(
     if out:
         check_output(out)  # before the analysis, not after it
     settings = AnalysisSettings(
-        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, method=method
-    )
+        blocks=blocks, batch=batch, batches=batches, dtype=dtype, block_method=block_method, method=method,
+        gauss_newton=gauss_newton,
+    )  # fmt: skip
     rebuild = Rebuild(config=config, optimizer=optimizer, batch_size=batch_size)
+    if estimator != "exact":
+        if directions or fsdp or gauss_newton:
+            raise CurvlabError("--estimator estimates the real step's NDS alone: not with --directions, --fsdp or "
+                               "--gauss-newton")  # fmt: skip
+        report = checkpoint_estimate(checkpoint, estimator, settings, data=data, device=device, rebuild=rebuild)
+        return _echo_and_save(estimate_text(report), report, out)
     with distributed_context() as (rank, _):
         report = checkpoint_analysis(
             checkpoint, settings, data=data, device=device, rebuild=rebuild, directions=directions, fsdp=fsdp
         )
     if rank != 0:
         return
-    if isinstance(report, DirectionReport):
-        typer.echo(directions_report_text(report))
-    else:
-        typer.echo(report_text(report, checkpoint))
+    text = directions_report_text(report) if isinstance(report, DirectionReport) else report_text(report, checkpoint)
+    _echo_and_save(text, report, out)
+
+
+def _echo_and_save(text: str, report, out: Path | None) -> None:
+    typer.echo(text)
     if out:
         report.save(out)
         typer.echo(f"wrote {out}")
@@ -219,7 +238,7 @@ def track(
 def spectrum(
     checkpoint: Path = typer.Argument(..., help=CHECKPOINT_HELP),
     top: int = count(5, low=0, help="Largest eigenvalues (Lanczos)."),
-    bottom: int = count(0, low=0, help="Smallest eigenvalues."),
+    bottom: int = count(1, low=0, help="Smallest eigenvalues (λ_min and up; 0: none)."),
     trace: bool = typer.Option(False, help="Trace by Hutchinson and Hutch++."),
     density: bool = typer.Option(False, help="Spectral density by stochastic Lanczos quadrature (and its figure)."),
     blocks: str = typer.Option(None, help="Also λ_max of each block of this grouping (layer, tensor, kind)."),

@@ -7,7 +7,8 @@ is renamed into place at the end, so an interrupted generation leaves nothing th
 holds the lock ``.<out.name>.lock`` beside ``out`` (:func:`generation_lock`) from its check of ``out`` to
 the rename: a second process making the same directory waits for the first and then uses its dataset
 (asking again for the same config is a no-op), and a temporary directory of ``out`` found while holding
-the lock is a killed generation's, which is removed.
+the lock is a killed generation's, which is removed. :func:`build_data_directory` is that protocol alone,
+which ``curvlab data text`` (:mod:`curvlab.data.text`) shares.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import glob
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import filelock
@@ -81,10 +83,51 @@ def generate_pcfg_dataset(
         "shard_tokens": parse_count(shard_tokens),
         "grammar_options": dict(grammar_options or {}),
     }
+    grammar = make_grammar(seed=seed, **config["grammar_options"])
+
+    def build(tmp: Path) -> dict:
+        split_stats = {}
+        for split, n, exponent, stream_seed in [
+            ("train", config["tokens"], s, seed * 1000 + 1),
+            ("val", config["val_tokens"], val_s, seed * 1000 + 2),
+        ]:
+            counts = np.zeros(grammar.vocab_size, dtype=np.int64)
+            pending, shard = np.empty(0, dtype=np.int64), 0
+            desc = f"pcfg {split} (s={exponent:g})"
+            every = refresh_interval()  # (a log, not a terminal: a redraw every 30 s)
+            bar = tqdm(total=n, desc=desc, unit="tok", unit_scale=True, disable=not progress, mininterval=every)
+            for chunk in grammar.stream(n, exponent, stream_seed):
+                counts += np.bincount(chunk, minlength=grammar.vocab_size)
+                pending = np.concatenate([pending, chunk])
+                bar.update(chunk.size)
+                while pending.size >= config["shard_tokens"]:
+                    write_shard(tmp / f"{split}_{shard:06d}.bin", pending[: config["shard_tokens"]])
+                    pending, shard = pending[config["shard_tokens"] :], shard + 1
+            bar.close()
+            if pending.size:
+                write_shard(tmp / f"{split}_{shard:06d}.bin", pending)
+            split_stats[split] = {"s": exponent, **count_stats(counts, grammar)}
+        grammar.save(tmp / "grammar.json")
+        return {"version": STATS_VERSION, "config": config, "vocab_size": grammar.vocab_size, **split_stats}
+
+    return build_data_directory(out, config, build)
+
+
+def build_data_directory(out: str | Path, config: dict, build: Callable[[Path], dict]) -> dict:
+    """Make the data directory ``out`` of ``config`` whole, or find it made, and return its stats.
+
+    ``build(tmp)`` writes the shards and other files into a fresh temporary sibling directory and returns
+    the stats (which hold ``config``); they are written to ``tmp/stats.json`` and ``tmp`` is renamed to
+    ``out``, under :func:`generation_lock` (the module docstring). A finished ``out`` of the same config is
+    returned as it is, without ``build``.
+
+    Raises:
+        CurvlabError: ``out`` holding a dataset of another config, or other files.
+    """
+    out = Path(out)
     stats = _existing(out, config)
     if stats is not None:  # (read without the lock: a published dataset is whole)
         return stats
-    grammar = make_grammar(seed=seed, **config["grammar_options"])
     out.parent.mkdir(parents=True, exist_ok=True)
     with generation_lock(out):  # a second generation of out waits here for the first, then finds its dataset
         stats = _existing(out, config)
@@ -93,29 +136,7 @@ def generate_pcfg_dataset(
         _remove_stale_generations(out)
         tmp = Path(tempfile.mkdtemp(**temporary_options(out)))
         try:
-            split_stats = {}
-            for split, n, exponent, stream_seed in [
-                ("train", config["tokens"], s, seed * 1000 + 1),
-                ("val", config["val_tokens"], val_s, seed * 1000 + 2),
-            ]:
-                counts = np.zeros(grammar.vocab_size, dtype=np.int64)
-                pending, shard = np.empty(0, dtype=np.int64), 0
-                desc = f"pcfg {split} (s={exponent:g})"
-                every = refresh_interval()  # (a log, not a terminal: a redraw every 30 s)
-                bar = tqdm(total=n, desc=desc, unit="tok", unit_scale=True, disable=not progress, mininterval=every)
-                for chunk in grammar.stream(n, exponent, stream_seed):
-                    counts += np.bincount(chunk, minlength=grammar.vocab_size)
-                    pending = np.concatenate([pending, chunk])
-                    bar.update(chunk.size)
-                    while pending.size >= config["shard_tokens"]:
-                        write_shard(tmp / f"{split}_{shard:06d}.bin", pending[: config["shard_tokens"]])
-                        pending, shard = pending[config["shard_tokens"] :], shard + 1
-                bar.close()
-                if pending.size:
-                    write_shard(tmp / f"{split}_{shard:06d}.bin", pending)
-                split_stats[split] = {"s": exponent, **count_stats(counts, grammar)}
-            stats = {"version": STATS_VERSION, "config": config, "vocab_size": grammar.vocab_size, **split_stats}
-            grammar.save(tmp / "grammar.json")
+            stats = build(tmp)
             atomic_write_text(tmp / "stats.json", json.dumps(stats, indent=1))
             make_public(tmp)
             _publish(tmp, out)

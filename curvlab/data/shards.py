@@ -1,14 +1,19 @@
 """Token shards on disk and the batch loaders that read them.
 
-Two formats, both read through ``numpy.memmap`` so that a shard is never loaded whole:
+Three formats, all read through ``numpy.memmap`` so that a shard is never loaded whole:
 
-* headered shards of llm.c / modded-nanogpt: a header of 256 int32 (magic 20240520, version 1,
-  token count, zeros), then the tokens as uint16. curvlab writes these (``train_000000.bin``, ...).
+* headered shards of llm.c / modded-nanogpt (GPT-2 tokens): a header of 256 int32 (magic 20240520,
+  version 1, token count, zeros), then the tokens as uint16.
+* llm.c's Llama-3 shards: the same header with magic 20240801 and version 7, then the tokens as uint32,
+  for vocabularies beyond 65,536 tokens.
 * nanoGPT's raw ``train.bin`` / ``val.bin``: uint16 tokens and nothing else.
 
-A data directory holds ``train*.bin`` and ``val*.bin`` files of either kind (files named exactly
-``train.bin``/``val.bin`` are read as raw nanoGPT files, every other ``.bin`` must carry the header),
-so FineWeb shards prepared by modded-nanogpt or nanoGPT can be used as they are.
+curvlab writes the first two (``train_000000.bin``, ...; :func:`write_shard` takes uint16 when every token
+fits, else uint32). A data directory holds ``train*.bin`` and ``val*.bin`` files of any kind (files named
+exactly ``train.bin``/``val.bin`` are read as raw nanoGPT files, every other ``.bin`` must carry a header),
+so FineWeb shards prepared by modded-nanogpt, llm.c or nanoGPT can be used as they are. llm.c's eval files
+(magic 20240522: HellaSwag-style examples, not a token stream) are refused by name. nanochat's parquet
+shards hold text, not tokens: ``curvlab data text`` (:mod:`curvlab.data.text`) tokenizes them into shards.
 """
 
 from __future__ import annotations
@@ -24,24 +29,52 @@ from curvlab.errors import CurvlabError
 from curvlab.util import schema
 from curvlab.util.atomic import atomic_write_with
 
-MAGIC = 20240520
+MAGIC = 20240520  # llm.c's GPT-2 shards: uint16 tokens
 VERSION = 1
+LLAMA3_MAGIC = 20240801  # llm.c's Llama-3 shards: uint32 tokens
+LLAMA3_VERSION = 7
+EVAL_MAGIC = 20240522  # llm.c's eval files (multiple-choice examples), which are no token stream
+# magic -> (version, token dtype) of each headered format
+FORMATS = {MAGIC: (VERSION, np.dtype(np.uint16)), LLAMA3_MAGIC: (LLAMA3_VERSION, np.dtype(np.uint32))}
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 RAW_NAMES = {"train.bin", "val.bin"}
+MAX_SHARD_TOKENS = 2**31 - 1  # the header's count is an int32
 
 
-def write_shard(path: str | Path, tokens: np.ndarray) -> None:
-    """Write ``tokens`` (< 65536) as a headered uint16 shard, atomically."""
+def shard_dtype(vocab_size: int) -> np.dtype:
+    """The token dtype of the shards of a vocabulary of ``vocab_size``: uint16 up to 65,536 tokens, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def write_shard(path: str | Path, tokens: np.ndarray, dtype: Any = None) -> None:
+    """Write ``tokens`` as a headered shard, atomically.
+
+    Args:
+        path: the shard file.
+        tokens: integers in [0, 2**32).
+        dtype: ``uint16`` (magic 20240520, version 1) or ``uint32`` (llm.c's Llama-3 layout, magic 20240801,
+            version 7); by default uint16 when every token is below 65,536, else uint32.
+
+    Raises:
+        CurvlabError: a token that the dtype can't hold, another dtype, or more tokens than the header counts.
+    """
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise CurvlabError(f"{path}: tokens must lie in [0, 65536) to fit uint16")
+    low, high = (int(tokens.min()), int(tokens.max())) if tokens.size else (0, 0)
+    dtype = np.dtype(dtype if dtype is not None else np.uint16 if high < 2**16 else np.uint32)
+    magic = next((m for m, (_, d) in FORMATS.items() if d == dtype), None)
+    if magic is None:
+        raise CurvlabError(f"{path}: shards hold uint16 or uint32 tokens, not {dtype}")
+    if low < 0 or high >= 2 ** (8 * dtype.itemsize):
+        raise CurvlabError(f"{path}: tokens must lie in [0, {2 ** (8 * dtype.itemsize)}) to fit {dtype}")
+    if tokens.size > MAX_SHARD_TOKENS:
+        raise CurvlabError(f"{path}: {tokens.size} tokens, more than a shard header counts ({MAX_SHARD_TOKENS})")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = MAGIC, VERSION, tokens.size
+    header[:3] = magic, FORMATS[magic][0], tokens.size
 
     def write(f):
         f.write(header.tobytes())
-        f.write(tokens.astype(np.uint16).tobytes())
+        f.write(tokens.astype(dtype).tobytes())
 
     atomic_write_with(path, write)
 
@@ -50,8 +83,8 @@ def read_shard(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
     """The tokens of one shard (headered, or raw for ``train.bin``/``val.bin``) as a read-only memmap.
 
     Raises:
-        CurvlabError: missing file, wrong magic or version, a count that disagrees with the file size,
-            or (when ``vocab_size`` is given) tokens beyond the vocabulary.
+        CurvlabError: missing file, an llm.c eval file, wrong magic or version, a count that disagrees with
+            the file size, or (when ``vocab_size`` is given) tokens beyond the vocabulary.
     """
     path = Path(path)
     if not path.is_file():
@@ -62,20 +95,30 @@ def read_shard(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
             raise CurvlabError(f"{path}: odd file size {size}, not a uint16 token file")
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
     else:
-        if size < HEADER_BYTES:
-            raise CurvlabError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte shard header")
-        header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
-        if header[0] != MAGIC:
-            raise CurvlabError(f"{path}: wrong magic number {header[0]} (expected {MAGIC}); not a token shard")
-        if header[1] != VERSION:
-            raise CurvlabError(f"{path}: unsupported shard version {header[1]} (expected {VERSION})")
-        count = int(header[2])
-        if size != HEADER_BYTES + 2 * count:
-            raise CurvlabError(f"{path}: header says {count} tokens but the file holds {(size - HEADER_BYTES) / 2:g}")
-        tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+        tokens = _read_headered(path, size)
     if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:
         raise CurvlabError(f"{path}: token {int(tokens.max())} is beyond the vocabulary of {vocab_size}")
     return tokens
+
+
+def _read_headered(path: Path, size: int) -> np.ndarray:
+    """The tokens of a headered shard of ``size`` bytes, its header checked."""
+    if size < HEADER_BYTES:
+        raise CurvlabError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte shard header")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] == EVAL_MAGIC:
+        raise CurvlabError(f"{path}: an llm.c eval file (magic {EVAL_MAGIC}), not a token shard")
+    if header[0] not in FORMATS:
+        expected = " or ".join(map(str, FORMATS))
+        raise CurvlabError(f"{path}: wrong magic number {header[0]} (expected {expected}); not a token shard")
+    version, dtype = FORMATS[int(header[0])]
+    if header[1] != version:
+        raise CurvlabError(f"{path}: unsupported shard version {header[1]} (expected {version} for magic {header[0]})")
+    count = int(header[2])
+    if count < 0 or size != HEADER_BYTES + dtype.itemsize * count:
+        held = (size - HEADER_BYTES) / dtype.itemsize
+        raise CurvlabError(f"{path}: header says {count} tokens but the file holds {held:g} {dtype} tokens")
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
 def find_shards(data_dir: str | Path, split: str) -> list[Path]:

@@ -26,7 +26,7 @@ upcast. :func:`hvp`, :func:`hvps` and :func:`gradient_and_hvps` are one-point sh
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,6 +225,23 @@ class CurvaturePoint:
         with torch.no_grad():
             for f, w in self._each_batch(self.method):
                 total += w * checks.finite_loss(f(p))
+        return self._sum(total)
+
+    @gathered.names_rank_on_collective_failure
+    def batch_sum(self, measure: Callable[[Any], Tensor | float], *, method: str | None = None) -> float:
+        r""":math:`\sum_j w_j\, m(D_j)` over the point's batches with their loss-term weights (summed across ranks
+        where they share them), each ``measure(batch)`` run inside the exact mode of ``method`` (default the
+        point's own): a measure of the point beyond the loss and its derivatives (the Gauss–Newton part).
+
+        Args:
+            measure: ``measure(batch) -> scalar`` for one batch.
+            method: the exact mode's method (``"fwd_rev"`` for one forward-mode product).
+        """
+        keep = running_statistics(getattr(self.loss_fn, "model", None))
+        total = 0.0
+        with exact_second_order(method=method or self.method, watch_dtype=self.dtype, keep=keep), eager_stance():
+            for b, w in self._pairs:
+                total += w * float(measure(b))
         return self._sum(total)
 
     # -- second order ------------------------------------------------------------------------

@@ -336,6 +336,19 @@ class ModuleLoss:
         return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
 
     def __call__(self, params: Mapping[str, Tensor], batch: Any) -> Tensor:
+        output, targets = self.forward(params, batch)
+        loss = self.loss_from_logits(logits_of(output), targets)
+        router = self._router_loss(output) if self.router_loss else 0.0
+        return loss if isinstance(router, float) else loss + router  # (none: no + 0.0 in the graph)
+
+    def forward(self, params: Mapping[str, Tensor], batch: Any) -> tuple[Any, Any]:
+        """The model's output on ``batch`` with ``params`` substituted, and the batch's targets (as they come:
+        :meth:`targets` shifts them).
+
+        Args:
+            params: the parameter dict.
+            batch: one batch, ``(inputs, targets)`` or a dict with the labels.
+        """
         args, kwargs, targets = self.split(batch)
         # (the dtype's is_floating_point, not the tensor's: in the exact mode each tensor method calls into Python)
         dtype = next((d for d in (p.dtype for p in params.values()) if d.is_floating_point), None)
@@ -345,9 +358,7 @@ class ModuleLoss:
             kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
         with eval_forward(self.model):  # (inside the exact mode only: no LayerDrop, DropPath, checkpointing)
             output = functional_call(self.model, tensors, args, kwargs, tie_weights=self.tie_weights, strict=False)
-        loss = self.loss_from_logits(logits_of(output), targets)
-        router = self._router_loss(output) if self.router_loss else 0.0
-        return loss if isinstance(router, float) else loss + router  # (none: no + 0.0 in the graph)
+        return output, targets
 
     def _router_loss(self, output: Any) -> Tensor | float:
         """The router losses weighted as the model's own ``outputs.loss`` weighs them (0 without any)."""

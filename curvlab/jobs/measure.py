@@ -68,6 +68,7 @@ def settings(
         held_out=kept,
         stability=stability,
         factorial=kept and m.factorial,
+        gauss_newton=paired and m.gauss_newton,
     )
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from curvlab.analysis.direction_report import DirectionReport
 from curvlab.analysis.directions import PairedDirections
+from curvlab.analysis.estimate import EstimateReport
 from curvlab.analysis.report import CurvatureReport
 from curvlab.analysis.spectrum import CheckpointSpectrum
 from curvlab.curvature.scalars import RATIO_KEYS, SCOPE_KEYS
@@ -67,6 +68,21 @@ def pcfg_stats_text(stats: dict[str, Any]) -> str:
     return head + "\n" + table(rows, ("split", "s", "tokens", "sentences", "entropy (bits)", "fitted Zipf exponent"))
 
 
+def text_stats_text(stats: dict[str, Any]) -> str:
+    """A ``curvlab data text`` directory's ``stats.json``: its vocabulary, tokenizer and split rule, and a row
+    per split."""
+    rows = [
+        (k, stats[k]["documents"], stats[k]["tokens"], stats[k]["shards"], stats[k]["entropy_nats"])
+        for k in ("train", "val")
+    ]
+    tokenizer = stats["tokenizer"]
+    kind = "trained byte-level BPE" if tokenizer["trained"] else "given tokenizer.json"
+    head = (
+        f"vocabulary: {stats['vocab_size']} tokens ({kind}, sha256 {tokenizer['sha256'][:12]}); split: {stats['split']}"
+    )
+    return head + "\n" + table(rows, ("split", "documents", "tokens", "shards", "unigram entropy (nats)"))
+
+
 def trained_line(
     optimizer: str, step: int, val_loss: float, tokens_per_second: float, out: str | Path, resumed_from: int, world: int
 ) -> str:
@@ -115,6 +131,19 @@ def report_text(report: CurvatureReport, checkpoint: str | Path) -> str:
     )
 
 
+def estimate_text(report: EstimateReport) -> str:
+    """A checkpoint's next step by one estimator: its NDS with its own error and cost, and the Taylor split."""
+    e = report.estimate
+    error = "exact to rounding" if e.error is None else f"± {e.error:.3g} (its own estimate)"
+    return "\n".join([
+        _checkpoint_line(report.checkpoint, report.step, report.optimizer, report.val_loss),
+        f"  estimator {e.estimator}: NDS {e.nds:.6g} {error}; cost {e.forwards} forwards, {e.backwards} backwards",
+        f"  <Z,HZ> {e.zhz:.6g}   ||Z|| {report.update_norm:.6g}",
+        f"  first order {report.first_order:.6g}  curvature penalty {report.curvature_penalty:.6g}  "
+        f"predicted {report.predicted:.6g}  realized {report.realized:.6g}",
+    ])  # fmt: skip
+
+
 def directions_report_text(report: DirectionReport) -> str:
     """A checkpoint's directions compared: a header line and :func:`directions_table`."""
     head = _checkpoint_line(report.checkpoint, report.step, report.optimizer, report.val_loss)
@@ -142,7 +171,27 @@ def directions_table(paired: PairedDirections) -> str:
     )
     if paired.shadow is not None:
         lines.append(f"(shadow {paired.shadow['kind']}: peak lr {paired.shadow['lr']:g} times the multiplier)")
-    return "\n".join(lines)
+    return "\n".join(lines + gauss_newton_lines(paired))
+
+
+def gauss_newton_lines(paired: PairedDirections) -> list[str]:
+    """Each measured direction's NDS split into its Gauss–Newton part and the residual, with the AdamW/Muon ratio
+    of each part on the hidden matrices (none where the split wasn't asked for)."""
+    split = [d for d in paired.directions if not math.isnan(getattr(d.hidden, "nds_gauss_newton", math.nan))]
+    if not split:
+        return []
+    header = ("direction", "NDS all", "GN all", "residual all", "NDS hidden", "GN hidden", "residual hidden")
+    rows = [
+        (d.name, *(v for c in (d.all, d.hidden) for v in (c.nds, c.nds_gauss_newton, c.nds - c.nds_gauss_newton)))
+        for d in split
+    ]
+    lines = ["", "Gauss–Newton split (GN >= 0; the residual carries all negative curvature):"]
+    lines.append(table(rows, header, left=2))
+    if {"adamw", "muon"} <= {d.name for d in split}:
+        a, m = paired.get("adamw").hidden, paired.get("muon").hidden
+        gn, res = a.nds_gauss_newton / m.nds_gauss_newton, (a.nds - a.nds_gauss_newton) / (m.nds - m.nds_gauss_newton)
+        lines.append(f"adamw/muon on the hidden matrices: NDS {a.nds / m.nds:.4g}, GN {gn:.4g}, residual {res:.4g}")
+    return lines
 
 
 def comparison_text(result: Comparison, out: str | Path) -> str:

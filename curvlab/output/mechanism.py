@@ -51,6 +51,21 @@ def paired_parts_line(summary: Summary) -> str | None:
         f"seed's median): {_term(total)} = AdamW's closer gradient-following (cos², the alignment part) "
         f"{_term(align)} × Muon's direction's efficiency q = cos²/NDS (the lr-free part) {_term(eff)}; alignment "
         f"is {share:.0%} of its log (docs/science.md section 16)."
+    ) + (f" {split}" if (split := gauss_newton_line(summary)) else "")
+
+
+def gauss_newton_line(summary: Summary) -> str | None:
+    """One sentence: the paired NDS ratio's Gauss–Newton and residual parts (``None`` where not measured)."""
+    parts = summary.paired_parts or {}
+    if parts.get("gn_total") is None or parts["gn_total"].value is None:
+        return None
+    total, gn, residual = parts["gn_total"], parts["gauss_newton"], parts["gn_residual"]
+    share = gn.log / total.log if total.log else math.nan
+    excluded = f"; {total.excluded_points} with an NDS <= 0 left out" if total.excluded_points else ""
+    return (
+        f"Its Gauss–Newton split ({total.n_points} points{excluded}): {_term(total)} = the Gauss–Newton parts' "
+        f"ratio {_term(gn)} × the residual's factor (1 + r_AdamW)/(1 + r_Muon) {_term(residual)}; the Gauss–Newton "
+        f"part is {share:.0%} of its log (curvlab.curvature.gauss_newton)."
     )
 
 

@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from curvlab.curvature.spectral import lanczos
+from curvlab.curvature.spectral import EigenResult, lanczos
 from curvlab.engine.hvp import DEFAULT_METHOD, CurvaturePoint
 from curvlab.engine.loss import LossFn
 from curvlab.engine.operator import hessian_operator, preconditioned_operator
@@ -90,6 +90,10 @@ class StabilityPoint(Record):
             sharpness (module docstring; Adam's arm, None for Muon's).
         weight_decay: the decoupled weight decay γ that Adam's threshold takes (module docstring; 0 without
             decay); None: Muon's arm, or Adam groups with different γ (the threshold without it).
+        lambda_min: :math:`\lambda_{\min}(H)` over all parameters (None unless asked for: ``smallest``).
+        lambda_min_residual: its true residual :math:`\|H u - \lambda u\|`.
+        lambda_min_converged: whether Lanczos converged to it within ``tol`` relative to the spectrum's scale
+            (:math:`\max|\theta|`: a small λ_min is resolved to λ_max's scale, not its own).
     """
 
     arm: str
@@ -106,6 +110,9 @@ class StabilityPoint(Record):
     eigenvector: Tensor = field(repr=False, compare=False, metadata=meta(skip=True))
     preconditioned_bound: float | None = None
     weight_decay: float | None = None
+    lambda_min: float | None = None
+    lambda_min_residual: float | None = None
+    lambda_min_converged: bool | None = None
     JSON_KEYS: ClassVar[tuple] = (..., "two_over_lr")  # (derived, for readers: not read back)
 
     @property
@@ -148,6 +155,7 @@ def stability_point(
     method: str = DEFAULT_METHOD,
     seed: int = 0,
     memory: int | None = None,
+    smallest: bool = False,
 ) -> StabilityPoint:
     r"""The sharpness and the optimizer's preconditioned sharpness at one point beside their thresholds
     (module docstring): Muon's arm if the optimizer has a Muon group, else Adam's. One Hessian operator
@@ -170,6 +178,7 @@ def stability_point(
         method: the HVP method (:data:`~curvlab.engine.hvp.METHODS`).
         seed: Lanczos' start vector's seed.
         memory: bytes each Lanczos basis may take.
+        smallest: also :math:`\lambda_{\min}(H)`, by a third Lanczos run (at most ``max_iter`` HVPs more).
 
     Returns:
         A :class:`StabilityPoint`.
@@ -208,9 +217,20 @@ def stability_point(
         gamma = decoupled_weight_decay(optimizer)
         edge = adam_edge_of_stability(lr, beta1) - (1 + beta1) / (1 - beta1) * (gamma or 0.0)
         arm, correction = "adam", bias_correction
+    bottom = lanczos(H, k=1, which="smallest", **{**eig, "relative_to": "spectrum"}) if smallest else None
     return StabilityPoint(
         arm=arm, lr=lr, lambda_max=float(top.eigenvalues[0]), lambda_residual=float(top.residuals[0]),
         lambda_converged=top.converged, preconditioned_sharpness=sharp, preconditioned_residual=residual,
         preconditioned_converged=converged, edge_of_stability=edge, num_matvecs=H.num_matvecs,
         bias_correction=correction, eigenvector=v, preconditioned_bound=bound, weight_decay=gamma,
+        **(_bottom(bottom) if bottom is not None else {}),
     )  # fmt: skip
+
+
+def _bottom(result: EigenResult) -> dict[str, Any]:
+    """The λ_min fields of a :class:`StabilityPoint` from the bottom Lanczos run."""
+    return {
+        "lambda_min": float(result.eigenvalues[0]),
+        "lambda_min_residual": float(result.residuals[0]),
+        "lambda_min_converged": result.converged,
+    }

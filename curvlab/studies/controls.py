@@ -57,6 +57,7 @@ import numpy as np
 from curvlab.analysis.controls import (
     EXCHANGEABLE,
     INJECTED_RATIOS,
+    LAMBDA_MIN,
     LANCZOS_TOL,
     STABILITY_QUANTITIES,
     heldout_key,
@@ -375,6 +376,9 @@ def controls(data: LevelData, registered: bool = True) -> list[ControlEntry]:
 # which Lanczos eigenvalue each context quantity reads: "lambda" (of H) or "preconditioned" (the arm's)
 READS = {"lambda_max": "lambda", "preconditioned_sharpness": "preconditioned", "sharpness_over_edge": "preconditioned"}
 READS |= {f"nds_{d}_over_lambda_max": "lambda" for d in ARMS} | {"lambda_residual_over_lambda_max": "lambda"}
+READS |= {"lambda_min_over_lambda_max": "lambda_min"}  # (its own flag: converged to the spectrum's scale)
+EIGENVALUES = {"lambda": STABILITY_QUANTITIES["lambda_max"], "lambda_min": LAMBDA_MIN}
+EIGENVALUES |= {"preconditioned": STABILITY_QUANTITIES["preconditioned_sharpness"]}
 CONVERGED_SLACK = 10  # lanczos' converged flag: a true residual within 10 tolerances
 
 
@@ -422,8 +426,7 @@ def _residual(points: dict[int, list[CheckpointScalars]], reads: str | None) -> 
     """The median over every point of the eigenvalue's relative residual (``None``: none read or stored)."""
     if reads is None:
         return None
-    eigenvalue = STABILITY_QUANTITIES["lambda_max" if reads == "lambda" else "preconditioned_sharpness"]
-    relative = ratio_of(f"control_{reads}_residual", eigenvalue)
+    relative = ratio_of(f"control_{reads}_residual", EIGENVALUES[reads])
     values = [abs(x) for rows in points.values() for x in map(relative, rows) if x is not None and np.isfinite(x)]
     return float(np.median(values)) if values else None
 
@@ -444,4 +447,7 @@ def stability(data: LevelData) -> list[StabilityEntry]:
         for d in ARMS:
             over = ratio_of(f"paired_nds_{d}_all", STABILITY_QUANTITIES["lambda_max"])
             out.append(_stability_entry(points, arm, f"nds_{d}_over_lambda_max", over))
+        if any(LAMBDA_MIN in row.paired for rows in points.values() for row in rows):  # (measured since issue 52)
+            bottom = ratio_of(LAMBDA_MIN, STABILITY_QUANTITIES["lambda_max"])
+            out.append(_stability_entry(points, arm, "lambda_min_over_lambda_max", bottom))
     return out

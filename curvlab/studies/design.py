@@ -150,7 +150,9 @@ class Measurement(_Part):
     "all", to analyse again with other settings). ``factorial``: the factorial of filters and maps at every
     point the controls read (:mod:`curvlab.analysis.factorial`; the mechanism design). ``track_points``:
     "all" tracked checkpoints, or only those a claim or control reads ("read": inside the stable phase and
-    off the unigram plateau; the trajectory figures then show those alone)."""
+    off the unigram plateau; the trajectory figures then show those alone). ``gauss_newton``: both arms' NDS
+    split into its Gauss–Newton part and the residual wherever the paired directions are measured
+    (:mod:`curvlab.curvature.gauss_newton`)."""
 
     KEEP: ClassVar[tuple[str, ...]] = ("last", "windows", "all")
     TRACK_POINTS: ClassVar[tuple[str, ...]] = ("all", "read")
@@ -166,6 +168,7 @@ class Measurement(_Part):
     keep: str = "last"
     factorial: bool = False
     track_points: str = "all"
+    gauss_newton: bool = False
 
 
 @dataclass(frozen=True)

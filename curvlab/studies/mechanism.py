@@ -26,6 +26,16 @@ NDS <= 0 has no logs: it is left out of the decomposition and counted.
 **The paired ratio's parts** (:func:`paired_parts`, every design): the same alignment and efficiency split of
 the paired directions' NDS ratio (the run's own step and its shadow's), which the paired claim reads as a
 per-seed median of the total.
+
+**Its Gauss–Newton split** (in :func:`paired_parts`, where measured): with :math:`N = N^{GN}(1 + r)`, r the
+residual over the Gauss–Newton part,
+
+.. math::
+    \log\frac{N_a}{N_m} = \underbrace{\log\frac{N^{GN}_a}{N^{GN}_m}}_\text{Gauss–Newton}
+    + \underbrace{\log\frac{1 + r_a}{1 + r_m}}_\text{residual},
+
+at the points where both NDS are positive (the Gauss–Newton parts are never negative); a point with an NDS
+<= 0 has a residual below minus its Gauss–Newton part, and is counted.
 """
 
 from __future__ import annotations
@@ -191,8 +201,27 @@ def decomposition(data: LevelData) -> dict[str, Term]:
     return _terms(data, _point_terms, TERMS)
 
 
+def _gauss_newton_terms(row: CheckpointScalars) -> dict[str, float] | None:
+    """The paired directions' log NDS ratio (hidden matrices) split into its Gauss–Newton and residual parts at
+    one point, or ``None`` where an NDS or a Gauss–Newton part is missing or <= 0."""
+    values = [row.paired.get(f"paired_{k}_{arm}_hidden") for k in ("nds", "ndsgn") for arm in ("adamw", "muon")]
+    if any(v is None or not v > 0 for v in values):
+        return None
+    total, gauss_newton = math.log(values[0] / values[1]), math.log(values[2] / values[3])
+    return {"total": total, "gauss_newton": gauss_newton, "residual": total - gauss_newton}
+
+
+GAUSS_NEWTON_PARTS = {"total": "gn_total", "gauss_newton": "gauss_newton", "residual": "gn_residual"}
+
+
 def paired_parts(data: LevelData) -> dict[str, Term]:
     """What the paired NDS ratio (AdamW's direction over Muon's, hidden matrices, at the same W and batch) is
     made of, in every design: ``total`` = ``alignment`` (cos², AdamW's closer gradient-following) x
-    ``efficiency`` (q of Muon's over AdamW's), each a seed's mean log over its points, as factors."""
-    return _terms(data, _paired_terms, ("total", "alignment", "efficiency"))
+    ``efficiency`` (q of Muon's over AdamW's), each a seed's mean log over its points, as factors; where the
+    Gauss–Newton part was measured, also ``gn_total`` = ``gauss_newton`` x ``gn_residual`` (module docstring)
+    at the points where it was (the keys of :data:`GAUSS_NEWTON_PARTS`)."""
+    parts = _terms(data, _paired_terms, ("total", "alignment", "efficiency"))
+    if not any("paired_ndsgn_adamw_hidden" in r.paired for rows in arm_points(data, None).values() for r in rows):
+        return parts
+    split = _terms(data, _gauss_newton_terms, tuple(GAUSS_NEWTON_PARTS))
+    return parts | {GAUSS_NEWTON_PARTS[k]: t for k, t in split.items()}
