@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from curvlab.curvature.gauss_newton import gauss_newton_form, gauss_newton_split
+from curvlab.curvature.gauss_newton import cross_entropy_form, gauss_newton_form, gauss_newton_split
 from curvlab.engine import params as param_dicts
 from curvlab.engine.loss import make_loss_fn
 from curvlab.errors import CurvlabError
@@ -162,3 +162,58 @@ def test_refusals():
     with pytest.raises(CurvlabError, match="zero"):
         gauss_newton_form(make_loss_fn(model), params, (batch[0], torch.tensor([0, 1, 1, 0])),
                           {n: torch.zeros_like(p) for n, p in params.items()})  # fmt: skip
+
+
+def test_cross_entropy_form_keeps_its_digits_under_a_common_logit_shift():
+    """Softmax ignores a tangent's common shift per position: the form must too, in float32 (E[v²] - E[v]²
+    would cancel to nothing, or below zero, at a shift of 1e3)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50, generator=g, dtype=torch.float64)
+    v = 1e-2 * torch.randn(64, 50, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 50, (64,), generator=g)
+    form = cross_entropy_form()
+    f = logits.float()
+    p = torch.softmax(f.double(), -1)
+    # at a shift s, float32 holds each entry to s * 6e-8 (6e-4 at 1e4, against the tangent's spread of 1e-2), and
+    # removing the shift leaves that much: the form is good to (6e-4 / 1e-2)^2 ~ 4e-3 there, to 1e-4 up to 1e3
+    for shift, rel in ((0.0, 1e-4), (1e2, 1e-4), (1e3, 1e-4), (1e4, 1e-2)):
+        t = (v + shift).float()  # (the float32 tangent itself: its own rounding is not the form's)
+        # the reference: the dense H_l = diag(p) - p pᵀ per row, mean over rows, in float64 on the same inputs
+        w = t.double()
+        dense = torch.stack([w[i] @ (torch.diag(p[i]) - torch.outer(p[i], p[i])) @ w[i] for i in range(64)]).mean()
+        assert float(form(f, t, targets)) == pytest.approx(float(dense), rel=rel), shift
+
+
+def test_module_cross_entropy_ignore_index_and_sequence_regression():
+    """nn.CrossEntropyLoss(ignore_index=k) leaves class k's targets out, as the loss does; a Hugging Face sequence
+    classifier with one label is regression (squared error), whose Gauss–Newton part is <Z, HZ> for a linear head."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4)).double()
+    x, y = torch.randn(10, 5, dtype=torch.float64), torch.randint(0, 4, (10,))
+    params = params_of(model)
+    z = direction(params)
+    loss_fn = make_loss_fn(model, criterion=nn.CrossEntropyLoss(ignore_index=2))
+    ref = dense_gauss_newton(
+        lambda p: torch.func.functional_call(model, p, (x,)), lambda f: F.cross_entropy(f, y, ignore_index=2), params, z
+    )
+    assert gauss_newton_form(loss_fn, params, (x, y), z) == pytest.approx(ref, rel=1e-11)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=16, num_labels=1, max_position_embeddings=16)  # fmt: skip
+    bert = transformers.BertForSequenceClassification(config).double().eval()
+    ids, labels = torch.randint(0, 30, (3, 6)), torch.randn(3, dtype=torch.float64)
+    bert_params = params_of(bert)
+    bz = direction(bert_params)
+    ref = dense_gauss_newton(
+        lambda p: torch.func.functional_call(bert, p, (), {"input_ids": ids}).logits,
+        lambda f: F.mse_loss(f.squeeze(), labels),
+        {n: bert_params[n] for n in bert_params},
+        bz,
+    )
+    got = gauss_newton_form(make_loss_fn(bert), bert_params, {"input_ids": ids, "labels": labels}, bz)
+    assert got == pytest.approx(ref, rel=1e-9)
+    config.num_labels, config.problem_type = 3, None
+    multi = transformers.BertForSequenceClassification(config).double().eval()
+    batch = {"input_ids": ids, "labels": torch.rand(3, 3, dtype=torch.float64)}
+    with pytest.raises(CurvlabError, match="not a multi_label_classification model"):
+        gauss_newton_form(make_loss_fn(multi), params_of(multi), batch, direction(params_of(multi)))

@@ -306,17 +306,22 @@ def test_unconverged_eigenvalues_are_left_out_of_the_aggregates_and_counted():
 
 
 def test_lambda_min_over_lambda_max_where_measured():
-    """lambda_min / lambda_max per arm, over the points whose lambda_min converged (its own flag), with its
-    residual relative to lambda_min; no entry where no point measured it (level files from before issue 52)."""
+    """lambda_min / lambda_max per arm, over the points whose lambda_min converged (its own flag), negative with a
+    log-t interval of its magnitude, its residual relative to lambda_max (the scale it converged to); no entry
+    where no point measured it (level files from before issue 52)."""
     flags = {"lambda_converged": True, "preconditioned_converged": True}
     good = _point(**flags) | {"control_lambda_min": -2.0, "control_lambda_min_residual": 0.02}
     good |= {"control_lambda_min_converged": 1.0}
     bad = good | {"control_lambda_min": -40.0, "control_lambda_min_converged": 0.0}
     e = _entries([good, bad])
     bottom = e[("adamw", "lambda_min_over_lambda_max")]
-    assert bottom.value == pytest.approx(-2.0 / 50) and bottom.n_unconverged == 3 and bottom.ci95 is None
-    # (the median over all six points of |residual / lambda_min|: 0.02/2 and 0.02/40, three each)
-    assert "a per-seed median <= 0" in bottom.note and bottom.residual == pytest.approx((0.01 + 0.0005) / 2)
+    assert bottom.value == pytest.approx(-2.0 / 50) and bottom.n_unconverged == 3 and bottom.n_points == 3
+    assert bottom.ci95 == pytest.approx([-2.0 / 50, -2.0 / 50])  # (every seed the same: a zero-width interval)
+    assert "<= 0" not in bottom.note and bottom.residual == pytest.approx(0.02 / 50)
+    varied = [good | {"control_lambda_min": -x} for x in (1.0, 2.0, 4.0)]
+    spread = _entries(varied, seeds=1) | {}
+    ci = _entries([varied[0]], seeds=1)[("adamw", "lambda_min_over_lambda_max")].ci95
+    assert spread[("adamw", "lambda_min_over_lambda_max")].value == pytest.approx(-2.0 / 50) and ci is None
     assert ("adamw", "lambda_min_over_lambda_max") not in _entries([_point(**flags)])
 
 

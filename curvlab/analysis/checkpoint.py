@@ -28,10 +28,13 @@ def checkpoint_analysis(
     state-dict checkpoint doesn't record.
 
     Raises:
-        CurvlabError: bad settings; ``rebuild`` or ``directions`` with ``fsdp``; what the analysis raises.
+        CurvlabError: bad settings; ``rebuild``, ``directions`` or the Gauss–Newton split with ``fsdp``; what the
+            analysis raises.
     """
     if fsdp and rebuild is not None and rebuild.given():
         raise CurvlabError("--config, --optimizer and --batch-size are for Lightning and state-dict checkpoints")
+    if fsdp and settings.gauss_newton:
+        raise CurvlabError("--gauss-newton is not available with --fsdp yet")
     if directions is not None:
         if fsdp:
             raise CurvlabError("--directions is not available with --fsdp yet")

@@ -35,7 +35,7 @@ def text(
     seed: int = seed_option(0, help="Seed of the choice of validation lines."),
     shard_tokens: str = typer.Option("100M", help="Tokens per shard file.", callback=token_count),
 ) -> None:
-    """Tokenize text into train/val shards, tokenizer.json and stats.json (resumable: run it again)."""
+    """Tokenize text into train/val shards, tokenizer.json and stats.json (a killed run starts over when run again)."""
 
     stats = text_to_shards(
         files, out, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction, seed=seed,

@@ -73,11 +73,15 @@ def reproduce(
         "8 seeds, 4412 tokens, the Zipf sweep, the control arm), mechanism (CPU: quick's design with the "
         "factorial of filters and maps at every point), paper (GPU), robustness (CPU: the paired ratio at 9 "
         "settings of quick's design, 3 seeds each), scaling (CPU, ~2 h: the ratios at 6 model sizes, 0.2M-3.2M "
-        "non-embedding, and their power laws), scaling-gpu (7 sizes, to the paper's 9M Zipf model) or long (CPU: "
-        "1500 steps at s = 0 and 1, 6 seeds, the paper's observations 3 and 4 by third of training).",
+        "non-embedding, and their power laws), scaling-gpu (7 sizes, to the paper's 9M Zipf model), long (CPU: "
+        "1500 steps at s = 0 and 1, 6 seeds, the paper's observations 3 and 4 by third of training) or text (CPU: "
+        "quick's design on the text of the Python documentation).",
     ),
     out: Path = typer.Option(None, help="Output directory; a re-run continues it.", show_default="results/<preset>"),
     fineweb: Path = typer.Option(None, help="FineWeb shards for the paper preset (train*/val*.bin)."),
+    data: Path = typer.Option(
+        None, help="Your data directory (curvlab data text) in place of the grammar: a one-s design, tuned afresh."
+    ),
     quiet: bool = typer.Option(False, help="No progress bars."),
 ) -> None:
     """The whole reproduction: data, tuning, training, paired directions and matched-loss analysis, A/A
@@ -92,6 +96,8 @@ def reproduce(
     check_output(out, directory=True)
     if preset not in PRESETS and fineweb is not None:
         raise CurvlabError(f"--fineweb is the paper preset's; the {preset} design trains on its own grammar")
+    if preset not in PRESETS and data is not None:
+        raise CurvlabError(f"--data is for the one-design presets ({', '.join(PRESETS)}), not the {preset} design yet")
     if preset in ROBUSTNESS_PRESETS:
         typer.echo(robustness_text(Robustness(design, out, progress=not quiet).run(), out))
         return
@@ -101,7 +107,8 @@ def reproduce(
     if preset in LONG_PRESETS:
         typer.echo(long_text(Long(design, out, progress=not quiet).run(), out))
         return
-    typer.echo(reproduction_text(Reproduction(design, out, fineweb=fineweb, progress=not quiet).run(), out))
+    job = Reproduction(design, out, fineweb=fineweb, progress=not quiet, data=data)
+    typer.echo(reproduction_text(job.run(), out))
 
 
 @one_line_errors

@@ -40,7 +40,7 @@ from torch.func import jvp
 from curvlab.curvature.taylor import _checked
 from curvlab.engine import params as param_dicts
 from curvlab.engine.hvp import CurvaturePoint, working_dtype
-from curvlab.engine.loss import ModuleLoss, logits_of, router_losses, token_cross_entropy
+from curvlab.engine.loss import ModuleLoss, base_model, logits_of, router_losses, token_cross_entropy
 from curvlab.errors import CurvlabError
 from curvlab.util.codec import Record
 
@@ -75,12 +75,19 @@ def _variance_form(logits: Tensor, tangent: Tensor, targets: Tensor, ignore_inde
         logits, tangent = logits.float(), tangent.float()
     classes = logits.size(-1)
     keep = targets.reshape(-1) != ignore_index
+    if targets.is_floating_point() or keep.numel() != logits.numel() // max(classes, 1):
+        raise CurvlabError(
+            f"the cross-entropy's Gauss–Newton form takes one class index per position: targets "
+            f"{tuple(targets.shape)} ({targets.dtype}) don't index logits {tuple(logits.shape)}"
+        )
     f, v = logits.reshape(-1, classes)[keep], tangent.reshape(-1, classes)[keep]
     if f.shape[0] == 0:
         raise CurvlabError("the batch has no counted target (every label is ignore_index): the loss is undefined")
     p = torch.softmax(f, dim=-1)
-    mean = (p * v).sum(-1)
-    return ((p * v * v).sum(-1) - mean * mean).mean()
+    # centred before squaring: E[v^2] - E[v]^2 cancels catastrophically when v shares a large shift per position
+    # (which softmax ignores), and could even come out negative
+    centred = v - (p * v).sum(-1, keepdim=True)
+    return (p * centred * centred).sum(-1).mean()
 
 
 def cross_entropy_form(ignore_index: int = -100) -> OutputForm:
@@ -111,7 +118,12 @@ def squared_error_form(reduction: str = "mean") -> OutputForm:
     if reduction not in ("mean", "sum"):
         raise CurvlabError(f"the squared error's Gauss–Newton form needs reduction 'mean' or 'sum', got {reduction!r}")
     scale = (lambda n: 2.0 / n) if reduction == "mean" else (lambda n: 2.0)
-    return lambda logits, tangent, targets: scale(tangent.numel()) * (tangent * tangent).sum()
+
+    def form(logits: Tensor, tangent: Tensor, targets: Any) -> Tensor:
+        v = tangent.float() if tangent.dtype in (torch.bfloat16, torch.float16) else tangent
+        return scale(v.numel()) * (v * v).sum()
+
+    return form
 
 
 def _criterion_form(criterion: Any, logits_dim: int) -> OutputForm | None:
@@ -131,12 +143,13 @@ def _criterion_form(criterion: Any, logits_dim: int) -> OutputForm | None:
     return None
 
 
-def output_form(loss_fn: ModuleLoss, logits: Tensor) -> OutputForm:
+def output_form(loss_fn: ModuleLoss, logits: Tensor, targets: Any = None) -> OutputForm:
     r"""The closed-form output Hessian's quadratic form of a :class:`~curvlab.engine.loss.ModuleLoss`'s loss.
 
     Args:
         loss_fn: the loss function (its criterion, or the model's own loss).
         logits: one batch's logits, as the model returns them (their rank picks the criterion's class axis).
+        targets: the batch's targets (a sequence classifier without a problem type decides by their dtype).
 
     Returns:
         The :data:`OutputForm`.
@@ -155,7 +168,7 @@ def output_form(loss_fn: ModuleLoss, logits: Tensor) -> OutputForm:
             )
         return form
     if loss_fn.task == "sequence_classification":
-        problem = _sequence_problem(loss_fn)
+        problem = _sequence_problem(loss_fn, targets)
         if problem == "regression":
             return squared_error_form()
         if problem != "single_label_classification":
@@ -163,14 +176,16 @@ def output_form(loss_fn: ModuleLoss, logits: Tensor) -> OutputForm:
     return cross_entropy_form(loss_fn.ignore_index)
 
 
-def _sequence_problem(loss_fn: ModuleLoss) -> str:
-    """A sequence classifier's problem type as its own loss decides it, where the config says it (an unset
-    one with several labels depends on the labels' dtype: read as single-label, which integer labels are)."""
-    config = getattr(loss_fn.model, "config", None)
-    config = getattr(getattr(loss_fn.model, "get_base_model", lambda: None)(), "config", config)
+def _sequence_problem(loss_fn: ModuleLoss, targets: Any) -> str:
+    """A sequence classifier's problem type as its own loss decides it (:meth:`ModuleLoss._sequence_loss`): the
+    config's, else regression for one label, single-label for integer labels, multi-label otherwise."""
+    config = base_model(loss_fn.model).config
     if config.problem_type is not None:
         return config.problem_type
-    return "regression" if config.num_labels == 1 else "single_label_classification"
+    if config.num_labels == 1:
+        return "regression"
+    integer = isinstance(targets, Tensor) and targets.dtype in (torch.int64, torch.int32)
+    return "single_label_classification" if integer else "multi_label_classification"
 
 
 def _batch_form(loss_fn: ModuleLoss, params: Mapping[str, Tensor], z: Mapping[str, Tensor], batch: Any) -> Tensor:
@@ -188,7 +203,7 @@ def _batch_form(loss_fn: ModuleLoss, params: Mapping[str, Tensor], z: Mapping[st
         return logits_of(output)
 
     f, v = jvp(logits, (dict(params),), (dict(z),))
-    form = output_form(loss_fn, f)
+    form = output_form(loss_fn, f, targets)
     shifted = loss_fn.targets(targets)
     if loss_fn.shift:
         f, v = f[..., :-1, :], v[..., :-1, :]
@@ -213,6 +228,8 @@ def gauss_newton_at(point: CurvaturePoint, z: Mapping[str, Tensor]) -> float:
             without a closed-form output Hessian (:func:`output_form`), Z mismatched with the parameters.
     """
     loss_fn = point.loss_fn
+    if point.sharded:
+        raise CurvlabError("the Gauss–Newton split of sharded (FSDP) parameters is not available yet: run unsharded")
     if not isinstance(loss_fn, ModuleLoss):
         raise CurvlabError(
             f"the Gauss–Newton split needs the model's outputs: pass a ModuleLoss (curvlab.make_loss_fn(model)), "

@@ -29,8 +29,9 @@ tokenizer's digest, ``vocab_size``, and per split its tokens, documents and unig
 the Zipf-PCFG's ``stats.json`` has it, and in nats). The directory is made as the Zipf-PCFG's is
 (:func:`~curvlab.data.dataset.build_data_directory`): whole in a temporary sibling directory renamed into
 place, under a lock, so a killed run leaves no shard that is read and the same command run again does
-the job again from the start; on a finished directory of the same config it is a no-op, and a different
-config is refused.
+the job again from the start (restartable, not resumed midway); on a finished directory of the same config
+it is a no-op, and a different config is refused. Memory: a document (a line) at a time, and the shard
+being filled in its own dtype (2 or 4 bytes a token); a file of one huge line is held whole.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ def split_rule(sources: list[Source], val_fraction: float | None, seed: int) -> 
     val = np.sort(np.random.default_rng(seed).choice(n, k, replace=False))
     rule = (
         f"text: lines are documents; of N = {n}, the k = min(N - 1, max(1, round({fraction:g} * N))) = {k} at "
-        f"numpy.random.default_rng({seed}).choice(N, k, replace=False) are validation, the rest train"
+        f"numpy.random.default_rng({seed}).choice(N, k, replace=False) are validation, the rest train (numpy "
+        f"{np.__version__}: its streams are not promised across versions)"
     )
     return rule, val
 
@@ -275,14 +277,14 @@ class _ShardWriter:
             return
         ids = np.fromiter((i for d in documents for i in d), dtype=np.int64)
         self.counts += np.bincount(ids, minlength=self.counts.size)
-        self.pending.append(ids)
+        self.pending.append(ids.astype(self.dtype))  # (held in the shard's dtype: 2 or 4 bytes a token, not 8)
         self.held += ids.size
         self.documents += len(documents)
         if self.held >= self.shard_tokens:
             self.flush(full_only=True)
 
     def flush(self, full_only: bool = False) -> None:
-        tokens = np.concatenate(self.pending) if self.pending else np.empty(0, dtype=np.int64)
+        tokens = np.concatenate(self.pending) if self.pending else np.empty(0, dtype=self.dtype)
         while tokens.size >= self.shard_tokens or (not full_only and tokens.size):
             self._write(tokens[: self.shard_tokens])
             tokens = tokens[self.shard_tokens :]
@@ -297,8 +299,8 @@ class _ShardWriter:
         p = self.counts[self.counts > 0] / max(total, 1)
         nats = float(-(p * np.log(p)).sum())
         return {
-            "tokens": total, "documents": self.documents, "shards": self.shards, "entropy_bits": nats / np.log(2),
-            "entropy_nats": nats,
+            "tokens": total, "documents": self.documents, "shards": self.shards,
+            "entropy_bits": float(nats / np.log(2)), "entropy_nats": nats,
         }  # fmt: skip
 
 

@@ -138,7 +138,7 @@ def router_losses(output: Any) -> dict[str, Tensor]:
     return {k: v for k, v in output.items() if isinstance(v, Tensor) and k.endswith(("aux_loss", "z_loss"))}
 
 
-def _base(model: nn.Module) -> nn.Module:
+def base_model(model: nn.Module) -> nn.Module:
     """The model under a peft wrapper (the model itself otherwise)."""
     return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
@@ -151,7 +151,7 @@ def hf_task(model: nn.Module) -> str | None:
     Args:
         model: the module, or a peft wrapper of it.
     """
-    base = _base(model)
+    base = base_model(model)
     if not hasattr(base, "loss_type") or not hasattr(base, "config"):
         return None
     if base.loss_type is None:
@@ -261,7 +261,7 @@ class ModuleLoss:
             return kwargs
         if not isinstance(labels, Tensor):
             raise CurvlabError(f"a sequence-to-sequence batch's labels must be a tensor, got {type(labels).__name__}")
-        base = _base(self.model)
+        base = base_model(self.model)
         make = getattr(base, "prepare_decoder_input_ids_from_labels", None)
         if callable(make):
             return {**kwargs, "decoder_input_ids": make(labels=labels)}
@@ -314,7 +314,7 @@ class ModuleLoss:
 
     def _sequence_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Hugging Face's sequence-classification loss, chosen as it chooses (without mutating the config)."""
-        config = _base(self.model).config
+        config = base_model(self.model).config
         num_labels = config.num_labels
         problem = config.problem_type
         if problem is None:
@@ -365,7 +365,7 @@ class ModuleLoss:
         found = router_losses(output)
         if not found:
             return 0.0
-        base = _base(self.model)
+        base = base_model(self.model)
         name = type(base).__name__
         # (the model's own attribute, else its config's or its text config's, as Qwen3-VL-MoE reads it; named
         # aux_loss_coef in JetMoe)

@@ -145,6 +145,16 @@ PRESETS = {
 # thread count), so its claims are a replicate of quick's and its cells are read at its own points. Both arms'
 # NDS is also split into its Gauss–Newton part and the residual there (issue 52: one forward-mode product a
 # direction and scope, a few percent of a point's cost).
+# The paired design once on natural text (issue 53; docs/science.md section 19): quick's design, seeds and
+# controls on the text of the Python documentation that ships with the interpreter (curvlab.data.corpus: every
+# machine with Python has it offline), tokenized by a byte-level BPE of 1024 tokens trained on it, 5% of its
+# documents held out. No committed learning rate applies to another language: the full search runs first.
+PRESETS["text"] = replace(
+    PRESETS["quick"],
+    name="text",
+    language=Language((0.0,), corpus="python-docs", corpus_vocab=1024),
+    tuning=replace(PRESETS["quick"].tuning, lr_source="search"),
+)
 PRESETS["mechanism"] = replace(
     PRESETS["quick"],
     name="mechanism",

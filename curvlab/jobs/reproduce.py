@@ -24,12 +24,16 @@ default, ten minutes on two cores), ``standard`` (CPU, about 75 minutes) and ``p
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from curvlab.data.dataset import generate_pcfg_dataset, unigram_plateau_nats
+from curvlab.data.corpus import write_corpus
+from curvlab.data.dataset import generate_pcfg_dataset, read_stats, unigram_plateau_nats
 from curvlab.data.shards import find_shards
+from curvlab.data.text import text_to_shards
 from curvlab.errors import CurvlabError
 from curvlab.jobs import measure, side_studies
 from curvlab.jobs.job import Design, Job
@@ -58,8 +62,11 @@ from curvlab.util.versions import SoftwareVersions
 
 
 def make_data(job: Job, preset: Preset) -> dict[float, Path]:
-    """The Zipf-PCFG of each training s in ``data/s<s>`` (validation at s = 0), made once."""
+    """The Zipf-PCFG of each training s in ``data/s<s>`` (validation at s = 0), made once; or the one language
+    of a corpus (:func:`make_text`)."""
     lang = preset.language
+    if lang.corpus is not None:
+        return {lang.s_values[0]: make_text(job, preset)}
     dirs = {}
     for s in lang.s_values:
         dirs[s] = job.out / "data" / measure.s_name(s)
@@ -68,6 +75,23 @@ def make_data(job: Job, preset: Preset) -> dict[float, Path]:
         generate_pcfg_dataset(dirs[s], s=s, **sizes, **grammar, progress=job.progress)
     job.say(f"data ready: s = {', '.join(f'{s:g}' for s in lang.s_values)}")
     return dirs
+
+
+def make_text(job: Job, preset: Preset) -> Path:
+    """The corpus's data directory: a user's (``--data``, as given), or ``data/text`` made once from the corpus
+    curvlab makes (``data/corpus.txt``, its record in ``data/corpus.json``), by a byte-level BPE trained on it."""
+    data = getattr(job, "data", None)
+    if data is not None:
+        return data
+    lang, out = preset.language, job.out / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "corpus.json").is_file():  # (written last: a killed run makes the corpus again)
+        record = write_corpus(lang.corpus, out / "corpus.txt")
+        atomic_write_text(out / "corpus.json", json.dumps(record, indent=1))
+    options = {"vocab_size": lang.corpus_vocab, "val_fraction": lang.corpus_val_fraction, "seed": lang.grammar_seed}
+    text_to_shards([out / "corpus.txt"], out / "text", progress=job.progress, **options)
+    job.say(f"data ready: {lang.corpus}")
+    return out / "text"
 
 
 def plateaus(preset: Preset, data: dict[float, Path]) -> dict[float, float]:
@@ -84,7 +108,27 @@ def reproduction_config(preset: Preset, fineweb: Path | None = None) -> dict[str
     del flat["keep"]  # what stays on disk changes no result: a re-run may prune further
     if not flat["grammar_seed"]:  # the first draw: a directory made before the field existed continues
         del flat["grammar_seed"]
+    if flat["corpus"] is None:  # (the grammar's: as a directory made before the fields were)
+        for k in ("corpus", "corpus_vocab", "corpus_val_fraction"):
+            del flat[k]
     return {"preset": flat, "fineweb": str(fineweb) if fineweb else None}
+
+
+def on_user_data(preset: Preset, data: Path) -> Preset:
+    """``preset`` on a user's data directory (``curvlab data text``'s, or any with ``stats.json``): its corpus is
+    the directory's, named by the digest of its stats (so no committed learning rate applies: the full search
+    runs), at one s.
+
+    Raises:
+        CurvlabError: a preset with a Zipf sweep (several s), or a directory without stats.json or shards.
+    """
+    if len(preset.language.s_values) != 1:
+        raise CurvlabError(f"--data replaces the grammar: the {preset.name} design sweeps s, choose one that doesn't")
+    for split in ("train", "val"):
+        find_shards(data, split)
+    digest = hashlib.sha256(json.dumps(read_stats(data), sort_keys=True).encode()).hexdigest()[:16]
+    language = replace(preset.language, corpus=f"data stats sha256:{digest}")
+    return replace(preset, language=language, tuning=replace(preset.tuning, lr_source="search"))
 
 
 def search_lr_table(preset: Preset, out: str | Path, progress: bool = True) -> dict[str, Any]:
@@ -117,12 +161,22 @@ class Reproduction(Design):
 
     TAG = "reproduce"
     CONFIG_FILE = "reproduce.json"
-    PATH_KEYS = ("fineweb",)
+    PATH_KEYS = ("fineweb", "data")
 
-    def __init__(self, preset: Preset, out: str | Path, fineweb: str | Path | None = None, progress: bool = True):
+    def __init__(
+        self,
+        preset: Preset,
+        out: str | Path,
+        fineweb: str | Path | None = None,
+        progress: bool = True,
+        data: str | Path | None = None,
+    ):
+        if data is not None:  # a user's data directory: the design's one language, tuned afresh on it
+            preset = on_user_data(preset, Path(data))
         preset.validate()
         super().__init__(out, progress)
         self.preset = preset
+        self.data = Path(data).resolve() if data else None
         self.fineweb = Path(fineweb).resolve() if fineweb else None  # (resolved, as Job.out)
         if preset.fineweb:
             if self.fineweb is None:
@@ -131,7 +185,8 @@ class Reproduction(Design):
                 find_shards(self.fineweb, split)
 
     def config(self) -> dict[str, Any]:
-        return reproduction_config(self.preset, self.fineweb)
+        config = reproduction_config(self.preset, self.fineweb)
+        return config | ({"data": str(self.data)} if self.data else {})
 
     def tuning_settings(self) -> TuningSettings:
         return self.preset.tuning_settings

@@ -187,10 +187,14 @@ def gauss_newton_lines(paired: PairedDirections) -> list[str]:
     ]
     lines = ["", "Gauss–Newton split (GN >= 0; the residual carries all negative curvature):"]
     lines.append(table(rows, header, left=2))
-    if {"adamw", "muon"} <= {d.name for d in split}:
-        a, m = paired.get("adamw").hidden, paired.get("muon").hidden
-        gn, res = a.nds_gauss_newton / m.nds_gauss_newton, (a.nds - a.nds_gauss_newton) / (m.nds - m.nds_gauss_newton)
-        lines.append(f"adamw/muon on the hidden matrices: NDS {a.nds / m.nds:.4g}, GN {gn:.4g}, residual {res:.4g}")
+    a, m = (paired.get(n).hidden if n in paired.names else None for n in ("adamw", "muon"))
+    if a is not None and m is not None and min(a.nds, m.nds, a.nds_gauss_newton, m.nds_gauss_newton) > 0:
+        # NDS = GN (1 + r): the ratio is the GN parts' times the residual's factor (1 + r_a)/(1 + r_m)
+        gn = a.nds_gauss_newton / m.nds_gauss_newton
+        lines.append(
+            f"adamw/muon on the hidden matrices: NDS {a.nds / m.nds:.4g} = GN {gn:.4g} x residual factor "
+            f"{a.nds / m.nds / gn:.4g}"
+        )
     return lines
 
 

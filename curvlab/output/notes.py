@@ -136,7 +136,12 @@ def reproduction_notes(
         notes.append(final_loss_note(final, p.training.steps))
     if paper is not None and m.analysis_batches < (full := paper.measurement.analysis_batches):
         notes.append(f"{m.analysis_batches} evaluation batch(es) per checkpoint (the paper preset uses {full}).")
-    if len(p.language.s_values) < 3:
+    if p.language.corpus is not None:
+        notes.append(
+            f"Natural text, not the grammar: {p.language.corpus} (its one language is labelled s = 0), by a "
+            f"{p.language.corpus_vocab}-token byte-level BPE trained on it, or a given data directory's tokenizer."
+        )
+    elif len(p.language.s_values) < 3:
         notes.append(f"The Zipf sweep runs s = {', '.join(f'{s:g}' for s in p.language.s_values)} only.")
     if p.language.grammar.get("n_tokens"):
         notes.append(f"A {p.language.grammar['n_tokens']}-token grammar (the paper's has 4412).")

@@ -377,7 +377,9 @@ def controls(data: LevelData, registered: bool = True) -> list[ControlEntry]:
 READS = {"lambda_max": "lambda", "preconditioned_sharpness": "preconditioned", "sharpness_over_edge": "preconditioned"}
 READS |= {f"nds_{d}_over_lambda_max": "lambda" for d in ARMS} | {"lambda_residual_over_lambda_max": "lambda"}
 READS |= {"lambda_min_over_lambda_max": "lambda_min"}  # (its own flag: converged to the spectrum's scale)
-EIGENVALUES = {"lambda": STABILITY_QUANTITIES["lambda_max"], "lambda_min": LAMBDA_MIN}
+# what each eigenvalue's residual is relative to: its own value, but lambda_min's the spectrum's scale
+# (lambda_max), to which it is converged
+EIGENVALUES = {"lambda": STABILITY_QUANTITIES["lambda_max"], "lambda_min": STABILITY_QUANTITIES["lambda_max"]}
 EIGENVALUES |= {"preconditioned": STABILITY_QUANTITIES["preconditioned_sharpness"]}
 CONVERGED_SLACK = 10  # lanczos' converged flag: a true residual within 10 tolerances
 
@@ -417,6 +419,12 @@ def _stability_entry(points, arm: str, quantity: str, value) -> StabilityEntry:
         inf = _infer(m)
         note = "; ".join(notes)
         return StabilityEntry(arm, quantity, inf.value, _ci(inf), len(m.seeds), m.n_points, note, dropped, *lanczos)
+    if m.seeds and all(x < 0 for x in m.medians):  # (lambda_min / lambda_max: the log-t interval of -x, negated)
+        inf = _infer(replace(m, medians=[-x for x in m.medians]))
+        ci = None if inf.ci95 is None else [-float(inf.ci95[1]), -float(inf.ci95[0])]
+        return StabilityEntry(
+            arm, quantity, -inf.value, ci, len(m.seeds), m.n_points, "; ".join(notes), dropped, *lanczos
+        )
     notes.insert(0, "not measured" if not m.seeds else "a per-seed median <= 0: the mean, no log interval")
     value = float(np.mean(m.medians)) if m.seeds else None
     return StabilityEntry(arm, quantity, value, None, len(m.seeds), m.n_points, "; ".join(notes), dropped, *lanczos)

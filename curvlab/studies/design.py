@@ -22,6 +22,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
+from curvlab.data.corpus import CORPORA
 from curvlab.errors import CurvlabError
 from curvlab.models.gpt import get_config
 from curvlab.runs.config import TrainConfig
@@ -81,7 +82,11 @@ class _Part:
 @dataclass(frozen=True)
 class Language(_Part):
     """The data: the Zipf-PCFG's training exponents (validation at s = 0), the grammar (``make_grammar``
-    options and draw; the token streams' seeds derive from the draw) and the splits' sizes."""
+    options and draw; the token streams' seeds derive from the draw) and the splits' sizes; or, with
+    ``corpus``, natural text instead of the grammar: a corpus curvlab makes (:data:`curvlab.data.corpus.CORPORA`)
+    tokenized by a byte-level BPE of ``corpus_vocab`` tokens trained on it, a ``corpus_val_fraction`` of its
+    documents for validation (chosen with ``grammar_seed``), or a user's data directory (``--data``: named
+    by the digest of its stats). A corpus has no s: its one language is labelled s = 0."""
 
     s_values: tuple[float, ...] = (0.0, 0.5, 1.0)
     grammar: dict[str, Any] = field(default_factory=dict)
@@ -89,6 +94,9 @@ class Language(_Part):
     tokens: str = "2M"
     val_tokens: str = "100k"
     val_windows: int = 64
+    corpus: str | None = None
+    corpus_vocab: int = 1024
+    corpus_val_fraction: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -268,8 +276,10 @@ class Preset:
 
     @property
     def extras(self) -> dict[str, str]:
-        """The optional packages this design needs (module -> curvlab extra): a fine-tuning's, if it runs one."""
-        return dict(FINETUNE_EXTRAS) if self.finetune else {}
+        """The optional packages this design needs (module -> curvlab extra): a fine-tuning's, if it runs one,
+        and the tokenizer of a corpus it makes."""
+        text = {"tokenizers": "text"} if self.language.corpus in CORPORA else {}
+        return (dict(FINETUNE_EXTRAS) if self.finetune else {}) | text
 
     @property
     def aa_batches(self) -> int:
@@ -295,6 +305,8 @@ class Preset:
         fingerprint |= {"horizon_steps": self.tuning_settings.horizon_steps, "s": self.language.s_values[0]}
         if self.language.grammar_seed:  # only another draw's: the committed entries predate the field
             fingerprint["grammar_seed"] = self.language.grammar_seed
+        if self.language.corpus is not None:  # (text: no table entry of the grammar's applies)
+            fingerprint |= {k: getattr(self.language, k) for k in ("corpus", "corpus_vocab", "corpus_val_fraction")}
         return fingerprint
 
     def validate(self) -> None:
@@ -323,6 +335,10 @@ class Preset:
             raise CurvlabError(
                 f"stability_interval {m.stability_interval} must be a positive multiple of track_interval "
                 f"{m.track_interval}"
+            )
+        if self.language.corpus is not None and len(self.language.s_values) != 1:
+            raise CurvlabError(
+                f"a corpus has no Zipf exponent: s_values must be one value, got {self.language.s_values}"
             )
         if sorted(set(self.arms) - set(ARMS)) or "adamw" not in self.arms or "muon" not in self.arms:
             raise CurvlabError(f"arms must include adamw and muon, from {', '.join(ARMS)}; got {self.arms}")
