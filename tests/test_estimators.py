@@ -168,3 +168,13 @@ def test_cli_estimator_refusals(muon_run):
     ckpt = str(muon_run / "ckpt_000004.pt")
     assert_refused(["nds", ckpt, "--estimator", "critical_sharpness"], "unknown estimator 'critical_sharpness'")
     assert_refused(["nds", ckpt, "--estimator", "forward", "--gauss-newton"], "not with --directions")
+
+
+def test_the_unit_roundoff_is_autocasts_where_it_is_on():
+    """Under bfloat16 autocast a float32 point's products round at bfloat16's ε (2^-7), which the finite
+    difference's step and every stated rounding take; outside it, the working dtype's."""
+    cpu = torch.device("cpu")
+    assert E.unit_roundoff(torch.float32, cpu) == torch.finfo(torch.float32).eps
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert E.unit_roundoff(torch.float32, cpu) == 2.0**-7
+        assert E.unit_roundoff(torch.float64, cpu) == 2.0**-7

@@ -18,6 +18,7 @@ import typer
 
 from curvlab.cli.errors import one_line_errors
 from curvlab.cli.options import count, number, positive, refuse_beyond_memory
+from curvlab.curvature.estimators import ESTIMATORS
 from curvlab.errors import CurvlabError
 from curvlab.output.console import trained_line
 from curvlab.runs.config import FIELD_HELP, FIELD_RANGES, TrainConfig
@@ -118,6 +119,11 @@ def train(
         None, help="Also the within/cross split of this grouping: layer, tensor or kind (about 3x a row's cost)."
     ),
     curvature_stop: bool = typer.Option(False, help="Stop at a non-finite curvature row (else record it, go on)."),
+    curvature_estimator: str = typer.Option(
+        "exact",
+        help=f"{' | '.join(ESTIMATORS)}: what computes each row's <Z, HZ>; another than exact records its stated "
+        "error and leaves the hidden-matrix split out (not with --blocks).",
+    ),
     tensorboard: Path = typer.Option(
         None,
         help="Also write TensorBoard scalars here: train/val loss, lr, and the curvature rows "
@@ -149,8 +155,9 @@ def train(
     if curvature_every:
         monitor = MonitorSettings(
             every=curvature_every, batches=curvature_batches, windows=curvature_windows, blocks=blocks,
-            stop_on_nonfinite=curvature_stop,
+            stop_on_nonfinite=curvature_stop, estimator=curvature_estimator,
         )  # fmt: skip
+        monitor.validate()  # (before the data is read and the model built)
     launched = launch(cfg, monitor=monitor, tensorboard=tensorboard, fsdp=fsdp, progress=not quiet)
     if launched.rank == 0:
         r = launched.result

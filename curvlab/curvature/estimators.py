@@ -81,6 +81,15 @@ def _prepared(params: Mapping[str, Tensor], z: Mapping[str, Tensor], dtype: torc
     return dt, zc, float(sum(squares.values()))
 
 
+def unit_roundoff(dt: torch.dtype, device: torch.device) -> float:
+    """The unit roundoff the loss is computed with: the working dtype's, or autocast's where it is on for
+    ``device``'s type and coarser (under bfloat16 autocast a float32 point's products round at 2^-7)."""
+    eps = torch.finfo(dt).eps
+    if torch.is_autocast_enabled(device.type):
+        eps = max(eps, torch.finfo(torch.get_autocast_dtype(device.type)).eps)
+    return float(eps)
+
+
 def _estimate(name: str, zhz: float, zz: float, error: float | None, f: int, b: int, **detail):
     return DirectionalCurvatureEstimate(name, zhz, zhz / zz, error, f, b, detail)
 
@@ -132,10 +141,10 @@ def finite_difference(
     With :math:`d(h) = \langle u, G(W+hu) - G(W-hu)\rangle/(2h)`, the estimate is :math:`d(h)` and its stated
     error is :math:`e = |d(h) - d(2h)|/3 + 4\epsilon(\|G(W+hu)\| + \|G(W-hu)\|)/(2h)`: Richardson's estimate of
     the :math:`h^2` truncation (the :math:`h^2` terms of d(h) and d(2h) differ by a factor 4) plus the gradients'
-    rounding (ε the unit roundoff of the working dtype), a bound whenever the third derivative varies little
-    over :math:`[-2h, 2h]`. Default step :math:`h = \epsilon^{1/3}`, the rule of
-    :func:`~curvlab.engine.finite_difference.finite_difference_hvp`, which balances the two terms. Cost: four
-    gradients, ``forwards=4``, ``backwards=4``.
+    rounding (ε the unit roundoff of the working dtype, or autocast's where it is on: :func:`unit_roundoff`), a
+    bound whenever the third derivative varies little over :math:`[-2h, 2h]`. Default step :math:`h =
+    \epsilon^{1/3}`, the rule of :func:`~curvlab.engine.finite_difference.finite_difference_hvp`, which balances
+    the two terms. Cost: four gradients, ``forwards=4``, ``backwards=4``.
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``.
@@ -153,7 +162,7 @@ def finite_difference(
         CurvlabError: Z mismatched with the parameters, non-finite or zero; a step that is not positive.
     """
     dt, zc, zz = _prepared(params, z, dtype)
-    eps = torch.finfo(dt).eps
+    eps = unit_roundoff(dt, next(iter(params.values())).device)
     h = float(eps ** (1 / 3)) if step is None else float(step)
     if not h > 0:
         raise CurvlabError(f"the finite-difference step must be positive, got {step}")
@@ -180,9 +189,9 @@ def _first_order(loss_fn: LossFn, params, batch, zc, dt) -> tuple[CurvaturePoint
     return point, point.params, point.loss, param_dicts.dot(point.gradient, zc)
 
 
-def _rounding(dt: torch.dtype, loss: float, other: float) -> float:
+def _rounding(eps: float, loss: float, other: float) -> float:
     """The stated rounding of a loss difference: 4ε(|L(W)| + |L(W')|), as for the gradients."""
-    return 4 * torch.finfo(dt).eps * (abs(loss) + abs(other))
+    return 4 * eps * (abs(loss) + abs(other))
 
 
 def _fit(alphas: np.ndarray, f: np.ndarray, powers: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -235,8 +244,9 @@ def quadratic_fit(
     """
     dt, zc, zz = _prepared(params, z, dtype)
     point, p, loss, gz = _first_order(loss_fn, params, batch, zc, dt)
+    eps = unit_roundoff(dt, next(iter(params.values())).device)
     if steps is None:
-        s0 = (torch.finfo(dt).eps * max(abs(loss), 1.0)) ** 0.25
+        s0 = (eps * max(abs(loss), 1.0)) ** 0.25
         steps = [s0 * 2**k / zz**0.5 for k in range(points)]
     alphas = np.asarray([float(a) for a in steps], dtype=np.float64)
     if alphas.size < 3 or not (alphas > 0).all():
@@ -247,7 +257,7 @@ def quadratic_fit(
     a4 = _fit(alphas, f, (2, 3, 4))[0][0] if alphas.size > 3 else a
     residual = f - a * alphas**2 - b * alphas**3
     sigma = float(np.sqrt(np.mean(residual**2) * alphas.size / max(alphas.size - 2, 1)))
-    delta = np.asarray([max(_rounding(dt, loss, x), sigma) for x in losses])
+    delta = np.asarray([max(_rounding(eps, loss, x), sigma) for x in losses])
     truncation, rounding = 2 * abs(float(a4 - a)), 2 * float(np.abs(pinv[0]) @ delta)
     return _estimate(
         "quadratic_fit", 2 * float(a), zz, (truncation + rounding) / zz, 1 + alphas.size, 1,

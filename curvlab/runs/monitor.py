@@ -12,6 +12,11 @@ over all trainable parameters and over the hidden matrices, and with a block gro
 interaction matrix :math:`M_{lm} = \langle Z_l, H_{lm}[Z_m]\rangle/\|Z\|^2`: within = tr M,
 cross = the off-diagonal sum, rho_within = within / NDS. Each measurement is a :class:`MonitorRow`.
 
+With ``estimator=`` one of :data:`~curvlab.curvature.estimators.ESTIMATORS` other than ``"exact"``,
+:math:`\langle Z, H_D[Z]\rangle` over all parameters comes from that estimator instead, with its stated error,
+and the rest of the split from one gradient and two losses; the hidden scope and the blocks need HVPs and are
+left out (the row's ``unmeasured``; blocks are refused).
+
 Z comes from one of two places:
 
 * the step taken: :meth:`CurvatureMonitor.snapshot` before ``optimizer.step()``, then
@@ -34,7 +39,8 @@ Row JSON (``MONITOR_SCHEMA_VERSION`` = 1), one line per row in ``metrics.jsonl``
     kind ("curvature"), schema_version, step, status, message, loss, nds, first_order,
     curvature_penalty, predicted, realized, update_norm, grad_norm, cosine,
     hidden{the same eight over the hidden matrices, names} or null,
-    blocks{grouping, names, matrix, within, cross, nds, rho_within} or null, heldout_tokens, seconds
+    blocks{grouping, names, matrix, within, cross, nds, rho_within} or null, heldout_tokens, seconds,
+    estimator, error (on nds, null when exact), unmeasured[...] (``"hidden"``, left null by an estimator)
 """
 
 from __future__ import annotations
@@ -45,27 +51,30 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from curvlab.curvature.estimators import ESTIMATORS, directional_curvature
 from curvlab.curvature.groupings import GROUPINGS, group_parameters
-from curvlab.curvature.scalars import CheckpointScalars, layer_blocks_split, taylor_error, taylor_holds
-from curvlab.curvature.scope import CURVATURE_KEYS, NAN_CURVATURE, DirectionCurvature, ScopeCurvature, scope_names
+from curvlab.curvature.scope import NAN_CURVATURE, DirectionCurvature, scope_names
 from curvlab.curvature.taylor import Scope, taylor_split, taylor_split_and_block_matrix
 from curvlab.engine import params as param_dicts
 from curvlab.engine.exact import exact_second_order
-from curvlab.engine.hvp import working_dtype
+from curvlab.engine.hvp import CurvaturePoint, working_dtype
 from curvlab.engine.loss import LossFn, count_loss_terms, make_loss_fn, weighted_batches
 from curvlab.errors import CurvlabError
 from curvlab.optim.combined import Optimizers
+from curvlab.runs.monitor_row import MONITOR_SCHEMA_VERSION, ROW_KIND, BlockSplit, MonitorRow  # noqa: F401 (re-exported)
 from curvlab.steps.update import next_update
-from curvlab.util import schema
-from curvlab.util.codec import Record
 
-MONITOR_SCHEMA_VERSION = 1
-ROW_KIND = "curvature"  # the "kind" of a monitor row in metrics.jsonl; training rows have none
+
+def _check_estimator(estimator: str, blocks: object) -> None:
+    if estimator not in ESTIMATORS:
+        raise CurvlabError(f"unknown curvature estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
+    if blocks is not None and estimator != "exact":
+        raise CurvlabError(f"the block split needs the exact estimator (HVPs), not {estimator!r}")
 
 
 @dataclass(frozen=True)
@@ -73,13 +82,15 @@ class MonitorSettings:
     """What ``curvlab train --curvature-every K`` measures (not in the training config: it changes nothing
     in the run): at steps k % ``every`` == 0, on the run's first ``batches`` x ``windows`` validation
     windows (the defaults keep the overhead at K = 50 on ``tiny`` under 10%: ``benchmarks/monitor.py``),
-    with a ``blocks`` grouping or none; ``stop_on_nonfinite`` stops training at a non-finite row."""
+    with a ``blocks`` grouping or none, by ``estimator`` (:class:`CurvatureMonitor`); ``stop_on_nonfinite``
+    stops training at a non-finite row."""
 
     every: int
     batches: int = 1
     windows: int = 8
     blocks: str | None = None
     stop_on_nonfinite: bool = False
+    estimator: str = "exact"
 
     def validate(self) -> None:
         for name in ("every", "batches", "windows"):
@@ -88,133 +99,11 @@ class MonitorSettings:
                 raise CurvlabError(f"curvature {name} must be >= 1, got {value}")
         if self.blocks is not None and self.blocks not in GROUPINGS:
             raise CurvlabError(f"unknown block grouping {self.blocks!r}; choose one of {', '.join(GROUPINGS)}")
+        _check_estimator(self.estimator, self.blocks)
 
 
 class NonFiniteCurvature(CurvlabError):
     """A monitored step's curvature was not finite and the user asked training to stop."""
-
-
-@dataclass(frozen=True)
-class BlockSplit(Record):
-    """The block interaction matrix M of a monitored step (module docstring), under its ``grouping``
-    (``"layer"``, ``"tensor"``, ``"kind"`` or ``"custom"``), with its block ``names`` and its sums."""
-
-    grouping: str
-    names: tuple[str, ...]
-    matrix: tuple[tuple[float, ...], ...]
-    within: float
-    cross: float
-    nds: float
-    rho_within: float
-
-
-@dataclass(frozen=True)
-class MonitorRow:
-    """The curvature of one monitored step Z (from :math:`W_k` to :math:`W_{k+1}`) on the held-out batches.
-
-    Attributes:
-        step: k, the number of steps done at W (the row describes the update that follows).
-        status: ``"ok"``, ``"non-finite"`` or ``"undefined"`` (zero step); see ``message``.
-        message: what was not finite or undefined, in one line (empty when all is well).
-        loss: :math:`L_D(W)` on the held-out batches.
-        split: the Taylor split over all trainable parameters (NaN where not computed).
-        hidden: the same over the hidden 2-D matrices (``None`` when there are none, or Z is zero there).
-        hidden_names: the parameters of that scope.
-        blocks: the within/cross split (``None`` without a block grouping).
-        heldout_tokens: loss terms in D.
-        seconds: wall time of the measurement.
-    """
-
-    step: int
-    status: str
-    message: str
-    loss: float
-    split: DirectionCurvature
-    hidden: DirectionCurvature | None
-    blocks: BlockSplit | None
-    heldout_tokens: int
-    seconds: float
-    hidden_names: tuple[str, ...] = ()
-    SCHEMA_VERSION: ClassVar[int] = MONITOR_SCHEMA_VERSION
-    WHAT: ClassVar[str] = "curvature row"
-    FIXED_KEYS: ClassVar[dict[str, Any]] = {"kind": ROW_KIND}  # (metrics.jsonl holds training rows too)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def nds(self) -> float:
-        return self.split.nds
-
-    # by hand: the all-parameter split's keys sit at the top level, the kind and version first
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": ROW_KIND,
-            "schema_version": MONITOR_SCHEMA_VERSION,
-            "step": self.step,
-            "status": self.status,
-            "message": self.message,
-            "loss": self.loss,
-            **self.split.to_dict(),
-            "hidden": None if self.hidden is None else {**self.hidden.to_dict(), "names": list(self.hidden_names)},
-            "blocks": None if self.blocks is None else self.blocks.to_dict(),
-            "heldout_tokens": self.heldout_tokens,
-            "seconds": self.seconds,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> MonitorRow:
-        """A row read back from its JSON; refuses another kind or schema version."""
-        schema.check(d, cls)
-        hidden = None if d.get("hidden") is None else ScopeCurvature.from_dict(d["hidden"])
-        return cls(
-            step=int(d["step"]),
-            status=d["status"],
-            message=d["message"],
-            loss=float(d["loss"]),
-            split=DirectionCurvature.from_dict({k: d[k] for k in CURVATURE_KEYS if k in d}),
-            hidden=None if hidden is None else hidden.curvature(),
-            blocks=None if d.get("blocks") is None else BlockSplit.from_dict(d["blocks"]),
-            heldout_tokens=int(d["heldout_tokens"]),
-            seconds=float(d["seconds"]),
-            hidden_names=() if hidden is None else hidden.names,
-        )
-
-    def log_scalars(self, prefix: str = "curvature/") -> dict[str, float]:
-        """The row's finite scalars for a metrics logger: ``{prefix}nds``, ..., ``{prefix}hidden_nds``, ...,
-        ``{prefix}within``, ``{prefix}cross``, ``{prefix}rho_within`` and ``{prefix}ok`` (1.0 or 0.0)."""
-        values = {"loss": self.loss, **self.split.to_dict(), "ok": float(self.ok)}
-        if self.hidden is not None:
-            values |= {f"hidden_{k}": v for k, v in self.hidden.to_dict().items()}
-        if self.blocks is not None:
-            values |= {"within": self.blocks.within, "cross": self.blocks.cross, "rho_within": self.blocks.rho_within}
-        return {f"{prefix}{k}": float(v) for k, v in values.items() if math.isfinite(v)}
-
-    def scalars(self, val_loss: float = math.nan, optimizer: str | None = None) -> CheckpointScalars:
-        """The row as the per-checkpoint scalars the studies aggregate; a row whose status is not ``ok``
-        keeps its message and fails the Taylor check."""
-        blocks = self.blocks
-        within_layers, nds_layers = (
-            (math.nan, math.nan) if blocks is None else layer_blocks_split(blocks.names, blocks.matrix)
-        )
-        return CheckpointScalars(
-            step=self.step,
-            val_loss=val_loss,
-            all=self.split,
-            hidden=NAN_CURVATURE if self.hidden is None else self.hidden,
-            within=math.nan if blocks is None else blocks.within,
-            cross=math.nan if blocks is None else blocks.cross,
-            rho_within=math.nan if blocks is None else blocks.rho_within,
-            within_layers=within_layers,
-            nds_layers=nds_layers,
-            embed_head_share=math.nan,
-            taylor_error=taylor_error(self.split),
-            taylor_ok=self.ok and taylor_holds(self.split),
-            optimizer=optimizer,
-            status=self.status,
-            message=self.message,
-        )
 
 
 def _all_finite(tensors: Mapping[str, Tensor]) -> str | None:
@@ -238,6 +127,9 @@ class CurvatureMonitor:
         max_grad_norm: gradient clipping of the run, for :meth:`measure_next`.
         dtype: computation dtype (default float32, float64 for float64 parameters).
         on_row: called with every row as it is made.
+        estimator: what computes the step's :math:`\langle Z, H[Z]\rangle`: ``"exact"`` (default, HVPs) or
+            another of :data:`~curvlab.curvature.estimators.ESTIMATORS`, its stated error in the row's ``error``;
+            the hidden scope is then not measured (``row.unmeasured``), and ``blocks`` is refused.
 
     Attributes:
         rows: every row measured so far, in order.
@@ -256,9 +148,12 @@ class CurvatureMonitor:
         max_grad_norm: float | None = None,
         dtype: torch.dtype | None = None,
         on_row: Callable[[MonitorRow], None] | None = None,
+        estimator: str = "exact",
     ):
         if every < 1:
             raise CurvlabError(f"the monitor's every must be >= 1, got {every}")
+        _check_estimator(estimator, blocks)
+        self.estimator = estimator
         self.model, self.optimizer, self.loss_fn, self.batches = model, optimizer, loss_fn, batches
         self.every, self.blocks, self.max_grad_norm, self.on_row = every, blocks, max_grad_norm, on_row
         params = self._params()
@@ -347,26 +242,18 @@ class CurvatureMonitor:
             return self._failed(step, "undefined", "the step Z is zero: NDS = <Z,HZ>/||Z||² is 0/0", start)
         # a scope on which Z is zero (frozen by the optimizer, say) has no NDS: leave it out, not the row
         hidden = self.hidden_names if self.hidden_names and param_dicts.norm(z, self.hidden_names) > 0 else []
+        exact = self.estimator == "exact"
+        unmeasured, hidden = ((), hidden) if exact or not hidden else (("hidden",), [])
         try:
-            if self.blocks is None:
-                split, bm = taylor_split(self.loss_fn, params, self.batches, z, scope=hidden, dtype=self.dtype), None
-            else:
-                split, bm = taylor_split_and_block_matrix(
-                    self.loss_fn, params, self.batches, z, blocks=self.blocks, scope=hidden, dtype=self.dtype
-                )
+            measured = self._exact(params, z, hidden) if exact else self._estimated(params, z)
         except CurvlabError:
-            what = self._non_finite_loss(params, z, hidden)
+            # (in the mode the losses were taken in: an estimator's are graph-free points, "fwd_rev")
+            what = self._non_finite_loss(params, z, hidden, None if exact else "fwd_rev")
             if what is None:  # everything is finite: a genuine error, keep its traceback
                 raise
             return self._failed(step, "non-finite", what, start)
-        blocks = None
-        if bm is not None:
-            grouping = self.blocks if isinstance(self.blocks, str) else "custom"
-            matrix = tuple(tuple(float(x) for x in r) for r in bm.matrix)
-            blocks = BlockSplit(grouping, bm.names, matrix, bm.within, bm.cross, bm.nds, bm.rho_within)
-        scope = split.curvature()  # (the split over all parameters alone)
-        on_hidden = split.hidden.curvature() if hidden else None
-        values = {"loss": split.loss, **asdict(scope)}
+        loss, scope, on_hidden, blocks, error = measured
+        values = {"loss": loss, **asdict(scope), **({} if error is None else {"nds error": error})}
         values.update({f"hidden {k}": v for k, v in (asdict(on_hidden) if on_hidden else {}).items()})
         values.update({} if blocks is None else {"within": blocks.within, "cross": blocks.cross})
         bad = [k for k, v in values.items() if not math.isfinite(v)]
@@ -375,28 +262,60 @@ class CurvatureMonitor:
             step=step,
             status=status,
             message=message,
-            loss=split.loss,
+            loss=loss,
             split=scope,
             hidden=on_hidden,
             blocks=blocks,
             heldout_tokens=self.heldout_tokens,
             seconds=time.perf_counter() - start,
             hidden_names=tuple(hidden),
+            estimator=self.estimator,
+            error=error,
+            unmeasured=unmeasured,
         )
+
+    def _exact(self, params, z, hidden: list[str]):
+        """Loss, the split over all parameters and over ``hidden``, and the block split, by HVPs (no error)."""
+        if self.blocks is None:
+            split, bm = taylor_split(self.loss_fn, params, self.batches, z, scope=hidden, dtype=self.dtype), None
+        else:
+            split, bm = taylor_split_and_block_matrix(
+                self.loss_fn, params, self.batches, z, blocks=self.blocks, scope=hidden, dtype=self.dtype
+            )
+        blocks = None
+        if bm is not None:
+            grouping = self.blocks if isinstance(self.blocks, str) else "custom"
+            matrix = tuple(tuple(float(x) for x in r) for r in bm.matrix)
+            blocks = BlockSplit(grouping, bm.names, matrix, bm.within, bm.cross, bm.nds, bm.rho_within)
+        on_hidden = split.hidden.curvature() if hidden else None
+        return split.loss, split.curvature(), on_hidden, blocks, None
+
+    def _estimated(self, params, z):
+        """Loss and the split over all parameters with <Z, HZ> by the monitor's estimator (its stated error on
+        the NDS), the rest exact: one gradient at W with no graph kept, and the loss at W - Z."""
+        dt = self.dtype
+        estimate = directional_curvature(self.loss_fn, params, self.batches, z, estimator=self.estimator, dtype=dt)
+        point = CurvaturePoint(self.loss_fn, params, self.batches, method="fwd_rev", dtype=dt)
+        zc, g = param_dicts.cast(z, point.dtype), point.gradient
+        gz, gg, zz = param_dicts.dots([(g, zc), (g, g), (zc, zc)], list(zc))
+        realized = point.loss - point.loss_at(param_dicts.add(point.params, zc, -1.0))
+        split = DirectionCurvature.of(gz, estimate.zhz, zz, gg, realized)
+        return point.loss, split, None, None, estimate.error
 
     def _failed(self, step: int, status: str, message: str, start: float) -> MonitorRow:
         return MonitorRow(
-            step, status, message, math.nan, NAN_CURVATURE, None, None, self.heldout_tokens, time.perf_counter() - start
-        )
+            step, status, message, math.nan, NAN_CURVATURE, None, None, self.heldout_tokens,
+            time.perf_counter() - start, estimator=self.estimator,
+        )  # fmt: skip
 
-    def _loss_or_none(self, params: Mapping[str, Tensor], batch: Any) -> float | None:
+    def _loss_or_none(self, params: Mapping[str, Tensor], batch: Any, method: str | None = None) -> float | None:
         """The loss on ``batch`` (one batch or a list, token-weighted) when it is not finite, else ``None``."""
         p = param_dicts.cast(params, self.dtype)
-        with torch.no_grad(), exact_second_order():
+        with torch.no_grad(), exact_second_order(method=method):
             total = sum(w * float(self.loss_fn(p, b)) for b, w in weighted_batches(batch))
         return None if math.isfinite(total) else total
 
-    def _non_finite_loss(self, params, z, hidden) -> str | None:
+    def _non_finite_loss(self, params, z, hidden, method: str | None = None) -> str | None:
         """Which held-out loss the split needs is not finite (L(W), L(W - Z), L(W - Z_S)), else ``None``."""
         bad = _all_finite(params)
         if bad is not None:
@@ -405,7 +324,7 @@ class CurvatureMonitor:
         if hidden:
             points["L(W - Z_S)"] = param_dicts.add(params, param_dicts.restrict(z, hidden), -1.0)
         for name, point in points.items():
-            loss = self._loss_or_none(point, self.batches)
+            loss = self._loss_or_none(point, self.batches, method)
             if loss is not None:
                 return f"the held-out loss {name} is {loss}"
         return None
@@ -439,6 +358,7 @@ def training_monitor(
         every=settings.every,
         blocks=settings.blocks,
         max_grad_norm=max_grad_norm,
+        estimator=settings.estimator,
     )
 
 
