@@ -92,6 +92,14 @@ def test_rows_round_trip_through_json_and_old_rows_read_as_exact(rows64):
     assert MonitorRow.from_dict(old) == rows64["exact"][0]
 
 
+def test_a_cheap_row_fails_the_taylor_check_and_says_why(rows64):
+    """`curvlab track` reads rows through scalars(): an estimated ⟨Z, HZ⟩ makes no exact Taylor check."""
+    exact = [row.scalars() for row in rows64["exact"]]
+    assert any(s.taylor_ok for s in exact) and not any(s.message for s in exact)
+    for s in (row.scalars() for row in rows64["finite_difference"]):
+        assert s.taylor_ok is False and s.message.startswith("NDS estimated by finite_difference (stated error")
+
+
 def test_unknown_estimators_and_blocks_by_an_estimator_are_refused_in_one_line():
     model = GPT(get_config("tiny", **SMALL_MODEL, vocab_size=50))
     D = (torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long))

@@ -13,6 +13,7 @@ import pytest
 from curvlab.cli import app
 from curvlab.data.corpus import python_docs_documents, write_corpus
 from curvlab.data.dataset import unigram_plateau_nats
+from curvlab.data.shards import write_shard
 from curvlab.errors import CurvlabError
 from curvlab.jobs.presets import PRESETS
 from curvlab.jobs.reproduce import Reproduction, on_user_data
@@ -52,13 +53,14 @@ def write_text(path, lines=3000, seed=0):
 
 
 def test_the_python_documentation_corpus_is_made_offline_and_deterministically(tmp_path):
-    documents = python_docs_documents()
+    documents, topics, files = python_docs_documents()
+    assert topics > 50 and files > 500
     assert len(documents) > 1000 and all("\n" not in d and d == " ".join(d.split()) for d in documents)
     # the Language Reference's topics come first (pydoc_data.topics), then the standard library's docstrings
     assert any("assignment statement" in d.lower() for d in documents[:200])
     first = write_corpus("python-docs", tmp_path / "a.txt")
     second = write_corpus("python-docs", tmp_path / "b.txt")
-    assert first == second and first["documents"] == len(documents)
+    assert first == second and first["documents"] == len(documents) and first["files"] == files
     assert first["sha256"] == hashlib.sha256((tmp_path / "a.txt").read_bytes()).hexdigest()
     assert "PSF" in first["licence"] and first["bytes"] > 10**6
     with pytest.raises(CurvlabError, match="unknown corpus 'gutenberg'"):
@@ -89,8 +91,24 @@ def test_the_paired_design_runs_end_to_end_on_a_users_text(tmp_path):
 
 
 def test_user_data_refusals(tmp_path):
+    PRESETS["text"].validate()
+    assert PRESETS["text"].extras == {"tokenizers": "text"} and PRESETS["text"].tuning.lr_source == "search"
     with pytest.raises(CurvlabError, match="sweeps s"):
         on_user_data(PRESETS["standard"], tmp_path)
     with pytest.raises(CurvlabError, match="no such data directory"):
         on_user_data(PRESETS["quick"], tmp_path / "missing")
     assert_refused(["reproduce", "--preset", "robustness", "--data", str(tmp_path)], "--data is for the one-design")
+    # a vocabulary the design's model has no embedding for: refused before anything is written
+    big = tmp_path / "big"
+    big.mkdir()
+    for split in ("train", "val"):
+        write_shard(big / f"{split}_000000.bin", np.arange(2000) % 2000)
+    (big / "stats.json").write_text(json.dumps({"vocab_size": 2000}))
+    with pytest.raises(
+        CurvlabError, match=r"a vocabulary of 2000 tokens, more than the quick design's model has \(1088\)"
+    ):
+        Reproduction(PRESETS["quick"], tmp_path / "out", progress=False, data=big)
+    assert not (tmp_path / "out").exists()
+    (big / "stats.json").unlink()
+    with pytest.raises(CurvlabError, match="no stats.json"):
+        on_user_data(PRESETS["quick"], big)

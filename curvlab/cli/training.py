@@ -152,6 +152,8 @@ def train(
         cfg.device,
     )
     monitor = None
+    if curvature_estimator != "exact" and not curvature_every:
+        raise CurvlabError("--curvature-estimator chooses how the monitor measures: give --curvature-every N too")
     if curvature_every:
         monitor = MonitorSettings(
             every=curvature_every, batches=curvature_batches, windows=curvature_windows, blocks=blocks,

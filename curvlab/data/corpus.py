@@ -6,8 +6,10 @@ own licence): the reference manual's topics that ``pydoc`` shows (``pydoc_data.t
 Reference's sections as plain text), then the docstrings of every standard-library module, class and
 function (``ast.get_docstring``; ``test``, ``tests``, ``idlelib`` and ``site-packages`` left out). Each topic
 and each docstring is one document, one line of the file: its whitespace collapsed to single spaces.
-Files go in sorted order and nodes in ``ast.walk`` order, so the file depends only on the Python version
-(recorded, with its digest): a run on another Python is a replicate on another text.
+Files go in sorted order and nodes in ``ast.walk`` order, so the file depends only on the Python build: its
+version and which standard-library files its distribution installs (both recorded, with the text's digest; a
+distribution may split modules into packages of their own or patch them). A run on another Python is a
+replicate on another text.
 
 Why this text: it is prose written by people (technical English, with code names in it), a few megabytes,
 on every machine that runs curvlab, and under a licence that allows it; a public-domain book would need a
@@ -44,27 +46,32 @@ def _documents_of(path: Path) -> list[str]:
     return [text for n in nodes if (text := ast.get_docstring(n, clean=True))]
 
 
-def python_docs_documents() -> list[str]:
-    """The corpus's documents (module docstring), whitespace collapsed.
+def python_docs_documents() -> tuple[list[str], int, int]:
+    """The corpus's documents (module docstring), whitespace collapsed, with the counts of topics and of files.
 
     Raises:
-        CurvlabError: a Python without the sources of its standard library (some distributions strip them).
+        CurvlabError: a Python without the sources of its standard library (some distributions strip them), or
+            without ``pydoc_data``.
     """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.rglob("*.py") if not LEFT_OUT & set(p.relative_to(stdlib).parts))
     if not files:
         raise CurvlabError(
             f"{stdlib}: no standard-library sources to take the Python documentation from (install them, e.g. "
-            "`apt install libpython3-stdlib`, or give your own text: curvlab data text FILE --out DIR, then --data DIR)"
+            "`apt install libpython3-stdlib`, or give your own text: curvlab data text FILE --vocab-size 1024 "
+            "--out DIR, then --data DIR)"
         )
     try:
         from pydoc_data.topics import topics
     except ImportError:
-        topics = {}
+        raise CurvlabError(
+            "this Python has no pydoc_data (the Language Reference's topics): install its full standard library, "
+            "or give your own text: curvlab data text FILE --vocab-size 1024 --out DIR, then --data DIR"
+        ) from None
     documents = [topics[k] for k in sorted(topics)]
     for path in files:
         documents += _documents_of(path)
-    return [line for d in documents if (line := " ".join(d.split()))]
+    return [line for d in documents if (line := " ".join(d.split()))], len(topics), len(files)
 
 
 def write_corpus(name: str, path: str | Path) -> dict[str, Any]:
@@ -76,7 +83,7 @@ def write_corpus(name: str, path: str | Path) -> dict[str, Any]:
     """
     if name not in CORPORA:
         raise CurvlabError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
-    documents = python_docs_documents()
+    documents, topics, files = python_docs_documents()
     text = "\n".join(documents) + "\n"
     atomic_write_text(path, text)
     data = text.encode("utf-8")
@@ -85,6 +92,8 @@ def write_corpus(name: str, path: str | Path) -> dict[str, Any]:
         "licence": LICENCE,
         "python": platform.python_version(),
         "documents": len(documents),
+        "topics": topics,
+        "files": files,
         "bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
     }

@@ -192,8 +192,7 @@ def split_rule(sources: list[Source], val_fraction: float | None, seed: int) -> 
     val = np.sort(np.random.default_rng(seed).choice(n, k, replace=False))
     rule = (
         f"text: lines are documents; of N = {n}, the k = min(N - 1, max(1, round({fraction:g} * N))) = {k} at "
-        f"numpy.random.default_rng({seed}).choice(N, k, replace=False) are validation, the rest train (numpy "
-        f"{np.__version__}: its streams are not promised across versions)"
+        f"numpy.random.default_rng({seed}).choice(N, k, replace=False) are validation, the rest train"
     )
     return rule, val
 
@@ -415,6 +414,9 @@ def text_to_shards(
             "document_end": None if end is None or sources[0].kind == "text" else {"token": DOCUMENT_END, "id": end},
             "inputs": [s.record() for s in sources],
             "split": rule,
+            # (not in the config: a rerun under another numpy is the same request; its streams are not promised
+            # across versions, so the stats say which drew the split)
+            "numpy_version": np.__version__,
             **splits,
         }
 

@@ -54,7 +54,8 @@ RETIRED_FIELDS = frozenset({"n_boot"})
 # fields added to a job's config since, with the value that does what a config without them did (factorial:
 # the mechanism design's factorial of filters and maps, off in every other design; track_points: every
 # tracked checkpoint analysed)
-ADDED_FIELDS = {"factorial": False, "track_points": "all"}
+ADDED_FIELDS = {"factorial": False, "track_points": "all", "gauss_newton": False}  # (issue 50, 52)
+ADDED_FIELDS |= {"corpus": None, "corpus_vocab": 1024, "corpus_val_fraction": 0.05}  # (issue 53)
 
 
 def _without_retired(config: Any) -> Any:

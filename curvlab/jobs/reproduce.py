@@ -32,7 +32,7 @@ from typing import Any
 
 from curvlab.data.corpus import write_corpus
 from curvlab.data.dataset import generate_pcfg_dataset, read_stats, unigram_plateau_nats
-from curvlab.data.shards import find_shards
+from curvlab.data.shards import data_vocab_size, find_shards
 from curvlab.data.text import text_to_shards
 from curvlab.errors import CurvlabError
 from curvlab.jobs import measure, side_studies
@@ -40,6 +40,7 @@ from curvlab.jobs.job import Design, Job
 from curvlab.jobs.lr_table import LR_TABLE, LrTable, entry_or_centres, read_lr_table
 from curvlab.jobs.presets import PRESETS
 from curvlab.jobs.tune import tune
+from curvlab.models.gpt import get_config
 from curvlab.output import plots
 from curvlab.output import text as report
 from curvlab.output.finetune_text import finetune_section
@@ -108,9 +109,6 @@ def reproduction_config(preset: Preset, fineweb: Path | None = None) -> dict[str
     del flat["keep"]  # what stays on disk changes no result: a re-run may prune further
     if not flat["grammar_seed"]:  # the first draw: a directory made before the field existed continues
         del flat["grammar_seed"]
-    if flat["corpus"] is None:  # (the grammar's: as a directory made before the fields were)
-        for k in ("corpus", "corpus_vocab", "corpus_val_fraction"):
-            del flat[k]
     return {"preset": flat, "fineweb": str(fineweb) if fineweb else None}
 
 
@@ -120,12 +118,21 @@ def on_user_data(preset: Preset, data: Path) -> Preset:
     runs), at one s.
 
     Raises:
-        CurvlabError: a preset with a Zipf sweep (several s), or a directory without stats.json or shards.
+        CurvlabError: a preset with a Zipf sweep (several s), a directory without stats.json or shards, or a
+            vocabulary larger than the preset's model has.
     """
     if len(preset.language.s_values) != 1:
         raise CurvlabError(f"--data replaces the grammar: the {preset.name} design sweeps s, choose one that doesn't")
     for split in ("train", "val"):
         find_shards(data, split)
+    if not (data / "stats.json").is_file():
+        raise CurvlabError(f"{data}: no stats.json (not a directory written by `curvlab data text`)")
+    vocab, model = data_vocab_size(data), get_config(preset.network.model, **preset.network.model_overrides)
+    if vocab is None or vocab > model.vocab_size:
+        raise CurvlabError(
+            f"{data}: a vocabulary of {vocab} tokens, more than the {preset.name} design's model has "
+            f"({model.vocab_size}): make the data with `curvlab data text ... --vocab-size {model.vocab_size}` or less"
+        )
     digest = hashlib.sha256(json.dumps(read_stats(data), sort_keys=True).encode()).hexdigest()[:16]
     language = replace(preset.language, corpus=f"data stats sha256:{digest}")
     return replace(preset, language=language, tuning=replace(preset.tuning, lr_source="search"))

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from curvlab.data.corpus import CORPORA
 from curvlab.inference.statistics import mean_inference
 from curvlab.models.gpt import get_config
 from curvlab.studies.design import CONTROL_ARM, FinetunePreset, Preset
@@ -136,15 +137,23 @@ def reproduction_notes(
         notes.append(final_loss_note(final, p.training.steps))
     if paper is not None and m.analysis_batches < (full := paper.measurement.analysis_batches):
         notes.append(f"{m.analysis_batches} evaluation batch(es) per checkpoint (the paper preset uses {full}).")
-    if p.language.corpus is not None:
-        notes.append(
-            f"Natural text, not the grammar: {p.language.corpus} (its one language is labelled s = 0), by a "
-            f"{p.language.corpus_vocab}-token byte-level BPE trained on it, or a given data directory's tokenizer."
-        )
-    elif len(p.language.s_values) < 3:
-        notes.append(f"The Zipf sweep runs s = {', '.join(f'{s:g}' for s in p.language.s_values)} only.")
-    if p.language.grammar.get("n_tokens"):
-        notes.append(f"A {p.language.grammar['n_tokens']}-token grammar (the paper's has 4412).")
+    return notes + language_notes(p)
+
+
+def language_notes(p: Preset) -> list[str]:
+    """What the design trained on: natural text (the corpus curvlab made, or a user's data directory), or the
+    grammar and the Zipf exponents it swept."""
+    lang = p.language
+    if lang.corpus in CORPORA:
+        bpe = f"a {lang.corpus_vocab}-token byte-level BPE trained on it"
+        return [f"Natural text, not the grammar: {lang.corpus} ({bpe}; its one language is labelled s = 0)."]
+    if lang.corpus is not None:
+        return [f"Natural text, not the grammar: the data directory given with --data ({lang.corpus}), s = 0."]
+    notes = []
+    if len(lang.s_values) < 3:
+        notes.append(f"The Zipf sweep runs s = {', '.join(f'{s:g}' for s in lang.s_values)} only.")
+    if lang.grammar.get("n_tokens"):
+        notes.append(f"A {lang.grammar['n_tokens']}-token grammar (the paper's has 4412).")
     return notes
 
 

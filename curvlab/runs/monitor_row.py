@@ -136,7 +136,8 @@ class MonitorRow:
 
     def scalars(self, val_loss: float = math.nan, optimizer: str | None = None) -> CheckpointScalars:
         """The row as the per-checkpoint scalars the studies aggregate; a row whose status is not ``ok``
-        keeps its message and fails the Taylor check."""
+        keeps its message and fails the Taylor check, and so does a row a cheap estimator measured (its message
+        says which, with its stated error): its ⟨Z, HZ⟩ is not exact, so neither is the check."""
         blocks = self.blocks
         within_layers, nds_layers = (
             (math.nan, math.nan) if blocks is None else layer_blocks_split(blocks.names, blocks.matrix)
@@ -153,8 +154,12 @@ class MonitorRow:
             nds_layers=nds_layers,
             embed_head_share=math.nan,
             taylor_error=taylor_error(self.split),
-            taylor_ok=self.ok and taylor_holds(self.split),
+            taylor_ok=self.ok and self.estimator == "exact" and taylor_holds(self.split),
             optimizer=optimizer,
             status=self.status,
-            message=self.message,
+            message=self.message if self.estimator == "exact" or self.message else self._estimated_note(),
         )
+
+    def _estimated_note(self) -> str:
+        error = "no error stated" if self.error is None else f"stated error {self.error:.3g}"
+        return f"NDS estimated by {self.estimator} ({error}): not exact"
