@@ -252,8 +252,8 @@ def test_a_training_config_refuses_an_unknown_field_by_name():
 # each committed file, the class that reads it, and how its job writes it (schema.save: strict JSON, indented;
 # the levels keep NaN, the robustness design's unindented)
 COMMITTED = [
-    *((f"{p}/summary.json", Summary) for p in ("quick", "quick-1thread", "standard", "mechanism")),
-    *((f"{p}/levels.json", LevelData) for p in ("quick", "quick-1thread", "standard", "mechanism")),
+    *((f"{p}/summary.json", Summary) for p in ("quick", "quick-1thread", "standard", "mechanism", "text")),
+    *((f"{p}/levels.json", LevelData) for p in ("quick", "quick-1thread", "standard", "mechanism", "text")),
     ("robustness/summary.json", RobustnessSummary),
     ("robustness/levels.json", RobustnessLevels),
 ]

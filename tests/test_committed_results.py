@@ -76,7 +76,7 @@ def test_the_readme_and_the_page_are_generated_from_the_committed_summary(preset
     assert whole in (ROOT / page).read_text()
 
 
-@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
+@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard", "text"])
 def test_the_committed_primary_family_follows_from_the_committed_levels(name):
     summary = Summary.load(RESULTS / name / "summary.json")
     levels = LevelData.load(RESULTS / name / "levels.json")
@@ -108,7 +108,7 @@ def _assert_same_number(got, committed, what) -> None:
         assert got == pytest.approx(committed, rel=1e-9, nan_ok=True), what
 
 
-@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
+@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard", "text"])
 def test_the_committed_headline_follows_from_the_committed_levels(name):
     """Every descriptive entry and Zipf point, re-derived from levels.json by the code as it is now."""
     summary = Summary.load(RESULTS / name / "summary.json")
@@ -126,7 +126,7 @@ def test_the_committed_headline_follows_from_the_committed_levels(name):
         _assert_same_number(z.value, committed.value, (z.arm, z.s, z.scope))
 
 
-@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
+@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard", "text"])
 def test_the_committed_final_loss_note_follows_from_the_committed_losses(name):
     """The note on each arm's final validation loss, re-derived from the summary's per-seed losses, each
     interval being scipy's 95% t interval of those losses."""
@@ -162,7 +162,7 @@ def test_the_rerun_table_says_whether_each_estimate_lies_in_the_other_interval()
             assert rows[e.name][7].startswith(f"×{factor:.3g} [") and rows[e.name][7].endswith(f"p {ref.pvalue:.2g}")
 
 
-@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
+@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard", "text"])
 def test_the_committed_controls_and_calibration_follow_from_the_committed_levels(name):
     """The controls, the edge-of-stability context and the A/A calibration (its estimates, exact p-values
     and simulated power included), re-derived from levels.json by the code as it is now."""
@@ -197,7 +197,7 @@ def test_the_committed_robustness_rows_follow_from_its_levels():
     assert render_robustness(summary, "results/robustness/figures", reference) in page
 
 
-@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard"])
+@pytest.mark.parametrize("name", ["quick", "quick-1thread", "standard", "text"])
 def test_the_a_a_sentence_counts_the_rows_its_table_prints(name):
     """The A/A sentence's count is that of the table's rows whose verdict asserts a difference between two
     runs of one arm (any verdict on a greater/less claim, "contradicted" on an about-equal one), and its
@@ -264,3 +264,15 @@ def test_the_committed_mechanism_design_follows_from_its_levels_and_is_its_page(
     figures = Path(os.path.relpath(RESULTS / "mechanism" / "figures", ROOT / "docs")).as_posix()
     assert render_readme_results(summary, figures) in (ROOT / "docs" / "results-mechanism.md").read_text()
     assert (RESULTS / "mechanism" / "figures" / "fig8_factorial.png").is_file()
+
+
+def test_the_committed_text_design_is_its_page_and_its_corpus():
+    """The natural-text design (issue 53): its page (`curvlab readme-results --page-only`) is generated from its
+    summary, and its notes name the corpus it trained on, as its preset says."""
+    summary = Summary.load(RESULTS / "text" / "summary.json")
+    assert summary.preset == "text" and any(
+        n.startswith("Natural text, not the grammar: python-docs") for n in summary.notes
+    )
+    figures = Path(os.path.relpath(RESULTS / "text" / "figures", ROOT / "docs")).as_posix()
+    assert render_readme_results(summary, figures) in (ROOT / "docs" / "results-text.md").read_text()
+    assert summary.tuning.searches["muon.lr"].at_edge  # (what docs/science.md section 20 says of its tuning)
