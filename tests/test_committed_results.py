@@ -244,7 +244,7 @@ def test_the_committed_mechanism_design_follows_from_its_levels_and_is_its_page(
     """The mechanism design's factorial (its cells, with intervals and the held-out H's ratios) and the
     decomposition of AdamW's cell over Muon's are what its committed levels give, in the schema issue 50
     names, and its page (`curvlab readme-results --page-only`) is generated from its summary."""
-    from curvlab.studies.mechanism import TERMS, cells, decomposition
+    from curvlab.studies.mechanism import GAUSS_NEWTON_PARTS, TERMS, cells, decomposition, paired_parts
 
     summary = Summary.load(RESULTS / "mechanism" / "summary.json")
     levels = LevelData.load(RESULTS / "mechanism" / "levels.json")
@@ -253,6 +253,12 @@ def test_the_committed_mechanism_design_follows_from_its_levels_and_is_its_page(
     parts = decomposition(levels)
     assert json.dumps({k: t.to_dict() for k, t in parts.items()}) == json.dumps(
         {k: t.to_dict() for k, t in summary.decomposition.items()}
+    )
+    # the paired ratio's parts, with its Gauss–Newton split (issue 52: measured at every paired point)
+    parts = paired_parts(levels)
+    assert set(GAUSS_NEWTON_PARTS.values()) <= set(parts)
+    assert json.dumps({k: t.to_dict() for k, t in parts.items()}) == json.dumps(
+        {k: t.to_dict() for k, t in summary.paired_parts.items()}
     )
     raw = json.loads((RESULTS / "mechanism" / "summary.json").read_text())
     assert len(raw["cells"]) == 20 and set(raw["decomposition"]) == set(TERMS)  # (10 cells, 2 scopes)
