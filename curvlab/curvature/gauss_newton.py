@@ -128,11 +128,11 @@ def squared_error_form(reduction: str = "mean") -> OutputForm:
 
 def _criterion_form(criterion: Any, logits_dim: int) -> OutputForm | None:
     """The form of a criterion curvlab knows (None: unknown)."""
-    if criterion in (F.mse_loss,):
+    if criterion is F.mse_loss:
         return squared_error_form()
     if isinstance(criterion, nn.MSELoss):
         return squared_error_form(criterion.reduction)
-    if criterion in (token_cross_entropy,):
+    if criterion is token_cross_entropy:
         return cross_entropy_form()
     plain_ce = criterion is F.cross_entropy
     module_ce = isinstance(criterion, nn.CrossEntropyLoss) and criterion.weight is None
