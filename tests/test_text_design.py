@@ -98,6 +98,7 @@ def test_user_data_refusals(tmp_path):
     with pytest.raises(CurvlabError, match="no such data directory"):
         on_user_data(PRESETS["quick"], tmp_path / "missing")
     assert_refused(["reproduce", "--preset", "robustness", "--data", str(tmp_path)], "--data is for the one-design")
+    assert_refused(["reproduce", "--preset", "standard", "--data", str(tmp_path)], "sweeps s")
     # a vocabulary the design's model has no embedding for: refused before anything is written
     big = tmp_path / "big"
     big.mkdir()
@@ -109,6 +110,7 @@ def test_user_data_refusals(tmp_path):
     ):
         Reproduction(PRESETS["quick"], tmp_path / "out", progress=False, data=big)
     assert not (tmp_path / "out").exists()
+    assert_refused(["reproduce", "--preset", "text", "--data", str(big), "--out", str(tmp_path / "o")], "2000 tokens")
     (big / "stats.json").unlink()
     with pytest.raises(CurvlabError, match="no stats.json"):
         on_user_data(PRESETS["quick"], big)

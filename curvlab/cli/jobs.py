@@ -14,7 +14,7 @@ from curvlab.errors import CurvlabError
 from curvlab.jobs.finetune import Finetune
 from curvlab.jobs.long import Long
 from curvlab.jobs.presets import LONG_PRESETS, PRESETS, ROBUSTNESS_PRESETS, SCALING_PRESETS, with_preset
-from curvlab.jobs.reproduce import Reproduction
+from curvlab.jobs.reproduce import Reproduction, on_user_data
 from curvlab.jobs.robustness import Robustness
 from curvlab.jobs.scaling import Scaling
 from curvlab.output.console import (
@@ -91,13 +91,15 @@ def reproduce(
     if preset not in designs:
         raise CurvlabError(f"unknown preset {preset!r}; choose one of {', '.join(designs)}")
     design = designs[preset]
+    if preset not in PRESETS and data is not None:
+        raise CurvlabError(f"--data is for the one-design presets ({', '.join(PRESETS)}), not the {preset} design yet")
+    if data is not None:  # (checked now, and a corpus it replaces needs no tokenizer)
+        design = on_user_data(design, data)
     require_extras(design.extras, f"reproduce --preset {preset}")
     out = out or Path("results") / preset
     check_output(out, directory=True)
     if preset not in PRESETS and fineweb is not None:
         raise CurvlabError(f"--fineweb is the paper preset's; the {preset} design trains on its own grammar")
-    if preset not in PRESETS and data is not None:
-        raise CurvlabError(f"--data is for the one-design presets ({', '.join(PRESETS)}), not the {preset} design yet")
     if preset in ROBUSTNESS_PRESETS:
         typer.echo(robustness_text(Robustness(design, out, progress=not quiet).run(), out))
         return
