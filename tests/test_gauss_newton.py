@@ -197,7 +197,8 @@ def test_module_cross_entropy_ignore_index_and_sequence_regression():
         lambda p: torch.func.functional_call(model, p, (x,)), lambda f: F.cross_entropy(f, y, ignore_index=2), params, z
     )
     assert gauss_newton_form(loss_fn, params, (x, y), z) == pytest.approx(ref, rel=1e-11)
-    transformers = pytest.importorskip("transformers")
+    import transformers  # (the dev extra's; tests/builders imports it too)
+
     config = transformers.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=16, num_labels=1, max_position_embeddings=16)  # fmt: skip
     bert = transformers.BertForSequenceClassification(config).double().eval()

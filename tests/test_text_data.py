@@ -9,17 +9,18 @@ import subprocess
 import sys
 
 import numpy as np
+
+# (the dev extra installs them: a suite without them fails here rather than skipping)
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import tokenizers
 from typer.testing import CliRunner
 
 from curvlab.cli import app
 from curvlab.data import text
 from curvlab.data.shards import find_shards, read_shard
 from curvlab.util.atomic import TEMPORARY_SUFFIX
-
-tokenizers = pytest.importorskip("tokenizers")
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
 
 runner = CliRunner()
 WORDS = "the cat sat on a mat and dog ran over über naïve café 字 🙂 fence quickly, then; stopped.".split()  # noqa: SIM905 (the words, one line)
